@@ -1,0 +1,49 @@
+# The README's two commands are `make demo` and `make test`; both set up everything they need.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: all install proto proto-check build check lint typecheck test test-gpu demo bench soak clean
+
+all: install build
+
+$(STAMP): setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+install: $(STAMP)
+
+# Regenerate isolator/rpc/ from proto/; the test run fails if the committed code is stale.
+proto: $(STAMP)
+	$(PY) scripts/genproto.py
+
+proto-check: $(STAMP)
+	$(PY) scripts/genproto.py --check
+
+build: $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check isolator volumes tests scripts
+	$(VENV)/bin/ruff format --check -q isolator volumes tests scripts
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+check: lint typecheck proto-check
+
+test: install build check
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-gpu: install build
+	$(PY) -m pytest -m gpu -rs $(PYTEST_ARGS)
+
+demo: install build
+	$(PY) scripts/demo.py
+
+clean:
+	rm -rf build .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,5 @@
+import sys
+
+from isolator.cli import main
+
+sys.exit(main())

@@ -1,0 +1,264 @@
+"""The daemon's configuration: flags, an optional TOML file, and defaults, resolved once at start.
+
+Precedence is flag > file > default. Names mirror the Mesos agent's flags where they mean the same
+thing (``--nvidia-gpu-devices``, ``--resources``, ``--cgroups-root``, ``--cgroups-hierarchy``).
+Nothing here touches the machine beyond reading the config file; checks that need the filesystem
+(the socket directory) happen in the server when it binds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from isolator.errors import ConfigError
+
+DEFAULT_SOCKET = "/run/gpu-isolator/isolator.sock"
+DEFAULT_WORK_DIR = "/var/lib/gpu-isolator"
+# Mesos keeps its driver volumes here (src/slave/containerizer/mesos/isolators/gpu/volume.cpp).
+DEFAULT_VOLUME_ROOT = "/var/run/mesos/isolators/gpu"
+# Mesos agent defaults: --cgroups_hierarchy=/sys/fs/cgroup, --cgroups_root=mesos.
+DEFAULT_CGROUPS_HIERARCHY = "/sys/fs/cgroup"
+DEFAULT_CGROUPS_ROOT = "mesos"
+
+MODES = ("mesos", "standalone")
+CGROUP_VERSIONS = ("auto", "v1", "v2")
+POLICIES = ("topology", "first-fit")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+# XIDs caused by the application rather than the GPU: 13 graphics engine exception, 31 GPU memory
+# page fault, 43 GPU stopped processing, 45 preemptive cleanup, 68 video processor exception, 109
+# context switch timeout. k8s-device-plugin ignores the same list (k8s-topology.md §2.4).
+DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)
+
+
+@dataclass(frozen=True)
+class Config:
+    socket: str = DEFAULT_SOCKET
+    socket_mode: int = 0o600
+    socket_group: str = ""
+    work_dir: str = DEFAULT_WORK_DIR
+    volume_root: str = DEFAULT_VOLUME_ROOT
+    cgroups_hierarchy: str = DEFAULT_CGROUPS_HIERARCHY
+    cgroups_root: str = DEFAULT_CGROUPS_ROOT
+    cgroup_version: str = "auto"
+    mode: str = "mesos"
+    nvidia_gpu_devices: tuple[int, ...] | None = None
+    resources: str = ""
+    allocation_policy: str = "topology"
+    simulate: str = ""
+    nvml_library: str = ""
+    dev_root: str = "/dev"
+    driver_root: str = "/"
+    ignored_xids: tuple[int, ...] = DEFAULT_IGNORED_XIDS
+    max_workers: int = 16
+    max_concurrent_rpcs: int = 256
+    max_message_bytes: int = 4 * 1024 * 1024
+    log_level: str = "info"
+    allowed_uids: tuple[int, ...] = (0,)
+    allowed_gids: tuple[int, ...] = ()
+    config_file: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def state_dir(self) -> str:
+        return os.path.join(self.work_dir, "state")
+
+
+# Flag name -> (Config field, parser). The parser turns a flag or file value into the field's type
+# and raises ValueError with a reason on bad input.
+def _octal_mode(value: Any) -> int:
+    if isinstance(value, int):
+        mode = value
+    else:
+        text = str(value).strip()
+        if not text or any(c not in "01234567" for c in text.removeprefix("0o")):
+            raise ValueError(f"{value!r} is not an octal file mode (e.g. 0600)")
+        mode = int(text.removeprefix("0o"), 8)
+    if mode & ~0o777:
+        raise ValueError(f"{oct(mode)} has bits outside 0777")
+    if mode & 0o007:
+        raise ValueError(f"{oct(mode)} would let every local user steer the sidecar")
+    return mode
+
+
+def _int_list(value: Any) -> tuple[int, ...]:
+    if isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        items = [v for v in str(value).replace(" ", "").split(",") if v != ""]
+    out = []
+    for item in items:
+        try:
+            out.append(int(item))
+        except (TypeError, ValueError):
+            raise ValueError(f"{item!r} is not an integer") from None
+    return tuple(out)
+
+
+def _positive_int(value: Any) -> int:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{value!r} is not an integer") from None
+    if n <= 0:
+        raise ValueError(f"{n} must be positive")
+    return n
+
+
+def _choice(choices: tuple[str, ...]) -> Any:
+    def parse(value: Any) -> str:
+        if value not in choices:
+            raise ValueError(f"{value!r} is not one of {', '.join(choices)}")
+        return str(value)
+
+    return parse
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{value!r} is not a string")
+    return value
+
+
+def _nvidia_gpu_devices(value: Any) -> tuple[int, ...]:
+    # Mesos parses this flag as a list of unsigned ints; the semantic checks (duplicates, indices
+    # that do not exist, the need for --resources gpus:N) belong to the inventory, which knows
+    # the machine.
+    items = _int_list(value)
+    for n in items:
+        if n < 0:
+            raise ValueError(f"{n} is not a valid NVML index")
+    return items
+
+
+PARSERS: dict[str, Any] = {
+    "socket": _text,
+    "socket_mode": _octal_mode,
+    "socket_group": _text,
+    "work_dir": _text,
+    "volume_root": _text,
+    "cgroups_hierarchy": _text,
+    "cgroups_root": _text,
+    "cgroup_version": _choice(CGROUP_VERSIONS),
+    "mode": _choice(MODES),
+    "nvidia_gpu_devices": _nvidia_gpu_devices,
+    "resources": _text,
+    "allocation_policy": _choice(POLICIES),
+    "simulate": _text,
+    "nvml_library": _text,
+    "dev_root": _text,
+    "driver_root": _text,
+    "ignored_xids": _int_list,
+    "max_workers": _positive_int,
+    "max_concurrent_rpcs": _positive_int,
+    "max_message_bytes": _positive_int,
+    "log_level": _choice(LOG_LEVELS),
+    "allowed_uids": _int_list,
+    "allowed_gids": _int_list,
+}
+
+HELP = {
+    "socket": f"Unix socket to serve on (default {DEFAULT_SOCKET})",
+    "socket_mode": "octal mode of the socket (default 0600; world bits are refused)",
+    "socket_group": "group that owns the socket, for non-root callers in the allow-list",
+    "work_dir": f"work directory; state lives in <work-dir>/state (default {DEFAULT_WORK_DIR})",
+    "volume_root": f"where nvidia_<version> driver volumes are built (default {DEFAULT_VOLUME_ROOT})",
+    "cgroups_hierarchy": f"cgroup mount root, as the agent's flag (default {DEFAULT_CGROUPS_HIERARCHY})",
+    "cgroups_root": f"cgroup under which containers live, as the agent's flag (default {DEFAULT_CGROUPS_ROOT})",
+    "cgroup_version": "devices cgroup to use: auto (detect), v1 or v2 (default auto)",
+    "mode": "mesos: Mesos creates each container's cgroup; standalone: the sidecar does (default mesos)",
+    "nvidia_gpu_devices": "comma-separated NVML indices to manage, as the agent's flag (needs --resources gpus:N)",
+    "resources": "the agent's --resources string; its gpus:N entry is honoured",
+    "allocation_policy": "topology (default) or first-fit (Mesos's lowest-minor-first)",
+    "simulate": "run on a simulated GPU host: a host description file or a shipped host's name",
+    "nvml_library": "path of libnvidia-ml.so.1 when it is not where the dynamic loader finds it",
+    "dev_root": "directory holding the nvidia device nodes (default /dev)",
+    "driver_root": "root of the driver installation the volume is built from (default /)",
+    "ignored_xids": f"XIDs that do not mark a GPU unhealthy (default {','.join(map(str, DEFAULT_IGNORED_XIDS))})",
+    "max_workers": "gRPC worker threads (default 16)",
+    "max_concurrent_rpcs": "requests in flight before RESOURCE_EXHAUSTED (default 256)",
+    "max_message_bytes": "largest request accepted, in bytes (default 4 MiB)",
+    "log_level": "debug, info, warning or error (default info)",
+    "allowed_uids": "uids allowed to call the socket (default 0)",
+    "allowed_gids": "gids allowed to call the socket (default none)",
+}
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``gpu-isolator serve``. Every default is None so the file can fill it in."""
+    parser.add_argument("--config", dest="config_file", metavar="FILE", help="TOML config file")
+    for name in PARSERS:
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, dest=name, default=None, help=HELP[name], metavar=name.upper())
+
+
+def load_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"failed to read config file '{path}': {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"failed to parse config file '{path}': {exc}") from exc
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in PARSERS:
+            raise ConfigError(f"config file '{path}': unknown key '{key}'")
+        out[name] = value
+    return out
+
+
+def resolve(args: argparse.Namespace | dict[str, Any]) -> Config:
+    """Merge flags over the config file over defaults, and validate the result."""
+    flags = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
+    config_file = flags.get("config_file") or ""
+    values: dict[str, Any] = load_file(config_file) if config_file else {}
+    sources = dict.fromkeys(values, f"config file '{config_file}'")
+    for name in PARSERS:
+        if flags.get(name) is not None:
+            values[name] = flags[name]
+            sources[name] = "--" + name.replace("_", "-")
+
+    parsed: dict[str, Any] = {}
+    for name, raw in values.items():
+        try:
+            parsed[name] = PARSERS[name](raw)
+        except ValueError as exc:
+            raise ConfigError(f"invalid {sources[name]} value for {name.replace('_', '-')}: {exc}") from exc
+
+    known = {f.name for f in fields(Config)}
+    config = Config(config_file=config_file, **{k: v for k, v in parsed.items() if k in known})
+    _check_combinations(config)
+    return _absolutise(config)
+
+
+def _check_combinations(config: Config) -> None:
+    if config.simulate and config.nvml_library:
+        raise ConfigError("--simulate and --nvml-library contradict: a simulated host brings its own NVML")
+    if config.simulate and config.driver_root != "/":
+        raise ConfigError("--simulate and --driver-root contradict: a simulated host brings its own driver")
+    if config.simulate and config.dev_root != "/dev":
+        raise ConfigError("--simulate and --dev-root contradict: a simulated host brings its own /dev")
+    if not config.socket:
+        raise ConfigError("--socket must not be empty")
+    if len(os.fsencode(config.socket)) > 107:
+        raise ConfigError(f"--socket '{config.socket}' is longer than a Unix socket path may be (107 bytes)")
+    if config.cgroups_root.startswith("/") or ".." in Path(config.cgroups_root).parts:
+        raise ConfigError(f"--cgroups-root '{config.cgroups_root}' must be relative to the hierarchy, without '..'")
+
+
+def _absolutise(config: Config) -> Config:
+    from dataclasses import replace
+
+    return replace(
+        config,
+        socket=os.path.abspath(config.socket),
+        work_dir=os.path.abspath(config.work_dir),
+        volume_root=os.path.abspath(config.volume_root),
+    )

@@ -1,0 +1,179 @@
+"""Plain data shared by every layer: container IDs, GPUs, resources and container configs.
+
+No I/O here. Validation that protects paths (container IDs become cgroup and state names) lives
+with the type, so nothing unvalidated can be constructed through ``ContainerId.parse``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+# Mesos's validateID (src/common/validation.cpp): not empty, at most NAME_MAX bytes, not '.' or
+# '..', no '/', '\\' or control characters. We keep exactly that grammar so every ID Mesos
+# accepts is accepted here, and nothing that could escape a cgroup or state path is.
+NAME_MAX = 255
+MAX_NESTING = 32
+
+
+@dataclass(frozen=True, order=True)
+class ContainerId:
+    value: str
+    parent: ContainerId | None = None
+
+    @classmethod
+    def parse(cls, value: str, parent: ContainerId | None = None) -> ContainerId:
+        from isolator.errors import InvalidContainerId
+
+        reason = _id_problem(value)
+        if reason:
+            raise InvalidContainerId(value=value[:80], reason=reason)
+        depth = 0 if parent is None else len(parent.chain())
+        if depth >= MAX_NESTING:
+            raise InvalidContainerId(value=value[:80], reason=f"nested deeper than {MAX_NESTING} levels")
+        return cls(value, parent)
+
+    def chain(self) -> tuple[str, ...]:
+        """The IDs from the top-level container down to this one."""
+        out: list[str] = []
+        node: ContainerId | None = self
+        while node is not None:
+            out.append(node.value)
+            node = node.parent
+        return tuple(reversed(out))
+
+    @property
+    def root(self) -> ContainerId:
+        node = self
+        while node.parent is not None:
+            node = node.parent
+        return node
+
+    @property
+    def nested(self) -> bool:
+        return self.parent is not None
+
+    def __str__(self) -> str:
+        # Mesos's stringify(ContainerID): the parent chain joined with '.'.
+        return ".".join(self.chain())
+
+
+def _id_problem(value: str) -> str | None:
+    if not isinstance(value, str):
+        return "must be a string"
+    if not value:
+        return "must not be empty"
+    if len(value.encode("utf-8", "surrogatepass")) > NAME_MAX:
+        return f"longer than {NAME_MAX} bytes"
+    if value in (".", ".."):
+        return "'.' and '..' are reserved"
+    for ch in value:
+        if ch in "/\\":
+            return f"{ch!r} is not allowed"
+        if ord(ch) < 0x20 or ord(ch) == 0x7F or 0xD800 <= ord(ch) <= 0xDFFF:
+            return "control characters are not allowed"
+    return None
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One physical GPU as NVML reports it (``nvidia-smi --query-gpu=index,uuid,...``)."""
+
+    index: int
+    minor: int
+    uuid: str
+    name: str = ""
+    pci_bus_id: str = ""
+    memory_total: int = 0
+    numa_node: int | None = None
+    cpu_affinity: str = ""
+
+    @property
+    def device_path_name(self) -> str:
+        return f"nvidia{self.minor}"
+
+
+@dataclass(frozen=True)
+class Resource:
+    """A Mesos resource; only scalars matter to the GPU isolator."""
+
+    name: str
+    value: float
+    type: str = "SCALAR"
+    role: str = "*"
+
+
+class GpuCountError(ValueError):
+    pass
+
+
+def gpu_count(resources: tuple[Resource, ...] | list[Resource]) -> int:
+    """The total of the ``gpus`` scalars, refused exactly as Mesos refuses it.
+
+    Mesos's message for fractional GPUs is "The 'gpus' resource must be an unsigned integer".
+    """
+    total = 0.0
+    for res in resources:
+        if res.name != "gpus":
+            continue
+        if res.type != "SCALAR":
+            raise GpuCountError("The 'gpus' resource must be a scalar")
+        v = res.value
+        if not math.isfinite(v) or v < 0 or v != math.floor(v) or v > 2**31:
+            raise GpuCountError("The 'gpus' resource must be an unsigned integer")
+        total += v
+    return int(total)
+
+
+@dataclass(frozen=True)
+class ContainerConfig:
+    """The subset of Mesos's ContainerConfig the isolator reads."""
+
+    resources: tuple[Resource, ...] = ()
+    container_class: str = "DEFAULT"
+    directory: str = ""
+    user: str = ""
+    rootfs: str = ""
+    image_env: tuple[str, ...] = ()
+    image_labels: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def has_image(self) -> bool:
+        return bool(self.rootfs)
+
+
+@dataclass(frozen=True)
+class Mount:
+    target: str
+    source: str = ""
+    type: str = ""
+    flags: int = 0
+    options: str = ""
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """What prepare returns; the server converts it to ContainerLaunchInfo."""
+
+    environment: tuple[tuple[str, str], ...] = ()
+    mounts: tuple[Mount, ...] = ()
+    task_environment: tuple[tuple[str, str], ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.environment or self.mounts or self.task_environment)
+
+
+@dataclass(frozen=True)
+class ContainerState:
+    """One checkpointed container handed to Recover."""
+
+    container_id: ContainerId
+    pid: int = 0
+    directory: str = ""
+
+
+@dataclass
+class RecoverResult:
+    recovered: int = 0
+    released: int = 0
+    notes: list[str] = field(default_factory=list)

@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC modules (``make proto``). Only the server and clients import these."""

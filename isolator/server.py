@@ -1,0 +1,421 @@
+"""The gRPC server: servicers that translate proto <-> model, and the Unix socket's lifecycle.
+
+Servicers only translate and map typed errors to status codes; they hold no logic. The socket is
+bound under a lock file so that two sidecars never share one path: a stale socket left by a crash
+is replaced, a live one is never stolen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import functools
+import grp
+import logging
+import os
+import socket
+import stat
+import threading
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import json_format
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from isolator import model
+from isolator.config import Config
+from isolator.errors import InvalidArgument, IsolatorError, SocketError
+from isolator.rpc import isolator_pb2 as pb
+from isolator.rpc import isolator_pb2_grpc as pb_grpc
+from isolator.service import Service
+
+LOG = logging.getLogger(__name__)
+
+ISOLATOR_SERVICE = pb.DESCRIPTOR.services_by_name["Isolator"].full_name
+ADMIN_SERVICE = pb.DESCRIPTOR.services_by_name["Admin"].full_name
+
+T = TypeVar("T")
+
+
+# ---- proto -> model ---------------------------------------------------------------------------
+
+
+def container_id_from_proto(msg: pb.ContainerID) -> model.ContainerId:
+    chain = []
+    node = msg
+    while True:
+        chain.append(node.value)
+        if not node.HasField("parent"):
+            break
+        node = node.parent
+        if len(chain) > model.MAX_NESTING:
+            raise InvalidArgument(f"container ID nested deeper than {model.MAX_NESTING} levels")
+    parent: model.ContainerId | None = None
+    for value in reversed(chain):
+        parent = model.ContainerId.parse(value, parent)
+    assert parent is not None
+    return parent
+
+
+def container_id_to_proto(cid: model.ContainerId) -> pb.ContainerID:
+    msg = pb.ContainerID(value=cid.value)
+    if cid.parent is not None:
+        msg.parent.CopyFrom(container_id_to_proto(cid.parent))
+    return msg
+
+
+def resources_from_proto(items: Any) -> tuple[model.Resource, ...]:
+    return tuple(
+        model.Resource(
+            name=r.name,
+            value=r.scalar.value,
+            type=pb.Value.Type.Name(r.type) if r.type in pb.Value.Type.values() else str(r.type),
+            role=r.role or "*",
+        )
+        for r in items
+    )
+
+
+def config_from_proto(msg: pb.ContainerConfig) -> model.ContainerConfig:
+    cls = msg.container_class
+    manifest = msg.docker.manifest.config
+    return model.ContainerConfig(
+        resources=resources_from_proto(msg.resources),
+        container_class=pb.ContainerClass.Name(cls) if cls in pb.ContainerClass.values() else "UNKNOWN",
+        directory=msg.directory,
+        user=msg.user,
+        rootfs=msg.rootfs,
+        image_env=tuple(manifest.Env),
+        image_labels=tuple((label.key, label.value) for label in manifest.labels),
+    )
+
+
+def launch_info_to_proto(info: model.LaunchInfo) -> pb.ContainerLaunchInfo:
+    msg = pb.ContainerLaunchInfo()
+    for name, value in info.environment:
+        msg.environment.variables.add(name=name, value=value, type=pb.Environment.Variable.VALUE)
+    for name, value in info.task_environment:
+        msg.task_environment.variables.add(name=name, value=value, type=pb.Environment.Variable.VALUE)
+    for m in info.mounts:
+        msg.mounts.add(target=m.target, source=m.source, type=m.type, flags=m.flags, options=m.options)
+    return msg
+
+
+# ---- error mapping ------------------------------------------------------------------------------
+
+
+def _translate_errors(method: Callable[..., T]) -> Callable[..., T]:
+    """Turn typed errors into statuses; anything else is a bug, logged with its traceback."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> T:
+        try:
+            return method(self, request, context)
+        except IsolatorError as exc:
+            LOG.info("%s failed: %s", method.__name__, exc.message)
+            context.abort(grpc.StatusCode[exc.code], exc.message)
+        except Exception as exc:
+            LOG.exception("%s failed with an unexpected error", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}: {exc}")
+        raise AssertionError("unreachable: context.abort raises")
+
+    return wrapper
+
+
+# ---- servicers --------------------------------------------------------------------------------
+
+
+class IsolatorServicer(pb_grpc.IsolatorServicer):
+    def __init__(self, service: Service) -> None:
+        self._service = service
+
+    @_translate_errors
+    def Recover(self, request: pb.RecoverRequest, context: grpc.ServicerContext) -> pb.RecoverResponse:
+        states = [
+            model.ContainerState(container_id_from_proto(s.container_id), pid=s.pid, directory=s.directory)
+            for s in request.states
+        ]
+        orphans = [container_id_from_proto(o) for o in request.orphans]
+        result = self._service.recover(states, orphans)
+        return pb.RecoverResponse(recovered=result.recovered, released=result.released)
+
+    @_translate_errors
+    def Prepare(self, request: pb.PrepareRequest, context: grpc.ServicerContext) -> pb.PrepareResponse:
+        cid = container_id_from_proto(request.container_id)
+        info = self._service.prepare(cid, config_from_proto(request.container_config))
+        if info is None:
+            return pb.PrepareResponse()
+        return pb.PrepareResponse(launch_info=launch_info_to_proto(info))
+
+    @_translate_errors
+    def Isolate(self, request: pb.IsolateRequest, context: grpc.ServicerContext) -> pb.IsolateResponse:
+        self._service.isolate(container_id_from_proto(request.container_id), request.pid)
+        return pb.IsolateResponse()
+
+    @_translate_errors
+    def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> pb.WatchResponse:
+        limitation = self._service.watch(container_id_from_proto(request.container_id), context.time_remaining())
+        if limitation is None:
+            return pb.WatchResponse()
+        return json_format.ParseDict({"limitation": limitation}, pb.WatchResponse())
+
+    @_translate_errors
+    def Update(self, request: pb.UpdateRequest, context: grpc.ServicerContext) -> pb.UpdateResponse:
+        cid = container_id_from_proto(request.container_id)
+        self._service.update(cid, list(resources_from_proto(request.resource_requests)))
+        return pb.UpdateResponse()
+
+    @_translate_errors
+    def Usage(self, request: pb.UsageRequest, context: grpc.ServicerContext) -> pb.UsageResponse:
+        usage = self._service.usage(container_id_from_proto(request.container_id))
+        return json_format.ParseDict(usage, pb.UsageResponse())
+
+    @_translate_errors
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
+        status = self._service.status(container_id_from_proto(request.container_id))
+        return json_format.ParseDict(status, pb.StatusResponse())
+
+    @_translate_errors
+    def Cleanup(self, request: pb.CleanupRequest, context: grpc.ServicerContext) -> pb.CleanupResponse:
+        self._service.cleanup(container_id_from_proto(request.container_id))
+        return pb.CleanupResponse()
+
+
+class AdminServicer(pb_grpc.AdminServicer):
+    def __init__(self, service: Service) -> None:
+        self._service = service
+
+    @_translate_errors
+    def ListGpus(self, request: pb.ListGpusRequest, context: grpc.ServicerContext) -> pb.ListGpusResponse:
+        return json_format.ParseDict(self._service.list_gpus(), pb.ListGpusResponse())
+
+    @_translate_errors
+    def Topology(self, request: pb.TopologyRequest, context: grpc.ServicerContext) -> pb.TopologyResponse:
+        return json_format.ParseDict(self._service.topology(), pb.TopologyResponse())
+
+    @_translate_errors
+    def ListContainers(
+        self, request: pb.ListContainersRequest, context: grpc.ServicerContext
+    ) -> pb.ListContainersResponse:
+        containers = self._service.list_containers()
+        return json_format.ParseDict({"containers": containers}, pb.ListContainersResponse())
+
+    @_translate_errors
+    def DescribeContainer(
+        self, request: pb.DescribeContainerRequest, context: grpc.ServicerContext
+    ) -> pb.DescribeContainerResponse:
+        described = self._service.describe_container(container_id_from_proto(request.container_id))
+        return json_format.ParseDict(described, pb.DescribeContainerResponse())
+
+    @_translate_errors
+    def Volume(self, request: pb.VolumeRequest, context: grpc.ServicerContext) -> pb.VolumeResponse:
+        import json
+
+        return pb.VolumeResponse(manifest_json=json.dumps(self._service.volume(), sort_keys=True))
+
+    @_translate_errors
+    def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
+        checks = self._service.health()
+        return pb.HealthResponse(checks=[pb.HealthResponse.Check(name=n, ok=ok, detail=d) for n, ok, d in checks])
+
+    @_translate_errors
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+        released = self._service.release(container_id_from_proto(request.container_id), request.force)
+        return json_format.ParseDict(released, pb.ReleaseResponse())
+
+
+# ---- the Unix socket ----------------------------------------------------------------------------
+
+
+def socket_is_live(path: str) -> bool:
+    """True when something accepts connections on ``path``."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except OSError as exc:
+        if exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
+            return False
+        raise
+    finally:
+        probe.close()
+    return True
+
+
+class SocketGuard:
+    """Holds ``<socket>.lock`` for the server's life and clears a stale socket under it.
+
+    ``acquire`` creates the socket's directory if needed and remembers what it created, so a
+    failed start can ``release`` without leaving anything half-made.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.lock_path = path + ".lock"
+        self._lock_fd: int | None = None
+        self._created_dirs: list[str] = []
+
+    def acquire(self) -> None:
+        directory = os.path.dirname(self.path)
+        self._make_dirs(directory)
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            self.release()
+            raise SocketError(f"failed to create lock file '{self.lock_path}': {exc.strerror}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            self._created_dirs.clear()
+            raise SocketError(f"another sidecar holds '{self.lock_path}' and serves on '{self.path}'") from None
+        self._lock_fd = fd
+        try:
+            self._clear_stale()
+        except SocketError:
+            self.release()
+            raise
+
+    def _make_dirs(self, directory: str) -> None:
+        missing = []
+        d = directory
+        while d and not os.path.lexists(d):
+            missing.append(d)
+            d = os.path.dirname(d)
+        if d and not os.path.isdir(d):
+            raise SocketError(f"failed to create socket directory '{directory}': '{d}' is not a directory")
+        for d in reversed(missing):
+            try:
+                os.mkdir(d, 0o755)
+            except OSError as exc:
+                self._remove_created()
+                raise SocketError(f"failed to create socket directory '{d}': {exc.strerror}") from exc
+            self._created_dirs.append(d)
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise SocketError(f"failed to bind '{self.path}': directory '{directory}' is not writable")
+
+    def _clear_stale(self) -> None:
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(st.st_mode):
+            raise SocketError(f"refusing to replace '{self.path}': it exists and is not a socket")
+        if socket_is_live(self.path):
+            raise SocketError(f"refusing to replace '{self.path}': a live server answers on it")
+        LOG.warning("removing stale socket '%s' left by an earlier run", self.path)
+        os.unlink(self.path)
+
+    def _remove_created(self) -> None:
+        for d in reversed(self._created_dirs):
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+        self._created_dirs.clear()
+
+    def release(self, remove_socket: bool = False) -> None:
+        if remove_socket:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        if self._lock_fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.lock_path)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        self._remove_created()
+
+
+@contextlib.contextmanager
+def _umask(mask: int) -> Iterator[None]:
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+class SidecarServer:
+    """A gRPC server on a Unix socket serving Isolator, Admin, health and reflection."""
+
+    def __init__(self, config: Config, service: Service) -> None:
+        self.config = config
+        self.service = service
+        self._guard = SocketGuard(config.socket)
+        self._server: grpc.Server | None = None
+        self._health = health.HealthServicer(experimental_non_blocking=True)
+        self._stopped = threading.Event()
+
+    @property
+    def address(self) -> str:
+        return "unix:" + self.config.socket
+
+    def start(self) -> None:
+        cfg = self.config
+        self._guard.acquire()
+        try:
+            server = grpc.server(
+                futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="rpc"),
+                maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
+                options=[
+                    ("grpc.max_receive_message_length", cfg.max_message_bytes),
+                    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                    ("grpc.so_reuseport", 0),
+                ],
+            )
+            pb_grpc.add_IsolatorServicer_to_server(IsolatorServicer(self.service), server)
+            pb_grpc.add_AdminServicer_to_server(AdminServicer(self.service), server)
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+            reflection.enable_server_reflection(
+                (ISOLATOR_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+            )
+            # gRPC creates the socket itself; the umask makes it born 0600 so there is no window
+            # in which another user could connect. The configured mode is applied right after.
+            with _umask(0o177):
+                try:
+                    port = server.add_insecure_port(self.address)
+                except RuntimeError as exc:
+                    raise SocketError(f"failed to bind '{cfg.socket}': {exc}") from exc
+            if port == 0:
+                raise SocketError(f"failed to bind '{cfg.socket}'")
+            self._apply_socket_permissions()
+            server.start()
+        except BaseException:
+            self._guard.release(remove_socket=True)
+            raise
+        self._server = server
+        for name in ("", ISOLATOR_SERVICE, ADMIN_SERVICE):
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        LOG.info("serving on %s (mode %s)", cfg.socket, oct(cfg.socket_mode))
+
+    def _apply_socket_permissions(self) -> None:
+        cfg = self.config
+        gid = -1
+        if cfg.socket_group:
+            try:
+                gid = grp.getgrnam(cfg.socket_group).gr_gid
+            except KeyError:
+                raise SocketError(f"failed to set group of '{cfg.socket}': no group '{cfg.socket_group}'") from None
+        try:
+            if gid != -1:
+                os.chown(cfg.socket, -1, gid)
+            os.chmod(cfg.socket, cfg.socket_mode)
+        except OSError as exc:
+            raise SocketError(f"failed to set permissions of '{cfg.socket}': {exc.strerror}") from exc
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self._server is None or self._stopped.is_set():
+            return
+        self._stopped.set()
+        self._health.enter_graceful_shutdown()
+        self._server.stop(grace).wait()
+        self._guard.release(remove_socket=True)
+        self.service.close()
+        LOG.info("stopped serving on %s", self.config.socket)
+
+    def wait(self) -> None:
+        self._stopped.wait()

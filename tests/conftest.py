@@ -1,0 +1,73 @@
+"""Markers that need something of the machine, and the loud skips when it lacks it.
+
+``root``: euid 0. ``cgroup_v1``: a writable v1 devices hierarchy. ``cgroup_v2``: a writable cgroup2
+mount. ``gpu``: an NVIDIA driver with at least one GPU. Each skip prints its reason (``-ra``).
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import functools
+import os
+import shutil
+
+import pytest
+
+
+def _mount_points(fstype: str) -> list[tuple[str, str]]:
+    out = []
+    with open("/proc/self/mounts") as fh:
+        for line in fh:
+            parts = line.split()
+            if len(parts) >= 4 and parts[2] == fstype:
+                out.append((parts[1], parts[3]))
+    return out
+
+
+@functools.cache
+def capability(name: str) -> str | None:
+    """None when the machine has the capability, else the reason it does not."""
+    if name == "root":
+        return None if os.geteuid() == 0 else f"needs root (euid is {os.geteuid()})"
+    if name == "cgroup_v1":
+        if os.geteuid() != 0:
+            return "needs root to write the v1 devices cgroup"
+        for mnt, opts in _mount_points("cgroup"):
+            if "devices" in opts.split(","):
+                return None if os.access(mnt, os.W_OK) else f"v1 devices hierarchy at {mnt} is not writable"
+        return "no cgroup v1 devices hierarchy is mounted"
+    if name == "cgroup_v2":
+        if os.geteuid() != 0:
+            return "needs root to create cgroups and load bpf programs"
+        mounts = _mount_points("cgroup2")
+        if not mounts:
+            return "no cgroup2 hierarchy is mounted"
+        return None if os.access(mounts[0][0], os.W_OK) else f"cgroup2 at {mounts[0][0]} is not writable"
+    if name == "gpu":
+        if not ctypes.util.find_library("nvidia-ml") and not os.path.exists("/dev/nvidiactl"):
+            return "no NVIDIA driver on this machine (libnvidia-ml not found, no /dev/nvidiactl)"
+        if not shutil.which("nvidia-smi"):
+            return "no nvidia-smi on PATH"
+        return None
+    raise KeyError(name)
+
+
+CAPABILITY_MARKERS = ("root", "cgroup_v1", "cgroup_v2", "gpu")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for name in CAPABILITY_MARKERS:
+        if item.get_closest_marker(name) is not None:
+            reason = capability(name)
+            if reason is not None:
+                pytest.skip(f"[{name}] {reason}")
+
+
+@pytest.fixture
+def short_tmp():
+    """A short temporary directory: Unix socket paths must fit in 107 bytes."""
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="gi-", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

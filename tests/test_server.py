@@ -1,0 +1,231 @@
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from isolator.config import Config
+from isolator.errors import SocketError
+from isolator.rpc import isolator_pb2 as pb
+from isolator.rpc import isolator_pb2_grpc as pb_grpc
+from isolator.server import SidecarServer
+from isolator.service import Service
+
+
+@pytest.fixture
+def server(short_tmp):
+    srv = SidecarServer(Config(socket=os.path.join(short_tmp, "run", "s.sock")), Service())
+    srv.start()
+    yield srv
+    srv.stop(grace=0)
+
+
+@pytest.fixture
+def channel(server):
+    with grpc.insecure_channel(server.address) as ch:
+        yield ch
+
+
+def test_health_service_answers_serving_for_the_server_and_each_service(channel):
+    stub = health_pb2_grpc.HealthStub(channel)
+    for name in ("", "gpuisolator.v1.Isolator", "gpuisolator.v1.Admin"):
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
+
+
+def test_reflection_lists_isolator_admin_and_health(channel):
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+    names = {s.name for r in replies for s in r.list_services_response.service}
+    assert {"gpuisolator.v1.Isolator", "gpuisolator.v1.Admin", "grpc.health.v1.Health"} <= names
+
+
+def test_socket_is_born_0600_and_its_directory_is_created(server):
+    st = os.stat(server.config.socket)
+    assert stat.S_ISSOCK(st.st_mode)
+    assert stat.S_IMODE(st.st_mode) == 0o600
+
+
+# Hooks answer UNIMPLEMENTED until a later change implements them; this list shrinks as they land.
+UNIMPLEMENTED = [
+    ("Isolator", "Recover", pb.RecoverRequest()),
+    ("Isolator", "Prepare", pb.PrepareRequest(container_id=pb.ContainerID(value="c1"))),
+    ("Isolator", "Isolate", pb.IsolateRequest(container_id=pb.ContainerID(value="c1"), pid=1)),
+    ("Isolator", "Watch", pb.WatchRequest(container_id=pb.ContainerID(value="c1"))),
+    ("Isolator", "Update", pb.UpdateRequest(container_id=pb.ContainerID(value="c1"))),
+    ("Isolator", "Usage", pb.UsageRequest(container_id=pb.ContainerID(value="c1"))),
+    ("Isolator", "Status", pb.StatusRequest(container_id=pb.ContainerID(value="c1"))),
+    ("Isolator", "Cleanup", pb.CleanupRequest(container_id=pb.ContainerID(value="c1"))),
+    ("Admin", "ListGpus", pb.ListGpusRequest()),
+    ("Admin", "Topology", pb.TopologyRequest()),
+    ("Admin", "ListContainers", pb.ListContainersRequest()),
+    ("Admin", "DescribeContainer", pb.DescribeContainerRequest(container_id=pb.ContainerID(value="c1"))),
+    ("Admin", "Volume", pb.VolumeRequest()),
+    ("Admin", "Health", pb.HealthRequest()),
+    ("Admin", "Release", pb.ReleaseRequest(container_id=pb.ContainerID(value="c1"))),
+]
+
+
+@pytest.mark.parametrize(("service", "method", "request_"), UNIMPLEMENTED, ids=[m for _, m, _ in UNIMPLEMENTED])
+def test_hooks_not_yet_built_answer_unimplemented(channel, service, method, request_):
+    stub = pb_grpc.IsolatorStub(channel) if service == "Isolator" else pb_grpc.AdminStub(channel)
+    with pytest.raises(grpc.RpcError) as info:
+        getattr(stub, method)(request_, timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert method in info.value.details()
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["", ".", "..", "a/b", "../etc", "nul\0byte", "tab\there", "x" * 256, "back\\slash"],
+)
+def test_malformed_container_ids_are_invalid_argument_before_any_hook_runs(channel, value):
+    stub = pb_grpc.IsolatorStub(channel)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Cleanup(pb.CleanupRequest(container_id=pb.ContainerID(value=value)), timeout=5)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "invalid container ID" in info.value.details()
+
+
+def test_stale_socket_from_a_crash_is_replaced(short_tmp):
+    path = os.path.join(short_tmp, "s.sock")
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(path)
+    dead.close()  # bound but never listening: what a killed server leaves behind
+    srv = SidecarServer(Config(socket=path), Service())
+    srv.start()
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        srv.stop(grace=0)
+    assert not os.path.exists(path)
+
+
+def test_live_socket_is_not_stolen(server):
+    second = SidecarServer(Config(socket=server.config.socket), Service())
+    with pytest.raises(SocketError, match="another sidecar holds"):
+        second.start()
+    with grpc.insecure_channel(server.address) as ch:
+        health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+
+
+def test_live_socket_of_a_foreign_server_is_not_replaced(short_tmp):
+    path = os.path.join(short_tmp, "s.sock")
+    other = socket.socket(socket.AF_UNIX)
+    other.bind(path)
+    other.listen(1)
+    try:
+        with pytest.raises(SocketError, match="a live server answers on it"):
+            SidecarServer(Config(socket=path), Service()).start()
+        assert os.path.exists(path)
+        assert not os.path.exists(path + ".lock")
+    finally:
+        other.close()
+
+
+def test_regular_file_at_socket_path_is_refused_and_kept(short_tmp):
+    path = os.path.join(short_tmp, "s.sock")
+    with open(path, "w") as fh:
+        fh.write("precious")
+    with pytest.raises(SocketError, match="is not a socket"):
+        SidecarServer(Config(socket=path), Service()).start()
+    with open(path) as fh:
+        assert fh.read() == "precious"
+
+
+def test_socket_directory_that_cannot_be_made_is_refused_and_nothing_is_left(short_tmp):
+    blocker = os.path.join(short_tmp, "file")
+    open(blocker, "w").close()
+    with pytest.raises(SocketError, match="is not a directory"):
+        SidecarServer(Config(socket=os.path.join(blocker, "sub", "s.sock")), Service()).start()
+    assert os.listdir(short_tmp) == ["file"]
+
+
+@pytest.mark.root
+def test_socket_directory_on_a_read_only_mount_is_refused(short_tmp):
+    ro = os.path.join(short_tmp, "ro")
+    os.mkdir(ro)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", ro], check=True)
+    try:
+        with pytest.raises(SocketError, match=r"Read-only file system|not writable"):
+            SidecarServer(Config(socket=os.path.join(ro, "s.sock")), Service()).start()
+    finally:
+        subprocess.run(["umount", ro], check=True)
+
+
+def _cli(*argv: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "isolator", *argv], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (("serve", "--no-such-flag"), "unrecognized arguments: --no-such-flag"),
+        (("serve", "--mode"), "expected one argument"),
+        (("frobnicate",), "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_usage_errors_exit_2_with_one_line(argv, expected):
+    result = _cli(*argv)
+    assert result.returncode == 2
+    assert expected in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_serve_errors_exit_1_with_one_line(short_tmp):
+    bad = os.path.join(short_tmp, "bad.toml")
+    with open(bad, "w") as fh:
+        fh.write("[[[")
+    for argv, expected in [
+        (("serve", "--config", bad), "failed to parse config file"),
+        (("serve", "--socket", "/proc/version/s.sock"), "is not a directory"),
+        (("serve", "--simulate", "x", "--nvml-library", "y"), "contradict"),
+    ]:
+        result = _cli(*argv)
+        assert result.returncode == 1, (argv, result.stderr)
+        assert expected in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_serve_answers_health_and_stops_cleanly_on_sigterm(short_tmp):
+    path = os.path.join(short_tmp, "s.sock")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "isolator", "serve", "--socket", path, "--work-dir", short_tmp],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        with grpc.insecure_channel("unix:" + path) as ch:
+            grpc.channel_ready_future(ch).result(timeout=30)
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "received SIGTERM" in proc.stderr.read()
+    assert not os.path.exists(path)
+    assert not os.path.exists(path + ".lock")
+
+
+def test_admin_command_against_a_sidecar_that_is_down_exits_3_naming_the_socket(short_tmp):
+    path = os.path.join(short_tmp, "absent.sock")
+    started = time.monotonic()
+    result = _cli("gpus", "--socket", path)
+    assert result.returncode == 3
+    assert path in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert time.monotonic() - started < 20

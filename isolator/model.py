@@ -7,7 +7,9 @@ with the type, so nothing unvalidated can be constructed through ``ContainerId.p
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 # Mesos's validateID (src/common/validation.cpp): not empty, at most NAME_MAX bytes, not '.' or
 # '..', no '/', '\\' or control characters. We keep exactly that grammar so every ID Mesos
@@ -91,6 +93,68 @@ class Gpu:
     @property
     def device_path_name(self) -> str:
         return f"nvidia{self.minor}"
+
+
+class PcieLevel(IntEnum):
+    """NVML's nvmlGpuTopologyLevel_t; ``nvidia-smi topo -m`` prints the names on the right."""
+
+    INTERNAL = 0  # same board (multi-GPU boards)
+    SINGLE = 10  # PIX: at most one PCIe bridge
+    MULTIPLE = 20  # PXB: several PCIe bridges, no host bridge
+    HOSTBRIDGE = 30  # PHB: through a PCIe host bridge
+    NODE = 40  # NODE: host bridges within one NUMA node
+    SYSTEM = 50  # SYS: across NUMA nodes (SMP interconnect)
+
+    @property
+    def smi(self) -> str:
+        return {0: "PIX", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}[int(self)]
+
+
+@dataclass(frozen=True)
+class Link:
+    """How two GPUs reach each other: the PCIe path and the NVLink lanes between them.
+
+    ``nvlink_lanes`` counts lanes whose remote end is the peer GPU or, on NVSwitch systems, a
+    switch that both GPUs reach (as ``nvidia-smi topo -m`` shows NV#).
+    """
+
+    pcie: PcieLevel = PcieLevel.SYSTEM
+    nvlink_lanes: int = 0
+
+    @property
+    def smi(self) -> str:
+        return f"NV{self.nvlink_lanes}" if self.nvlink_lanes else self.pcie.smi
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The GPUs of a host and the link between every pair, keyed by ``(index_a, index_b)``, a < b."""
+
+    gpus: tuple[Gpu, ...]
+    links: Mapping[tuple[int, int], Link] = field(default_factory=dict)
+
+    def link(self, a: int, b: int) -> Link:
+        """The link between NVML indices ``a`` and ``b``; a missing pair is the slowest link."""
+        if a == b:
+            raise ValueError("a GPU has no link to itself")
+        return self.links.get((min(a, b), max(a, b)), Link())
+
+
+@dataclass(frozen=True)
+class MigDevice:
+    """A MIG device (GPU instance + compute instance) on a parent GPU.
+
+    ``caps_minors`` are the ``/dev/nvidia-caps/nvidia-cap<minor>`` nodes a container needs to use it
+    (the GI and CI access files under /proc/driver/nvidia/capabilities).
+    """
+
+    parent_uuid: str
+    uuid: str
+    gpu_instance_id: int
+    compute_instance_id: int
+    caps_minors: tuple[int, ...] = ()
+    memory_total: int = 0
+    profile: str = ""
 
 
 @dataclass(frozen=True)

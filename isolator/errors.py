@@ -85,3 +85,67 @@ class SocketError(IsolatorError):
     """The Unix socket cannot be created or is held by a live sidecar."""
 
     code = "UNAVAILABLE"
+
+
+# ---- Devices, cgroups and bpf(2) --------------------------------------------------------------
+
+
+class RuleParseError(InvalidArgument):
+    """A device rule string that is not the kernel's ``<type> <major>:<minor> <access>`` form."""
+
+    msg_fmt = "invalid device rule {value!r}: {reason}"
+
+
+class DeviceNodeError(FailedPrecondition):
+    """A device node the whitelist needs is missing or is not a character device."""
+
+    msg_fmt = "failed to stat device node '{path}': {cause}"
+
+
+class UvmLoadError(FailedPrecondition):
+    """``/dev/nvidia-uvm`` is missing and loading it (``nvidia-modprobe -u -c 0``) did not help."""
+
+    msg_fmt = "failed to load '{path}': {cause}"
+
+
+class HierarchyError(FailedPrecondition):
+    """No usable cgroup hierarchy for device isolation, or the override names one that is absent."""
+
+    msg_fmt = "failed to find a cgroup hierarchy for device isolation in '{path}': {cause}"
+
+
+class CgroupError(Internal):
+    """A cgroup file could not be read or written, or the kernel holds something we did not ask for."""
+
+    msg_fmt = "failed to {op} '{path}': {cause}"
+
+
+class CgroupVanished(NotFound):
+    """The container's cgroup is gone (the container was destroyed underneath us)."""
+
+    msg_fmt = "failed to {op} '{path}': the cgroup no longer exists"
+
+
+class CgroupBusy(FailedPrecondition):
+    """A cgroup we were asked to remove still holds processes."""
+
+    msg_fmt = "failed to {op} '{path}': still holds processes {pids}"
+
+
+class BpfError(Internal):
+    """bpf(2) failed; ``verifier_log`` holds the kernel verifier's output when a load was refused."""
+
+    msg_fmt = "failed to {op} '{path}': {cause}"
+
+    @property
+    def verifier_log(self) -> str:
+        return str(self.fields.get("verifier_log", ""))
+
+
+class DeviceProgramConflict(FailedPrecondition):
+    """Another device program on the container's cgroup or an ancestor would deny our devices."""
+
+    msg_fmt = (
+        "failed to {op} '{path}': device program id {prog_id} (name {prog_name!r}) attached to '{at}' "
+        "denies {denied}; programs on a cgroup and its ancestors must all allow a device, so {remedy}"
+    )

@@ -1,0 +1,30 @@
+"""Device isolation in the kernel: hierarchy detection, the v1 whitelist and the v2 eBPF program.
+
+``controller_for`` is the one place that picks a concrete ``DeviceController`` for a hierarchy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from isolator.cgroups.base import DeviceController
+from isolator.cgroups.detect import Hierarchy
+from isolator.devices import MESOS_DEFAULT_WHITELIST, DeviceRule
+
+
+def controller_for(
+    hierarchy: Hierarchy,
+    state_dir: str,
+    cgroups_root: str = "mesos",
+    mode: str = "mesos",
+    base: Iterable[DeviceRule] = MESOS_DEFAULT_WHITELIST,
+) -> DeviceController:
+    from isolator.cgroups.v1 import V1DeviceController
+    from isolator.cgroups.v2 import V2DeviceController
+
+    if hierarchy.version == "v1":
+        return V1DeviceController(hierarchy.mount, cgroups_root, mode, base)
+    return V2DeviceController(hierarchy.mount, state_dir, cgroups_root, mode, base)
+
+
+__all__ = ["DeviceController", "Hierarchy", "controller_for"]

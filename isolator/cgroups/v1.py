@@ -1,0 +1,244 @@
+"""The cgroup v1 devices whitelist of a container: diff, write, read back, roll back.
+
+``whitelist_diff`` decides (pure); ``V1DeviceController`` writes ``devices.allow``/``devices.deny``
+under a hierarchy passed in. It never touches entries of Mesos's default whitelist in mesos mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from isolator.cgroups.base import check_mode, container_dir, read_pids, rmdir_tree, write_pid
+from isolator.devices import ACCESS_ORDER, MESOS_DEFAULT_WHITELIST, DeviceRule, parse_rules, permits
+from isolator.errors import CgroupBusy, CgroupError, CgroupVanished, InvalidArgument, RuleParseError
+from isolator.model import ContainerId
+
+LOG = logging.getLogger(__name__)
+
+Selector = tuple[str, int | None, int | None]
+
+
+@dataclass(frozen=True)
+class Write:
+    """One line for ``devices.allow`` (``allow=True``) or ``devices.deny``."""
+
+    allow: bool
+    rule: DeviceRule
+
+    @property
+    def file(self) -> str:
+        return "devices.allow" if self.allow else "devices.deny"
+
+    def inverse(self) -> Write:
+        return Write(not self.allow, self.rule)
+
+
+def _by_selector(rules: Iterable[DeviceRule]) -> dict[Selector, set[str]]:
+    out: dict[Selector, set[str]] = {}
+    for rule in rules:
+        out.setdefault(rule.selector, set()).update(rule.access)
+    return out
+
+
+def _rule(selector: Selector, access: set[str]) -> DeviceRule:
+    return DeviceRule(selector[0], selector[1], selector[2], "".join(c for c in ACCESS_ORDER if c in access))
+
+
+def whitelist_diff(
+    current: Iterable[DeviceRule], desired: Iterable[DeviceRule], untouchable: Iterable[DeviceRule] = ()
+) -> tuple[Write, ...]:
+    """The writes that turn ``current`` into ``desired``: allows first, so a grow never drops access.
+
+    The kernel keeps one exception per selector (type, major, minor) and merges or strips access
+    bits on it (security/device_cgroup.c ``dev_exception_add``/``dev_exception_rm``), so the diff
+    is per selector and per access bit. Selectors that appear in ``untouchable`` (Mesos's own
+    whitelist in mesos mode) are left alone.
+    """
+    frozen = {r.selector for r in untouchable}
+    have = _by_selector(current)
+    want = _by_selector(desired)
+    allows: list[Write] = []
+    denies: list[Write] = []
+    for sel in sorted(set(have) | set(want), key=lambda s: _rule(s, {"r"}).sort_key()):
+        if sel in frozen:
+            continue
+        add = want.get(sel, set()) - have.get(sel, set())
+        drop = have.get(sel, set()) - want.get(sel, set())
+        if add:
+            allows.append(Write(True, _rule(sel, add)))
+        if drop:
+            denies.append(Write(False, _rule(sel, drop)))
+    return tuple(allows + denies)
+
+
+class V1DeviceController:
+    """Devices cgroup v1 at ``<hierarchy>/<cgroups_root>/<a>/mesos/<b>...`` (Mesos's layout).
+
+    mesos mode: the cgroup is Mesos's, created and whitelisted by its cgroups/devices subsystem
+    before our prepare; we add and remove only entries whose selector is not in ``base``.
+    standalone mode: we create the cgroup, deny everything, then allow the full set.
+    """
+
+    version = "v1"
+
+    def __init__(
+        self,
+        hierarchy: str,
+        cgroups_root: str = "mesos",
+        mode: str = "mesos",
+        base: Iterable[DeviceRule] = MESOS_DEFAULT_WHITELIST,
+    ) -> None:
+        self.hierarchy = hierarchy
+        self.cgroups_root = cgroups_root
+        self.mode = check_mode(mode)
+        self.base = tuple(base)
+
+    def cgroup_path(self, container: ContainerId) -> str:
+        return container_dir(self.hierarchy, self.cgroups_root, container)
+
+    # ---- reading ---------------------------------------------------------------------------
+
+    def _read_list(self, cgroup: str) -> tuple[DeviceRule, ...]:
+        path = os.path.join(cgroup, "devices.list")
+        try:
+            with open(path) as fh:
+                return parse_rules(fh.read().splitlines())
+        except FileNotFoundError as exc:
+            raise CgroupVanished(op="read", path=path) from exc
+        except OSError as exc:
+            raise CgroupError(op="read", path=path, cause=exc.strerror or str(exc)) from exc
+        except RuleParseError as exc:
+            raise CgroupError(op="parse", path=path, cause=exc.message) from exc
+
+    def current(self, container: ContainerId) -> tuple[DeviceRule, ...]:
+        return self._read_list(self.cgroup_path(container))
+
+    def recover(self, container: ContainerId) -> tuple[DeviceRule, ...]:
+        # v1 needs no checkpoint: the kernel's devices.list is the source of truth (as in Mesos).
+        return self.current(container)
+
+    def _require_whitelist(self, cgroup: str, rules: tuple[DeviceRule, ...]) -> None:
+        if any(r.type == "a" for r in rules):
+            hint = "is Mesos's cgroups/devices isolator enabled?" if self.mode == "mesos" else "was it prepared?"
+            raise CgroupError(
+                op="use",
+                path=os.path.join(cgroup, "devices.list"),
+                cause=f"the cgroup allows every device ('a *:* rwm'), it is not a whitelist; {hint}",
+            )
+
+    # ---- writing ---------------------------------------------------------------------------
+
+    def _write(self, cgroup: str, write: Write) -> None:
+        path = os.path.join(cgroup, write.file)
+        try:
+            with open(path, "w") as fh:
+                fh.write(str(write.rule))
+        except FileNotFoundError as exc:
+            raise CgroupVanished(op="write", path=path) from exc
+        except OSError as exc:
+            raise CgroupError(op="write", path=path, cause=f"{write.rule}: {exc.strerror or exc}") from exc
+
+    def _run(self, cgroup: str, writes: tuple[Write, ...]) -> None:
+        done: list[Write] = []
+        try:
+            for write in writes:
+                self._write(cgroup, write)
+                done.append(write)
+        except (CgroupError, CgroupVanished):
+            for write in reversed(done):
+                try:
+                    self._write(cgroup, write.inverse())
+                except (CgroupError, CgroupVanished) as exc:
+                    LOG.error("rollback of %s in '%s' failed: %s", write, cgroup, exc)
+            raise
+
+    def prepare(self, container: ContainerId) -> None:
+        cgroup = self.cgroup_path(container)
+        if self.mode == "mesos":
+            if not os.path.isdir(cgroup):
+                raise CgroupVanished(op="prepare", path=cgroup)
+            self._require_whitelist(cgroup, self._read_list(cgroup))
+            return
+        try:
+            os.makedirs(cgroup)
+            created = True
+        except FileExistsError:
+            created = False
+        except OSError as exc:
+            raise CgroupError(op="create", path=cgroup, cause=exc.strerror or str(exc)) from exc
+        if created or any(r.type == "a" for r in self._read_list(cgroup)):
+            # Writing 'a' to devices.deny switches the cgroup to default-deny and drops every
+            # exception (security/device_cgroup.c, DEVCG_DENY with DEVCG_DEV_ALL).
+            self._write(cgroup, Write(False, DeviceRule("a", None, None, "rwm")))
+        LOG.info("container %s: devices cgroup '%s' created with everything denied", container, cgroup)
+
+    def apply(self, container: ContainerId, rules: Iterable[DeviceRule]) -> None:
+        rules = tuple(rules)
+        cgroup = self.cgroup_path(container)
+        wild = [str(r) for r in rules if r.type == "a"]
+        if wild:
+            raise InvalidArgument(f"failed to apply {wild[0]!r} to '{cgroup}': v1 cannot allow type 'a' in a whitelist")
+        current = self._read_list(cgroup)
+        self._require_whitelist(cgroup, current)
+        untouchable = self.base if self.mode == "mesos" else ()
+        writes = whitelist_diff(current, rules, untouchable)
+        self._run(cgroup, writes)
+        after = self._read_list(cgroup)
+        missing = [str(r) for r in rules if not permits(after, r)]
+        frozen = {r.selector for r in untouchable}
+        extra = [str(r) for r in after if r.selector not in frozen and not permits(rules, r)]
+        if missing or extra:
+            self._run(cgroup, tuple(w.inverse() for w in reversed(writes)))
+            raise CgroupError(
+                op="verify",
+                path=os.path.join(cgroup, "devices.list"),
+                cause=f"the kernel holds {[str(r) for r in after]}; missing {missing}, unexpected {extra}",
+            )
+        if writes:
+            LOG.info(
+                "container %s: devices cgroup '%s' now allows %s",
+                container,
+                cgroup,
+                ", ".join(str(r) for r in after if r.selector not in frozen),
+            )
+
+    def add_pid(self, container: ContainerId, pid: int) -> None:
+        write_pid(self.cgroup_path(container), pid)
+
+    def pids(self, container: ContainerId) -> tuple[int, ...]:
+        return read_pids(self.cgroup_path(container))
+
+    def cleanup(self, container: ContainerId) -> None:
+        cgroup = self.cgroup_path(container)
+        if not os.path.isdir(cgroup):
+            return
+        if self.mode == "mesos":
+            try:
+                current = self._read_list(cgroup)
+            except CgroupVanished:
+                return
+            frozen = {r.selector for r in self.base}
+            writes = tuple(Write(False, r) for r in current if r.selector not in frozen and r.type != "a")
+            try:
+                self._run(cgroup, writes)
+            except CgroupVanished:
+                return
+            LOG.info("container %s: removed %d entries from '%s'", container, len(writes), cgroup)
+            return
+        pids = self._pids_below(cgroup)
+        if pids:
+            raise CgroupBusy(op="remove", path=cgroup, pids=sorted(pids))
+        rmdir_tree(cgroup)
+        LOG.info("container %s: devices cgroup '%s' removed", container, cgroup)
+
+    def _pids_below(self, cgroup: str) -> set[int]:
+        pids: set[int] = set()
+        for root, _dirs, _files in os.walk(cgroup):
+            try:
+                pids.update(read_pids(root))
+            except CgroupVanished:
+                continue
+        return pids

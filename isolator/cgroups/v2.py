@@ -1,0 +1,358 @@
+"""A container's eBPF device program on cgroup2: checkpoint, check the ancestors, attach or replace.
+
+v2 has no readable device list, so the applied rule set is checkpointed under a state dir passed in
+before the program is attached. Programs on a cgroup and its ancestors combine with AND; we never
+detach programs we did not load (recognised by name), but we refuse when one of them denies our GPUs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from isolator.cgroups import bpf, bpfprog
+from isolator.cgroups.base import check_mode, container_dir, read_pids, rmdir_tree, write_pid
+from isolator.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, parse_rules
+from isolator.errors import (
+    BpfError,
+    CgroupBusy,
+    CgroupError,
+    CgroupVanished,
+    DeviceProgramConflict,
+    RuleParseError,
+)
+from isolator.model import ContainerId
+
+LOG = logging.getLogger(__name__)
+
+# Our programs' name (BPF_OBJ_NAME_LEN is 16 with the NUL); how we tell ours from Mesos's or systemd's.
+PROG_NAME = "gpu_isolator"
+CHECKPOINT_FILE = "device-rules.json"
+NESTED_DIR = "nested"
+
+
+@dataclass(frozen=True)
+class Attached:
+    """One program attached to a cgroup. ``fd`` is -1 when the kernel would not let us open it."""
+
+    id: int
+    name: str
+    fd: int
+    insns: bytes
+
+
+class V2DeviceController:
+    """eBPF device programs at Mesos's cgroup2 layout under ``mount``.
+
+    mesos mode: the program goes on ``<mount>/<cgroups_root>/<id>/leaf`` (where Mesos puts the
+    processes), never on ``<id>`` itself, whose single program belongs to Mesos's devices controller
+    (Mesos fails "Detected multiple BPF_CGROUP_DEVICE" if it finds two there). standalone mode: we
+    create ``<mount>/<cgroups_root>/<id>``, attach a deny-all program, and processes live there.
+    """
+
+    version = "v2"
+
+    def __init__(
+        self,
+        mount: str,
+        state_dir: str,
+        cgroups_root: str = "mesos",
+        mode: str = "mesos",
+        base: Iterable[DeviceRule] = MESOS_DEFAULT_WHITELIST,
+        prog_name: str = PROG_NAME,
+    ) -> None:
+        self.mount = mount
+        self.state_dir = state_dir
+        self.cgroups_root = cgroups_root
+        self.mode = check_mode(mode)
+        self.base = tuple(base)
+        self.prog_name = prog_name
+
+    # ---- paths and checkpoint --------------------------------------------------------------
+
+    def container_dir(self, container: ContainerId) -> str:
+        return container_dir(self.mount, self.cgroups_root, container)
+
+    def cgroup_path(self, container: ContainerId) -> str:
+        top = self.container_dir(container)
+        return os.path.join(top, "leaf") if self.mode == "mesos" else top
+
+    def checkpoint_path(self, container: ContainerId) -> str:
+        # <state>/<a>/nested/<b>/device-rules.json: IDs only ever name directories next to
+        # 'nested' and the file, so no ID can collide with either.
+        parts: list[str] = []
+        for i, value in enumerate(container.chain()):
+            if i:
+                parts.append(NESTED_DIR)
+            parts.append(value)
+        return os.path.join(self.state_dir, *parts, CHECKPOINT_FILE)
+
+    def _read_checkpoint(self, container: ContainerId) -> tuple[DeviceRule, ...] | None:
+        path = self.checkpoint_path(container)
+        try:
+            with open(path) as fh:
+                data = json.load(fh)
+            return parse_rules(data["rules"])
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError, RuleParseError) as exc:
+            raise CgroupError(op="read checkpoint", path=path, cause=str(exc)) from exc
+
+    def _write_checkpoint(self, container: ContainerId, rules: tuple[DeviceRule, ...] | None) -> None:
+        path = self.checkpoint_path(container)
+        if rules is None:
+            self._remove_checkpoint(container)
+            return
+        body = {"container": list(container.chain()), "cgroup": self.cgroup_path(container)}
+        body["rules"] = [str(r) for r in rules]
+        tmp = path + ".tmp"
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(tmp, "w") as fh:
+                json.dump(body, fh, indent=1)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+            dirfd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dirfd)
+            finally:
+                os.close(dirfd)
+        except OSError as exc:
+            raise CgroupError(op="write checkpoint", path=path, cause=exc.strerror or str(exc)) from exc
+
+    def _remove_checkpoint(self, container: ContainerId) -> None:
+        path = self.checkpoint_path(container)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        # Prune now-empty directories of this container's chain, never the state dir itself.
+        directory = os.path.dirname(path)
+        stop = os.path.normpath(self.state_dir)
+        while os.path.normpath(directory) != stop:
+            try:
+                os.rmdir(directory)
+            except OSError:
+                break
+            directory = os.path.dirname(directory)
+
+    # ---- the kernel side -------------------------------------------------------------------
+
+    def _open(self, path: str, op: str) -> int:
+        try:
+            return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError as exc:
+            raise CgroupVanished(op=op, path=path) from exc
+        except OSError as exc:
+            raise CgroupError(op=op, path=path, cause=exc.strerror or str(exc)) from exc
+
+    @contextlib.contextmanager
+    def _attached(self, cgroup_fd: int, path: str) -> Iterator[list[Attached]]:
+        """The programs on one cgroup, opened; their fds are closed on exit."""
+        progs: list[Attached] = []
+        try:
+            for prog_id in bpf.prog_query(cgroup_fd, path):
+                try:
+                    fd = bpf.prog_fd_by_id(prog_id)
+                except BpfError as exc:
+                    # LSM-labelled programs (systemd under SELinux) refuse to open: treat as opaque,
+                    # and a detached-in-between program (ENOENT) as gone (runc does the same).
+                    LOG.debug("cannot open device program %d on '%s': %s", prog_id, path, exc)
+                    progs.append(Attached(prog_id, "", -1, b""))
+                    continue
+                try:
+                    info = bpf.prog_info(fd)
+                except BpfError:
+                    os.close(fd)
+                    raise
+                progs.append(Attached(prog_id, info.name, fd, info.insns))
+            yield progs
+        finally:
+            for prog in progs:
+                if prog.fd >= 0:
+                    os.close(prog.fd)
+
+    def _ours(self, progs: list[Attached]) -> list[Attached]:
+        return [p for p in progs if p.fd >= 0 and p.name == self.prog_name]
+
+    def attached_ids(self, container: ContainerId) -> tuple[int, ...]:
+        """Ids of our programs on the container's cgroup (empty when the cgroup is gone)."""
+        path = self.cgroup_path(container)
+        try:
+            fd = self._open(path, "query")
+        except CgroupVanished:
+            return ()
+        try:
+            with self._attached(fd, path) as progs:
+                return tuple(p.id for p in self._ours(progs))
+        finally:
+            os.close(fd)
+
+    def _ancestors(self, path: str) -> list[str]:
+        out: list[str] = []
+        stop = os.path.normpath(self.mount)
+        current = os.path.normpath(path)
+        while current != stop and current.startswith(stop + os.sep):
+            current = os.path.dirname(current)
+            out.append(current)
+        return out
+
+    def _check_conflicts(self, path: str, own_progs: list[Attached], rules: tuple[DeviceRule, ...]) -> None:
+        base = set(self.base)
+        needed = [r for r in rules if r not in base and not r.is_wildcard]
+        if not needed:
+            return
+        ours = {p.id for p in self._ours(own_progs)}
+        self._check_programs(path, path, [p for p in own_progs if p.id not in ours], needed)
+        for ancestor in self._ancestors(path):
+            try:
+                fd = os.open(ancestor, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError as exc:
+                raise CgroupError(op="open", path=ancestor, cause=exc.strerror or str(exc)) from exc
+            try:
+                with self._attached(fd, ancestor) as progs:
+                    self._check_programs(path, ancestor, progs, needed)
+            finally:
+                os.close(fd)
+
+    def _check_programs(self, path: str, at: str, progs: list[Attached], needed: list[DeviceRule]) -> None:
+        for prog in progs:
+            if not prog.insns:
+                LOG.warning(
+                    "device program %d on '%s' cannot be inspected; if it denies the GPUs, they will fail to open",
+                    prog.id,
+                    at,
+                )
+                continue
+            try:
+                refused = bpfprog.denied(prog.insns, needed)
+            except bpfprog.UnsupportedProgram as exc:
+                LOG.warning("device program %d (%r) on '%s' cannot be evaluated (%s)", prog.id, prog.name, at, exc)
+                continue
+            if refused:
+                rules = " ".join(
+                    f"'{r.type} {r.major}:{r.minor} rwm'"
+                    for r in dict.fromkeys(DeviceRule(q.type, q.major, q.minor) for q in refused)
+                )
+                if prog.name == self.prog_name:
+                    remedy = "grant these devices to the parent container first"
+                elif self.mode == "mesos":
+                    remedy = (
+                        f"add {rules} to the Mesos agent's --allowed_devices, or detach program {prog.id} "
+                        f"(e.g. bpftool cgroup detach {at} device id {prog.id})"
+                    )
+                else:
+                    remedy = f"detach program {prog.id} or make it allow {rules}"
+                raise DeviceProgramConflict(
+                    op="attach device program to",
+                    path=path,
+                    prog_id=prog.id,
+                    prog_name=prog.name,
+                    at=at,
+                    denied=", ".join(f"'{q}'" for q in refused),
+                    remedy=remedy,
+                )
+
+    def _apply(self, container: ContainerId, rules: tuple[DeviceRule, ...], checkpoint: bool) -> None:
+        path = self.cgroup_path(container)
+        cgroup_fd = self._open(path, "attach device program to")
+        try:
+            with self._attached(cgroup_fd, path) as progs:
+                self._check_conflicts(path, progs, rules)
+                ours = self._ours(progs)
+                prog_fd = bpf.prog_load(bpfprog.build_bytes(rules), self.prog_name)
+                previous = self._read_checkpoint(container)
+                try:
+                    if checkpoint:
+                        # Checkpoint first (as Mesos's DeviceManager does): a crash between the
+                        # two steps leaves a record that recover() can re-apply.
+                        self._write_checkpoint(container, rules)
+                    try:
+                        bpf.prog_attach(cgroup_fd, prog_fd, ours[0].fd if ours else None, path)
+                    except BpfError:
+                        if checkpoint:
+                            self._write_checkpoint(container, previous)
+                        raise
+                finally:
+                    os.close(prog_fd)
+                # More than one of ours means an earlier run died between attach and detach.
+                for extra in ours[1:]:
+                    bpf.prog_detach(cgroup_fd, extra.fd, path)
+        finally:
+            os.close(cgroup_fd)
+        LOG.info(
+            "container %s: device program on '%s' now allows %s",
+            container,
+            path,
+            ", ".join(str(r) for r in rules if r not in set(self.base))
+            or ("only the base whitelist" if rules else "nothing"),
+        )
+
+    # ---- DeviceController ------------------------------------------------------------------
+
+    def prepare(self, container: ContainerId) -> None:
+        path = self.cgroup_path(container)
+        if self.mode == "mesos":
+            if not os.path.isdir(path):
+                raise CgroupVanished(op="prepare", path=path)
+            return
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            raise CgroupError(op="create", path=path, cause=exc.strerror or str(exc)) from exc
+        if self._read_checkpoint(container) is None:
+            self.apply(container, ())  # deny everything until the first real apply
+
+    def apply(self, container: ContainerId, rules: Iterable[DeviceRule]) -> None:
+        self._apply(container, tuple(rules), checkpoint=True)
+
+    def current(self, container: ContainerId) -> tuple[DeviceRule, ...]:
+        return self._read_checkpoint(container) or ()
+
+    def recover(self, container: ContainerId) -> tuple[DeviceRule, ...]:
+        """Re-attach the checkpointed set (replacing ours atomically) and return it."""
+        rules = self._read_checkpoint(container)
+        if rules is None:
+            return ()
+        self._apply(container, rules, checkpoint=False)
+        return rules
+
+    def add_pid(self, container: ContainerId, pid: int) -> None:
+        write_pid(self.cgroup_path(container), pid)
+
+    def pids(self, container: ContainerId) -> tuple[int, ...]:
+        return read_pids(self.cgroup_path(container))
+
+    def cleanup(self, container: ContainerId) -> None:
+        path = self.cgroup_path(container)
+        if self.mode == "standalone" and os.path.isdir(path):
+            busy: set[int] = set()
+            for root, _dirs, _files in os.walk(path):
+                with contextlib.suppress(CgroupVanished):
+                    busy.update(read_pids(root))
+            if busy:
+                raise CgroupBusy(op="remove", path=path, pids=sorted(busy))
+        try:
+            cgroup_fd = self._open(path, "detach device programs from")
+        except CgroupVanished:
+            # Programs are released with their cgroup; only our record is left to remove.
+            self._remove_checkpoint(container)
+            return
+        try:
+            with self._attached(cgroup_fd, path) as progs:
+                for prog in self._ours(progs):
+                    try:
+                        bpf.prog_detach(cgroup_fd, prog.fd, path)
+                    except BpfError as exc:
+                        if not isinstance(exc.__cause__, OSError) or exc.__cause__.errno != errno.ENOENT:
+                            raise
+        finally:
+            os.close(cgroup_fd)
+        if self.mode == "standalone":
+            rmdir_tree(path)
+        self._remove_checkpoint(container)
+        LOG.info("container %s: device programs on '%s' removed", container, path)

@@ -1,0 +1,199 @@
+"""System tests: the v1 devices whitelist, enforced by the kernel on simulated NVIDIA nodes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+from cgroup_helpers import Prober, hierarchy_mounts, scratch_cgroups_root
+
+from isolator.cgroups.v1 import V1DeviceController
+from isolator.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, HostDevices, container_rules
+from isolator.errors import CgroupBusy, CgroupError, CgroupVanished
+from isolator.model import ContainerId
+from isolator.simhost.devnodes import make_device_nodes
+
+pytestmark = [pytest.mark.root, pytest.mark.cgroup_v1]
+
+GPUS = (0, 1, 2, 3)
+
+
+@pytest.fixture
+def hierarchy() -> str:
+    v1, _ = hierarchy_mounts()
+    assert v1 is not None
+    return v1
+
+
+@pytest.fixture
+def cgroups_root(hierarchy: str) -> Iterator[str]:
+    with scratch_cgroups_root(hierarchy, "v1") as relative:
+        yield relative
+
+
+@pytest.fixture
+def host(short_tmp: str) -> HostDevices:
+    dev = os.path.join(short_tmp, "dev")
+    make_device_nodes(dev, GPUS)
+    return HostDevices(dev)
+
+
+@pytest.fixture
+def prober() -> Iterator[Prober]:
+    p = Prober()
+    yield p
+    p.close()
+
+
+def simulate_mesos_agent(hierarchy: str, cgroups_root: str, container: ContainerId) -> str:
+    """What Mesos's cgroups/devices subsystem does in prepare: deny all, then its whitelist."""
+    path = os.path.join(hierarchy, cgroups_root, container.value)
+    os.mkdir(path)
+    with open(os.path.join(path, "devices.deny"), "w") as fh:
+        fh.write("a")
+    for rule in MESOS_DEFAULT_WHITELIST:
+        with open(os.path.join(path, "devices.allow"), "w") as fh:
+            fh.write(str(rule))
+    return path
+
+
+def gpu_access(prober: Prober, host: HostDevices) -> dict[str, str]:
+    names = [f"nvidia{m}" for m in GPUS] + ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset"]
+    got = prober.open_errnos([host.path(n) for n in names] + ["/dev/null"])
+    return {os.path.basename(k) if k != "/dev/null" else k: v for k, v in got.items()}
+
+
+def expected(allowed_gpus: set[int]) -> dict[str, str]:
+    # ENXIO: the open got past the cgroup and found no driver; EPERM: the cgroup refused it.
+    out = {f"nvidia{m}": "ENXIO" if m in allowed_gpus else "EPERM" for m in GPUS}
+    out.update({"nvidiactl": "ENXIO", "nvidia-uvm": "ENXIO", "nvidia-uvm-tools": "ENXIO"})
+    out.update({"nvidia-modeset": "EPERM", "/dev/null": "OK"})
+    return out
+
+
+def test_mesos_mode_grants_only_allocated_gpus_and_follows_updates_for_a_running_process(
+    hierarchy: str, cgroups_root: str, host: HostDevices, prober: Prober
+) -> None:
+    cid = ContainerId.parse("executor-1")
+    path = simulate_mesos_agent(hierarchy, cgroups_root, cid)
+    ctl = V1DeviceController(hierarchy, cgroups_root, mode="mesos")
+    assert ctl.cgroup_path(cid) == path
+    control = host.control_devices()
+
+    ctl.prepare(cid)
+    ctl.apply(cid, container_rules(control, [0, 2]))
+    ctl.add_pid(cid, prober.pid)
+    assert ctl.pids(cid) == (prober.pid,)
+    assert gpu_access(prober, host) == expected({0, 2})
+
+    ctl.apply(cid, container_rules(control, [0, 1, 2]))
+    assert gpu_access(prober, host) == expected({0, 1, 2})
+
+    ctl.apply(cid, container_rules(control, [2]))
+    assert gpu_access(prober, host) == expected({2})
+    assert DeviceRule.parse("c 195:2 rwm") in ctl.current(cid)
+    assert DeviceRule.parse("c 195:0 rwm") not in ctl.current(cid)
+
+    ctl.cleanup(cid)
+    assert set(ctl.current(cid)) == set(MESOS_DEFAULT_WHITELIST)
+    assert os.path.isdir(path), "mesos mode must leave Mesos's cgroup in place"
+    ctl.cleanup(cid)  # idempotent
+    assert set(ctl.current(cid)) == set(MESOS_DEFAULT_WHITELIST)
+
+
+def test_standalone_mode_denies_everything_until_apply_and_removes_its_cgroup(
+    hierarchy: str, cgroups_root: str, host: HostDevices, prober: Prober
+) -> None:
+    cid = ContainerId.parse("task-7")
+    ctl = V1DeviceController(hierarchy, cgroups_root, mode="standalone")
+    ctl.prepare(cid)
+    assert ctl.current(cid) == ()
+    ctl.add_pid(cid, prober.pid)
+    assert prober.open_errnos(["/dev/null"]) == {"/dev/null": "EPERM"}
+
+    ctl.apply(cid, container_rules(host.control_devices(), [3]))
+    assert gpu_access(prober, host) == expected({3})
+    ctl.apply(cid, container_rules(host.control_devices(), [1, 3]))
+    assert gpu_access(prober, host) == expected({1, 3})
+
+    with pytest.raises(CgroupBusy, match=str(prober.pid)):
+        ctl.cleanup(cid)
+    prober.close()
+    ctl.cleanup(cid)
+    assert not os.path.exists(ctl.cgroup_path(cid))
+    ctl.cleanup(cid)
+
+
+def test_rules_survive_a_restart_because_the_kernel_list_is_read_back(
+    hierarchy: str, cgroups_root: str, host: HostDevices
+) -> None:
+    cid = ContainerId.parse("executor-2")
+    simulate_mesos_agent(hierarchy, cgroups_root, cid)
+    rules = container_rules(host.control_devices(), [1, 3])
+    V1DeviceController(hierarchy, cgroups_root).apply(cid, rules)
+
+    recovered = V1DeviceController(hierarchy, cgroups_root).recover(cid)
+    assert set(recovered) == set(rules)
+
+
+def test_failed_apply_rolls_back_to_the_previous_rules(
+    hierarchy: str, cgroups_root: str, host: HostDevices, prober: Prober
+) -> None:
+    # A parent whose whitelist lacks GPU 3 makes the kernel refuse 'c 195:3' in the child (EPERM).
+    control = host.control_devices()
+    parent = os.path.join(hierarchy, cgroups_root)
+    with open(os.path.join(parent, "devices.deny"), "w") as fh:
+        fh.write("a")
+    for rule in container_rules(control, [0, 1, 2]):
+        with open(os.path.join(parent, "devices.allow"), "w") as fh:
+            fh.write(str(rule))
+    cid = ContainerId.parse("executor-3")
+    simulate_mesos_agent(hierarchy, cgroups_root, cid)
+    ctl = V1DeviceController(hierarchy, cgroups_root)
+    ctl.apply(cid, container_rules(control, [1]))
+    before = ctl.current(cid)
+    ctl.add_pid(cid, prober.pid)
+
+    with pytest.raises(CgroupError, match=r"devices.allow.*c 195:3 rwm"):
+        ctl.apply(cid, container_rules(control, [0, 3]))
+    assert ctl.current(cid) == before
+    assert gpu_access(prober, host) == expected({1})
+
+
+def test_mesos_mode_refuses_a_cgroup_that_mesos_did_not_whitelist(hierarchy: str, cgroups_root: str) -> None:
+    cid = ContainerId.parse("no-devices-isolator")
+    os.mkdir(os.path.join(hierarchy, cgroups_root, cid.value))  # inherits 'a *:* rwm'
+    with pytest.raises(CgroupError, match=r"not a whitelist.*cgroups/devices"):
+        V1DeviceController(hierarchy, cgroups_root).prepare(cid)
+
+
+def test_mesos_mode_prepare_fails_when_the_cgroup_does_not_exist(hierarchy: str, cgroups_root: str) -> None:
+    ctl = V1DeviceController(hierarchy, cgroups_root)
+    with pytest.raises(CgroupVanished, match="no longer exists"):
+        ctl.prepare(ContainerId.parse("never-created"))
+
+
+def test_apply_to_a_vanished_cgroup_is_a_typed_error_and_cleanup_of_it_succeeds(
+    hierarchy: str, cgroups_root: str, host: HostDevices
+) -> None:
+    cid = ContainerId.parse("gone")
+    path = simulate_mesos_agent(hierarchy, cgroups_root, cid)
+    os.rmdir(path)
+    ctl = V1DeviceController(hierarchy, cgroups_root)
+    with pytest.raises(CgroupVanished):
+        ctl.apply(cid, container_rules(host.control_devices(), [0]))
+    ctl.cleanup(cid)
+
+
+def test_nested_container_maps_to_mesos_nested_cgroup_path(hierarchy: str, cgroups_root: str) -> None:
+    parent = ContainerId.parse("exec")
+    child = ContainerId.parse("task", parent)
+    ctl = V1DeviceController(hierarchy, cgroups_root, mode="standalone")
+    ctl.prepare(parent)
+    os.mkdir(os.path.join(ctl.cgroup_path(parent), "mesos"))
+    ctl.prepare(child)
+    assert ctl.cgroup_path(child) == os.path.join(hierarchy, cgroups_root, "exec", "mesos", "task")
+    assert ctl.current(child) == ()
+    ctl.cleanup(parent)
+    assert not os.path.exists(ctl.cgroup_path(parent))

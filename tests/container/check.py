@@ -33,9 +33,7 @@ report = {
     "opens": {p: try_open(p) for p in sys.argv[1:]},
     "nvidia_dir": sorted(os.listdir("/usr/local/nvidia")) if os.path.isdir("/usr/local/nvidia") else None,
     "nvidia_bin": sorted(os.listdir("/usr/local/nvidia/bin")) if os.path.isdir("/usr/local/nvidia/bin") else None,
-    "nvidia_lib64": sorted(os.listdir("/usr/local/nvidia/lib64"))
-    if os.path.isdir("/usr/local/nvidia/lib64")
-    else None,
+    "nvidia_lib64": sorted(os.listdir("/usr/local/nvidia/lib64")) if os.path.isdir("/usr/local/nvidia/lib64") else None,
     "nvidia_writable": writable("/usr/local/nvidia") if os.path.isdir("/usr/local/nvidia") else None,
     "dev": sorted(os.listdir("/dev")),
 }

@@ -26,13 +26,16 @@ _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctype
 
 
 def mount(source, target, fstype, flags, data=None):
-    if _libc.mount(
-        source.encode() if source else None,
-        target.encode(),
-        fstype.encode() if fstype else None,
-        flags,
-        data.encode() if data else None,
-    ) != 0:
+    if (
+        _libc.mount(
+            source.encode() if source else None,
+            target.encode(),
+            fstype.encode() if fstype else None,
+            flags,
+            data.encode() if data else None,
+        )
+        != 0
+    ):
         err = ctypes.get_errno()
         raise OSError(err, f"mount {source} -> {target} (flags {flags:#x}): {os.strerror(err)}")
 

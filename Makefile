@@ -47,3 +47,6 @@ demo: install build
 
 clean:
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache
+
+bench: install build
+	$(PY) scripts/bench_allocator.py

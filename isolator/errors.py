@@ -149,3 +149,66 @@ class DeviceProgramConflict(FailedPrecondition):
         "failed to {op} '{path}': device program id {prog_id} (name {prog_name!r}) attached to '{at}' "
         "denies {denied}; programs on a cgroup and its ancestors must all allow a device, so {remedy}"
     )
+
+
+# ---- Allocation and allocation state (isolator/allocator.py, isolator/state.py) ----------------
+
+
+class InvalidGpuCount(InvalidArgument, ValueError):
+    """A GPU count Mesos would refuse. The default text is Mesos's own (isolator.cpp, update())."""
+
+    msg_fmt = "The 'gpus' resource must be an unsigned integer"
+
+
+class InvalidTopology(InvalidArgument):
+    msg_fmt = "invalid GPU topology: {reason}"
+
+
+class GpusExhausted(ResourceExhausted):
+    # Mesos's wording in NvidiaGpuAllocator::allocate, plus what is free but unhealthy.
+    msg_fmt = "Requested {requested} gpus but only {available} available"
+
+
+class UnknownGpus(NotFound):
+    msg_fmt = "GPUs {gpus} are not on this host (known minors: {known})"
+
+
+class GpusNotAvailable(FailedPrecondition):
+    msg_fmt = "GPUs {gpus} are not available: {reason}"
+
+
+class GpusNotAllocated(FailedPrecondition):
+    msg_fmt = "GPUs {gpus} are not allocated"
+
+
+class StateError(IsolatorError):
+    """The allocation store failed; the operation was rolled back and nothing was recorded."""
+
+    code = "INTERNAL"
+    msg_fmt = "failed to {op} '{path}': {cause}"
+
+
+class StateStorageFull(StateError):
+    code = "RESOURCE_EXHAUSTED"
+
+
+class StateReadOnly(StateError):
+    code = "UNAVAILABLE"
+
+
+class StateCorrupt(StateError):
+    code = "DATA_LOSS"
+
+
+class ContainerAlreadyRecorded(AlreadyExists):
+    msg_fmt = "container {container} is already recorded"
+
+
+class ContainerNotRecorded(NotFound):
+    msg_fmt = "container {container} is not recorded"
+
+
+class GpuAlreadyHeld(AlreadyExists):
+    """The store refused to record a GPU twice: the last line of defence against double allocation."""
+
+    msg_fmt = "failed to record GPU {gpu} for container {container}: it is already held by {holder}"

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from isolator.errors import InvalidGpuCount
+
 # Mesos's validateID (src/common/validation.cpp): not empty, at most NAME_MAX bytes, not '.' or
 # '..', no '/', '\\' or control characters. We keep exactly that grammar so every ID Mesos
 # accepts is accepted here, and nothing that could escape a cgroup or state path is.
@@ -167,8 +169,13 @@ class Resource:
     role: str = "*"
 
 
-class GpuCountError(ValueError):
-    pass
+# The typed error lives in isolator.errors (it is an InvalidArgument and a ValueError); the old name
+# stays so that callers written against the foundation keep working.
+GpuCountError = InvalidGpuCount
+
+# Mesos stores scalars as fixed-point with three decimals in an int64; anything beyond 2**31 GPUs is a
+# typo or an attack, not a host, and is refused with the same message.
+MAX_GPU_COUNT = 2**31
 
 
 def gpu_count(resources: tuple[Resource, ...] | list[Resource]) -> int:
@@ -176,17 +183,31 @@ def gpu_count(resources: tuple[Resource, ...] | list[Resource]) -> int:
 
     Mesos's message for fractional GPUs is "The 'gpus' resource must be an unsigned integer".
     """
-    total = 0.0
+    total = 0
     for res in resources:
         if res.name != "gpus":
             continue
         if res.type != "SCALAR":
-            raise GpuCountError("The 'gpus' resource must be a scalar")
-        v = res.value
-        if not math.isfinite(v) or v < 0 or v != math.floor(v) or v > 2**31:
-            raise GpuCountError("The 'gpus' resource must be an unsigned integer")
-        total += v
-    return int(total)
+            raise InvalidGpuCount("The 'gpus' resource must be a scalar", value=res.value)
+        total += checked_gpu_count(res.value)
+    if total > MAX_GPU_COUNT:
+        raise InvalidGpuCount(value=total)
+    return total
+
+
+def checked_gpu_count(value: object) -> int:
+    """One GPU count as an int, or InvalidGpuCount with Mesos's message.
+
+    Refused: bools, non-numbers, NaN and infinities, negatives, fractions and counts above
+    ``MAX_GPU_COUNT``. Integral floats (``2.0``, how Mesos scalars arrive) are accepted.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidGpuCount(value=repr(value)[:40])
+    if isinstance(value, float) and (not math.isfinite(value) or value != math.floor(value)):
+        raise InvalidGpuCount(value=repr(value))
+    if value < 0 or value > MAX_GPU_COUNT:
+        raise InvalidGpuCount(value=repr(value)[:40])
+    return int(value)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,365 @@
+"""The durable record of which container holds which GPUs, and what the sidecar did for it.
+
+An SQLite file under the state directory given to the constructor (WAL, synchronous=FULL, one
+transaction per operation). It refuses to record a GPU twice (a primary key on the GPU minor), so a
+bug above cannot double-allocate. It decides nothing: allocation and reconciliation live elsewhere.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+
+from isolator.errors import (
+    ContainerAlreadyRecorded,
+    ContainerNotRecorded,
+    GpuAlreadyHeld,
+    InvalidArgument,
+    StateCorrupt,
+    StateError,
+    StateReadOnly,
+    StateStorageFull,
+)
+from isolator.model import ContainerId
+
+LOG = logging.getLogger(__name__)
+
+DB_FILE = "allocations.sqlite3"
+SCHEMA_VERSION = 1
+STATES = ("prepared", "isolated", "orphan")
+CGROUP_VERSIONS = (1, 2)
+
+# SQLite primary result codes (sqlite3.h); the extended code's low byte is the primary one.
+_SQLITE_READONLY = 8
+_SQLITE_IOERR = 10
+_SQLITE_CORRUPT = 11
+_SQLITE_FULL = 13
+_SQLITE_CANTOPEN = 14
+_SQLITE_NOTADB = 26
+
+_SCHEMA = """
+CREATE TABLE container (
+    key            TEXT PRIMARY KEY,  -- the ID chain as JSON: unambiguous even if IDs contain '.'
+    mode           TEXT NOT NULL,
+    cgroup         TEXT NOT NULL,
+    cgroup_version INTEGER NOT NULL CHECK (cgroup_version IN (1, 2)),
+    volume_version TEXT NOT NULL,
+    state          TEXT NOT NULL CHECK (state IN ('prepared', 'isolated', 'orphan')),
+    created        REAL NOT NULL,
+    rules          TEXT NOT NULL
+) WITHOUT ROWID;
+-- One row per held GPU. The primary key is the isolation invariant: a GPU has at most one holder.
+CREATE TABLE allocation (
+    minor     INTEGER PRIMARY KEY CHECK (minor >= 0),
+    container TEXT NOT NULL REFERENCES container (key) ON DELETE CASCADE
+);
+CREATE INDEX allocation_by_container ON allocation (container);
+"""
+
+
+@dataclass(frozen=True)
+class ContainerRecord:
+    """What the sidecar knows about one container: its GPUs (device minors) and how it set it up."""
+
+    container_id: ContainerId
+    gpus: frozenset[int] = frozenset()
+    mode: str = "mesos"
+    cgroup: str = ""
+    cgroup_version: int = 1
+    volume_version: str = ""
+    state: str = "prepared"
+    created: float = field(default_factory=time.time)
+    rules: str = ""
+
+
+def _key(cid: ContainerId) -> str:
+    return json.dumps(list(cid.chain()), separators=(",", ":"), ensure_ascii=False)
+
+
+def _container_id(key: str) -> ContainerId:
+    node: ContainerId | None = None
+    for value in json.loads(key):
+        node = ContainerId.parse(value, node)
+    if node is None:
+        raise ValueError("empty container ID chain")
+    return node
+
+
+class StateStore:
+    """Container -> GPUs and metadata, durable across kill -9 and power loss once a call returns.
+
+    Thread-safe (one lock around one connection). Every method is one transaction: it either
+    happens completely or not at all, and a failure raises a typed StateError naming the file.
+    """
+
+    def __init__(self, directory: str, *, durable: bool = True) -> None:
+        self.directory = directory
+        self.path = os.path.join(directory, DB_FILE)
+        self._lock = threading.Lock()
+        try:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise _os_error("create state directory", directory, exc) from exc
+        try:
+            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=10.0)
+        except sqlite3.Error as exc:
+            raise self._error("open", exc) from exc
+        try:
+            mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if mode != "wal":
+                raise StateError(op="open", path=self.path, cause=f"journal mode is {mode!r}, WAL is required")
+            # FULL: the WAL is fsynced at every commit, so a returned call survives power loss too.
+            self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'OFF'}")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._migrate()
+            check = self._db.execute("PRAGMA quick_check").fetchone()[0]
+            if check != "ok":
+                raise StateCorrupt(op="check", path=self.path, cause=check)
+        except sqlite3.Error as exc:
+            self._db.close()
+            raise self._error("open", exc) from exc
+        except StateError:
+            self._db.close()
+            raise
+
+    def _migrate(self) -> None:
+        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        if version == SCHEMA_VERSION:
+            return
+        if version != 0:
+            raise StateCorrupt(
+                op="open", path=self.path, cause=f"schema version {version}; this sidecar knows {SCHEMA_VERSION}"
+            )
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    self._db.execute(statement)
+            self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+
+    # ---- writes -------------------------------------------------------------------------------
+
+    def record(self, rec: ContainerRecord) -> None:
+        """Record a new container with its GPUs; refused if it or any of its GPUs is already held."""
+        _validate(rec)
+        with self._transaction("record container") as db:
+            try:
+                db.execute(
+                    "INSERT INTO container VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        _key(rec.container_id),
+                        rec.mode,
+                        rec.cgroup,
+                        rec.cgroup_version,
+                        rec.volume_version,
+                        rec.state,
+                        rec.created,
+                        rec.rules,
+                    ),
+                )
+            except sqlite3.IntegrityError as exc:
+                raise ContainerAlreadyRecorded(container=str(rec.container_id)) from exc
+            self._insert_gpus(db, rec.container_id, rec.gpus)
+
+    def add_gpus(self, cid: ContainerId, minors: Iterable[int]) -> ContainerRecord:
+        """Grow: add GPUs to what the container holds (never replace them)."""
+        with self._transaction("add GPUs") as db:
+            self._require(db, cid)
+            self._insert_gpus(db, cid, frozenset(minors))
+            return self._read(db, cid)
+
+    def remove_gpus(self, cid: ContainerId, minors: Iterable[int]) -> ContainerRecord:
+        """Shrink: release GPUs the container holds; releasing one it does not hold is refused."""
+        want = frozenset(minors)
+        with self._transaction("remove GPUs") as db:
+            rec = self._read(db, cid)
+            stray = sorted(want - rec.gpus)
+            if stray:
+                raise InvalidArgument(f"container {cid} does not hold GPUs {stray} (it holds {sorted(rec.gpus)})")
+            db.executemany("DELETE FROM allocation WHERE minor = ?", [(m,) for m in sorted(want)])
+            return replace(rec, gpus=rec.gpus - want)
+
+    def update(
+        self,
+        cid: ContainerId,
+        *,
+        state: str | None = None,
+        rules: str | None = None,
+        volume_version: str | None = None,
+        cgroup: str | None = None,
+    ) -> ContainerRecord:
+        """Change a container's metadata (not its GPUs)."""
+        changes = {"state": state, "rules": rules, "volume_version": volume_version, "cgroup": cgroup}
+        changes = {k: v for k, v in changes.items() if v is not None}
+        if state is not None and state not in STATES:
+            raise InvalidArgument(f"unknown container state {state!r} (known: {', '.join(STATES)})")
+        with self._transaction("update container") as db:
+            self._require(db, cid)
+            if changes:
+                assignments = ", ".join(f"{name} = ?" for name in changes)  # names are ours, not input
+                db.execute(f"UPDATE container SET {assignments} WHERE key = ?", (*changes.values(), _key(cid)))
+            return self._read(db, cid)
+
+    def remove(self, cid: ContainerId) -> ContainerRecord:
+        """Forget a container and release its GPUs; returns what it held."""
+        with self._transaction("remove container") as db:
+            rec = self._read(db, cid)
+            db.execute("DELETE FROM container WHERE key = ?", (_key(cid),))
+            return rec
+
+    # ---- reads ----------------------------------------------------------------------------------
+
+    def get(self, cid: ContainerId) -> ContainerRecord | None:
+        with self._transaction("read container", write=False) as db:
+            try:
+                return self._read(db, cid)
+            except ContainerNotRecorded:
+                return None
+
+    def load(self) -> dict[ContainerId, ContainerRecord]:
+        """Every recorded container: two indexed scans, whatever the count."""
+        with self._transaction("load state", write=False) as db:
+            held: dict[str, set[int]] = {}
+            for minor, key in db.execute("SELECT minor, container FROM allocation"):
+                held.setdefault(key, set()).add(minor)
+            out: dict[ContainerId, ContainerRecord] = {}
+            for row in db.execute("SELECT * FROM container"):
+                rec = self._row(row, frozenset(held.get(row[0], ())))
+                out[rec.container_id] = rec
+            return out
+
+    def holders(self) -> dict[int, ContainerId]:
+        """GPU minor -> the container that holds it."""
+        with self._transaction("read allocations", write=False) as db:
+            return {m: _container_id(k) for m, k in db.execute("SELECT minor, container FROM allocation")}
+
+    def check(self) -> str:
+        """SQLite's integrity_check plus foreign-key check: "ok" or what is wrong."""
+        with self._transaction("check state", write=False) as db:
+            result = "; ".join(r[0] for r in db.execute("PRAGMA integrity_check"))
+            dangling = db.execute("PRAGMA foreign_key_check").fetchall()
+            return result if not dangling else f"{result}; {len(dangling)} allocations without a container"
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> StateStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals ------------------------------------------------------------------------------
+
+    @contextmanager
+    def _transaction(self, op: str, *, write: bool = True) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            try:
+                # IMMEDIATE takes the write lock up front, so a second sidecar on the same file waits
+                # (busy timeout) rather than failing halfway through.
+                self._db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+            except sqlite3.Error as exc:
+                raise self._error(op, exc) from exc
+            try:
+                yield self._db
+                self._db.execute("COMMIT")
+            except BaseException as exc:
+                self._rollback()
+                if isinstance(exc, sqlite3.Error):
+                    raise self._error(op, exc) from exc
+                raise
+
+    def _rollback(self) -> None:
+        try:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+        except sqlite3.Error as exc:  # the original error is the one to report
+            LOG.error("state: rollback of %s failed: %s", self.path, exc)
+
+    def _insert_gpus(self, db: sqlite3.Connection, cid: ContainerId, minors: frozenset[int]) -> None:
+        for minor in sorted(minors):
+            if isinstance(minor, bool) or not isinstance(minor, int) or minor < 0:
+                raise InvalidArgument(f"GPU minor {minor!r} is not a non-negative integer")
+            try:
+                db.execute("INSERT INTO allocation VALUES (?, ?)", (minor, _key(cid)))
+            except sqlite3.IntegrityError as exc:
+                row = db.execute("SELECT container FROM allocation WHERE minor = ?", (minor,)).fetchone()
+                holder = str(_container_id(row[0])) if row else "?"
+                LOG.error("state: refused GPU %d for %s: already held by %s", minor, cid, holder)
+                raise GpuAlreadyHeld(gpu=minor, container=str(cid), holder=holder) from exc
+
+    def _require(self, db: sqlite3.Connection, cid: ContainerId) -> None:
+        if db.execute("SELECT 1 FROM container WHERE key = ?", (_key(cid),)).fetchone() is None:
+            raise ContainerNotRecorded(container=str(cid))
+
+    def _read(self, db: sqlite3.Connection, cid: ContainerId) -> ContainerRecord:
+        key = _key(cid)
+        row = db.execute("SELECT * FROM container WHERE key = ?", (key,)).fetchone()
+        if row is None:
+            raise ContainerNotRecorded(container=str(cid))
+        gpus = frozenset(m for (m,) in db.execute("SELECT minor FROM allocation WHERE container = ?", (key,)))
+        return self._row(row, gpus)
+
+    def _row(self, row: tuple, gpus: frozenset[int]) -> ContainerRecord:
+        key, mode, cgroup, version, volume, state, created, rules = row
+        try:
+            cid = _container_id(key)
+        except (ValueError, TypeError) as exc:
+            raise StateCorrupt(op="read", path=self.path, cause=f"bad container key {key!r}: {exc}") from exc
+        return ContainerRecord(cid, gpus, mode, cgroup, version, volume, state, created, rules)
+
+    def _error(self, op: str, exc: sqlite3.Error) -> StateError:
+        code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
+        cause = f"{exc} ({getattr(exc, 'sqlite_errorname', type(exc).__name__)})"
+        if code == _SQLITE_FULL or (code == _SQLITE_IOERR and _disk_full(self.directory)):
+            return StateStorageFull(op=op, path=self.path, cause=cause)
+        if code == _SQLITE_READONLY or (code in (_SQLITE_CANTOPEN, _SQLITE_IOERR) and _read_only(self.directory)):
+            return StateReadOnly(op=op, path=self.path, cause=cause)
+        if code in (_SQLITE_CORRUPT, _SQLITE_NOTADB):
+            return StateCorrupt(op=op, path=self.path, cause=cause)
+        return StateError(op=op, path=self.path, cause=cause)
+
+
+def _validate(rec: ContainerRecord) -> None:
+    if rec.state not in STATES:
+        raise InvalidArgument(f"unknown container state {rec.state!r} (known: {', '.join(STATES)})")
+    if rec.cgroup_version not in CGROUP_VERSIONS:
+        raise InvalidArgument(f"cgroup version must be 1 or 2, not {rec.cgroup_version!r}")
+
+
+def _os_error(op: str, path: str, exc: OSError) -> StateError:
+    cause = exc.strerror or str(exc)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StateStorageFull(op=op, path=path, cause=cause)
+    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return StateReadOnly(op=op, path=path, cause=cause)
+    return StateError(op=op, path=path, cause=cause)
+
+
+def _disk_full(directory: str) -> bool:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return False
+    return st.f_bavail == 0 or st.f_favail == 0
+
+
+def _read_only(directory: str) -> bool:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return False
+    return bool(st.f_flag & os.ST_RDONLY) or not os.access(directory, os.W_OK)

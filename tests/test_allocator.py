@@ -1,0 +1,408 @@
+"""The allocation policies: Mesos's Allocator steps (first-fit), topology choices on known hosts,
+properties that hold for every request, bounded search on large hosts, and bad input."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from topologies import (
+    a10_cliques,
+    build,
+    dgx1_pascal,
+    dgx1_volta,
+    dgx2,
+    dgx_a100,
+    hgx_h100,
+    joined_dgx1,
+    padded_trap,
+    rtx8000_x4,
+    shipped_hosts,
+    single,
+    workstation,
+)
+
+from isolator.allocator import (
+    FIRST_FIT,
+    NO_PAIRS,
+    TOPOLOGY,
+    Allocator,
+    Fabric,
+    SearchLimits,
+    choose,
+    pair_points,
+    plan_update,
+)
+from isolator.errors import (
+    GpusExhausted,
+    GpusNotAllocated,
+    GpusNotAvailable,
+    InvalidArgument,
+    InvalidGpuCount,
+    InvalidTopology,
+    UnknownGpus,
+)
+from isolator.model import Gpu, Link, PcieLevel, Resource, Topology, gpu_count
+
+UNLIMITED = SearchLimits(max_nodes=10**9, deadline_s=3600.0)
+# Tests that expect a particular set search without the wall-clock deadline, so that a loaded CI
+# machine cannot turn an exact answer into an early stop.
+pick = functools.partial(choose, limits=UNLIMITED)
+MESOS_MESSAGE = "The 'gpus' resource must be an unsigned integer"
+
+
+def best_by_brute_force(fabric: Fabric, available: set[int], n: int) -> tuple[int, int]:
+    """(slowest link, sum) of the best n-set, by enumerating every set."""
+    return max((fabric.set_score(s)[1], fabric.set_score(s)[0]) for s in itertools.combinations(sorted(available), n))
+
+
+# ---- scores: the fixture matrices of k8s-topology.md §1.7 --------------------------------------
+
+
+def test_pair_scores_match_the_published_dgx1_volta_matrix():
+    fabric = Fabric.of(dgx1_volta())
+    row0 = [fabric.pair(0, b) for b in range(1, 8)]
+    assert row0 == [150, 130, 230, 210, 10, 10, 10]
+    assert fabric.pair(2, 3) == fabric.pair(6, 7) == 250
+    assert fabric.set_score({0, 1, 2, 3})[0] == 1120
+    assert fabric.set_score({0, 2, 4, 6})[0] == 600
+    assert fabric.set_score({0, 3, 4, 7})[0] == 800
+
+
+def test_pair_scores_match_the_published_dgx1_pascal_set_scores():
+    fabric = Fabric.of(dgx1_pascal())
+    assert [fabric.set_score(s)[0] for s in ({0, 1, 2, 3}, {0, 2, 4, 6}, {0, 3, 4, 7})] == [820, 540, 500]
+
+
+def test_lane_counts_above_eighteen_and_negative_lanes_are_clamped():
+    assert pair_points(Link(PcieLevel.SYSTEM, 40)) == 10 + 1800
+    assert pair_points(Link(PcieLevel.SYSTEM, -3)) == 10
+
+
+# ---- first-fit: Mesos's NVIDIA_GPU_Allocator steps (mesos-gpu-isolator.md §3.1) -----------------
+
+
+def test_first_fit_passes_mesos_allocator_test_steps():
+    alloc = Allocator(dgx1_volta(), policy=FIRST_FIT)
+    total = alloc.total
+    # 1. total() equals the GPU count, at least one.
+    assert len(total) == 8
+    # 2. allocate(total) returns that many; one more fails.
+    assert len(alloc.allocate(len(total)).gpus) == 8
+    with pytest.raises(GpusExhausted):
+        alloc.allocate(1)
+    # 3. deallocate(all), then allocate(set all).
+    alloc.deallocate(total)
+    assert alloc.allocate_set(total) == total
+    # 4. deallocate({first}), then allocate(1) returns the same first GPU.
+    first = min(total)
+    alloc.deallocate({first})
+    assert alloc.allocate(1).gpus == (first,)
+    # 5. deallocate({first}) succeeds; again is a double free and fails.
+    alloc.deallocate({first})
+    with pytest.raises(GpusNotAllocated):
+        alloc.deallocate({first})
+    # 6. allocate({first}) by reference.
+    assert alloc.allocate_set({first}) == {first}
+    # 7. deallocate({999.999}) fails.
+    with pytest.raises(GpusNotAllocated):
+        alloc.deallocate({999})
+    # 8. deallocate(all).
+    alloc.deallocate(total)
+    # 9. allocate({999.999}) fails.
+    with pytest.raises(UnknownGpus):
+        alloc.allocate_set({999})
+    assert alloc.allocated == frozenset()
+
+
+def test_first_fit_takes_the_lowest_free_minors():
+    fabric = Fabric.of(dgx1_volta())
+    assert pick(fabric, {7, 5, 3, 1}, 2, FIRST_FIT).gpus == (1, 3)
+
+
+def test_allocate_set_is_all_or_nothing():
+    alloc = Allocator(dgx1_volta(), limits=UNLIMITED)
+    alloc.allocate_set({2})
+    with pytest.raises(GpusNotAvailable):
+        alloc.allocate_set({1, 2, 3})
+    assert alloc.allocated == {2}
+
+
+# ---- topology: the obviously best sets -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("available", "n", "expected"),
+    [
+        (range(8), 2, {2, 3}),  # NV2 + PIX: the best pair (go-gpuallocator's partition picks 0-3)
+        (range(8), 4, {0, 1, 2, 3}),  # one cube face, 1120
+        ({0, 2, 4, 5}, 2, {0, 4}),  # NV2 across the halves (210) beats NV1 + PIX (150)
+        ({0, 1, 4, 5}, 2, {0, 4}),  # 0-4 and 1-5 tie at 210; lowest minors decide
+        ({1, 4, 5, 6, 7}, 3, {4, 6, 7}),  # ties with 5-6-7 (610, slowest 130); 4-6-7 leaves 1-5 (210)
+    ],
+)
+def test_topology_picks_the_best_connected_set_on_dgx1_volta(available, n, expected):
+    assert set(pick(Fabric.of(dgx1_volta()), available, n).gpus) == expected
+
+
+def test_topology_never_returns_the_padded_pair_go_gpuallocator_returns():
+    # D2: with five free, go-gpuallocator returns [0, 1, nil] for three GPUs.
+    choice = pick(Fabric.of(padded_trap()), range(5), 3)
+    assert choice.gpus == (2, 3, 4)
+    assert choice.slowest == 50  # PIX everywhere, rather than a SYS hop to reach the NVLink pair
+
+
+def test_topology_keeps_the_intact_clique_for_later_when_sets_tie():
+    # D5 "Left Score Must Max": from {0..5}, 4-5 leaves the whole clique {0,1,2,3} free.
+    assert set(pick(Fabric.of(a10_cliques()), range(6), 2).gpus) == {4, 5}
+
+
+def test_topology_uses_nvlink_pairs_on_the_rtx8000_fixture():
+    assert set(pick(Fabric.of(rtx8000_x4()), range(4), 2).gpus) == {0, 3}
+
+
+@pytest.mark.parametrize(("host", "n"), [(hgx_h100, 4), (dgx2, 8)])
+def test_topology_keeps_a_request_on_one_socket_of_an_nvswitch_host(host, n):
+    topo = host()
+    chosen = pick(Fabric.of(topo), [g.minor for g in topo.gpus], n).gpus
+    assert len({topo.gpus[m].numa_node for m in chosen}) == 1
+
+
+def test_topology_on_dgx2_takes_gpus_under_one_pcie_switch_for_a_pair():
+    chosen = pick(Fabric.of(dgx2()), range(16), 2).gpus
+    assert chosen[0] // 2 == chosen[1] // 2
+
+
+def test_topology_on_dgx_a100_takes_the_pair_under_one_pcie_switch_when_half_are_busy():
+    assert set(pick(Fabric.of(dgx_a100()), {1, 2, 3, 4, 6}, 2).gpus) == {2, 3}
+
+
+def test_single_gpu_goes_to_the_gpu_without_a_free_partner():
+    # DGX-1V with 0, 2, 3 free: 2-3 is the best pair (250); taking 0 keeps it.
+    assert pick(Fabric.of(dgx1_volta()), {0, 2, 3}, 1).gpus == (0,)
+
+
+def test_single_gpu_on_an_nvswitch_host_keeps_a_socket_whole():
+    # H100 with 0, 1, 4, 5, 6, 7 free: taking from socket 0 leaves socket 1's four GPUs intact.
+    assert pick(Fabric.of(hgx_h100()), {0, 1, 4, 5, 6, 7}, 1).gpus[0] in {0, 1}
+
+
+def test_single_gpu_requests_in_sequence_fill_pairs_instead_of_breaking_them():
+    # k8s-device-plugin #1193: lowest-first singles land on 0, 2, 4, 6 on hosts paired 0-1, 2-3...
+    alloc = Allocator(workstation(), limits=UNLIMITED)
+    first = alloc.allocate(1).gpus[0]
+    second = alloc.allocate(1).gpus[0]
+    assert first // 2 == second // 2  # the second single completes the first one's pair
+    assert alloc.allocate(2).slowest == pair_points(Link(PcieLevel.SINGLE))
+
+
+def test_growing_chooses_gpus_that_link_well_with_what_the_container_holds():
+    fabric = Fabric.of(dgx1_volta())
+    plan = plan_update(fabric, {6}, {0, 1, 2, 3, 4, 5, 7}, 2, limits=UNLIMITED)
+    assert plan.add == (7,) and plan.release == ()
+    assert plan.choice is not None and plan.choice.slowest == 250
+
+
+def test_growing_adds_to_what_is_held_instead_of_replacing_it():
+    alloc = Allocator(dgx1_volta(), limits=UNLIMITED)
+    held = set(alloc.allocate(2).gpus)
+    plan = alloc.plan_update(held, 4)
+    assert len(plan.add) == 2 and not held & set(plan.add)
+
+
+def test_shrinking_keeps_the_best_connected_gpus():
+    fabric = Fabric.of(dgx1_volta())
+    plan = plan_update(fabric, {0, 1, 2, 3}, {4, 5, 6, 7}, 2, limits=UNLIMITED)
+    assert plan.release == (0, 1)  # keeps 2-3, the NV2 + PIX pair
+
+
+def test_shrinking_under_first_fit_releases_the_highest_minors():
+    plan = plan_update(Fabric.of(dgx1_volta()), {1, 3, 5}, set(), 1, FIRST_FIT)
+    assert plan.release == (3, 5)
+
+
+def test_an_update_to_the_held_count_changes_nothing():
+    assert plan_update(Fabric.of(dgx1_volta()), {1, 2}, {3}, 2) == plan_update(Fabric.of(single()), set(), set(), 0)
+
+
+# ---- health -------------------------------------------------------------------------------------------
+
+
+def test_unhealthy_gpus_are_never_chosen_and_are_named_in_the_refusal():
+    alloc = Allocator(workstation(), limits=UNLIMITED)
+    alloc.set_healthy(0, False)
+    alloc.set_healthy(1, False)
+    assert set(alloc.allocate(2).gpus) == {2, 3}
+    with pytest.raises(GpusExhausted, match=r"Requested 1 gpus but only 0 available \(2 more are unhealthy\)"):
+        alloc.allocate(1)
+    with pytest.raises(GpusNotAvailable, match="unhealthy"):
+        alloc.allocate_set({0})
+
+
+def test_recovery_restores_an_unhealthy_gpu_but_never_one_already_allocated():
+    alloc = Allocator(workstation(), limits=UNLIMITED)
+    alloc.set_healthy(1, False)
+    alloc.restore({1})
+    with pytest.raises(GpusNotAvailable):
+        alloc.restore({1})
+
+
+# ---- properties ---------------------------------------------------------------------------------------
+
+_HOSTS = [dgx1_volta(), dgx1_pascal(), dgx2(), dgx_a100(), hgx_h100(), workstation(), padded_trap(), a10_cliques()]
+_FABRICS = [Fabric.of(t) for t in _HOSTS]
+
+
+@st.composite
+def requests(draw):
+    fabric = draw(st.sampled_from(_FABRICS))
+    minors = list(fabric.minors)
+    healthy = draw(st.sets(st.sampled_from(minors)))
+    n = draw(st.integers(0, len(healthy)))
+    policy = draw(st.sampled_from([TOPOLOGY, FIRST_FIT]))
+    return fabric, healthy, n, policy
+
+
+@settings(max_examples=300, deadline=None)
+@given(requests())
+def test_a_choice_is_exactly_n_distinct_available_gpus(req):
+    fabric, available, n, policy = req
+    choice = choose(fabric, available, n, policy, limits=UNLIMITED)
+    assert len(choice.gpus) == n
+    assert len(set(choice.gpus)) == n
+    assert set(choice.gpus) <= available
+    assert choice.exact
+
+
+@settings(max_examples=150, deadline=None)
+@given(requests())
+def test_topology_finds_the_best_slowest_link_and_sum_on_hosts_up_to_16_gpus(req):
+    fabric, available, n, _ = req
+    if n < 2 or math.comb(len(available), n) > 5000:
+        return
+    choice = choose(fabric, available, n, TOPOLOGY, limits=UNLIMITED)
+    assert (choice.slowest, choice.score) == best_by_brute_force(fabric, available, n)
+
+
+@settings(max_examples=100, deadline=None)
+@given(requests(), st.integers(0, 8))
+def test_growing_never_returns_what_is_held_and_reaches_the_target(req, extra):
+    fabric, pool, n, policy = req
+    held = set(sorted(pool)[:n])
+    free = set(fabric.minors) - held
+    target = min(n + extra, len(fabric.minors))
+    plan = plan_update(fabric, held, free, target, policy, limits=UNLIMITED)
+    assert not set(plan.add) & held
+    assert len(held) + len(plan.add) == target
+    assert plan.release == ()
+
+
+# ---- large hosts: bounded search --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("halves", [2, 4])
+def test_large_hosts_stop_at_the_node_limit_and_say_so(halves):
+    topo = joined_dgx1(halves)
+    choice = choose(Fabric.of(topo), range(8 * halves), 6, limits=SearchLimits(max_nodes=1))
+    assert not choice.exact
+    assert len(set(choice.gpus)) == 6  # still a full set: the greedy start
+
+
+def test_a_stopped_search_is_never_worse_than_its_greedy_start():
+    fabric = Fabric.of(joined_dgx1(4))
+    stopped = choose(fabric, range(32), 2, limits=SearchLimits(max_nodes=1))
+    assert stopped.slowest == 250  # the greedy start is already the best pair
+
+
+def test_a_16_gpu_host_is_searched_exactly_within_the_default_limits_node_budget():
+    choice = choose(Fabric.of(dgx2()), range(16), 8, limits=SearchLimits(deadline_s=3600.0))
+    assert choice.exact and choice.nodes < SearchLimits().max_nodes
+
+
+# ---- bad input ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("count", [-1, 0.5, 1.5, float("nan"), float("inf"), 2**40, True, "2", None])
+def test_bad_gpu_counts_are_refused_with_mesos_message(count):
+    with pytest.raises(InvalidGpuCount, match=MESOS_MESSAGE):
+        pick(Fabric.of(dgx1_volta()), range(8), count)
+
+
+def test_an_integral_float_count_is_accepted_as_mesos_scalars_arrive():
+    assert len(pick(Fabric.of(dgx1_volta()), range(8), 2.0).gpus) == 2
+
+
+def test_gpu_count_of_resources_refuses_fractions_with_mesos_message():
+    with pytest.raises(InvalidGpuCount, match=MESOS_MESSAGE):
+        gpu_count([Resource("gpus", 0.1)])
+    with pytest.raises(ValueError):  # still a ValueError for callers of the foundation's API
+        gpu_count([Resource("gpus", float("nan"))])
+    assert gpu_count([Resource("gpus", 2.0), Resource("cpus", 0.5), Resource("gpus", 1.0)]) == 3
+
+
+def test_asking_for_more_than_is_free_names_requested_and_available():
+    with pytest.raises(GpusExhausted, match="Requested 3 gpus but only 2 available") as err:
+        pick(Fabric.of(dgx1_volta()), {1, 2}, 3)
+    assert err.value.code == "RESOURCE_EXHAUSTED"
+    assert err.value.fields == {"requested": 3, "available": 2}
+
+
+def test_an_unknown_policy_is_refused():
+    with pytest.raises(InvalidArgument, match="unknown allocation policy 'best'"):
+        Allocator(single(), policy="best")
+
+
+def test_unknown_gpus_in_the_available_set_are_refused():
+    with pytest.raises(UnknownGpus):
+        pick(Fabric.of(single()), {0, 5}, 1)
+
+
+def test_missing_asymmetric_and_stray_links_are_repaired_not_fatal():
+    gpus = tuple(Gpu(index=i, minor=i, uuid=f"GPU-{i}") for i in range(3))
+    links = {
+        (0, 1): Link(PcieLevel.SINGLE, 2),
+        (1, 0): Link(PcieLevel.SINGLE, 1),  # the other direction disagrees
+        (1, 9): Link(PcieLevel.SINGLE, 4),  # names a GPU that is not there
+        (2, 2): Link(PcieLevel.SINGLE),  # a self link
+        ("x",): Link(),  # not a pair at all
+    }  # and 0-2, 1-2 are missing
+    fabric = Fabric.of(Topology(gpus=gpus, links=links))  # type: ignore[arg-type]
+    assert fabric.pair(0, 1) == 150  # the weaker direction
+    assert fabric.pair(0, 2) == fabric.pair(1, 2) == 10  # missing is SYS
+    assert len(fabric.repairs) == 6
+    assert pick(fabric, range(3), 2).gpus == (0, 1)
+
+
+def test_duplicate_minors_in_an_inventory_are_refused():
+    gpus = (Gpu(index=0, minor=3, uuid="GPU-a"), Gpu(index=1, minor=3, uuid="GPU-b"))
+    with pytest.raises(InvalidTopology, match=r"minor numbers \[3\]"):
+        Fabric.of(Topology(gpus=gpus))
+
+
+def test_a_host_without_gpus_refuses_any_request_but_zero():
+    fabric = Fabric.of(Topology(gpus=()))
+    assert pick(fabric, (), 0).gpus == ()
+    with pytest.raises(GpusExhausted):
+        pick(fabric, (), 1)
+
+
+def test_every_shipped_host_answers_every_size_it_can_hold():
+    for name, topo in shipped_hosts().items():
+        fabric = Fabric.of(topo)
+        for n in range(1, len(fabric.minors) + 1):
+            choice = choose(fabric, fabric.minors, n, limits=UNLIMITED)
+            assert len(choice.gpus) == n, name
+            assert (choice.slowest == NO_PAIRS) == (n == 1), name
+
+
+def test_minors_need_not_equal_indices():
+    topo = build(2, lambda a, b: Link(PcieLevel.SINGLE, 1))
+    shifted = Topology(
+        gpus=tuple(Gpu(index=g.index, minor=g.minor + 10, uuid=g.uuid) for g in topo.gpus), links=topo.links
+    )
+    choice = pick(Fabric.of(shifted), {10, 11}, 2)
+    assert choice.gpus == (10, 11) and choice.score == 150

@@ -1,0 +1,267 @@
+"""The durable allocation store: round trips, the one-holder-per-GPU rule, kill -9 at any instant,
+10,000 records, and typed errors on a full or read-only disk."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from isolator.errors import (
+    ContainerAlreadyRecorded,
+    ContainerNotRecorded,
+    GpuAlreadyHeld,
+    InvalidArgument,
+    StateCorrupt,
+    StateReadOnly,
+    StateStorageFull,
+)
+from isolator.model import ContainerId
+from isolator.state import DB_FILE, ContainerRecord, StateStore
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cid(value: str, parent: ContainerId | None = None) -> ContainerId:
+    return ContainerId.parse(value, parent)
+
+
+@pytest.fixture
+def store(tmp_path) -> Iterator[StateStore]:
+    with StateStore(str(tmp_path / "state")) as s:
+        yield s
+
+
+def test_a_record_round_trips_with_all_its_metadata(tmp_path):
+    parent = cid("exec-1")
+    rec = ContainerRecord(
+        cid("task.with.dots", parent),
+        frozenset({3, 1}),
+        mode="standalone",
+        cgroup="/sys/fs/cgroup/mesos/exec-1",
+        cgroup_version=2,
+        volume_version="550.54.14",
+        state="isolated",
+        created=1700000000.5,
+        rules="c 195:1 rw\nc 195:3 rw",
+    )
+    with StateStore(str(tmp_path)) as s:
+        s.record(rec)
+    with StateStore(str(tmp_path)) as s:
+        assert s.get(rec.container_id) == rec
+        assert s.load() == {rec.container_id: rec}
+        assert s.holders() == {1: rec.container_id, 3: rec.container_id}
+
+
+def test_a_gpu_is_never_recorded_for_two_containers(store):
+    store.record(ContainerRecord(cid("a"), frozenset({0, 1})))
+    with pytest.raises(GpuAlreadyHeld, match="GPU 1 for container b: it is already held by a"):
+        store.record(ContainerRecord(cid("b"), frozenset({1, 2})))
+    assert store.get(cid("b")) is None  # the whole record was rolled back, GPU 2 included
+    assert store.holders() == {0: cid("a"), 1: cid("a")}
+
+
+def test_growing_into_a_held_gpu_is_refused_and_changes_nothing(store):
+    store.record(ContainerRecord(cid("a"), frozenset({0})))
+    store.record(ContainerRecord(cid("b"), frozenset({1})))
+    with pytest.raises(GpuAlreadyHeld):
+        store.add_gpus(cid("b"), {2, 0})
+    assert store.get(cid("b")).gpus == {1}
+
+
+def test_the_database_itself_refuses_a_second_holder(store):
+    # Even a bug that bypasses the store's methods cannot give a GPU two holders.
+    store.record(ContainerRecord(cid("a"), frozenset({4})))
+    store.record(ContainerRecord(cid("b")))
+    raw = sqlite3.connect(store.path)
+    with pytest.raises(sqlite3.IntegrityError):
+        raw.execute("""INSERT INTO allocation VALUES (4, '["b"]')""")
+    raw.close()
+
+
+def test_growing_adds_to_what_is_held_and_shrinking_releases_only_the_named_gpus(store):
+    store.record(ContainerRecord(cid("a"), frozenset({0})))
+    assert store.add_gpus(cid("a"), {2, 3}).gpus == {0, 2, 3}
+    assert store.remove_gpus(cid("a"), {2}).gpus == {0, 3}
+    with pytest.raises(InvalidArgument, match=r"does not hold GPUs \[5\]"):
+        store.remove_gpus(cid("a"), {5, 0})
+    assert store.get(cid("a")).gpus == {0, 3}
+
+
+def test_removing_a_container_releases_its_gpus(store):
+    store.record(ContainerRecord(cid("a"), frozenset({0, 1})))
+    assert store.remove(cid("a")).gpus == {0, 1}
+    store.record(ContainerRecord(cid("b"), frozenset({0, 1})))
+    with pytest.raises(ContainerNotRecorded):
+        store.remove(cid("a"))
+
+
+def test_recording_a_container_twice_is_refused(store):
+    store.record(ContainerRecord(cid("a")))
+    with pytest.raises(ContainerAlreadyRecorded):
+        store.record(ContainerRecord(cid("a"), frozenset({1})))
+    assert store.holders() == {}
+
+
+def test_metadata_updates_keep_the_gpus_and_refuse_unknown_states(store):
+    store.record(ContainerRecord(cid("a"), frozenset({2})))
+    rec = store.update(cid("a"), state="orphan", rules="c 195:2 rwm")
+    assert (rec.state, rec.rules, rec.gpus) == ("orphan", "c 195:2 rwm", {2})
+    with pytest.raises(InvalidArgument, match="unknown container state 'gone'"):
+        store.update(cid("a"), state="gone")
+    with pytest.raises(ContainerNotRecorded):
+        store.update(cid("b"), state="isolated")
+
+
+@pytest.mark.parametrize("minor", [-1, "3", True])
+def test_bad_gpu_minors_are_refused(store, minor):
+    with pytest.raises(InvalidArgument):
+        store.record(ContainerRecord(cid("a"), frozenset({minor})))
+    assert store.get(cid("a")) is None
+
+
+def test_ten_thousand_records_load_intact(tmp_path):
+    directory = str(tmp_path)
+    with StateStore(directory, durable=False) as s:
+        for i in range(10_000):
+            s.record(ContainerRecord(cid(f"c{i}"), frozenset({i}) if i % 2 else frozenset(), state="isolated"))
+    with StateStore(directory) as s:
+        loaded = s.load()
+    assert len(loaded) == 10_000
+    assert loaded[cid("c9999")].gpus == {9999}
+    assert sum(len(r.gpus) for r in loaded.values()) == 5_000
+
+
+def test_a_file_that_is_not_a_database_is_reported_as_corrupt(tmp_path):
+    (tmp_path / DB_FILE).write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(StateCorrupt, match=f"failed to open '{tmp_path / DB_FILE}'"):
+        StateStore(str(tmp_path))
+
+
+def test_a_newer_schema_is_refused_rather_than_misread(tmp_path):
+    StateStore(str(tmp_path)).close()
+    raw = sqlite3.connect(str(tmp_path / DB_FILE))
+    raw.execute("PRAGMA user_version=99")
+    raw.close()
+    with pytest.raises(StateCorrupt, match="schema version 99"):
+        StateStore(str(tmp_path))
+
+
+# ---- kill -9 ----------------------------------------------------------------------------------------
+
+_WRITER = textwrap.dedent(
+    """
+    import sys
+    from isolator.model import ContainerId
+    from isolator.state import ContainerRecord, StateStore
+    store = StateStore(sys.argv[1])
+    i = int(sys.argv[2])
+    while True:
+        # Four containers live at a time, two GPUs each, cycling through eight GPUs; every fourth
+        # step shrinks and grows one of them. Each line on stdout is a committed step.
+        pair = {2 * (i % 4), 2 * (i % 4) + 1}
+        holder = store.holders().get(max(pair))
+        if holder is not None:
+            store.remove(holder)
+        store.record(ContainerRecord(ContainerId.parse(f"c{i}"), frozenset(pair), state="isolated"))
+        if i % 4 == 3:
+            store.remove_gpus(ContainerId.parse(f"c{i}"), {min(pair)})
+            store.add_gpus(ContainerId.parse(f"c{i}"), {min(pair)})
+        print(i, flush=True)
+        i += 1
+    """
+)
+
+
+def test_state_survives_kill_9_at_any_instant_with_no_gpu_held_twice(tmp_path):
+    directory = str(tmp_path / "state")
+    rng = random.Random(20240611)
+    env = {**os.environ, "PYTHONPATH": REPO}
+    start = 0
+    for _ in range(4):
+        child = subprocess.Popen(
+            [sys.executable, "-c", _WRITER, directory, str(start)], stdout=subprocess.PIPE, text=True, env=env
+        )
+        assert child.stdout is not None
+        stop_after = rng.randint(5, 60)
+        last = None
+        for _, line in zip(range(stop_after), child.stdout, strict=False):
+            last = int(line)
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        child.stdout.close()
+        assert last is not None, "the writer committed nothing"
+        with StateStore(directory) as s:
+            assert s.check() == "ok"
+            records = s.load()
+            held = [m for r in records.values() for m in r.gpus]
+            assert len(held) == len(set(held))  # no GPU held twice
+            assert set(held) <= set(range(8))
+            # Every acknowledged commit is there; at most the one in flight is beyond it.
+            assert records[cid(f"c{last}")].gpus == {2 * (last % 4), 2 * (last % 4) + 1}
+            live = sorted(int(k.value[1:]) for k in records)
+            assert live[-1] in (last, last + 1)
+            assert all(r.state == "isolated" for r in records.values())
+        start = live[-1] + 1  # the next writer carries on from what survived
+
+
+# ---- full and read-only disks (a small tmpfs made for the test) --------------------------------------
+
+
+@contextmanager
+def tmpfs(size: str) -> Iterator[str]:
+    mountpoint = tempfile.mkdtemp(prefix="gi-state-")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", mountpoint], check=True)
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", "-l", mountpoint], check=False)
+        os.rmdir(mountpoint)
+
+
+@pytest.mark.root
+def test_a_full_disk_gives_a_typed_error_and_loses_nothing_committed():
+    with tmpfs("256k") as mnt:
+        directory = os.path.join(mnt, "state")
+        with StateStore(directory) as s:
+            written = 0
+            with pytest.raises(StateStorageFull, match=f"failed to record container '{directory}/{DB_FILE}'"):
+                for i in range(10_000):
+                    s.record(ContainerRecord(cid(f"c{i}"), frozenset({i}), rules="c 195:0 rwm\n" * 200))
+                    written += 1
+            assert written > 0
+            err_code = StateStorageFull.code
+            assert err_code == "RESOURCE_EXHAUSTED"
+        with StateStore(directory) as s:
+            loaded = s.load()
+            assert s.check() == "ok"
+        assert len(loaded) == written
+        assert cid(f"c{written}") not in loaded
+
+
+@pytest.mark.root
+def test_a_read_only_disk_gives_a_typed_error():
+    with tmpfs("1m") as mnt:
+        directory = os.path.join(mnt, "state")
+        with StateStore(directory) as s:
+            s.record(ContainerRecord(cid("a"), frozenset({0})))
+        subprocess.run(["mount", "-o", "remount,ro", mnt], check=True)
+        with pytest.raises(StateReadOnly, match="failed to"), StateStore(directory) as s:
+            s.record(ContainerRecord(cid("b"), frozenset({1})))
+
+
+@pytest.mark.root
+def test_a_state_directory_that_cannot_be_created_on_a_read_only_disk_is_a_typed_error():
+    with tmpfs("1m") as mnt:
+        subprocess.run(["mount", "-o", "remount,ro", mnt], check=True)
+        with pytest.raises(StateReadOnly, match="failed to create state directory"):
+            StateStore(os.path.join(mnt, "state"))

@@ -356,6 +356,7 @@ class BridgeListener:
     def _answer(self, conn: socket.socket) -> bytes:
         denied = self._check_peer(conn)
         if denied:
+            self._drain(conn)
             return error_reply("PERMISSION_DENIED", denied)
         chunks: list[bytes] = []
         size = 0

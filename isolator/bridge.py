@@ -34,6 +34,7 @@ EXIT_USAGE = 2  # wrong arguments, an unreadable IN, an unwritable OUT, a bad se
 EXIT_UNREACHABLE = 3  # no sidecar on the socket, or it broke the connection
 EXIT_DEADLINE = 4  # no answer before the deadline
 EXIT_SIGNAL = 5  # SIGTERM (the module's timeout) or SIGINT
+EXIT_INTERNAL = 6  # a bug in the bridge itself
 
 
 class Failure(Exception):
@@ -85,8 +86,8 @@ def parse_argv(argv: list[str]) -> tuple[str, str, str, str]:
 
 def settings(socket_path: str | None, timeout: float | None, environ: dict[bytes, bytes]) -> tuple[str, float]:
     """The socket and deadline: the environment wins over the launcher's values over the defaults."""
-    path = environ.get(SOCKET_ENV.encode(), b"").decode() or socket_path or DEFAULT_SOCKET
-    raw = environ.get(TIMEOUT_ENV.encode(), b"").decode()
+    path = environ.get(SOCKET_ENV.encode(), b"").decode("utf-8", "surrogateescape") or socket_path or DEFAULT_SOCKET
+    raw = environ.get(TIMEOUT_ENV.encode(), b"").decode("utf-8", "replace")
     if raw:
         try:
             timeout = float(raw)
@@ -168,15 +169,15 @@ def call(path: str, method: str, payload: bytes, timeout: float) -> bytes:
 def _report(err_path: str | None, line: str) -> None:
     # One line without a newline: the module appends ERR to its Failure verbatim
     # ("... exited with return code N. Cause: <ERR>").
-    line = " ".join(line.split())
+    data = " ".join(line.split()).encode("utf-8", "replace")
     if err_path is not None:
         try:
-            with open(err_path, "w") as fh:
-                fh.write(line)
+            with open(err_path, "wb") as fh:
+                fh.write(data)
             return
         except OSError:
             pass
-    sys.stderr.write(line + "\n")
+    sys.stderr.buffer.write(data + b"\n")
 
 
 def main(argv: list[str] | None = None, socket_path: str | None = None, timeout: float | None = None) -> int:
@@ -199,6 +200,9 @@ def main(argv: list[str] | None = None, socket_path: str | None = None, timeout:
                 return EXIT_OK
             _report(err_path, f"gpu-isolator {method}: {failure.message}")
             return failure.status
+        except Exception as exc:  # a bug: still one line in ERR and a status below 128
+            _report(err_path, f"gpu-isolator {method}: internal error in the bridge: {exc!r}")
+            return EXIT_INTERNAL
     except Terminated as term:
         elapsed = time.monotonic() - started
         _report(err_path, f"gpu-isolator {method}: interrupted by {term.name} after {elapsed:.1f} s")

@@ -18,6 +18,9 @@ from typing import Any
 from isolator.errors import ConfigError
 
 DEFAULT_SOCKET = "/run/gpu-isolator/isolator.sock"
+# The command-module bridge listens next to the gRPC socket unless told otherwise
+# (isolator/bridge_server.py; the bridge executable's default in isolator/bridge.py must agree).
+BRIDGE_SUFFIX = ".bridge"
 DEFAULT_WORK_DIR = "/var/lib/gpu-isolator"
 # Mesos keeps its driver volumes here (src/slave/containerizer/mesos/isolators/gpu/volume.cpp).
 DEFAULT_VOLUME_ROOT = "/var/run/mesos/isolators/gpu"
@@ -41,6 +44,8 @@ class Config:
     socket: str = DEFAULT_SOCKET
     socket_mode: int = 0o600
     socket_group: str = ""
+    # None: ``<socket>.bridge``; "": no bridge listener.
+    bridge_socket: str | None = None
     work_dir: str = DEFAULT_WORK_DIR
     volume_root: str = DEFAULT_VOLUME_ROOT
     cgroups_hierarchy: str = DEFAULT_CGROUPS_HIERARCHY
@@ -67,6 +72,11 @@ class Config:
     @property
     def state_dir(self) -> str:
         return os.path.join(self.work_dir, "state")
+
+    @property
+    def bridge_path(self) -> str:
+        """Where the command-module bridge listens; empty when it is disabled."""
+        return self.socket + BRIDGE_SUFFIX if self.bridge_socket is None else self.bridge_socket
 
 
 # Flag name -> (Config field, parser). The parser turns a flag or file value into the field's type
@@ -140,6 +150,7 @@ PARSERS: dict[str, Any] = {
     "socket": _text,
     "socket_mode": _octal_mode,
     "socket_group": _text,
+    "bridge_socket": _text,
     "work_dir": _text,
     "volume_root": _text,
     "cgroups_hierarchy": _text,
@@ -166,6 +177,7 @@ HELP = {
     "socket": f"Unix socket to serve on (default {DEFAULT_SOCKET})",
     "socket_mode": "octal mode of the socket (default 0600; world bits are refused)",
     "socket_group": "group that owns the socket, for non-root callers in the allow-list",
+    "bridge_socket": "socket of the command-module bridge (default <socket>.bridge; empty: no bridge)",
     "work_dir": f"work directory; state lives in <work-dir>/state (default {DEFAULT_WORK_DIR})",
     "volume_root": f"where nvidia_<version> driver volumes are built (default {DEFAULT_VOLUME_ROOT})",
     "cgroups_hierarchy": f"cgroup mount root, as the agent's flag (default {DEFAULT_CGROUPS_HIERARCHY})",
@@ -249,6 +261,14 @@ def _check_combinations(config: Config) -> None:
         raise ConfigError("--socket must not be empty")
     if len(os.fsencode(config.socket)) > 107:
         raise ConfigError(f"--socket '{config.socket}' is longer than a Unix socket path may be (107 bytes)")
+    bridge = config.bridge_path
+    if bridge and len(os.fsencode(bridge)) > 107:
+        raise ConfigError(
+            f"--bridge-socket '{bridge}' is longer than a Unix socket path may be (107 bytes);"
+            " choose a shorter --bridge-socket or --socket"
+        )
+    if bridge and os.path.abspath(bridge) == os.path.abspath(config.socket):
+        raise ConfigError(f"--bridge-socket '{bridge}' must differ from --socket")
     if config.cgroups_root.startswith("/") or ".." in Path(config.cgroups_root).parts:
         raise ConfigError(f"--cgroups-root '{config.cgroups_root}' must be relative to the hierarchy, without '..'")
 
@@ -259,6 +279,7 @@ def _absolutise(config: Config) -> Config:
     return replace(
         config,
         socket=os.path.abspath(config.socket),
+        bridge_socket=os.path.abspath(config.bridge_socket) if config.bridge_socket else config.bridge_socket,
         work_dir=os.path.abspath(config.work_dir),
         volume_root=os.path.abspath(config.volume_root),
     )

@@ -27,6 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from isolator import model
+from isolator.bridge_server import BridgeListener
 from isolator.config import Config
 from isolator.errors import InvalidArgument, IsolatorError, SocketError
 from isolator.rpc import isolator_pb2 as pb
@@ -340,12 +341,19 @@ def _umask(mask: int) -> Iterator[None]:
 
 
 class SidecarServer:
-    """A gRPC server on a Unix socket serving Isolator, Admin, health and reflection."""
+    """A gRPC server on a Unix socket serving Isolator, Admin, health and reflection.
+
+    Beside it, unless disabled, the command-module bridge listens on ``config.bridge_path`` and
+    calls the same Isolator servicer (isolator/bridge_server.py).
+    """
 
     def __init__(self, config: Config, service: Service) -> None:
         self.config = config
         self.service = service
         self._guard = SocketGuard(config.socket)
+        self._bridge_guard = SocketGuard(config.bridge_path) if config.bridge_path else None
+        self._bridge: BridgeListener | None = None
+        self._bridge_held = False
         self._server: grpc.Server | None = None
         self._health = health.HealthServicer(experimental_non_blocking=True)
         self._stopped = threading.Event()
@@ -367,7 +375,8 @@ class SidecarServer:
                     ("grpc.so_reuseport", 0),
                 ],
             )
-            pb_grpc.add_IsolatorServicer_to_server(IsolatorServicer(self.service), server)
+            isolator_servicer = IsolatorServicer(self.service)
+            pb_grpc.add_IsolatorServicer_to_server(isolator_servicer, server)
             pb_grpc.add_AdminServicer_to_server(AdminServicer(self.service), server)
             health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
             reflection.enable_server_reflection(
@@ -382,9 +391,11 @@ class SidecarServer:
                     raise SocketError(f"failed to bind '{cfg.socket}': {exc}") from exc
             if port == 0:
                 raise SocketError(f"failed to bind '{cfg.socket}'")
-            self._apply_socket_permissions()
+            self._apply_socket_permissions(cfg.socket)
+            self._start_bridge(isolator_servicer)
             server.start()
         except BaseException:
+            self._stop_bridge(grace=0)
             self._guard.release(remove_socket=True)
             raise
         self._server = server
@@ -392,26 +403,65 @@ class SidecarServer:
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         LOG.info("serving on %s (mode %s)", cfg.socket, oct(cfg.socket_mode))
 
-    def _apply_socket_permissions(self) -> None:
+    def _start_bridge(self, servicer: IsolatorServicer) -> None:
+        cfg = self.config
+        if self._bridge_guard is None:
+            return
+        path = self._bridge_guard.path
+        self._bridge_guard.acquire()
+        self._bridge_held = True
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            with _umask(0o177):  # born 0600, as the gRPC socket
+                sock.bind(path)
+            self._apply_socket_permissions(path)
+            sock.listen(128)
+        except OSError as exc:
+            sock.close()
+            raise SocketError(f"failed to bind '{path}': {exc.strerror}") from exc
+        except BaseException:
+            sock.close()
+            raise
+        self._bridge = BridgeListener(
+            sock,
+            servicer,
+            max_request_bytes=cfg.max_message_bytes,
+            max_concurrent=cfg.max_concurrent_rpcs,
+            allowed_uids=cfg.allowed_uids,
+            allowed_gids=cfg.allowed_gids,
+        )
+        self._bridge.start()
+        LOG.info("command-module bridge listening on %s", path)
+
+    def _stop_bridge(self, grace: float) -> None:
+        if self._bridge is not None:
+            self._bridge.stop(grace)
+            self._bridge = None
+        if self._bridge_guard is not None and self._bridge_held:
+            self._bridge_guard.release(remove_socket=True)
+            self._bridge_held = False
+
+    def _apply_socket_permissions(self, path: str) -> None:
         cfg = self.config
         gid = -1
         if cfg.socket_group:
             try:
                 gid = grp.getgrnam(cfg.socket_group).gr_gid
             except KeyError:
-                raise SocketError(f"failed to set group of '{cfg.socket}': no group '{cfg.socket_group}'") from None
+                raise SocketError(f"failed to set group of '{path}': no group '{cfg.socket_group}'") from None
         try:
             if gid != -1:
-                os.chown(cfg.socket, -1, gid)
-            os.chmod(cfg.socket, cfg.socket_mode)
+                os.chown(path, -1, gid)
+            os.chmod(path, cfg.socket_mode)
         except OSError as exc:
-            raise SocketError(f"failed to set permissions of '{cfg.socket}': {exc.strerror}") from exc
+            raise SocketError(f"failed to set permissions of '{path}': {exc.strerror}") from exc
 
     def stop(self, grace: float = 5.0) -> None:
         if self._server is None or self._stopped.is_set():
             return
         self._stopped.set()
         self._health.enter_graceful_shutdown()
+        self._stop_bridge(grace)
         self._server.stop(grace).wait()
         self._guard.release(remove_socket=True)
         self.service.close()

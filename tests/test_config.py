@@ -97,3 +97,26 @@ def test_config_file_value_of_the_wrong_type_names_the_file(tmp_path):
 def test_missing_config_file_is_refused():
     with pytest.raises(ConfigError, match=re.escape("failed to read config file '/nonexistent/x.toml'")):
         resolve("--config", "/nonexistent/x.toml")
+
+
+def test_bridge_socket_defaults_to_the_socket_path_plus_bridge_and_follows_it():
+    assert resolve().bridge_path == configmod.DEFAULT_SOCKET + ".bridge"
+    assert resolve("--socket", "/tmp/a/s.sock").bridge_path == "/tmp/a/s.sock.bridge"
+
+
+def test_bridge_socket_can_be_moved_or_disabled(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert resolve("--bridge-socket", "b.sock").bridge_path == str(tmp_path / "b.sock")
+    assert resolve("--bridge-socket", "").bridge_path == ""
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--socket", "/tmp/" + "s" * 100), "--bridge-socket '/tmp/s+.bridge' is longer than a Unix socket path"),
+        (("--socket", "/tmp/s.sock", "--bridge-socket", "/tmp/s.sock"), "must differ from --socket"),
+    ],
+)
+def test_bridge_socket_that_cannot_work_is_refused(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve(*argv)

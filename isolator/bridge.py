@@ -1,0 +1,288 @@
+"""The executable a Mesos agent runs through criteo/mesos-command-modules: ``<command> IN OUT ERR``.
+
+It forwards IN's bytes to the sidecar's bridge socket (isolator/bridge_server.py) and writes the
+answer to OUT, or one line to ERR with a non-zero exit. The agent starts one per call, so it imports
+only what the interpreter has already loaded or builds in (``_socket``, ``_signal``, ``time``): no
+json, no grpc, nothing else of this package. It must never write to stdout (the agent's log).
+"""
+
+from __future__ import annotations
+
+import _signal
+import _socket
+import posix  # os's C half, already loaded at start; importing os would cost a module load
+import sys
+import time
+
+# The methods the module forwards (reference: bridge-and-cgroup2.md §A.1.3).
+METHODS = ("prepare", "isolate", "watch", "usage", "cleanup")
+PROTOCOL = b"gpu-isolator-bridge/1"
+# isolator.config.DEFAULT_SOCKET + BRIDGE_SUFFIX; not imported, to keep the start cheap (a test
+# keeps the two in step).
+DEFAULT_SOCKET = "/run/gpu-isolator/isolator.sock.bridge"
+# The module SIGTERMs a command after `isolator_<method>_timeout` seconds (default 30). Giving up a
+# few seconds earlier lets the reason reach ERR instead of "took too long to execute".
+DEFAULT_TIMEOUT = 25.0
+SOCKET_ENV = "GPU_ISOLATOR_BRIDGE_SOCKET"
+TIMEOUT_ENV = "GPU_ISOLATOR_BRIDGE_TIMEOUT"
+LAUNCHER = "gpu-isolator-bridge"
+
+# Exit statuses, all below 128 so that they never read as a death by signal.
+EXIT_OK = 0
+EXIT_REFUSED = 1  # the sidecar answered with an error; its code and message are in ERR
+EXIT_USAGE = 2  # wrong arguments, an unreadable IN, an unwritable OUT, a bad setting
+EXIT_UNREACHABLE = 3  # no sidecar on the socket, or it broke the connection
+EXIT_DEADLINE = 4  # no answer before the deadline
+EXIT_SIGNAL = 5  # SIGTERM (the module's timeout) or SIGINT
+EXIT_INTERNAL = 6  # a bug in the bridge itself
+
+
+class Failure(Exception):
+    """Ends the call with ``status`` and ``message`` in ERR.
+
+    ``harmless_for_cleanup``: the failure cannot leave anything held that the sidecar will not
+    release on its own, so cleanup reports success (a failed cleanup leaves the container stuck in
+    DESTROYING for the rest of the agent's run; reference §A.1.8 pitfall 3).
+    """
+
+    def __init__(self, status: int, message: str, harmless_for_cleanup: bool = False) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.harmless_for_cleanup = harmless_for_cleanup
+
+
+class Terminated(BaseException):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.name = "SIGTERM" if signum == _signal.SIGTERM else "SIGINT"
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    # Ignore repeats so that reporting the first one is not interrupted.
+    _signal.signal(_signal.SIGTERM, _signal.SIG_IGN)
+    _signal.signal(_signal.SIGINT, _signal.SIG_IGN)
+    raise Terminated(signum)
+
+
+def parse_argv(argv: list[str]) -> tuple[str, str, str, str]:
+    """(method, IN, OUT, ERR) from ``<name> IN OUT ERR`` or ``<launcher> METHOD IN OUT ERR``.
+
+    The module passes no arguments of its own, so the method comes from the executable's name
+    (``gpu-isolator-prepare``, a symlink to the launcher), or from a first argument for people.
+    """
+    name = argv[0].rsplit("/", 1)[-1] if argv else ""
+    method = name.rsplit("-", 1)[-1]
+    if method in METHODS and len(argv) == 4:
+        return method, argv[1], argv[2], argv[3]
+    if len(argv) == 5 and argv[1] in METHODS:
+        return argv[1], argv[2], argv[3], argv[4]
+    raise Failure(
+        EXIT_USAGE,
+        f"usage: gpu-isolator-<method> IN OUT ERR, or {LAUNCHER} METHOD IN OUT ERR; METHOD is one of"
+        f" {', '.join(METHODS)} (got {len(argv) - 1} argument(s) to '{name}')",
+    )
+
+
+def settings(socket_path: str | None, timeout: float | None, environ: dict[bytes, bytes]) -> tuple[str, float]:
+    """The socket and deadline: the environment wins over the launcher's values over the defaults."""
+    path = environ.get(SOCKET_ENV.encode(), b"").decode("utf-8", "surrogateescape") or socket_path or DEFAULT_SOCKET
+    raw = environ.get(TIMEOUT_ENV.encode(), b"").decode("utf-8", "replace")
+    if raw:
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise Failure(EXIT_USAGE, f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+    if not 0 < timeout < 86400:
+        raise Failure(EXIT_USAGE, f"bridge timeout {timeout} s must be above 0 and below a day")
+    return path, timeout
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise Failure(EXIT_USAGE, f"failed to read input file '{path}': {exc.strerror}") from None
+
+
+def _write(path: str, data: bytes) -> None:
+    try:
+        with open(path, "wb") as fh:
+            fh.write(data)
+    except OSError as exc:
+        raise Failure(EXIT_USAGE, f"failed to write output file '{path}': {exc.strerror}") from None
+
+
+def call(path: str, method: str, payload: bytes, timeout: float) -> bytes:
+    """Send one request to the bridge socket; the bytes for OUT, or Failure."""
+    deadline = time.monotonic() + timeout
+    late = Failure(EXIT_DEADLINE, f"no answer from the sidecar at '{path}' within {timeout:g} s")
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+        except TimeoutError:
+            raise late from None
+        except OSError as exc:
+            down = isinstance(exc, (FileNotFoundError, ConnectionRefusedError))
+            hint = " (is 'gpu-isolator serve' running?)" if down else ""
+            raise Failure(
+                EXIT_UNREACHABLE, f"cannot reach the sidecar at '{path}': {exc.strerror}{hint}", down
+            ) from None
+        header = b"%s %s %d\n" % (PROTOCOL, method.encode(), int(timeout * 1000))
+        try:
+            sock.sendall(header + payload)
+            sock.shutdown(_socket.SHUT_WR)
+        except TimeoutError:
+            raise late from None
+        except OSError:
+            pass  # it may have answered early (a request over its size limit): read the answer
+        chunks = []
+        while True:
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                raise late from None
+            except OSError as exc:
+                raise Failure(EXIT_UNREACHABLE, f"the sidecar at '{path}' dropped the call: {exc.strerror}") from None
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        sock.close()
+    reply = b"".join(chunks)
+    status, _, rest = reply.partition(b"\n")
+    if status == b"OK":
+        return rest
+    if status.startswith(b"ERROR "):
+        code, _, message = status[6:].decode("utf-8", "replace").partition(" ")
+        raise Failure(EXIT_REFUSED, f"{code}: {message}", code in ("NOT_FOUND", "INVALID_ARGUMENT"))
+    if not reply:
+        raise Failure(EXIT_UNREACHABLE, f"the sidecar at '{path}' closed the connection without an answer")
+    raise Failure(EXIT_UNREACHABLE, f"the sidecar at '{path}' answered something unintelligible: {status[:60]!r}")
+
+
+def _report(err_path: str | None, line: str) -> None:
+    # One line without a newline: the module appends ERR to its Failure verbatim
+    # ("... exited with return code N. Cause: <ERR>").
+    data = " ".join(line.split()).encode("utf-8", "replace")
+    if err_path is not None:
+        try:
+            with open(err_path, "wb") as fh:
+                fh.write(data)
+            return
+        except OSError:
+            pass
+    sys.stderr.buffer.write(data + b"\n")
+
+
+def main(argv: list[str] | None = None, socket_path: str | None = None, timeout: float | None = None) -> int:
+    argv = sys.argv if argv is None else argv
+    _signal.signal(_signal.SIGTERM, _on_signal)
+    _signal.signal(_signal.SIGINT, _on_signal)
+    started = time.monotonic()
+    method = "bridge"
+    err_path: str | None = None
+    try:
+        try:
+            method, in_path, out_path, err_path = parse_argv(argv)
+            path, deadline = settings(socket_path, timeout, posix.environ)
+            _write(out_path, call(path, method, _read(in_path), deadline))
+            return EXIT_OK
+        except Failure as failure:
+            if method == "cleanup" and failure.harmless_for_cleanup:
+                # Reported on stderr (the agent's log) since the module ignores ERR on success.
+                sys.stderr.write(f"gpu-isolator {method}: {failure.message}; reporting success\n")
+                return EXIT_OK
+            _report(err_path, f"gpu-isolator {method}: {failure.message}")
+            return failure.status
+        except Exception as exc:  # a bug: still one line in ERR and a status below 128
+            _report(err_path, f"gpu-isolator {method}: internal error in the bridge: {exc!r}")
+            return EXIT_INTERNAL
+    except Terminated as term:
+        elapsed = time.monotonic() - started
+        _report(err_path, f"gpu-isolator {method}: interrupted by {term.name} after {elapsed:.1f} s")
+        return EXIT_SIGNAL
+
+
+# ---- installing the launcher ----------------------------------------------------------------------
+
+LAUNCHER_TEMPLATE = """\
+#!{python} -IS
+# The gpu-isolator bridge for criteo/mesos-command-modules, written by
+# `python -m isolator.bridge install`. -I -S: no site-packages scan at start (one is forked per call).
+import sys
+
+sys.path.append({package_root!r})
+from isolator.bridge import main
+
+sys.exit(main(socket_path={socket!r}, timeout={timeout!r}))
+"""
+
+
+def install(directory: str, socket_path: str = DEFAULT_SOCKET, timeout: float = DEFAULT_TIMEOUT) -> list[str]:
+    """Write the launcher and one ``gpu-isolator-<method>`` symlink per method into ``directory``.
+
+    The launcher runs this interpreter with -I -S and finds this package by absolute path.
+    Returns the paths an agent's modules.json names, launcher first.
+    """
+    import os
+
+    import isolator
+
+    if not 0 < timeout < 86400:
+        raise ValueError(f"timeout {timeout} s must be above 0 and below a day")
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(isolator.__file__)))
+    os.makedirs(directory, exist_ok=True)
+    launcher = os.path.join(os.path.abspath(directory), LAUNCHER)
+    text = LAUNCHER_TEMPLATE.format(
+        python=sys.executable, package_root=package_root, socket=socket_path, timeout=float(timeout)
+    )
+    tmp = f"{launcher}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, launcher)
+    paths = [launcher]
+    for method in METHODS:
+        link = os.path.join(os.path.dirname(launcher), f"gpu-isolator-{method}")
+        tmp = f"{link}.tmp{os.getpid()}"
+        os.symlink(LAUNCHER, tmp)
+        os.replace(tmp, link)
+        paths.append(link)
+    return paths
+
+
+def _install_main(argv: list[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m isolator.bridge install",
+        description="Write the bridge launcher and its gpu-isolator-<method> symlinks into DIR.",
+    )
+    parser.add_argument("directory", metavar="DIR")
+    parser.add_argument("--socket", default=DEFAULT_SOCKET, help=f"bridge socket (default {DEFAULT_SOCKET})")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        help=f"seconds to wait for the sidecar; keep it below every isolator_<m>_timeout (default {DEFAULT_TIMEOUT:g})",
+    )
+    args = parser.parse_args(argv)
+    try:
+        paths = install(args.directory, args.socket, args.timeout)
+    except (OSError, ValueError) as exc:
+        sys.stderr.write(f"gpu-isolator bridge install: {exc}\n")
+        return 1
+    sys.stdout.write("".join(p + "\n" for p in paths))
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["install"]:
+        sys.exit(_install_main(sys.argv[2:]))
+    sys.exit(main())

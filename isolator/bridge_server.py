@@ -1,0 +1,387 @@
+"""The sidecar's end of the command-module bridge: one call per connection on a second Unix socket.
+
+It decodes what a bridge executable forwards (the JSON criteo/mesos-command-modules writes) into the
+gRPC request messages and calls the same servicer methods as gRPC, so translation and error mapping
+are shared. It holds no isolator logic and never binds sockets itself (the server does).
+
+Wire protocol, version 1. The client connects, sends one request and shuts down its write side; the
+server answers and closes.
+
+    request  b"gpu-isolator-bridge/1 <method> <timeout_ms>\\n" + <the IN file's bytes, untouched>
+    reply    b"OK\\n" + <the bytes for OUT, possibly empty>
+             b"ERROR <gRPC code name> <one-line message>\\n"
+
+The client forwards IN's bytes without parsing them and copies the reply into OUT verbatim, so it
+needs no ``json`` import (measured: ``json`` alone adds about as much as the bare interpreter's start)
+and every check lives here, once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+import grpc
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+from isolator.rpc import isolator_pb2 as pb
+
+if TYPE_CHECKING:
+    from isolator.server import IsolatorServicer
+
+LOG = logging.getLogger(__name__)
+
+PROTOCOL = b"gpu-isolator-bridge/1"
+MAX_HEADER_BYTES = 256
+# The deepest JSON nesting accepted; Mesos's deepest input (a nested ContainerID chain inside a
+# ContainerConfig) stays far below it, and it keeps hostile input from exhausting the stack.
+MAX_DEPTH = 64
+MAX_MESSAGE_CHARS = 2000
+MAX_DRAIN_BYTES = 64 * 1024 * 1024
+
+
+class BridgeError(Exception):
+    """A call that ends in an ERROR reply. ``code`` is a gRPC status code name."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+# ---- outputs: proto -> the JSON stout's protobuf::parse<T> accepts --------------------------------
+#
+# Field names are the .proto names (preserving_proto_field_name). proto3 leaves out fields that
+# hold their default value, which stout would refuse where Mesos declares them `required`
+# (apache/mesos:include/mesos/mesos.proto): Resource.type (SCALAR is 0) and Value.Scalar.value,
+# and ResourceStatistics.timestamp. Those are filled in below.
+
+
+def _to_json(message: Message) -> dict[str, Any]:
+    return json_format.MessageToDict(message, preserving_proto_field_name=True)
+
+
+def _encode(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _with_values(environment: dict[str, Any]) -> None:
+    # Mesos refuses a VALUE variable without a value; proto3 drops an empty one.
+    for variable in environment.get("variables", []):
+        variable.setdefault("value", "")
+
+
+def _mesos_resource(resource: dict[str, Any]) -> dict[str, Any]:
+    resource.setdefault("type", "SCALAR")
+    if resource["type"] == "SCALAR":
+        resource.setdefault("scalar", {}).setdefault("value", 0.0)
+    return resource
+
+
+def prepare_output(response: pb.PrepareResponse) -> bytes:
+    if not response.HasField("launch_info"):
+        return b""  # Mesos's None(): this isolator adds nothing to the launch
+    info = _to_json(response.launch_info)
+    for key in ("environment", "task_environment"):
+        if key in info:
+            _with_values(info[key])
+    return _encode(info)
+
+
+def empty_output(response: Message) -> bytes:
+    return b""
+
+
+def watch_output(response: pb.WatchResponse) -> bytes:
+    if not response.HasField("limitation"):
+        return b""  # the module keeps polling
+    limitation = _to_json(response.limitation)
+    limitation["resources"] = [_mesos_resource(r) for r in limitation.get("resources", [])]
+    return _encode(limitation)
+
+
+def usage_output(response: pb.UsageResponse) -> bytes:
+    # Only ResourceStatistics goes back: the module parses OUT as that message. Per-GPU figures
+    # stay on the gRPC and admin routes, which have a place for them.
+    statistics = _to_json(response.statistics)
+    if not statistics.get("timestamp"):
+        statistics["timestamp"] = time.time()
+    return _encode(statistics)
+
+
+@dataclass(frozen=True)
+class Call:
+    request_type: type[Message]
+    rpc: str
+    output: Callable[[Any], bytes]
+
+
+# The methods criteo/mesos-command-modules forwards (reference: bridge-and-cgroup2.md §A.1.3).
+# It never forwards recover, update or status, so the bridge does not serve them.
+CALLS: dict[str, Call] = {
+    "prepare": Call(pb.PrepareRequest, "Prepare", prepare_output),
+    "isolate": Call(pb.IsolateRequest, "Isolate", empty_output),
+    "watch": Call(pb.WatchRequest, "Watch", watch_output),
+    "usage": Call(pb.UsageRequest, "Usage", usage_output),
+    "cleanup": Call(pb.CleanupRequest, "Cleanup", empty_output),
+}
+
+
+# ---- inputs -----------------------------------------------------------------------------------
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}.get(type(value), "a number")
+
+
+def check_shape(value: Any, descriptor: Any, path: str, depth: int = 0) -> None:
+    """Refuse non-objects where a message is expected and non-arrays where a repeated field is.
+
+    json_format.ParseDict iterates whatever it is given as a message, so with unknown fields
+    ignored it would take ``"container_id": "abc"`` for an empty ID; this catches it first.
+    """
+    if depth > MAX_DEPTH:
+        raise BridgeError("INVALID_ARGUMENT", f"input nested deeper than {MAX_DEPTH} levels at {path}")
+    if not isinstance(value, dict):
+        raise BridgeError("INVALID_ARGUMENT", f"{path} must be a JSON object, not {_kind(value)}")
+    for key, item in value.items():
+        field = descriptor.fields_by_name.get(key)
+        if field is None or item is None:
+            continue  # unknown keys are ignored, as stout ignores them
+        items = [item]
+        if field.is_repeated:
+            if not isinstance(item, list):
+                raise BridgeError("INVALID_ARGUMENT", f"{path}.{key} must be a JSON array, not {_kind(item)}")
+            items = item
+        if field.message_type is not None:
+            for i, sub in enumerate(items):
+                where = f"{path}.{key}" + (f"[{i}]" if field.is_repeated else "")
+                check_shape(sub, field.message_type, where, depth + 1)
+
+
+def decode_input(payload: bytes, request_type: type[Message]) -> Message:
+    """The IN file's bytes -> a request message, or INVALID_ARGUMENT saying what is wrong."""
+    try:
+        text = payload.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BridgeError("INVALID_ARGUMENT", f"input is not UTF-8: {exc.reason} at byte {exc.start}") from None
+    if not text.strip():
+        raise BridgeError("INVALID_ARGUMENT", "input is empty; expected a JSON object")
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BridgeError("INVALID_ARGUMENT", f"input is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BridgeError("INVALID_ARGUMENT", "input is nested too deeply to parse") from None
+    check_shape(obj, request_type.DESCRIPTOR, "input")
+    try:
+        return json_format.ParseDict(obj, request_type(), ignore_unknown_fields=True, max_recursion_depth=MAX_DEPTH)
+    except json_format.ParseError as exc:
+        raise BridgeError("INVALID_ARGUMENT", f"input does not match {request_type.DESCRIPTOR.name}: {exc}") from None
+
+
+def parse_frame(data: bytes) -> tuple[str, float, bytes]:
+    """Split a request into (method, timeout in seconds, payload)."""
+    header, sep, payload = data.partition(b"\n")
+    if not sep or len(header) > MAX_HEADER_BYTES:
+        raise BridgeError("INVALID_ARGUMENT", "malformed bridge request: no header line")
+    parts = header.split(b" ")
+    if parts[0] != PROTOCOL:
+        version = parts[0].decode("ascii", "replace")[:40]
+        raise BridgeError(
+            "FAILED_PRECONDITION",
+            f"bridge protocol {version!r} is not spoken here (this sidecar speaks {PROTOCOL.decode()})",
+        )
+    if len(parts) != 3 or not parts[2].isdigit():
+        raise BridgeError("INVALID_ARGUMENT", "malformed bridge request header; expected '<protocol> <method> <ms>'")
+    method = parts[1].decode("ascii", "replace")
+    if method not in CALLS:
+        raise BridgeError(
+            "UNIMPLEMENTED",
+            f"method {method[:40]!r} is not served over the bridge (only {', '.join(CALLS)})",
+        )
+    return method, int(parts[2]) / 1000.0, payload
+
+
+def error_reply(code: str, message: str) -> bytes:
+    line = " ".join(message.split())[:MAX_MESSAGE_CHARS]
+    return b"ERROR " + code.encode() + b" " + line.encode("utf-8", "replace") + b"\n"
+
+
+class _Context:
+    """The part of grpc.ServicerContext the servicers use, for calls that arrive over the bridge."""
+
+    def __init__(self, method: str, timeout: float) -> None:
+        self._method = method
+        self._deadline = time.monotonic() + timeout
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise BridgeError(code.name, details)
+
+    def time_remaining(self) -> float:
+        if self._method == "watch":
+            # The module polls watch (every `isolator_watch_frequence` s, no timeout of its own):
+            # each call asks "is there a limitation now?" and must not block.
+            return 0.0
+        return max(0.0, self._deadline - time.monotonic())
+
+
+def handle(servicer: IsolatorServicer, data: bytes) -> bytes:
+    """One request's bytes -> the reply's bytes. Never raises."""
+    method = "?"
+    try:
+        method, timeout, payload = parse_frame(data)
+        call = CALLS[method]
+        request = decode_input(payload, call.request_type)
+        context = cast(grpc.ServicerContext, _Context(method, timeout))
+        response = getattr(servicer, call.rpc)(request, context)
+        return b"OK\n" + call.output(response)
+    except BridgeError as exc:
+        if exc.code == "INVALID_ARGUMENT":
+            LOG.info("bridge %s refused: %s", method, exc.message)
+        return error_reply(exc.code, exc.message)
+    except Exception as exc:  # a bug here must answer the caller, not kill the listener
+        LOG.exception("bridge %s failed with an unexpected error", method)
+        return error_reply("INTERNAL", f"internal error in bridge {method}: {exc}")
+
+
+# ---- the listener -------------------------------------------------------------------------------
+
+
+_UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;} (socket(7), SO_PEERCRED)
+
+
+class BridgeListener:
+    """Accepts on a bound, listening Unix socket and answers each connection on its own thread.
+
+    Threads are daemons so that a service call that never returns cannot hold the process at exit;
+    ``max_concurrent`` bounds them (usage and watch calls may arrive in parallel, §A.1.6).
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        servicer: IsolatorServicer,
+        *,
+        max_request_bytes: int,
+        max_concurrent: int,
+        allowed_uids: tuple[int, ...],
+        allowed_gids: tuple[int, ...],
+        io_timeout: float = 10.0,
+    ) -> None:
+        self._sock = sock
+        self._servicer = servicer
+        self._limit = MAX_HEADER_BYTES + max_request_bytes
+        self._slots = threading.BoundedSemaphore(max_concurrent)
+        self._allowed_uids = set(allowed_uids) | {os.geteuid()}
+        self._allowed_gids = set(allowed_gids)
+        self._io_timeout = io_timeout
+        self._closing = threading.Event()
+        self._idle = threading.Condition()
+        self._in_flight = 0
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._accept_loop, name="bridge-accept", daemon=True)
+        self._thread.start()
+
+    def stop(self, grace: float) -> None:
+        """Stop accepting, then wait up to ``grace`` seconds for calls in flight."""
+        self._closing.set()
+        try:
+            # Wakes the accept() blocked in the other thread (close alone does not on Linux).
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        if self._thread is not None:
+            self._thread.join()
+        self._sock.close()
+        with self._idle:
+            self._idle.wait_for(lambda: self._in_flight == 0, timeout=grace)
+            if self._in_flight:
+                LOG.warning("stopping with %d bridge call(s) still in flight", self._in_flight)
+
+    def _accept_loop(self) -> None:
+        while not self._closing.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError as exc:
+                if self._closing.is_set():
+                    return
+                LOG.warning("bridge accept failed: %s", exc.strerror)
+                time.sleep(0.05)  # EMFILE and friends: do not spin
+                continue
+            if not self._slots.acquire(blocking=False):
+                self._refuse(conn, "RESOURCE_EXHAUSTED", "too many bridge calls in flight; try again")
+                continue
+            with self._idle:
+                self._in_flight += 1
+            threading.Thread(target=self._serve, args=(conn,), name="bridge", daemon=True).start()
+
+    def _refuse(self, conn: socket.socket, code: str, message: str) -> None:
+        with conn:
+            try:
+                conn.settimeout(self._io_timeout)
+                conn.sendall(error_reply(code, message))
+            except OSError:
+                pass
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            with conn:
+                conn.settimeout(self._io_timeout)
+                try:
+                    reply = self._answer(conn)
+                    conn.sendall(reply)
+                except OSError as exc:
+                    # The caller gave up (its deadline, SIGTERM from the module): nothing to answer.
+                    LOG.debug("bridge connection dropped: %s", exc)
+        finally:
+            self._slots.release()
+            with self._idle:
+                self._in_flight -= 1
+                self._idle.notify_all()
+
+    def _answer(self, conn: socket.socket) -> bytes:
+        denied = self._check_peer(conn)
+        if denied:
+            self._drain(conn)
+            return error_reply("PERMISSION_DENIED", denied)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            chunk = conn.recv(65536)
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > self._limit:
+                self._drain(conn)
+                return error_reply("INVALID_ARGUMENT", f"request larger than {self._limit - MAX_HEADER_BYTES} bytes")
+            chunks.append(chunk)
+        return handle(self._servicer, b"".join(chunks))
+
+    @staticmethod
+    def _drain(conn: socket.socket) -> None:
+        # Closing a Unix socket with unread data resets the peer, which then loses the answer;
+        # read and discard the rest (bounded) so that the caller learns why it was refused.
+        for _ in range(MAX_DRAIN_BYTES // 65536):
+            if not conn.recv(65536):
+                return
+
+    def _check_peer(self, conn: socket.socket) -> str | None:
+        pid, uid, gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        if uid in self._allowed_uids or gid in self._allowed_gids:
+            return None
+        LOG.warning("bridge call from pid %d uid %d gid %d refused: not in allowed-uids/gids", pid, uid, gid)
+        return f"uid {uid} (gid {gid}) is not allowed to call the sidecar; see --allowed-uids and --allowed-gids"

@@ -1,0 +1,655 @@
+"""The bridge executables against a real sidecar, called as criteo/mesos-command-modules calls them.
+
+Each test runs the installed launcher (through its ``gpu-isolator-<method>`` symlink) as a
+subprocess with real IN/OUT/ERR files, against a real SidecarServer whose Service is a small
+recording implementation (the real hooks are built elsewhere). stdout must stay empty every time:
+it is the agent's log.
+"""
+
+from __future__ import annotations
+
+import grp
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from isolator import bridge, config
+from isolator.config import Config
+from isolator.errors import AlreadyExists, Internal, NotFound, SocketError
+from isolator.model import ContainerConfig, ContainerId, LaunchInfo, Mount, gpu_count
+from isolator.server import SidecarServer
+from isolator.service import Service
+
+MS_RDONLY, MS_BIND, MS_REC = 1, 4096, 16384
+
+# What a Mesos 1.11 agent writes for a command task with 2 GPUs (our composition, after
+# apache/mesos:include/mesos/slave/containerizer.proto): many fields the sidecar does not know.
+MESOS_PREPARE_INPUT: dict[str, Any] = {
+    "container_id": {"value": "5d8f2a3c-2b4e-4c1a-9d3e-1f2a3b4c5d6e"},
+    "container_config": {
+        "executor_info": {
+            "executor_id": {"value": "task-1"},
+            "framework_id": {"value": "fw-0001"},
+            "command": {"shell": True, "value": "nvidia-smi", "uris": []},
+            "resources": [{"name": "cpus", "type": "SCALAR", "scalar": {"value": 0.1}, "role": "*"}],
+        },
+        "command_info": {
+            "shell": True,
+            "value": "nvidia-smi",
+            "environment": {"variables": [{"name": "X", "type": "VALUE", "value": "1"}]},
+        },
+        "resources": [
+            {"name": "gpus", "type": "SCALAR", "scalar": {"value": 2}, "role": "*", "allocation_info": {"role": "*"}},
+            {"name": "cpus", "type": "SCALAR", "scalar": {"value": 1.5}, "role": "*"},
+            {"name": "ports", "type": "RANGES", "ranges": {"range": [{"begin": 31000, "end": 31001}]}, "role": "*"},
+        ],
+        "limits": {"cpus": {"value": 2.0}},
+        "container_class": "DEFAULT",
+        "directory": "/var/lib/mesos/slaves/S0/frameworks/fw-0001/executors/task-1/runs/5d8f2a3c",
+        "user": "nobody",
+        "some_field_from_a_newer_agent": {"x": [1, 2, 3]},
+    },
+}
+
+# ContainerLaunchInfo's fields in apache/mesos:include/mesos/slave/containerizer.proto, minus the
+# ones the containerizer refuses from an isolator (rootfs, user).
+LAUNCH_INFO_FIELDS = {
+    "pre_exec_commands",
+    "environment",
+    "working_directory",
+    "capabilities",
+    "effective_capabilities",
+    "bounding_capabilities",
+    "namespaces",
+    "clone_namespaces",
+    "enter_namespaces",
+    "command",
+    "task_environment",
+    "rlimits",
+    "tty_slave_path",
+    "mounts",
+    "file_operations",
+    "masked_paths",
+    "supplementary_groups",
+    "seccomp",
+}
+
+
+class RecordingService(Service):
+    """Enough of the hooks to exercise the protocol: records what arrives, answers in kind."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, Any]] = []
+        self.prepared: set[str] = set()
+        self.limitations: dict[str, dict[str, Any]] = {}
+        self.statistics: dict[str, Any] = {"timestamp": 1700000000.25}
+        self.cleanup_error: Exception | None = None
+        self.gate: threading.Event | None = None  # when set, prepare blocks until the gate opens
+        self.entered = threading.Event()
+
+    def prepare(self, container_id: ContainerId, config: ContainerConfig) -> LaunchInfo | None:
+        self.calls.append(("prepare", str(container_id), config))
+        if self.gate is not None:
+            self.entered.set()
+            self.gate.wait(60)
+        if str(container_id) in self.prepared:
+            raise AlreadyExists(f"container '{container_id}' is already prepared")
+        self.prepared.add(str(container_id))
+        gpus = gpu_count(config.resources)
+        if gpus == 0:
+            return None
+        return LaunchInfo(
+            environment=(("NVIDIA_VISIBLE_DEVICES", ",".join(map(str, range(gpus)))), ("EMPTY", "")),
+            mounts=(
+                Mount(
+                    target=os.path.join(config.directory, ".gpu-isolator", "nvidia"),
+                    source="/var/run/mesos/isolators/gpu/nvidia_550.54.15",
+                    flags=MS_BIND | MS_REC | MS_RDONLY,
+                ),
+            ),
+        )
+
+    def isolate(self, container_id: ContainerId, pid: int) -> None:
+        self.calls.append(("isolate", str(container_id), pid))
+
+    def watch(self, container_id: ContainerId, timeout: float | None) -> dict[str, Any] | None:
+        self.calls.append(("watch", str(container_id), timeout))
+        return self.limitations.get(str(container_id))
+
+    def usage(self, container_id: ContainerId) -> dict[str, Any]:
+        self.calls.append(("usage", str(container_id), None))
+        gpu = {"uuid": "GPU-0", "minor": 0, "memory_used_bytes": 1 << 30, "utilization_percent": 40}
+        return {"statistics": self.statistics, "gpus": [gpu]}
+
+    def cleanup(self, container_id: ContainerId) -> None:
+        self.calls.append(("cleanup", str(container_id), None))
+        if self.cleanup_error is not None:
+            raise self.cleanup_error
+        if str(container_id) not in self.prepared:
+            raise NotFound(f"container '{container_id}' is not known to the sidecar")
+        self.prepared.discard(str(container_id))
+
+
+@dataclass
+class Run:
+    returncode: int
+    out: str
+    err: str
+    stderr: str
+
+
+@pytest.fixture
+def service() -> RecordingService:
+    return RecordingService()
+
+
+@pytest.fixture
+def sidecar(short_tmp, service):
+    srv = SidecarServer(Config(socket=os.path.join(short_tmp, "run", "s.sock"), max_message_bytes=64 * 1024), service)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        if service.gate is not None:
+            service.gate.set()
+        srv.stop(grace=0)
+
+
+@pytest.fixture
+def bin_dir(short_tmp, sidecar) -> str:
+    directory = os.path.join(short_tmp, "bin")
+    bridge.install(directory, socket_path=sidecar.config.bridge_path)
+    return directory
+
+
+def call(
+    bin_dir: str,
+    method: str,
+    payload: Any,
+    env: dict[str, str] | None = None,
+    stdin: bytes = b"",
+) -> Run:
+    """Run ``gpu-isolator-<method> IN OUT ERR`` as the module does (temp files, stdin = IN)."""
+    with tempfile.TemporaryDirectory(prefix="criteo-mesos-", dir="/tmp") as tmp:
+        paths = [os.path.join(tmp, name) for name in ("in", "out", "err")]
+        data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        with open(paths[0], "wb") as fh:
+            fh.write(data)
+        for p in paths[1:]:
+            open(p, "wb").close()
+        result = subprocess.run(
+            [os.path.join(bin_dir, f"gpu-isolator-{method}"), *paths],
+            input=stdin,
+            capture_output=True,
+            env={**os.environ, **(env or {})},
+            timeout=60,
+        )
+        with open(paths[1]) as fh:
+            out = fh.read()
+        with open(paths[2]) as fh:
+            err = fh.read()
+    assert result.stdout == b"", "the bridge wrote to stdout, which is the agent's log"
+    return Run(result.returncode, out, err, result.stderr.decode())
+
+
+def one_line(text: str) -> str:
+    assert text, "ERR is empty"
+    assert "\n" not in text, f"ERR is not one line: {text!r}"
+    return text
+
+
+# ---- each method ------------------------------------------------------------------------------
+
+
+def test_prepare_writes_a_launch_info_with_mesos_field_names_and_no_rootfs_or_user(bin_dir, service):
+    run = call(bin_dir, "prepare", MESOS_PREPARE_INPUT)
+
+    assert run.returncode == 0, run.err
+    info = json.loads(run.out)
+    assert set(info) <= LAUNCH_INFO_FIELDS
+    assert {"rootfs", "user"}.isdisjoint(info)
+    assert info["environment"]["variables"] == [
+        {"name": "NVIDIA_VISIBLE_DEVICES", "type": "VALUE", "value": "0,1"},
+        {"name": "EMPTY", "type": "VALUE", "value": ""},
+    ]
+    [mount] = info["mounts"]
+    assert mount["flags"] == MS_BIND | MS_REC | MS_RDONLY  # a number, as stout writes uint32
+    assert mount["target"].endswith("/.gpu-isolator/nvidia")
+    assert mount["source"] == "/var/run/mesos/isolators/gpu/nvidia_550.54.15"
+
+
+def test_prepare_hands_the_service_what_mesos_sent_ignoring_fields_it_does_not_know(bin_dir, service):
+    call(bin_dir, "prepare", MESOS_PREPARE_INPUT)
+
+    [(hook, cid, cfg)] = service.calls
+    assert (hook, cid) == ("prepare", "5d8f2a3c-2b4e-4c1a-9d3e-1f2a3b4c5d6e")
+    assert gpu_count(cfg.resources) == 2
+    assert [r.name for r in cfg.resources] == ["gpus", "cpus", "ports"]
+    assert cfg.resources[2].type == "RANGES"
+    assert cfg.container_class == "DEFAULT"
+    assert cfg.directory == MESOS_PREPARE_INPUT["container_config"]["directory"]
+    assert cfg.user == "nobody"
+
+
+def test_prepare_leaves_out_empty_when_the_service_adds_nothing(bin_dir):
+    payload = {"container_id": {"value": "no-gpus"}, "container_config": {"directory": "/sandbox"}}
+    run = call(bin_dir, "prepare", payload)
+    assert (run.returncode, run.out, run.err) == (0, "", "")
+
+
+def test_prepare_of_a_nested_container_passes_its_parent_chain(bin_dir, service):
+    payload = {"container_id": {"value": "child", "parent": {"value": "parent"}}, "container_config": {}}
+    assert call(bin_dir, "prepare", payload).returncode == 0
+    assert service.calls[0][1] == "parent.child"
+
+
+def test_prepare_refused_by_the_service_exits_1_with_its_status_and_message(bin_dir):
+    assert call(bin_dir, "prepare", MESOS_PREPARE_INPUT).returncode == 0
+    run = call(bin_dir, "prepare", MESOS_PREPARE_INPUT)
+    assert run.returncode == bridge.EXIT_REFUSED
+    assert one_line(run.err).startswith("gpu-isolator prepare: ALREADY_EXISTS: container '5d8f2a3c")
+    assert run.out == ""
+
+
+@pytest.mark.parametrize("pid", [4242, "4242"], ids=["number", "numeric-string"])
+def test_isolate_passes_the_pid_given_as_a_number_or_a_numeric_string(bin_dir, service, pid):
+    run = call(bin_dir, "isolate", {"container_id": {"value": "c1"}, "pid": pid, "container_config": {}})
+    assert (run.returncode, run.out) == (0, "")
+    assert service.calls == [("isolate", "c1", 4242)]
+
+
+def test_cleanup_of_a_container_the_sidecar_never_knew_exits_0(bin_dir, service):
+    run = call(bin_dir, "cleanup", {"container_id": {"value": "never-prepared"}})
+    assert (run.returncode, run.out) == (0, "")
+    assert service.calls == [("cleanup", "never-prepared", None)]
+    assert "NOT_FOUND" in run.stderr  # noted in the agent's log, not turned into a failure
+
+
+def test_cleanup_after_prepare_releases_the_container(bin_dir, service):
+    call(bin_dir, "prepare", MESOS_PREPARE_INPUT)
+    run = call(bin_dir, "cleanup", {"container_id": MESOS_PREPARE_INPUT["container_id"]})
+    assert (run.returncode, run.err, run.stderr) == (0, "", "")
+    assert service.prepared == set()
+
+
+def test_cleanup_the_sidecar_cannot_complete_exits_non_zero(bin_dir, service):
+    service.cleanup_error = Internal("failed to detach device program '/sys/fs/cgroup/x': Device or resource busy")
+    run = call(bin_dir, "cleanup", {"container_id": {"value": "c1"}})
+    assert run.returncode == bridge.EXIT_REFUSED
+    assert "INTERNAL: failed to detach device program" in one_line(run.err)
+
+
+def test_cleanup_while_the_sidecar_is_down_exits_0_and_says_so_in_the_agent_log(short_tmp):
+    directory = os.path.join(short_tmp, "bin")
+    absent = os.path.join(short_tmp, "absent.sock.bridge")
+    bridge.install(directory, socket_path=absent)
+    run = call(directory, "cleanup", {"container_id": {"value": "c1"}})
+    assert run.returncode == 0
+    assert absent in run.stderr
+
+
+def test_watch_writes_nothing_while_there_is_no_limitation_and_does_not_block(bin_dir, service):
+    run = call(bin_dir, "watch", {"container_id": {"value": "c1"}, "container_config": {}})
+    assert (run.returncode, run.out, run.err) == (0, "", "")
+    assert service.calls == [("watch", "c1", 0.0)]  # a poll: the module calls again every period
+
+
+def test_watch_writes_the_limitation_with_the_fields_mesos_requires(bin_dir, service):
+    service.limitations["c1"] = {
+        "resources": [{"name": "gpus", "type": "SCALAR", "scalar": {"value": 1}}],
+        "message": "GPU-5c3f (minor 1) became unhealthy: XID 79",
+        "reason": "REASON_CONTAINER_LIMITATION",
+    }
+    run = call(bin_dir, "watch", {"container_id": {"value": "c1"}, "container_config": {}})
+    assert run.returncode == 0
+    limitation = json.loads(run.out)
+    assert limitation["message"] == "GPU-5c3f (minor 1) became unhealthy: XID 79"
+    assert limitation["reason"] == "REASON_CONTAINER_LIMITATION"
+    # Resource.type is `required` in Mesos; proto3 would drop SCALAR, its zero value.
+    assert limitation["resources"] == [{"name": "gpus", "type": "SCALAR", "scalar": {"value": 1.0}}]
+
+
+def test_usage_writes_resource_statistics_with_its_timestamp(bin_dir, service):
+    run = call(bin_dir, "usage", {"container_id": {"value": "c1"}, "container_config": {}})
+    assert run.returncode == 0
+    assert json.loads(run.out) == {"timestamp": 1700000000.25}
+
+
+def test_usage_without_a_timestamp_from_the_service_gets_one(bin_dir, service):
+    service.statistics = {}
+    run = call(bin_dir, "usage", {"container_id": {"value": "c1"}})
+    assert run.returncode == 0
+    assert json.loads(run.out)["timestamp"] > 1.6e9
+
+
+def test_input_comes_from_the_file_in_argv_never_from_stdin(bin_dir, service):
+    # watch runs through system() with the agent's stdin (reference §A.1.4, point 3).
+    stdin = json.dumps({"container_id": {"value": "from-stdin"}}).encode()
+    call(bin_dir, "watch", {"container_id": {"value": "from-argv"}}, stdin=stdin)
+    assert [c[1] for c in service.calls] == ["from-argv"]
+
+
+# ---- bad input --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("method", "payload", "expected"),
+    [
+        ("prepare", b'{"container_id": {"value": "c1"', "input is not valid JSON"),
+        ("prepare", b"", "input is empty"),
+        ("prepare", b"\xff\xfe{}", "input is not UTF-8"),
+        ("prepare", [{"container_id": {"value": "c1"}}], "input must be a JSON object, not an array"),
+        ("prepare", "c1", "input must be a JSON object, not a string"),
+        ("prepare", {"container_id": "c1"}, "input.container_id must be a JSON object, not a string"),
+        ("prepare", {"container_id": {"value": 7}}, "Failed to parse value field"),
+        (
+            "prepare",
+            {"container_id": {"value": "c1"}, "container_config": {"resources": {"name": "gpus"}}},
+            "input.container_config.resources must be a JSON array, not an object",
+        ),
+        (
+            "prepare",
+            {"container_id": {"value": "c1"}, "container_config": {"resources": [{"scalar": {"value": "two"}}]}},
+            "Couldn't parse float",
+        ),
+        ("prepare", {"container_id": {"value": "../etc"}}, "invalid container ID '../etc'"),
+        ("prepare", {"container_config": {}}, "invalid container ID '': must not be empty"),
+        ("isolate", {"container_id": {"value": "c1"}, "pid": "abc"}, "Failed to parse pid field"),
+        ("isolate", {"container_id": {"value": "c1"}, "pid": -5}, "Value out of range: -5"),
+        ("isolate", {"container_id": {"value": "c1"}, "pid": True}, "Bool value True is not acceptable"),
+    ],
+    ids=[
+        "truncated-json",
+        "empty",
+        "not-utf8",
+        "array",
+        "string",
+        "id-not-object",
+        "id-value-number",
+        "resources-not-array",
+        "scalar-not-number",
+        "id-escapes",
+        "id-missing",
+        "pid-word",
+        "pid-negative",
+        "pid-bool",
+    ],
+)
+def test_malformed_input_fails_with_invalid_argument_and_reaches_no_hook(bin_dir, service, method, payload, expected):
+    run = call(bin_dir, method, payload)
+    assert run.returncode == bridge.EXIT_REFUSED
+    err = one_line(run.err)
+    assert err.startswith(f"gpu-isolator {method}: INVALID_ARGUMENT: ")
+    assert expected in err
+    assert run.out == ""
+    assert service.calls == []
+
+
+def test_input_larger_than_the_limit_is_refused_with_the_reason(bin_dir, service):
+    payload = {"container_id": {"value": "c1"}, "padding": "x" * (128 * 1024)}
+    run = call(bin_dir, "prepare", payload)
+    assert run.returncode == bridge.EXIT_REFUSED
+    assert "INVALID_ARGUMENT: request larger than 65536 bytes" in one_line(run.err)
+    assert service.calls == []
+
+
+def test_missing_input_file_exits_2_naming_it(bin_dir, short_tmp):
+    err = os.path.join(short_tmp, "err")
+    missing = os.path.join(short_tmp, "no-such-input")
+    result = subprocess.run(
+        [os.path.join(bin_dir, "gpu-isolator-prepare"), missing, os.path.join(short_tmp, "out"), err],
+        capture_output=True,
+        timeout=60,
+    )
+    assert result.returncode == bridge.EXIT_USAGE
+    assert result.stdout == b""
+    with open(err) as fh:
+        assert one_line(fh.read()) == (
+            f"gpu-isolator prepare: failed to read input file '{missing}': No such file or directory"
+        )
+
+
+def test_wrong_number_of_arguments_exits_2_with_usage_on_stderr(bin_dir):
+    result = subprocess.run([os.path.join(bin_dir, "gpu-isolator-prepare"), "only-one"], capture_output=True)
+    assert result.returncode == bridge.EXIT_USAGE
+    assert result.stdout == b""
+    assert "usage: gpu-isolator-<method> IN OUT ERR" in result.stderr.decode()
+
+
+def test_launcher_takes_the_method_as_a_first_argument_for_people(bin_dir, service, short_tmp):
+    path = os.path.join(short_tmp, "in.json")
+    with open(path, "w") as fh:
+        json.dump({"container_id": {"value": "c9"}}, fh)
+    out, err = os.path.join(short_tmp, "out"), os.path.join(short_tmp, "err")
+    launcher = os.path.join(bin_dir, bridge.LAUNCHER)
+    result = subprocess.run([launcher, "watch", path, out, err], capture_output=True, timeout=60)
+    assert (result.returncode, result.stdout) == (0, b"")
+    assert service.calls == [("watch", "c9", 0.0)]
+
+
+def test_a_bad_timeout_setting_exits_2(bin_dir):
+    run = call(bin_dir, "watch", {"container_id": {"value": "c1"}}, env={bridge.TIMEOUT_ENV: "soon"})
+    assert run.returncode == bridge.EXIT_USAGE
+    assert one_line(run.err) == "gpu-isolator watch: GPU_ISOLATOR_BRIDGE_TIMEOUT='soon' is not a number of seconds"
+
+
+# ---- the sidecar down, slow, or the module giving up --------------------------------------------
+
+
+def test_sidecar_down_fails_with_a_line_naming_the_socket(short_tmp):
+    directory = os.path.join(short_tmp, "bin")
+    absent = os.path.join(short_tmp, "absent.sock.bridge")
+    bridge.install(directory, socket_path=absent)
+    run = call(directory, "prepare", MESOS_PREPARE_INPUT)
+    assert run.returncode == bridge.EXIT_UNREACHABLE
+    assert one_line(run.err) == (
+        f"gpu-isolator prepare: cannot reach the sidecar at '{absent}': No such file or directory"
+        " (is 'gpu-isolator serve' running?)"
+    )
+
+
+def test_environment_names_another_socket(bin_dir, short_tmp):
+    other = os.path.join(short_tmp, "other.sock")
+    run = call(bin_dir, "prepare", MESOS_PREPARE_INPUT, env={bridge.SOCKET_ENV: other})
+    assert run.returncode == bridge.EXIT_UNREACHABLE
+    assert f"'{other}'" in run.err
+
+
+def test_a_call_slower_than_the_deadline_fails_without_waiting_for_the_service(bin_dir, sidecar, service):
+    service.gate = threading.Event()
+    run = call(bin_dir, "prepare", MESOS_PREPARE_INPUT, env={bridge.TIMEOUT_ENV: "0.5"})
+    # The gate is still closed: the bridge gave up on its own deadline, not on the service's answer.
+    assert not service.gate.is_set()
+    assert service.entered.is_set()
+    assert run.returncode == bridge.EXIT_DEADLINE
+    assert one_line(run.err) == (
+        f"gpu-isolator prepare: no answer from the sidecar at '{sidecar.config.bridge_path}' within 0.5 s"
+    )
+
+
+def test_sigterm_from_the_module_makes_the_bridge_exit_non_zero_at_once(bin_dir, service, short_tmp):
+    service.gate = threading.Event()
+    paths = [os.path.join(short_tmp, name) for name in ("in", "out", "err")]
+    with open(paths[0], "w") as fh:
+        json.dump(MESOS_PREPARE_INPUT, fh)
+    proc = subprocess.Popen(
+        [os.path.join(bin_dir, "gpu-isolator-prepare"), *paths], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        assert service.entered.wait(30), "the call never reached the service"
+        proc.send_signal(signal.SIGTERM)
+        stdout, _ = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not service.gate.is_set()
+    assert proc.returncode == bridge.EXIT_SIGNAL
+    assert stdout == b""
+    with open(paths[2]) as fh:
+        assert "gpu-isolator prepare: interrupted by SIGTERM after" in one_line(fh.read())
+
+
+# ---- the socket and the protocol ----------------------------------------------------------------
+
+
+def raw_call(path: str, data: bytes) -> bytes:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(path)
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@pytest.mark.parametrize(
+    ("data", "reply"),
+    [
+        (
+            b"gpu-isolator-bridge/1 update 1000\n{}",
+            b"ERROR UNIMPLEMENTED method 'update' is not served over the bridge",
+        ),
+        (b"gpu-isolator-bridge/1 recover 1000\n{}", b"ERROR UNIMPLEMENTED method 'recover'"),
+        (
+            b"gpu-isolator-bridge/9 prepare 1000\n{}",
+            b"ERROR FAILED_PRECONDITION bridge protocol 'gpu-isolator-bridge/9'",
+        ),
+        (b"gpu-isolator-bridge/1 prepare\n{}", b"ERROR INVALID_ARGUMENT malformed bridge request header"),
+        (b'{"container_id": {"value": "c1"}}', b"ERROR INVALID_ARGUMENT malformed bridge request: no header line"),
+    ],
+    ids=["update", "recover", "version", "no-timeout", "no-header"],
+)
+def test_requests_outside_the_protocol_get_an_error_reply(sidecar, service, data, reply):
+    answer = raw_call(sidecar.config.bridge_path, data)
+    assert answer.startswith(reply)
+    assert answer.endswith(b"\n") and answer.count(b"\n") == 1
+    assert service.calls == []
+
+
+def test_bridge_socket_is_born_0600_next_to_the_grpc_socket_and_removed_at_stop(short_tmp):
+    srv = SidecarServer(Config(socket=os.path.join(short_tmp, "s.sock")), RecordingService())
+    srv.start()
+    try:
+        st = os.stat(os.path.join(short_tmp, "s.sock.bridge"))
+        assert stat.S_ISSOCK(st.st_mode)
+        assert stat.S_IMODE(st.st_mode) == 0o600
+    finally:
+        srv.stop(grace=0)
+    assert os.listdir(short_tmp) == []
+
+
+def test_empty_bridge_setting_serves_no_bridge(short_tmp):
+    srv = SidecarServer(Config(socket=os.path.join(short_tmp, "s.sock"), bridge_socket=""), RecordingService())
+    srv.start()
+    try:
+        assert sorted(os.listdir(short_tmp)) == ["s.sock", "s.sock.lock"]
+    finally:
+        srv.stop(grace=0)
+
+
+def test_a_live_bridge_socket_is_not_stolen_and_the_second_server_leaves_nothing(short_tmp):
+    bridge_path = os.path.join(short_tmp, "shared.bridge")
+    first = SidecarServer(Config(socket=os.path.join(short_tmp, "a.sock"), bridge_socket=bridge_path), Service())
+    first.start()
+    try:
+        second = SidecarServer(Config(socket=os.path.join(short_tmp, "b.sock"), bridge_socket=bridge_path), Service())
+        with pytest.raises(SocketError, match="another sidecar holds"):
+            second.start()
+        assert not os.path.exists(os.path.join(short_tmp, "b.sock"))
+        assert os.path.exists(bridge_path)
+        assert raw_call(bridge_path, b"gpu-isolator-bridge/1 update 1\n").startswith(b"ERROR UNIMPLEMENTED")
+    finally:
+        first.stop(grace=0)
+
+
+@pytest.mark.root
+def test_a_caller_outside_the_allowed_uids_and_gids_is_refused(short_tmp):
+    os.chmod(short_tmp, 0o755)
+    nogroup = grp.getgrnam("nogroup").gr_gid
+    # The socket lets the group in (0660, group nogroup), so the refusal below is the sidecar's own.
+    cfg = Config(socket=os.path.join(short_tmp, "s.sock"), socket_mode=0o660, socket_group="nogroup")
+    service = RecordingService()
+    srv = SidecarServer(cfg, service)
+    srv.start()
+    try:
+        answer = _call_as(65534, nogroup, cfg.bridge_path, b'gpu-isolator-bridge/1 cleanup 1000\n{"container_id": {}}')
+    finally:
+        srv.stop(grace=0)
+    assert answer.startswith(b"ERROR PERMISSION_DENIED uid 65534"), answer
+    assert service.calls == []
+
+
+def _call_as(uid: int, gid: int, path: str, data: bytes) -> bytes:
+    """raw_call from a forked child that dropped to uid/gid (the interpreter may not be theirs to run)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: only syscalls, then _exit
+        status = 1
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            os.write(write_end, raw_call(path, data))
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as fh:
+        answer = fh.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, answer
+    return answer
+
+
+# ---- the client stays cheap and in step with the daemon ------------------------------------------
+
+
+def test_bridge_client_loads_no_json_grpc_or_protobuf(bin_dir):
+    probe = (
+        "import sys; sys.path.append(sys.argv[1]); import isolator.bridge;"
+        " sys.stderr.write(' '.join(sorted(sys.modules)))"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(bridge.__file__)))
+    result = subprocess.run([sys.executable, "-I", "-S", "-c", probe, root], capture_output=True, text=True)
+    loaded = set(result.stderr.split())
+    assert "isolator.bridge" in loaded
+    assert loaded.isdisjoint({"json", "grpc", "google", "google.protobuf", "socket", "os", "enum", "re"})
+
+
+def test_bridge_default_socket_is_the_daemons_default():
+    assert bridge.DEFAULT_SOCKET == config.DEFAULT_SOCKET + config.BRIDGE_SUFFIX
+    assert Config().bridge_path == bridge.DEFAULT_SOCKET
+
+
+def test_install_writes_a_launcher_that_skips_site_and_one_link_per_method(short_tmp):
+    paths = bridge.install(os.path.join(short_tmp, "bin"), socket_path="/run/x.bridge", timeout=12)
+    assert [os.path.basename(p) for p in paths] == [
+        "gpu-isolator-bridge",
+        "gpu-isolator-prepare",
+        "gpu-isolator-isolate",
+        "gpu-isolator-watch",
+        "gpu-isolator-usage",
+        "gpu-isolator-cleanup",
+    ]
+    with open(paths[0]) as fh:
+        text = fh.read()
+    assert text.startswith(f"#!{sys.executable} -IS\n")
+    assert "socket_path='/run/x.bridge', timeout=12.0" in text
+    assert os.access(paths[0], os.X_OK)
+    assert all(os.readlink(p) == "gpu-isolator-bridge" for p in paths[1:])
+    # Installing again replaces everything in place.
+    assert bridge.install(os.path.join(short_tmp, "bin")) == paths

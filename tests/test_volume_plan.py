@@ -161,3 +161,30 @@ def test_parse_groups_reads_capability_lists():
     assert parse_groups("utility, compute") == {Group.UTILITY, Group.COMPUTE}
     with pytest.raises(ValueError):
         parse_groups("utility,bogus")
+
+
+def test_the_volumes_package_imports_without_isolator():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, volumes.build, volumes.manager, volumes.inject, volumes.manifest;"
+        "bad = [m for m in sys.modules if m == 'isolator' or m.startswith('isolator.')];"
+        "sys.exit(1 if bad else 0)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_mountinfo_finds_the_innermost_mount_and_its_noexec_flag():
+    from volumes.mounts import mount_of, parse_mountinfo
+
+    text = (
+        "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"
+        "30 22 0:25 / /var/run rw,nosuid,noexec shared:5 - tmpfs tmpfs rw,mode=755\n"
+        "31 30 0:26 / /var/run/my\\040dir rw shared:6 - tmpfs tmpfs rw\n"
+    )
+    entries = parse_mountinfo(text)
+    assert mount_of("/var/run/mesos/isolators/gpu", entries).noexec
+    assert mount_of("/var/run/my dir/x", entries).mount_point == "/var/run/my dir"
+    assert not mount_of("/var/lib", entries).noexec
+    assert mount_of("/var/runner", entries).mount_point == "/"

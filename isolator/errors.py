@@ -212,3 +212,27 @@ class GpuAlreadyHeld(AlreadyExists):
     """The store refused to record a GPU twice: the last line of defence against double allocation."""
 
     msg_fmt = "failed to record GPU {gpu} for container {container}: it is already held by {holder}"
+
+
+# ---- Mapping foreign errors by code name ---------------------------------------------------------
+
+_FAMILIES: dict[str, type[IsolatorError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        AlreadyExists,
+        FailedPrecondition,
+        ResourceExhausted,
+        PermissionDenied,
+        Unavailable,
+        Unimplemented,
+        Internal,
+    )
+}
+
+
+def from_code(code: str, message: str) -> IsolatorError:
+    """An error of the family named by ``code`` (e.g. the volumes package's errors, which carry
+    the same gRPC code names but cannot import this module)."""
+    return _FAMILIES.get(code, Internal)(message)

@@ -85,3 +85,29 @@ class SocketError(IsolatorError):
     """The Unix socket cannot be created or is held by a live sidecar."""
 
     code = "UNAVAILABLE"
+
+
+class NvmlError(IsolatorError):
+    """An NVML call failed. ``nvml_code`` is NVML's nvmlReturn_t value, ``call`` the function."""
+
+    code = "UNAVAILABLE"
+    msg_fmt = "failed to {op} '{target}': {cause}"
+
+
+class NvmlNotFound(NvmlError):
+    """libnvidia-ml cannot be loaded or initialised: no driver, or NVML in an unexpected place."""
+
+    code = "FAILED_PRECONDITION"
+    msg_fmt = "failed to load NVML '{target}': {cause}"
+
+
+class GpuNotFound(NvmlError):
+    """An index, UUID or minor names no GPU that NVML reports."""
+
+    code = "NOT_FOUND"
+
+
+class HostFileError(ConfigError):
+    """A simulated host description that is malformed or inconsistent."""
+
+    msg_fmt = "failed to load host file '{path}': {where}{reason}"

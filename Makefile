@@ -25,7 +25,15 @@ proto: $(STAMP)
 proto-check: $(STAMP)
 	$(PY) scripts/genproto.py --check
 
-build: $(STAMP)
+# The simulated host's fake NVML (isolator/simhost/fakenvml.c), loaded by the real pynvml.
+FAKENVML := build/libnvidia-ml.so.1
+CFLAGS_FAKENVML := -shared -fPIC -O2 -g -Wall -Wextra -Werror -fvisibility=hidden -Wl,-soname,libnvidia-ml.so.1
+
+build: $(STAMP) $(FAKENVML)
+
+$(FAKENVML): isolator/simhost/fakenvml.c
+	@mkdir -p build
+	gcc $(CFLAGS_FAKENVML) -o $@ $< -lpthread -ldl
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check isolator volumes tests scripts

@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -125,20 +126,9 @@ def _run_admin(args: argparse.Namespace) -> int:
 def render(command: str, data: dict[str, Any]) -> str:
     """Tables for people. The JSON form is the stable one; these may change."""
     if command == "gpus":
-        rows = [dict(g, memory=f"{int(g.get('memory_total_bytes', 0)) // 2**20} MiB") for g in data.get("gpus", [])]
-        return _table(
-            rows,
-            [
-                ("index", "INDEX"),
-                ("minor", "MINOR"),
-                ("uuid", "UUID"),
-                ("name", "NAME"),
-                ("memory", "MEMORY"),
-                ("numa_node", "NUMA"),
-                ("healthy", "HEALTHY"),
-                ("holder", "HOLDER"),
-            ],
-        )
+        return _gpus_table(data)
+    if command == "topology":
+        return _topology_matrix(data)
     if command == "containers":
         return _table(
             data.get("containers", []),
@@ -153,6 +143,84 @@ def render(command: str, data: dict[str, Any]) -> str:
     if command == "health":
         return _table(data.get("checks", []), [("name", "CHECK"), ("ok", "OK"), ("detail", "DETAIL")])
     return json.dumps(data, indent=2, sort_keys=True)
+
+
+def _health_text(g: dict[str, Any]) -> str:
+    if g.get("healthy"):
+        return "healthy"
+    xid = int(g.get("last_xid") or 0)
+    if xid:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(g.get("last_xid_time") or 0)))
+        return f"UNHEALTHY: XID {xid} at {when}"
+    return f"UNHEALTHY: {g.get('health_reason') or 'unknown'}"
+
+
+def _gpus_table(data: dict[str, Any]) -> str:
+    rows = []
+    for g in data.get("gpus", []):
+        numa = int(g.get("numa_node", -1))
+        rows.append(
+            dict(
+                g,
+                minor=g.get("minor", 0) if g.get("uuid") else "?",
+                memory=f"{int(g.get('memory_total_bytes', 0)) // 2**20} MiB",
+                numa="N/A" if numa < 0 else numa,
+                health=_health_text(g),
+                mig="on" if g.get("mig_enabled") else "",
+            )
+        )
+    header = f"Driver {data.get('driver_version') or 'N/A'}, CUDA {data.get('cuda_driver_version') or 'N/A'}"
+    table = _table(
+        rows,
+        [
+            ("index", "INDEX"),
+            ("minor", "MINOR"),
+            ("uuid", "UUID"),
+            ("name", "NAME"),
+            ("memory", "MEMORY"),
+            ("numa", "NUMA"),
+            ("mig", "MIG"),
+            ("health", "HEALTH"),
+            ("holder", "HOLDER"),
+        ],
+    )
+    return header + "\n" + table
+
+
+def _topology_matrix(data: dict[str, Any]) -> str:
+    """As ``nvidia-smi topo -m``: X on the diagonal, NV# or the PCIe level elsewhere."""
+    indices = [int(i) for i in data.get("indices", [])]
+    kinds: dict[tuple[int, int], str] = {}
+    for link in data.get("links", []):
+        a, b = int(link.get("a", 0)), int(link.get("b", 0))
+        kinds[(a, b)] = kinds[(b, a)] = str(link.get("kind", ""))
+    numa = [int(n) for n in data.get("numa_nodes", [])]
+    cpus = list(data.get("cpu_affinity", []))
+    rows = []
+    for pos, a in enumerate(indices):
+        row: dict[str, Any] = {"gpu": f"GPU{a}"}
+        for b in indices:
+            row[f"g{b}"] = "X" if a == b else kinds.get((a, b), "SYS")
+        row["cpus"] = cpus[pos] if pos < len(cpus) and cpus[pos] else "N/A"
+        row["numa"] = numa[pos] if pos < len(numa) and numa[pos] >= 0 else "N/A"
+        rows.append(row)
+    columns = [
+        ("gpu", ""),
+        *((f"g{b}", f"GPU{b}") for b in indices),
+        ("cpus", "CPU Affinity"),
+        ("numa", "NUMA Affinity"),
+    ]
+    legend = (
+        "\n\nLegend:\n"
+        "  X    = Self\n"
+        "  SYS  = Traverses PCIe and the SMP interconnect between NUMA nodes\n"
+        "  NODE = Traverses PCIe and the interconnect between host bridges within a NUMA node\n"
+        "  PHB  = Traverses PCIe and a PCIe host bridge\n"
+        "  PXB  = Traverses multiple PCIe bridges, without a host bridge\n"
+        "  PIX  = Traverses at most a single PCIe bridge\n"
+        "  NV#  = Traverses a bonded set of # NVLinks"
+    )
+    return _table(rows, columns) + legend
 
 
 def _run_serve(args: argparse.Namespace) -> int:

@@ -236,3 +236,29 @@ def from_code(code: str, message: str) -> IsolatorError:
     """An error of the family named by ``code`` (e.g. the volumes package's errors, which carry
     the same gRPC code names but cannot import this module)."""
     return _FAMILIES.get(code, Internal)(message)
+
+
+class NvmlError(IsolatorError):
+    """An NVML call failed. ``nvml_code`` is NVML's nvmlReturn_t value, ``call`` the function."""
+
+    code = "UNAVAILABLE"
+    msg_fmt = "failed to {op} '{target}': {cause}"
+
+
+class NvmlNotFound(NvmlError):
+    """libnvidia-ml cannot be loaded or initialised: no driver, or NVML in an unexpected place."""
+
+    code = "FAILED_PRECONDITION"
+    msg_fmt = "failed to load NVML '{target}': {cause}"
+
+
+class GpuNotFound(NvmlError):
+    """An index, UUID or minor names no GPU that NVML reports."""
+
+    code = "NOT_FOUND"
+
+
+class HostFileError(ConfigError):
+    """A simulated host description that is malformed or inconsistent."""
+
+    msg_fmt = "failed to load host file '{path}': {where}{reason}"

@@ -89,6 +89,30 @@ class Volumes(Protocol):
     def volumes(self) -> list[dict[str, Any]]: ...
 
 
+class EmptyInventory:
+    """A host with no GPUs to manage (``gpus:0``, or no NVML and none requested): every container
+    gets the standard devices only."""
+
+    driver_version = ""
+    cuda_driver_version = ""
+    records: tuple[Any, ...] = ()
+
+    def topology(self) -> Topology:
+        return Topology(gpus=())
+
+    def healthy(self) -> frozenset[int]:
+        return frozenset()
+
+    def usage(self, index: int) -> Any:
+        raise NotFound(f"GPU {index} is not managed by this sidecar")
+
+    def on_health_change(self, callback: Callable[[Any], None]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 @dataclass(frozen=True)
 class HookSettings:
     mode: str = "standalone"
@@ -115,7 +139,8 @@ class IsolatorService(Service):
         policy: str = "topology",
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.inventory = inventory
+        super().__init__(inventory)  # type: ignore[arg-type]
+        self._inv = inventory
         self.controller = controller
         self.host_devices = host_devices
         self.store = store
@@ -149,7 +174,7 @@ class IsolatorService(Service):
                 self.allocator.restore(known)
 
     def _sync_health(self) -> None:
-        healthy_indices = self.inventory.healthy()
+        healthy_indices = self._inv.healthy()
         for gpu in self._gpus.values():
             self.allocator.set_healthy(gpu.minor, gpu.index in healthy_indices)
 
@@ -163,6 +188,8 @@ class IsolatorService(Service):
     # ---- helpers ----------------------------------------------------------------------------------
 
     def _rules(self, minors: frozenset[int]) -> tuple[devrules.DeviceRule, ...]:
+        if not self._gpus:
+            return tuple(devrules.MESOS_DEFAULT_WHITELIST)  # no GPUs here: no control devices either
         control = self.host_devices.control_devices(modeset=self.settings.modeset)
         mig = self._mig_devices(minors)
         caps_major = self.host_devices.caps_major() if mig else None
@@ -170,7 +197,7 @@ class IsolatorService(Service):
 
     def _mig_devices(self, minors: frozenset[int]) -> tuple[MigDevice, ...]:
         out: list[MigDevice] = []
-        for rec in self.inventory.records:
+        for rec in self._inv.records:
             if rec.gpu.minor in minors and getattr(rec, "mig_enabled", False):
                 out.extend(rec.mig_devices)
         return tuple(out)
@@ -188,9 +215,11 @@ class IsolatorService(Service):
     def _device_mounts(self, rootfs: str, minors: frozenset[int]) -> list[Mount]:
         """Bind mounts of exactly the allocated GPUs and the control devices (Mesos exposes every
         /dev/nvidia*, unallocated GPUs and nvidia-modeset included: defect §2.15.6)."""
+        if not self._gpus:
+            return []
         names = [f"nvidia{m}" for m in sorted(minors)]
         control = self.host_devices.control_devices(modeset=self.settings.modeset)
-        names += [n.name for n in control.numbers]
+        names += [os.path.relpath(n.path, self.settings.dev_root) for n in control.numbers()]
         mounts = []
         for name in names:
             source = os.path.join(self.settings.dev_root, name)
@@ -212,7 +241,7 @@ class IsolatorService(Service):
         if not os.path.isdir(config.rootfs):
             raise InvalidArgument(f"the container's rootfs '{config.rootfs}' does not exist")
         image = Image(env=config.image_env, labels=dict(config.image_labels))
-        facts = DriverFacts(self.inventory.driver_version, self.inventory.cuda_driver_version)
+        facts = DriverFacts(self._inv.driver_version, self._inv.cuda_driver_version)
         try:
             inject, _reason = should_inject(image)
             if inject:
@@ -233,7 +262,7 @@ class IsolatorService(Service):
                 raise AlreadyExists(f"container {container_id} has already been prepared")
             choice = self.allocator.allocate(count)
             minors = frozenset(choice.gpus)
-            undo: list[Callable[[], None]] = [lambda: self.allocator.deallocate(minors)]
+            undo: list[Callable[[], object]] = [lambda: self.allocator.deallocate(minors)]
             try:
                 rules = self._rules(minors)
                 self.store.record(
@@ -265,7 +294,7 @@ class IsolatorService(Service):
         config: ContainerConfig,
         minors: frozenset[int],
         image_plan: Any,
-        undo: list[Callable[[], None]],
+        undo: list[Callable[[], object]],
     ) -> LaunchInfo | None:
         if not config.has_image:
             return None  # the host's /dev and libraries, access gated by the cgroup (Mesos)
@@ -277,7 +306,7 @@ class IsolatorService(Service):
         return LaunchInfo(environment=env, mounts=tuple(mounts))
 
     def _volume(
-        self, cid: ContainerId, config: ContainerConfig, image_plan: Any, undo: list[Callable[[], None]]
+        self, cid: ContainerId, config: ContainerConfig, image_plan: Any, undo: list[Callable[[], object]]
     ) -> tuple[list[Mount], tuple[tuple[str, str], ...]]:
         from volumes.errors import VolumeError
         from volumes.inject import plan_injection
@@ -311,7 +340,7 @@ class IsolatorService(Service):
         with self._lock:
             root = self.store.get(cid.root)
             minors = root.gpus if root is not None else frozenset()
-            undo: list[Callable[[], None]] = []
+            undo: list[Callable[[], object]] = []
             try:
                 info = self._launch_info(cid, config, minors, image_plan, undo)
             except BaseException:
@@ -320,7 +349,7 @@ class IsolatorService(Service):
             LOG.info("prepared nested %s", self._describe(cid, minors))
             return info
 
-    def _undo(self, cid: ContainerId, undo: list[Callable[[], None]]) -> None:
+    def _undo(self, cid: ContainerId, undo: list[Callable[[], object]]) -> None:
         for step in reversed(undo):
             try:
                 step()
@@ -334,7 +363,7 @@ class IsolatorService(Service):
     def _release_volume(self, cid: ContainerId) -> None:
         if self.volumes is not None:
             try:
-                self.volumes.release(str(cid), self.inventory.driver_version)
+                self.volumes.release(str(cid), self._inv.driver_version)
             except Exception as exc:  # the container is gone either way; a stale user file is harmless
                 LOG.warning("failed to release the volume of container %s: %s", cid, exc)
 
@@ -372,25 +401,24 @@ class IsolatorService(Service):
         with self._lock:
             rec = self._require(container_id)
             plan = self.allocator.plan_update(rec.gpus, target)
-            if plan.add:
+            add, release = frozenset(plan.add), frozenset(plan.release)
+            if add:
                 # Grow: book, record, then grant (never grant what is not recorded).
-                self.allocator.allocate_set(plan.add)
+                self.allocator.allocate_set(add)
                 try:
-                    self.store.add_gpus(container_id, plan.add)
-                    new = rec.gpus | plan.add
-                    self._apply(container_id, new)
+                    self.store.add_gpus(container_id, add)
+                    self._apply(container_id, rec.gpus | add)
                 except BaseException:
                     with contextlib.suppress(IsolatorError):
-                        self.store.remove_gpus(container_id, plan.add)
-                    self.allocator.deallocate(plan.add)
+                        self.store.remove_gpus(container_id, add)
+                    self.allocator.deallocate(add)
                     raise
-            if plan.release:
+            if release:
                 # Shrink: revoke, then let the record and the allocator go.
-                new = rec.gpus - plan.release
-                self._apply(container_id, new)
-                self.store.remove_gpus(container_id, plan.release)
-                self.allocator.deallocate(plan.release)
-            final = (rec.gpus | plan.add) - plan.release
+                self._apply(container_id, rec.gpus - release)
+                self.store.remove_gpus(container_id, release)
+                self.allocator.deallocate(release)
+            final = (rec.gpus | add) - release
             LOG.info("updated %s to %d GPUs", self._describe(container_id, frozenset(final)), target)
 
     def _apply(self, cid: ContainerId, minors: frozenset[int]) -> None:
@@ -417,7 +445,7 @@ class IsolatorService(Service):
 
     def _limitation(self, cid: ContainerId, sick: list[int]) -> dict[str, Any]:
         reasons = {}
-        for r in self.inventory.records:
+        for r in self._inv.records:
             if r.gpu.minor in sick:
                 reasons[r.gpu.minor] = f"{r.gpu.uuid}: {r.status or 'unhealthy'}"
         detail = "; ".join(f"GPU {m} ({reasons.get(m, 'unhealthy')})" for m in sick)
@@ -434,7 +462,7 @@ class IsolatorService(Service):
             gpu = self._gpus.get(minor)
             if gpu is None:
                 continue
-            u = self.inventory.usage(gpu.index)
+            u = self._inv.usage(gpu.index)
             gpus.append(
                 {
                     "uuid": gpu.uuid,
@@ -477,9 +505,7 @@ class IsolatorService(Service):
         except CgroupVanished:
             return None
         return frozenset(
-            m
-            for m in self._gpus
-            if devrules.permits(rules, devrules.DeviceRule.char(NVIDIA_MAJOR, m, "rw"))
+            m for m in self._gpus if devrules.permits(rules, devrules.DeviceRule.char(NVIDIA_MAJOR, m, "rw"))
         )
 
     def recover(self, states: list[ContainerState], orphans: list[ContainerId]) -> RecoverResult:
@@ -507,7 +533,7 @@ class IsolatorService(Service):
                     self.store.update(cid, state="orphan")
                 result.notes.append(f"{action.kind.value} {cid}: {action.reason}")
             # Rebuild the allocator from what the store now says.
-            self.allocator = Allocator(self.inventory.topology(), self.allocator.policy)
+            self.allocator = Allocator(self._inv.topology(), self.allocator.policy)
             self._sync_health()
             live = self.store.load()
             for rec in live.values():
@@ -521,8 +547,13 @@ class IsolatorService(Service):
 
     # ---- admin ------------------------------------------------------------------------------------
 
-    def holders(self) -> dict[int, ContainerId]:
-        return self.store.holders()
+    def list_gpus(self) -> dict[str, Any]:
+        view = super().list_gpus()
+        holders = self.store.holders()
+        for gpu in view["gpus"]:
+            holder = holders.get(gpu.get("minor", -1))
+            gpu["holder"] = str(holder) if holder is not None else ""
+        return view
 
     def list_containers(self) -> list[dict[str, Any]]:
         out = []
@@ -593,21 +624,19 @@ class IsolatorService(Service):
         if self.volumes is None:
             raise FailedPrecondition("no volume root is configured")
         vols = self.volumes.volumes()
-        current = self.inventory.driver_version
+        current = self._inv.driver_version
         return {"driver_version": current, "volumes": vols}
 
     def health(self) -> list[tuple[str, bool, str]]:
         checks: list[tuple[str, bool, str]] = []
         try:
-            driver = self.inventory.driver_version
-            n = len(self.inventory.records)
-            sick = len(self._gpus) - len(self.inventory.healthy())
+            driver = self._inv.driver_version
+            n = len(self._inv.records)
+            sick = len(self._gpus) - len(self._inv.healthy())
             checks.append(("nvml", bool(driver), f"driver {driver}, {n} GPUs, {sick} not usable"))
         except Exception as exc:
             checks.append(("nvml", False, str(exc)))
-        checks.append(
-            ("cgroups", True, f"{self.controller.version} devices, {self.settings.mode} mode")
-        )
+        checks.append(("cgroups", True, f"{self.controller.version} devices, {self.settings.mode} mode"))
         try:
             result = self.store.check()
             checks.append(("state", result == "ok", f"{result}; {len(self.store.load())} containers"))
@@ -639,6 +668,7 @@ class IsolatorService(Service):
             yield
 
     def close(self) -> None:
+        super().close()
         with contextlib.suppress(Exception):
             self.store.close()
 

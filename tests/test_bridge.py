@@ -89,6 +89,7 @@ class RecordingService(Service):
     """Enough of the hooks to exercise the protocol: records what arrives, answers in kind."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.calls: list[tuple[str, str, Any]] = []
         self.prepared: set[str] = set()
         self.limitations: dict[str, dict[str, Any]] = {}

@@ -64,8 +64,6 @@ UNIMPLEMENTED = [
     ("Isolator", "Usage", pb.UsageRequest(container_id=pb.ContainerID(value="c1"))),
     ("Isolator", "Status", pb.StatusRequest(container_id=pb.ContainerID(value="c1"))),
     ("Isolator", "Cleanup", pb.CleanupRequest(container_id=pb.ContainerID(value="c1"))),
-    ("Admin", "ListGpus", pb.ListGpusRequest()),
-    ("Admin", "Topology", pb.TopologyRequest()),
     ("Admin", "ListContainers", pb.ListContainersRequest()),
     ("Admin", "DescribeContainer", pb.DescribeContainerRequest(container_id=pb.ContainerID(value="c1"))),
     ("Admin", "Volume", pb.VolumeRequest()),

@@ -1,0 +1,627 @@
+"""The only module that imports pynvml: GPU inventory, topology, MIG devices and XID health events.
+
+It reports what NVML says as plain model data and decides nothing about allocation. NVML errors
+become typed errors; a GPU whose queries fail is recorded as degraded and the others stay usable.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pynvml
+
+from isolator.config import DEFAULT_IGNORED_XIDS
+from isolator.errors import GpuNotFound, NvmlError, NvmlNotFound
+from isolator.model import Gpu, Link, MigDevice, PcieLevel, Topology
+
+LOG = logging.getLogger(__name__)
+
+DEFAULT_LIBRARY = "libnvidia-ml.so.1"
+# nvmlDeviceGetCpuAffinity fills an array of 64-bit words; 64 words cover 4096 CPUs.
+CPU_SET_WORDS = 64
+# The event types k8s-device-plugin registers (k8s-topology.md section 2.4); only XIDs are acted on.
+WATCHED_EVENTS = (
+    pynvml.nvmlEventTypeXidCriticalError | pynvml.nvmlEventTypeDoubleBitEccError | pynvml.nvmlEventTypeSingleBitEccError
+)
+
+
+@dataclass(frozen=True)
+class GpuHealth:
+    healthy: bool = True
+    reason: str = ""
+    last_xid: int = 0
+    last_xid_time: float = 0.0
+
+
+@dataclass(frozen=True)
+class GpuRecord:
+    """Everything known about one GPU. ``errors`` lists the queries that failed (then: degraded)."""
+
+    gpu: Gpu
+    mig_capable: bool = False
+    mig_enabled: bool = False
+    mig_devices: tuple[MigDevice, ...] = ()
+    errors: tuple[str, ...] = ()
+    health: GpuHealth = GpuHealth()
+
+    @property
+    def index(self) -> int:
+        return self.gpu.index
+
+    @property
+    def identified(self) -> bool:
+        """Minor and UUID are known, so the GPU can be named and whitelisted at all."""
+        return self.gpu.minor >= 0 and bool(self.gpu.uuid)
+
+    @property
+    def degraded(self) -> bool:
+        return bool(self.errors)
+
+    @property
+    def usable(self) -> bool:
+        """Healthy, fully read and identified: the allocator may hand it out."""
+        return self.health.healthy and not self.errors and self.identified
+
+    @property
+    def status(self) -> str:
+        """Why the GPU is not usable, or "" when it is."""
+        if self.errors:
+            return "degraded: " + "; ".join(self.errors)
+        return self.health.reason
+
+
+@dataclass(frozen=True)
+class HealthEvent:
+    """A GPU's health changed: what the service subscribes to (``Inventory.on_health_change``)."""
+
+    index: int
+    uuid: str
+    healthy: bool
+    reason: str
+    xid: int = 0
+    time: float = 0.0
+
+
+@dataclass(frozen=True)
+class GpuUsage:
+    index: int
+    memory_total: int
+    memory_used: int
+    gpu_utilization: int  # percent
+    memory_utilization: int  # percent
+
+
+# ---- loading --------------------------------------------------------------------------------
+
+_load_lock = threading.Lock()
+_loaded_path: str | None = None
+
+
+def load_library(path: str = "") -> None:
+    """Make pynvml use NVML from ``path`` (or, when empty, wherever the dynamic loader finds it).
+
+    pynvml keeps one module-wide library handle (``pynvml.nvmlLib``) that nvmlInit fills with
+    ``CDLL("libnvidia-ml.so.1")`` when it is None; assigning our own CDLL first is how a library in
+    an odd place (or the simulated host's) is used. Its function-pointer cache must go with it.
+    """
+    global _loaded_path
+    with _load_lock:
+        if path:
+            if _loaded_path == path and pynvml.nvmlLib is not None:
+                return
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError as exc:
+                raise NvmlNotFound(target=path, cause=str(exc)) from exc
+            with pynvml.libLoadLock:
+                pynvml.nvmlLib = lib
+                pynvml._nvmlGetFunctionPointer_cache.clear()
+            _loaded_path = path
+        elif _loaded_path is not None:
+            with pynvml.libLoadLock:
+                pynvml.nvmlLib = None
+                pynvml._nvmlGetFunctionPointer_cache.clear()
+            _loaded_path = None
+
+
+def _normalise_bus_id(raw: bytes | str) -> str:
+    """NVML's ``00000000:1A:00.0`` -> sysfs's ``0000:1a:00.0`` (go-gpuallocator's PciInfo.BusID)."""
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+    text = text.split("\0", 1)[0].strip().lower()
+    if len(text) > 12 and text.startswith("0000"):
+        text = text[4:]
+    return text
+
+
+def _cpu_list(words: Iterable[int]) -> str:
+    cpus = [w * 64 + bit for w, word in enumerate(words) for bit in range(64) if word >> bit & 1]
+    out: list[str] = []
+    i = 0
+    while i < len(cpus):
+        j = i
+        while j + 1 < len(cpus) and cpus[j + 1] == cpus[j] + 1:
+            j += 1
+        out.append(str(cpus[i]) if i == j else f"{cpus[i]}-{cpus[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def _mig_minors(proc_root: str) -> dict[str, int]:
+    """/proc/driver/nvidia-caps/mig-minors: ``gpu<minor>/gi<g>[/ci<c>]/access <cap minor>``."""
+    path = os.path.join(proc_root, "driver", "nvidia-caps", "mig-minors")
+    out: dict[str, int] = {}
+    try:
+        with open(path) as fh:
+            for line in fh:
+                parts = line.split()
+                if len(parts) == 2 and parts[1].isdigit():
+                    out[parts[0]] = int(parts[1])
+    except FileNotFoundError:
+        pass
+    return out
+
+
+# ---- the inventory --------------------------------------------------------------------------
+
+
+class Inventory:
+    """The GPUs NVML reports, read once by ``read()`` and again by ``refresh()``.
+
+    Life cycle: ``open()`` (load + nvmlInit), ``read(indices)``, optionally ``start_health_watch()``,
+    and ``close()``. Queries are thread-safe; health callbacks run on the event thread.
+    """
+
+    def __init__(
+        self,
+        library: str = "",
+        proc_root: str = "/proc",
+        sys_root: str = "/sys",
+        ignored_xids: Iterable[int] = DEFAULT_IGNORED_XIDS,
+        poll_ms: int = 500,
+    ) -> None:
+        self.library = library
+        self.proc_root = proc_root
+        self.sys_root = sys_root
+        self.ignored_xids = frozenset(ignored_xids)
+        self.poll_ms = poll_ms
+        self.driver_version = ""
+        self.cuda_driver_version = ""
+        self._lock = threading.RLock()
+        self._records: dict[int, GpuRecord] = {}
+        self._links: dict[tuple[int, int], Link] = {}
+        self._handles: dict[int, object] = {}
+        self._indices: tuple[int, ...] | None = None
+        self._callbacks: list[Callable[[HealthEvent], None]] = []
+        self._open = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._event_set: object | None = None
+
+    # ---- life cycle ------------------------------------------------------------------------
+
+    def open(self) -> Inventory:
+        """Load NVML and initialise it. Raises NvmlNotFound when there is no usable NVML."""
+        target = self.library or DEFAULT_LIBRARY
+        load_library(self.library)
+        try:
+            pynvml.nvmlInit()  # nvidia-smi fails the same way when this does
+        except pynvml.NVMLError_LibraryNotFound as exc:
+            raise NvmlNotFound(target=target, cause="not found by the dynamic loader") from exc
+        except pynvml.NVMLError as exc:
+            raise NvmlNotFound(target=target, cause=str(exc)) from exc
+        self._open = True
+        try:
+            # nvidia-smi --query-gpu=driver_version
+            self.driver_version = _text(self._call("query driver version", "NVML", pynvml.nvmlSystemGetDriverVersion))
+            # nvidia-smi's header "CUDA Version: 12.2" (NVML encodes it as 12020)
+            cuda = self._call("query CUDA driver version", "NVML", pynvml.nvmlSystemGetCudaDriverVersion)
+            self.cuda_driver_version = f"{cuda // 1000}.{cuda % 1000 // 10}"
+        except NvmlError:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.poll_ms / 1000 + 5)
+            self._thread = None
+        if self._open:
+            if self._event_set is not None:
+                try:
+                    pynvml.nvmlEventSetFree(self._event_set)
+                except pynvml.NVMLError as exc:
+                    LOG.warning("failed to free the NVML event set: %s", exc)
+                self._event_set = None
+            try:
+                pynvml.nvmlShutdown()
+            except pynvml.NVMLError as exc:
+                LOG.warning("failed to shut NVML down: %s", exc)
+            self._open = False
+
+    def __enter__(self) -> Inventory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, op: str, target: str, fn: Callable[..., Any], *args: object) -> Any:
+        try:
+            return fn(*args)
+        except pynvml.NVMLError as exc:
+            raise NvmlError(op=op, target=target, cause=str(exc), nvml_code=exc.value, call=fn.__name__) from exc
+
+    def device_count(self) -> int:
+        """``nvidia-smi --query-gpu=count``."""
+        return int(self._call("count GPUs", "NVML", pynvml.nvmlDeviceGetCount))
+
+    # ---- reading ---------------------------------------------------------------------------
+
+    def read(self, indices: Iterable[int] | None = None) -> None:
+        """Read the GPUs at these NVML indices (all when None), their links and MIG devices."""
+        count = self.device_count()
+        wanted = tuple(range(count)) if indices is None else tuple(sorted(set(indices)))
+        for i in wanted:
+            if not 0 <= i < count:
+                raise GpuNotFound(op="find GPU", target=str(i), cause=f"NVML reports {count} GPU(s)")
+        mig_minors = _mig_minors(self.proc_root)
+        records: dict[int, GpuRecord] = {}
+        handles: dict[int, object] = {}
+        for i in wanted:
+            record, handle = self._read_gpu(i, mig_minors)
+            records[i] = record
+            if handle is not None:
+                handles[i] = handle
+        links, pair_errors = self._read_links(records, handles)
+        for i, errs in pair_errors.items():
+            records[i] = replace(records[i], errors=records[i].errors + tuple(errs))
+        with self._lock:
+            old = {r.gpu.uuid: r.health for r in self._records.values() if r.gpu.uuid}
+            self._records = {
+                i: replace(r, health=old.get(r.gpu.uuid, r.health)) if r.gpu.uuid else r for i, r in records.items()
+            }
+            self._links = links
+            self._handles = handles
+            self._indices = wanted
+        for r in records.values():
+            if r.errors:
+                LOG.error("GPU %d is degraded: %s", r.index, "; ".join(r.errors))
+
+    def refresh(self) -> None:
+        """Read the same GPUs again; health learned from events is kept (by UUID)."""
+        self.read(self._indices)
+
+    def _read_gpu(self, index: int, mig_minors: dict[str, int]) -> tuple[GpuRecord, object | None]:
+        errors: list[str] = []
+
+        def query(what: str, fn: Callable[..., Any], *args: object) -> Any:
+            try:
+                return fn(*args)
+            except pynvml.NVMLError as exc:
+                errors.append(f"failed to query {what} of GPU {index} ({fn.__name__}): {exc}")
+                return None
+
+        handle = query("handle", pynvml.nvmlDeviceGetHandleByIndex, index)
+        if handle is None:
+            return GpuRecord(gpu=Gpu(index=index, minor=-1, uuid=""), errors=tuple(errors)), None
+        # nvidia-smi --query-gpu=index,uuid,name,pci.bus_id,memory.total; the minor is the N of
+        # /dev/nvidiaN (nvidia-smi -q: "Minor Number").
+        minor = query("minor number", pynvml.nvmlDeviceGetMinorNumber, handle)
+        uuid = query("UUID", pynvml.nvmlDeviceGetUUID, handle)
+        name = query("name", pynvml.nvmlDeviceGetName, handle)
+        pci = query("PCI info", pynvml.nvmlDeviceGetPciInfo, handle)
+        memory = query("memory", pynvml.nvmlDeviceGetMemoryInfo, handle)
+        bus = _normalise_bus_id(pci.busId) if pci is not None else ""
+        # nvidia-smi topo -m, column "CPU Affinity"
+        words = query("CPU affinity", pynvml.nvmlDeviceGetCpuAffinity, handle, CPU_SET_WORDS)
+        numa = self._numa_node(handle, bus, index, errors)
+        gpu = Gpu(
+            index=index,
+            minor=int(minor) if minor is not None else -1,
+            uuid=_text(uuid) if uuid is not None else "",
+            name=_text(name) if name is not None else "",
+            pci_bus_id=bus,
+            memory_total=int(memory.total) if memory is not None else 0,
+            numa_node=numa,
+            cpu_affinity=_cpu_list(words) if words is not None else "",
+        )
+        capable, enabled, migs = self._read_mig(handle, gpu, mig_minors, errors)
+        return GpuRecord(gpu, capable, enabled, migs, tuple(errors)), handle
+
+    def _numa_node(self, handle: object, bus: str, index: int, errors: list[str]) -> int | None:
+        # nvidia-smi topo -m, column "NUMA Affinity". nvmlDeviceGetNumaNodeId is recent (R525+);
+        # older drivers: the PCI device's numa_node in sysfs, as go-gpuallocator reads it.
+        try:
+            return int(pynvml.nvmlDeviceGetNumaNodeId(handle))
+        except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
+            pass
+        except pynvml.NVMLError as exc:
+            errors.append(f"failed to query NUMA node of GPU {index} (nvmlDeviceGetNumaNodeId): {exc}")
+            return None
+        if not bus:
+            return None
+        try:
+            with open(os.path.join(self.sys_root, "bus", "pci", "devices", bus, "numa_node")) as fh:
+                node = int(fh.read().strip())
+        except (OSError, ValueError):
+            return None
+        return node if node >= 0 else None
+
+    def _read_mig(
+        self, handle: object, gpu: Gpu, mig_minors: dict[str, int], errors: list[str]
+    ) -> tuple[bool, bool, tuple[MigDevice, ...]]:
+        # nvidia-smi --query-gpu=mig.mode.current; devices: nvidia-smi -L
+        try:
+            current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
+        except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
+            return False, False, ()
+        except pynvml.NVMLError as exc:
+            errors.append(f"failed to query MIG mode of GPU {gpu.index} (nvmlDeviceGetMigMode): {exc}")
+            return False, False, ()
+        if current != pynvml.NVML_DEVICE_MIG_ENABLE:
+            return True, False, ()
+        out: list[MigDevice] = []
+        try:
+            count = pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)
+            for slot in range(count):
+                try:
+                    mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+                except pynvml.NVMLError_NotFound:
+                    continue
+                gi = pynvml.nvmlDeviceGetGpuInstanceId(mig)
+                ci = pynvml.nvmlDeviceGetComputeInstanceId(mig)
+                name = _text(pynvml.nvmlDeviceGetName(mig))
+                caps = tuple(
+                    mig_minors[key]
+                    for key in (f"gpu{gpu.minor}/gi{gi}/access", f"gpu{gpu.minor}/gi{gi}/ci{ci}/access")
+                    if key in mig_minors
+                )
+                if len(caps) != 2:
+                    # Without both access capabilities a container cannot use the device; an empty
+                    # tuple tells the allocator to refuse it rather than whitelist too little.
+                    LOG.warning("no nvidia-caps minors for GPU %d GI %d CI %d in mig-minors", gpu.index, gi, ci)
+                    caps = ()
+                out.append(
+                    MigDevice(
+                        parent_uuid=gpu.uuid,
+                        uuid=_text(pynvml.nvmlDeviceGetUUID(mig)),
+                        gpu_instance_id=gi,
+                        compute_instance_id=ci,
+                        caps_minors=caps,
+                        memory_total=int(pynvml.nvmlDeviceGetMemoryInfo(mig).total),
+                        profile=name.rsplit(" MIG ", 1)[1] if " MIG " in name else "",
+                    )
+                )
+        except pynvml.NVMLError as exc:
+            errors.append(f"failed to query MIG devices of GPU {gpu.index}: {exc}")
+        return True, True, tuple(out)
+
+    def _read_links(
+        self, records: dict[int, GpuRecord], handles: dict[int, object]
+    ) -> tuple[dict[tuple[int, int], Link], dict[int, list[str]]]:
+        """Pairwise PCIe levels and NVLink lanes (nvidia-smi topo -m)."""
+        ok = sorted(i for i, r in records.items() if i in handles and not r.errors)
+        by_bus = {records[i].gpu.pci_bus_id: i for i in ok}
+        direct: dict[tuple[int, int], int] = {}
+        switch_lanes: dict[int, int] = {}
+        pair_errors: dict[int, list[str]] = {}
+        for i in ok:
+            for peer, lanes in self._nvlinks(i, handles[i], by_bus, switch_lanes, pair_errors).items():
+                direct[(i, peer)] = lanes
+        links: dict[tuple[int, int], Link] = {}
+        failed: dict[tuple[int, int], str] = {}
+        for a in ok:
+            for b in ok:
+                if a >= b:
+                    continue
+                try:
+                    level = PcieLevel(pynvml.nvmlDeviceGetTopologyCommonAncestor(handles[a], handles[b]))
+                except pynvml.NVMLError as exc:
+                    failed[(a, b)] = f"nvmlDeviceGetTopologyCommonAncestor: {exc}"
+                    continue
+                except ValueError:
+                    level = PcieLevel.SYSTEM
+                # Lanes both ends see; on NVSwitch systems every GPU on the node's switch fabric
+                # reaches every other through its switch lanes (see switch_lanes below).
+                lanes = min(direct.get((a, b), 0), direct.get((b, a), 0))
+                if switch_lanes.get(a) and switch_lanes.get(b):
+                    lanes += min(switch_lanes[a], switch_lanes[b])
+                links[(a, b)] = Link(pcie=level, nvlink_lanes=lanes)
+        # A lost GPU fails every pair it is in; blame it alone when it is the common member,
+        # otherwise both ends of each failed pair.
+        for (a, b), why in failed.items():
+            culprits = [g for g in (a, b) if all((min(g, o), max(g, o)) in failed for o in ok if o != g)]
+            for g in culprits or [a, b]:
+                msg = f"failed to query the PCIe path between GPUs {a} and {b} ({why})"
+                if msg not in pair_errors.setdefault(g, []):
+                    pair_errors[g].append(msg)
+        return links, pair_errors
+
+    def _nvlinks(
+        self,
+        index: int,
+        handle: object,
+        by_bus: dict[str, int],
+        switch_lanes: dict[int, int],
+        pair_errors: dict[int, list[str]],
+    ) -> dict[int, int]:
+        """Active lanes of GPU ``index`` per peer GPU; lanes to NVSwitches go to ``switch_lanes``.
+
+        nvidia-smi nvlink -s / -R show the same lanes. On NVSwitch systems the remote end is a
+        switch, not the peer (go-gpuallocator counts nothing there); every GPU reaches every other
+        through the node's switches, which nvidia-smi topo -m shows as NV<lanes to switches>. We
+        assume one switch fabric per node (DGX-2, DGX A100, HGX H100: the switches are trunked).
+        """
+        peers: dict[int, int] = {}
+        for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+            try:
+                if pynvml.nvmlDeviceGetNvLinkState(handle, link) != pynvml.NVML_FEATURE_ENABLED:
+                    continue
+                remote = _normalise_bus_id(pynvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId)
+                try:
+                    kind = pynvml.nvmlDeviceGetNvLinkRemoteDeviceType(handle, link)
+                except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
+                    # Older drivers: a remote end that is not one of our GPUs is a switch.
+                    kind = (
+                        pynvml.NVML_NVLINK_DEVICE_TYPE_GPU
+                        if remote in by_bus
+                        else pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH
+                    )
+            except pynvml.NVMLError_NotSupported:
+                break  # no NVLink on this GPU
+            except pynvml.NVMLError_InvalidArgument:
+                continue  # no such link on this GPU (go-gpuallocator skips these too)
+            except pynvml.NVMLError as exc:
+                pair_errors.setdefault(index, []).append(
+                    f"failed to query NVLink {link} of GPU {index} (nvmlDeviceGetNvLink*): {exc}"
+                )
+                break
+            if kind == pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH:
+                switch_lanes[index] = switch_lanes.get(index, 0) + 1
+            elif kind == pynvml.NVML_NVLINK_DEVICE_TYPE_GPU and remote in by_bus:
+                peers[by_bus[remote]] = peers.get(by_bus[remote], 0) + 1
+        return peers
+
+    # ---- queries ---------------------------------------------------------------------------
+
+    @property
+    def records(self) -> tuple[GpuRecord, ...]:
+        with self._lock:
+            return tuple(self._records[i] for i in sorted(self._records))
+
+    def record(self, index: int) -> GpuRecord:
+        with self._lock:
+            if index not in self._records:
+                raise GpuNotFound(op="find GPU", target=str(index), cause="not managed by this sidecar")
+            return self._records[index]
+
+    def topology(self) -> Topology:
+        """The identified GPUs and the link of every pair, for the allocator."""
+        with self._lock:
+            gpus = tuple(r.gpu for i, r in sorted(self._records.items()) if r.identified)
+            return Topology(gpus=gpus, links=dict(self._links))
+
+    def healthy(self) -> frozenset[int]:
+        """NVML indices the allocator may hand out: healthy, fully read and identified."""
+        with self._lock:
+            return frozenset(i for i, r in self._records.items() if r.usable)
+
+    def usage(self, index: int) -> GpuUsage:
+        """nvidia-smi --query-gpu=memory.used,memory.total,utilization.gpu,utilization.memory."""
+        with self._lock:
+            handle = self._handles.get(index)
+        if handle is None:
+            raise GpuNotFound(op="find GPU", target=str(index), cause="not managed by this sidecar or lost")
+        target = f"GPU {index}"
+        memory = self._call("query memory", target, pynvml.nvmlDeviceGetMemoryInfo, handle)
+        util = self._call("query utilization", target, pynvml.nvmlDeviceGetUtilizationRates, handle)
+        return GpuUsage(
+            index=index,
+            memory_total=int(memory.total),
+            memory_used=int(memory.used),
+            gpu_utilization=int(util.gpu),
+            memory_utilization=int(util.memory),
+        )
+
+    # ---- health ----------------------------------------------------------------------------
+
+    def on_health_change(self, callback: Callable[[HealthEvent], None]) -> None:
+        """Call ``callback(HealthEvent)`` (on the event thread) whenever a GPU's health changes."""
+        with self._lock:
+            self._callbacks.append(callback)
+
+    def mark_unhealthy(self, index: int, reason: str, xid: int = 0, when: float = 0.0) -> None:
+        with self._lock:
+            record = self._records.get(index)
+            if record is None:
+                return
+            health = GpuHealth(
+                healthy=False,
+                reason=reason,
+                last_xid=xid or record.health.last_xid,
+                last_xid_time=when or record.health.last_xid_time,
+            )
+            self._records[index] = replace(record, health=health)
+            callbacks = list(self._callbacks)
+        LOG.error("GPU %d (%s) is unhealthy: %s", index, record.gpu.uuid, reason)
+        event = HealthEvent(index, record.gpu.uuid, False, reason, xid, when)
+        for cb in callbacks:
+            try:
+                cb(event)
+            except Exception:
+                LOG.exception("health callback %r failed", cb)
+
+    def start_health_watch(self) -> None:
+        """Register for XID events on every GPU read and watch them on a background thread.
+
+        As k8s-device-plugin does: a GPU that cannot be registered is unhealthy at once, except
+        when NVML says events are not supported (too old to health-check: warn and go on).
+        """
+        if self._thread is not None:
+            return
+        event_set = self._call("create event set", "NVML", pynvml.nvmlEventSetCreate)
+        with self._lock:
+            handles = dict(self._handles)
+        for index, handle in handles.items():
+            try:
+                supported = pynvml.nvmlDeviceGetSupportedEventTypes(handle)
+                pynvml.nvmlDeviceRegisterEvents(handle, WATCHED_EVENTS & supported, event_set)
+            except pynvml.NVMLError_NotSupported:
+                LOG.warning("GPU %d is too old to support health checking", index)
+            except pynvml.NVMLError as exc:
+                self.mark_unhealthy(index, f"cannot watch for XID events: {exc}")
+        self._event_set = event_set
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._watch, name="nvml-events", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data = pynvml.nvmlEventSetWait(self._event_set, self.poll_ms)
+            except pynvml.NVMLError_Timeout:
+                continue
+            except pynvml.NVMLError as exc:
+                if self._stop.is_set():
+                    break
+                # k8s-device-plugin marks every device unhealthy when the wait itself fails: the
+                # sidecar can no longer see XIDs, so nothing it hands out is known to be sound.
+                for index in self.healthy():
+                    self.mark_unhealthy(index, f"XID event wait failed: {exc}")
+                self._stop.wait(self.poll_ms / 1000)
+                continue
+            self._handle_event(data)
+
+    def _handle_event(self, data: Any) -> None:
+        if data.eventType != pynvml.nvmlEventTypeXidCriticalError:
+            LOG.info("skipping NVML event type %#x", data.eventType)
+            return
+        xid = int(data.eventData)
+        try:
+            uuid = _text(pynvml.nvmlDeviceGetUUID(data.device))
+        except pynvml.NVMLError as exc:
+            for index in self.healthy():
+                self.mark_unhealthy(index, f"XID {xid} on a GPU whose UUID cannot be read: {exc}", xid, time.time())
+            return
+        with self._lock:
+            found = next((i for i, r in self._records.items() if r.gpu.uuid == uuid), None)
+        if found is None:
+            LOG.info("XID %d on GPU %s, which this sidecar does not manage", xid, uuid)
+            return
+        if xid in self.ignored_xids:
+            LOG.info("GPU %d: XID %d is an application error; it stays healthy", found, xid)
+            return
+        gi, ci = int(data.gpuInstanceId), int(data.computeInstanceId)
+        where = f" (GPU instance {gi}, compute instance {ci})" if gi != 0xFFFFFFFF else ""
+        self.mark_unhealthy(found, f"XID {xid}{where}", xid, time.time())

@@ -1,0 +1,768 @@
+/*
+ * fakenvml.c: a stand-in libnvidia-ml.so.1 for the simulated GPU host.
+ *
+ * It exports the NVML entry points the sidecar calls, with the real signatures and struct layouts
+ * (nvml.h as mirrored by nvidia-ml-py's pynvml.py), so the real pynvml code path runs unchanged.
+ * It owns no policy: every value comes from a state file written by isolator/simhost/host.py.
+ *
+ * Where the state is: $FAKENVML_STATE if set, else "fakenvml.state" next to this library (found
+ * with dladdr), so every copy of the library serves its own host. The state is read at nvmlInit.
+ *
+ * Runtime control (re-read on every call, so a test can change it while a daemon runs), in the
+ * directory named by the state's "control" line:
+ *   fail    lines "<index|*> <call|*> <nvml-return-code>": calls whose device (or index) is that
+ *           GPU fail with that code. For a MIG handle the parent GPU's index counts.
+ *   events  appended lines "<index> <xid> [<gi> <ci>]": XID critical-error events, delivered by
+ *           nvmlEventSetWait_v2 to event sets created before the line was written.
+ *   usage   lines "<index> <memory-used-bytes> <gpu-util-%> <memory-util-%>".
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+#define EXPORT __attribute__((visibility("default")))
+
+/* nvmlReturn_t values (nvml.h). */
+enum {
+    NVML_SUCCESS = 0,
+    NVML_ERROR_UNINITIALIZED = 1,
+    NVML_ERROR_INVALID_ARGUMENT = 2,
+    NVML_ERROR_NOT_SUPPORTED = 3,
+    NVML_ERROR_NOT_FOUND = 6,
+    NVML_ERROR_INSUFFICIENT_SIZE = 7,
+    NVML_ERROR_DRIVER_NOT_LOADED = 9,
+    NVML_ERROR_TIMEOUT = 10,
+    NVML_ERROR_GPU_IS_LOST = 15,
+    NVML_ERROR_UNKNOWN = 999,
+};
+
+#define MAX_GPUS 64
+#define MAX_MIG 7
+#define MAX_LINKS 36
+#define NVML_EVENT_XID 0x8ULL
+#define NVML_EVENT_SBE 0x1ULL
+#define NVML_EVENT_DBE 0x2ULL
+#define NO_INSTANCE 0xFFFFFFFFu
+
+/* Struct layouts exactly as nvml.h (and pynvml's ctypes mirrors). */
+typedef struct {
+    char busIdLegacy[16];
+    unsigned int domain;
+    unsigned int bus;
+    unsigned int device;
+    unsigned int pciDeviceId;
+    unsigned int pciSubSystemId;
+    char busId[32];
+} nvmlPciInfo_t;
+
+typedef struct {
+    unsigned long long total;
+    unsigned long long free;
+    unsigned long long used;
+} nvmlMemory_t;
+
+typedef struct {
+    unsigned int version;
+    unsigned long long total;
+    unsigned long long reserved;
+    unsigned long long free;
+    unsigned long long used;
+} nvmlMemory_v2_t;
+
+typedef struct {
+    unsigned int gpu;
+    unsigned int memory;
+} nvmlUtilization_t;
+
+struct device;
+typedef struct device *nvmlDevice_t;
+
+typedef struct {
+    nvmlDevice_t device;
+    unsigned long long eventType;
+    unsigned long long eventData;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlEventData_t;
+
+struct link {
+    int present;
+    int active;
+    int remote_type; /* 0 GPU, 2 switch (nvmlIntNvLinkDeviceType_t) */
+    char remote_bus[32];
+};
+
+struct device {
+    int index;  /* for a MIG handle: the parent's index */
+    int is_mig;
+    int mig_slot;
+    struct device *parent;
+    unsigned int minor;
+    int numa;
+    unsigned long long memory_total;
+    unsigned int pci_device_id;
+    unsigned int mig_mode;
+    unsigned int gi, ci;
+    char uuid[96];
+    char bus_id[32];
+    char name[96];
+    unsigned long long affinity[64];
+    int affinity_words;
+    int nlinks;
+    struct link links[MAX_LINKS];
+    int nmig;
+    struct device *mig[MAX_MIG];
+};
+
+struct state {
+    char driver[80];
+    char nvml[80];
+    int cuda;
+    char control[PATH_MAX];
+    int ngpus;
+    struct device gpus[MAX_GPUS];
+    int topo[MAX_GPUS][MAX_GPUS];
+};
+
+struct event_set {
+    long cursor; /* byte offset in the events file already consumed */
+    unsigned long long mask[MAX_GPUS];
+};
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static int refcount;
+/* Never freed: handles given out before a shutdown must stay valid memory if used by mistake. */
+static struct state *st;
+
+static void state_path(char *out, size_t size) {
+    const char *env = getenv("FAKENVML_STATE");
+    if (env && *env) {
+        snprintf(out, size, "%s", env);
+        return;
+    }
+    Dl_info info;
+    if (dladdr((void *)&state_path, &info) && info.dli_fname) {
+        const char *slash = strrchr(info.dli_fname, '/');
+        if (slash) {
+            snprintf(out, size, "%.*s/fakenvml.state", (int)(slash - info.dli_fname), info.dli_fname);
+            return;
+        }
+    }
+    snprintf(out, size, "fakenvml.state");
+}
+
+static void chomp(char *s) {
+    size_t n = strlen(s);
+    while (n && (s[n - 1] == '\n' || s[n - 1] == '\r')) s[--n] = 0;
+}
+
+static int parse_affinity(const char *csv, unsigned long long *words) {
+    int n = 0;
+    const char *p = csv;
+    while (*p && n < 64) {
+        char *end;
+        words[n++] = strtoull(p, &end, 16);
+        if (*end != ',') break;
+        p = end + 1;
+    }
+    return n;
+}
+
+static int load_state(struct state *s) {
+    char path[PATH_MAX];
+    state_path(path, sizeof path);
+    FILE *fh = fopen(path, "r");
+    if (!fh) return NVML_ERROR_DRIVER_NOT_LOADED;
+    char line[4096];
+    int ok = 0;
+    while (fgets(line, sizeof line, fh)) {
+        chomp(line);
+        int n = 0;
+        if (strncmp(line, "fakenvml 1", 10) == 0) {
+            ok = 1;
+        } else if (sscanf(line, "driver %79s", s->driver) == 1) {
+        } else if (sscanf(line, "nvml %79s", s->nvml) == 1) {
+        } else if (sscanf(line, "cuda %d", &s->cuda) == 1) {
+        } else if (strncmp(line, "control ", 8) == 0) {
+            snprintf(s->control, sizeof s->control, "%s", line + 8);
+        } else if (strncmp(line, "gpu ", 4) == 0) {
+            int idx;
+            unsigned int minor, devid, mig;
+            int numa;
+            unsigned long long mem;
+            char uuid[96], bus[32], aff[1200];
+            if (sscanf(line, "gpu %d %u %d %llu %x %u %95s %31s %1199s %n", &idx, &minor, &numa, &mem, &devid, &mig,
+                       uuid, bus, aff, &n) < 9 || idx < 0 || idx >= MAX_GPUS) {
+                fclose(fh);
+                return NVML_ERROR_UNKNOWN;
+            }
+            struct device *d = &s->gpus[idx];
+            d->index = idx;
+            d->minor = minor;
+            d->numa = numa;
+            d->memory_total = mem;
+            d->pci_device_id = devid;
+            d->mig_mode = mig;
+            snprintf(d->uuid, sizeof d->uuid, "%s", uuid);
+            snprintf(d->bus_id, sizeof d->bus_id, "%s", bus);
+            snprintf(d->name, sizeof d->name, "%s", line + n);
+            d->affinity_words = parse_affinity(aff, d->affinity);
+            if (idx + 1 > s->ngpus) s->ngpus = idx + 1;
+        } else if (strncmp(line, "topo ", 5) == 0) {
+            int a, b, level;
+            if (sscanf(line, "topo %d %d %d", &a, &b, &level) == 3 && a >= 0 && b >= 0 && a < MAX_GPUS &&
+                b < MAX_GPUS) {
+                s->topo[a][b] = level;
+                s->topo[b][a] = level;
+            }
+        } else if (strncmp(line, "nvlink ", 7) == 0) {
+            int idx, link, type, active;
+            char bus[32];
+            if (sscanf(line, "nvlink %d %d %d %d %31s", &idx, &link, &active, &type, bus) == 5 && idx >= 0 &&
+                idx < MAX_GPUS && link >= 0 && link < MAX_LINKS) {
+                struct link *l = &s->gpus[idx].links[link];
+                l->present = 1;
+                l->active = active;
+                l->remote_type = type;
+                snprintf(l->remote_bus, sizeof l->remote_bus, "%s", bus);
+                if (link + 1 > s->gpus[idx].nlinks) s->gpus[idx].nlinks = link + 1;
+            }
+        } else if (strncmp(line, "mig ", 4) == 0) {
+            int idx, slot;
+            unsigned int gi, ci;
+            unsigned long long mem;
+            char uuid[96];
+            if (sscanf(line, "mig %d %d %u %u %llu %95s %n", &idx, &slot, &gi, &ci, &mem, uuid, &n) < 6 || idx < 0 ||
+                idx >= MAX_GPUS || slot < 0 || slot >= MAX_MIG) {
+                fclose(fh);
+                return NVML_ERROR_UNKNOWN;
+            }
+            struct device *parent = &s->gpus[idx];
+            struct device *m = calloc(1, sizeof *m);
+            if (!m) {
+                fclose(fh);
+                return NVML_ERROR_UNKNOWN;
+            }
+            m->index = idx;
+            m->is_mig = 1;
+            m->mig_slot = slot;
+            m->parent = parent;
+            m->minor = parent->minor;
+            m->numa = parent->numa;
+            m->memory_total = mem;
+            m->pci_device_id = parent->pci_device_id;
+            m->gi = gi;
+            m->ci = ci;
+            snprintf(m->uuid, sizeof m->uuid, "%s", uuid);
+            snprintf(m->bus_id, sizeof m->bus_id, "%s", parent->bus_id);
+            snprintf(m->name, sizeof m->name, "%s", line + n);
+            parent->mig[slot] = m;
+            if (slot + 1 > parent->nmig) parent->nmig = slot + 1;
+        }
+    }
+    fclose(fh);
+    return ok ? NVML_SUCCESS : NVML_ERROR_UNKNOWN;
+}
+
+/* ---- runtime control ------------------------------------------------------------------------ */
+
+static FILE *control_file(const char *name) {
+    char path[PATH_MAX + 16];
+    if (!st || !st->control[0]) return NULL;
+    snprintf(path, sizeof path, "%s/%s", st->control, name);
+    return fopen(path, "r");
+}
+
+/* The injected failure for `call` on GPU `index` (-1: a call not about one GPU), or success. */
+static int injected(int index, const char *call) {
+    FILE *fh = control_file("fail");
+    if (!fh) return NVML_SUCCESS;
+    char line[256], who[32], what[128];
+    int code, rc = NVML_SUCCESS;
+    while (fgets(line, sizeof line, fh)) {
+        if (sscanf(line, "%31s %127s %d", who, what, &code) != 3) continue;
+        int any = strcmp(who, "*") == 0;
+        if (!any && (index < 0 || atoi(who) != index)) continue;
+        if (strcmp(what, "*") != 0 && strcmp(what, call) != 0) continue;
+        rc = code;
+        break;
+    }
+    fclose(fh);
+    return rc;
+}
+
+static int usage_of(int index, unsigned long long *used, unsigned int *gpu, unsigned int *mem) {
+    *used = 0;
+    *gpu = 0;
+    *mem = 0;
+    FILE *fh = control_file("usage");
+    if (!fh) return 0;
+    char line[256];
+    int idx;
+    unsigned long long u;
+    unsigned int g, m;
+    while (fgets(line, sizeof line, fh)) {
+        if (sscanf(line, "%d %llu %u %u", &idx, &u, &g, &m) == 4 && idx == index) {
+            *used = u;
+            *gpu = g;
+            *mem = m;
+        }
+    }
+    fclose(fh);
+    return 1;
+}
+
+/* ---- helpers -------------------------------------------------------------------------------- */
+
+#define REQUIRE_INIT()                                  \
+    do {                                                \
+        if (!st || refcount == 0) return NVML_ERROR_UNINITIALIZED; \
+    } while (0)
+
+static int valid_device(nvmlDevice_t d) {
+    if (!d || !st) return 0;
+    for (int i = 0; i < st->ngpus; i++) {
+        struct device *g = &st->gpus[i];
+        if (d == g) return 1;
+        for (int j = 0; j < g->nmig; j++)
+            if (g->mig[j] == d) return 1;
+    }
+    return 0;
+}
+
+#define DEVICE_CALL(dev, call)                                   \
+    do {                                                         \
+        REQUIRE_INIT();                                          \
+        if (!valid_device(dev)) return NVML_ERROR_INVALID_ARGUMENT; \
+        int _rc = injected((dev)->index, call);                  \
+        if (_rc != NVML_SUCCESS) return _rc;                     \
+    } while (0)
+
+static int copy_string(char *out, unsigned int size, const char *value) {
+    if (!out) return NVML_ERROR_INVALID_ARGUMENT;
+    if (strlen(value) + 1 > size) return NVML_ERROR_INSUFFICIENT_SIZE;
+    memcpy(out, value, strlen(value) + 1);
+    return NVML_SUCCESS;
+}
+
+/* ---- system ---------------------------------------------------------------------------------- */
+
+EXPORT int nvmlInitWithFlags(unsigned int flags) {
+    (void)flags;
+    pthread_mutex_lock(&lock);
+    int rc = NVML_SUCCESS;
+    if (refcount == 0) {
+        struct state *s = calloc(1, sizeof *s);
+        if (!s) {
+            rc = NVML_ERROR_UNKNOWN;
+        } else if ((rc = load_state(s)) != NVML_SUCCESS) {
+            free(s);
+        } else {
+            st = s;
+        }
+    }
+    if (rc == NVML_SUCCESS) {
+        rc = injected(-1, "nvmlInit");
+        if (rc == NVML_SUCCESS) refcount++;
+    }
+    pthread_mutex_unlock(&lock);
+    return rc;
+}
+
+EXPORT int nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
+EXPORT int nvmlInit(void) { return nvmlInitWithFlags(0); }
+
+EXPORT int nvmlShutdown(void) {
+    pthread_mutex_lock(&lock);
+    int rc = refcount > 0 ? NVML_SUCCESS : NVML_ERROR_UNINITIALIZED;
+    if (refcount > 0) refcount--;
+    pthread_mutex_unlock(&lock);
+    return rc;
+}
+
+EXPORT const char *nvmlErrorString(int result) {
+    switch (result) {
+    case NVML_SUCCESS: return "Success";
+    case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
+    case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
+    case NVML_ERROR_NOT_SUPPORTED: return "Not Supported";
+    case NVML_ERROR_NOT_FOUND: return "Not Found";
+    case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
+    case NVML_ERROR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
+    case NVML_ERROR_TIMEOUT: return "Timeout";
+    case NVML_ERROR_GPU_IS_LOST: return "GPU is lost";
+    default: return "Unknown Error";
+    }
+}
+
+EXPORT int nvmlSystemGetDriverVersion(char *version, unsigned int length) {
+    REQUIRE_INIT();
+    int rc = injected(-1, "nvmlSystemGetDriverVersion");
+    return rc ? rc : copy_string(version, length, st->driver);
+}
+
+EXPORT int nvmlSystemGetNVMLVersion(char *version, unsigned int length) {
+    REQUIRE_INIT();
+    return copy_string(version, length, st->nvml);
+}
+
+EXPORT int nvmlSystemGetCudaDriverVersion(int *version) {
+    REQUIRE_INIT();
+    if (!version) return NVML_ERROR_INVALID_ARGUMENT;
+    int rc = injected(-1, "nvmlSystemGetCudaDriverVersion");
+    if (rc) return rc;
+    *version = st->cuda;
+    return NVML_SUCCESS;
+}
+
+EXPORT int nvmlSystemGetCudaDriverVersion_v2(int *version) { return nvmlSystemGetCudaDriverVersion(version); }
+
+EXPORT int nvmlDeviceGetCount_v2(unsigned int *count) {
+    REQUIRE_INIT();
+    if (!count) return NVML_ERROR_INVALID_ARGUMENT;
+    int rc = injected(-1, "nvmlDeviceGetCount");
+    if (rc) return rc;
+    *count = (unsigned int)st->ngpus;
+    return NVML_SUCCESS;
+}
+
+EXPORT int nvmlDeviceGetCount(unsigned int *count) { return nvmlDeviceGetCount_v2(count); }
+
+EXPORT int nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device) {
+    REQUIRE_INIT();
+    if (!device || index >= (unsigned int)st->ngpus) return NVML_ERROR_INVALID_ARGUMENT;
+    int rc = injected((int)index, "nvmlDeviceGetHandleByIndex");
+    if (rc) return rc;
+    *device = &st->gpus[index];
+    return NVML_SUCCESS;
+}
+
+EXPORT int nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevice_t *device) {
+    return nvmlDeviceGetHandleByIndex_v2(index, device);
+}
+
+EXPORT int nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device) {
+    REQUIRE_INIT();
+    if (!uuid || !device) return NVML_ERROR_INVALID_ARGUMENT;
+    for (int i = 0; i < st->ngpus; i++) {
+        struct device *g = &st->gpus[i];
+        if (strcmp(g->uuid, uuid) == 0) {
+            int rc = injected(i, "nvmlDeviceGetHandleByUUID");
+            if (rc) return rc;
+            *device = g;
+            return NVML_SUCCESS;
+        }
+        for (int j = 0; j < g->nmig; j++) {
+            if (g->mig[j] && strcmp(g->mig[j]->uuid, uuid) == 0) {
+                *device = g->mig[j];
+                return NVML_SUCCESS;
+            }
+        }
+    }
+    return NVML_ERROR_NOT_FOUND;
+}
+
+/* ---- device identity ------------------------------------------------------------------------- */
+
+EXPORT int nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index) {
+    DEVICE_CALL(device, "nvmlDeviceGetIndex");
+    if (!index || device->is_mig) return NVML_ERROR_INVALID_ARGUMENT;
+    *index = (unsigned int)device->index;
+    return NVML_SUCCESS;
+}
+
+EXPORT int nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minor) {
+    DEVICE_CALL(device, "nvmlDeviceGetMinorNumber");
+    if (!minor) return NVML_ERROR_INVALID_ARGUMENT;
+    if (device->is_mig) return NVML_ERROR_NOT_SUPPORTED;
+    *minor = device->minor;
+    return NVML_SUCCESS;
+}
+
+EXPORT int nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length) {
+    DEVICE_CALL(device, "nvmlDeviceGetUUID");
+    return copy_string(uuid, length, device->uuid);
+}
+
+EXPORT int nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length) {
+    DEVICE_CALL(device, "nvmlDeviceGetName");
+    return copy_string(name, length, device->name);
+}
+
+EXPORT int nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci) {
+    DEVICE_CALL(device, "nvmlDeviceGetPciInfo");
+    if (!pci) return NVML_ERROR_INVALID_ARGUMENT;
+    memset(pci, 0, sizeof *pci);
+    unsigned int domain = 0, bus = 0, dev = 0, fn = 0;
+    sscanf(device->bus_id, "%x:%x:%x.%x", &domain, &bus, &dev, &fn);
+    pci->domain = domain;
+    pci->bus = bus;
+    pci->device = dev;
+    pci->pciDeviceId = device->pci_device_id;
+    pci->pciSubSystemId = 0x124910DE;
+    snprintf(pci->busId, sizeof pci->busId, "%s", device->bus_id);
+    /* The legacy field holds the short form: 4-digit domain (nvml.h NVML_DEVICE_PCI_BUS_ID_LEGACY_FMT). */
+    snprintf(pci->busIdLegacy, sizeof pci->busIdLegacy, "%04X:%02X:%02X.%X", domain & 0xFFFF, bus, dev, fn);
+    return NVML_SUCCESS;
+}
+
+EXPORT int nvmlDeviceGetPciInfo_v2(nvmlDevice_t device, nvmlPciInfo_t *pci) { return nvmlDeviceGetPciInfo_v3(device, pci); }
+
+/* ---- memory, utilisation --------------------------------------------------------------------- */
+
+EXPORT int nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
+    DEVICE_CALL(device, "nvmlDeviceGetMemoryInfo");
+    if (!memory) return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned long long used;
+    unsigned int gpu, mem;
+    usage_of(device->is_mig ? -1 : device->index, &used, &gpu, &mem);
+    if (used > device->memory_total) used = device->memory_total;
+    memory->total = device->memory_total;
+    memory->used = used;
+    memory->free = device->memory_total - used;
+    return NVML_SUCCESS;
+}
+
+EXPORT int nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory) {
+    if (!memory) return NVML_ERROR_INVALID_ARGUMENT;
+    nvmlMemory_t m;
+    int rc = nvmlDeviceGetMemoryInfo(device, &m);
+    if (rc) return rc;
+    memory->total = m.total;
+    memory->reserved = 0;
+    memory->free = m.free;
+    memory->used = m.used;
+    return NVML_SUCCESS;
+}
+
+EXPORT int nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_t *util) {
+    DEVICE_CALL(device, "nvmlDeviceGetUtilizationRates");
+    if (!util) return NVML_ERROR_INVALID_ARGUMENT;
+    if (device->is_mig) return NVML_ERROR_NOT_SUPPORTED; /* as on real MIG devices */
+    unsigned long long used;
+    usage_of(device->index, &used, &util->gpu, &util->memory);
+    return NVML_SUCCESS;
+}
+
+/* ---- NUMA and topology ----------------------------------------------------------------------- */
+
+EXPORT int nvmlDeviceGetNumaNodeId(nvmlDevice_t device, unsigned int *node) {
+    DEVICE_CALL(device, "nvmlDeviceGetNumaNodeId");
+    if (!node) return NVML_ERROR_INVALID_ARGUMENT;
+    if (device->numa < 0) return NVML_ERROR_NOT_SUPPORTED;
+    *node = (unsigned int)device->numa;
+    return NVML_SUCCESS;
+}
+
+EXPORT int nvmlDeviceGetCpuAffinity(nvmlDevice_t device, unsigned int cpuSetSize, unsigned long *cpuSet) {
+    DEVICE_CALL(device, "nvmlDeviceGetCpuAffinity");
+    if (!cpuSet || cpuSetSize == 0) return NVML_ERROR_INVALID_ARGUMENT;
+    for (unsigned int i = 0; i < cpuSetSize; i++)
+        cpuSet[i] = i < (unsigned int)device->affinity_words ? (unsigned long)device->affinity[i] : 0;
+    return NVML_SUCCESS;
+}
+
+EXPORT int nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t a, nvmlDevice_t b, int *level) {
+    DEVICE_CALL(a, "nvmlDeviceGetTopologyCommonAncestor");
+    if (!valid_device(b) || !level || a->is_mig || b->is_mig) return NVML_ERROR_INVALID_ARGUMENT;
+    int rc = injected(b->index, "nvmlDeviceGetTopologyCommonAncestor");
+    if (rc) return rc;
+    *level = a == b ? 0 : st->topo[a->index][b->index];
+    return NVML_SUCCESS;
+}
+
+static int nvlink_of(nvmlDevice_t device, unsigned int link, const char *call, struct link **out) {
+    DEVICE_CALL(device, call);
+    if (device->is_mig) return NVML_ERROR_NOT_SUPPORTED;
+    if (device->nlinks == 0) return NVML_ERROR_NOT_SUPPORTED;
+    if (link >= MAX_LINKS || !device->links[link].present) return NVML_ERROR_INVALID_ARGUMENT;
+    *out = &device->links[link];
+    return NVML_SUCCESS;
+}
+
+EXPORT int nvmlDeviceGetNvLinkState(nvmlDevice_t device, unsigned int link, unsigned int *active) {
+    struct link *l;
+    int rc = nvlink_of(device, link, "nvmlDeviceGetNvLinkState", &l);
+    if (rc) return rc;
+    if (!active) return NVML_ERROR_INVALID_ARGUMENT;
+    *active = (unsigned int)l->active;
+    return NVML_SUCCESS;
+}
+
+EXPORT int nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t device, unsigned int link, nvmlPciInfo_t *pci) {
+    struct link *l;
+    int rc = nvlink_of(device, link, "nvmlDeviceGetNvLinkRemotePciInfo", &l);
+    if (rc) return rc;
+    if (!pci) return NVML_ERROR_INVALID_ARGUMENT;
+    memset(pci, 0, sizeof *pci);
+    unsigned int domain = 0, bus = 0, dev = 0, fn = 0;
+    sscanf(l->remote_bus, "%x:%x:%x.%x", &domain, &bus, &dev, &fn);
+    pci->domain = domain;
+    pci->bus = bus;
+    pci->device = dev;
+    snprintf(pci->busId, sizeof pci->busId, "%s", l->remote_bus);
+    snprintf(pci->busIdLegacy, sizeof pci->busIdLegacy, "%04X:%02X:%02X.%X", domain & 0xFFFF, bus, dev, fn);
+    return NVML_SUCCESS;
+}
+
+EXPORT int nvmlDeviceGetNvLinkRemoteDeviceType(nvmlDevice_t device, unsigned int link, int *type) {
+    struct link *l;
+    int rc = nvlink_of(device, link, "nvmlDeviceGetNvLinkRemoteDeviceType", &l);
+    if (rc) return rc;
+    if (!type) return NVML_ERROR_INVALID_ARGUMENT;
+    *type = l->remote_type;
+    return NVML_SUCCESS;
+}
+
+/* ---- MIG ------------------------------------------------------------------------------------- */
+
+EXPORT int nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *current, unsigned int *pending) {
+    DEVICE_CALL(device, "nvmlDeviceGetMigMode");
+    if (!current || !pending || device->is_mig) return NVML_ERROR_INVALID_ARGUMENT;
+    if (device->mig_mode == 2) return NVML_ERROR_NOT_SUPPORTED; /* 2 in the state: not MIG-capable */
+    *current = *pending = device->mig_mode;
+    return NVML_SUCCESS;
+}
+
+EXPORT int nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned int *count) {
+    DEVICE_CALL(device, "nvmlDeviceGetMaxMigDeviceCount");
+    if (!count || device->is_mig) return NVML_ERROR_INVALID_ARGUMENT;
+    if (device->mig_mode == 2) return NVML_ERROR_NOT_SUPPORTED;
+    *count = device->mig_mode == 1 ? MAX_MIG : 0;
+    return NVML_SUCCESS;
+}
+
+EXPORT int nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned int index, nvmlDevice_t *mig) {
+    DEVICE_CALL(device, "nvmlDeviceGetMigDeviceHandleByIndex");
+    if (!mig || device->is_mig || index >= MAX_MIG) return NVML_ERROR_INVALID_ARGUMENT;
+    if (device->mig_mode != 1) return NVML_ERROR_NOT_SUPPORTED;
+    if (index >= (unsigned int)device->nmig || !device->mig[index]) return NVML_ERROR_NOT_FOUND;
+    *mig = device->mig[index];
+    return NVML_SUCCESS;
+}
+
+EXPORT int nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t mig, nvmlDevice_t *device) {
+    DEVICE_CALL(mig, "nvmlDeviceGetDeviceHandleFromMigDeviceHandle");
+    if (!device || !mig->is_mig) return NVML_ERROR_INVALID_ARGUMENT;
+    *device = mig->parent;
+    return NVML_SUCCESS;
+}
+
+EXPORT int nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned int *is_mig) {
+    DEVICE_CALL(device, "nvmlDeviceIsMigDeviceHandle");
+    if (!is_mig) return NVML_ERROR_INVALID_ARGUMENT;
+    *is_mig = (unsigned int)device->is_mig;
+    return NVML_SUCCESS;
+}
+
+EXPORT int nvmlDeviceGetGpuInstanceId(nvmlDevice_t device, unsigned int *id) {
+    DEVICE_CALL(device, "nvmlDeviceGetGpuInstanceId");
+    if (!id || !device->is_mig) return NVML_ERROR_INVALID_ARGUMENT;
+    *id = device->gi;
+    return NVML_SUCCESS;
+}
+
+EXPORT int nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, unsigned int *id) {
+    DEVICE_CALL(device, "nvmlDeviceGetComputeInstanceId");
+    if (!id || !device->is_mig) return NVML_ERROR_INVALID_ARGUMENT;
+    *id = device->ci;
+    return NVML_SUCCESS;
+}
+
+/* ---- events ---------------------------------------------------------------------------------- */
+
+static long events_size(void) {
+    char path[PATH_MAX + 16];
+    struct stat sb;
+    if (!st || !st->control[0]) return 0;
+    snprintf(path, sizeof path, "%s/events", st->control);
+    return stat(path, &sb) == 0 ? (long)sb.st_size : 0;
+}
+
+EXPORT int nvmlEventSetCreate(struct event_set **set) {
+    REQUIRE_INIT();
+    if (!set) return NVML_ERROR_INVALID_ARGUMENT;
+    int rc = injected(-1, "nvmlEventSetCreate");
+    if (rc) return rc;
+    struct event_set *s = calloc(1, sizeof *s);
+    if (!s) return NVML_ERROR_UNKNOWN;
+    s->cursor = events_size(); /* events written before the set existed are not delivered */
+    *set = s;
+    return NVML_SUCCESS;
+}
+
+EXPORT int nvmlEventSetFree(struct event_set *set) {
+    REQUIRE_INIT();
+    if (!set) return NVML_ERROR_INVALID_ARGUMENT;
+    free(set);
+    return NVML_SUCCESS;
+}
+
+EXPORT int nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device, unsigned long long *types) {
+    DEVICE_CALL(device, "nvmlDeviceGetSupportedEventTypes");
+    if (!types) return NVML_ERROR_INVALID_ARGUMENT;
+    *types = NVML_EVENT_XID | NVML_EVENT_SBE | NVML_EVENT_DBE;
+    return NVML_SUCCESS;
+}
+
+EXPORT int nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long types, struct event_set *set) {
+    DEVICE_CALL(device, "nvmlDeviceRegisterEvents");
+    if (!set || device->is_mig) return NVML_ERROR_INVALID_ARGUMENT;
+    if (types & ~(NVML_EVENT_XID | NVML_EVENT_SBE | NVML_EVENT_DBE)) return NVML_ERROR_NOT_SUPPORTED;
+    set->mask[device->index] |= types;
+    return NVML_SUCCESS;
+}
+
+/* Take the next complete line of the events file after the set's cursor; 1 when one was found. */
+static int next_event(struct event_set *set, nvmlEventData_t *data) {
+    FILE *fh = control_file("events");
+    if (!fh) return 0;
+    int found = 0;
+    if (fseek(fh, set->cursor, SEEK_SET) == 0) {
+        char line[256];
+        while (!found && fgets(line, sizeof line, fh)) {
+            size_t len = strlen(line);
+            if (len == 0 || line[len - 1] != '\n') break; /* a line still being written */
+            set->cursor += (long)len;
+            int idx, gi = -1, ci = -1;
+            unsigned long long xid;
+            int n = sscanf(line, "%d %llu %d %d", &idx, &xid, &gi, &ci);
+            if (n < 2 || idx < 0 || idx >= st->ngpus || !(set->mask[idx] & NVML_EVENT_XID)) continue;
+            data->device = &st->gpus[idx];
+            data->eventType = NVML_EVENT_XID;
+            data->eventData = xid;
+            data->gpuInstanceId = n >= 3 && gi >= 0 ? (unsigned int)gi : NO_INSTANCE;
+            data->computeInstanceId = n >= 4 && ci >= 0 ? (unsigned int)ci : NO_INSTANCE;
+            found = 1;
+        }
+    }
+    fclose(fh);
+    return found;
+}
+
+EXPORT int nvmlEventSetWait_v2(struct event_set *set, nvmlEventData_t *data, unsigned int timeoutms) {
+    REQUIRE_INIT();
+    if (!set || !data) return NVML_ERROR_INVALID_ARGUMENT;
+    struct timespec start, now, nap = {0, 5 * 1000 * 1000};
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    for (;;) {
+        int rc = injected(-1, "nvmlEventSetWait");
+        if (rc) return rc;
+        if (next_event(set, data)) return NVML_SUCCESS;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        long elapsed = (now.tv_sec - start.tv_sec) * 1000 + (now.tv_nsec - start.tv_nsec) / 1000000;
+        if (elapsed >= (long)timeoutms) return NVML_ERROR_TIMEOUT;
+        nanosleep(&nap, NULL);
+    }
+}
+
+EXPORT int nvmlEventSetWait(struct event_set *set, nvmlEventData_t *data, unsigned int timeoutms) {
+    return nvmlEventSetWait_v2(set, data, timeoutms);
+}

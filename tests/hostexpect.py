@@ -1,0 +1,63 @@
+"""What a host description says NVML must report: the tests' independent reading of a HostSpec."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from isolator.simhost.host import HostSpec, format_cpu_list
+
+SMI = {0: "PIX", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
+
+
+def lanes(spec: HostSpec, a: int, b: int) -> int:
+    ga, gb = spec.gpus[a], spec.gpus[b]
+    direct = ga.nvlink.get(b, 0)
+    to_a, to_b = sum(ga.nvswitch.values()), sum(gb.nvswitch.values())
+    return direct + (min(to_a, to_b) if to_a and to_b else 0)
+
+
+def kind(spec: HostSpec, a: int, b: int) -> str:
+    n = lanes(spec, a, b)
+    return f"NV{n}" if n else SMI[int(spec.level(a, b))]
+
+
+def gpus_json(spec: HostSpec) -> list[dict[str, Any]]:
+    """The ListGpus entries (as the CLI's --json prints them) for a host with every GPU healthy."""
+    out = []
+    for g in spec.gpus:
+        cpus = format_cpu_list(spec.numa.get(g.numa_node, ())) if g.numa_node is not None else ""
+        out.append(
+            {
+                "index": g.index,
+                "minor": g.minor,
+                "uuid": g.uuid,
+                "name": g.name,
+                "pci_bus_id": g.pci_bus_id,
+                "memory_total_bytes": str(g.memory_mib * 2**20),  # uint64 is a string in proto JSON
+                "numa_node": -1 if g.numa_node is None else g.numa_node,
+                "cpu_affinity": cpus,
+                "healthy": True,
+                "last_xid": "0",
+                "last_xid_time": 0.0,
+                "health_reason": "",
+                "holder": "",
+                "mig_enabled": bool(g.mig),
+            }
+        )
+    return out
+
+
+def topology_json(spec: HostSpec) -> dict[str, Any]:
+    n = len(spec.gpus)
+    return {
+        "indices": list(range(n)),
+        "links": [
+            {"a": a, "b": b, "kind": kind(spec, a, b), "nvlink_lanes": lanes(spec, a, b)}
+            for a in range(n)
+            for b in range(a + 1, n)
+        ],
+        "numa_nodes": [-1 if g.numa_node is None else g.numa_node for g in spec.gpus],
+        "cpu_affinity": [
+            format_cpu_list(spec.numa.get(g.numa_node, ())) if g.numa_node is not None else "" for g in spec.gpus
+        ],
+    }

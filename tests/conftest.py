@@ -55,6 +55,7 @@ def capability(name: str) -> str | None:
 CAPABILITY_MARKERS = ("root", "cgroup_v1", "cgroup_v2", "gpu")
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     for name in CAPABILITY_MARKERS:
         if item.get_closest_marker(name) is not None:

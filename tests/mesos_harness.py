@@ -98,7 +98,9 @@ class GrpcIsolator:
 
 
 def gpu_resource(n: float) -> dict[str, Any]:
-    return {"name": "gpus", "type": "SCALAR", "scalar": {"value": n}, "role": "*"}
+    # Proto JSON spells a NaN double as the string "NaN".
+    value: float | str = "NaN" if n != n else n
+    return {"name": "gpus", "type": "SCALAR", "scalar": {"value": value}, "role": "*"}
 
 
 @dataclass

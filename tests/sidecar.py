@@ -1,0 +1,178 @@
+"""A real sidecar daemon on a simulated GPU host, in standalone mode with throwaway test cgroups.
+
+``Sidecar.start(...)`` runs ``gpu-isolator serve`` as a subprocess (the real composition root), waits
+until it answers health checks, and ``stop()`` terminates it and removes every cgroup created
+under this run's ``gpu-isolator-test/<unique>`` parent, killing leftover processes first — even
+when the test failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from isolator.cgroups.detect import read_mounts
+from isolator.simhost.sim import SimulatedHost
+
+TEST_PARENT = "gpu-isolator-test"
+
+
+def cgroup_mount(version: str) -> str:
+    mounts = read_mounts("/proc/self/mounts")
+    mount = mounts.v1_devices if version == "v1" else mounts.v2
+    if mount is None:
+        raise RuntimeError(f"no cgroup {version} devices hierarchy on this machine")
+    return mount
+
+
+def remove_cgroup_tree(path: str) -> None:
+    """Kill what is left in ``path`` and below, then rmdir bottom-up."""
+    if not os.path.isdir(path):
+        return
+    for root, _dirs, _files in sorted(os.walk(path), key=lambda t: -t[0].count("/")):
+        procs = os.path.join(root, "cgroup.procs")
+        with contextlib.suppress(OSError), open(procs) as fh:
+            for line in fh:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(line), signal.SIGKILL)
+        for _ in range(50):
+            try:
+                os.rmdir(root)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.02)
+
+
+@dataclass
+class Sidecar:
+    work: str
+    host: str
+    cgroup_version: str
+    cgroups_root: str
+    extra: tuple[str, ...] = ()
+    proc: subprocess.Popen[str] | None = None
+    log_path: str = ""
+    _log: object = field(default=None, repr=False)
+
+    @property
+    def socket(self) -> str:
+        return os.path.join(self.work, "s.sock")
+
+    @property
+    def bridge_socket(self) -> str:
+        return self.socket + ".bridge"
+
+    @property
+    def address(self) -> str:
+        return "unix:" + self.socket
+
+    @property
+    def sim(self) -> SimulatedHost:
+        """The running daemon's simulated host, for steering (inject_xid, fail_gpu, set_usage)."""
+        return SimulatedHost(self.host, os.path.join(self.work, "simhost"))
+
+    @property
+    def dev_root(self) -> str:
+        return os.path.join(self.work, "simhost", "dev")
+
+    @property
+    def cgroup_parent(self) -> str:
+        return os.path.join(cgroup_mount(self.cgroup_version), self.cgroups_root)
+
+    def argv(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "isolator",
+            "serve",
+            "--socket",
+            self.socket,
+            "--work-dir",
+            self.work,
+            "--volume-root",
+            os.path.join(self.work, "volumes"),
+            "--simulate",
+            self.host,
+            "--mode",
+            "standalone",
+            "--cgroup-version",
+            self.cgroup_version,
+            "--cgroups-root",
+            self.cgroups_root,
+            *self.extra,
+        ]
+
+    def start(self, timeout: float = 60) -> Sidecar:
+        self.log_path = os.path.join(self.work, "sidecar.log")
+        log = open(self.log_path, "a")  # noqa: SIM115 - closed in stop()
+        self._log = log
+        self.proc = subprocess.Popen(self.argv(), stderr=log, stdout=log, text=True)
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.address) as ch:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"the sidecar exited {self.proc.returncode}: {self.log()}")
+                try:
+                    grpc.channel_ready_future(ch).result(timeout=0.5)
+                    break
+                except grpc.FutureTimeoutError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"the sidecar did not start: {self.log()}") from None
+        return self
+
+    def log(self) -> str:
+        with open(self.log_path) as fh:
+            return fh.read()[-4000:]
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, nothing cleaned."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def terminate(self) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def stop(self) -> None:
+        self.terminate()
+        if self._log is not None:
+            self._log.close()  # type: ignore[attr-defined]
+        remove_cgroup_tree(self.cgroup_parent)
+
+
+@contextlib.contextmanager
+def running_sidecar(
+    host: str = "dgx-1", cgroup_version: str = "v1", extra: tuple[str, ...] = (), work: str | None = None
+) -> Iterator[Sidecar]:
+    own = work is None
+    work = work or tempfile.mkdtemp(prefix="gi-", dir="/tmp")
+    root = f"{TEST_PARENT}/{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    sidecar = Sidecar(work=work, host=host, cgroup_version=cgroup_version, cgroups_root=root, extra=extra)
+    try:
+        yield sidecar.start()
+    finally:
+        sidecar.stop()
+        if own:
+            shutil.rmtree(work, ignore_errors=True)

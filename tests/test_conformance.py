@@ -53,7 +53,7 @@ def test_container_with_two_gpus_opens_exactly_those_and_sees_the_volume(agent):
 
 
 def test_host_filesystem_container_is_gated_by_the_cgroup_alone(agent):
-    _sidecar, containerizer = agent
+    sidecar, containerizer = agent
     nodes = [f"{sidecar.dev_root}/nvidia{i}" for i in range(8)]
     launched = containerizer.launch(container_id("no-image"), containerizer.config(gpus=1, image=False), nodes)
     assert launched.exit_code == 0, launched.stderr
@@ -65,7 +65,7 @@ def test_host_filesystem_container_is_gated_by_the_cgroup_alone(agent):
 
 
 def test_container_with_zero_gpus_opens_none_but_keeps_the_control_devices(agent):
-    _sidecar, containerizer = agent
+    sidecar, containerizer = agent
     nodes = [f"{sidecar.dev_root}/nvidia{i}" for i in range(8)] + [f"{sidecar.dev_root}/nvidiactl"]
     launched = containerizer.launch(container_id("zero"), containerizer.config(gpus=0, image=False), nodes)
     assert launched.exit_code == 0, launched.stderr

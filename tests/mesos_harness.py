@@ -97,6 +97,74 @@ class GrpcIsolator:
         self._channel.close()
 
 
+class BridgeIsolator:
+    """The hooks through the command-module bridge executables, exactly as the criteo module calls
+    them: ``<command> IN OUT ERR`` with stdin set to IN, JSON in stout's form, ERR on failure.
+
+    Recover and Update are not forwarded by that module (reference §A.1.3); ``recover`` and
+    ``update`` here are therefore no-ops and refusals, as an agent would see them.
+    """
+
+    def __init__(self, bridge_dir: str, workdir: str) -> None:
+        self.bridge_dir = bridge_dir
+        self.workdir = workdir
+        self.calls = 0
+
+    def _call(self, method: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        self.calls += 1
+        base = os.path.join(self.workdir, f"criteo-mesos-{self.calls}")
+        paths = [base + ".in", base + ".out", base + ".err"]
+        with open(paths[0], "w") as fh:
+            json.dump(body, fh)
+        for path in paths[1:]:
+            open(path, "w").close()
+        with open(paths[0]) as stdin:
+            result = subprocess.run(
+                [os.path.join(self.bridge_dir, f"gpu-isolator-{method}"), *paths],
+                stdin=stdin,
+                capture_output=True,
+                timeout=60,
+            )
+        try:
+            assert result.stdout == b"", f"the bridge wrote to stdout: {result.stdout!r}"
+            with open(paths[1]) as fh:
+                out = fh.read()
+            with open(paths[2]) as fh:
+                err = fh.read()
+        finally:
+            for path in paths:
+                os.unlink(path)
+        if result.returncode != 0:
+            # ERR is one line: "gpu-isolator <method>: <CODE>: <message>".
+            code, _, message = err.removeprefix(f"gpu-isolator {method}: ").partition(": ")
+            raise HookFailed(method, code, message)
+        return json.loads(out) if out else None
+
+    def recover(self, states: list[dict[str, Any]], orphans: list[dict[str, Any]]) -> None:
+        pass  # not forwarded by the module: the sidecar recovers on its own at start
+
+    def prepare(self, cid: dict[str, Any], config: dict[str, Any]) -> dict[str, Any] | None:
+        return self._call("prepare", {"container_id": cid, "container_config": config})
+
+    def isolate(self, cid: dict[str, Any], pid: int) -> None:
+        self._call("isolate", {"container_id": cid, "pid": pid})
+
+    def update(self, cid: dict[str, Any], gpus: int) -> None:
+        raise HookFailed("update", "UNIMPLEMENTED", "the command module does not forward update")
+
+    def cleanup(self, cid: dict[str, Any]) -> None:
+        self._call("cleanup", {"container_id": cid})
+
+    def watch(self, cid: dict[str, Any]) -> dict[str, Any] | None:
+        return self._call("watch", {"container_id": cid})
+
+    def usage(self, cid: dict[str, Any]) -> dict[str, Any] | None:
+        return self._call("usage", {"container_id": cid})
+
+    def close(self) -> None:
+        pass
+
+
 def gpu_resource(n: float) -> dict[str, Any]:
     # Proto JSON spells a NaN double as the string "NaN".
     value: float | str = "NaN" if n != n else n

@@ -6,8 +6,10 @@ cgroup the sidecar configured, and reports what it can open and see.
 
 from __future__ import annotations
 
+import os
+
 import pytest
-from mesos_harness import Containerizer, GrpcIsolator, HookFailed, container_id
+from mesos_harness import BridgeIsolator, Containerizer, GrpcIsolator, HookFailed, container_id
 from sidecar import running_sidecar
 
 pytestmark = [pytest.mark.root]
@@ -15,11 +17,24 @@ pytestmark = [pytest.mark.root]
 VERSIONS = [pytest.param("v1", marks=pytest.mark.cgroup_v1), pytest.param("v2", marks=pytest.mark.cgroup_v2)]
 
 
-@pytest.fixture(params=VERSIONS, scope="module")
+ROUTES = ["grpc", "bridge"]
+
+
+@pytest.fixture(
+    params=[(v, r) for v in VERSIONS for r in ROUTES], ids=lambda p: f"{p[0].values[0]}-{p[1]}", scope="module"
+)
 def agent(request):
-    # One daemon per cgroup version for the module: every test cleans up its own containers.
-    with running_sidecar("dgx-1", request.param) as sidecar:
-        isolator = GrpcIsolator(sidecar.socket)
+    # One daemon per cgroup version and route for the module: every test cleans up its containers.
+    version, route = request.param
+    with running_sidecar("dgx-1", version.values[0]) as sidecar:
+        if route == "grpc":
+            isolator = GrpcIsolator(sidecar.socket)
+        else:
+            from isolator.bridge import install
+
+            bridge_dir = os.path.join(sidecar.work, "bridge")
+            install(bridge_dir, sidecar.bridge_socket)
+            isolator = BridgeIsolator(bridge_dir, sidecar.work)
         containerizer = Containerizer(isolator, sidecar.work)
         containerizer.recover()
         yield sidecar, containerizer

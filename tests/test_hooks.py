@@ -197,7 +197,7 @@ def test_orphans_keep_their_gpus_across_a_restart_until_their_cleanup(agent):
 
 
 def test_launch_info_is_stout_compatible_json(agent):
-    sidecar, isolator, containerizer = agent
+    _sidecar, isolator, containerizer = agent
     cid = container_id("json")
     info = isolator.prepare(cid, containerizer.config(gpus=1))
     try:

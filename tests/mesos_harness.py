@@ -232,12 +232,13 @@ class Containerizer:
         try:
             info = self.isolator.prepare(cid, config)
             launched = Launched(cid, info)
-            self._run(launched, config, open_paths)
+            self.run(launched, config, open_paths)
             return launched
         finally:
             self.isolator.cleanup(cid)
 
-    def _run(self, launched: Launched, config: dict[str, Any], open_paths: list[str]) -> None:
+    def run(self, launched: Launched, config: dict[str, Any], open_paths: list[str]) -> None:
+        """Fork the blocked init, Isolate its pid, let it exec the check program, and wait."""
         info = launched.launch_info or {}
         rootfs = config.get("rootfs", "")
         spec = {

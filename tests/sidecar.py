@@ -164,11 +164,15 @@ class Sidecar:
 
 @contextlib.contextmanager
 def running_sidecar(
-    host: str = "dgx-1", cgroup_version: str = "v1", extra: tuple[str, ...] = (), work: str | None = None
+    host: str = "dgx-1",
+    cgroup_version: str = "v1",
+    extra: tuple[str, ...] = (),
+    work: str | None = None,
+    parent: str = TEST_PARENT,
 ) -> Iterator[Sidecar]:
     own = work is None
     work = work or tempfile.mkdtemp(prefix="gi-", dir="/tmp")
-    root = f"{TEST_PARENT}/{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    root = f"{parent}/{os.getpid()}-{uuid.uuid4().hex[:8]}"
     sidecar = Sidecar(work=work, host=host, cgroup_version=cgroup_version, cgroups_root=root, extra=extra)
     try:
         yield sidecar.start()

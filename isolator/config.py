@@ -61,6 +61,7 @@ class Config:
     driver_root: str = "/"
     ignored_xids: tuple[int, ...] = DEFAULT_IGNORED_XIDS
     max_workers: int = 16
+    reap_interval: float = 60.0
     max_concurrent_rpcs: int = 256
     max_message_bytes: int = 4 * 1024 * 1024
     log_level: str = "info"
@@ -120,6 +121,16 @@ def _positive_int(value: Any) -> int:
     return n
 
 
+def _positive_float(value: Any) -> float:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{value!r} is not a number") from None
+    if not x > 0 or x != x or x == float("inf"):
+        raise ValueError(f"{value!r} must be a positive number of seconds")
+    return x
+
+
 def _choice(choices: tuple[str, ...]) -> Any:
     def parse(value: Any) -> str:
         if value not in choices:
@@ -166,6 +177,7 @@ PARSERS: dict[str, Any] = {
     "driver_root": _text,
     "ignored_xids": _int_list,
     "max_workers": _positive_int,
+    "reap_interval": _positive_float,
     "max_concurrent_rpcs": _positive_int,
     "max_message_bytes": _positive_int,
     "log_level": _choice(LOG_LEVELS),
@@ -193,6 +205,7 @@ HELP = {
     "driver_root": "root of the driver installation the volume is built from (default /)",
     "ignored_xids": f"XIDs that do not mark a GPU unhealthy (default {','.join(map(str, DEFAULT_IGNORED_XIDS))})",
     "max_workers": "gRPC worker threads (default 16)",
+    "reap_interval": "seconds between checks for containers whose Mesos cgroup vanished (default 60)",
     "max_concurrent_rpcs": "requests in flight before RESOURCE_EXHAUSTED (default 256)",
     "max_message_bytes": "largest request accepted, in bytes (default 4 MiB)",
     "log_level": "debug, info, warning or error (default info)",

@@ -545,6 +545,35 @@ class IsolatorService(Service):
             LOG.info("recovered %d containers, released %d", result.recovered, result.released)
             return result
 
+    def reap_vanished(self) -> list[ContainerId]:
+        """Release containers whose Mesos cgroup is gone (mesos mode only).
+
+        The command-module route never forwards Recover or orphans, and skips cleanup for containers
+        it has no context for (reference §A.1.8), so a container destroyed while the agent was down
+        would hold its GPUs for ever. Mesos removes a container's cgroup when it destroys it; a
+        record whose cgroup no longer exists therefore belongs to a dead container. Run periodically.
+        """
+        if self.settings.mode != "mesos":
+            return []
+        reaped = []
+        with self._lock:
+            for cid, rec in self.store.load().items():
+                if os.path.isdir(self.controller.cgroup_path(cid)):
+                    continue
+                with contextlib.suppress(CgroupVanished):
+                    self.controller.cleanup(cid)
+                self.store.remove(cid)
+                self.allocator.deallocate(rec.gpus & self.allocator.allocated)
+                reaped.append(cid)
+                LOG.warning(
+                    "released %s: its cgroup is gone (destroyed without a cleanup)", self._describe(cid, rec.gpus)
+                )
+            if reaped:
+                self._changed.notify_all()
+        for cid in reaped:
+            self._release_volume(cid)
+        return reaped
+
     # ---- admin ------------------------------------------------------------------------------------
 
     def list_gpus(self) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -140,6 +141,14 @@ def build_service(config: Config, notes: list[str] | None = None) -> Service:
         raise
 
 
+def _reap_loop(reap: Callable[[], object], stop: threading.Event, interval: float) -> None:
+    while not stop.wait(interval):
+        try:
+            reap()
+        except Exception:
+            LOG.exception("periodic reconciliation failed; retrying in %s s", interval)
+
+
 def serve(config: Config) -> int:
     """Run the sidecar until SIGTERM or SIGINT. Raises IsolatorError if it cannot start."""
     configure_logging(config.log_level)
@@ -161,6 +170,11 @@ def serve(config: Config) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    reaper = getattr(service, "reap_vanished", None)
+    if reaper is not None and config.mode == "mesos":
+        threading.Thread(
+            target=_reap_loop, args=(reaper, stop, config.reap_interval), name="reaper", daemon=True
+        ).start()
     # Wake periodically so that signals are handled promptly whatever the platform's lock waits do.
     while not stop.wait(0.5):
         pass

@@ -3,6 +3,8 @@ orphans across a sidecar restart. A real daemon on a simulated host, real cgroup
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 from cgroup_helpers import Prober
@@ -209,3 +211,48 @@ def test_launch_info_is_stout_compatible_json(agent):
         assert all(v.type == pb.Environment.Variable.VALUE for v in msg.environment.variables)
     finally:
         isolator.cleanup(cid)
+
+
+@pytest.mark.cgroup_v1
+def test_mesos_mode_adds_only_our_rules_and_releases_containers_whose_cgroup_vanished(short_tmp):
+    import os
+
+    from isolator.devices import MESOS_DEFAULT_WHITELIST
+
+    with running_sidecar("dgx-1", "v1", extra=("--mode", "mesos", "--reap-interval", "0.2")) as sidecar:
+        # Play the agent's cgroups/devices isolator: it makes the cgroup and its default whitelist
+        # before any module isolator prepares.
+        cgroup = os.path.join(sidecar.cgroup_parent, "mesos-task")
+        os.makedirs(cgroup)
+        with open(os.path.join(cgroup, "devices.deny"), "w") as fh:
+            fh.write("a")
+        for rule in MESOS_DEFAULT_WHITELIST:
+            with open(os.path.join(cgroup, "devices.allow"), "w") as fh:
+                fh.write(str(rule))
+        isolator = GrpcIsolator(sidecar.socket)
+        containerizer = Containerizer(isolator, short_tmp)
+        channel, _, admin = stubs(sidecar)
+        try:
+            isolator.prepare(container_id("mesos-task"), containerizer.config(gpus=2, image=False))
+            with open(os.path.join(cgroup, "devices.list")) as fh:
+                listed = fh.read().split("\n")
+            assert sum(1 for line in listed if line.startswith("c 195:") and not line.startswith("c 195:255")) == 2
+            # The agent destroys the container while nobody tells us (the bridge route's blind spot).
+            os.rmdir(cgroup)
+            deadline = time.monotonic() + 20
+            while any(
+                c.container_id.value == "mesos-task"
+                for c in admin.ListContainers(pb.ListContainersRequest()).containers
+            ):
+                assert time.monotonic() < deadline, "the vanished container was never released"
+                time.sleep(0.1)
+            assert all(g.holder == "" for g in admin.ListGpus(pb.ListGpusRequest()).gpus)
+            # A prepare for a container whose Mesos cgroup does not exist fails and leaves nothing.
+            with pytest.raises(HookFailed) as info:
+                isolator.prepare(container_id("no-cgroup"), containerizer.config(gpus=8, image=False))
+            assert info.value.code == "NOT_FOUND"
+            assert list(admin.ListContainers(pb.ListContainersRequest()).containers) == []
+            assert all(g.holder == "" for g in admin.ListGpus(pb.ListGpusRequest()).gpus)
+        finally:
+            channel.close()
+            isolator.close()

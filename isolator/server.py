@@ -159,7 +159,11 @@ class IsolatorServicer(pb_grpc.IsolatorServicer):
 
     @_translate_errors
     def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> pb.WatchResponse:
-        limitation = self._service.watch(container_id_from_proto(request.container_id), context.time_remaining())
+        remaining = context.time_remaining()
+        # Answer "no limitation yet" a little before the caller's deadline rather than racing it.
+        if remaining is not None:
+            remaining = max(0.0, remaining - min(0.25, remaining / 2))
+        limitation = self._service.watch(container_id_from_proto(request.container_id), remaining)
         if limitation is None:
             return pb.WatchResponse()
         return json_format.ParseDict({"limitation": limitation}, pb.WatchResponse())

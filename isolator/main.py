@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from isolator import gpuflags
 from isolator.config import Config
-from isolator.errors import NvmlNotFound
+from isolator.errors import ConfigError, NvmlNotFound
 from isolator.server import SidecarServer
 from isolator.service import Service
 
@@ -116,6 +116,11 @@ def build_service(config: Config, notes: list[str] | None = None) -> Service:
         dev_root, driver_root = host.dev_root, host.driver_root
         volume_kwargs["path"] = driver.path
     hierarchy = detect(override=config.cgroup_version)
+    if os.path.commonpath([hierarchy.mount, config.cgroups_hierarchy]) != config.cgroups_hierarchy.rstrip("/"):
+        raise ConfigError(
+            f"the {hierarchy.version} devices hierarchy is mounted at '{hierarchy.mount}', "
+            f"outside --cgroups-hierarchy '{config.cgroups_hierarchy}'"
+        )
     controller = controller_for(
         hierarchy, os.path.join(config.work_dir, "devices"), cgroups_root=config.cgroups_root, mode=config.mode
     )

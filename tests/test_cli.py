@@ -442,3 +442,29 @@ def test_usage_errors_exit_2_with_one_line(argv, expected):
     result = _subprocess(argv, capture_output=True)
     assert result.returncode == cli.EXIT_USAGE
     assert expected in _one_line_error(result)
+
+
+# ---- cgroup v2 ------------------------------------------------------------------------------------
+
+
+@pytest.mark.cgroup_v2
+def test_on_cgroup_v2_describe_names_the_attached_device_program_and_health_agrees(short_tmp):
+    with running_sidecar("workstation-4", "v2", work=short_tmp) as sc:
+        iso = GrpcIsolator(sc.socket)
+        try:
+            iso.prepare(container_id("job"), Containerizer(iso, sc.work).config(2, image=False))
+            data = _json(sc.socket, "describe", "job")
+            rc, out, _ = _cli(sc.socket, "describe", "job")
+            health = _json(sc.socket, "health")
+            os.unlink(os.path.join(sc.work, "devices", "job", "device-rules.json"))  # the record of what was loaded
+            without_checkpoint = _json(sc.socket, "describe", "job")
+        finally:
+            iso.close()
+    cgroup = os.path.join(sc.cgroup_parent, "job")
+    assert data["kernel_source"].startswith("device program ") and f"on '{cgroup}'" in data["kernel_source"]
+    assert data["rules_agree"] is True and data["kernel_gpu_minors"] == data["container"]["gpu_minors"]
+    assert len(data["kernel_gpu_minors"]) == 2
+    assert rc == 0 and "(they agree)" in out
+    assert next(c for c in health["checks"] if c["name"] == "cgroups")["detail"] == "v2 devices, standalone mode"
+    assert health["healthy"] is True
+    assert without_checkpoint["rules_agree"] is False and without_checkpoint["kernel_gpu_minors"] == []

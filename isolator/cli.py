@@ -7,8 +7,11 @@ Errors are one line on stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
+import grp
 import json
 import os
+import pwd
+import stat
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -66,83 +69,184 @@ def _emit(text: str) -> None:
     sys.stdout.flush()
 
 
-def _table(rows: list[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> str:
-    header = [title for _, title in columns]
-    body = [["" if r.get(key) is None else str(r.get(key)) for key, _ in columns] for r in rows]
-    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths, strict=True)).rstrip() for b in body]
-    return "\n".join(lines)
+ADMIN_CALLS: dict[str, tuple[str, str]] = {
+    # command -> (Admin RPC, request message)
+    "gpus": ("ListGpus", "ListGpusRequest"),
+    "topology": ("Topology", "TopologyRequest"),
+    "containers": ("ListContainers", "ListContainersRequest"),
+    "describe": ("DescribeContainer", "DescribeContainerRequest"),
+    "volume": ("Volume", "VolumeRequest"),
+    "health": ("Health", "HealthRequest"),
+    "release": ("Release", "ReleaseRequest"),
+}
 
 
 def _run_admin(args: argparse.Namespace) -> int:
     import grpc
 
-    from isolator.client import Client, Unreachable, container_id, to_dict
+    from isolator.client import BadContainerId, Client, Unreachable, container_id, to_dict
     from isolator.rpc import isolator_pb2 as pb
 
-    calls: dict[str, Callable[[], Any]] = {}
+    method, request_name = ADMIN_CALLS[args.command]
+    request = getattr(pb, request_name)()
+    if hasattr(args, "container"):
+        try:
+            request.container_id.CopyFrom(container_id(args.container))
+        except BadContainerId as exc:
+            raise UsageError(f"gpu-isolator {args.command}: {exc}") from None
+    if args.command == "release":
+        request.force = args.force
     with Client(args.socket, timeout=args.timeout) as client:
-        calls = {
-            "gpus": lambda: client.call(client.admin, "ListGpus", pb.ListGpusRequest()),
-            "topology": lambda: client.call(client.admin, "Topology", pb.TopologyRequest()),
-            "containers": lambda: client.call(client.admin, "ListContainers", pb.ListContainersRequest()),
-            "describe": lambda: client.call(
-                client.admin,
-                "DescribeContainer",
-                pb.DescribeContainerRequest(container_id=container_id(args.container)),
-            ),
-            "volume": lambda: client.call(client.admin, "Volume", pb.VolumeRequest()),
-            "health": lambda: client.call(client.admin, "Health", pb.HealthRequest()),
-            "release": lambda: client.call(
-                client.admin,
-                "Release",
-                pb.ReleaseRequest(container_id=container_id(args.container), force=args.force),
-            ),
-        }
         try:
             client.check_reachable()
-            reply = calls[args.command]()
+            reply = client.call(client.admin, method, request)
         except Unreachable as exc:
-            print(f"gpu-isolator: {exc}", file=sys.stderr)
+            _fail(str(exc))
             return EXIT_UNREACHABLE
         except grpc.RpcError as exc:
             code = exc.code()
             if code == grpc.StatusCode.UNAVAILABLE:
-                print(f"gpu-isolator: cannot reach the sidecar at '{args.socket}': {exc.details()}", file=sys.stderr)
+                _fail(f"cannot reach the sidecar at '{args.socket}': {exc.details()}")
                 return EXIT_UNREACHABLE
-            print(f"gpu-isolator: {args.command}: {code.name}: {exc.details()}", file=sys.stderr)
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                _fail(f"the sidecar at '{args.socket}' did not answer within {args.timeout:g} s (see --timeout)")
+                return EXIT_UNREACHABLE
+            _fail(f"{args.command}: {exc.details()} ({code.name})")
             return EXIT_ERROR
     data = to_dict(reply)
+    status = EXIT_OK
     if args.command == "volume":
         data = json.loads(data.get("manifest_json") or "{}")
+    elif args.command == "health":
+        data = _with_socket_check(data, args.socket)
+        status = EXIT_OK if data["healthy"] else EXIT_ERROR
     if args.json:
         _emit(json.dumps(data, indent=2, sort_keys=True))
     else:
-        _emit(render(args.command, data))
-    return EXIT_OK
+        _emit(render(args.command, data, now=time.time()))
+    return status
 
 
-def render(command: str, data: dict[str, Any]) -> str:
-    """Tables for people. The JSON form is the stable one; these may change."""
-    if command == "gpus":
-        return _gpus_table(data)
-    if command == "topology":
-        return _topology_matrix(data)
-    if command == "containers":
-        return _table(
-            data.get("containers", []),
-            [
-                ("container_id", "CONTAINER"),
-                ("gpu_minors", "GPUS"),
-                ("cgroup", "CGROUP"),
-                ("mode", "MODE"),
-                ("state", "STATE"),
-            ],
+def _fail(message: str) -> None:
+    print(f"gpu-isolator: {message}", file=sys.stderr)
+
+
+def _with_socket_check(data: dict[str, Any], path: str) -> dict[str, Any]:
+    """The socket is checked from this side: it answered, and this is who may use it."""
+    checks = list(data.get("checks", []))
+    try:
+        st = os.stat(path)
+        owner = _name(pwd.getpwuid, st.st_uid)
+        group = _name(grp.getgrgid, st.st_gid)
+        detail = f"'{path}' answers; {stat.filemode(st.st_mode)} {owner}:{group}"
+        checks.append({"name": "socket", "ok": True, "detail": detail})
+    except OSError as exc:
+        checks.append({"name": "socket", "ok": False, "detail": f"'{path}': {exc.strerror}"})
+    return {"healthy": all(c.get("ok") for c in checks), "checks": checks}
+
+
+def _name(lookup: Callable[[int], Any], ident: int) -> str:
+    try:
+        return str(lookup(ident)[0])
+    except KeyError:
+        return str(ident)
+
+
+# ---- rendering: tables for people -----------------------------------------------------------------
+# The JSON form is the stable contract (docs/cli.md); these tables are for reading and may change.
+
+
+def render(command: str, data: dict[str, Any], now: float) -> str:
+    renderers: dict[str, Callable[[dict[str, Any], float], str]] = {
+        "gpus": lambda d, _now: _gpus_table(d),
+        "topology": lambda d, _now: _topology_matrix(d),
+        "containers": _containers_table,
+        "describe": _describe_text,
+        "volume": lambda d, _now: _volume_text(d),
+        "health": lambda d, _now: _health_table(d),
+        "release": lambda d, _now: str(d.get("detail", "")),
+    }
+    return renderers[command](data, now)
+
+
+def _table(rows: list[dict[str, Any]], columns: Sequence[tuple[str, str]], indent: str = "") -> str:
+    header = [title for _, title in columns]
+    body = [["" if r.get(key) is None else str(r.get(key)) for key, _ in columns] for r in rows]
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths, strict=True)).rstrip() for b in body]
+    return "\n".join(indent + line for line in lines)
+
+
+def _when(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
+
+
+def _age(created: float, now: float) -> str:
+    """kubectl's habit: one or two units, coarser as it grows."""
+    s = max(0, int(now - created))
+    if s < 120:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m" if s >= 600 else f"{s // 60}m{s % 60}s"
+    if s < 86400:
+        return f"{s // 3600}h" if s >= 36000 else f"{s // 3600}h{s % 3600 // 60}m"
+    return f"{s // 86400}d" if s >= 864000 else f"{s // 86400}d{s % 86400 // 3600}h"
+
+
+def _list(values: Sequence[Any]) -> str:
+    return ",".join(str(v) for v in values) if values else "-"
+
+
+def _depth(cid: dict[str, Any]) -> int:
+    depth = 0
+    while "parent" in cid:
+        cid = cid["parent"]
+        depth += 1
+    return depth
+
+
+def _tree_branch() -> str:
+    encoding = (getattr(sys.stdout, "encoding", None) or "").lower().replace("-", "")
+    return "└─ " if encoding == "utf8" else "`- "
+
+
+def _container_rows(containers: list[dict[str, Any]], now: float) -> list[dict[str, Any]]:
+    branch = _tree_branch()
+    rows = []
+    for c in containers:
+        depth = _depth(c.get("container_id", {}))
+        name = c.get("id", "") if not depth else "   " * (depth - 1) + branch + c["container_id"]["value"]
+        gpus = _list(c.get("gpu_indices", []))
+        rows.append(
+            dict(
+                c,
+                name=name,
+                # A nested container uses its parent's GPUs; the parentheses say they are not its own.
+                gpus=f"({gpus})" if c.get("nested") and gpus != "-" else gpus,
+                volume=c.get("volume_version") or "-",
+                age=_age(float(c.get("created", now)), now),
+            )
         )
-    if command == "health":
-        return _table(data.get("checks", []), [("name", "CHECK"), ("ok", "OK"), ("detail", "DETAIL")])
-    return json.dumps(data, indent=2, sort_keys=True)
+    return rows
+
+
+def _containers_table(data: dict[str, Any], now: float) -> str:
+    containers = data.get("containers", [])
+    if not containers:
+        return "No containers."
+    return _table(
+        _container_rows(containers, now),
+        [
+            ("name", "CONTAINER"),
+            ("gpus", "GPUS"),
+            ("state", "STATE"),
+            ("mode", "MODE"),
+            ("volume", "VOLUME"),
+            ("age", "AGE"),
+            ("cgroup", "CGROUP"),
+        ],
+    )
 
 
 def _health_text(g: dict[str, Any]) -> str:
@@ -150,14 +254,13 @@ def _health_text(g: dict[str, Any]) -> str:
         return "healthy"
     xid = int(g.get("last_xid") or 0)
     if xid:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(g.get("last_xid_time") or 0)))
-        return f"UNHEALTHY: XID {xid} at {when}"
+        return f"UNHEALTHY: XID {xid} at {_when(float(g.get('last_xid_time') or 0))}"
     return f"UNHEALTHY: {g.get('health_reason') or 'unknown'}"
 
 
-def _gpus_table(data: dict[str, Any]) -> str:
+def _gpu_rows(gpus: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
-    for g in data.get("gpus", []):
+    for g in gpus:
         numa = int(g.get("numa_node", -1))
         rows.append(
             dict(
@@ -166,12 +269,19 @@ def _gpus_table(data: dict[str, Any]) -> str:
                 memory=f"{int(g.get('memory_total_bytes', 0)) // 2**20} MiB",
                 numa="N/A" if numa < 0 else numa,
                 health=_health_text(g),
-                mig="on" if g.get("mig_enabled") else "",
+                mig="on" if g.get("mig_enabled") else "-",
+                holder=g.get("holder") or "-",
             )
         )
+    return rows
+
+
+def _gpus_table(data: dict[str, Any]) -> str:
     header = f"Driver {data.get('driver_version') or 'N/A'}, CUDA {data.get('cuda_driver_version') or 'N/A'}"
+    if not data.get("gpus"):
+        return header + "\nNo GPUs managed."
     table = _table(
-        rows,
+        _gpu_rows(data.get("gpus", [])),
         [
             ("index", "INDEX"),
             ("minor", "MINOR"),
@@ -179,12 +289,106 @@ def _gpus_table(data: dict[str, Any]) -> str:
             ("name", "NAME"),
             ("memory", "MEMORY"),
             ("numa", "NUMA"),
+            ("pci_bus_id", "BUS-ID"),
             ("mig", "MIG"),
             ("health", "HEALTH"),
             ("holder", "HOLDER"),
         ],
     )
     return header + "\n" + table
+
+
+def _describe_text(data: dict[str, Any], now: float) -> str:
+    c = data.get("container", {})
+    created = float(c.get("created", now))
+    fields = [
+        ("Container", c.get("id", "")),
+        ("Nested", "yes: it uses its top-level container's GPUs" if c.get("nested") else "no"),
+        ("State", c.get("state", "")),
+        ("Mode", c.get("mode", "")),
+        ("Created", f"{_when(created)} ({_age(created, now)} ago)"),
+        ("Cgroup", c.get("cgroup", "")),
+        ("Volume", c.get("volume_version") or "-"),
+        ("Processes", _list(data.get("pids", []))),
+    ]
+    width = max(len(k) for k, _ in fields) + 2
+    lines = [f"{k + ':':<{width}}{v}" for k, v in fields]
+    lines.append("")
+    if data.get("gpus"):
+        lines.append("GPUs:")
+        lines.append(
+            _table(
+                _gpu_rows(data["gpus"]),
+                [("index", "INDEX"), ("minor", "MINOR"), ("uuid", "UUID"), ("name", "NAME"), ("health", "HEALTH")],
+                indent="  ",
+            )
+        )
+    else:
+        lines.append("GPUs: none")
+    lines.append("")
+    lines += _rules_text(data)
+    nested = data.get("nested", [])
+    if nested:
+        lines.append("")
+        lines.append("Nested containers:")
+        lines.append(
+            _table(
+                _container_rows(nested, now),
+                [("id", "CONTAINER"), ("volume", "VOLUME"), ("cgroup", "CGROUP")],
+                indent="  ",
+            )
+        )
+    return "\n".join(lines)
+
+
+def _rules_text(data: dict[str, Any]) -> list[str]:
+    """Recorded next to kernel, one rule a row, so a difference stands out as a 'no'."""
+    recorded, kernel = data.get("recorded_rules", []), data.get("kernel_rules", [])
+    only_recorded, only_kernel = set(data.get("only_recorded", [])), set(data.get("only_kernel", []))
+    agree = data.get("rules_agree", False)
+    verdict = "they agree" if agree else "THEY DIFFER"
+    lines = [
+        f"Device rules: recorded in our state vs held by the kernel ({verdict})",
+        f"  kernel source: {data.get('kernel_source', '')}",
+        f"  GPU minors the kernel grants: {_list(data.get('kernel_gpu_minors', []))}",
+    ]
+    rows = []
+    for rule in dict.fromkeys([*recorded, *kernel]):
+        # A rule covered by a broader one on the other side counts as present there.
+        in_recorded = rule in recorded or rule not in only_kernel
+        in_kernel = rule in kernel or rule not in only_recorded
+        mark = "" if in_recorded and in_kernel else "<- differs"
+        rows.append(
+            {
+                "rule": rule,
+                "recorded": "yes" if in_recorded else "no",
+                "kernel": "yes" if in_kernel else "no",
+                "m": mark,
+            }
+        )
+    lines.append(_table(rows, [("rule", "RULE"), ("recorded", "RECORDED"), ("kernel", "KERNEL"), ("m", "")], "  "))
+    return lines
+
+
+def _volume_text(data: dict[str, Any]) -> str:
+    from volumes.manifest import describe
+
+    current = data.get("driver_version", "")
+    head = f"volume root:     {data.get('volume_root') or 'N/A'}\nrunning driver:  {current or 'N/A'}"
+    volumes = data.get("volumes", [])
+    if not volumes:
+        return head + "\n\nNo driver volume has been built yet: the first container whose image asks for it builds it."
+    parts = [head]
+    for manifest in volumes:
+        mark = " (running driver)" if manifest.get("driver_version") == current else " (older driver)"
+        parts.append(f"{manifest.get('name', '')}{mark}\n" + describe(manifest).rstrip("\n"))
+    return "\n\n".join(parts)
+
+
+def _health_table(data: dict[str, Any]) -> str:
+    rows = [dict(c, state="ok" if c.get("ok") else "FAIL") for c in data.get("checks", [])]
+    verdict = "healthy" if data.get("healthy") else "UNHEALTHY"
+    return f"Sidecar {verdict}\n" + _table(rows, [("name", "CHECK"), ("state", "STATE"), ("detail", "DETAIL")])
 
 
 def _topology_matrix(data: dict[str, Any]) -> str:
@@ -240,17 +444,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _run_serve(args)
-        return _run_admin(args)
+        try:
+            return _run_admin(args)
+        except (UsageError, BrokenPipeError, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # a bug here must still be one line for the operator, not a traceback
+            _fail(f"{args.command}: unexpected {type(exc).__name__}: {exc}")
+            return EXIT_ERROR
     except IsolatorError as exc:
         print(f"gpu-isolator: {exc.message}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         return 130
+    except UsageError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_USAGE
     except BrokenPipeError:
-        # The reader went away (e.g. `| head`); say nothing more and do not let Python complain
-        # while flushing stdout at exit.
+        # The reader went away before the output was written (e.g. `| head -0`). Point stdout at
+        # /dev/null so that Python's flush at exit does not complain a second time.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
+        _fail("standard output was closed before all the output was written (broken pipe)")
         return EXIT_ERROR
 
 

@@ -1,41 +1,107 @@
-"""A small client of the sidecar's socket, for the CLI and the tests.
+"""A small client of the sidecar's socket, for the CLI and the tests: connect, call, name the failure.
 
-Generated code is imported here and in the server only.
+Generated code is imported here and in the server only. Nothing here prints.
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import os
+import socket
 from typing import Any
 
 import grpc
 from google.protobuf import json_format
 
+from isolator.model import ContainerId
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
 
 
 class Unreachable(Exception):
-    """The sidecar's socket cannot be reached (absent, refused, or not permitted)."""
+    """The sidecar's socket cannot be reached (absent, refused, not permitted, or silent)."""
+
+
+class BadContainerId(ValueError):
+    """A container ID argument that is neither ``parent.child`` nor a ContainerID JSON object."""
 
 
 def container_id(text: str) -> pb.ContainerID:
-    """Parse Mesos's ``parent.child`` form. IDs containing '.' cannot be named this way."""
-    parts = text.split(".")
-    msg: pb.ContainerID | None = None
-    for part in parts:
-        node = pb.ContainerID(value=part)
-        if msg is not None:
-            node.parent.CopyFrom(msg)
-        msg = node
-    assert msg is not None
+    """Parse a container ID argument.
+
+    Mesos's ``parent.child`` form (stringify(ContainerID) joins the chain with '.'), or, for IDs that
+    contain '.', the ContainerID JSON Mesos writes: ``{"value": "b", "parent": {"value": "a.1"}}``.
+    Each ID is checked as the sidecar will check it, so a bad one is a usage error here.
+    """
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            msg = json_format.Parse(text, pb.ContainerID())
+        except (json_format.ParseError, json.JSONDecodeError) as exc:
+            raise BadContainerId(f"invalid container ID JSON: {exc}") from None
+        chain: list[str] = []
+        node = msg
+        while True:
+            chain.append(node.value)
+            if not node.HasField("parent"):
+                break
+            node = node.parent
+        chain.reverse()
+    else:
+        chain = text.split(".")
+    parent: ContainerId | None = None
+    try:
+        for value in chain:
+            parent = ContainerId.parse(value, parent)
+    except Exception as exc:  # InvalidContainerId: its message names the ID and the reason
+        reason = getattr(exc, "message", str(exc))
+        raise BadContainerId(reason if len(chain) == 1 else f"{reason} (in {text!r})") from None
+    assert parent is not None
+    return _to_proto(parent)
+
+
+def _to_proto(cid: ContainerId) -> pb.ContainerID:
+    msg = pb.ContainerID(value=cid.value)
+    if cid.parent is not None:
+        msg.parent.CopyFrom(_to_proto(cid.parent))
     return msg
 
 
 def to_dict(message: Any) -> dict[str, Any]:
+    """Proto3 JSON with proto field names and every field present: the CLI's --json shape."""
     return json_format.MessageToDict(
         message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
+
+
+def probe(socket_path: str, timeout: float = 5.0) -> None:
+    """Raise Unreachable with the reason when nothing we may talk to listens on ``socket_path``.
+
+    A plain connect(2) first: it tells a missing socket, a refused one (the sidecar is down and left
+    its socket behind) and a forbidden one apart at once, where gRPC would only retry until its deadline.
+    """
+    where = f"cannot reach the sidecar at '{socket_path}'"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(socket_path)
+    except FileNotFoundError:
+        raise Unreachable(f"{where}: no such socket (is the sidecar running? pick another with --socket)") from None
+    except PermissionError:
+        raise Unreachable(
+            f"{where}: permission denied (run as root or as a member of the socket's group, see --socket-group)"
+        ) from None
+    except ConnectionRefusedError:
+        raise Unreachable(f"{where}: connection refused (the sidecar is not running)") from None
+    except TimeoutError:
+        raise Unreachable(f"{where}: connect timed out after {timeout:g} s") from None
+    except OSError as exc:
+        if exc.errno == errno.ENOTSOCK:
+            raise Unreachable(f"{where}: not a socket") from None
+        raise Unreachable(f"{where}: {exc.strerror or exc}") from None
+    finally:
+        sock.close()
 
 
 class Client:
@@ -47,14 +113,7 @@ class Client:
         self.admin = pb_grpc.AdminStub(self._channel)
 
     def check_reachable(self) -> None:
-        if not os.path.exists(self.socket_path):
-            raise Unreachable(f"cannot reach the sidecar at '{self.socket_path}': no such socket")
-        if not os.access(self.socket_path, os.R_OK | os.W_OK):
-            raise Unreachable(f"cannot reach the sidecar at '{self.socket_path}': permission denied")
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=min(self.timeout, 5.0))
-        except grpc.FutureTimeoutError:
-            raise Unreachable(f"cannot reach the sidecar at '{self.socket_path}': nothing answers") from None
+        probe(self.socket_path, timeout=min(self.timeout, 5.0))
 
     def call(self, stub: Any, method: str, request: Any) -> Any:
         return getattr(stub, method)(request, timeout=self.timeout)

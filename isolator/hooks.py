@@ -575,26 +575,39 @@ class IsolatorService(Service):
         return reaped
 
     # ---- admin ------------------------------------------------------------------------------------
+    # Views for `gpu-isolator` (docs/cli.md documents the shapes). They read; only release changes
+    # anything. A nested container is never recorded (it uses its top-level container's GPUs), so it
+    # is found through the traces it leaves: its driver-volume user record and, in Mesos's layout, a
+    # child cgroup `<parent>/mesos/<child>`.
 
     def list_gpus(self) -> dict[str, Any]:
         view = super().list_gpus()
         holders = self.store.holders()
         for gpu in view["gpus"]:
-            holder = holders.get(gpu.get("minor", -1))
+            holder = holders.get(gpu.get("minor", -1)) if gpu.get("uuid") else None
             gpu["holder"] = str(holder) if holder is not None else ""
         return view
 
     def list_containers(self) -> list[dict[str, Any]]:
+        """Top-level containers sorted by ID, each followed by its nested containers (depth first)."""
+        records = self.store.load()
+        volume_of = self._volume_users()
         out = []
-        for cid, rec in sorted(self.store.load().items(), key=lambda kv: kv[0].chain()):
+        for cid, rec in sorted(records.items(), key=lambda kv: kv[0].chain()):
             out.append(self._container_view(cid, rec))
+            for child in self._nested_ids(cid, volume_of):
+                out.append(self._nested_view(child, rec, volume_of))
         return out
 
     def _container_view(self, cid: ContainerId, rec: ContainerRecord) -> dict[str, Any]:
+        minors = [m for m in sorted(rec.gpus) if m in self._gpus]
         return {
             "container_id": _cid_dict(cid),
-            "gpu_uuids": [self._gpus[m].uuid for m in sorted(rec.gpus) if m in self._gpus],
+            "id": str(cid),
+            "nested": False,
+            "gpu_uuids": [self._gpus[m].uuid for m in minors],
             "gpu_minors": sorted(rec.gpus),
+            "gpu_indices": [self._gpus[m].index for m in minors],
             "cgroup": rec.cgroup,
             "mode": rec.mode,
             "volume_version": rec.volume_version,
@@ -602,28 +615,135 @@ class IsolatorService(Service):
             "created": rec.created,
         }
 
-    def describe_container(self, container_id: ContainerId) -> dict[str, Any]:
-        rec = self._require(container_id)
-        recorded = [line for line in rec.rules.splitlines() if line]
+    def _nested_view(self, cid: ContainerId, root: ContainerRecord, volume_of: dict[str, str]) -> dict[str, Any]:
+        view = self._container_view(cid, root)
+        view.update(nested=True, cgroup=self._rules_cgroup(cid)[1], volume_version=volume_of.get(str(cid), ""))
+        return view
+
+    def _volume_users(self) -> dict[str, str]:
+        """Container ID (``a.b`` form) -> driver version of the volume it uses."""
+        if self.volumes is None:
+            return {}
+        out: dict[str, str] = {}
         try:
-            kernel = [str(r) for r in self.controller.current(container_id)]
-            pids = list(self.controller.pids(container_id))
-        except CgroupVanished:
-            kernel, pids = [], []
-        agree = set(devrules.normalize(devrules.parse_rules(recorded))) == set(
-            devrules.normalize(devrules.parse_rules(kernel))
-        )
+            for vol in self.volumes.volumes():
+                for user in vol.get("users", ()):
+                    out[user] = str(vol.get("driver_version", ""))
+        except Exception as exc:  # a display view: an unreadable volume root must not hide containers
+            LOG.warning("failed to read the driver volumes' users: %s", exc)
+        return out
+
+    def _nested_ids(self, root: ContainerId, volume_of: dict[str, str]) -> list[ContainerId]:
+        found: set[tuple[str, ...]] = set()
+        prefix = str(root) + "."
+        for user in volume_of:
+            if user.startswith(prefix):
+                # The volume's record is the '.'-joined chain: a child ID containing '.' reads as deeper.
+                with contextlib.suppress(IsolatorError):
+                    found.add(_parse_chain(user.split("."), None).chain())
+        found.update(self._child_cgroups(root))
+        return [_parse_chain(list(chain), None) for chain in sorted(found)]
+
+    def _child_cgroups(self, cid: ContainerId) -> set[tuple[str, ...]]:
+        """Chains of the cgroups Mesos made for nested containers below ``cid`` (``<cid>/mesos/<child>``)."""
+        out: set[tuple[str, ...]] = set()
+        top = getattr(self.controller, "container_dir", self.controller.cgroup_path)(cid)
+        try:
+            names = os.listdir(os.path.join(top, "mesos"))
+        except OSError:
+            return out
+        for name in names:
+            try:
+                child = ContainerId.parse(name, cid)
+            except IsolatorError:
+                continue
+            if os.path.isdir(os.path.join(top, "mesos", name)):
+                out.add(child.chain())
+                out |= self._child_cgroups(child)
+        return out
+
+    def _rules_cgroup(self, cid: ContainerId) -> tuple[ContainerId, str]:
+        """The container whose cgroup governs ``cid``'s device access, and that cgroup's path.
+
+        A nested container has its own when Mesos made one (v1: the kernel copies the parent's list
+        into it at creation); otherwise, and always on v2 where a parent's program applies to its
+        descendants, the top-level container's governs.
+        """
+        if cid.nested and self.controller.version == "v1":
+            path = self.controller.cgroup_path(cid)
+            if os.path.isdir(path):
+                return cid, path
+        return cid.root, self.controller.cgroup_path(cid.root)
+
+    def _find(self, cid: ContainerId) -> tuple[ContainerRecord, dict[str, Any]]:
+        """The record governing ``cid`` and its view; NotFound for a container we do not know."""
+        rec = self.store.get(cid.root)
+        if rec is not None and not cid.nested:
+            return rec, self._container_view(cid, rec)
+        if rec is not None:
+            volume_of = self._volume_users()
+            if cid in self._nested_ids(cid.root, volume_of):
+                return rec, self._nested_view(cid, rec, volume_of)
+        raise NotFound(f"unknown container {cid}")
+
+    def _kernel_rules(self, cid: ContainerId) -> tuple[tuple[devrules.DeviceRule, ...], str]:
+        """The rules in force for ``cid``'s cgroup and where they were read from."""
+        path = self.controller.cgroup_path(cid)
+        if not os.path.isdir(path):
+            return (), f"none: the cgroup '{path}' does not exist"
+        attached = getattr(self.controller, "attached_ids", None)
+        if attached is None:
+            return tuple(self.controller.current(cid)), f"devices.list of '{path}'"
+        ids = attached(cid)
+        if not ids:
+            return (), f"none: no device program of ours is attached to '{path}'"
+        # v2 programs cannot be read back as rules; the checkpoint is what the attached program was built from.
+        progs = ", ".join(str(i) for i in ids)
+        return tuple(self.controller.current(cid)), f"device program {progs} on '{path}' (rules from its checkpoint)"
+
+    def _granted(self, rules: tuple[devrules.DeviceRule, ...]) -> list[int]:
+        return sorted(m for m in self._gpus if devrules.permits(rules, devrules.DeviceRule.char(NVIDIA_MAJOR, m, "rw")))
+
+    def describe_container(self, container_id: ContainerId) -> dict[str, Any]:
+        with self._lock:
+            rec, view = self._find(container_id)
+            target, cgroup = self._rules_cgroup(container_id)
+            recorded = _sorted_rules(devrules.parse_rules(line for line in rec.rules.splitlines() if line))
+            kernel, source = self._kernel_rules(target)
+            kernel = _sorted_rules(kernel)
+            try:
+                pids = sorted(self.controller.pids(target))
+            except CgroupVanished:
+                pids = []
+            volume_of = self._volume_users()
+            nested = [] if container_id.nested else self._nested_ids(container_id, volume_of)
+        listed = {g["minor"]: g for g in self.list_gpus()["gpus"] if g.get("uuid")}
+        only_recorded = [str(r) for r in recorded if not devrules.permits(kernel, r)]
+        only_kernel = [str(r) for r in kernel if not devrules.permits(recorded, r)]
         return {
-            "container": self._container_view(container_id, rec),
-            "recorded_rules": recorded,
-            "kernel_rules": kernel,
-            "rules_agree": agree,
+            "container": view,
+            "recorded_rules": [str(r) for r in recorded],
+            "kernel_rules": [str(r) for r in kernel],
+            "kernel_source": source,
+            "rules_cgroup": cgroup,
+            "rules_agree": not only_recorded and not only_kernel and not source.startswith("none"),
+            "only_recorded": only_recorded,
+            "only_kernel": only_kernel,
+            "kernel_gpu_minors": self._granted(kernel),
             "pids": pids,
+            "gpus": [listed[m] for m in sorted(rec.gpus) if m in listed],
+            "nested": [self._nested_view(c, rec, volume_of) for c in nested],
         }
 
     def release(self, container_id: ContainerId, force: bool) -> dict[str, Any]:
+        if container_id.nested:
+            raise FailedPrecondition(
+                f"container {container_id} is nested and holds no GPUs of its own; "
+                f"release its top-level container {container_id.root}"
+            )
         with self._lock:
             rec = self._require(container_id)
+            cgroup = self.controller.cgroup_path(container_id)
             try:
                 pids = self.controller.pids(container_id)
             except CgroupVanished:
@@ -631,64 +751,92 @@ class IsolatorService(Service):
             if pids and not force:
                 raise FailedPrecondition(
                     f"container {container_id} still has processes {list(pids)} in "
-                    f"'{self.controller.cgroup_path(container_id)}'; use --force to release anyway"
+                    f"'{cgroup}'; use --force to release anyway"
                 )
             if pids and self.settings.mode == "standalone":
                 # A forced release must not leave running processes with access: revoke, keep the cgroup.
                 self._apply(container_id, frozenset())
+                action = "revoked-kept-cgroup"
+                did = f"revoked their GPU access in '{cgroup}' and kept the cgroup for its processes {list(pids)}"
             else:
                 self.controller.cleanup(container_id)
+                action = "removed-cgroup"
+                did = (
+                    f"removed our device rules from '{cgroup}'"
+                    if self.settings.mode == "mesos"
+                    else f"removed the cgroup '{cgroup}'"
+                )
+                if pids:
+                    did += f" (its processes {list(pids)} keep running without GPU access)"
             self.store.remove(container_id)
             self.allocator.deallocate(rec.gpus & self.allocator.allocated)
             self._changed.notify_all()
         self._release_volume(container_id)
-        uuids = [self._gpus[m].uuid for m in sorted(rec.gpus) if m in self._gpus]
-        detail = f"released GPUs {sorted(rec.gpus)} of container {container_id}"
-        if pids:
-            detail += f"; revoked device access of running processes {list(pids)}"
+        minors = sorted(rec.gpus)
+        uuids = [self._gpus[m].uuid for m in minors if m in self._gpus]
+        detail = f"released GPUs {minors} of container {container_id}: {did}"
         LOG.warning("admin: %s", detail)
-        return {"released_gpu_uuids": uuids, "detail": detail}
+        return {
+            "container": str(container_id),
+            "released_gpu_uuids": uuids,
+            "released_gpu_minors": minors,
+            "pids": list(pids),
+            "action": action,
+            "cgroup": cgroup,
+            "detail": detail,
+        }
 
     def volume(self) -> dict[str, Any]:
         if self.volumes is None:
-            raise FailedPrecondition("no volume root is configured")
+            raise FailedPrecondition("no volume root is configured (see --volume-root)")
         vols = self.volumes.volumes()
-        current = self._inv.driver_version
-        return {"driver_version": current, "volumes": vols}
+        return {
+            "driver_version": self._inv.driver_version,
+            "volume_root": str(getattr(self.volumes, "volume_root", "")),
+            "volumes": vols,
+        }
 
     def health(self) -> list[tuple[str, bool, str]]:
-        checks: list[tuple[str, bool, str]] = []
-        try:
-            driver = self._inv.driver_version
-            n = len(self._inv.records)
-            sick = len(self._gpus) - len(self._inv.healthy())
-            checks.append(("nvml", bool(driver), f"driver {driver}, {n} GPUs, {sick} not usable"))
-        except Exception as exc:
-            checks.append(("nvml", False, str(exc)))
+        checks = [self._nvml_check()]
         checks.append(("cgroups", True, f"{self.controller.version} devices, {self.settings.mode} mode"))
         try:
             result = self.store.check()
-            checks.append(("state", result == "ok", f"{result}; {len(self.store.load())} containers"))
+            checks.append(
+                ("state", result == "ok", f"'{self.store.path}': {result}; {len(self.store.load())} containers")
+            )
         except IsolatorError as exc:
             checks.append(("state", False, exc.message))
-        pending = self.inconsistencies()
-        checks.append(("consistency", not pending, "; ".join(pending) if pending else "records and kernel agree"))
+        try:
+            pending = self.inconsistencies()
+            checks.append(("consistency", not pending, "; ".join(pending) if pending else "records and kernel agree"))
+        except IsolatorError as exc:
+            checks.append(("consistency", False, exc.message))
         return checks
 
+    def _nvml_check(self) -> tuple[str, bool, str]:
+        if not self._gpus:
+            return ("nvml", True, "no GPUs managed (gpus:0, or auto-discovery found no NVML)")
+        try:
+            count = getattr(self._inv, "device_count", None)
+            seen = f", NVML sees {count()}" if count is not None else ""  # a live call: nvidia-smi -L
+        except Exception as exc:
+            return ("nvml", False, f"NVML does not answer: {exc}")
+        sick = len(self._gpus) - len(self._inv.healthy())
+        detail = f"driver {self._inv.driver_version}, {len(self._gpus)} GPUs managed{seen}, {sick} not usable"
+        return ("nvml", bool(self._inv.driver_version), detail)
+
     def inconsistencies(self) -> list[str]:
+        """Records whose kernel rules do not grant exactly the recorded GPUs (what Recover would fix)."""
         out = []
         with self._lock:
-            for cid, rec in self.store.load().items():
-                try:
-                    kernel = self.controller.current(cid)
-                except CgroupVanished:
-                    out.append(f"container {cid}: its cgroup is gone")
+            for cid, rec in sorted(self.store.load().items(), key=lambda kv: kv[0].chain()):
+                kernel, source = self._kernel_rules(cid)
+                if source.startswith("none"):
+                    out.append(f"container {cid}: {source[len('none: ') :]}")
                     continue
-                granted = frozenset(
-                    m for m in self._gpus if devrules.permits(kernel, devrules.DeviceRule.char(NVIDIA_MAJOR, m, "rw"))
-                )
-                if granted != rec.gpus:
-                    out.append(f"container {cid}: recorded GPUs {sorted(rec.gpus)}, kernel grants {sorted(granted)}")
+                granted = self._granted(kernel)
+                if granted != sorted(rec.gpus):
+                    out.append(f"container {cid}: recorded GPUs {sorted(rec.gpus)}, kernel grants {granted}")
         return out
 
     @contextlib.contextmanager
@@ -707,3 +855,16 @@ def _cid_dict(cid: ContainerId) -> dict[str, Any]:
     if cid.parent is not None:
         out["parent"] = _cid_dict(cid.parent)
     return out
+
+
+def _parse_chain(values: list[str], parent: ContainerId | None) -> ContainerId:
+    node = parent
+    for value in values:
+        node = ContainerId.parse(value, node)
+    if node is None:
+        raise NotFound("empty container ID")
+    return node
+
+
+def _sorted_rules(rules: Any) -> tuple[devrules.DeviceRule, ...]:
+    return tuple(sorted(devrules.normalize(rules), key=lambda r: r.sort_key()))

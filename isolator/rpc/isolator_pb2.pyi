@@ -429,7 +429,7 @@ class TopologyResponse(_message.Message):
     def __init__(self, indices: _Optional[_Iterable[int]] = ..., links: _Optional[_Iterable[_Union[TopologyResponse.Link, _Mapping]]] = ..., numa_nodes: _Optional[_Iterable[int]] = ..., cpu_affinity: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ContainerInfo(_message.Message):
-    __slots__ = ("container_id", "gpu_uuids", "gpu_minors", "cgroup", "mode", "volume_version", "state", "created")
+    __slots__ = ("container_id", "gpu_uuids", "gpu_minors", "cgroup", "mode", "volume_version", "state", "created", "id", "gpu_indices", "nested")
     CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
     GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
     GPU_MINORS_FIELD_NUMBER: _ClassVar[int]
@@ -438,6 +438,9 @@ class ContainerInfo(_message.Message):
     VOLUME_VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    GPU_INDICES_FIELD_NUMBER: _ClassVar[int]
+    NESTED_FIELD_NUMBER: _ClassVar[int]
     container_id: ContainerID
     gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
     gpu_minors: _containers.RepeatedScalarFieldContainer[int]
@@ -446,7 +449,10 @@ class ContainerInfo(_message.Message):
     volume_version: str
     state: str
     created: float
-    def __init__(self, container_id: _Optional[_Union[ContainerID, _Mapping]] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., gpu_minors: _Optional[_Iterable[int]] = ..., cgroup: _Optional[str] = ..., mode: _Optional[str] = ..., volume_version: _Optional[str] = ..., state: _Optional[str] = ..., created: _Optional[float] = ...) -> None: ...
+    id: str
+    gpu_indices: _containers.RepeatedScalarFieldContainer[int]
+    nested: bool
+    def __init__(self, container_id: _Optional[_Union[ContainerID, _Mapping]] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., gpu_minors: _Optional[_Iterable[int]] = ..., cgroup: _Optional[str] = ..., mode: _Optional[str] = ..., volume_version: _Optional[str] = ..., state: _Optional[str] = ..., created: _Optional[float] = ..., id: _Optional[str] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., nested: _Optional[bool] = ...) -> None: ...
 
 class ListContainersRequest(_message.Message):
     __slots__ = ()
@@ -465,18 +471,32 @@ class DescribeContainerRequest(_message.Message):
     def __init__(self, container_id: _Optional[_Union[ContainerID, _Mapping]] = ...) -> None: ...
 
 class DescribeContainerResponse(_message.Message):
-    __slots__ = ("container", "recorded_rules", "kernel_rules", "rules_agree", "pids")
+    __slots__ = ("container", "recorded_rules", "kernel_rules", "rules_agree", "pids", "kernel_source", "only_recorded", "only_kernel", "kernel_gpu_minors", "gpus", "nested", "rules_cgroup")
     CONTAINER_FIELD_NUMBER: _ClassVar[int]
     RECORDED_RULES_FIELD_NUMBER: _ClassVar[int]
     KERNEL_RULES_FIELD_NUMBER: _ClassVar[int]
     RULES_AGREE_FIELD_NUMBER: _ClassVar[int]
     PIDS_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    ONLY_RECORDED_FIELD_NUMBER: _ClassVar[int]
+    ONLY_KERNEL_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_GPU_MINORS_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    NESTED_FIELD_NUMBER: _ClassVar[int]
+    RULES_CGROUP_FIELD_NUMBER: _ClassVar[int]
     container: ContainerInfo
     recorded_rules: _containers.RepeatedScalarFieldContainer[str]
     kernel_rules: _containers.RepeatedScalarFieldContainer[str]
     rules_agree: bool
     pids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, container: _Optional[_Union[ContainerInfo, _Mapping]] = ..., recorded_rules: _Optional[_Iterable[str]] = ..., kernel_rules: _Optional[_Iterable[str]] = ..., rules_agree: _Optional[bool] = ..., pids: _Optional[_Iterable[int]] = ...) -> None: ...
+    kernel_source: str
+    only_recorded: _containers.RepeatedScalarFieldContainer[str]
+    only_kernel: _containers.RepeatedScalarFieldContainer[str]
+    kernel_gpu_minors: _containers.RepeatedScalarFieldContainer[int]
+    gpus: _containers.RepeatedCompositeFieldContainer[GpuInfo]
+    nested: _containers.RepeatedCompositeFieldContainer[ContainerInfo]
+    rules_cgroup: str
+    def __init__(self, container: _Optional[_Union[ContainerInfo, _Mapping]] = ..., recorded_rules: _Optional[_Iterable[str]] = ..., kernel_rules: _Optional[_Iterable[str]] = ..., rules_agree: _Optional[bool] = ..., pids: _Optional[_Iterable[int]] = ..., kernel_source: _Optional[str] = ..., only_recorded: _Optional[_Iterable[str]] = ..., only_kernel: _Optional[_Iterable[str]] = ..., kernel_gpu_minors: _Optional[_Iterable[int]] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., nested: _Optional[_Iterable[_Union[ContainerInfo, _Mapping]]] = ..., rules_cgroup: _Optional[str] = ...) -> None: ...
 
 class VolumeRequest(_message.Message):
     __slots__ = ()
@@ -516,9 +536,19 @@ class ReleaseRequest(_message.Message):
     def __init__(self, container_id: _Optional[_Union[ContainerID, _Mapping]] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
-    __slots__ = ("released_gpu_uuids", "detail")
+    __slots__ = ("released_gpu_uuids", "detail", "released_gpu_minors", "pids", "action", "cgroup", "container")
     RELEASED_GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_GPU_MINORS_FIELD_NUMBER: _ClassVar[int]
+    PIDS_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    CGROUP_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
     released_gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
     detail: str
-    def __init__(self, released_gpu_uuids: _Optional[_Iterable[str]] = ..., detail: _Optional[str] = ...) -> None: ...
+    released_gpu_minors: _containers.RepeatedScalarFieldContainer[int]
+    pids: _containers.RepeatedScalarFieldContainer[int]
+    action: str
+    cgroup: str
+    container: str
+    def __init__(self, released_gpu_uuids: _Optional[_Iterable[str]] = ..., detail: _Optional[str] = ..., released_gpu_minors: _Optional[_Iterable[int]] = ..., pids: _Optional[_Iterable[int]] = ..., action: _Optional[str] = ..., cgroup: _Optional[str] = ..., container: _Optional[str] = ...) -> None: ...

@@ -227,24 +227,28 @@ class Containerizer:
             }
         return config
 
-    def launch(self, cid: dict[str, Any], config: dict[str, Any], open_paths: list[str]) -> Launched:
+    def launch(
+        self, cid: dict[str, Any], config: dict[str, Any], open_paths: list[str], env: dict[str, str] | None = None
+    ) -> Launched:
         """Prepare, fork, Isolate, exec the check program, wait, Cleanup. Cleanup runs whatever fails."""
         try:
             info = self.isolator.prepare(cid, config)
             launched = Launched(cid, info)
-            self.run(launched, config, open_paths)
+            self.run(launched, config, open_paths, env)
             return launched
         finally:
             self.isolator.cleanup(cid)
 
-    def run(self, launched: Launched, config: dict[str, Any], open_paths: list[str]) -> None:
+    def run(
+        self, launched: Launched, config: dict[str, Any], open_paths: list[str], env: dict[str, str] | None = None
+    ) -> None:
         """Fork the blocked init, Isolate its pid, let it exec the check program, and wait."""
         info = launched.launch_info or {}
         rootfs = config.get("rootfs", "")
         spec = {
             "rootfs": rootfs,
             "mounts": info.get("mounts", []),
-            "environment": launched.env,
+            "environment": {**launched.env, **(env or {})},
             "command": [CONTAINER_PYTHON, "-I", "-S", "/tmp/check.py" if rootfs else str(CHECK), *open_paths],
         }
         spec_path = os.path.join(config["directory"], "spec.json")

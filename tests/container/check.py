@@ -1,11 +1,15 @@
 """Runs inside the container: reports what the container sees, as JSON on stdout (stdlib only).
 
 argv: DEVICE_PATH... — each is opened read-write and the errno reported (0 = opened).
+With GI_CHECK_GPU=1 in the environment it also runs ``nvidia-smi -L`` and counts CUDA devices
+through the driver API (cuInit, cuDeviceGetCount), for the real-GPU suite.
 """
 
+import ctypes
 import errno
 import json
 import os
+import subprocess
 import sys
 
 
@@ -28,6 +32,27 @@ def writable(path):
     return "OK"
 
 
+def cuda_device_count():
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        return f"no libcuda: {exc}"
+    rc = cuda.cuInit(0)
+    if rc != 0:
+        return f"cuInit failed: {rc}"
+    count = ctypes.c_int(0)
+    rc = cuda.cuDeviceGetCount(ctypes.byref(count))
+    return count.value if rc == 0 else f"cuDeviceGetCount failed: {rc}"
+
+
+def nvidia_smi():
+    try:
+        result = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
+    except OSError as exc:
+        return {"returncode": None, "stdout": "", "stderr": str(exc)}
+    return {"returncode": result.returncode, "stdout": result.stdout, "stderr": result.stderr}
+
+
 report = {
     "env": {k: os.environ.get(k) for k in ("PATH", "LD_LIBRARY_PATH", "NVIDIA_VISIBLE_DEVICES")},
     "opens": {p: try_open(p) for p in sys.argv[1:]},
@@ -37,4 +62,7 @@ report = {
     "nvidia_writable": writable("/usr/local/nvidia") if os.path.isdir("/usr/local/nvidia") else None,
     "dev": sorted(os.listdir("/dev")),
 }
+if os.environ.get("GI_CHECK_GPU") == "1":
+    report["nvidia_smi"] = nvidia_smi()
+    report["cuda_devices"] = cuda_device_count()
 json.dump(report, sys.stdout)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -21,11 +20,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
+from cgroup_helpers import TEST_PARENT, remove_cgroup_tree
 
 from isolator.cgroups.detect import read_mounts
 from isolator.simhost.sim import SimulatedHost
-
-TEST_PARENT = "gpu-isolator-test"
 
 
 def cgroup_mount(version: str) -> str:
@@ -34,26 +32,6 @@ def cgroup_mount(version: str) -> str:
     if mount is None:
         raise RuntimeError(f"no cgroup {version} devices hierarchy on this machine")
     return mount
-
-
-def remove_cgroup_tree(path: str) -> None:
-    """Kill what is left in ``path`` and below, then rmdir bottom-up."""
-    if not os.path.isdir(path):
-        return
-    for root, _dirs, _files in sorted(os.walk(path), key=lambda t: -t[0].count("/")):
-        procs = os.path.join(root, "cgroup.procs")
-        with contextlib.suppress(OSError), open(procs) as fh:
-            for line in fh:
-                with contextlib.suppress(ProcessLookupError, ValueError):
-                    os.kill(int(line), signal.SIGKILL)
-        for _ in range(50):
-            try:
-                os.rmdir(root)
-                break
-            except FileNotFoundError:
-                break
-            except OSError:
-                time.sleep(0.02)
 
 
 @dataclass

@@ -306,4 +306,3 @@ class PeerGate:
         with self._lock:
             self._live.discard(conn)
             self._count[conn.denied] -= 1
-

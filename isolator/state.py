@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
+from isolator.crashpoints import crashpoint
 from isolator.errors import (
     ContainerAlreadyRecorded,
     ContainerNotRecorded,
@@ -275,6 +276,8 @@ class StateStore:
                 raise self._error(op, exc) from exc
             try:
                 yield self._db
+                if write:
+                    crashpoint("state.commit")
                 self._db.execute("COMMIT")
             except BaseException as exc:
                 self._rollback()

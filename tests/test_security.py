@@ -39,7 +39,7 @@ CALLER = textwrap.dedent(
     with grpc.insecure_channel("unix:" + path) as ch:
         try:
             if size:
-                ch.unary_unary("/gpu_isolator.v1.Isolator/Cleanup")(b"\\x0a" + b"\\xff" * size, timeout=10)
+                ch.unary_unary("/gpuisolator.v1.Isolator/Cleanup")(b"\\x0a" + b"\\xff" * size, timeout=10)
             else:
                 pb_grpc.IsolatorStub(ch).Cleanup(
                     pb.CleanupRequest(container_id=pb.ContainerID(value="from-caller")), timeout=10

@@ -52,8 +52,10 @@ BAD_IDS = st.one_of(
 BAD_COUNTS = st.one_of(
     st.sampled_from([-1.0, -0.5, 0.5, 1.5, math.nan, math.inf, -math.inf, 2.0**63, 2.0**64, 1e300, -(2.0**63)]),
     st.floats(allow_nan=True, allow_infinity=True).filter(lambda f: not (math.isfinite(f) and f == int(f) and f >= 0)),
-    st.floats(min_value=9, max_value=1e18).map(math.floor),  # whole but absurd
+    st.floats(min_value=2.0**31 + 1, max_value=1e18).map(math.floor),  # whole, beyond any count Mesos allows
 )
+# Whole counts that are fine as numbers but more than this host (8 GPUs) has.
+TOO_MANY = st.integers(min_value=9, max_value=2**31)
 
 # Every RPC that names a container: (service, method, request built from a ContainerID).
 ID_RPCS: list[tuple[str, str, Any]] = [
@@ -103,7 +105,9 @@ class Target:
 
     def snapshot(self) -> tuple[Any, ...]:
         cgroups = sorted(self.observer.cgroups())
-        return (read_records(self.sidecar.work), cgroups, sorted(os.listdir(self.sidecar.work)))
+        users = os.path.join(self.sidecar.work, "volumes", ".users")
+        volume_users = sorted(os.path.join(r, f) for r, _d, files in os.walk(users) for f in files)
+        return (read_records(self.sidecar.work), cgroups, volume_users)
 
     def untouched(self) -> None:
         """The sidecar answers, and records, cgroups and the resident's kernel grants are as before."""
@@ -160,6 +164,17 @@ def test_gpu_counts_that_are_not_unsigned_integers_are_invalid_argument_for_prep
 
 
 @SETTINGS
+@given(count=TOO_MANY)
+def test_more_gpus_than_the_host_has_is_resource_exhausted_for_prepare_and_update(target, count):
+    fresh = pb.ContainerID(value="fresh")
+    prepare = pb.PrepareRequest(container_id=fresh, container_config=pb.ContainerConfig(resources=[gpus(count)]))
+    update = pb.UpdateRequest(container_id=pb.ContainerID(value=RESIDENT), resource_requests=[gpus(count)])
+    assert target.call("Isolator", "Prepare", prepare) == "RESOURCE_EXHAUSTED"
+    assert target.call("Isolator", "Update", update) == "RESOURCE_EXHAUSTED"
+    target.untouched()
+
+
+@SETTINGS
 @given(value_type=st.integers(min_value=1, max_value=2**31 - 1))
 def test_gpus_of_a_type_other_than_scalar_even_an_unknown_enum_value_are_invalid_argument(target, value_type):
     request = pb.UpdateRequest(container_id=pb.ContainerID(value=RESIDENT), resource_requests=[gpus(2, value_type)])
@@ -185,12 +200,12 @@ def test_pids_that_cannot_be_a_container_init_are_invalid_argument(target, pid):
 
 
 def test_huge_repeated_fields_are_answered_without_harm(target):
-    # 200k gpus entries of 1 each: a total no host has; 50k orphans Mesos never heard of.
+    # 150k gpus entries of 1 each: a whole count, but one no host has; 50k orphans nobody knows.
     many = pb.PrepareRequest(
-        container_id=pb.ContainerID(value="many"), container_config=pb.ContainerConfig(resources=[gpus(1)] * 200_000)
+        container_id=pb.ContainerID(value="many"), container_config=pb.ContainerConfig(resources=[gpus(1)] * 150_000)
     )
     assert many.ByteSize() < 4 << 20
-    assert target.call("Isolator", "Prepare", many) == "INVALID_ARGUMENT"
+    assert target.call("Isolator", "Prepare", many) == "RESOURCE_EXHAUSTED"
     orphans = pb.RecoverRequest(orphans=[pb.ContainerID(value=f"o{i}") for i in range(50_000)])
     assert target.call("Isolator", "Recover", orphans) == "OK"
     bad_orphans = pb.RecoverRequest(orphans=[pb.ContainerID(value=f"o{i}/x") for i in range(50_000)])
@@ -222,9 +237,10 @@ def test_bytes_that_are_not_the_request_message_are_invalid_argument(target, ser
     request_type = getattr(pb, type_name)
     try:
         request_type.FromString(data)
-        assume(False)  # it parses: not malformed
-    except Exception:  # noqa: BLE001 - any parse failure is what this test wants
-        pass
+        parses = True
+    except Exception:  # any parse failure is what this test wants
+        parses = False
+    assume(not parses)
     assert target.raw(service, method, data) == "INVALID_ARGUMENT"
     target.untouched()
 
@@ -316,8 +332,9 @@ def test_bridge_answers_any_json_with_a_status_and_never_an_internal_error(targe
 @given(payload=st.binary(max_size=300))
 def test_bridge_refuses_bytes_that_are_not_a_json_object(target, payload):
     try:
-        assume(not isinstance(json.loads(payload.decode()), dict))
+        is_object = isinstance(json.loads(payload.decode()), dict)
     except (UnicodeDecodeError, ValueError):
-        pass
+        is_object = False
+    assume(not is_object)
     assert reply_code(bridge_call(target.sidecar.bridge_socket, "cleanup", payload)) == "INVALID_ARGUMENT"
     target.untouched()

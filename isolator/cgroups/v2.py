@@ -314,6 +314,10 @@ class V2DeviceController:
         self._apply(container, tuple(rules), checkpoint=True)
 
     def current(self, container: ContainerId) -> tuple[DeviceRule, ...]:
+        # The checkpoint outlives a cgroup removed behind our back; what is in force then is nothing.
+        path = self.cgroup_path(container)
+        if not os.path.isdir(path):
+            raise CgroupVanished(op="read", path=path)
         return self._read_checkpoint(container) or ()
 
     def recover(self, container: ContainerId) -> tuple[DeviceRule, ...]:

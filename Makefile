@@ -58,3 +58,9 @@ clean:
 
 bench: install build
 	$(PY) scripts/bench_allocator.py
+
+# Crash consistency with 200 SIGKILLs per cgroup version, and more generated hostile input
+# (docs/reliability.md). Takes several minutes; `make test` runs the same tests smaller.
+soak: install build
+	GPU_ISOLATOR_CRASH_POINTS=200 GPU_ISOLATOR_HOSTILE_EXAMPLES=300 $(PY) -m pytest -s -rs \
+		tests/test_crash.py tests/test_hostile.py tests/test_concurrency.py $(PYTEST_ARGS)

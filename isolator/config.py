@@ -17,6 +17,11 @@ from typing import Any
 
 from isolator.errors import ConfigError
 
+# Mirrors isolator.peergate.PRIVATE_EXTRA (".d/grpc"); a test keeps them equal. Not imported from
+# there so that reading the configuration does not import grpc.
+PRIVATE_SUFFIX = ".d"
+PRIVATE_EXTRA = 7
+
 DEFAULT_SOCKET = "/run/gpu-isolator/isolator.sock"
 # The command-module bridge listens next to the gRPC socket unless told otherwise
 # (isolator/bridge_server.py; the bridge executable's default in isolator/bridge.py must agree).
@@ -63,6 +68,7 @@ class Config:
     max_workers: int = 16
     reap_interval: float = 60.0
     max_concurrent_rpcs: int = 256
+    max_connections: int = 128
     max_message_bytes: int = 4 * 1024 * 1024
     log_level: str = "info"
     allowed_uids: tuple[int, ...] = (0,)
@@ -179,6 +185,7 @@ PARSERS: dict[str, Any] = {
     "max_workers": _positive_int,
     "reap_interval": _positive_float,
     "max_concurrent_rpcs": _positive_int,
+    "max_connections": _positive_int,
     "max_message_bytes": _positive_int,
     "log_level": _choice(LOG_LEVELS),
     "allowed_uids": _int_list,
@@ -207,6 +214,7 @@ HELP = {
     "max_workers": "gRPC worker threads (default 16)",
     "reap_interval": "seconds between checks for containers whose Mesos cgroup vanished (default 60)",
     "max_concurrent_rpcs": "requests in flight before RESOURCE_EXHAUSTED (default 256)",
+    "max_connections": "connections of allowed callers open at once; more are closed (default 128)",
     "max_message_bytes": "largest request accepted, in bytes (default 4 MiB)",
     "log_level": "debug, info, warning or error (default info)",
     "allowed_uids": "uids allowed to call the socket (default 0)",
@@ -279,6 +287,13 @@ def _check_combinations(config: Config) -> None:
         raise ConfigError(
             f"--bridge-socket '{bridge}' is longer than a Unix socket path may be (107 bytes);"
             " choose a shorter --bridge-socket or --socket"
+        )
+    # gRPC itself listens in '<socket>.d/' (isolator/peergate.py), whose names must fit too.
+    limit = 107 - PRIVATE_EXTRA
+    if len(os.fsencode(os.path.abspath(config.socket))) > limit:
+        raise ConfigError(
+            f"--socket '{config.socket}' is longer than {limit} bytes; the private gRPC sockets beside it"
+            f" ('<socket>{PRIVATE_SUFFIX}/...') must fit in a Unix socket path (107 bytes)"
         )
     if bridge and os.path.abspath(bridge) == os.path.abspath(config.socket):
         raise ConfigError(f"--bridge-socket '{bridge}' must differ from --socket")

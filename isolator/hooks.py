@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from isolator import devices as devrules
 from isolator.allocator import Allocator
 from isolator.cgroups.base import DeviceController
+from isolator.crashpoints import crashpoint
 from isolator.errors import (
     AlreadyExists,
     CgroupVanished,
@@ -279,8 +280,11 @@ class IsolatorService(Service):
                 )
                 undo.append(lambda: self._forget(container_id))
                 undo.append(lambda: self.controller.cleanup(container_id))
+                crashpoint("prepare.recorded")
                 self.controller.prepare(container_id)
+                crashpoint("prepare.cgroup")
                 self.controller.apply(container_id, rules)
+                crashpoint("prepare.applied")
                 info = self._launch_info(container_id, config, minors, image_plan, undo)
             except BaseException:
                 self._undo(container_id, undo)
@@ -317,6 +321,7 @@ class IsolatorService(Service):
         try:
             volume = self.volumes.acquire(str(cid), facts.driver_version)
             undo.append(lambda: self._release_volume(cid))
+            crashpoint("prepare.volume")
             injection = plan_injection(config.rootfs, image, volume.path, facts)
         except VolumeError as exc:
             raise _volume_error(exc) from exc
@@ -377,6 +382,7 @@ class IsolatorService(Service):
             rec = self._require(container_id.root)
             if self.settings.mode == "standalone":
                 self.controller.add_pid(target, pid)
+                crashpoint("isolate.placed")
             else:
                 self._wait_for_pid(target, pid)
             if not container_id.nested and rec.state == "prepared":
@@ -407,6 +413,7 @@ class IsolatorService(Service):
                 self.allocator.allocate_set(add)
                 try:
                     self.store.add_gpus(container_id, add)
+                    crashpoint("update.grown")
                     self._apply(container_id, rec.gpus | add)
                 except BaseException:
                     with contextlib.suppress(IsolatorError):
@@ -416,6 +423,7 @@ class IsolatorService(Service):
             if release:
                 # Shrink: revoke, then let the record and the allocator go.
                 self._apply(container_id, rec.gpus - release)
+                crashpoint("update.revoked")
                 self.store.remove_gpus(container_id, release)
                 self.allocator.deallocate(release)
             final = (rec.gpus | add) - release
@@ -424,6 +432,7 @@ class IsolatorService(Service):
     def _apply(self, cid: ContainerId, minors: frozenset[int]) -> None:
         rules = self._rules(minors)
         self.controller.apply(cid, rules)
+        crashpoint("apply.kernel")
         self.store.update(cid, rules="\n".join(map(str, rules)))
 
     def watch(self, container_id: ContainerId, timeout: float | None) -> dict[str, Any] | None:
@@ -490,9 +499,11 @@ class IsolatorService(Service):
                 self._release_volume(container_id)
                 return
             self.controller.cleanup(container_id)
+            crashpoint("cleanup.cgroup")
             self.store.remove(container_id)
             self.allocator.deallocate(rec.gpus & self.allocator.allocated)
             self._changed.notify_all()
+        crashpoint("cleanup.record")
         self._release_volume(container_id)
         LOG.info("cleaned up %s", self._describe(container_id, rec.gpus))
 
@@ -508,11 +519,30 @@ class IsolatorService(Service):
             m for m in self._gpus if devrules.permits(rules, devrules.DeviceRule.char(NVIDIA_MAJOR, m, "rw"))
         )
 
+    def _restore_cgroup(self, cid: ContainerId, gpus: frozenset[int]) -> None:
+        """Standalone mode owns its cgroups: make a recorded container's cgroup whole after a crash.
+
+        A kill between recording and creating the cgroup (prepare), or between removing it and
+        forgetting the record (cleanup), leaves a record without rules: the cgroup is made again
+        with the recorded rules. A v1 cgroup caught between mkdir and its deny-all still allows
+        every device; ``prepare`` (idempotent) turns it into a whitelist first.
+        """
+        try:
+            self.controller.pids(cid)
+        except CgroupVanished:
+            self.controller.prepare(cid)
+            self._apply(cid, gpus)
+            LOG.warning("recover: made the missing cgroup of %s again", self._describe(cid, gpus))
+            return
+        self.controller.prepare(cid)
+
     def recover(self, states: list[ContainerState], orphans: list[ContainerId]) -> RecoverResult:
         with self._lock:
             records = {cid: rec.gpus for cid, rec in self.store.load().items()}
             kernel: dict[ContainerId, frozenset[int]] = {}
             for cid in records:
+                if self.settings.mode == "standalone":
+                    self._restore_cgroup(cid, records[cid])
                 granted = self.kernel_grants(cid)
                 if granted is not None:
                     kernel[cid] = granted
@@ -532,6 +562,7 @@ class IsolatorService(Service):
                 elif action.kind is Kind.MARK_ORPHAN and cid in records:
                     self.store.update(cid, state="orphan")
                 result.notes.append(f"{action.kind.value} {cid}: {action.reason}")
+                crashpoint("recover.action")
             # Rebuild the allocator from what the store now says.
             self.allocator = Allocator(self._inv.topology(), self.allocator.policy)
             self._sync_health()

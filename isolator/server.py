@@ -23,10 +23,11 @@ from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from isolator import model
+from isolator import model, peergate
 from isolator.bridge_server import BridgeListener
 from isolator.config import Config
 from isolator.errors import InvalidArgument, IsolatorError, SocketError
@@ -125,6 +126,52 @@ def _translate_errors(method: Callable[..., T]) -> Callable[..., T]:
         raise AssertionError("unreachable: context.abort raises")
 
     return wrapper
+
+
+class _Malformed:
+    """Stands in for a request whose bytes did not parse, so the call can answer INVALID_ARGUMENT."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class MalformedRequests(grpc.ServerInterceptor):
+    """Bytes that are not the method's request message are INVALID_ARGUMENT, not gRPC's INTERNAL
+    "Exception deserializing request!" (invalid UTF-8 in a string field, truncated varints...)."""
+
+    def __init__(self) -> None:
+        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
+
+    def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None], details: Any
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(details)
+        if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
+            return handler
+        wrapped = self._wrapped.get(details.method)
+        if wrapped is None:
+            wrapped = self._wrapped[details.method] = _lenient(handler)
+        return wrapped
+
+
+def _lenient(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    parse = handler.request_deserializer
+    behaviour = handler.unary_unary
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as exc:
+            return _Malformed(exc)
+
+    def call(request: Any, context: grpc.ServicerContext) -> Any:
+        if isinstance(request, _Malformed):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {request.error}")
+        return behaviour(request, context)
+
+    return grpc.unary_unary_rpc_method_handler(
+        call, request_deserializer=deserialize, response_serializer=handler.response_serializer
+    )
 
 
 # ---- servicers --------------------------------------------------------------------------------
@@ -361,6 +408,10 @@ class SidecarServer:
         self._server: grpc.Server | None = None
         self._health = health.HealthServicer(experimental_non_blocking=True)
         self._stopped = threading.Event()
+        self._private = peergate.private_dir(config.socket)
+        self._private_made = False
+        self._gate: peergate.PeerGate | None = None
+        self._deny: grpc.Server | None = None
 
     @property
     def address(self) -> str:
@@ -370,9 +421,14 @@ class SidecarServer:
         cfg = self.config
         self._guard.acquire()
         try:
+            # gRPC listens only in a private 0700 directory; the public socket belongs to the gate,
+            # which checks each caller's SO_PEERCRED (gRPC Python cannot see it) before splicing.
+            peergate.make_private_dir(self._private)
+            self._private_made = True
             server = grpc.server(
                 futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="rpc"),
                 maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
+                interceptors=(MalformedRequests(),),
                 options=[
                     ("grpc.max_receive_message_length", cfg.max_message_bytes),
                     ("grpc.max_send_message_length", 64 * 1024 * 1024),
@@ -386,26 +442,69 @@ class SidecarServer:
             reflection.enable_server_reflection(
                 (ISOLATOR_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
             )
-            # gRPC creates the socket itself; the umask makes it born 0600 so there is no window
-            # in which another user could connect. The configured mode is applied right after.
-            with _umask(0o177):
-                try:
-                    port = server.add_insecure_port(self.address)
-                except RuntimeError as exc:
-                    raise SocketError(f"failed to bind '{cfg.socket}': {exc}") from exc
+            allowed_path = os.path.join(self._private, peergate.ALLOWED_NAME)
+            denied_path = os.path.join(self._private, peergate.DENIED_NAME)
+            try:
+                port = server.add_insecure_port("unix:" + allowed_path)
+            except RuntimeError as exc:
+                raise SocketError(f"failed to bind '{allowed_path}': {exc}") from exc
             if port == 0:
-                raise SocketError(f"failed to bind '{cfg.socket}'")
-            self._apply_socket_permissions(cfg.socket)
+                raise SocketError(f"failed to bind '{allowed_path}'")
+            self._deny = peergate.deny_server(denied_path)
+            self._gate = peergate.PeerGate(
+                self._bind_public(cfg.socket),
+                allowed_path,
+                denied_path,
+                peergate.Allowlist.of(cfg.allowed_uids, cfg.allowed_gids),
+                max_connections=cfg.max_connections,
+            )
             self._start_bridge(isolator_servicer)
             server.start()
+            self._deny.start()
+            self._gate.start()
         except BaseException:
             self._stop_bridge(grace=0)
+            self._stop_gate(grace=0)
             self._guard.release(remove_socket=True)
             raise
         self._server = server
         for name in ("", ISOLATOR_SERVICE, ADMIN_SERVICE):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        LOG.info("serving on %s (mode %s)", cfg.socket, oct(cfg.socket_mode))
+        LOG.info(
+            "serving on %s (mode %s, allowed uids %s, gids %s)",
+            cfg.socket,
+            oct(cfg.socket_mode),
+            sorted(set(cfg.allowed_uids) | {os.geteuid()}),
+            sorted(cfg.allowed_gids),
+        )
+
+    def _bind_public(self, path: str) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            # Born 0600 so there is no window in which another user could connect; the configured
+            # mode and group are applied right after.
+            with _umask(0o177):
+                sock.bind(path)
+            self._apply_socket_permissions(path)
+            sock.listen(128)
+        except OSError as exc:
+            sock.close()
+            raise SocketError(f"failed to bind '{path}': {exc.strerror}") from exc
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _stop_gate(self, grace: float) -> None:
+        if self._gate is not None:
+            self._gate.stop()
+            self._gate = None
+        if self._deny is not None:
+            self._deny.stop(grace).wait()
+            self._deny = None
+        if self._private_made:
+            peergate.remove_private_dir(self._private)
+            self._private_made = False
 
     def _start_bridge(self, servicer: IsolatorServicer) -> None:
         cfg = self.config
@@ -466,7 +565,11 @@ class SidecarServer:
         self._stopped.set()
         self._health.enter_graceful_shutdown()
         self._stop_bridge(grace)
+        if self._gate is not None:
+            self._gate.stop_accepting()
+        # Calls in flight finish through their spliced connections, then the gate cuts them.
         self._server.stop(grace).wait()
+        self._stop_gate(grace=0)
         self._guard.release(remove_socket=True)
         self.service.close()
         LOG.info("stopped serving on %s", self.config.socket)

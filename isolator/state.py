@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
+from isolator.crashpoints import crashpoint
 from isolator.errors import (
     ContainerAlreadyRecorded,
     ContainerNotRecorded,
@@ -275,6 +276,8 @@ class StateStore:
                 raise self._error(op, exc) from exc
             try:
                 yield self._db
+                if write:
+                    crashpoint("state.commit")
                 self._db.execute("COMMIT")
             except BaseException as exc:
                 self._rollback()
@@ -325,9 +328,10 @@ class StateStore:
         code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
         cause = f"{exc} ({getattr(exc, 'sqlite_errorname', type(exc).__name__)})"
         if code == _SQLITE_FULL or (code == _SQLITE_IOERR and _disk_full(self.directory)):
-            return StateStorageFull(op=op, path=self.path, cause=cause)
+            return StateStorageFull(op=op, path=self.path, cause=f"{cause}; the disk holding it is full")
         if code == _SQLITE_READONLY or (code in (_SQLITE_CANTOPEN, _SQLITE_IOERR) and _read_only(self.directory)):
-            return StateReadOnly(op=op, path=self.path, cause=cause)
+            # SQLite says only "unable to open database file"; say why, so the operator knows what to fix.
+            return StateReadOnly(op=op, path=self.path, cause=f"{cause}; '{self.directory}' is read-only")
         if code in (_SQLITE_CORRUPT, _SQLITE_NOTADB):
             return StateCorrupt(op=op, path=self.path, cause=cause)
         return StateError(op=op, path=self.path, cause=cause)

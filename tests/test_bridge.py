@@ -556,7 +556,7 @@ def test_empty_bridge_setting_serves_no_bridge(short_tmp):
     srv = SidecarServer(Config(socket=os.path.join(short_tmp, "s.sock"), bridge_socket=""), RecordingService())
     srv.start()
     try:
-        assert sorted(os.listdir(short_tmp)) == ["s.sock", "s.sock.lock"]
+        assert sorted(os.listdir(short_tmp)) == ["s.sock", "s.sock.d", "s.sock.lock"]
     finally:
         srv.stop(grace=0)
 

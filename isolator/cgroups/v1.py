@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from isolator.cgroups.base import check_mode, container_dir, read_pids, rmdir_tree, write_pid
+from isolator.crashpoints import crashpoint
 from isolator.devices import ACCESS_ORDER, MESOS_DEFAULT_WHITELIST, DeviceRule, parse_rules, permits
 from isolator.errors import CgroupBusy, CgroupError, CgroupVanished, InvalidArgument, RuleParseError
 from isolator.model import ContainerId
@@ -147,6 +148,7 @@ class V1DeviceController:
             for write in writes:
                 self._write(cgroup, write)
                 done.append(write)
+                crashpoint("v1.write")
         except (CgroupError, CgroupVanished):
             for write in reversed(done):
                 try:

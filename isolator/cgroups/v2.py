@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from isolator.cgroups import bpf, bpfprog
 from isolator.cgroups.base import check_mode, container_dir, read_pids, rmdir_tree, write_pid
+from isolator.crashpoints import crashpoint
 from isolator.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, parse_rules
 from isolator.errors import (
     BpfError,
@@ -271,6 +272,7 @@ class V2DeviceController:
                         # Checkpoint first (as Mesos's DeviceManager does): a crash between the
                         # two steps leaves a record that recover() can re-apply.
                         self._write_checkpoint(container, rules)
+                        crashpoint("v2.checkpoint")
                     try:
                         bpf.prog_attach(cgroup_fd, prog_fd, ours[0].fd if ours else None, path)
                     except BpfError:
@@ -279,6 +281,7 @@ class V2DeviceController:
                         raise
                 finally:
                     os.close(prog_fd)
+                crashpoint("v2.attach")
                 # More than one of ours means an earlier run died between attach and detach.
                 for extra in ours[1:]:
                     bpf.prog_detach(cgroup_fd, extra.fd, path)
@@ -311,6 +314,10 @@ class V2DeviceController:
         self._apply(container, tuple(rules), checkpoint=True)
 
     def current(self, container: ContainerId) -> tuple[DeviceRule, ...]:
+        # The checkpoint outlives a cgroup removed behind our back; what is in force then is nothing.
+        path = self.cgroup_path(container)
+        if not os.path.isdir(path):
+            raise CgroupVanished(op="read", path=path)
         return self._read_checkpoint(container) or ()
 
     def recover(self, container: ContainerId) -> tuple[DeviceRule, ...]:

@@ -1,0 +1,308 @@
+"""Who may call: the public socket's gate, which checks each caller's SO_PEERCRED before gRPC sees a byte.
+
+gRPC Python does not expose a connection's peer credentials, so gRPC listens only in a private 0700
+directory and this gate owns the public socket: per connection it reads the caller's uid, gid and
+pid from the kernel and splices the bytes either to the real gRPC server (allowed) or to a gRPC
+server whose every method answers PERMISSION_DENIED without reading the request (denied).
+It decides nothing about requests and never parses them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import socket
+import stat
+import struct
+import threading
+import time
+from collections.abc import Iterable
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+
+from isolator.errors import SocketError
+
+LOG = logging.getLogger(__name__)
+
+_UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;} (socket(7), SO_PEERCRED)
+# Connections of callers outside the allow-list are few and short; capping them apart keeps a
+# local user who may open the socket from starving allowed callers of connection slots.
+MAX_DENIED_CONNECTIONS = 16
+SPLICE_BUFFER = 256 * 1024
+ALLOWED_NAME = "grpc"
+DENIED_NAME = "deny"
+PRIVATE_SUFFIX = ".d"
+# The longest name inside the private directory, for the config's path-length check.
+PRIVATE_EXTRA = len(PRIVATE_SUFFIX) + 1 + max(len(ALLOWED_NAME), len(DENIED_NAME))
+
+
+@dataclass(frozen=True)
+class PeerCredentials:
+    pid: int
+    uid: int
+    gid: int
+
+
+def peer_credentials(conn: socket.socket) -> PeerCredentials:
+    """The connecting process's credentials as the kernel recorded them at connect(2)."""
+    pid, uid, gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return PeerCredentials(pid, uid, gid)
+
+
+@dataclass(frozen=True)
+class Allowlist:
+    """Callers allowed to steer the sidecar: by uid, or by primary gid. The sidecar's own euid is
+    always in (it is root in production; in tests it lets the daemon talk to itself)."""
+
+    uids: frozenset[int]
+    gids: frozenset[int]
+
+    @classmethod
+    def of(cls, uids: Iterable[int], gids: Iterable[int]) -> Allowlist:
+        return cls(frozenset(uids) | {os.geteuid()}, frozenset(gids))
+
+    def allows(self, cred: PeerCredentials) -> bool:
+        return cred.uid in self.uids or cred.gid in self.gids
+
+
+def denial_message(uid: int, gid: int) -> str:
+    return f"uid {uid} (gid {gid}) is not allowed to call the sidecar; see --allowed-uids and --allowed-gids"
+
+
+def private_dir(public_socket: str) -> str:
+    return public_socket + PRIVATE_SUFFIX
+
+
+def make_private_dir(path: str) -> None:
+    """Create ``path`` 0700 and ours, or take over one left by a crash after checking it is ours.
+
+    Refuses a symlink or a directory someone else owns: whoever controls it could put their own
+    socket where the gate connects allowed callers.
+    """
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise SocketError(
+                f"failed to create private socket directory '{path}': it exists and is not a directory owned by us"
+            ) from None
+        os.chmod(path, 0o700)
+        for name in os.listdir(path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(path, name))
+    except OSError as exc:
+        raise SocketError(f"failed to create private socket directory '{path}': {exc.strerror}") from exc
+
+
+def remove_private_dir(path: str) -> None:
+    for name in (ALLOWED_NAME, DENIED_NAME):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(path, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
+class _DenyEverything(grpc.GenericRpcHandler):
+    """Answers every method PERMISSION_DENIED. The handler is stream-unary so that gRPC calls it as
+    soon as the headers arrive, before any request message is read or parsed."""
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        return grpc.stream_unary_rpc_method_handler(self._deny)
+
+    @staticmethod
+    def _deny(request_iterator: object, context: grpc.ServicerContext) -> None:
+        uid, gid = _credentials_from_peer(context.peer())
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, denial_message(uid, gid))
+
+
+def _credentials_from_peer(peer: str) -> tuple[int, int]:
+    # The gate binds its side of a denied connection to "\0gpu-isolator-peer/<uid>/<gid>/<n>";
+    # gRPC reports it as "unix-abstract:gpu-isolator-peer/<uid>/<gid>/<n>".
+    try:
+        _, _, rest = peer.partition("gpu-isolator-peer/")
+        uid, gid, _n = rest.split("/")
+        return int(uid), int(gid)
+    except ValueError:
+        return -1, -1
+
+
+def deny_server(path: str) -> grpc.Server:
+    """A gRPC server on ``path`` that refuses everything; two workers and a small inbox."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="deny"),
+        maximum_concurrent_rpcs=MAX_DENIED_CONNECTIONS,
+        options=[("grpc.max_receive_message_length", 1024), ("grpc.so_reuseport", 0)],
+    )
+    server.add_generic_rpc_handlers((_DenyEverything(),))
+    if server.add_insecure_port("unix:" + path) == 0:
+        raise SocketError(f"failed to bind '{path}'")
+    return server
+
+
+class _Connection:
+    """One caller's connection spliced to one upstream, a thread per direction."""
+
+    def __init__(self, gate: PeerGate, client: socket.socket, upstream: socket.socket, denied: bool) -> None:
+        self.gate = gate
+        self.client = client
+        self.upstream = upstream
+        self.denied = denied
+        self._open = 2
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        threading.Thread(target=self._pump, args=(self.client, self.upstream), name="gate-in", daemon=True).start()
+        threading.Thread(target=self._pump, args=(self.upstream, self.client), name="gate-out", daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        buf = bytearray(SPLICE_BUFFER)
+        view = memoryview(buf)
+        try:
+            while True:
+                n = src.recv_into(buf)
+                if n == 0:
+                    dst.shutdown(socket.SHUT_WR)  # pass the half-close on, as the caller meant it
+                    break
+                dst.sendall(view[:n])
+        except OSError:
+            self.abort()  # a reset on one side ends both
+        finally:
+            self._done()
+
+    def abort(self) -> None:
+        for sock in (self.client, self.upstream):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def _done(self) -> None:
+        with self._lock:
+            self._open -= 1
+            last = self._open == 0
+        if last:
+            self.client.close()
+            self.upstream.close()
+            self.gate._forget(self)
+
+
+class PeerGate:
+    """Accepts on the bound, listening public socket and splices each connection by its caller.
+
+    ``max_connections`` bounds allowed callers' connections (each holds two threads); denied
+    callers get at most MAX_DENIED_CONNECTIONS. A connection over a cap is closed at once.
+    """
+
+    def __init__(
+        self,
+        listener: socket.socket,
+        allowed_path: str,
+        denied_path: str,
+        allowlist: Allowlist,
+        max_connections: int,
+    ) -> None:
+        self._listener = listener
+        self._allowed_path = allowed_path
+        self._denied_path = denied_path
+        self._allowlist = allowlist
+        self._max = {False: max_connections, True: MAX_DENIED_CONNECTIONS}
+        self._live: set[_Connection] = set()
+        self._count = {False: 0, True: 0}
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._serial = itertools.count()
+        self._warned_full = False
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._accept_loop, name="gate-accept", daemon=True)
+        self._thread.start()
+
+    def stop_accepting(self) -> None:
+        """Close the public socket; connections already spliced go on. Idempotent."""
+        self._closing.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept() in the other thread
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._listener.close()
+
+    def stop(self) -> None:
+        """Stop accepting and cut every spliced connection."""
+        self.stop_accepting()
+        with self._lock:
+            live = list(self._live)
+        for conn in live:
+            conn.abort()
+
+    def connections(self) -> tuple[int, int]:
+        """(allowed, denied) connections open now."""
+        with self._lock:
+            return self._count[False], self._count[True]
+
+    def _accept_loop(self) -> None:
+        while not self._closing.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError as exc:
+                if self._closing.is_set():
+                    return
+                LOG.warning("gate: accept on the public socket failed: %s", exc.strerror)
+                time.sleep(0.05)  # EMFILE and friends: do not spin
+                continue
+            try:
+                self._admit(client)
+            except Exception:  # one bad connection must not stop the gate
+                LOG.exception("gate: failed to admit a connection")
+                client.close()
+
+    def _admit(self, client: socket.socket) -> None:
+        cred = peer_credentials(client)
+        denied = not self._allowlist.allows(cred)
+        with self._lock:
+            full = self._count[denied] >= self._max[denied]
+            if not full:
+                self._count[denied] += 1
+        if full:
+            if not self._warned_full:
+                LOG.warning(
+                    "gate: %s connections at their cap of %d; closing new ones (pid %d uid %d)",
+                    "denied" if denied else "allowed",
+                    self._max[denied],
+                    cred.pid,
+                    cred.uid,
+                )
+                self._warned_full = True
+            client.close()
+            return
+        self._warned_full = False
+        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            if denied:
+                LOG.warning(
+                    "gate: call from pid %d uid %d gid %d refused: not in allowed-uids/gids",
+                    cred.pid,
+                    cred.uid,
+                    cred.gid,
+                )
+                upstream.bind(f"\0gpu-isolator-peer/{cred.uid}/{cred.gid}/{os.getpid()}.{next(self._serial)}")
+            upstream.connect(self._denied_path if denied else self._allowed_path)
+        except OSError:
+            upstream.close()
+            client.close()
+            with self._lock:
+                self._count[denied] -= 1
+            raise
+        conn = _Connection(self, client, upstream, denied)
+        with self._lock:
+            self._live.add(conn)
+        conn.start()
+
+    def _forget(self, conn: _Connection) -> None:
+        with self._lock:
+            self._live.discard(conn)
+            self._count[conn.denied] -= 1

@@ -1,0 +1,258 @@
+"""Who may call the sidecar: the socket's mode and group, and the gate's SO_PEERCRED allow-list.
+
+Unprivileged callers are real processes run as ``nobody`` (setpriv), with the socket's mode and
+group opened just enough to let them connect, so that each refusal seen is the sidecar's own.
+"""
+
+from __future__ import annotations
+
+import grp
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import textwrap
+
+import grpc
+import pytest
+
+from isolator import config as configmod
+from isolator import peergate
+from isolator.config import Config
+from isolator.errors import ConfigError, SocketError
+from isolator.model import ContainerId
+from isolator.rpc import isolator_pb2 as pb
+from isolator.rpc import isolator_pb2_grpc as pb_grpc
+from isolator.server import SidecarServer
+from isolator.service import Service
+
+NOBODY = 65534
+
+# Runs as the unprivileged caller: one Cleanup call (or a raw oversized one), prints the outcome.
+CALLER = textwrap.dedent(
+    """
+    import json, sys, grpc
+    from isolator.rpc import isolator_pb2 as pb, isolator_pb2_grpc as pb_grpc
+    path, size = sys.argv[1], int(sys.argv[2])
+    with grpc.insecure_channel("unix:" + path) as ch:
+        try:
+            if size:
+                ch.unary_unary("/gpuisolator.v1.Isolator/Cleanup")(b"\\x0a" + b"\\xff" * size, timeout=10)
+            else:
+                pb_grpc.IsolatorStub(ch).Cleanup(
+                    pb.CleanupRequest(container_id=pb.ContainerID(value="from-caller")), timeout=10
+                )
+            print(json.dumps({"code": "OK", "details": ""}))
+        except grpc.RpcError as exc:
+            print(json.dumps({"code": exc.code().name, "details": exc.details()}))
+    """
+)
+
+
+class RecordingService(Service):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def cleanup(self, container_id: ContainerId) -> None:
+        self.calls.append(str(container_id))
+
+
+def as_user(uid: int, gid: int) -> list[str]:
+    return ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
+
+
+def call_as(uid: int, gid: int, path: str, size: int = 0) -> dict[str, str]:
+    out = subprocess.run(
+        [*as_user(uid, gid), sys.executable, "-c", CALLER, path, str(size)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.fixture
+def open_dir(short_tmp):
+    os.chmod(short_tmp, 0o755)  # let nobody reach the socket; the socket's own mode decides the rest
+    return short_tmp
+
+
+def serve(directory: str, **kwargs: object) -> tuple[SidecarServer, RecordingService]:
+    cfg = Config(socket=os.path.join(directory, "s.sock"), bridge_socket="", **kwargs)  # type: ignore[arg-type]
+    service = RecordingService()
+    server = SidecarServer(cfg, service)
+    server.start()
+    return server, service
+
+
+def nogroup() -> int:
+    return grp.getgrnam("nogroup").gr_gid
+
+
+@pytest.mark.root
+def test_caller_outside_the_allow_list_gets_permission_denied_and_the_service_never_runs(open_dir):
+    # 0660 with group nogroup: the kernel lets nobody connect, so the refusal is the gate's.
+    server, service = serve(open_dir, socket_mode=0o660, socket_group="nogroup")
+    try:
+        answer = call_as(NOBODY, nogroup(), server.config.socket)
+    finally:
+        server.stop(grace=0)
+    assert answer["code"] == "PERMISSION_DENIED", answer
+    assert f"uid {NOBODY} (gid {nogroup()}) is not allowed" in answer["details"]
+    assert service.calls == []
+
+
+@pytest.mark.root
+def test_uid_in_the_allow_list_gets_through(open_dir):
+    server, service = serve(open_dir, socket_mode=0o660, socket_group="nogroup", allowed_uids=(0, NOBODY))
+    try:
+        answer = call_as(NOBODY, nogroup(), server.config.socket)
+    finally:
+        server.stop(grace=0)
+    assert answer["code"] == "OK", answer
+    assert service.calls == ["from-caller"]
+
+
+@pytest.mark.root
+def test_primary_gid_in_the_allow_list_gets_through(open_dir):
+    server, service = serve(open_dir, socket_mode=0o660, socket_group="nogroup", allowed_gids=(nogroup(),))
+    try:
+        answer = call_as(NOBODY, nogroup(), server.config.socket)
+    finally:
+        server.stop(grace=0)
+    assert answer["code"] == "OK", answer
+    assert service.calls == ["from-caller"]
+
+
+@pytest.mark.root
+def test_denied_caller_is_refused_before_its_request_is_read(open_dir):
+    # A request far over the deny server's 1 KiB inbox that would not even parse: the answer is
+    # still PERMISSION_DENIED, because the refusal comes when the call's headers arrive.
+    server, service = serve(open_dir, socket_mode=0o660, socket_group="nogroup")
+    try:
+        answer = call_as(NOBODY, nogroup(), server.config.socket, size=100_000)
+    finally:
+        server.stop(grace=0)
+    assert answer["code"] == "PERMISSION_DENIED", answer
+    assert service.calls == []
+
+
+@pytest.mark.root
+def test_default_socket_is_0600_root_owned_and_grpc_itself_listens_only_in_a_private_0700_directory(open_dir):
+    server, _ = serve(open_dir)
+    try:
+        st = os.stat(server.config.socket)
+        assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == 0
+        private = peergate.private_dir(server.config.socket)
+        pst = os.lstat(private)
+        assert stat.S_ISDIR(pst.st_mode) and stat.S_IMODE(pst.st_mode) == 0o700 and pst.st_uid == 0
+        assert sorted(os.listdir(private)) == sorted([peergate.ALLOWED_NAME, peergate.DENIED_NAME])
+        # nobody can reach neither the public socket (mode) nor the gRPC one (directory).
+        for path in (server.config.socket, os.path.join(private, peergate.ALLOWED_NAME)):
+            answer = call_as(NOBODY, NOBODY, path)
+            assert answer["code"] == "UNAVAILABLE", (path, answer)
+            assert "Permission denied" in answer["details"] or "EACCES" in answer["details"], answer
+    finally:
+        server.stop(grace=0)
+    assert not os.path.exists(private)
+
+
+@pytest.mark.root
+def test_a_flood_of_denied_connections_does_not_lock_out_allowed_callers(open_dir):
+    server, service = serve(open_dir, socket_mode=0o660, socket_group="nogroup", max_connections=4)
+    hog = subprocess.Popen(
+        [
+            *as_user(NOBODY, nogroup()),
+            sys.executable,
+            "-c",
+            "import socket, sys\n"
+            "conns = []\n"
+            "for _ in range(64):\n"
+            "    s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); conns.append(s)\n"
+            "print('held', flush=True); sys.stdin.read()\n",
+            server.config.socket,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert hog.stdout is not None and hog.stdout.readline().strip() == "held"
+        with grpc.insecure_channel(server.address) as ch:
+            pb_grpc.IsolatorStub(ch).Cleanup(pb.CleanupRequest(container_id=pb.ContainerID(value="root")), timeout=10)
+        assert service.calls == ["root"]
+        assert server._gate is not None
+        _allowed, denied = server._gate.connections()
+        assert denied <= peergate.MAX_DENIED_CONNECTIONS
+    finally:
+        hog.kill()
+        hog.wait()
+        server.stop(grace=0)
+
+
+@pytest.mark.root
+def test_connections_over_the_cap_are_closed_and_the_cap_frees_up(open_dir):
+    server, _ = serve(open_dir, max_connections=2)
+    try:
+        held = []
+        for _ in range(2):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(server.config.socket)
+            held.append(s)
+        extra = socket.socket(socket.AF_UNIX)
+        extra.connect(server.config.socket)
+        extra.settimeout(10)
+        assert extra.recv(1) == b""  # closed by the gate, nothing spliced
+        extra.close()
+        for s in held:
+            s.close()
+        with grpc.insecure_channel(server.address) as ch:
+            grpc.channel_ready_future(ch).result(timeout=10)
+    finally:
+        server.stop(grace=0)
+
+
+def test_the_sidecar_offers_no_tcp_listener():
+    # There is no TCP option at all: the one address a config can name is a Unix socket path.
+    assert not any("port" in name or "tcp" in name or "tls" in name for name in configmod.PARSERS)
+
+
+@pytest.mark.root
+def test_private_directory_that_is_a_symlink_is_refused(open_dir):
+    target = os.path.join(open_dir, "elsewhere")
+    os.mkdir(target)
+    os.symlink(target, os.path.join(open_dir, "s.sock.d"))
+    with pytest.raises(SocketError, match="not a directory owned by us"):
+        serve(open_dir)
+    assert os.listdir(target) == []
+    assert not os.path.exists(os.path.join(open_dir, "s.sock"))
+
+
+@pytest.mark.root
+def test_private_directory_left_by_a_crash_is_taken_over(open_dir):
+    private = os.path.join(open_dir, "s.sock.d")
+    os.mkdir(private, 0o755)
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(os.path.join(private, "grpc"))
+    stale.close()
+    server, _ = serve(open_dir)
+    try:
+        assert stat.S_IMODE(os.stat(private).st_mode) == 0o700
+        with grpc.insecure_channel(server.address) as ch:
+            grpc.channel_ready_future(ch).result(timeout=10)
+    finally:
+        server.stop(grace=0)
+
+
+def test_socket_path_must_leave_room_for_the_private_grpc_sockets():
+    assert configmod.PRIVATE_EXTRA == peergate.PRIVATE_EXTRA
+    assert configmod.PRIVATE_SUFFIX == peergate.PRIVATE_SUFFIX
+    ok = "/tmp/" + "s" * (107 - peergate.PRIVATE_EXTRA - 5)
+    configmod.resolve({"socket": ok, "bridge_socket": ""})
+    with pytest.raises(ConfigError, match="private gRPC sockets"):
+        configmod.resolve({"socket": ok + "s", "bridge_socket": ""})

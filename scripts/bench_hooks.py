@@ -444,7 +444,7 @@ class Sizes:
 def hooks(versions: list[str], sizes: Sizes, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Per cgroup version: raw floor, in-process and gRPC (per client count), each the median of
     ``sizes.repeats`` runs, and the ratios taken within each run."""
-    out: dict[str, Any] = {"host_gpus": HOST_GPUS, "repeats": sizes.repeats}
+    out: dict[str, Any] = {"host_gpus": HOST_GPUS, "repeats": sizes.repeats, "cores": os.cpu_count()}
     tmp = tempfile.mkdtemp(prefix="gi-bench-hooks-", dir="/tmp")
     try:
         host_file = write_host(os.path.join(tmp, "bench-host.toml"))

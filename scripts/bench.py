@@ -126,7 +126,10 @@ def part_allocator(s: dict[str, Any], log: Callable[[str], None]) -> dict[str, A
     topologies, views = bench_allocator.shipped_topologies()
     log("allocator: running the request streams")
     hosts = bench_allocator.run(topologies, requests=s["allocator_requests"], baseline_views=views)
-    return {"requests_per_host": s["allocator_requests"], "hosts": hosts}
+    from isolator.simhost.host import load_host
+
+    nvswitch = [name for name in hosts if load_host(name).switches]
+    return {"requests_per_host": s["allocator_requests"], "hosts": hosts, "nvswitch_hosts": nvswitch}
 
 
 def part_volume(s: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
@@ -232,7 +235,7 @@ def render_hooks(h: dict[str, Any]) -> list[str]:
         out.append(f"   raw syscalls      1 {raw['p50_ms']:7.3f} {raw['p99_ms']:7.3f} {raw['per_s']:9.0f}")
         out.append(
             f"   in-process        1 {inproc['p50_ms']:7.3f} {inproc['p99_ms']:7.3f} {inproc['per_s']:9.0f}"
-            f" {inproc['p50_ms'] / raw['p50_ms']:8.1f} {inproc['p99_ms'] / raw['p99_ms']:7.1f}"
+            f" {inproc['p50_over_raw_p50']:8.1f} {inproc['p99_over_raw_p99']:7.1f}"
         )
         for key in sorted((k for k in v if k.startswith("grpc_")), key=lambda k: int(k[5:])):
             g = v[key]
@@ -322,6 +325,7 @@ def render_allocator(a: dict[str, Any]) -> list[str]:
         "   goal: topology at least as good as partition on every host: "
         + (_verdict(not bad) + (f" (not on {', '.join(bad)})" if bad else ""))
     )
+    out.extend(_clearly_better(a))
     sixteen = [per[TOPOLOGY]["p99_ms"] for per in a["hosts"].values() if per["gpus"] == 16]
     eight = [per[TOPOLOGY]["p99_ms"] for per in a["hosts"].values() if per["gpus"] == 8]
     if eight:
@@ -331,6 +335,49 @@ def render_allocator(a: dict[str, Any]) -> list[str]:
         out.append(
             f"   goal: topology decision p99 at 16 GPUs under {GOAL_DECISION_P99_MS_16:g} ms: {worst:.3f} ms,"
             f" {_verdict(worst < GOAL_DECISION_P99_MS_16)}"
+        )
+    return out
+
+
+CLEARLY = 0.01  # "clearly better": ahead by at least one percentage point of the best possible
+
+
+def _clearly_better(a: dict[str, Any]) -> list[str]:
+    """Topology minus partition, per host, on the relative measures; and the two "clearly better" goals."""
+    from bench_allocator import PARTITION, TOPOLOGY
+
+    def gain(host: str, key: str) -> float | None:
+        t, p = a["hosts"][host][TOPOLOGY][key], a["hosts"][host][PARTITION][key]
+        return None if t is None or p is None else t - p
+
+    out = []
+    multi = [h for h, per in a["hosts"].items() if per["gpus"] > 1]
+    nvswitch = [h for h in a.get("nvswitch_hosts", []) if h in multi]
+    if nvswitch:
+        rows = []
+        clear = []
+        for h in nvswitch:
+            gains = {k: gain(h, k) for k in ("rel_score", "rel_slowest_link", "share_best", "single_rel_leftover")}
+            known = [g for g in gains.values() if g is not None]
+            clear.append(bool(known) and max(known) >= CLEARLY and min(known) >= 0)
+            rows.append(f"{h} " + "/".join(f"{g:+.4f}" for g in known))
+        out.append("   topology - partition on NVSwitch hosts (rel.sum/rel.slow/best/1-GPU.left): " + "; ".join(rows))
+        out.append(
+            f"   goal: clearly better (>= {CLEARLY:g} ahead on some measure, behind on none) on NVSwitch hosts:"
+            f" {_verdict(all(clear))}"
+        )
+    singles = {h: gain(h, "single_rel_leftover") for h in multi}
+    if singles:
+        ahead = [h for h, g in singles.items() if g is not None and g >= CLEARLY]
+        behind = [h for h, g in singles.items() if g is not None and g < 0]
+        out.append(
+            "   topology - partition on 1-GPU requests (1-GPU.left): "
+            + "; ".join(f"{h} {g:+.4f}" for h, g in singles.items() if g is not None)
+        )
+        out.append(
+            f"   goal: clearly better on single-GPU requests (>= {CLEARLY:g} ahead on every multi-GPU host):"
+            f" {_verdict(not behind and len(ahead) == len(singles))}"
+            + (f" (clearly ahead on {', '.join(ahead)} only)" if ahead and len(ahead) < len(singles) else "")
         )
     return out
 

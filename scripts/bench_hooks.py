@@ -469,6 +469,7 @@ def hooks(versions: list[str], sizes: Sizes, log: Callable[[str], None] = lambda
                         g["p99_over_in_process_p99"] = g["p99_ms"] / inproc["p99_ms"]
                         runs.setdefault(f"grpc_{clients}", []).append(g)
                 inproc["p50_over_raw_p50"] = inproc["p50_ms"] / raw["p50_ms"]
+                inproc["p99_over_raw_p99"] = inproc["p99_ms"] / raw["p99_ms"]
             out[version] = {name: median_of(rs) for name, rs in runs.items()}
             out[version]["state_commit_ms"] = durable_commit_ms(tmp)
     finally:

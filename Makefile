@@ -56,8 +56,11 @@ demo: install build
 clean:
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache
 
+# The figures of docs/bench.md, beside their floors and goals; a report that never fails the build.
+# Choose parts and sizes with e.g. BENCH_ARGS="--parts hooks,bridge --quick".
+BENCH_ARGS ?=
 bench: install build
-	$(PY) scripts/bench_allocator.py
+	-$(PY) scripts/bench.py $(BENCH_ARGS)
 
 # Crash consistency with 200 SIGKILLs per cgroup version, and more generated hostile input
 # (docs/reliability.md). Takes several minutes; `make test` runs the same tests smaller.

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""`make bench`: the allocation policies side by side on a fixed-seed stream of requests per host.
+"""The allocation policies side by side on a fixed-seed stream of requests per shipped simulated host.
 
 Policies: `first-fit` (Mesos), a go-gpuallocator-style partition baseline written here from the
 description in reference/k8s-topology.md §1.4 (a baseline only, not a product feature), and
-`topology`. Also times recovery of 10,000 recorded containers from the state store.
+`topology`. Hosts come from isolator/simhost/hosts/*.toml through the real inventory path (the
+simulated host's fake NVML read by isolator.nvml.Inventory). Part of `make bench` (scripts/bench.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import itertools
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -25,6 +27,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 from isolator.allocator import FIRST_FIT, TOPOLOGY, Fabric, choose  # noqa: E402
 from isolator.model import Link, Topology  # noqa: E402
+from isolator.simhost.host import HostSpec  # noqa: E402
 
 SIZES = (1, 2, 4, 8)
 SIZE_WEIGHTS = (0.4, 0.3, 0.2, 0.1)
@@ -64,8 +67,9 @@ def make_stream(n_gpus: int, seed: int, requests: int) -> list[tuple[str, int, i
 
 def switch_blind(topology: Topology) -> Topology:
     """go-gpuallocator counts NVLinks only when the remote end is the peer GPU (D1), so on NVSwitch
-    hosts it sees none. A host whose every pair has the same non-zero lane count is taken to be a
-    switch fabric and loses its lanes for the baseline."""
+    hosts it sees none. Without a host description, a host whose every pair has the same non-zero
+    lane count is taken to be a switch fabric and loses its lanes for the baseline (with one,
+    ``direct_lanes_only`` says exactly what the baseline sees)."""
     lanes = {link.nvlink_lanes for link in topology.links.values()}
     if len(lanes) == 1 and lanes != {0} and len(topology.gpus) > 2:
         return replace(topology, links={k: Link(v.pcie, 0) for k, v in topology.links.items()})
@@ -81,8 +85,9 @@ class PartitionBaseline:
     free GPU + its group-mates", which has the same optimum, memoised per host and size across calls.
     """
 
-    def __init__(self, topology: Topology) -> None:
-        self.fabric = Fabric.of(switch_blind(topology))
+    def __init__(self, topology: Topology, view: Topology | None = None) -> None:
+        """``view``: the topology as go-gpuallocator sees it (default ``switch_blind(topology)``)."""
+        self.fabric = Fabric.of(view if view is not None else switch_blind(topology))
         self.memo: dict[tuple[int, int, int], tuple[int, tuple[tuple[int, ...], ...]]] = {}
 
     def __call__(self, available: frozenset[int], size: int) -> tuple[int, ...]:
@@ -124,6 +129,50 @@ class PartitionBaseline:
         return best
 
 
+def direct_lanes_only(topology: Topology, spec: HostSpec) -> Topology:
+    """What go-gpuallocator sees (D1): lanes only where the remote end of a link is the peer GPU,
+    as both ends report them; lanes through NVSwitches are invisible to it."""
+    by_minor = {g.minor: g for g in spec.gpus}
+    by_index = {g.index: g for g in spec.gpus}
+    links = {}
+    for (a, b), link in topology.links.items():
+        ga, gb = by_minor[a], by_minor[b]
+        lanes = min(ga.nvlink.get(gb.index, 0), by_index[gb.index].nvlink.get(ga.index, 0))
+        links[(a, b)] = Link(link.pcie, lanes)
+    return replace(topology, links=links)
+
+
+def shipped_topologies(work: str | None = None) -> tuple[dict[str, Topology], dict[str, Topology]]:
+    """Every shipped simulated host as the sidecar sees it, and as the partition baseline sees it.
+
+    The topology comes through the real inventory path: the host's fake NVML (built from its TOML)
+    loaded by pynvml and read by isolator.nvml.Inventory, exactly as the daemon reads it.
+    """
+    from isolator.nvml import Inventory
+    from isolator.simhost.host import shipped_hosts
+    from isolator.simhost.sim import SimulatedHost
+
+    own = work is None
+    work = work or tempfile.mkdtemp(prefix="gi-bench-alloc-", dir="/tmp")
+    topologies: dict[str, Topology] = {}
+    views: dict[str, Topology] = {}
+    try:
+        for name in shipped_hosts():
+            host = SimulatedHost(name, os.path.join(work, name)).setup(make_devices=False)
+            inventory = Inventory(
+                library=host.library_path, proc_root=host.proc_root, sys_root=os.path.join(host.root, "sys")
+            )
+            with inventory.open():
+                inventory.read()
+                topology = inventory.topology()
+            topologies[name] = topology
+            views[name] = direct_lanes_only(topology, host.spec)
+    finally:
+        if own:
+            shutil.rmtree(work, ignore_errors=True)
+    return topologies, views
+
+
 # ---- the oracle: the best set available at each moment ---------------------------------------------
 
 
@@ -152,23 +201,32 @@ class Oracle:
 # ---- the run -------------------------------------------------------------------------------------
 
 
-def _policies(topology: Topology, fabric: Fabric) -> dict[str, Policy]:
+def _policies(topology: Topology, fabric: Fabric, view: Topology | None) -> dict[str, Policy]:
     return {
         FIRST_FIT: lambda avail, n: choose(fabric, avail, n, FIRST_FIT).gpus,
-        PARTITION: PartitionBaseline(topology),
+        PARTITION: PartitionBaseline(topology, view),
         TOPOLOGY: lambda avail, n: choose(fabric, avail, n, TOPOLOGY).gpus,
     }
 
 
-def run(topologies: dict[str, Topology], seed: int = 20240611, requests: int = 400) -> dict:
-    """Per host and policy: quality relative to the best available set, refusals, decision times."""
+def run(
+    topologies: dict[str, Topology],
+    seed: int = 20240611,
+    requests: int = 400,
+    baseline_views: dict[str, Topology] | None = None,
+) -> dict:
+    """Per host and policy: quality relative to the best available set, refusals, decision times.
+
+    ``baseline_views``: per host, the topology the partition baseline sees (default: switch_blind).
+    """
     out: dict[str, dict] = {}
     for name, topology in topologies.items():
         fabric = Fabric.of(topology)
         oracle = Oracle(fabric)
         events = make_stream(len(fabric.minors), seed, requests)
         out[name] = {"gpus": len(fabric.minors)}
-        for policy_name, policy in _policies(topology, fabric).items():
+        view = (baseline_views or {}).get(name)
+        for policy_name, policy in _policies(topology, fabric, view).items():
             out[name][policy_name] = _simulate(fabric, oracle, events, policy)
     return out
 
@@ -284,9 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=400, help="arrivals per host")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
-    from topologies import shipped_hosts
-
-    result = run(shipped_hosts(), args.seed, args.requests)
+    topologies, views = shipped_topologies()
+    result = run(topologies, args.seed, args.requests, views)
     recovery = state_recovery_seconds()
     if args.json:
         print(json.dumps({"hosts": result, "state_recovery_10k_s": round(recovery, 4)}, indent=2))

@@ -1,0 +1,98 @@
+"""`make bench` runs: every part at a tiny size reports its figures, the table and the JSON file.
+
+These prove the benchmark code works; they assert no timings (the benchmark reports, it never fails).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+from isolator.simhost.host import load_host, shipped_hosts
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+
+
+def _load(name: str):
+    if SCRIPTS not in sys.path:
+        sys.path.insert(0, SCRIPTS)
+    spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, f"{name}.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load("bench")
+bench_hooks = _load("bench_hooks")
+bench_allocator = _load("bench_allocator")
+
+
+def test_percentiles_are_nearest_rank_and_summaries_count_cycles_per_second():
+    samples = [i / 1000 for i in range(1, 101)]  # 1..100 ms
+    assert bench_hooks.percentile(samples, 50) == 0.050
+    assert bench_hooks.percentile(samples, 99) == 0.099
+    assert bench_hooks.percentile([0.005], 99) == 0.005
+    summary = bench_hooks.summarize(samples, wall=2.0)
+    assert summary["cycles"] == 100 and summary["per_s"] == 50.0
+    assert bench_hooks.median_of([{"a": 1.0}, {"a": 5.0}, {"a": 2.0}]) == {"a": 2.0}
+
+
+def test_the_bench_host_has_a_gpu_for_each_of_64_concurrent_clients(short_tmp):
+    spec = load_host(bench_hooks.write_host(os.path.join(short_tmp, "h.toml")))
+    assert len(spec.gpus) == 64
+    assert sorted(g.minor for g in spec.gpus) == list(range(64))
+
+
+def test_the_allocator_part_reads_every_shipped_host_through_the_inventory(short_tmp):
+    topologies, views = bench_allocator.shipped_topologies(short_tmp)
+    assert sorted(topologies) == sorted(shipped_hosts())
+    for name, topology in topologies.items():
+        spec = load_host(name)
+        assert sorted(g.minor for g in topology.gpus) == sorted(g.minor for g in spec.gpus)
+        assert set(views[name].links) == set(topology.links)
+        if spec.switches:  # NVSwitch hosts: the sidecar sees the fabric, the baseline sees no lanes (D1)
+            assert all(link.nvlink_lanes > 0 for link in topology.links.values())
+            assert all(link.nvlink_lanes == 0 for link in views[name].links.values())
+    # DGX-1's lanes are direct GPU-to-GPU links: the baseline sees them as they are.
+    assert views["dgx-1"].links == topologies["dgx-1"].links
+
+
+def test_an_unknown_part_is_refused_with_the_known_ones(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--parts", "hooks,warp"])
+    assert "unknown part(s) warp" in capsys.readouterr().err
+
+
+@pytest.mark.root
+@pytest.mark.cgroup_v1
+@pytest.mark.cgroup_v2
+def test_a_quick_run_of_every_part_reports_every_figure_in_the_table_and_the_json(short_tmp, capsys):
+    out = os.path.join(short_tmp, "bench.json")
+    assert bench.main(["--quick", "--json", out]) == 0
+    with open(out) as fh:
+        result = json.load(fh)
+    assert set(result["machine"]) >= {"cpu_model", "cores", "kernel", "python"}
+    parts = result["parts"]
+    assert list(parts) == list(bench.PARTS)
+    errors = {name: p["error"] for name, p in parts.items() if "error" in p}
+    assert errors == {}
+    hooks = parts["hooks"]
+    for version in ("v1", "v2"):
+        assert set(hooks[version]) >= {"raw", "in_process", "grpc_1", "grpc_8", "grpc_64"}
+        assert hooks[version]["grpc_64"]["cycles"] == 64
+        assert hooks[version]["grpc_1"]["p99_over_raw_p99"] > 0
+    assert parts["bridge"]["bridge_over_bare"] > 0
+    assert set(parts["allocator"]["hosts"]) == set(shipped_hosts())
+    assert parts["volume"]["files"] > 0
+    assert set(parts["recovery"]["counts"]) == {"10", "100"}
+    assert parts["footprint"]["cycles"] == 80 and len(parts["footprint"]["rss_series_mib"]) == 11
+    table = capsys.readouterr().out
+    for heading in ("Hook latency", "Bridge", "Allocator", "Driver volume", "Recovery", "Footprint"):
+        assert f"## {heading}" in table
+    assert "could not run" not in table

@@ -513,18 +513,7 @@ class SidecarServer:
         path = self._bridge_guard.path
         self._bridge_guard.acquire()
         self._bridge_held = True
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            with _umask(0o177):  # born 0600, as the gRPC socket
-                sock.bind(path)
-            self._apply_socket_permissions(path)
-            sock.listen(128)
-        except OSError as exc:
-            sock.close()
-            raise SocketError(f"failed to bind '{path}': {exc.strerror}") from exc
-        except BaseException:
-            sock.close()
-            raise
+        sock = self._bind_public(path)  # born 0600, as the gRPC socket
         self._bridge = BridgeListener(
             sock,
             servicer,

@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -365,6 +365,13 @@ class IsolatorService(Service):
         with contextlib.suppress(NotFound):
             self.store.remove(cid)
 
+    def _drop(self, cid: ContainerId, rec: ContainerRecord) -> None:
+        """Forget a container whose rules are already gone: its record, then its GPUs; wake watchers.
+        Call with the lock held."""
+        self.store.remove(cid)
+        self.allocator.deallocate(rec.gpus & self.allocator.allocated)
+        self._changed.notify_all()
+
     def _release_volume(self, cid: ContainerId) -> None:
         if self.volumes is not None:
             try:
@@ -500,9 +507,7 @@ class IsolatorService(Service):
                 return
             self.controller.cleanup(container_id)
             crashpoint("cleanup.cgroup")
-            self.store.remove(container_id)
-            self.allocator.deallocate(rec.gpus & self.allocator.allocated)
-            self._changed.notify_all()
+            self._drop(container_id, rec)
         crashpoint("cleanup.record")
         self._release_volume(container_id)
         LOG.info("cleaned up %s", self._describe(container_id, rec.gpus))
@@ -515,9 +520,7 @@ class IsolatorService(Service):
             rules = self.controller.recover(cid)
         except CgroupVanished:
             return None
-        return frozenset(
-            m for m in self._gpus if devrules.permits(rules, devrules.DeviceRule.char(NVIDIA_MAJOR, m, "rw"))
-        )
+        return frozenset(self._granted(rules))
 
     def _restore_cgroup(self, cid: ContainerId, gpus: frozenset[int]) -> None:
         """Standalone mode owns its cgroups: make a recorded container's cgroup whole after a crash.
@@ -593,14 +596,11 @@ class IsolatorService(Service):
                     continue
                 with contextlib.suppress(CgroupVanished):
                     self.controller.cleanup(cid)
-                self.store.remove(cid)
-                self.allocator.deallocate(rec.gpus & self.allocator.allocated)
+                self._drop(cid, rec)
                 reaped.append(cid)
                 LOG.warning(
                     "released %s: its cgroup is gone (destroyed without a cleanup)", self._describe(cid, rec.gpus)
                 )
-            if reaped:
-                self._changed.notify_all()
         for cid in reaped:
             self._release_volume(cid)
         return reaped
@@ -799,9 +799,7 @@ class IsolatorService(Service):
                 )
                 if pids:
                     did += f" (its processes {list(pids)} keep running without GPU access)"
-            self.store.remove(container_id)
-            self.allocator.deallocate(rec.gpus & self.allocator.allocated)
-            self._changed.notify_all()
+            self._drop(container_id, rec)
         self._release_volume(container_id)
         minors = sorted(rec.gpus)
         uuids = [self._gpus[m].uuid for m in minors if m in self._gpus]
@@ -869,11 +867,6 @@ class IsolatorService(Service):
                 if granted != sorted(rec.gpus):
                     out.append(f"container {cid}: recorded GPUs {sorted(rec.gpus)}, kernel grants {granted}")
         return out
-
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
-        with self._lock:
-            yield
 
     def close(self) -> None:
         super().close()

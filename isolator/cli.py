@@ -1,6 +1,7 @@
 """``gpu-isolator``: the daemon (``serve``) and the admin commands. The only module that prints.
 
-Exit codes: 0 ok, 1 error, 2 usage, 3 the sidecar cannot be reached (the message names the socket).
+Exit codes: 0 ok, 1 error, 2 usage, 3 the sidecar cannot be reached (the message names the socket);
+``serve`` exits 4 when the node's GPUs are unavailable (no usable NVML, fewer GPUs than configured).
 Errors are one line on stderr, never a traceback.
 """
 
@@ -17,10 +18,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from isolator import __version__
 from isolator import config as configmod
-from isolator.errors import IsolatorError
+from isolator.errors import GpusUnavailable, IsolatorError
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_GPUS = 0, 1, 2, 3, 4
 
 
 class UsageError(Exception):
@@ -36,6 +38,7 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser() -> Parser:
     parser = Parser(prog="gpu-isolator", description="GPU isolator sidecar for Apache Mesos agents")
+    parser.add_argument("--version", action="version", version=f"gpu-isolator {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     sub.required = True
 
@@ -451,6 +454,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as exc:  # a bug here must still be one line for the operator, not a traceback
             _fail(f"{args.command}: unexpected {type(exc).__name__}: {exc}")
             return EXIT_ERROR
+    except GpusUnavailable as exc:
+        print(f"gpu-isolator: {exc.message}", file=sys.stderr)
+        return EXIT_NO_GPUS
     except IsolatorError as exc:
         print(f"gpu-isolator: {exc.message}", file=sys.stderr)
         return EXIT_ERROR

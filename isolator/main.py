@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from isolator import gpuflags
 from isolator.config import Config
-from isolator.errors import ConfigError, NvmlNotFound
+from isolator.errors import ConfigError, GpusUnavailable, NvmlNotFound
 from isolator.server import SidecarServer
 from isolator.service import Service
 
@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from isolator.simhost.sim import SimulatedHost
 
 LOG = logging.getLogger("isolator")
+
+NO_GPUS_HINT = "if this node has no GPUs, say so with --resources gpus:0"
 
 
 def configure_logging(level: str) -> None:
@@ -47,7 +49,10 @@ def simulated_host(config: Config) -> SimulatedHost:
 def build_inventory(
     config: Config, notes: list[str] | None = None, host: SimulatedHost | None = None
 ) -> Inventory | None:
-    """The GPUs to manage, or None when there are none (gpus:0, or no NVML and nothing requested).
+    """The GPUs to manage, or None when the operator said there are none (``--resources gpus:0``).
+
+    Fails closed (GpusUnavailable) when NVML is missing or reports fewer GPUs than configured,
+    including none at all under auto-discovery.
 
     With ``--simulate`` the simulated host's fake NVML is loaded; otherwise NVML comes from
     ``--nvml-library`` or the dynamic loader. Warnings go to ``notes`` when given, so that a start
@@ -74,12 +79,16 @@ def build_inventory(
     try:
         inventory.open()
     except NvmlNotFound as exc:
-        # Raises "gpus requested but NVML not found" when GPUs were asked for; else none to manage.
+        # Raises "gpus requested but NVML not found" when GPUs were asked for.
         gpuflags.decide(config.resources, devices, available=None, nvml_problem=exc.message)
-        notes.append(f"{exc.message}; managing no GPUs")
-        return None
+        # Auto-discovery: Mesos would advertise no GPUs; a GPU node whose driver is missing must
+        # not look healthy while running GPU tasks without GPUs, so this fails closed too.
+        raise GpusUnavailable(f"no usable NVML ({exc.message}); {NO_GPUS_HINT}") from exc
     try:
-        decision = gpuflags.decide(config.resources, devices, available=inventory.device_count())
+        available = inventory.device_count()
+        decision = gpuflags.decide(config.resources, devices, available=available)
+        if not decision.indices:
+            raise GpusUnavailable(f"NVML reports no GPUs; {NO_GPUS_HINT}")
         inventory.read(decision.indices)
         inventory.start_health_watch()
     except BaseException:

@@ -67,6 +67,7 @@ class Config:
     ignored_xids: tuple[int, ...] = DEFAULT_IGNORED_XIDS
     max_workers: int = 16
     reap_interval: float = 60.0
+    gpu_probe_interval: float = 30.0
     max_concurrent_rpcs: int = 256
     max_connections: int = 128
     max_message_bytes: int = 4 * 1024 * 1024
@@ -184,6 +185,7 @@ PARSERS: dict[str, Any] = {
     "ignored_xids": _int_list,
     "max_workers": _positive_int,
     "reap_interval": _positive_float,
+    "gpu_probe_interval": _positive_float,
     "max_concurrent_rpcs": _positive_int,
     "max_connections": _positive_int,
     "max_message_bytes": _positive_int,
@@ -213,6 +215,7 @@ HELP = {
     "ignored_xids": f"XIDs that do not mark a GPU unhealthy (default {','.join(map(str, DEFAULT_IGNORED_XIDS))})",
     "max_workers": "gRPC worker threads (default 16)",
     "reap_interval": "seconds between checks for containers whose Mesos cgroup vanished (default 60)",
+    "gpu_probe_interval": "seconds between probes of the GPUs for loss or a MIG mode change (default 30)",
     "max_concurrent_rpcs": "requests in flight before RESOURCE_EXHAUSTED (default 256)",
     "max_connections": "connections of allowed callers open at once; more are closed (default 128)",
     "max_message_bytes": "largest request accepted, in bytes (default 4 MiB)",

@@ -73,9 +73,12 @@ def build_inventory(
             proc_root=host.proc_root,
             sys_root=os.path.join(host.root, "sys"),
             ignored_xids=config.ignored_xids,
+            probe_s=config.gpu_probe_interval,
         )
     else:
-        inventory = Inventory(library=config.nvml_library, ignored_xids=config.ignored_xids)
+        inventory = Inventory(
+            library=config.nvml_library, ignored_xids=config.ignored_xids, probe_s=config.gpu_probe_interval
+        )
     try:
         inventory.open()
     except NvmlNotFound as exc:
@@ -91,6 +94,7 @@ def build_inventory(
             raise GpusUnavailable(f"NVML reports no GPUs; {NO_GPUS_HINT}")
         inventory.read(decision.indices)
         inventory.start_health_watch()
+        watch_device_events(inventory, host)
     except BaseException:
         inventory.close()
         raise
@@ -102,6 +106,26 @@ def build_inventory(
         inventory.cuda_driver_version,
     )
     return inventory
+
+
+def watch_device_events(inventory: Inventory, host: SimulatedHost | None) -> None:
+    """Kernel device events (GPU bind/unbind, nvidia module load/unload) make the inventory read
+    the GPUs again. A simulated host's events come from its control file, a real host's from the
+    kernel's netlink socket (pyroute2, imported on the watch thread, off the start-up path)."""
+    from isolator import uevents
+
+    if host is not None:
+        source = uevents.FileSource(host.uevents_path)  # now: what is written after start counts
+
+        def factory() -> uevents.Source:
+            return source
+    else:
+
+        def factory() -> uevents.Source:
+            return uevents.NetlinkSource()
+
+    watch = uevents.UeventWatch(factory, inventory.bus_ids, inventory.device_changed).start()
+    inventory.on_close(watch.stop)
 
 
 def build_service(config: Config, notes: list[str] | None = None) -> Service:

@@ -45,6 +45,21 @@ def build_parser() -> Parser:
     serve = sub.add_parser("serve", help="run the sidecar on its Unix socket")
     configmod.add_serve_arguments(serve)
 
+    unit = sub.add_parser(
+        "install-unit",
+        help="install the systemd unit (Type=notify, watchdog, hardening) for this executable",
+        description="Write gpu-isolator.service into DIR with ExecStart pointing at this installation, and a"
+        " config file if there is none. Then: systemctl daemon-reload && systemctl enable --now gpu-isolator",
+    )
+    unit.add_argument("--dir", default="/etc/systemd/system", help="where units go (default /etc/systemd/system)")
+    unit.add_argument(
+        "--config",
+        dest="unit_config",
+        default="/etc/gpu-isolator/config.toml",
+        help='the config file ExecStart names; written with mode = "mesos" if missing'
+        " (default /etc/gpu-isolator/config.toml)",
+    )
+
     def admin(name: str, help_text: str) -> Parser:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--socket", default=configmod.DEFAULT_SOCKET, help="the sidecar's socket")
@@ -437,6 +452,52 @@ def _run_serve(args: argparse.Namespace) -> int:
     return daemon.serve(config)
 
 
+DEFAULT_CONFIG_TEXT = """\
+# gpu-isolator serve settings; keys are the flags without their dashes (README "Running the sidecar").
+mode = "mesos"
+socket = "/run/gpu-isolator/isolator.sock"
+work_dir = "/var/lib/gpu-isolator"
+"""
+
+
+def unit_text(executable: str, config_path: str) -> str:
+    """The shipped unit with its placeholders filled in."""
+    from importlib.resources import files
+
+    template = files("isolator").joinpath("data/gpu-isolator.service").read_text()
+    return template.replace("@EXEC@", executable).replace("@CONFIG@", config_path)
+
+
+def _run_install_unit(args: argparse.Namespace) -> int:
+    import shutil
+
+    executable = shutil.which("gpu-isolator") or ""
+    here = os.path.join(os.path.dirname(sys.executable), "gpu-isolator")
+    if os.access(here, os.X_OK):
+        executable = here  # the one of this installation (a venv), not the first on PATH
+    if not executable:
+        executable = f"{sys.executable} -m isolator"
+    unit_path = os.path.join(args.dir, "gpu-isolator.service")
+    try:
+        os.makedirs(args.dir, exist_ok=True)
+        if not os.path.exists(args.unit_config):
+            os.makedirs(os.path.dirname(os.path.abspath(args.unit_config)), exist_ok=True)
+            with open(args.unit_config, "w") as fh:
+                fh.write(DEFAULT_CONFIG_TEXT)
+            print(f"wrote {args.unit_config}")
+        tmp = unit_path + ".tmp"
+        with open(tmp, "w") as fh:
+            fh.write(unit_text(executable, os.path.abspath(args.unit_config)))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, unit_path)
+    except OSError as exc:
+        _fail(f"install-unit: failed to write '{exc.filename}': {exc.strerror}")
+        return EXIT_ERROR
+    print(f"wrote {unit_path}")
+    print("now: systemctl daemon-reload && systemctl enable --now gpu-isolator")
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -447,6 +508,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _run_serve(args)
+        if args.command == "install-unit":
+            return _run_install_unit(args)
         try:
             return _run_admin(args)
         except (UsageError, BrokenPipeError, KeyboardInterrupt):

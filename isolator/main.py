@@ -188,8 +188,16 @@ def _reap_loop(reap: Callable[[], object], stop: threading.Event, interval: floa
 
 
 def serve(config: Config) -> int:
-    """Run the sidecar until SIGTERM or SIGINT. Raises IsolatorError if it cannot start."""
+    """Run the sidecar until SIGTERM or SIGINT. Raises IsolatorError if it cannot start.
+
+    Under systemd (``Type=notify``) it sends READY=1 once the state is restored (every recorded
+    allocation booked) and both sockets serve, WATCHDOG=1 from this serving loop at half the
+    watchdog interval, and STOPPING=1 when told to stop.
+    """
+    from isolator.sdnotify import Notifier
+
     configure_logging(config.log_level)
+    notifier = Notifier()
     notes: list[str] = []
     service = build_service(config, notes)
     server = SidecarServer(config, service)
@@ -213,8 +221,13 @@ def serve(config: Config) -> int:
         threading.Thread(
             target=_reap_loop, args=(reaper, stop, config.reap_interval), name="reaper", daemon=True
         ).start()
-    # Wake periodically so that signals are handled promptly whatever the platform's lock waits do.
-    while not stop.wait(0.5):
-        pass
+    notifier.ready(f"serving on {config.socket}")
+    tick = 0.5 if notifier.watchdog_s is None else min(0.5, notifier.watchdog_s / 2)
+    # Wake periodically so that signals are handled promptly whatever the platform's lock waits do,
+    # and so that a wedged loop stops the watchdog pings (systemd then restarts the daemon).
+    while not stop.wait(tick):
+        if notifier.watchdog_s is not None:
+            notifier.watchdog()
+    notifier.stopping()
     server.stop()
     return 0

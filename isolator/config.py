@@ -37,6 +37,7 @@ MODES = ("mesos", "standalone")
 CGROUP_VERSIONS = ("auto", "v1", "v2")
 POLICIES = ("topology", "first-fit")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")
 
 # XIDs caused by the application rather than the GPU: 13 graphics engine exception, 31 GPU memory
 # page fault, 43 GPU stopped processing, 45 preemptive cleanup, 68 video processor exception, 109
@@ -72,6 +73,9 @@ class Config:
     max_connections: int = 128
     max_message_bytes: int = 4 * 1024 * 1024
     log_level: str = "info"
+    log_format: str = "text"
+    metrics_address: str = ""
+    job_mapping_dir: str = ""
     allowed_uids: tuple[int, ...] = (0,)
     allowed_gids: tuple[int, ...] = ()
     config_file: str = ""
@@ -190,6 +194,9 @@ PARSERS: dict[str, Any] = {
     "max_connections": _positive_int,
     "max_message_bytes": _positive_int,
     "log_level": _choice(LOG_LEVELS),
+    "log_format": _choice(LOG_FORMATS),
+    "metrics_address": _text,
+    "job_mapping_dir": _text,
     "allowed_uids": _int_list,
     "allowed_gids": _int_list,
 }
@@ -220,6 +227,9 @@ HELP = {
     "max_connections": "connections of allowed callers open at once; more are closed (default 128)",
     "max_message_bytes": "largest request accepted, in bytes (default 4 MiB)",
     "log_level": "debug, info, warning or error (default info)",
+    "log_format": "text (default) or json: one object per line with stable keys (docs/metrics.md)",
+    "metrics_address": "serve Prometheus metrics on HOST:PORT, PORT (localhost) or unix:/path (default: off)",
+    "job_mapping_dir": "write dcgm-exporter's HPC job mapping here: one file per GPU index listing its containers",
     "allowed_uids": "uids allowed to call the socket (default 0)",
     "allowed_gids": "gids allowed to call the socket (default none)",
 }

@@ -29,9 +29,11 @@ LOG = logging.getLogger("isolator")
 NO_GPUS_HINT = "if this node has no GPUs, say so with --resources gpus:0"
 
 
-def configure_logging(level: str) -> None:
+def configure_logging(level: str, fmt: str = "text") -> None:
+    from isolator.logfmt import JsonFormatter, TextFormatter
+
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -128,7 +130,9 @@ def watch_device_events(inventory: Inventory, host: SimulatedHost | None) -> Non
     inventory.on_close(watch.stop)
 
 
-def build_service(config: Config, notes: list[str] | None = None) -> Service:
+def build_service(
+    config: Config, notes: list[str] | None = None, on_volume_build: Callable[[object], None] | None = None
+) -> Service:
     """Real edges for the hooks: NVML (or the simulated host's), the devices cgroup of the detected
     hierarchy, the state store under the work dir, and the driver volume manager."""
     from isolator.cgroups import controller_for
@@ -162,7 +166,12 @@ def build_service(config: Config, notes: list[str] | None = None) -> Service:
         host_devices.load_uvm()  # Mesos loads nvidia-uvm at start when it is missing
     store = StateStore(config.state_dir)
     try:
-        volumes = VolumeManager(config.volume_root, driver_root=driver_root, **volume_kwargs)  # type: ignore[arg-type]
+        volumes = VolumeManager(
+            config.volume_root,
+            driver_root=driver_root,
+            on_build=on_volume_build,
+            **volume_kwargs,  # type: ignore[arg-type]
+        )
         return IsolatorService(
             inventory if inventory is not None else EmptyInventory(),
             controller,
@@ -179,10 +188,13 @@ def build_service(config: Config, notes: list[str] | None = None) -> Service:
         raise
 
 
-def _reap_loop(reap: Callable[[], object], stop: threading.Event, interval: float) -> None:
+def _reap_loop(
+    reap: Callable[[], object], stop: threading.Event, interval: float, reaped: Callable[[int], None]
+) -> None:
     while not stop.wait(interval):
         try:
-            reap()
+            released = reap()
+            reaped(len(released) if isinstance(released, (list, tuple)) else 0)
         except Exception:
             LOG.exception("periodic reconciliation failed; retrying in %s s", interval)
 
@@ -196,14 +208,52 @@ def serve(config: Config) -> int:
     """
     from isolator.sdnotify import Notifier
 
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, config.log_format)
     notifier = Notifier()
     notes: list[str] = []
-    service = build_service(config, notes)
-    server = SidecarServer(config, service)
+    metrics = None
+    if config.metrics_address:
+        from isolator.metrics import Metrics, parse_address
+
+        parse_address(config.metrics_address)  # a bad address stops the start before anything is built
+        metrics = Metrics()
+    service = build_service(config, notes, on_volume_build=metrics.volume_built if metrics else None)
+    observers: list[Callable[[str, str, float, object], None]] = []
+    jobmap = None
+    extras: list[Callable[[], None]] = []  # stopped after the server
+    try:
+        if config.job_mapping_dir:
+            from isolator.jobmap import JobMapping
+
+            jobmap = JobMapping(config.job_mapping_dir, service)
+            jobmap.sync()  # exact from the recorded state, whatever a crash left there
+            observers.append(jobmap.observe)
+        if metrics is not None:
+            from isolator.metrics import MetricsServer
+
+            metrics.service = service
+            observers.append(metrics.observe)
+            extras.append(MetricsServer(config.metrics_address, metrics).start().stop)
+    except BaseException:
+        service.close()
+        raise
+
+    def observe(hook: str, code: str, seconds: float, response: object) -> None:
+        for observer in observers:
+            observer(hook, code, seconds, response)
+
+    def reaped(count: int) -> None:
+        if metrics is not None:
+            metrics.reaped(count)
+        if count and jobmap is not None:
+            jobmap.sync()
+
+    server = SidecarServer(config, service, observe if observers else None)
     try:
         server.start()
     except BaseException:
+        for stop_extra in extras:
+            stop_extra()
         service.close()
         raise
     for note in notes:
@@ -219,7 +269,7 @@ def serve(config: Config) -> int:
     reaper = getattr(service, "reap_vanished", None)
     if reaper is not None and config.mode == "mesos":
         threading.Thread(
-            target=_reap_loop, args=(reaper, stop, config.reap_interval), name="reaper", daemon=True
+            target=_reap_loop, args=(reaper, stop, config.reap_interval, reaped), name="reaper", daemon=True
         ).start()
     notifier.ready(f"serving on {config.socket}")
     tick = 0.5 if notifier.watchdog_s is None else min(0.5, notifier.watchdog_s / 2)
@@ -229,5 +279,7 @@ def serve(config: Config) -> int:
         if notifier.watchdog_s is not None:
             notifier.watchdog()
     notifier.stopping()
+    for stop_extra in extras:
+        stop_extra()
     server.stop()
     return 0

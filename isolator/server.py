@@ -17,6 +17,7 @@ import os
 import socket
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any, TypeVar
@@ -31,6 +32,7 @@ from isolator import model, peergate
 from isolator.bridge_server import BridgeListener
 from isolator.config import Config
 from isolator.errors import InvalidArgument, IsolatorError, SocketError
+from isolator.logfmt import hook_context
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
 from isolator.service import Service
@@ -110,19 +112,51 @@ def launch_info_to_proto(info: model.LaunchInfo) -> pb.ContainerLaunchInfo:
 # ---- error mapping ------------------------------------------------------------------------------
 
 
+# Told of every call once it is answered: (hook, status code name, seconds, response or None).
+Observer = Callable[[str, str, float, Any], None]
+
+
+def _container_text(request: Any) -> str:
+    """The request's container ID as ``parent.child`` for logs ("" when it has none)."""
+    node = getattr(request, "container_id", None)
+    chain: list[str] = []
+    while node is not None and len(chain) <= model.MAX_NESTING:
+        chain.append(getattr(node, "value", ""))
+        node = node.parent if node.HasField("parent") else None
+    return ".".join(reversed(chain)) if any(chain) else ""
+
+
 def _translate_errors(method: Callable[..., T]) -> Callable[..., T]:
-    """Turn typed errors into statuses; anything else is a bug, logged with its traceback."""
+    """Turn typed errors into statuses; anything else is a bug, logged with its traceback.
+
+    The one edge every call passes (gRPC and the bridge alike): it also sets the hook and container
+    for the log lines of the call, and tells the servicer's observer (metrics, job mapping).
+    """
+    hook = method.__name__
 
     @functools.wraps(method)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> T:
-        try:
-            return method(self, request, context)
-        except IsolatorError as exc:
-            LOG.info("%s failed: %s", method.__name__, exc.message)
-            context.abort(grpc.StatusCode[exc.code], exc.message)
-        except Exception as exc:
-            LOG.exception("%s failed with an unexpected error", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}: {exc}")
+        observer: Observer | None = getattr(self, "observer", None)
+        started = time.perf_counter()
+        code, response = "OK", None
+        with hook_context(hook, _container_text(request)):
+            try:
+                response = method(self, request, context)
+                return response
+            except IsolatorError as exc:
+                code = exc.code
+                LOG.info("%s failed: %s", hook, exc.message)
+                context.abort(grpc.StatusCode[exc.code], exc.message)
+            except Exception as exc:
+                code = "INTERNAL"
+                LOG.exception("%s failed with an unexpected error", hook)
+                context.abort(grpc.StatusCode.INTERNAL, f"internal error in {hook}: {exc}")
+            finally:
+                if observer is not None:
+                    try:
+                        observer(hook, code, time.perf_counter() - started, response)
+                    except Exception:
+                        LOG.exception("observer of %s failed", hook)
         raise AssertionError("unreachable: context.abort raises")
 
     return wrapper
@@ -178,8 +212,9 @@ def _lenient(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
 
 class IsolatorServicer(pb_grpc.IsolatorServicer):
-    def __init__(self, service: Service) -> None:
+    def __init__(self, service: Service, observer: Observer | None = None) -> None:
         self._service = service
+        self.observer = observer
 
     @_translate_errors
     def Recover(self, request: pb.RecoverRequest, context: grpc.ServicerContext) -> pb.RecoverResponse:
@@ -238,8 +273,9 @@ class IsolatorServicer(pb_grpc.IsolatorServicer):
 
 
 class AdminServicer(pb_grpc.AdminServicer):
-    def __init__(self, service: Service) -> None:
+    def __init__(self, service: Service, observer: Observer | None = None) -> None:
         self._service = service
+        self.observer = observer
 
     @_translate_errors
     def ListGpus(self, request: pb.ListGpusRequest, context: grpc.ServicerContext) -> pb.ListGpusResponse:
@@ -398,9 +434,10 @@ class SidecarServer:
     calls the same Isolator servicer (isolator/bridge_server.py).
     """
 
-    def __init__(self, config: Config, service: Service) -> None:
+    def __init__(self, config: Config, service: Service, observer: Observer | None = None) -> None:
         self.config = config
         self.service = service
+        self.observer = observer
         self._guard = SocketGuard(config.socket)
         self._bridge_guard = SocketGuard(config.bridge_path) if config.bridge_path else None
         self._bridge: BridgeListener | None = None
@@ -435,9 +472,9 @@ class SidecarServer:
                     ("grpc.so_reuseport", 0),
                 ],
             )
-            isolator_servicer = IsolatorServicer(self.service)
+            isolator_servicer = IsolatorServicer(self.service, self.observer)
             pb_grpc.add_IsolatorServicer_to_server(isolator_servicer, server)
-            pb_grpc.add_AdminServicer_to_server(AdminServicer(self.service), server)
+            pb_grpc.add_AdminServicer_to_server(AdminServicer(self.service, self.observer), server)
             health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
             reflection.enable_server_reflection(
                 (ISOLATOR_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server

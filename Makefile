@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: all install proto proto-check build check lint typecheck test test-gpu demo bench soak clean
+.PHONY: all install proto proto-check build check lint typecheck test test-gpu demo bench soak clean dist
 
 all: install build
 
@@ -54,7 +54,14 @@ demo: install build
 	$(PY) scripts/demo.py
 
 clean:
-	rm -rf build .pytest_cache .mypy_cache .ruff_cache
+	rm -rf build dist .pytest_cache .mypy_cache .ruff_cache
+
+# A wheel in dist/ with the systemd unit, the simulated hosts and the bridge executables
+# (console scripts gpu-isolator-<method>); built offline with the venv's setuptools.
+dist: $(STAMP)
+	rm -rf dist
+	$(PY) -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w dist .
+	@ls dist/*.whl
 
 # The figures of docs/bench.md, beside their floors and goals; a report that never fails the build.
 # Choose parts and sizes with e.g. BENCH_ARGS="--parts hooks,bridge --quick".

@@ -57,14 +57,14 @@ def build_inventory(
     including none at all under auto-discovery.
 
     With ``--simulate`` the simulated host's fake NVML is loaded; otherwise NVML comes from
-    ``--nvml-library`` or the dynamic loader. Warnings go to ``notes`` when given, so that a start
-    that fails later still prints one line only.
+    ``--nvml-library`` or the dynamic loader. Notes go to ``notes`` when given (logged once the
+    daemon serves), so that a start that fails later still prints one line only.
     """
     notes = notes if notes is not None else []
     devices = config.nvidia_gpu_devices
     if not gpuflags.wants_nvml(config.resources, devices):
         gpuflags.decide(config.resources, devices, available=None)  # refuses gpus:0 with devices
-        LOG.info("GPU discovery is off ('--resources' specifies 0 GPUs)")
+        notes.append("GPU discovery is off ('--resources' specifies 0 GPUs)")
         return None
     from isolator.nvml import Inventory
 
@@ -257,7 +257,7 @@ def serve(config: Config) -> int:
         service.close()
         raise
     for note in notes:
-        LOG.warning("%s", note)
+        LOG.info("%s", note)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -105,9 +105,7 @@ class _ServiceCollector(Collector):
         )
         for g in gpus:
             per_gpu.add_metric([str(g["index"]), g["uuid"], str(g["minor"])], 1 if g.get("healthy") else 0)
-        held = GaugeMetricFamily(
-            f"{PREFIX}_container_gpus", "GPUs each container holds", labels=("container_id",)
-        )
+        held = GaugeMetricFamily(f"{PREFIX}_container_gpus", "GPUs each container holds", labels=("container_id",))
         for c in containers:
             held.add_metric([c["id"]], len(c.get("gpu_minors", ())))
         yield from (total, used, healthy, per_gpu, held)

@@ -26,13 +26,13 @@ import grpc
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from isolator import model, peergate
 from isolator.bridge_server import BridgeListener
 from isolator.config import Config
 from isolator.errors import InvalidArgument, IsolatorError, SocketError
 from isolator.logfmt import hook_context
+from isolator.reflection import Reflection
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
 from isolator.service import Service
@@ -476,9 +476,7 @@ class SidecarServer:
             pb_grpc.add_IsolatorServicer_to_server(isolator_servicer, server)
             pb_grpc.add_AdminServicer_to_server(AdminServicer(self.service, self.observer), server)
             health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-            reflection.enable_server_reflection(
-                (ISOLATOR_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-            )
+            Reflection((ISOLATOR_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME)).add_to_server(server)
             allowed_path = os.path.join(self._private, peergate.ALLOWED_NAME)
             denied_path = os.path.join(self._private, peergate.DENIED_NAME)
             try:

@@ -48,6 +48,56 @@ def test_reflection_lists_isolator_admin_and_health(channel):
     assert {"gpuisolator.v1.Isolator", "gpuisolator.v1.Admin", "grpc.health.v1.Health"} <= names
 
 
+def _reflect(channel, version: str, request):
+    call = channel.stream_stream(
+        f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+    return next(iter(call(iter([request]), timeout=5)))
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+def test_reflection_describes_every_service_and_method_in_both_versions(channel, version):
+    """What `grpcurl describe` does: list the services, fetch the file of each service and of each
+    method by symbol, build a pool from the answers and resolve every method's messages there."""
+    from google.protobuf import descriptor_pb2, descriptor_pool
+
+    listed = _reflect(channel, version, reflection_pb2.ServerReflectionRequest(list_services=""))
+    names = {s.name for s in listed.list_services_response.service}
+    assert names == {
+        "gpuisolator.v1.Isolator",
+        "gpuisolator.v1.Admin",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
+        "grpc.reflection.v1alpha.ServerReflection",
+    }
+    described = 0
+    for name in sorted(names):
+        pool = descriptor_pool.DescriptorPool()
+        reply = _reflect(channel, version, reflection_pb2.ServerReflectionRequest(file_containing_symbol=name))
+        assert not reply.HasField("error_response"), (name, reply.error_response)
+        files = [
+            descriptor_pb2.FileDescriptorProto.FromString(b)
+            for b in reply.file_descriptor_response.file_descriptor_proto
+        ]
+        for proto in reversed(files):  # dependencies last in the answer, first into the pool
+            pool.Add(proto)
+        service = pool.FindServiceByName(name)
+        assert service.methods
+        for method in service.methods:
+            by_method = _reflect(
+                channel, version, reflection_pb2.ServerReflectionRequest(file_containing_symbol=method.full_name)
+            )
+            assert not by_method.HasField("error_response"), (method.full_name, by_method.error_response)
+            assert pool.FindMessageTypeByName(method.input_type.full_name)
+            assert pool.FindMessageTypeByName(method.output_type.full_name)
+            described += 1
+    assert described >= 20
+    missing = _reflect(channel, version, reflection_pb2.ServerReflectionRequest(file_containing_symbol="no.Such"))
+    assert missing.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
+
+
 def test_socket_is_born_0600_and_its_directory_is_created(server):
     st = os.stat(server.config.socket)
     assert stat.S_ISSOCK(st.st_mode)
@@ -186,7 +236,7 @@ def test_serve_errors_exit_1_with_one_line(short_tmp):
         fh.write("[[[")
     for argv, expected in [
         (("serve", "--config", bad), "failed to parse config file"),
-        (("serve", "--socket", "/proc/version/s.sock"), "is not a directory"),
+        (("serve", "--resources", "gpus:0", "--socket", "/proc/version/s.sock"), "is not a directory"),
         (("serve", "--simulate", "x", "--nvml-library", "y"), "contradict"),
     ]:
         result = _cli(*argv)
@@ -199,7 +249,7 @@ def test_serve_errors_exit_1_with_one_line(short_tmp):
 def test_serve_answers_health_and_stops_cleanly_on_sigterm(short_tmp):
     path = os.path.join(short_tmp, "s.sock")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "isolator", "serve", "--socket", path, "--work-dir", short_tmp],
+        [sys.executable, "-m", "isolator", "serve", "--socket", path, "--work-dir", short_tmp, "--resources", "gpus:0"],
         stderr=subprocess.PIPE,
         text=True,
     )

@@ -1,0 +1,47 @@
+"""Packaging: the wheel `make dist` builds carries the license, the systemd unit, the simulated hosts
+and the bridge executables, and building it warns about no package data."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_wheel_holds_license_unit_hosts_and_bridge_executables(tmp_path):
+    pip = [sys.executable, "-m", "pip", "wheel", "-v", "--disable-pip-version-check", "--no-deps"]
+    result = subprocess.run(
+        [*pip, "--no-build-isolation", "-w", str(tmp_path), ROOT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "absent from the `packages` configuration" not in output, "package data outside any package"
+    [wheel] = [p for p in os.listdir(tmp_path) if p.endswith(".whl")]
+    with zipfile.ZipFile(tmp_path / wheel) as z:
+        names = set(z.namelist())
+        info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
+        metadata = z.read(f"{info}/METADATA").decode()
+        entry_points = z.read(f"{info}/entry_points.txt").decode()
+    assert f"{info}/licenses/LICENSE" in names
+    assert "License: Apache-2.0" in metadata or "License-Expression: Apache-2.0" in metadata
+    assert "isolator/data/gpu-isolator.service" in names
+    assert "isolator/simhost/hosts/dgx-1.toml" in names and "isolator/simhost/fakenvml.c" in names
+    for method in ("bridge", "prepare", "isolate", "watch", "usage", "cleanup"):
+        assert f"gpu-isolator-{method} = isolator.bridge:main" in entry_points
+    assert not any("__pycache__" in n or n.startswith("tests/") for n in names)
+
+
+def test_the_installed_bridge_console_scripts_run():
+    bindir = os.path.dirname(sys.executable)
+    prepare = os.path.join(bindir, "gpu-isolator-prepare")
+    assert os.access(prepare, os.X_OK), "reinstall the package (make install) to get the console scripts"
+    result = subprocess.run([prepare, "--version"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0 and result.stdout.startswith("gpu-isolator-bridge ")
+    wrong = subprocess.run([prepare, "only-one-argument"], capture_output=True, text=True, timeout=30)
+    assert wrong.returncode == 2 and "usage: gpu-isolator-<method> IN OUT ERR" in wrong.stderr

@@ -47,7 +47,11 @@ check: lint typecheck proto-check
 test: install build check
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The real-GPU suite. Without a GPU it fails (every test would skip, and a CI job on the wrong
+# runner would stay green) unless ALLOW_NO_GPU=1.
+ALLOW_NO_GPU ?=
 test-gpu: install build
+	@$(PY) scripts/gpu_present.py || [ "$(ALLOW_NO_GPU)" = 1 ]
 	$(PY) -m pytest -m gpu -rs $(PYTEST_ARGS)
 
 demo: install build

@@ -45,3 +45,36 @@ def test_the_installed_bridge_console_scripts_run():
     assert result.returncode == 0 and result.stdout.startswith("gpu-isolator-bridge ")
     wrong = subprocess.run([prepare, "only-one-argument"], capture_output=True, text=True, timeout=30)
     assert wrong.returncode == 2 and "usage: gpu-isolator-<method> IN OUT ERR" in wrong.stderr
+
+
+def test_make_test_gpu_fails_without_a_gpu_unless_skipping_is_allowed():
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        from gpu_present import gpu_count
+    finally:
+        sys.path.pop(0)
+    if gpu_count()[0]:
+        import pytest
+
+        pytest.skip("this machine has a GPU: make test-gpu runs the suite for real")
+    env = {k: v for k, v in os.environ.items() if k != "ALLOW_NO_GPU"}
+    make = [
+        "make",
+        "-s",
+        "-C",
+        ROOT,
+        f"PYTHON={sys.executable}",
+        f"VENV={os.path.dirname(os.path.dirname(sys.executable))}",
+    ]
+    refused = subprocess.run([*make, "test-gpu"], capture_output=True, text=True, timeout=300, env=env)
+    assert refused.returncode != 0
+    assert "make test-gpu: no NVIDIA GPU on this machine" in refused.stderr and "ALLOW_NO_GPU=1" in refused.stderr
+    allowed = subprocess.run(
+        [*make, "test-gpu", "ALLOW_NO_GPU=1", "PYTEST_ARGS=-q -p no:cacheprovider"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert allowed.returncode == 0, allowed.stdout[-2000:] + allowed.stderr[-2000:]
+    assert "skipped" in allowed.stdout

@@ -36,6 +36,17 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
+def _seconds(value: str) -> float:
+    """A positive, finite number of seconds; anything else is a usage error naming the value."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < 86400 * 365:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds above 0")
+    return seconds
+
+
 def build_parser() -> Parser:
     parser = Parser(prog="gpu-isolator", description="GPU isolator sidecar for Apache Mesos agents")
     parser.add_argument("--version", action="version", version=f"gpu-isolator {__version__}")
@@ -64,7 +75,7 @@ def build_parser() -> Parser:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--socket", default=configmod.DEFAULT_SOCKET, help="the sidecar's socket")
         p.add_argument("--json", action="store_true", help="print JSON (a stable shape) instead of a table")
-        p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
+        p.add_argument("--timeout", type=_seconds, default=10.0, help="seconds to wait for an answer (default 10)")
         return p
 
     admin("gpus", help_text="every GPU, its health and its holder")
@@ -235,13 +246,15 @@ def _container_rows(containers: list[dict[str, Any]], now: float) -> list[dict[s
     for c in containers:
         depth = _depth(c.get("container_id", {}))
         name = c.get("id", "") if not depth else "   " * (depth - 1) + branch + c["container_id"]["value"]
-        gpus = _list(c.get("gpu_indices", []))
+        indices = c.get("gpu_indices", [])
+        # How many, then which (NVML indices): "1 [0]" is one GPU, GPU 0; a bare index read as a count.
+        gpus = f"{len(indices)} [{_list(indices)}]" if indices else "0 (none asked)"
         rows.append(
             dict(
                 c,
                 name=name,
                 # A nested container uses its parent's GPUs; the parentheses say they are not its own.
-                gpus=f"({gpus})" if c.get("nested") and gpus != "-" else gpus,
+                gpus=f"({gpus})" if c.get("nested") and indices else ("-" if c.get("nested") else gpus),
                 volume=c.get("volume_version") or "-",
                 age=_age(float(c.get("created", now)), now),
             )

@@ -207,7 +207,8 @@ HELP = {
     "socket_group": "group that owns the socket, for non-root callers in the allow-list",
     "bridge_socket": "socket of the command-module bridge (default <socket>.bridge; empty: no bridge)",
     "work_dir": f"work directory; state lives in <work-dir>/state (default {DEFAULT_WORK_DIR})",
-    "volume_root": f"where nvidia_<version> driver volumes are built (default {DEFAULT_VOLUME_ROOT})",
+    "volume_root": f"where nvidia_<version> driver volumes are built (default {DEFAULT_VOLUME_ROOT};"
+    " with --simulate, <work-dir>/volumes)",
     "cgroups_hierarchy": f"cgroup mount root, as the agent's flag (default {DEFAULT_CGROUPS_HIERARCHY})",
     "cgroups_root": f"cgroup under which containers live, as the agent's flag (default {DEFAULT_CGROUPS_ROOT})",
     "cgroup_version": "devices cgroup to use: auto (detect), v1 or v2 (default auto)",
@@ -279,6 +280,10 @@ def resolve(args: argparse.Namespace | dict[str, Any]) -> Config:
             raise ConfigError(f"invalid {sources[name]} value for {name.replace('_', '-')}: {exc}") from exc
 
     known = {f.name for f in fields(Config)}
+    if parsed.get("simulate") and "volume_root" not in parsed:
+        # A simulated host's driver volume belongs with the simulated host, never in the real
+        # /run/mesos/isolators/gpu that a real agent on this machine may use.
+        parsed["volume_root"] = os.path.join(parsed.get("work_dir", DEFAULT_WORK_DIR), "volumes")
     config = Config(config_file=config_file, **{k: v for k, v in parsed.items() if k in known})
     _check_combinations(config)
     return _absolutise(config)

@@ -386,15 +386,29 @@ class SocketGuard:
                 raise SocketError(f"failed to create socket directory '{d}': {exc.strerror}") from exc
             self._created_dirs.append(d)
         if not os.access(directory, os.W_OK | os.X_OK):
-            raise SocketError(f"failed to bind '{self.path}': directory '{directory}' is not writable")
+            why = "is not writable"
+            try:
+                if os.statvfs(directory).f_flag & os.ST_RDONLY:
+                    why = "is on a read-only file system"
+            except OSError:
+                pass
+            raise SocketError(f"failed to bind '{self.path}': directory '{directory}' {why}")
 
     def _clear_stale(self) -> None:
         try:
             st = os.lstat(self.path)
         except FileNotFoundError:
             return
+        if stat.S_ISDIR(st.st_mode):
+            raise SocketError(
+                f"'{self.path}' is a directory; the socket option takes the socket's own path,"
+                f" e.g. '{os.path.join(self.path, 'isolator.sock')}'"
+            )
         if not stat.S_ISSOCK(st.st_mode):
-            raise SocketError(f"refusing to replace '{self.path}': it exists and is not a socket")
+            kind = "a regular file" if stat.S_ISREG(st.st_mode) else "not a socket"
+            raise SocketError(
+                f"refusing to replace '{self.path}': it exists and is {kind}; remove it or choose another path"
+            )
         if socket_is_live(self.path):
             raise SocketError(f"refusing to replace '{self.path}': a live server answers on it")
         LOG.warning("removing stale socket '%s' left by an earlier run", self.path)

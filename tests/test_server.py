@@ -185,7 +185,7 @@ def test_regular_file_at_socket_path_is_refused_and_kept(short_tmp):
     path = os.path.join(short_tmp, "s.sock")
     with open(path, "w") as fh:
         fh.write("precious")
-    with pytest.raises(SocketError, match="is not a socket"):
+    with pytest.raises(SocketError, match="it exists and is a regular file"):
         SidecarServer(Config(socket=path), Service()).start()
     with open(path) as fh:
         assert fh.read() == "precious"
@@ -205,7 +205,7 @@ def test_socket_directory_on_a_read_only_mount_is_refused(short_tmp):
     os.mkdir(ro)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", ro], check=True)
     try:
-        with pytest.raises(SocketError, match=r"Read-only file system|not writable"):
+        with pytest.raises(SocketError, match=r"directory '.*/ro' is on a read-only file system"):
             SidecarServer(Config(socket=os.path.join(ro, "s.sock")), Service()).start()
     finally:
         subprocess.run(["umount", ro], check=True)
@@ -277,3 +277,30 @@ def test_admin_command_against_a_sidecar_that_is_down_exits_3_naming_the_socket(
     assert path in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert time.monotonic() - started < 20
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (lambda p: open(p, "w").close(), "it exists and is a regular file; remove it or choose another path"),
+        (os.mkdir, "is a directory; the socket option takes the socket's own path, e.g. '{p}/isolator.sock'"),
+    ],
+    ids=["file", "directory"],
+)
+def test_a_socket_path_that_is_a_file_or_a_directory_is_refused_saying_what_it_is(short_tmp, make, expected):
+    path = os.path.join(short_tmp, "taken")
+    make(path)
+    result = _cli("serve", "--resources", "gpus:0", "--socket", path, "--work-dir", short_tmp)
+    assert result.returncode == 1
+    assert expected.format(p=path) in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert os.path.exists(path) and not os.path.exists(path + ".lock")
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "soon"])
+def test_admin_timeout_must_be_a_positive_number_of_seconds(value):
+    result = _cli("gpus", "--timeout", value, "--socket", "/nonexistent/s.sock")
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip() == f"gpu-isolator gpus: argument --timeout: '{value}' is not a number of seconds above 0"
+    )

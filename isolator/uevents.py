@@ -5,22 +5,24 @@ kernel modules loaded or unloaded (a driver reload): each means the inventory mu
 through NVML, after which GPUs are marked unhealthy or healthy again (isolator/nvml.py, ``rescan``).
 
 ``relevant`` is pure: a uevent's properties in, a ``Change`` (why to rescan, and whether it reset
-a GPU) or None out. A ``Source``
-yields uevents as property dicts; the real one reads the kernel's netlink socket through pyroute2,
-imported only when the watch thread starts (off the start-up path); the simulated host's appends
-kernel-format messages to a file (isolator/simhost/sim.py). The watch runs on its own thread and
+a GPU) or None out. A ``Source`` yields uevents as property dicts; the real one reads the kernel's
+NETLINK_KOBJECT_UEVENT socket with the standard library's ``socket`` (pyroute2's UeventSocket was
+measured and left out: docs/dependencies.md); the simulated host's appends kernel-format messages
+to a file (isolator/simhost/sim.py). The watch runs on its own thread and
 calls ``on_change(reason)``; it never decides health itself.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import select
+import socket
 import threading
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 LOG = logging.getLogger(__name__)
 
@@ -31,6 +33,11 @@ NVIDIA_MODULES = frozenset({"nvidia", "nvidia_uvm", "nvidia_modeset", "nvidia_dr
 PCI_ACTIONS = frozenset({"bind", "unbind", "add", "remove", "change"})
 # Actions after which the GPU is a fresh device (its XIDs are history): it left the driver or the bus.
 RESET_ACTIONS = frozenset({"bind", "unbind", "add", "remove"})
+
+NETLINK_KOBJECT_UEVENT = 15  # linux/netlink.h
+KERNEL_GROUP = 1  # the kernel's multicast group (2 is udevd's re-broadcast)
+MAX_MESSAGE = 8192  # UEVENT_BUFFER_SIZE is 2048; leave room
+RECEIVE_BUFFER = 1 << 20  # bursts (a driver reload sends hundreds of events)
 
 
 @dataclass(frozen=True)
@@ -95,19 +102,19 @@ class Source(Protocol):
 
 
 class NetlinkSource:
-    """The kernel's uevent multicast group, through pyroute2's UeventSocket (root or CAP_NET_ADMIN
-    not needed: any process may listen to group 1)."""
+    """The kernel's uevent multicast group (group 1 of NETLINK_KOBJECT_UEVENT): what udevd itself
+    listens to. Any process may listen; no capability is needed. Messages from anything but the
+    kernel (port id 0) are ignored, so a local process cannot forge a GPU event."""
 
     def __init__(self, poll_s: float = 0.5) -> None:
         self.poll_s = poll_s
-        self._sock: Any = None
+        self._sock: socket.socket | None = None
 
     def open(self) -> NetlinkSource:
-        from pyroute2 import UeventSocket  # here, not at import: ~0.2 s that start-up does not pay
-
-        sock = UeventSocket()
+        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_KOBJECT_UEVENT)
         try:
-            sock.bind()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
+            sock.bind((0, KERNEL_GROUP))
         except BaseException:
             sock.close()
             raise
@@ -118,12 +125,22 @@ class NetlinkSource:
         if self._sock is None:
             self.open()
         sock = self._sock
+        assert sock is not None
         while not stop.is_set():
             ready, _, _ = select.select([sock], [], [], self.poll_s)
             if not ready:
                 continue
-            for msg in sock.get():
-                yield {k: v for k, v in msg.items() if isinstance(v, str)}
+            try:
+                data, (sender, _groups) = sock.recvfrom(MAX_MESSAGE)
+            except OSError as exc:
+                if exc.errno == errno.ENOBUFS:  # the kernel dropped events: read everything again
+                    LOG.warning("kernel device events were dropped (ENOBUFS); reading the GPUs again")
+                    yield {"ACTION": "change", "SUBSYSTEM": "pci", "PCI_ID": f"{NVIDIA_VENDOR}:0000"}
+                    continue
+                raise
+            if sender != 0 or data.startswith(b"libudev\0"):
+                continue  # only the kernel's own messages
+            yield parse(data)
 
     def close(self) -> None:
         if self._sock is not None:

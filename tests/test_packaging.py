@@ -78,3 +78,22 @@ def test_make_test_gpu_fails_without_a_gpu_unless_skipping_is_allowed():
     )
     assert allowed.returncode == 0, allowed.stdout[-2000:] + allowed.stderr[-2000:]
     assert "skipped" in allowed.stdout
+
+
+def test_every_relative_link_in_the_docs_points_inside_the_repository():
+    import re
+
+    pages = ["README.md"] + [
+        os.path.join("docs", n) for n in os.listdir(os.path.join(ROOT, "docs")) if n.endswith(".md")
+    ]
+    bad = []
+    for page in pages:
+        with open(os.path.join(ROOT, page)) as fh:
+            text = fh.read()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+                continue  # a URL or an anchor on the same page
+            path = os.path.normpath(os.path.join(ROOT, os.path.dirname(page), target.split("#")[0]))
+            if not path.startswith(ROOT + os.sep) or not os.path.exists(path):
+                bad.append(f"{page}: {target}")
+    assert not bad, bad

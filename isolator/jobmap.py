@@ -28,9 +28,10 @@ MUTATING = frozenset({"Recover", "Prepare", "Update", "Cleanup", "Release"})
 
 
 class JobMapping:
-    def __init__(self, directory: str, service: Any) -> None:
+    def __init__(self, directory: str, service: Any, inventory: Any) -> None:
         self.directory = directory
-        self.service = service
+        self.service = service  # list_containers(): isolator.core.api.IsolatorApi
+        self.inventory = inventory  # records: the managed GPUs and their MIG devices
         self._lock = threading.Lock()
         try:
             os.makedirs(directory, mode=0o755, exist_ok=True)
@@ -43,12 +44,12 @@ class JobMapping:
         """File name -> container IDs, from the service's records."""
         holders: dict[int, list[str]] = {}
         for c in self.service.list_containers():
-            if c.get("nested"):
+            if c.nested:
                 continue  # nested containers share their top-level container's GPUs and ID prefix
-            for index in c.get("gpu_indices", ()):
-                holders.setdefault(int(index), []).append(c["id"])
+            for index in c.gpu_indices:
+                holders.setdefault(int(index), []).append(str(c.container_id))
         out: dict[str, list[str]] = {}
-        for record in self.service.inventory.records if self.service.inventory is not None else ():
+        for record in self.inventory.records:
             index = record.gpu.index
             ids = sorted(holders.get(index, []))
             out[str(index)] = ids

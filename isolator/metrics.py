@@ -70,7 +70,7 @@ class Metrics:
         if code != "OK":
             self.errors.labels(hook, code).inc()
         elif hook == "Recover" and response is not None:
-            self.repairs.labels("recover").inc(len(getattr(response, "released", ())))
+            self.repairs.labels("recover").inc(int(getattr(response, "released", 0)))
 
     def reaped(self, count: int) -> None:
         self.repairs.labels("reap").inc(count)
@@ -89,25 +89,22 @@ class _ServiceCollector(Collector):
         service = self._metrics.service
         if service is None:
             return
-        gpus = service.list_gpus()["gpus"]
-        try:
-            containers = [c for c in service.list_containers() if not c.get("nested")]
-        except Exception:  # a service without containers (the base Service)
-            containers = []
+        gpus = service.list_gpus().gpus
+        containers = [c for c in service.list_containers() if not c.nested]
         total = GaugeMetricFamily(f"{PREFIX}_gpus", "GPUs managed by the sidecar (Mesos: slave/gpus_total)")
         total.add_metric([], len(gpus))
         used = GaugeMetricFamily(f"{PREFIX}_gpus_used", "GPUs allocated to containers (Mesos: slave/gpus_used)")
-        used.add_metric([], sum(1 for g in gpus if g.get("holder")))
+        used.add_metric([], sum(1 for g in gpus if g.holder))
         healthy = GaugeMetricFamily(f"{PREFIX}_gpus_healthy", "GPUs healthy and usable")
-        healthy.add_metric([], sum(1 for g in gpus if g.get("healthy")))
+        healthy.add_metric([], sum(1 for g in gpus if g.healthy))
         per_gpu = GaugeMetricFamily(
             f"{PREFIX}_gpu_healthy", "1 when the GPU is healthy and usable, else 0", labels=("gpu", "uuid", "minor")
         )
         for g in gpus:
-            per_gpu.add_metric([str(g["index"]), g["uuid"], str(g["minor"])], 1 if g.get("healthy") else 0)
+            per_gpu.add_metric([str(g.index), g.uuid, str(g.minor)], 1 if g.healthy else 0)
         held = GaugeMetricFamily(f"{PREFIX}_container_gpus", "GPUs each container holds", labels=("container_id",))
         for c in containers:
-            held.add_metric([c["id"]], len(c.get("gpu_minors", ())))
+            held.add_metric([str(c.container_id)], len(c.gpu_minors))
         yield from (total, used, healthy, per_gpu, held)
 
 

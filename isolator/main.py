@@ -206,7 +206,8 @@ def serve(config: Config) -> int:
     """Run the sidecar until SIGTERM or SIGINT. Raises IsolatorError if it cannot start.
 
     Under systemd (``Type=notify``) it sends READY=1 once the state is restored (every recorded
-    allocation booked) and both sockets serve, WATCHDOG=1 from this serving loop at half the
+    allocation booked), both sockets serve and, in mesos mode, the first reconciliation against
+    Mesos's cgroups has released containers destroyed while it was down; WATCHDOG=1 from this serving loop at half the
     watchdog interval, and STOPPING=1 when told to stop.
     """
     from isolator.sdnotify import Notifier
@@ -276,6 +277,13 @@ def serve(config: Config) -> int:
             name="reaper",
             daemon=True,
         ).start()
+    if config.mode == "mesos":
+        # The first reconciliation against Mesos's cgroups before READY=1: containers destroyed
+        # while the sidecar was down give their GPUs back before systemd starts the agent.
+        try:
+            reaped(len(service.reap_vanished()))
+        except Exception:
+            LOG.exception("the first reconciliation failed; the reaper retries in %s s", config.reap_interval)
     notifier.ready(f"serving on {config.socket}")
     tick = 0.5 if notifier.watchdog_s is None else min(0.5, notifier.watchdog_s / 2)
     # Wake periodically so that signals are handled promptly whatever the platform's lock waits do,

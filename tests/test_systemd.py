@@ -105,3 +105,55 @@ def test_install_unit_is_one_command_and_systemd_accepts_the_result(tmp_path):
     verified = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60)
     assert verified.returncode == 0, verified.stderr
     assert "gpu-isolator.service" not in verified.stderr, verified.stderr
+
+
+@pytest.mark.root
+@pytest.mark.cgroup_v1
+def test_ready_comes_after_the_first_reconciliation_in_mesos_mode(short_tmp, monkeypatch):
+    """A container destroyed while the sidecar was down has its GPUs back before READY=1 (without
+    waiting for the reaper's first interval)."""
+    import uuid
+
+    import grpc
+    from cgroup_helpers import TEST_PARENT
+    from mesos_harness import Containerizer, GrpcIsolator, container_id
+    from sidecar import Sidecar
+
+    from isolator.devices import MESOS_DEFAULT_WHITELIST
+    from isolator.rpc import isolator_pb2 as pb
+    from isolator.rpc import isolator_pb2_grpc as pb_grpc
+
+    root = f"{TEST_PARENT}/{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    flags = ("--mode", "mesos", "--reap-interval", "3600")
+    first = Sidecar(work=short_tmp, host="dgx-1", cgroup_version="v1", cgroups_root=root, extra=flags)
+    first.start()
+    try:
+        cgroup = os.path.join(first.cgroup_parent, "gone")
+        os.makedirs(cgroup)
+        for rule in ("a", *map(str, MESOS_DEFAULT_WHITELIST)):
+            with open(os.path.join(cgroup, "devices.deny" if rule == "a" else "devices.allow"), "w") as fh:
+                fh.write(rule)
+        isolator = GrpcIsolator(first.socket)
+        isolator.prepare(container_id("gone"), Containerizer(isolator, short_tmp).config(gpus=2, image=False))
+        isolator.close()
+        first.kill()
+        os.rmdir(cgroup)  # the agent destroyed it while the sidecar was down
+
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        listener.bind(os.path.join(short_tmp, "notify"))
+        listener.settimeout(60)
+        monkeypatch.setenv("NOTIFY_SOCKET", os.path.join(short_tmp, "notify"))
+        second = Sidecar(work=short_tmp, host="dgx-1", cgroup_version="v1", cgroups_root=root, extra=flags)
+        second.log_path = os.path.join(short_tmp, "second.log")
+        second.proc = subprocess.Popen(second.argv(), stderr=open(second.log_path, "w"), text=True)  # noqa: SIM115
+        try:
+            assert listener.recv(4096).decode().startswith("READY=1")
+            with grpc.insecure_channel(second.address) as channel:
+                admin = pb_grpc.AdminStub(channel)
+                assert list(admin.ListContainers(pb.ListContainersRequest(), timeout=10).containers) == []
+                assert all(g.holder == "" for g in admin.ListGpus(pb.ListGpusRequest(), timeout=10).gpus)
+        finally:
+            second.terminate()
+            listener.close()
+    finally:
+        first.stop()

@@ -43,7 +43,8 @@ WATCHED_EVENTS = (
 HEALTH_XID = "xid"  # an XID: healthy again only after the GPU was reset (unbound, driver reloaded)
 HEALTH_ECC = "ecc"  # a double-bit ECC error: likewise
 HEALTH_ABSENT = "absent"  # NVML no longer enumerates it: healthy when it is back
-HEALTH_NVML = "nvml"  # NVML itself failed (event wait, init): health unknown, healthy when NVML is
+HEALTH_NVML = "nvml"  # NVML failed (event wait, init): unknown until an event wait works again
+HEALTH_REGISTER = "register"  # could not be registered for events: retried by the next rescan
 RESET_CLEARS = (HEALTH_XID, HEALTH_ECC)
 
 
@@ -665,7 +666,7 @@ class Inventory:
             except pynvml.NVMLError_NotSupported:
                 LOG.warning("GPU %d is too old to support health checking", index)
             except pynvml.NVMLError as exc:
-                self.mark_unhealthy(index, f"cannot watch for XID events: {exc}", source=HEALTH_NVML)
+                self.mark_unhealthy(index, f"cannot watch for XID events: {exc}", source=HEALTH_REGISTER)
         return event_set
 
     def _free_event_set(self) -> None:
@@ -694,6 +695,7 @@ class Inventory:
             try:
                 data = pynvml.nvmlEventSetWait(self._event_set, self.poll_ms)
             except pynvml.NVMLError_Timeout:
+                self._sight_regained()
                 continue
             except pynvml.NVMLError as exc:
                 if self._stop.is_set():
@@ -704,7 +706,22 @@ class Inventory:
                 self._stop.wait(self.retry_s)
                 self.request_rescan(f"event wait failed: {exc}")
                 continue
+            self._sight_regained()
             self._handle_event(data)
+
+    def _sight_regained(self) -> None:
+        """An event wait worked: GPUs whose health was unknown only for NVML's sake are healthy."""
+        with self._lock:
+            blind = [i for i, r in self._records.items() if r.health.source == HEALTH_NVML and i in self._handles]
+            if not blind:
+                return
+            before = {i: self._records[i] for i in blind}
+            for i in blind:
+                old = self._records[i].health
+                self._records[i] = replace(
+                    self._records[i], health=GpuHealth(last_xid=old.last_xid, last_xid_time=old.last_xid_time)
+                )
+        self._announce(before)
 
     def _probe(self) -> None:
         """A cheap look for what no event announces: a lost GPU or a changed MIG mode."""
@@ -793,7 +810,12 @@ class Inventory:
                 if fresh.mig_enabled != old.mig_enabled:
                     LOG.warning("GPU %d: MIG mode is now %s", index, "enabled" if fresh.mig_enabled else "disabled")
                 health = old.health
-                if not health.healthy and (health.source in (HEALTH_ABSENT, HEALTH_NVML) or uuid in self._reset):
+                # Back, or reset since its XID/ECC error. "Health unknown" (HEALTH_NVML) waits for an
+                # event wait that works (``_watch``): NVML answering nvmlInit is not enough.
+                if not health.healthy and (
+                    health.source in (HEALTH_ABSENT, HEALTH_REGISTER)
+                    or (health.source in RESET_CLEARS and uuid in self._reset)
+                ):
                     health = GpuHealth(last_xid=health.last_xid, last_xid_time=health.last_xid_time)
                 self._reset.discard(uuid)
                 self._records[index] = replace(fresh, health=health)

@@ -78,6 +78,11 @@ def test_a_failed_event_wait_marks_every_gpu_unknown_then_healthy_again_once_nvm
     assert {e.index for e in down} == {0, 1, 2, 3} and not any(e.healthy for e in down)
     assert all(inv.record(i).health.source == HEALTH_NVML for i in range(4))
     assert "NVML event wait failed" in inv.record(0).status
+    # While the wait keeps failing, re-initialising NVML (it answers nvmlInit) must not make the
+    # GPUs look healthy between two failures: no flapping, nothing handed out blind.
+    before = inv.rescans
+    _until(lambda: inv.rescans >= before + 3)
+    assert events.empty() and inv.healthy() == frozenset()
     host.clear()
     up = [events.get(timeout=10) for _ in range(4)]
     assert {e.index for e in up} == {0, 1, 2, 3} and all(e.healthy for e in up)

@@ -170,3 +170,25 @@ def test_serve_refuses_a_bad_metrics_address_with_one_line(short_tmp):
     result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert "--metrics-address 'localhost:http'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_calls_over_the_command_module_bridge_are_measured_and_mapped_too(short_tmp):
+    from mesos_harness import BridgeIsolator
+
+    from isolator.bridge import install
+
+    path = os.path.join(short_tmp, "metrics.sock")
+    jobs = os.path.join(short_tmp, "jobs")
+    flags = ("--metrics-address", f"unix:{path}", "--job-mapping-dir", jobs)
+    with running_sidecar("single", "v1", extra=flags) as sidecar:
+        bridge_dir = os.path.join(sidecar.work, "bridge")
+        install(bridge_dir, sidecar.bridge_socket)
+        isolator = BridgeIsolator(bridge_dir, sidecar.work)
+        containerizer = Containerizer(isolator, sidecar.work)
+        isolator.prepare(container_id("bridged"), containerizer.config(gpus=1, image=False))
+        assert _mapping(jobs) == {"0": ["bridged"]}
+        m = scrape(_UnixHTTP(path))
+        assert m['gpu_isolator_hook_duration_seconds_count{hook="Prepare",outcome="ok"}'] == 1
+        isolator.cleanup(container_id("bridged"))
+        assert _mapping(jobs) == {"0": []}
+        isolator.close()

@@ -307,6 +307,11 @@ class IsolatorService(Service):
         if image_plan is not None:
             mounts_v, env = self._volume(cid, config, image_plan, undo)
             mounts = mounts_v + mounts
+        if config.command_task:
+            # Mesos's isolator: a command task's environment goes in task_environment, which the
+            # command executor applies over the image's own (docker/runtime puts the image's PATH
+            # there); in `environment` the image's PATH and LD_LIBRARY_PATH would win over ours.
+            return LaunchInfo(task_environment=env, mounts=tuple(mounts))
         return LaunchInfo(environment=env, mounts=tuple(mounts))
 
     def _volume(
@@ -339,7 +344,10 @@ class IsolatorService(Service):
     def _prepare_nested(self, cid: ContainerId, config: ContainerConfig) -> LaunchInfo | None:
         # Mesos: DEBUG containers inherit everything from their parent; other nested containers get
         # the volume and device nodes for their own rootfs and use their top-level container's GPUs.
+        # Both get the top-level container's rules in a cgroup of their own where the agent made one.
         if config.container_class == "DEBUG":
+            with self._lock:
+                self._rules_for_nested(cid, config)
             return None
         image_plan = self._image_plan(config)
         with self._lock:
@@ -347,12 +355,41 @@ class IsolatorService(Service):
             minors = root.gpus if root is not None else frozenset()
             undo: list[Callable[[], object]] = []
             try:
+                if self._rules_for_nested(cid, config):
+                    undo.append(lambda: self.controller.cleanup(cid))
                 info = self._launch_info(cid, config, minors, image_plan, undo)
             except BaseException:
                 self._undo(cid, undo)
                 raise
             LOG.info("prepared nested %s", self._describe(cid, minors))
             return info
+
+    def _rules_for_nested(self, cid: ContainerId, config: ContainerConfig) -> bool:
+        """Give a nested container that has a devices cgroup of its own its top-level container's rules.
+
+        Mesos makes ``<root>/<parent>/mesos/<child>`` (v1, and v2 with ``/leaf``) before module
+        isolators prepare, and puts the pid there: on v1 only when ``share_cgroups`` is false (1.10+),
+        whitelisted with its defaults alone, so the GPUs would be denied; on v2 (master) for every
+        nested container, outside our program on the parent's leaf, so nothing of ours would apply.
+        Below a top-level container we do not know we touch nothing, as for that container itself.
+        Call with the lock held.
+        """
+        if self.settings.mode != "mesos":
+            return False  # standalone: nested containers run in their top-level container's cgroup
+        root = self.store.get(cid.root)
+        if root is None:
+            return False
+        path = self.controller.cgroup_path(cid)
+        if not os.path.isdir(path):
+            if not config.share_cgroups:
+                raise FailedPrecondition(
+                    f"nested container {cid} asks for cgroups of its own (share_cgroups=false) but "
+                    f"'{path}' does not exist; is Mesos's cgroups/devices isolator enabled?"
+                )
+            return False  # shares its parent's cgroup, whose rules are already in force
+        self.controller.prepare(cid)
+        self.controller.apply(cid, self._rules(root.gpus))
+        return True
 
     def _undo(self, cid: ContainerId, undo: list[Callable[[], object]]) -> None:
         for step in reversed(undo):
@@ -384,9 +421,9 @@ class IsolatorService(Service):
             raise InvalidArgument(f"pid {pid} is not a valid container pid")
         if not os.path.exists(f"/proc/{pid}"):
             raise FailedPrecondition(f"pid {pid} does not exist (the container's init is gone)")
-        target = container_id.root if container_id.nested and self.controller.version == "v1" else container_id
         with self._lock:
             rec = self._require(container_id.root)
+            target = self._rules_cgroup(container_id)[0]
             if self.settings.mode == "standalone":
                 self.controller.add_pid(target, pid)
                 crashpoint("isolate.placed")
@@ -441,6 +478,13 @@ class IsolatorService(Service):
         self.controller.apply(cid, rules)
         crashpoint("apply.kernel")
         self.store.update(cid, rules="\n".join(map(str, rules)))
+        if self.settings.mode != "mesos" or cid.nested:
+            return
+        # Nested containers with cgroups of their own follow (v2: their programs are not below ours).
+        for chain in sorted(self._child_cgroups(cid)):
+            child = _parse_chain(list(chain), None)
+            if os.path.isdir(self.controller.cgroup_path(child)):
+                self.controller.apply(child, rules)
 
     def watch(self, container_id: ContainerId, timeout: float | None) -> dict[str, Any] | None:
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
@@ -496,6 +540,9 @@ class IsolatorService(Service):
 
     def cleanup(self, container_id: ContainerId) -> None:
         if container_id.nested:
+            if self.settings.mode == "mesos":
+                with self._lock:
+                    self.controller.cleanup(container_id)  # our rules in its own cgroup, if any
             self._release_volume(container_id)
             return
         with self._lock:
@@ -694,13 +741,13 @@ class IsolatorService(Service):
         return out
 
     def _rules_cgroup(self, cid: ContainerId) -> tuple[ContainerId, str]:
-        """The container whose cgroup governs ``cid``'s device access, and that cgroup's path.
+        """The container whose cgroup governs ``cid``'s device access (and holds its pid), and its path.
 
-        A nested container has its own when Mesos made one (v1: the kernel copies the parent's list
-        into it at creation); otherwise, and always on v2 where a parent's program applies to its
-        descendants, the top-level container's governs.
+        A nested container has its own when Mesos made one: on v1 with ``share_cgroups=false``
+        (``<root>/<parent>/mesos/<child>``), on v2 always (``…/mesos/<child>/leaf``, not below the
+        parent's leaf). Otherwise the top-level container's governs.
         """
-        if cid.nested and self.controller.version == "v1":
+        if cid.nested:
             path = self.controller.cgroup_path(cid)
             if os.path.isdir(path):
                 return cid, path

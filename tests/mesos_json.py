@@ -57,7 +57,9 @@ def environment(variables: dict[str, str]) -> dict[str, Any]:
     return {"variables": [{"name": k, "type": "VALUE", "value": v} for k, v in variables.items()]}
 
 
-def command(value: str | None, *, shell: bool = True, arguments: list[str] | None = None, **extra: Any) -> dict[str, Any]:
+def command(
+    value: str | None, *, shell: bool = True, arguments: list[str] | None = None, **extra: Any
+) -> dict[str, Any]:
     out: dict[str, Any] = {"shell": shell}  # [default = true]: written even when unset
     if value is not None:
         out["value"] = value
@@ -67,7 +69,9 @@ def command(value: str | None, *, shell: bool = True, arguments: list[str] | Non
     return out
 
 
-def mesos_container(image: str | None = IMAGE, share_cgroups: bool | None = None, version: str = "1.11") -> dict[str, Any]:
+def mesos_container(
+    image: str | None = IMAGE, share_cgroups: bool | None = None, version: str = "1.11"
+) -> dict[str, Any]:
     """ContainerInfo of type MESOS, with a Docker image when ``image`` is given.
 
     ``share_cgroups``: None leaves ``linux_info`` out. When it is present, a 1.10+ agent always writes
@@ -110,15 +114,18 @@ def docker_manifest(env: list[str], labels: dict[str, str]) -> dict[str, Any]:
     }
 
 
-def executor_info(kind: str, executor_id: str, resources: list[dict[str, Any]], container: dict[str, Any] | None,
-                  task_name: str = "") -> dict[str, Any]:
+def executor_info(
+    kind: str, executor_id: str, resources: list[dict[str, Any]], container: dict[str, Any] | None, task_name: str = ""
+) -> dict[str, Any]:
     if kind == "command":
         # Slave::getExecutorInfo: the agent's generated command executor (no `type`).
         out: dict[str, Any] = {
             "executor_id": {"value": executor_id},
             "framework_id": FRAMEWORK_ID,
             "command": command(
-                "/usr/libexec/mesos/mesos-executor", shell=False, arguments=["mesos-executor", "--launcher_dir=/usr/libexec/mesos"]
+                "/usr/libexec/mesos/mesos-executor",
+                shell=False,
+                arguments=["mesos-executor", "--launcher_dir=/usr/libexec/mesos"],
             ),
             "resources": resources,
             "name": f"Command Executor (Task: {task_name}) (Command: sh -c 'python3 /tmp/check.py')",
@@ -129,7 +136,11 @@ def executor_info(kind: str, executor_id: str, resources: list[dict[str, Any]], 
             "type": "DEFAULT",
             "executor_id": {"value": executor_id},
             "framework_id": FRAMEWORK_ID,
-            "command": command("/usr/libexec/mesos/mesos-default-executor", shell=False, arguments=["mesos-default-executor", "--launcher_dir=/usr/libexec/mesos"]),
+            "command": command(
+                "/usr/libexec/mesos/mesos-default-executor",
+                shell=False,
+                arguments=["mesos-default-executor", "--launcher_dir=/usr/libexec/mesos"],
+            ),
             "resources": resources,
         }
     else:
@@ -137,7 +148,9 @@ def executor_info(kind: str, executor_id: str, resources: list[dict[str, Any]], 
             "type": "CUSTOM",
             "executor_id": {"value": executor_id},
             "framework_id": FRAMEWORK_ID,
-            "command": command("./my-executor", uris=[{"value": "http://artifacts/my-executor", "executable": True, "extract": True}]),
+            "command": command(
+                "./my-executor", uris=[{"value": "http://artifacts/my-executor", "executable": True, "extract": True}]
+            ),
             "resources": resources,
             "name": "my-executor",
         }

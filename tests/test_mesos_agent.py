@@ -110,7 +110,7 @@ def test_image_labelled_for_a_newer_cuda_than_the_driver_is_refused_and_holds_no
 
 
 def test_custom_executor_gets_its_gpus_and_the_volume_environment_in_environment(agent):
-    sidecar, containerizer = agent
+    _sidecar, containerizer = agent
     config = containerizer.config(gpus=3, kind="custom", env=IMAGE_ENV)
     launched = containerizer.launch(container_id("custom"), config, ["/dev/nvidiactl"])
     assert launched.exit_code == 0, launched.stderr

@@ -226,7 +226,12 @@ def main(argv: list[str] | None = None, socket_path: str | None = None, timeout:
             return EXIT_INTERNAL
     except Terminated as term:
         elapsed = time.monotonic() - started
-        _report(err_path, f"gpu-isolator {method}: interrupted by {term.name} after {elapsed:.1f} s")
+        line = f"gpu-isolator {method}: interrupted by {term.name} after {elapsed:.1f} s"
+        # When the module's own timeout sends SIGTERM it fails the call with "Command execution
+        # error" and never reads ERR (criteo CommandRunner::run): stderr, the agent's log, is the
+        # only place this line is seen then.
+        _report(err_path, line)
+        _log(line)
         return EXIT_SIGNAL
 
 

@@ -535,7 +535,7 @@ def test_sigterm_from_the_module_makes_the_bridge_exit_non_zero_at_once(bin_dir,
     try:
         assert service.entered.wait(30), "the call never reached the service"
         proc.send_signal(signal.SIGTERM)
-        stdout, _ = proc.communicate(timeout=10)
+        stdout, stderr = proc.communicate(timeout=10)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -545,6 +545,8 @@ def test_sigterm_from_the_module_makes_the_bridge_exit_non_zero_at_once(bin_dir,
     assert stdout == b""
     with open(paths[2]) as fh:
         assert "gpu-isolator prepare: interrupted by SIGTERM after" in one_line(fh.read())
+    # The module never reads ERR after its timeout's SIGTERM: the agent's log gets the line too.
+    assert stderr.decode().startswith("gpu-isolator prepare: interrupted by SIGTERM after")
 
 
 # ---- the socket and the protocol ----------------------------------------------------------------

@@ -478,13 +478,29 @@ class IsolatorService(Service):
         self.controller.apply(cid, rules)
         crashpoint("apply.kernel")
         self.store.update(cid, rules="\n".join(map(str, rules)))
-        if self.settings.mode != "mesos" or cid.nested:
-            return
-        # Nested containers with cgroups of their own follow (v2: their programs are not below ours).
+        if self.settings.mode == "mesos" and not cid.nested:
+            self._apply_nested(cid, rules)
+
+    def _apply_nested(self, cid: ContainerId, rules: tuple[devrules.DeviceRule, ...]) -> None:
+        """Nested containers with cgroups of their own follow their top-level container's rules.
+
+        v2: their programs are not below ours, so nothing else would revoke a GPU there. v1: the
+        kernel propagates removals down by itself, but a grant must pass through the ``mesos``
+        cgroup in between (a copy of the parent's list taken when Mesos made it). A nested cgroup
+        that cannot take the new rules is left with no GPUs, never with more than its parent.
+        """
+        apply_path = getattr(self.controller, "apply_path", None)  # v1 only
         for chain in sorted(self._child_cgroups(cid)):
             child = _parse_chain(list(chain), None)
-            if os.path.isdir(self.controller.cgroup_path(child)):
+            if not os.path.isdir(self.controller.cgroup_path(child)):
+                continue
+            try:
+                if apply_path is not None:
+                    apply_path(os.path.dirname(self.controller.cgroup_path(child)), rules, f"{child.parent} (mesos)")
                 self.controller.apply(child, rules)
+            except IsolatorError as exc:
+                LOG.error("nested container %s could not follow its top-level container's rules: %s", child, exc)
+                self.controller.apply(child, self._rules(frozenset()))
 
     def watch(self, container_id: ContainerId, timeout: float | None) -> dict[str, Any] | None:
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)

@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from mesos_harness import BridgeIsolator, Containerizer, HookFailed, MesosCgroups, container_id
+from cgroup_helpers import Prober
+from mesos_harness import BridgeIsolator, Containerizer, GrpcIsolator, HookFailed, MesosCgroups, container_id
 from sidecar import running_sidecar
 
 from isolator.bridge import install
@@ -231,3 +232,33 @@ def test_nested_container_with_cgroups_of_its_own_that_mesos_did_not_make_is_ref
         assert "share_cgroups=false" in info.value.message
     finally:
         containerizer.destroy(executor)
+
+
+def test_update_of_the_top_level_container_reaches_nested_cgroups_of_their_own(agent):
+    # The module does not forward update; gRPC callers do. A nested cgroup of its own must follow a
+    # shrink at once (on v2 its program is not below the parent's, so nothing else would revoke).
+    sidecar, containerizer = agent
+    grpc_isolator = GrpcIsolator(sidecar.socket)
+    cgroups = containerizer.cgroups
+    executor = container_id("updated")
+    prober = Prober()
+    try:
+        containerizer.start(executor, containerizer.config(gpus=1, kind="default-executor", image=False))
+        task = container_id(["updated", "worker"])
+        containerizer.start(task, containerizer.config(gpus=None, kind="task", image=False, share_cgroups=False))
+        cgroups.place(["updated", "worker"], prober.pid)
+        grpc_isolator.isolate(task, prober.pid)
+
+        def opened() -> list[int]:
+            return granted(sidecar, prober.open_errnos(host_nodes(sidecar)))
+
+        assert len(opened()) == 1
+        grpc_isolator.update(executor, 3)
+        assert len(opened()) == 3
+        grpc_isolator.update(executor, 0)
+        assert opened() == []
+    finally:
+        prober.close()
+        containerizer.destroy(container_id(["updated", "worker"]))
+        containerizer.destroy(executor)
+        grpc_isolator.close()

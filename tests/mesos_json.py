@@ -207,8 +207,14 @@ def container_config(
             out["container_info"] = container
         out["executor_info"] = executor
         out["command_info"] = executor["command"]
-        # 1.9+ (MESOS-9925): the first task's or task group's resources are folded in at launch.
-        out["resources"] = own if kind == "custom" else executor_resources + own
+        # The agent adds the resources of the task the executor is launched for to the executor's
+        # (slave.cpp, launchExecutor): a single task's always, a task group's since 1.9 (7232dc139).
+        if kind == "custom":
+            out["resources"] = own
+        elif kind == "default-executor" and not version_at_least(version, "1.9"):
+            out["resources"] = executor_resources
+        else:
+            out["resources"] = executor_resources + own
     elif kind == "task":
         out["command_info"] = command(check_command)
         out["container_info"] = mesos_container(image, share_cgroups, version)

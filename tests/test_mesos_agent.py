@@ -262,3 +262,14 @@ def test_update_of_the_top_level_container_reaches_nested_cgroups_of_their_own(a
         containerizer.destroy(container_id(["updated", "worker"]))
         containerizer.destroy(executor)
         grpc_isolator.close()
+
+
+def test_task_group_before_mesos_1_9_gets_no_gpus_through_this_route(agent):
+    # Before 1.9 the agent did not add a task group's resources to the default executor's, so its
+    # GPUs could only arrive through update, which the module does not forward (docs/mesos-agent.md).
+    sidecar, containerizer = agent
+    config = containerizer.config(gpus=2, kind="default-executor", image=False, version="1.8")
+    assert not [r for r in config["resources"] if r["name"] == "gpus"]
+    launched = containerizer.launch(container_id("task-group-1.8"), config, host_nodes(sidecar))
+    assert launched.exit_code == 0, launched.stderr
+    assert granted(sidecar, launched.report["opens"]) == []

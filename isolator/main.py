@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 
 from isolator import gpuflags
 from isolator.config import Config
+from isolator.core.service import IsolatorService
 from isolator.errors import ConfigError, NvmlNotFound
 from isolator.server import SidecarServer
-from isolator.service import Service
 
 if TYPE_CHECKING:
     from isolator.nvml import Inventory
@@ -95,14 +95,15 @@ def build_inventory(
     return inventory
 
 
-def build_service(config: Config, notes: list[str] | None = None) -> Service:
+def build_service(config: Config, notes: list[str] | None = None) -> IsolatorService:
     """Real edges for the hooks: NVML (or the simulated host's), the devices cgroup of the detected
     hierarchy, the state store under the work dir, and the driver volume manager."""
     from isolator.cgroups import controller_for
     from isolator.cgroups.detect import detect
+    from isolator.core.context import Settings
     from isolator.devices import HostDevices
-    from isolator.hooks import EmptyInventory, HookSettings, IsolatorService
     from isolator.state import StateStore
+    from isolator.system import EmptyInventory, LocalFilesystem, ProcProcesses, SystemClock
     from volumes.manager import VolumeManager
 
     host = simulated_host(config) if config.simulate else None
@@ -131,13 +132,15 @@ def build_service(config: Config, notes: list[str] | None = None) -> Service:
     try:
         volumes = VolumeManager(config.volume_root, driver_root=driver_root, **volume_kwargs)  # type: ignore[arg-type]
         return IsolatorService(
-            inventory if inventory is not None else EmptyInventory(),
-            controller,
-            host_devices,
-            store,
-            volumes,
-            HookSettings(mode=config.mode, dev_root=dev_root),
-            policy=config.allocation_policy,
+            inventory=inventory if inventory is not None else EmptyInventory(),
+            cgroups=controller,
+            devices=host_devices,
+            store=store,
+            volumes=volumes,
+            processes=ProcProcesses(),
+            filesystem=LocalFilesystem(),
+            clock=SystemClock(),
+            settings=Settings(mode=config.mode, policy=config.allocation_policy),
         )
     except BaseException:
         store.close()
@@ -175,10 +178,9 @@ def serve(config: Config) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    reaper = getattr(service, "reap_vanished", None)
-    if reaper is not None and config.mode == "mesos":
+    if config.mode == "mesos":
         threading.Thread(
-            target=_reap_loop, args=(reaper, stop, config.reap_interval), name="reaper", daemon=True
+            target=_reap_loop, args=(service.reap_vanished, stop, config.reap_interval), name="reaper", daemon=True
         ).start()
     # Wake periodically so that signals are handled promptly whatever the platform's lock waits do.
     while not stop.wait(0.5):

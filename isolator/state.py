@@ -13,10 +13,9 @@ import logging
 import os
 import sqlite3
 import threading
-import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from isolator.crashpoints import crashpoint
 from isolator.errors import (
@@ -29,7 +28,7 @@ from isolator.errors import (
     StateReadOnly,
     StateStorageFull,
 )
-from isolator.model import ContainerId
+from isolator.model import ContainerId, ContainerRecord
 
 LOG = logging.getLogger(__name__)
 
@@ -66,32 +65,12 @@ CREATE INDEX allocation_by_container ON allocation (container);
 """
 
 
-@dataclass(frozen=True)
-class ContainerRecord:
-    """What the sidecar knows about one container: its GPUs (device minors) and how it set it up."""
-
-    container_id: ContainerId
-    gpus: frozenset[int] = frozenset()
-    mode: str = "mesos"
-    cgroup: str = ""
-    cgroup_version: int = 1
-    volume_version: str = ""
-    state: str = "prepared"
-    created: float = field(default_factory=time.time)
-    rules: str = ""
-
-
 def _key(cid: ContainerId) -> str:
     return json.dumps(list(cid.chain()), separators=(",", ":"), ensure_ascii=False)
 
 
 def _container_id(key: str) -> ContainerId:
-    node: ContainerId | None = None
-    for value in json.loads(key):
-        node = ContainerId.parse(value, node)
-    if node is None:
-        raise ValueError("empty container ID chain")
-    return node
+    return ContainerId.from_chain(json.loads(key))
 
 
 class StateStore:

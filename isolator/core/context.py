@@ -1,0 +1,217 @@
+"""What the hooks, recovery and the admin views share: the edges, the allocator, the locks, and the
+few steps all three take (the rule set of a set of GPUs, granting it, forgetting a container).
+
+Locking (isolator/core/locks.py): a container's hooks hold ``locks.hold(cid)`` across their slow
+work; the allocator and the GPUs' health are touched only under ``alloc``, briefly, never across
+I/O; recovery holds ``locks.exclusive()``. Ordering rules that keep the sidecar safe across crashes:
+  * GPUs are recorded in the state store before any rule grants them, and revoked in the kernel
+    before the record lets them go (never grant what is not recorded);
+  * a failure half-way through Prepare undoes what was done, so nothing stays allocated or applied;
+  * Cleanup is idempotent and fine for containers never prepared or never known.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+import threading
+from dataclasses import dataclass
+
+from isolator import devices as devrules
+from isolator.allocator import Allocator
+from isolator.core.locks import ContainerLocks
+from isolator.core.ports import (
+    CgroupBackend,
+    Clock,
+    DeviceNodes,
+    Filesystem,
+    HealthEvent,
+    Inventory,
+    Processes,
+    StateStore,
+    VolumeBuilder,
+)
+from isolator.crashpoints import crashpoint
+from isolator.devices import NVIDIA_MAJOR
+from isolator.errors import IsolatorError, NotFound
+from isolator.model import ContainerId, ContainerRecord, Gpu, MigDevice
+
+LOG = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How the core behaves. ``mode``: mesos (Mesos owns the cgroups) or standalone (we do)."""
+
+    mode: str = "standalone"
+    policy: str = "topology"
+    # Mesos's cgroups isolator may place the pid in the devices cgroup concurrently with our isolate
+    # (isolate runs on every isolator in parallel), so mesos mode waits a little before declaring
+    # the pid misplaced.
+    isolate_settle_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class Edges:
+    """The machine as the core sees it; ``isolator.main`` wires the real ones."""
+
+    inventory: Inventory
+    cgroups: CgroupBackend
+    devices: DeviceNodes
+    store: StateStore
+    volumes: VolumeBuilder | None
+    processes: Processes
+    filesystem: Filesystem
+    clock: Clock
+
+
+class Core:
+    def __init__(self, edges: Edges, settings: Settings) -> None:
+        self.edges = edges
+        self.settings = settings
+        self.inventory = edges.inventory
+        self.cgroups = edges.cgroups
+        self.store = edges.store
+        self.volumes = edges.volumes
+        self.clock = edges.clock
+        self.locks = ContainerLocks()
+        self.alloc = threading.Lock()  # the allocator and health: short sections, no I/O inside
+        self._changed = threading.Condition(threading.Lock())
+        self._generation = 0
+        topology = edges.inventory.topology()
+        self.gpus: dict[int, Gpu] = {g.minor: g for g in topology.gpus}
+        self.allocator = Allocator(topology, settings.policy)
+        with self.alloc:
+            self.sync_health()
+        edges.inventory.on_health_change(self._on_health_change)
+
+    # ---- health and change notification -----------------------------------------------------------
+
+    def sync_health(self) -> None:
+        """Copy the inventory's health into the allocator. Call with ``alloc`` held."""
+        healthy_indices = self.inventory.healthy()
+        for gpu in self.gpus.values():
+            self.allocator.set_healthy(gpu.minor, gpu.index in healthy_indices)
+
+    def _on_health_change(self, event: HealthEvent) -> None:
+        with self.alloc:
+            for gpu in self.gpus.values():
+                if gpu.index == event.index:
+                    self.allocator.set_healthy(gpu.minor, bool(event.healthy))
+        self.notify()
+
+    def notify(self) -> None:
+        """Wake every Watch: a container went away or a GPU's health changed."""
+        with self._changed:
+            self._generation += 1
+            self._changed.notify_all()
+
+    def generation(self) -> int:
+        with self._changed:
+            return self._generation
+
+    def wait_for_change(self, seen: int, timeout: float) -> None:
+        """Return once something changed after generation ``seen``, or after ``timeout`` seconds."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._generation != seen, timeout=timeout)
+
+    # ---- shared steps -----------------------------------------------------------------------------
+
+    def rules(self, minors: frozenset[int]) -> tuple[devrules.DeviceRule, ...]:
+        """The full allow-list of a container holding GPU ``minors``."""
+        if not self.gpus:
+            return tuple(devrules.MESOS_DEFAULT_WHITELIST)  # no GPUs here: no control devices either
+        control = self.edges.devices.control_devices()
+        mig = self.mig_devices(minors)
+        caps_major = self.edges.devices.caps_major() if mig else None
+        return devrules.container_rules(control, sorted(minors), mig_devices=mig, caps_major=caps_major)
+
+    def mig_devices(self, minors: frozenset[int]) -> tuple[MigDevice, ...]:
+        out: list[MigDevice] = []
+        for rec in self.inventory.records:
+            if rec.gpu.minor in minors and rec.mig_enabled:
+                out.extend(rec.mig_devices)
+        return tuple(out)
+
+    def granted(self, rules: tuple[devrules.DeviceRule, ...]) -> list[int]:
+        """The GPU minors ``rules`` let a process read and write."""
+        return sorted(m for m in self.gpus if devrules.permits(rules, devrules.DeviceRule.char(NVIDIA_MAJOR, m, "rw")))
+
+    def describe(self, cid: ContainerId, minors: frozenset[int]) -> str:
+        gpus = ", ".join(f"{m} ({self.gpus[m].uuid})" for m in sorted(minors) if m in self.gpus)
+        return f"container {cid} (cgroup '{self.cgroups.cgroup_path(cid.root)}', GPUs [{gpus}])"
+
+    def require(self, cid: ContainerId) -> ContainerRecord:
+        rec = self.store.get(cid)
+        if rec is None:
+            raise NotFound(f"unknown container {cid}")
+        return rec
+
+    def apply(self, cid: ContainerId, minors: frozenset[int]) -> None:
+        """Make the kernel grant exactly ``minors`` to ``cid``, then record the rules granted."""
+        rules = self.rules(minors)
+        self.cgroups.apply(cid, rules)
+        crashpoint("apply.kernel")
+        self.store.update(cid, rules="\n".join(map(str, rules)))
+        if self.settings.mode == "mesos" and not cid.nested:
+            self._apply_nested(cid, rules)
+
+    def governing(self, cid: ContainerId) -> ContainerId:
+        """The container whose cgroup governs ``cid``'s device access and holds its pid.
+
+        A nested container has its own when Mesos made one: on v1 with ``share_cgroups=false``
+        (``<root>/<parent>/mesos/<child>``), on v2 always (``…/mesos/<child>/leaf``, not below the
+        parent's leaf). Otherwise the top-level container's governs.
+        """
+        if cid.nested and self.cgroups.exists(cid):
+            return cid
+        return cid.root
+
+    def nested_cgroups(self, cid: ContainerId) -> list[ContainerId]:
+        """The nested containers below ``cid`` that have a cgroup of their own, parents first."""
+        out: list[ContainerId] = []
+        for name in sorted(self.cgroups.nested_names(cid)):
+            try:
+                child = ContainerId.parse(name, cid)
+            except IsolatorError:
+                continue
+            if self.cgroups.exists(child):
+                out.append(child)
+            out.extend(self.nested_cgroups(child))
+        return out
+
+    def _apply_nested(self, cid: ContainerId, rules: tuple[devrules.DeviceRule, ...]) -> None:
+        """Nested containers with cgroups of their own follow their top-level container's rules.
+
+        v2: their programs are not below ours, so nothing else would revoke a GPU there. v1: the
+        kernel propagates removals down by itself, but a grant must pass through the ``mesos``
+        cgroup in between (a copy of the parent's list taken when Mesos made it). A nested cgroup
+        that cannot take the new rules is left with no GPUs, never with more than its parent.
+        """
+        for child in self.nested_cgroups(cid):
+            try:
+                self.apply_nested(child, rules)
+            except IsolatorError as exc:
+                LOG.error("nested container %s could not follow its top-level container's rules: %s", child, exc)
+                self.cgroups.apply(child, self.rules(frozenset()))
+
+    def apply_nested(self, child: ContainerId, rules: tuple[devrules.DeviceRule, ...]) -> None:
+        """Apply ``rules`` to a nested container's own cgroup (on v1 through the ``mesos`` one above it)."""
+        apply_path = getattr(self.cgroups, "apply_path", None)  # v1 only
+        if apply_path is not None:
+            apply_path(posixpath.dirname(self.cgroups.cgroup_path(child)), rules, f"{child.parent} (mesos)")
+        self.cgroups.apply(child, rules)
+
+    def drop(self, cid: ContainerId, rec: ContainerRecord) -> None:
+        """Forget a container whose rules are already gone: its record, then its GPUs; wake watchers."""
+        self.store.remove(cid)
+        with self.alloc:
+            self.allocator.deallocate(rec.gpus & self.allocator.allocated)
+        self.notify()
+
+    def release_volume(self, cid: ContainerId) -> None:
+        if self.volumes is not None:
+            try:
+                self.volumes.release(str(cid), self.inventory.driver_version)
+            except Exception as exc:  # the container is gone either way; a stale user file is harmless
+                LOG.warning("failed to release the volume of container %s: %s", cid, exc)

@@ -1,0 +1,385 @@
+"""The Mesos isolator hooks: prepare, isolate, update, watch, usage, status, cleanup.
+
+Each hook holds its container's lock (isolator/core/locks.py) for its whole run, and the
+allocation lock only for the decision on the shared GPUs. Decisions come from pure modules
+(allocator, devices.container_rules, volumes.inject); the machine is reached through the edges.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import posixpath
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from isolator.core.context import Core
+from isolator.crashpoints import crashpoint
+from isolator.errors import AlreadyExists, FailedPrecondition, InvalidArgument, IsolatorError, NotFound, from_code
+from isolator.model import (
+    ContainerConfig,
+    ContainerId,
+    ContainerRecord,
+    ContainerStatus,
+    GpuUsage,
+    LaunchInfo,
+    Limitation,
+    Mount,
+    Resource,
+    Usage,
+    gpu_count,
+)
+from volumes.errors import VolumeError
+from volumes.inject import DriverFacts, Image, check_cuda, plan_injection, should_inject
+
+LOG = logging.getLogger(__name__)
+
+MS_BIND = 4096
+MAX_PID = 1 << 22  # PID_MAX_LIMIT on 64-bit Linux
+WATCH_POLL_S = 5.0  # how often an unbounded Watch looks again even without a notification
+
+Undo = list[Callable[[], object]]
+
+
+@dataclass(frozen=True)
+class ImagePlan:
+    """What ``prepare`` decided about the driver volume before allocating anything."""
+
+    image: Image
+    facts: DriverFacts
+
+
+def _volume_error(exc: VolumeError) -> IsolatorError:
+    return from_code(exc.code, str(exc))
+
+
+class Hooks:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+
+    # ---- prepare ----------------------------------------------------------------------------------
+
+    def prepare(self, container_id: ContainerId, config: ContainerConfig) -> LaunchInfo | None:
+        if container_id.nested:
+            return self._prepare_nested(container_id, config)
+        core = self.core
+        count = gpu_count(config.resources)
+        image_plan = self._image_plan(config)
+        with core.locks.hold(container_id):
+            if core.store.get(container_id) is not None:
+                raise AlreadyExists(f"container {container_id} has already been prepared")
+            with core.alloc:
+                choice = core.allocator.allocate(count)
+            minors = frozenset(choice.gpus)
+            undo: Undo = [lambda: self._deallocate(minors)]
+            try:
+                rules = core.rules(minors)
+                core.store.record(
+                    ContainerRecord(
+                        container_id,
+                        gpus=minors,
+                        mode=core.settings.mode,
+                        cgroup=core.cgroups.cgroup_path(container_id),
+                        cgroup_version=1 if core.cgroups.version == "v1" else 2,
+                        state="prepared",
+                        created=core.clock.time(),
+                        rules="\n".join(map(str, rules)),
+                    )
+                )
+                undo.append(lambda: self._forget(container_id))
+                undo.append(lambda: core.cgroups.cleanup(container_id))
+                crashpoint("prepare.recorded")
+                core.cgroups.prepare(container_id)
+                crashpoint("prepare.cgroup")
+                core.cgroups.apply(container_id, rules)
+                crashpoint("prepare.applied")
+                info = self._launch_info(container_id, config, minors, image_plan, undo)
+            except BaseException:
+                self._undo(container_id, undo)
+                raise
+        LOG.info("prepared %s (%s)", core.describe(container_id, minors), choice.policy)
+        return info
+
+    def _prepare_nested(self, cid: ContainerId, config: ContainerConfig) -> LaunchInfo | None:
+        # Mesos: DEBUG containers inherit everything from their parent; other nested containers get
+        # the volume and device nodes for their own rootfs and use their top-level container's GPUs.
+        # Both get the top-level container's rules in a cgroup of their own where the agent made one.
+        core = self.core
+        if config.container_class == "DEBUG":
+            with core.locks.hold(cid):
+                self._rules_for_nested(cid, config)
+            return None
+        image_plan = self._image_plan(config)
+        with core.locks.hold(cid):
+            root = core.store.get(cid.root)
+            minors = root.gpus if root is not None else frozenset()
+            undo: Undo = []
+            try:
+                if self._rules_for_nested(cid, config):
+                    undo.append(lambda: core.cgroups.cleanup(cid))
+                info = self._launch_info(cid, config, minors, image_plan, undo)
+            except BaseException:
+                self._undo(cid, undo)
+                raise
+        LOG.info("prepared nested %s", core.describe(cid, minors))
+        return info
+
+    def _rules_for_nested(self, cid: ContainerId, config: ContainerConfig) -> bool:
+        """Give a nested container that has a devices cgroup of its own its top-level container's rules.
+
+        Mesos makes ``<root>/<parent>/mesos/<child>`` (v1, and v2 with ``/leaf``) before module
+        isolators prepare, and puts the pid there: on v1 only when ``share_cgroups`` is false (1.10+),
+        whitelisted with its defaults alone, so the GPUs would be denied; on v2 (master) for every
+        nested container, outside our program on the parent's leaf, so nothing of ours would apply.
+        Below a top-level container we do not know we touch nothing, as for that container itself.
+        Call with the container's lock held.
+        """
+        core = self.core
+        if core.settings.mode != "mesos":
+            return False  # standalone: nested containers run in their top-level container's cgroup
+        root = core.store.get(cid.root)
+        if root is None:
+            return False
+        if not core.cgroups.exists(cid):
+            if not config.share_cgroups:
+                raise FailedPrecondition(
+                    f"nested container {cid} asks for cgroups of its own (share_cgroups=false) but "
+                    f"'{core.cgroups.cgroup_path(cid)}' does not exist; is Mesos's cgroups/devices isolator enabled?"
+                )
+            return False  # shares its parent's cgroup, whose rules are already in force
+        core.cgroups.prepare(cid)
+        core.apply_nested(cid, core.rules(root.gpus))
+        return True
+
+    def _image_plan(self, config: ContainerConfig) -> ImagePlan | None:
+        """Decide on the volume before anything is allocated, so a refusal leaves nothing behind."""
+        if not config.has_image:
+            return None
+        if not self.core.edges.filesystem.is_dir(config.rootfs):
+            raise InvalidArgument(f"the container's rootfs '{config.rootfs}' does not exist")
+        inv = self.core.inventory
+        image = Image(env=config.image_env, labels=dict(config.image_labels))
+        facts = DriverFacts(inv.driver_version, inv.cuda_driver_version)
+        try:
+            inject, _reason = should_inject(image)
+            if inject:
+                check_cuda(image, facts, config.rootfs)
+        except VolumeError as exc:
+            raise _volume_error(exc) from exc
+        return ImagePlan(image, facts) if inject else None
+
+    def _launch_info(
+        self,
+        cid: ContainerId,
+        config: ContainerConfig,
+        minors: frozenset[int],
+        image_plan: ImagePlan | None,
+        undo: Undo,
+    ) -> LaunchInfo | None:
+        if not config.has_image:
+            return None  # the host's /dev and libraries, access gated by the cgroup (Mesos)
+        mounts = self._device_mounts(config.rootfs, minors)
+        env: tuple[tuple[str, str], ...] = ()
+        if image_plan is not None:
+            mounts_v, env = self._volume(cid, config, image_plan, undo)
+            mounts = mounts_v + mounts
+        if config.command_task:
+            # Mesos's isolator: a command task's environment goes in task_environment, which the
+            # command executor applies over the image's own (docker/runtime puts the image's PATH
+            # there); in `environment` the image's PATH and LD_LIBRARY_PATH would win over ours.
+            return LaunchInfo(task_environment=env, mounts=tuple(mounts))
+        return LaunchInfo(environment=env, mounts=tuple(mounts))
+
+    def _device_mounts(self, rootfs: str, minors: frozenset[int]) -> list[Mount]:
+        """Bind mounts of exactly the allocated GPUs and the control devices (Mesos exposes every
+        /dev/nvidia*, unallocated GPUs and nvidia-modeset included: defect §2.15.6)."""
+        core = self.core
+        if not core.gpus:
+            return []
+        dev_root = core.edges.devices.dev_root
+        names = [f"nvidia{m}" for m in sorted(minors)]
+        control = core.edges.devices.control_devices()
+        names += [posixpath.relpath(n.path, dev_root) for n in control.numbers()]
+        for mig in core.mig_devices(minors):
+            names += [f"nvidia-caps/nvidia-cap{minor}" for minor in mig.caps_minors]
+        return [
+            Mount(target=posixpath.join(rootfs, "dev", name), source=posixpath.join(dev_root, name), flags=MS_BIND)
+            for name in names
+        ]
+
+    def _volume(
+        self, cid: ContainerId, config: ContainerConfig, plan: ImagePlan, undo: Undo
+    ) -> tuple[list[Mount], tuple[tuple[str, str], ...]]:
+        core = self.core
+        if core.volumes is None:
+            raise FailedPrecondition("the image asks for the driver volume but no volume root is configured")
+        try:
+            volume = core.volumes.acquire(str(cid), plan.facts.driver_version)
+            undo.append(lambda: core.release_volume(cid))
+            crashpoint("prepare.volume")
+            injection = plan_injection(config.rootfs, plan.image, volume.path, plan.facts)
+        except VolumeError as exc:
+            raise _volume_error(exc) from exc
+        if injection is None:
+            return [], ()
+        if not cid.nested:
+            core.store.update(cid, volume_version=volume.driver_version)
+        mounts = []
+        for spec in injection.mounts:
+            if spec.mkdir:
+                core.edges.filesystem.make_dirs(spec.target)
+            mounts.append(Mount(target=spec.target, source=spec.source, flags=spec.flags))
+        return mounts, tuple(sorted(injection.env.items()))
+
+    def _deallocate(self, minors: frozenset[int]) -> None:
+        with self.core.alloc:
+            self.core.allocator.deallocate(minors)
+
+    def _undo(self, cid: ContainerId, undo: Undo) -> None:
+        for step in reversed(undo):
+            try:
+                step()
+            except Exception:
+                LOG.exception("failed to undo part of prepare for container %s", cid)
+
+    def _forget(self, cid: ContainerId) -> None:
+        with contextlib.suppress(NotFound):
+            self.core.store.remove(cid)
+
+    # ---- isolate ----------------------------------------------------------------------------------
+
+    def isolate(self, container_id: ContainerId, pid: int) -> None:
+        core = self.core
+        if pid <= 1 or pid >= MAX_PID:
+            raise InvalidArgument(f"pid {pid} is not a valid container pid")
+        if not core.edges.processes.exists(pid):
+            raise FailedPrecondition(f"pid {pid} does not exist (the container's init is gone)")
+        with core.locks.hold(container_id):
+            rec = core.require(container_id.root)
+            target = core.governing(container_id)
+            if core.settings.mode == "standalone":
+                core.cgroups.add_pid(target, pid)
+                crashpoint("isolate.placed")
+            else:
+                self._wait_for_pid(target, pid)
+            if not container_id.nested and rec.state == "prepared":
+                core.store.update(container_id, state="isolated")
+        LOG.info("isolated pid %d in %s", pid, core.describe(container_id, rec.gpus))
+
+    def _wait_for_pid(self, cid: ContainerId, pid: int) -> None:
+        clock = self.core.clock
+        deadline = clock.monotonic() + self.core.settings.isolate_settle_s
+        while True:
+            if pid in self.core.cgroups.pids(cid):
+                return
+            if clock.monotonic() >= deadline:
+                raise FailedPrecondition(
+                    f"pid {pid} is not in the cgroup '{self.core.cgroups.cgroup_path(cid)}' of container {cid}"
+                )
+            clock.sleep(0.02)
+
+    # ---- update -----------------------------------------------------------------------------------
+
+    def update(self, container_id: ContainerId, resources: list[Resource]) -> None:
+        core = self.core
+        if container_id.nested:
+            raise FailedPrecondition(f"update is not supported for nested containers ({container_id})")
+        target = gpu_count(resources)
+        with core.locks.hold(container_id):
+            rec = core.require(container_id)
+            with core.alloc:
+                plan = core.allocator.plan_update(rec.gpus, target)
+                add, release = frozenset(plan.add), frozenset(plan.release)
+                if add:
+                    core.allocator.allocate_set(add)
+            if add:
+                # Grow: book, record, then grant (never grant what is not recorded).
+                try:
+                    core.store.add_gpus(container_id, add)
+                    crashpoint("update.grown")
+                    core.apply(container_id, rec.gpus | add)
+                except BaseException:
+                    with contextlib.suppress(IsolatorError):
+                        core.store.remove_gpus(container_id, add)
+                    self._deallocate(add)
+                    raise
+            if release:
+                # Shrink: revoke, then let the record and the allocator go.
+                core.apply(container_id, rec.gpus - release)
+                crashpoint("update.revoked")
+                core.store.remove_gpus(container_id, release)
+                self._deallocate(release)
+            final = (rec.gpus | add) - release
+        LOG.info("updated %s to %d GPUs", core.describe(container_id, frozenset(final)), target)
+
+    # ---- watch, usage, status ---------------------------------------------------------------------
+
+    def watch(self, container_id: ContainerId, timeout: float | None) -> Limitation | None:
+        """A limitation once a GPU the container holds becomes unhealthy; None at ``timeout``."""
+        core = self.core
+        deadline = None if timeout is None else core.clock.monotonic() + max(timeout, 0.0)
+        while True:
+            seen = core.generation()
+            rec = core.store.get(container_id.root)
+            if rec is None:
+                if container_id.nested:
+                    return None
+                raise NotFound(f"unknown container {container_id}")
+            with core.alloc:
+                sick = sorted(m for m in rec.gpus if m in core.allocator.unhealthy)
+            if sick:
+                return self._limitation(container_id, sick)
+            remaining = None if deadline is None else deadline - core.clock.monotonic()
+            if remaining is not None and remaining <= 0:
+                return None
+            core.wait_for_change(seen, remaining if remaining is not None else WATCH_POLL_S)
+
+    def _limitation(self, cid: ContainerId, sick: list[int]) -> Limitation:
+        reasons = {}
+        for r in self.core.inventory.records:
+            if r.gpu.minor in sick:
+                reasons[r.gpu.minor] = f"{r.gpu.uuid}: {r.status or 'unhealthy'}"
+        detail = "; ".join(f"GPU {m} ({reasons.get(m, 'unhealthy')})" for m in sick)
+        return Limitation(gpus=len(sick), message=f"container {cid} holds a GPU that became unhealthy: {detail}")
+
+    def usage(self, container_id: ContainerId) -> Usage:
+        core = self.core
+        rec = core.require(container_id.root)
+        gpus = []
+        for minor in sorted(rec.gpus):
+            gpu = core.gpus.get(minor)
+            if gpu is None:
+                continue
+            u = core.inventory.usage(gpu.index)
+            gpus.append(GpuUsage(gpu.uuid, minor, u.memory_used, u.memory_total, u.gpu_utilization))
+        return Usage(timestamp=core.clock.time(), gpus=tuple(gpus))
+
+    def status(self, container_id: ContainerId) -> ContainerStatus:
+        core = self.core
+        rec = core.require(container_id.root)
+        return ContainerStatus(tuple(core.gpus[m].uuid for m in sorted(rec.gpus) if m in core.gpus), rec.state)
+
+    # ---- cleanup ----------------------------------------------------------------------------------
+
+    def cleanup(self, container_id: ContainerId) -> None:
+        core = self.core
+        if container_id.nested:
+            if core.settings.mode == "mesos":
+                with core.locks.hold(container_id):
+                    core.cgroups.cleanup(container_id)  # our rules in its own cgroup, if any
+            core.release_volume(container_id)
+            return
+        with core.locks.hold(container_id):
+            rec = core.store.get(container_id)
+            if rec is not None:
+                core.cgroups.cleanup(container_id)
+                crashpoint("cleanup.cgroup")
+                core.drop(container_id, rec)
+        if rec is None:
+            # Mesos calls cleanup for containers it never prepared with us (MESOS-6059).
+            LOG.info("ignoring cleanup of unknown container %s", container_id)
+            core.release_volume(container_id)
+            return
+        crashpoint("cleanup.record")
+        core.release_volume(container_id)
+        LOG.info("cleaned up %s", core.describe(container_id, rec.gpus))

@@ -151,10 +151,10 @@ class Core:
         """Make the kernel grant exactly ``minors`` to ``cid``, then record the rules granted."""
         rules = self.rules(minors)
         self.cgroups.apply(cid, rules)
+        if self.settings.mode == "mesos" and not cid.nested:
+            self._apply_nested(cid, rules)  # in the kernel before the record, as the container's own
         crashpoint("apply.kernel")
         self.store.update(cid, rules="\n".join(map(str, rules)))
-        if self.settings.mode == "mesos" and not cid.nested:
-            self._apply_nested(cid, rules)
 
     def governing(self, cid: ContainerId) -> ContainerId:
         """The container whose cgroup governs ``cid``'s device access and holds its pid.

@@ -415,8 +415,43 @@ def test_fake_device_nodes_agree_with_the_nodes_a_driver_makes(short_tmp: str) -
 
     dev = os.path.join(short_tmp, "dev")
     devnodes.make_device_nodes(dev, [0, 1])
-    real = HostDevices(dev).control_devices()
-    fake = FakeDeviceNodes(dev).control_devices()
+    real_nodes, fake_nodes = HostDevices(dev), FakeDeviceNodes(dev, caps_major=None)
+    real, fake = real_nodes.control_devices(), fake_nodes.control_devices()
     assert (fake.nvidiactl.major, fake.nvidiactl.minor) == (real.nvidiactl.major, real.nvidiactl.minor)
     assert fake.nvidiactl.path == real.nvidiactl.path and fake.uvm.path == real.uvm.path
     assert fake.uvm.major != 195 and real.uvm.major != 195
+    assert real_nodes.caps_major() is None and fake_nodes.caps_major() is None  # no MIG nodes
+    mig_dev = os.path.join(short_tmp, "mig-dev")
+    devnodes.make_device_nodes(mig_dev, [0], caps_minors=(1, 2))
+    real_caps, fake_caps = HostDevices(mig_dev).caps_major(), FakeDeviceNodes(mig_dev).caps_major()
+    for major in (real_caps, fake_caps):
+        assert isinstance(major, int) and major not in (195, real.uvm.major)
+
+
+# ---- VolumeBuilder --------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["fake", "manager"])
+def volumes(request, tmp_path) -> Any:
+    if request.param == "fake":
+        from isolator.testing import FakeVolumes
+
+        return FakeVolumes(str(tmp_path / "volumes"))
+    from isolator.simhost.driver import build_driver_root
+    from volumes.manager import VolumeManager
+
+    driver = build_driver_root(str(tmp_path / "driver"), "535.104.05")
+    return VolumeManager(str(tmp_path / "volumes"), str(tmp_path / "driver"), path=driver.path)
+
+
+def test_volumes_count_their_users_and_go_when_the_last_one_leaves(volumes: Any) -> None:
+    first = volumes.acquire("a", "535.104.05")
+    again = volumes.acquire("b", "535.104.05")
+    assert first.path == again.path and first.path.endswith("nvidia_535.104.05")
+    assert first.driver_version == "535.104.05"
+    assert [sorted(v["users"]) for v in volumes.volumes()] == [["a", "b"]]
+    assert volumes.reconcile(["a"]) == ("b",)
+    assert [sorted(v["users"]) for v in volumes.volumes()] == [["a"]]
+    assert volumes.release("a", "535.104.05") == (), "the running driver's volume stays"
+    assert volumes.release("never-used", None) == ()
+    assert volumes.volume_root.endswith("volumes")

@@ -68,10 +68,9 @@ def _sleeper() -> subprocess.Popen[bytes]:
 
 @contextlib.contextmanager
 def _real(version: str, mode: str) -> Iterator[Backend]:
-    from cgroup_helpers import hierarchy_mounts, scratch_cgroups_root
-
     from isolator.cgroups.v1 import V1DeviceController
     from isolator.cgroups.v2 import V2DeviceController
+    from isolator.testing.cgroupfs import hierarchy_mounts, scratch_cgroups_root
 
     v1_mount, v2_mount = hierarchy_mounts()
     mount = v1_mount if version == "v1" else v2_mount

@@ -12,6 +12,11 @@ tests as the real edge (tests/test_contracts.py); ``fake_service`` wires them al
     FakeFilesystem   Filesystem      directories by path
     ManualClock      Clock           time that moves when told
     StubService      IsolatorApi     a whole-service double answering UNIMPLEMENTED
+
+For system tests, the demo and the benchmark (need root and cgroups; imported on their own):
+``isolator.testing.mesos`` plays the Mesos containerizer over gRPC or the bridge executables,
+``isolator.testing.sidecar`` runs a real daemon on a simulated host, ``isolator.testing.cgroupfs``
+makes throwaway cgroups under ``gpu-isolator-test/``.
 """
 
 from isolator.testing.cgroups import FakeCgroups

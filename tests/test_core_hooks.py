@@ -446,3 +446,35 @@ def test_a_volume_release_failure_does_not_fail_cleanup(rig: Rig) -> None:
     rig.volumes.faults.fail_at("release")
     rig.service.cleanup(cid("a"))
     assert rig.store.get(cid("a")) is None
+
+
+# ---- issue 16: isolation holds under faults ---------------------------------------------------------
+
+
+def test_a_grow_whose_state_write_fails_after_the_grant_revokes_it(rig: Rig) -> None:
+    # core.apply grants in the kernel, then records the rules: the record fails after the grant.
+    a = cid("a")
+    rig.service.prepare(a, gpus(1))
+    before = held(rig, a)
+    rig.store.faults.fail_at("update", container=a)
+    with pytest.raises(StateError):
+        rig.service.update(a, [Resource("gpus", 3.0)])
+    assert granted(rig, a) == before, "the kernel must not keep GPUs the record let go"
+    assert held(rig, a) == before and free(rig) == frozenset(range(8)) - set(before)
+
+
+@pytest.mark.parametrize("mode", ["standalone", "mesos"])
+def test_prepare_refuses_a_cgroup_that_already_has_processes(mode: str) -> None:
+    # Left behind by a forced release, or made by someone else under our root: its processes would
+    # get the new GPUs at once, without any Isolate.
+    rig = fake_service("dgx-1", mode=mode)
+    a = cid("a")
+    rig.cgroups.mesos_creates(a)
+    squatter = rig.processes.spawn()
+    rig.cgroups.add_pid(a, squatter)
+    with pytest.raises(FailedPrecondition, match=rf"already has processes \[{squatter}\]"):
+        rig.service.prepare(a, gpus(2))
+    assert granted(rig, a) == [] and rig.store.get(a) is None and free(rig) == frozenset(range(8))
+    rig.cgroups.kill(squatter)
+    rig.service.prepare(a, gpus(2))
+    assert len(granted(rig, a) or []) == 2

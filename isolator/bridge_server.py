@@ -238,7 +238,7 @@ class _Context:
         self._deadline = time.monotonic() + timeout
 
     def abort(self, code: grpc.StatusCode, details: str) -> None:
-        # The servicer has already mapped its error to a status (isolator.server.status_of).
+        # The servicer has already mapped its error to a status (isolator.status.status_of).
         raise from_code(code.name, details)
 
     def time_remaining(self) -> float:
@@ -265,7 +265,7 @@ def handle(servicer: Servicer, data: bytes) -> bytes:
         return error_reply(exc.code, exc.message)
     except Exception as exc:  # a bug here must answer the caller, not kill the listener
         LOG.exception("bridge %s failed with an unexpected error", method)
-        return error_reply("INTERNAL", f"internal error in bridge {method}: {exc}")  # as server.status_of
+        return error_reply("INTERNAL", f"internal error in bridge {method}: {exc}")  # as status_of does
 
 
 # ---- the listener -------------------------------------------------------------------------------

@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 
 import pytest
-from mesos_harness import BridgeIsolator, Containerizer, GrpcIsolator, HookFailed, container_id
-from sidecar import running_sidecar
+
+from isolator.testing.mesos import BridgeIsolator, Containerizer, GrpcIsolator, HookFailed, container_id
+from isolator.testing.sidecar import running_sidecar
 
 pytestmark = [pytest.mark.root]
 

@@ -1,7 +1,7 @@
 """What a real Mesos agent sends, through the real bridge executables, against the sidecar in mesos mode.
 
 The harness plays the agent: its ContainerConfig JSON is written field by field from Mesos's protos
-the way stout serialises them (tests/mesos_json.py), the module's IN/OUT/ERR protocol runs the
+the way stout serialises them (isolator/testing/mesos_json.py), the module's IN/OUT/ERR protocol runs the
 installed ``gpu-isolator-<method>`` executables, and ``MesosCgroups`` makes the cgroups and places
 the pids as Mesos's cgroups isolator and launcher do (v1: 1.6+ layout; v2: master's). Each container
 then runs the check program and reports what it can open and which environment it got.
@@ -17,10 +17,10 @@ import os
 
 import pytest
 from cgroup_helpers import Prober
-from mesos_harness import BridgeIsolator, Containerizer, GrpcIsolator, HookFailed, MesosCgroups, container_id
-from sidecar import running_sidecar
 
 from isolator.bridge import install
+from isolator.testing.mesos import BridgeIsolator, Containerizer, GrpcIsolator, HookFailed, MesosCgroups, container_id
+from isolator.testing.sidecar import running_sidecar
 
 pytestmark = [pytest.mark.root]
 

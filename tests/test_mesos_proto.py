@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
-from mesos_json import container_config
 
 from isolator.convert import config_from_proto
 from isolator.rpc import isolator_pb2 as pb
+from isolator.testing.mesos_json import container_config
 
 F = FieldDescriptor
 # (our message, Mesos's message): {field: (number, type, repeated)}; maps are repeated entries.

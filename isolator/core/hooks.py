@@ -15,7 +15,15 @@ from dataclasses import dataclass
 
 from isolator.core.context import Core
 from isolator.crashpoints import crashpoint
-from isolator.errors import AlreadyExists, FailedPrecondition, InvalidArgument, IsolatorError, NotFound, from_code
+from isolator.errors import (
+    AlreadyExists,
+    CgroupVanished,
+    FailedPrecondition,
+    InvalidArgument,
+    IsolatorError,
+    NotFound,
+    from_code,
+)
 from isolator.model import (
     ContainerConfig,
     ContainerId,
@@ -68,6 +76,7 @@ class Hooks:
         with core.locks.hold(container_id):
             if core.store.get(container_id) is not None:
                 raise AlreadyExists(f"container {container_id} has already been prepared")
+            self._refuse_populated(container_id)
             with core.alloc:
                 choice = core.allocator.allocate(count)
             minors = frozenset(choice.gpus)
@@ -99,6 +108,22 @@ class Hooks:
                 raise
         LOG.info("prepared %s (%s)", core.describe(container_id, minors), choice.policy)
         return info
+
+    def _refuse_populated(self, cid: ContainerId) -> None:
+        """A cgroup that already holds processes would hand them the new GPUs without any Isolate
+        (left behind by a forced release, or made by someone else under our root): refuse it."""
+        cgroups = self.core.cgroups
+        if not cgroups.exists(cid):
+            return
+        try:
+            squatters = cgroups.pids(cid)
+        except CgroupVanished:
+            return
+        if squatters:
+            raise FailedPrecondition(
+                f"the cgroup '{cgroups.cgroup_path(cid)}' of container {cid} already has processes "
+                f"{list(squatters)}; they would get its GPUs without an Isolate (end them, or remove the cgroup)"
+            )
 
     def _prepare_nested(self, cid: ContainerId, config: ContainerConfig) -> LaunchInfo | None:
         # Mesos: DEBUG containers inherit everything from their parent; other nested containers get
@@ -294,14 +319,14 @@ class Hooks:
                     core.allocator.allocate_set(add)
             if add:
                 # Grow: book, record, then grant (never grant what is not recorded).
+                recorded = False
                 try:
                     core.store.add_gpus(container_id, add)
+                    recorded = True
                     crashpoint("update.grown")
                     core.apply(container_id, rec.gpus | add)
                 except BaseException:
-                    with contextlib.suppress(IsolatorError):
-                        core.store.remove_gpus(container_id, add)
-                    self._deallocate(add)
+                    self._undo_grow(container_id, rec.gpus, add, recorded)
                     raise
             if release:
                 # Shrink: revoke, then let the record and the allocator go.
@@ -311,6 +336,33 @@ class Hooks:
                 self._deallocate(release)
             final = (rec.gpus | add) - release
         LOG.info("updated %s to %d GPUs", core.describe(container_id, frozenset(final)), target)
+
+    def _undo_grow(self, cid: ContainerId, kept: frozenset[int], add: frozenset[int], recorded: bool) -> None:
+        """Take back a grow that failed half-way: revoke in the kernel, then forget, then free.
+
+        The kernel may already grant ``add`` (the rules were applied, their record failed), so they
+        are revoked first; a GPU whose revocation fails stays recorded and booked, never free while
+        granted.
+        """
+        core = self.core
+        if recorded:
+            try:
+                core.cgroups.apply(cid, core.rules(kept))
+            except Exception:
+                LOG.exception(
+                    "failed to revoke GPUs %s of %s after a failed update; they stay booked", sorted(add), cid
+                )
+                return
+            try:
+                core.store.remove_gpus(cid, add)
+            except IsolatorError as exc:
+                LOG.error(
+                    "failed to forget GPUs %s of %s after a failed update; they stay booked: %s", sorted(add), cid, exc
+                )
+                return
+            with contextlib.suppress(IsolatorError):
+                core.store.update(cid, rules="\n".join(map(str, core.rules(kept))))
+        self._deallocate(add)
 
     # ---- watch, usage, status ---------------------------------------------------------------------
 

@@ -186,7 +186,7 @@ def container_config(
         executor_resources = [scalar("cpus", 0.1), scalar("mem", 32.0)]
         if kind == "command":
             container = mesos_container(image, share_cgroups, version)
-            task = {
+            task: dict[str, Any] = {
                 "name": "gpu-check",
                 "task_id": {"value": "gpu-check.2f4c1f4e"},
                 "slave_id": AGENT_ID,

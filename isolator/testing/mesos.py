@@ -4,7 +4,7 @@ It drives the hooks in the containerizer's order (reference/bridge-and-cgroup2.m
 at start; per container Prepare, fork a blocked child, Isolate(pid), let the child apply the
 launch info (mounts onto a small rootfs in a new mount namespace, environment) and exec, wait,
 Cleanup — Cleanup also after a failed Prepare, as Mesos does. Requests are the JSON a Mesos agent
-writes through criteo/mesos-command-modules (tests/mesos_json.py: Mesos's own field names and
+writes through criteo/mesos-command-modules (isolator/testing/mesos_json.py: Mesos's own field names and
 shapes, stout's defaults), over gRPC or over the bridge executables, so the same checks run
 against both routes.
 
@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
-import mesos_json
-from cgroup_helpers import remove_cgroup_tree
 from google.protobuf import json_format
 
 from isolator.devices import MESOS_DEFAULT_WHITELIST
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
+from isolator.testing import mesos_json
+from isolator.testing.cgroupfs import remove_cgroup_tree
 
 HERE = Path(__file__).resolve().parent
 INIT = HERE / "container" / "init.py"
@@ -321,7 +321,7 @@ class Containerizer:
         share_cgroups: bool | None = None,
         version: str = "1.11",
     ) -> dict[str, Any]:
-        """A ContainerConfig as the agent writes it (tests/mesos_json.py). ``kind``: command,
+        """A ContainerConfig as the agent writes it (isolator/testing/mesos_json.py). ``kind``: command,
         default-executor, custom (the default), task (nested, of a task group) or debug."""
         if kind is None:
             kind = "debug" if container_class == "DEBUG" else "custom"

@@ -49,6 +49,7 @@ from isolator.logfmt import hook_context
 from isolator.reflection import Reflection
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
+from isolator.status import status_of
 
 LOG = logging.getLogger(__name__)
 
@@ -58,14 +59,7 @@ ADMIN_SERVICE = pb.DESCRIPTOR.services_by_name["Admin"].full_name
 T = TypeVar("T")
 
 
-# ---- error mapping: the one place typed errors become statuses -----------------------------------
-
-
-def status_of(exc: BaseException, where: str) -> tuple[grpc.StatusCode, str]:
-    """The status code and details for an error raised while serving ``where``."""
-    if isinstance(exc, IsolatorError):
-        return grpc.StatusCode[exc.code], exc.message
-    return grpc.StatusCode.INTERNAL, f"internal error in {where}: {exc}"
+# ---- error mapping (isolator/status.py is the one place typed errors become statuses) -----------
 
 
 # Told of every call once it is answered: (hook, status code name, seconds, response or None).

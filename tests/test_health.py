@@ -17,14 +17,14 @@ from collections.abc import Callable
 
 import grpc
 import pytest
-from mesos_harness import Containerizer, GrpcIsolator, container_id
-from sidecar import running_sidecar
 
 from isolator import uevents
 from isolator.nvml import HEALTH_ABSENT, HEALTH_ECC, HEALTH_NVML, HealthEvent, Inventory
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
 from isolator.simhost.sim import NVML_ERROR_GPU_IS_LOST, NVML_ERROR_UNKNOWN, SimulatedHost
+from isolator.testing.mesos import Containerizer, GrpcIsolator, container_id
+from isolator.testing.sidecar import running_sidecar
 
 
 def _until(predicate: Callable[[], bool], timeout: float = 15.0) -> None:

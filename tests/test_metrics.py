@@ -13,11 +13,11 @@ import sys
 import time
 
 import pytest
-from mesos_harness import Containerizer, GrpcIsolator, HookFailed, container_id
-from sidecar import running_sidecar
 
 from isolator.logfmt import KEYS
 from isolator.metrics import parse_address
+from isolator.testing.mesos import Containerizer, GrpcIsolator, HookFailed, container_id
+from isolator.testing.sidecar import running_sidecar
 
 pytestmark = [pytest.mark.root, pytest.mark.cgroup_v1]
 
@@ -173,9 +173,8 @@ def test_serve_refuses_a_bad_metrics_address_with_one_line(short_tmp):
 
 
 def test_calls_over_the_command_module_bridge_are_measured_and_mapped_too(short_tmp):
-    from mesos_harness import BridgeIsolator
-
     from isolator.bridge import install
+    from isolator.testing.mesos import BridgeIsolator
 
     path = os.path.join(short_tmp, "metrics.sock")
     jobs = os.path.join(short_tmp, "jobs")

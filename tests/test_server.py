@@ -236,6 +236,7 @@ def test_serve_errors_exit_1_with_one_line(short_tmp):
         fh.write("[[[")
     for argv, expected in [
         (("serve", "--config", bad), "failed to parse config file"),
+        # --work-dir: the machine's default state dir is not this test's to open (nor to create).
         (
             ("serve", "--resources", "gpus:0", "--work-dir", short_tmp, "--socket", "/proc/version/s.sock"),
             "is not a directory",

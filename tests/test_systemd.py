@@ -115,13 +115,13 @@ def test_ready_comes_after_the_first_reconciliation_in_mesos_mode(short_tmp, mon
     import uuid
 
     import grpc
-    from cgroup_helpers import TEST_PARENT
-    from mesos_harness import Containerizer, GrpcIsolator, container_id
-    from sidecar import Sidecar
 
     from isolator.devices import MESOS_DEFAULT_WHITELIST
     from isolator.rpc import isolator_pb2 as pb
     from isolator.rpc import isolator_pb2_grpc as pb_grpc
+    from isolator.testing.cgroupfs import TEST_PARENT
+    from isolator.testing.mesos import Containerizer, GrpcIsolator, container_id
+    from isolator.testing.sidecar import Sidecar
 
     root = f"{TEST_PARENT}/{os.getpid()}-{uuid.uuid4().hex[:8]}"
     flags = ("--mode", "mesos", "--reap-interval", "3600")

@@ -191,3 +191,36 @@ def test_calls_over_the_command_module_bridge_are_measured_and_mapped_too(short_
         isolator.cleanup(container_id("bridged"))
         assert _mapping(jobs) == {"0": []}
         isolator.close()
+
+
+def _bridge_call(path: str, method: bytes, payload: bytes) -> bytes:
+    from isolator.bridge_server import PROTOCOL
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(30)
+        conn.connect(path)
+        conn.sendall(PROTOCOL + b" " + method + b" 10000\n" + payload)
+        conn.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := conn.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_bridge_input_refused_before_the_hook_is_counted_and_logged_with_its_container(short_tmp):
+    """An agent whose JSON the bridge cannot take (another Mesos version's shape) fails every call with
+    INVALID_ARGUMENT before the hook runs: that must show in gpu_isolator_errors_total and on a log
+    line carrying the hook and the container, like every other refusal."""
+    path = os.path.join(short_tmp, "metrics.sock")
+    flags = ("--metrics-address", f"unix:{path}", "--log-format", "json")
+    with running_sidecar("single", "v1", extra=flags) as sidecar:
+        payload = json.dumps({"container_id": {"value": "refused-1"}, "container_config": 5}).encode()
+        reply = _bridge_call(sidecar.bridge_socket, b"prepare", payload)
+        assert reply.startswith(b"ERROR INVALID_ARGUMENT"), reply
+        m = scrape(_UnixHTTP(path))
+        assert m.get('gpu_isolator_errors_total{code="INVALID_ARGUMENT",hook="Prepare"}') == 1, m
+        assert m.get('gpu_isolator_hook_duration_seconds_count{hook="Prepare",outcome="error"}') == 1, m
+        with open(sidecar.log_path) as fh:
+            entries = [json.loads(line) for line in fh.read().splitlines() if line.strip()]
+    refused = [e for e in entries if "refused" in e["message"]]
+    assert refused and all(e["hook"] == "Prepare" and e["container_id"] == "refused-1" for e in refused), refused

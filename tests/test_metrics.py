@@ -224,3 +224,19 @@ def test_bridge_input_refused_before_the_hook_is_counted_and_logged_with_its_con
             entries = [json.loads(line) for line in fh.read().splitlines() if line.strip()]
     refused = [e for e in entries if "refused" in e["message"]]
     assert refused and all(e["hook"] == "Prepare" and e["container_id"] == "refused-1" for e in refused), refused
+
+
+def test_grpc_requests_refused_as_malformed_are_counted_too(short_tmp):
+    """Bytes that are not the method's message are INVALID_ARGUMENT before the servicer runs; like
+    every other answered error they belong in gpu_isolator_errors_total."""
+    import grpc
+
+    path = os.path.join(short_tmp, "metrics.sock")
+    with running_sidecar("single", "v1", extra=("--metrics-address", f"unix:{path}")) as sidecar:
+        with grpc.insecure_channel(sidecar.address) as channel:
+            call = channel.unary_unary("/gpuisolator.v1.Isolator/Prepare")  # bytes in, bytes out
+            with pytest.raises(grpc.RpcError) as caught:
+                call(b"\x0a\x05\x0a", timeout=10)  # a length past the end: truncated
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        m = scrape(_UnixHTTP(path))
+    assert m.get('gpu_isolator_errors_total{code="INVALID_ARGUMENT",hook="Prepare"}') == 1, m

@@ -240,3 +240,16 @@ def test_grpc_requests_refused_as_malformed_are_counted_too(short_tmp):
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         m = scrape(_UnixHTTP(path))
     assert m.get('gpu_isolator_errors_total{code="INVALID_ARGUMENT",hook="Prepare"}') == 1, m
+
+
+def test_job_mapping_temporary_files_left_by_a_crash_mid_write_are_removed_at_start(short_tmp):
+    """Each file is written as a temporary file then renamed; a SIGKILL between the two leaves the
+    temporary file behind, and nothing else would ever remove it."""
+    jobs = os.path.join(short_tmp, "jobs")
+    os.makedirs(jobs)
+    with open(os.path.join(jobs, ".tmp-k3x9q_1"), "w") as fh:
+        fh.write("half-written\n")
+    with open(os.path.join(jobs, ".hidden-not-ours"), "w") as fh:
+        fh.write("x\n")
+    with running_sidecar("single", "v1", extra=("--job-mapping-dir", jobs)):
+        assert sorted(os.listdir(jobs)) == [".hidden-not-ours", "0"]

@@ -296,6 +296,7 @@ def serve(config: Config) -> int:
     notifier.ready(serving)
     nvml = _nvml_of(service)
     answering = True
+    rescans = nvml.rescans if nvml is not None else 0
     tick = 0.5 if notifier.watchdog_s is None else min(0.5, notifier.watchdog_s / 2)
     # Wake periodically so that signals are handled promptly whatever the platform's lock waits do,
     # and so that a wedged loop stops the watchdog pings (systemd then restarts the daemon).
@@ -311,6 +312,13 @@ def serve(config: Config) -> int:
             else:
                 LOG.error("NVML does not answer: the health service says NOT_SERVING until it does")
             notifier.notify(f"STATUS={serving if answering else 'NVML does not answer; no GPU can be handed out'}")
+        if nvml is not None and jobmap is not None and nvml.rescans != rescans:
+            # The GPUs were read again (a MIG mode change, a GPU back): the files follow the inventory.
+            rescans = nvml.rescans
+            try:
+                jobmap.sync()
+            except Exception:
+                LOG.exception("failed to update the job mapping in '%s'", config.job_mapping_dir)
     notifier.stopping()
     for stop_extra in extras:
         stop_extra()

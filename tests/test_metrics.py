@@ -253,3 +253,15 @@ def test_job_mapping_temporary_files_left_by_a_crash_mid_write_are_removed_at_st
         fh.write("x\n")
     with running_sidecar("single", "v1", extra=("--job-mapping-dir", jobs)):
         assert sorted(os.listdir(jobs)) == [".hidden-not-ours", "0"]
+
+
+def test_job_mapping_follows_a_mig_mode_change_without_waiting_for_a_hook(short_tmp):
+    """Files are named by GPU and by MIG GPU instance: when MIG is turned off on a GPU its instance
+    files must go (and dcgm-exporter stop labelling instances that no longer exist) as soon as the
+    inventory has read the change, not at the next Prepare or Cleanup."""
+    jobs = os.path.join(short_tmp, "jobs")
+    with running_sidecar("dgx-a100", "v1", extra=("--job-mapping-dir", jobs)) as sidecar:
+        assert any(n.startswith("0.") for n in os.listdir(jobs))
+        sidecar.sim.set_mig_mode(0, False)
+        _until(lambda: not any(n.startswith("0.") for n in os.listdir(jobs)))
+        assert "0" in os.listdir(jobs)

@@ -60,6 +60,8 @@ class Metrics:
             ("kind",),
             registry=self.registry,
         )
+        for kind in ("recover", "reap"):
+            self.repairs.labels(kind)  # exported as 0 from the start, not from the first repair
         self.volume_builds = Counter(
             f"{PREFIX}_volume_builds", "Driver volumes built (not reused)", registry=self.registry
         )

@@ -49,7 +49,9 @@ def test_topology_lists_every_pair_once_in_nvidia_smi_notation(rig: Rig) -> None
 def test_views_of_a_host_without_gpus() -> None:
     rig = fake_service(inventory=EmptyInventory())  # type: ignore[arg-type]
     assert rig.service.list_gpus().gpus == () and rig.service.topology().links == ()
-    assert rig.service.health()[0].detail.startswith("no GPUs managed")
+    detail = rig.service.health()[0].detail
+    # Auto-discovery without NVML stops the start (exit 4): only the operator's gpus:0 gets here.
+    assert detail.startswith("no GPUs managed") and "gpus:0" in detail and "auto-discovery" not in detail
 
 
 def test_list_containers_shows_nested_containers_under_their_parent(rig: Rig) -> None:

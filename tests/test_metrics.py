@@ -265,3 +265,15 @@ def test_job_mapping_follows_a_mig_mode_change_without_waiting_for_a_hook(short_
         sidecar.sim.set_mig_mode(0, False)
         _until(lambda: not any(n.startswith("0.") for n in os.listdir(jobs)))
         assert "0" in os.listdir(jobs)
+
+
+def test_counters_with_known_labels_are_exported_as_zero_before_anything_happens():
+    """Prometheus's "avoid missing metrics": a series that appears only on its first repair makes
+    rate() and alerts on it blind until then. Both reconciliation kinds are known in advance."""
+    from prometheus_client import generate_latest
+
+    from isolator.metrics import Metrics
+
+    text = generate_latest(Metrics().registry).decode()
+    assert 'gpu_isolator_reconciliation_repairs_total{kind="recover"} 0.0' in text
+    assert 'gpu_isolator_reconciliation_repairs_total{kind="reap"} 0.0' in text

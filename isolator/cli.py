@@ -462,7 +462,19 @@ def _run_serve(args: argparse.Namespace) -> int:
     from isolator import main as daemon
 
     config = configmod.resolve(args)
-    return daemon.serve(config)
+    try:
+        return daemon.serve(config)
+    except IsolatorError as exc:
+        if config.log_format != "json":
+            raise
+        # The daemon logs JSON: so is the line saying why it stops (one object, level critical).
+        import logging
+
+        from isolator.logfmt import JsonFormatter
+
+        record = logging.LogRecord("isolator", logging.CRITICAL, __file__, 0, "%s", (exc.message,), None)
+        print(JsonFormatter().format(record), file=sys.stderr)
+        return EXIT_NO_GPUS if isinstance(exc, GpusUnavailable) else EXIT_ERROR
 
 
 DEFAULT_CONFIG_TEXT = """\

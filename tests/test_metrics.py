@@ -277,3 +277,32 @@ def test_counters_with_known_labels_are_exported_as_zero_before_anything_happens
     text = generate_latest(Metrics().registry).decode()
     assert 'gpu_isolator_reconciliation_repairs_total{kind="recover"} 0.0' in text
     assert 'gpu_isolator_reconciliation_repairs_total{kind="reap"} 0.0' in text
+
+
+def test_idle_metrics_connections_are_bounded_and_time_out(short_tmp, monkeypatch):
+    """The metrics endpoint answers anyone who can connect (on TCP: any local user). Connections that
+    send nothing must neither pile up a thread each without bound nor be held forever."""
+    import threading
+
+    from isolator import metrics as metrics_mod
+
+    monkeypatch.setattr(metrics_mod, "IO_TIMEOUT_S", 0.5)
+    path = os.path.join(short_tmp, "m.sock")
+    server = metrics_mod.MetricsServer(f"unix:{path}", metrics_mod.Metrics()).start()
+    before = threading.active_count()
+    idle = []
+    try:
+        for _ in range(3 * metrics_mod.MAX_CONNECTIONS):
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.connect(path)
+            idle.append(conn)
+        time.sleep(0.2)
+        assert threading.active_count() - before <= metrics_mod.MAX_CONNECTIONS + 1
+        idle[0].settimeout(5)
+        assert idle[0].recv(1) == b""  # closed by the server after its timeout
+        _until(lambda: threading.active_count() - before <= 1)
+        assert "gpu_isolator_volume_builds_total" in str(scrape(_UnixHTTP(path)))
+    finally:
+        for conn in idle:
+            conn.close()
+        server.stop()

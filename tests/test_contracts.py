@@ -233,6 +233,8 @@ def test_nested_cgroups_are_listed_below_their_parent(standalone: Backend) -> No
     cg.prepare(cid("contract-a.child-1"))
     cg.prepare(cid("contract-a.child-2"))
     assert cg.nested_names(a) == ("child-1", "child-2")
+    cg.prepare(cid("contract-b"))
+    assert cg.containers() == (a, cid("contract-b")), "top-level containers under our root, in order"
     assert cg.cgroup_path(cid("contract-a.child-1")).startswith(cg.cgroup_path(a) + "/mesos/child-1")
     cg.cleanup(a)
     assert not cg.exists(cid("contract-a.child-1"))

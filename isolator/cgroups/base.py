@@ -42,6 +42,26 @@ def child_names(top: str) -> tuple[str, ...]:
     return tuple(sorted(n for n in names if os.path.isdir(os.path.join(below, n))))
 
 
+def top_level_ids(root: str) -> tuple[ContainerId, ...]:
+    """The top-level containers whose cgroups are directly under ``root``; names that are not valid
+    container IDs (another tool's cgroups) are skipped."""
+    from isolator.errors import IsolatorError
+
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return ()
+    out = []
+    for name in names:
+        if not os.path.isdir(os.path.join(root, name)):
+            continue
+        try:
+            out.append(ContainerId.parse(name))
+        except IsolatorError:
+            continue
+    return tuple(out)
+
+
 def read_pids(cgroup: str) -> tuple[int, ...]:
     path = os.path.join(cgroup, "cgroup.procs")
     try:

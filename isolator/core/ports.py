@@ -38,6 +38,7 @@ class CgroupBackend(Protocol):
     * ``in_force(c)``: what the kernel enforces and where that was read, for the admin views.
     * ``exists(c)``, ``nested_names(c)``: whether the cgroup exists; the names of the cgroups Mesos
       made for nested containers below it (``<c>/mesos/<name>``).
+    * ``containers()``: every top-level container with a cgroup under our root, recorded or not.
     * ``add_pid(c, pid)`` / ``pids(c)``: place and list processes (``cgroup.procs``).
     * ``cleanup(c)``: remove exactly what we added; a missing cgroup is success. Idempotent.
     """
@@ -50,6 +51,8 @@ class CgroupBackend(Protocol):
     def exists(self, container: ContainerId) -> bool: ...
 
     def nested_names(self, container: ContainerId) -> tuple[str, ...]: ...
+
+    def containers(self) -> tuple[ContainerId, ...]: ...
 
     def prepare(self, container: ContainerId) -> None: ...
 

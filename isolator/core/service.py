@@ -67,7 +67,7 @@ class IsolatorService:
         self.hooks = Hooks(self.core)
         self.recovery = Recovery(self.core)
         self.admin = Admin(self.core)
-        self.recovery.restore()
+        self.recovery.start()
 
     # ---- Isolator hooks (include/mesos/slave/isolator.hpp) ----------------------------------------
 

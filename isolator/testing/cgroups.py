@@ -80,6 +80,10 @@ class FakeCgroups:
         with self._lock:
             return tuple(sorted(c.value for c in self.cgroups if c.parent == container))
 
+    def containers(self) -> tuple[ContainerId, ...]:
+        with self._lock:
+            return tuple(sorted((c for c in self.cgroups if not c.nested), key=ContainerId.chain))
+
     def prepare(self, container: ContainerId) -> None:
         self.faults.check("prepare", container)
         with self._lock:

@@ -478,3 +478,13 @@ def test_prepare_refuses_a_cgroup_that_already_has_processes(mode: str) -> None:
     rig.cgroups.kill(squatter)
     rig.service.prepare(a, gpus(2))
     assert len(granted(rig, a) or []) == 2
+
+
+def test_a_grow_into_a_vanished_cgroup_keeps_only_what_was_held(rig: Rig) -> None:
+    a = cid("a")
+    rig.service.prepare(a, gpus(1))
+    before = held(rig, a)
+    rig.cgroups.vanish(a)
+    with pytest.raises(NotFound):
+        rig.service.update(a, [Resource("gpus", 2.0)])
+    assert held(rig, a) == before and free(rig) == frozenset(range(8)) - set(before)

@@ -311,6 +311,8 @@ class Hooks:
         if recorded:
             try:
                 core.cgroups.apply(cid, core.rules(kept))
+            except CgroupVanished:
+                pass  # no cgroup, no grant
             except Exception:
                 LOG.exception(
                     "failed to revoke GPUs %s of %s after a failed update; they stay booked", sorted(add), cid

@@ -67,6 +67,7 @@ class Config:
     ignored_xids: tuple[int, ...] = DEFAULT_IGNORED_XIDS
     max_workers: int = 16
     reap_interval: float = 60.0
+    audit_interval: float = 300.0  # 0: no periodic audit (gpu-isolator audit still runs one)
     max_concurrent_rpcs: int = 256
     max_connections: int = 128
     max_message_bytes: int = 4 * 1024 * 1024
@@ -137,6 +138,12 @@ def _positive_float(value: Any) -> float:
     return x
 
 
+def _seconds_or_off(value: Any) -> float:
+    if str(value).strip() == "0":
+        return 0.0
+    return _positive_float(value)
+
+
 def _choice(choices: tuple[str, ...]) -> Any:
     def parse(value: Any) -> str:
         if value not in choices:
@@ -184,6 +191,7 @@ PARSERS: dict[str, Any] = {
     "ignored_xids": _int_list,
     "max_workers": _positive_int,
     "reap_interval": _positive_float,
+    "audit_interval": _seconds_or_off,
     "max_concurrent_rpcs": _positive_int,
     "max_connections": _positive_int,
     "max_message_bytes": _positive_int,
@@ -213,6 +221,7 @@ HELP = {
     "ignored_xids": f"XIDs that do not mark a GPU unhealthy (default {','.join(map(str, DEFAULT_IGNORED_XIDS))})",
     "max_workers": "gRPC worker threads (default 16)",
     "reap_interval": "seconds between checks for containers whose Mesos cgroup vanished (default 60)",
+    "audit_interval": "seconds between drift audits of every container's kernel rules (default 300; 0: off)",
     "max_concurrent_rpcs": "requests in flight before RESOURCE_EXHAUSTED (default 256)",
     "max_connections": "connections of allowed callers open at once; more are closed (default 128)",
     "max_message_bytes": "largest request accepted, in bytes (default 4 MiB)",

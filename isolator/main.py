@@ -149,12 +149,12 @@ def build_service(config: Config, notes: list[str] | None = None) -> IsolatorSer
         raise
 
 
-def _reap_loop(reap: Callable[[], object], stop: threading.Event, interval: float) -> None:
+def _periodic(task: Callable[[], object], stop: threading.Event, interval: float, what: str) -> None:
     while not stop.wait(interval):
         try:
-            reap()
+            task()
         except Exception:
-            LOG.exception("periodic reconciliation failed; retrying in %s s", interval)
+            LOG.exception("periodic %s failed; retrying in %s s", what, interval)
 
 
 def serve(config: Config) -> int:
@@ -179,9 +179,11 @@ def serve(config: Config) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     if config.mode == "mesos":
-        threading.Thread(
-            target=_reap_loop, args=(service.reap_vanished, stop, config.reap_interval), name="reaper", daemon=True
-        ).start()
+        reap = (service.reap_vanished, stop, config.reap_interval, "reaping")
+        threading.Thread(target=_periodic, args=reap, name="reaper", daemon=True).start()
+    if config.audit_interval > 0:
+        audit = (service.audit, stop, config.audit_interval, "drift audit")
+        threading.Thread(target=_periodic, args=audit, name="audit", daemon=True).start()
     # Wake periodically so that signals are handled promptly whatever the platform's lock waits do.
     while not stop.wait(0.5):
         pass

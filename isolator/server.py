@@ -232,6 +232,11 @@ class AdminServicer(pb_grpc.AdminServicer):
         released = self._service.release(container_id_from_proto(request.container_id), request.force)
         return released_to_proto(released)
 
+    @_translate_errors
+    def Audit(self, request: pb.AuditRequest, context: grpc.ServicerContext) -> pb.AuditResponse:
+        report = self._service.audit()
+        return pb.AuditResponse(checked=report.checked, repaired=report.repaired, repairs_total=report.repairs_total)
+
 
 # ---- the Unix socket ----------------------------------------------------------------------------
 

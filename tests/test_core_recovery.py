@@ -270,3 +270,48 @@ def test_a_mesos_mode_start_reapplies_a_record_whose_grants_drifted() -> None:
     rig.cgroups.grant_behind_our_back(a, rules_granting(rig))  # a daemon-reload rewrote the rules
     rig.restart()
     assert granted(rig, a) == held(rig, a) and len(held(rig, a)) == 2
+
+
+# ---- issue 16: the drift audit ----------------------------------------------------------------------
+
+
+def test_the_audit_reapplies_drifted_rules_and_counts_the_repairs() -> None:
+    rig = fake_service("dgx-1")
+    a, b = cid("a"), cid("b")
+    rig.service.prepare(a, gpus(2))
+    rig.service.prepare(b, gpus(1))
+    report = rig.service.audit()
+    assert (report.checked, report.repaired, report.repairs_total) == (2, (), 0)
+    rig.cgroups.grant_behind_our_back(a, rules_granting(rig))  # a daemon-reload took a's GPUs away
+    rig.cgroups.grant_behind_our_back(b, rules_granting(rig, *held(rig, b), 7))  # and gave b one more
+    report = rig.service.audit()
+    assert report.checked == 2 and report.repairs_total == 2
+    assert [line.split(":")[0] for line in report.repaired] == ["container a", "container b"]
+    assert "kernel grants GPUs [] " in report.repaired[0] and "7" in report.repaired[1]
+    assert granted(rig, a) == held(rig, a) and granted(rig, b) == held(rig, b)
+    assert rig.service.audit().repaired == () and rig.service.audit().repairs_total == 2
+
+
+def test_the_audit_remakes_a_vanished_standalone_cgroup_and_skips_a_vanished_mesos_one() -> None:
+    rig = fake_service("dgx-1")
+    rig.service.prepare(cid("a"), gpus(1))
+    rig.cgroups.vanish(cid("a"))
+    assert len(rig.service.audit().repaired) == 1
+    assert granted(rig, cid("a")) == held(rig, cid("a"))
+
+    mesos = fake_service("dgx-1", mode="mesos")
+    mesos.cgroups.mesos_creates(cid("m"))
+    mesos.service.prepare(cid("m"), gpus(1))
+    mesos.cgroups.vanish(cid("m"))
+    assert mesos.service.audit().repaired == (), "a destroyed Mesos container is the reaper's"
+
+
+def test_the_audit_in_mesos_mode_leaves_the_agents_own_rules_alone() -> None:
+    rig = fake_service("dgx-1", mode="mesos")
+    a = cid("a")
+    rig.cgroups.mesos_creates(a)
+    rig.service.prepare(a, gpus(1))
+    fuse = DeviceRule.char(10, 229, "rwm")  # the agent's --allowed_devices
+    rig.cgroups.grant_behind_our_back(a, (*(rig.cgroups.rules_of(a) or ()), fuse))
+    assert rig.service.audit().repaired == ()
+    assert fuse in (rig.cgroups.rules_of(a) or ())

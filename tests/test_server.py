@@ -69,6 +69,7 @@ UNIMPLEMENTED = [
     ("Admin", "Volume", pb.VolumeRequest()),
     ("Admin", "Health", pb.HealthRequest()),
     ("Admin", "Release", pb.ReleaseRequest(container_id=pb.ContainerID(value="c1"))),
+    ("Admin", "Audit", pb.AuditRequest()),
 ]
 
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 import contextlib
 import logging
 
+from isolator import devices as devrules
 from isolator.allocator import Allocator
 from isolator.core.context import Core
 from isolator.crashpoints import crashpoint
 from isolator.devices import NVIDIA_MAJOR, KernelRules
 from isolator.errors import CgroupVanished, FailedPrecondition
-from isolator.model import ContainerId, ContainerRecord, ContainerState, RecoverResult
+from isolator.model import AuditReport, ContainerId, ContainerRecord, ContainerState, RecoverResult
 from isolator.reconcile import Kind, reconcile
 
 LOG = logging.getLogger(__name__)
@@ -222,6 +223,62 @@ class Recovery:
         core.notify()
         LOG.info("recovered %d containers, released %d", result.recovered, result.released)
         return result
+
+    def audit(self) -> AuditReport:
+        """Compare every recorded container's kernel rules with its record; re-apply on a difference.
+
+        Drift is: a recorded rule the kernel does not enforce, GPUs granted other than the recorded
+        ones, nothing of ours in force, and in standalone mode (where the cgroup is all ours) any
+        rule the kernel enforces beyond the record. In mesos mode the agent's own rules are its
+        business. A standalone cgroup that vanished is made again; a Mesos one is the reaper's.
+        Each container is checked under its own lock, so hooks of the others go on meanwhile.
+        """
+        core = self.core
+        repaired: list[str] = []
+        checked = 0
+        for cid in sorted(core.store.load(), key=ContainerId.chain):
+            with core.locks.hold(cid):
+                rec = core.store.get(cid)
+                if rec is None:
+                    continue
+                checked += 1
+                drift = self._drift(cid, rec)
+                if drift is None:
+                    continue
+                if not core.cgroups.exists(cid):
+                    core.cgroups.prepare(cid)
+                core.apply(cid, rec.gpus)
+            line = f"container {cid}: {drift}; re-applied the recorded rules"
+            LOG.warning("audit: %s", line)
+            repaired.append(line)
+        with core.alloc:
+            core.repairs += len(repaired)
+            total = core.repairs
+        return AuditReport(checked=checked, repaired=tuple(repaired), repairs_total=total)
+
+    def _drift(self, cid: ContainerId, rec: ContainerRecord) -> str | None:
+        core = self.core
+        if not core.cgroups.exists(cid):
+            if core.settings.mode == "mesos":
+                return None
+            return f"its cgroup '{core.cgroups.cgroup_path(cid)}' is gone"
+        kernel = core.cgroups.in_force(cid)
+        if not kernel.present:
+            return kernel.source.removeprefix("none: ")
+        recorded = devrules.parse_rules(line for line in rec.rules.splitlines() if line)
+        granted = core.granted(kernel.rules)
+        missing = [str(r) for r in recorded if not devrules.permits(kernel.rules, r)]
+        extra = (
+            [] if core.settings.mode == "mesos" else [str(r) for r in kernel.rules if not devrules.permits(recorded, r)]
+        )
+        if granted == sorted(rec.gpus) and not missing and not extra:
+            return None
+        parts = [f"kernel grants GPUs {granted} (recorded {sorted(rec.gpus)})"]
+        if missing:
+            parts.append(f"missing {missing}")
+        if extra:
+            parts.append(f"unrecorded {extra}")
+        return ", ".join(parts)
 
     def reap_vanished(self) -> list[ContainerId]:
         """Release containers whose Mesos cgroup is gone (mesos mode only).

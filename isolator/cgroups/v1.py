@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from isolator.cgroups.base import (
+    cgroup_of,
     check_mode,
     child_names,
     container_dir,
@@ -113,6 +114,12 @@ class V1DeviceController:
 
     def nested_names(self, container: ContainerId) -> tuple[str, ...]:
         return child_names(self.cgroup_path(container))
+
+    def root_path(self) -> str:
+        return os.path.normpath(os.path.join(self.hierarchy, self.cgroups_root.strip("/")))
+
+    def cgroup_of(self, pid: int) -> str | None:
+        return cgroup_of(pid, self.hierarchy, "devices")
 
     def containers(self) -> tuple[ContainerId, ...]:
         return top_level_ids(os.path.join(self.hierarchy, self.cgroups_root.strip("/")))

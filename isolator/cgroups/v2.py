@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from isolator.cgroups import bpf, bpfprog
 from isolator.cgroups.base import (
+    cgroup_of,
     check_mode,
     child_names,
     container_dir,
@@ -96,6 +97,12 @@ class V2DeviceController:
 
     def nested_names(self, container: ContainerId) -> tuple[str, ...]:
         return child_names(self.container_dir(container))
+
+    def root_path(self) -> str:
+        return os.path.normpath(os.path.join(self.mount, self.cgroups_root.strip("/")))
+
+    def cgroup_of(self, pid: int) -> str | None:
+        return cgroup_of(pid, self.mount, None)
 
     def containers(self) -> tuple[ContainerId, ...]:
         return top_level_ids(os.path.join(self.mount, self.cgroups_root.strip("/")))

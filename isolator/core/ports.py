@@ -40,6 +40,8 @@ class CgroupBackend(Protocol):
       made for nested containers below it (``<c>/mesos/<name>``).
     * ``containers()``: every top-level container with a cgroup under our root, recorded or not.
     * ``add_pid(c, pid)`` / ``pids(c)``: place and list processes (``cgroup.procs``).
+    * ``root_path()``, ``cgroup_of(pid)``: our root's path; the cgroup a process is in, in this
+      hierarchy (None when it is gone).
     * ``cleanup(c)``: remove exactly what we added; a missing cgroup is success. Idempotent.
     """
 
@@ -65,6 +67,10 @@ class CgroupBackend(Protocol):
     def in_force(self, container: ContainerId) -> KernelRules: ...
 
     def add_pid(self, container: ContainerId, pid: int) -> None: ...
+
+    def root_path(self) -> str: ...
+
+    def cgroup_of(self, pid: int) -> str | None: ...
 
     def pids(self, container: ContainerId) -> tuple[int, ...]: ...
 
@@ -211,10 +217,22 @@ class DeviceNodes(Protocol):
     def caps_major(self) -> int | None: ...
 
 
+class PinnedProcess(Protocol):
+    """One process held by a pidfd: its pid cannot name another process while it is alive."""
+
+    def alive(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
 class Processes(Protocol):
-    """The process table (``/proc``)."""
+    """The process table (``/proc``, pidfds)."""
 
     def exists(self, pid: int) -> bool: ...
+
+    def pin(self, pid: int) -> PinnedProcess | None: ...  # None: no such process
+
+    def sidecar_pids(self) -> frozenset[int]: ...  # the sidecar and its ancestors
 
 
 class Filesystem(Protocol):

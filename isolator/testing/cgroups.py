@@ -144,6 +144,14 @@ class FakeCgroups:
                 raise CgroupError(op="write", path=self.cgroup_path(container), cause=f"{pid!r} is not a process id")
             self.members[pid] = container
 
+    def root_path(self) -> str:
+        return self.root
+
+    def cgroup_of(self, pid: int) -> str | None:
+        with self._lock:
+            where = self.members.get(pid)
+        return self.cgroup_path(where) if where is not None else "/fake/cgroup/devices/user.slice"
+
     def pids(self, container: ContainerId) -> tuple[int, ...]:
         self.faults.check("pids", container)
         with self._lock:

@@ -187,7 +187,7 @@ def test_serve_errors_exit_1_with_one_line(short_tmp):
         fh.write("[[[")
     for argv, expected in [
         (("serve", "--config", bad), "failed to parse config file"),
-        # its own work dir: the default /var/lib/gpu-isolator belongs to whatever else ran on the machine
+        # --work-dir: the machine's default state dir is not this test's to open (nor to create).
         (("serve", "--socket", "/proc/version/s.sock", "--work-dir", short_tmp), "is not a directory"),
         (("serve", "--simulate", "x", "--nvml-library", "y"), "contradict"),
     ]:

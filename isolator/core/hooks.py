@@ -132,21 +132,53 @@ class Hooks:
     def _prepare_nested(self, cid: ContainerId, config: ContainerConfig) -> LaunchInfo | None:
         # Mesos: DEBUG containers inherit everything from their parent; other nested containers get
         # the volume and device nodes for their own rootfs and use their top-level container's GPUs.
-        if config.container_class == "DEBUG":
-            return None
+        # Both get the top-level container's rules in a cgroup of their own where the agent made one.
         core = self.core
+        if config.container_class == "DEBUG":
+            with core.locks.hold(cid):
+                self._rules_for_nested(cid, config)
+            return None
         image_plan = self._image_plan(config)
         with core.locks.hold(cid):
             root = core.store.get(cid.root)
             minors = root.gpus if root is not None else frozenset()
             undo: Undo = []
             try:
+                if self._rules_for_nested(cid, config):
+                    undo.append(lambda: core.cgroups.cleanup(cid))
                 info = self._launch_info(cid, config, minors, image_plan, undo)
             except BaseException:
                 self._undo(cid, undo)
                 raise
         LOG.info("prepared nested %s", core.describe(cid, minors))
         return info
+
+    def _rules_for_nested(self, cid: ContainerId, config: ContainerConfig) -> bool:
+        """Give a nested container that has a devices cgroup of its own its top-level container's rules.
+
+        Mesos makes ``<root>/<parent>/mesos/<child>`` (v1, and v2 with ``/leaf``) before module
+        isolators prepare, and puts the pid there: on v1 only when ``share_cgroups`` is false (1.10+),
+        whitelisted with its defaults alone, so the GPUs would be denied; on v2 (master) for every
+        nested container, outside our program on the parent's leaf, so nothing of ours would apply.
+        Below a top-level container we do not know we touch nothing, as for that container itself.
+        Call with the container's lock held.
+        """
+        core = self.core
+        if core.settings.mode != "mesos":
+            return False  # standalone: nested containers run in their top-level container's cgroup
+        root = core.store.get(cid.root)
+        if root is None:
+            return False
+        if not core.cgroups.exists(cid):
+            if not config.share_cgroups:
+                raise FailedPrecondition(
+                    f"nested container {cid} asks for cgroups of its own (share_cgroups=false) but "
+                    f"'{core.cgroups.cgroup_path(cid)}' does not exist; is Mesos's cgroups/devices isolator enabled?"
+                )
+            return False  # shares its parent's cgroup, whose rules are already in force
+        core.cgroups.prepare(cid)
+        core.apply_nested(cid, core.rules(root.gpus))
+        return True
 
     def _image_plan(self, config: ContainerConfig) -> ImagePlan | None:
         """Decide on the volume before anything is allocated, so a refusal leaves nothing behind."""
@@ -180,6 +212,11 @@ class Hooks:
         if image_plan is not None:
             mounts_v, env = self._volume(cid, config, image_plan, undo)
             mounts = mounts_v + mounts
+        if config.command_task:
+            # Mesos's isolator: a command task's environment goes in task_environment, which the
+            # command executor applies over the image's own (docker/runtime puts the image's PATH
+            # there); in `environment` the image's PATH and LD_LIBRARY_PATH would win over ours.
+            return LaunchInfo(task_environment=env, mounts=tuple(mounts))
         return LaunchInfo(environment=env, mounts=tuple(mounts))
 
     def _device_mounts(self, rootfs: str, minors: frozenset[int]) -> list[Mount]:
@@ -246,9 +283,9 @@ class Hooks:
             raise InvalidArgument(f"pid {pid} is not a valid container pid")
         if not core.edges.processes.exists(pid):
             raise FailedPrecondition(f"pid {pid} does not exist (the container's init is gone)")
-        target = container_id.root if container_id.nested and core.cgroups.version == "v1" else container_id
         with core.locks.hold(container_id):
             rec = core.require(container_id.root)
+            target = core.governing(container_id)
             if core.settings.mode == "standalone":
                 self._move(container_id, target, pid)
                 crashpoint("isolate.placed")
@@ -348,7 +385,7 @@ class Hooks:
             try:
                 core.cgroups.apply(cid, core.rules(kept))
             except CgroupVanished:
-                pass  # no cgroup, no grant
+                pass  # no cgroup, no grant: nothing to revoke
             except Exception:
                 LOG.exception(
                     "failed to revoke GPUs %s of %s after a failed update; they stay booked", sorted(add), cid
@@ -417,6 +454,9 @@ class Hooks:
     def cleanup(self, container_id: ContainerId) -> None:
         core = self.core
         if container_id.nested:
+            if core.settings.mode == "mesos":
+                with core.locks.hold(container_id):
+                    core.cgroups.cleanup(container_id)  # our rules in its own cgroup, if any
             core.release_volume(container_id)
             return
         with core.locks.hold(container_id):

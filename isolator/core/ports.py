@@ -39,6 +39,8 @@ class CgroupBackend(Protocol):
     * ``exists(c)``, ``nested_names(c)``: whether the cgroup exists; the names of the cgroups Mesos
       made for nested containers below it (``<c>/mesos/<name>``).
     * ``containers()``: every top-level container with a cgroup under our root, recorded or not.
+    * ``apply_nested(c, rules)``: ``apply`` to a nested container's own cgroup; on v1 a grant first
+      passes through the ``<parent>/mesos`` cgroup between them, which may never allow less.
     * ``add_pid(c, pid)`` / ``pids(c)``: place and list processes (``cgroup.procs``).
     * ``root_path()``, ``cgroup_of(pid)``: our root's path; the cgroup a process is in, in this
       hierarchy (None when it is gone).
@@ -59,6 +61,8 @@ class CgroupBackend(Protocol):
     def prepare(self, container: ContainerId) -> None: ...
 
     def apply(self, container: ContainerId, rules: Iterable[DeviceRule]) -> None: ...
+
+    def apply_nested(self, container: ContainerId, rules: Iterable[DeviceRule]) -> None: ...
 
     def current(self, container: ContainerId) -> tuple[DeviceRule, ...]: ...
 

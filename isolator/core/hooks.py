@@ -313,7 +313,8 @@ class Hooks:
             root = core.cgroups.root_path()
             own = core.cgroups.cgroup_path(cid.root)
             if where is None:
-                raise FailedPrecondition(f"pid {pid} does not exist (the container's init is gone)")
+                version = core.cgroups.version
+                raise FailedPrecondition(f"pid {pid} is gone, or its {version} devices cgroup cannot be read")
             if _below(where, root) and not (where == own or _below(where, own)):
                 raise FailedPrecondition(
                     f"pid {pid} is in the cgroup '{where}' under our root, not in container {cid}'s; "

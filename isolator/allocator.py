@@ -53,7 +53,7 @@ TIER_CLASS = {60: 30, 50: 30, 40: 30, 30: 30, 20: 20, 10: 10}
 NO_PAIRS = -1
 
 # The search budget in expanded partial sets (SearchLimits); see docs/allocator.md, "Search budget".
-DEFAULT_MAX_NODES = 400
+DEFAULT_MAX_CANDIDATES = 2_500
 
 # Bisections tried exactly up to this many GPUs in a group (C(16, 8) / 2 = 6,435 splits); larger
 # groups without a natural split are halved greedily (still deterministic).
@@ -276,14 +276,14 @@ def _bisect(tier: tuple[tuple[int, ...], ...], group: list[int]) -> list[list[in
 
 @dataclass(frozen=True)
 class SearchLimits:
-    """The search's work budget, counted in the partial sets it expands (never in seconds, so the
+    """The search's work budget, counted in candidates examined (never in seconds, so the
     same input gives the same answer at any load and on any machine). When the budget runs out the
     best set found so far (never worse than the greedy start) is returned with ``exact=False``.
 
     The default is chosen so that the worst decision measured on the shipped hosts and on 16- and
     32-GPU hosts stays under the decision-time goal (docs/allocator.md, "Search budget")."""
 
-    max_nodes: int = DEFAULT_MAX_NODES
+    max_candidates: int = DEFAULT_MAX_CANDIDATES
 
 
 @dataclass(frozen=True)
@@ -296,7 +296,7 @@ class Choice:
     score: int = 0
     slowest: int = NO_PAIRS
     exact: bool = True
-    nodes: int = 0
+    work: int = 0
 
 
 @dataclass(frozen=True)
@@ -338,10 +338,10 @@ def choose(
     if n > len(free):
         raise GpusExhausted(requested=n, available=len(free))
     if n == 0:
-        return _describe(fabric, (), held, policy, exact=True, nodes=0)
+        return _describe(fabric, (), held, policy, exact=True, work=0)
     if policy == FIRST_FIT:
         # Mesos's NvidiaGpuAllocator: the first `count` elements of an ordered set (lowest minors).
-        return _describe(fabric, tuple(sorted(free)[:n]), held, policy, exact=True, nodes=0)
+        return _describe(fabric, tuple(sorted(free)[:n]), held, policy, exact=True, work=0)
     pos = fabric.position
     found = _topology_search(
         fabric,
@@ -351,7 +351,7 @@ def choose(
         limits=limits or SearchLimits(),
     )
     return _describe(
-        fabric, tuple(fabric.minors[p] for p in found.chosen), held, policy, exact=found.exact, nodes=found.nodes
+        fabric, tuple(fabric.minors[p] for p in found.chosen), held, policy, exact=found.exact, work=found.work
     )
 
 
@@ -380,7 +380,7 @@ def plan_update(
         return UpdatePlan(add=choice.gpus, choice=choice)
     if policy == FIRST_FIT:
         keep = tuple(sorted(held)[:n])
-        choice = _describe(fabric, keep, frozenset(), policy, exact=True, nodes=0)
+        choice = _describe(fabric, keep, frozenset(), policy, exact=True, work=0)
     else:
         # Among equally connected sets to keep, the tie-break prefers releasing GPUs that still pair
         # well with each other (what is left, here, is what is released).
@@ -398,10 +398,10 @@ def _known(fabric: Fabric, minors: Iterable[int]) -> frozenset[int]:
 
 
 def _describe(
-    fabric: Fabric, new: tuple[int, ...], held: frozenset[int], policy: str, *, exact: bool, nodes: int
+    fabric: Fabric, new: tuple[int, ...], held: frozenset[int], policy: str, *, exact: bool, work: int
 ) -> Choice:
     total, slowest = fabric.set_score((*held, *new))
-    return Choice(gpus=tuple(sorted(new)), policy=policy, score=total, slowest=slowest, exact=exact, nodes=nodes)
+    return Choice(gpus=tuple(sorted(new)), policy=policy, score=total, slowest=slowest, exact=exact, work=work)
 
 
 # ---- the topology search -------------------------------------------------------------------------
@@ -421,15 +421,16 @@ def _describe(
 # Search: the best slowest tier is found by trying tier thresholds from the top down and asking for a
 # set whose pairs all reach it (a clique); within the first threshold that has one, a depth-first
 # branch and bound maximises rules 2-7 together. Every bound is a true upper bound, so the search
-# is exact when it finishes. It counts the sets it expands; when the count reaches the budget it
-# returns the best set found so far (never worse than the greedy start). Nothing reads a clock.
+# is exact when it finishes. It counts its work in candidates examined (each partial set costs one
+# plus the GPUs it may still grow by); when the count passes the budget it returns the best set
+# found so far (never worse than the greedy start) with exact=False. Nothing reads a clock.
 
 
 @dataclass
 class _Found:
     chosen: tuple[int, ...]
     exact: bool
-    nodes: int
+    work: int
 
 
 class _Stop(Exception):
@@ -439,19 +440,19 @@ class _Stop(Exception):
 def _topology_search(fabric: Fabric, fixed: list[int], cands: list[int], k: int, limits: SearchLimits) -> _Found:
     if k == len(cands):
         return _Found(tuple(cands), True, 0)
-    search = _Search(fabric, fixed, cands, k, limits.max_nodes)
+    search = _Search(fabric, fixed, cands, k, limits.max_candidates)
     return search.run()
 
 
 class _Search:
-    def __init__(self, fabric: Fabric, fixed: list[int], cands: list[int], k: int, max_nodes: int) -> None:
+    def __init__(self, fabric: Fabric, fixed: list[int], cands: list[int], k: int, max_candidates: int) -> None:
         self.score = fabric.score
         self.tier = fabric.tier
         self.fixed = fixed
         self.cands = cands
         self.k = k
-        self.max_nodes = max_nodes
-        self.nodes = 0
+        self.max_candidates = max_candidates
+        self.work = 0
         free = 0
         for c in cands:
             free |= 1 << c
@@ -538,7 +539,7 @@ class _Search:
                     break
         except _Stop:
             exact = False
-        return _Found(self.best_set, exact, self.nodes)
+        return _Found(self.best_set, exact, self.work)
 
     # -- branch and bound over the sets whose pairs all reach tier t --
 
@@ -572,8 +573,9 @@ class _Search:
         dmg: list[int],
         degsum: int,
     ) -> None:
-        self.nodes += 1
-        if self.nodes > self.max_nodes:
+        # Work is counted in candidates examined: a partial set costs one plus the GPUs it may grow by.
+        self.work += 1 + len(pool)
+        if self.work > self.max_candidates:
             raise _Stop
         left = self.k - len(chosen)
         if left == 0:
@@ -608,8 +610,8 @@ class _Search:
             nxt = [r for r in rest if row[r] >= self._t]
             if len(nxt) < left - 1:
                 continue
-            tops = sorted((potential[r] for r in nxt), reverse=True)[: left - 1]
-            bound = tsum + (potential[c] + sum(tops)) // 2
+            # ``order`` runs by potential, highest first, so nxt's best left-1 come first.
+            bound = tsum + (potential[c] + sum(potential[r] for r in nxt[: left - 1])) // 2
             if best is not None:
                 if bound < best[1]:
                     continue
@@ -695,17 +697,6 @@ class _Search:
         # Equal at best: only a lexicographically smaller set could win (rule 7).
         smallest = tuple(sorted([*chosen, c, *sorted(nxt)[: left - 1]]))
         return smallest < self.best_set
-
-
-def _key(score: tuple[tuple[int, ...], ...], fixed: list[int], chosen: Iterable[int]) -> tuple[int, int]:
-    members = [*fixed, *chosen]
-    total, slowest = 0, NO_PAIRS
-    for i, a in enumerate(members):
-        for b in members[i + 1 :]:
-            s = score[a][b]
-            total += s
-            slowest = s if slowest == NO_PAIRS else min(slowest, s)
-    return slowest, total
 
 
 def _greedy(score: tuple[tuple[int, ...], ...], fixed: list[int], cands: list[int], k: int) -> tuple[int, ...]:

@@ -547,7 +547,7 @@ def decision_times(patterns: int = 40, seed: int = 11) -> dict:
                 start = time.perf_counter()
                 c = choose(fabric, free, size, TOPOLOGY)
                 per.setdefault(size, []).append((time.perf_counter() - start) * 1000)
-                nodes[size] = max(nodes.get(size, 0), c.nodes)
+                nodes[size] = max(nodes.get(size, 0), c.work)
                 cut[size] = cut.get(size, 0) + (not c.exact)
         rows = {}
         for size, ts in sorted(per.items()):
@@ -556,7 +556,7 @@ def decision_times(patterns: int = 40, seed: int = 11) -> dict:
                 "p50_ms": round(ts[len(ts) // 2], 3),
                 "p99_ms": round(ts[min(len(ts) - 1, int(len(ts) * 0.99))], 3),
                 "max_ms": round(ts[-1], 3),
-                "max_nodes": nodes[size],
+                "max_work": nodes[size],
                 "cut": cut[size],
                 "decisions": len(ts),
             }
@@ -657,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
         worst = max(v["p99_ms"] for v in r["sizes"].values())
         print(
             f"  {host} ({r['gpus']} GPUs): worst p99 {worst} ms; "
-            + "; ".join(f"{k}: {v['p99_ms']}/{v['max_nodes']}n/{v['cut']}cut" for k, v in r["sizes"].items())
+            + "; ".join(f"{k}: {v['p99_ms']}/{v['max_work']}w/{v['cut']}cut" for k, v in r["sizes"].items())
         )
     print(f"\nstate store: opened and loaded 10,000 recorded containers in {recovery * 1000:.1f} ms")
     return 0

@@ -102,6 +102,12 @@ class Fabric:
     # more GPUs, the whole host first; ``ancestors[p]`` are the groups holding position p.
     groups: tuple[int, ...] = ()
     ancestors: tuple[tuple[int, ...], ...] = ()
+    # Per position, the other positions by tier, best first; and the most the exact score of a pair
+    # exceeds its tier (for the search's bounds).
+    ranked: tuple[tuple[int, ...], ...] = ()
+    max_gap: int = 0
+    # The groups as position tuples (same order as ``groups``).
+    members: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def of(cls, topology: Topology) -> Fabric:
@@ -155,6 +161,11 @@ class Fabric:
             tier=tier_rows,
             groups=groups,
             ancestors=tuple(tuple(i for i, g in enumerate(groups) if g >> p & 1) for p in range(n)),
+            ranked=tuple(
+                tuple(sorted((d for d in range(n) if d != c), key=lambda d: (-tier_rows[c][d], d))) for c in range(n)
+            ),
+            max_gap=max((matrix[a][b] - tiers[a][b] for a in range(n) for b in range(a)), default=0),
+            members=tuple(tuple(p for p in range(n) if g >> p & 1) for g in groups),
         )
 
     def group_minors(self) -> list[tuple[int, ...]]:
@@ -471,16 +482,16 @@ class _Search:
         for f in fixed:
             self.fixed_numa |= self.numa_bit[f]
         self.deg = {c: sum(self.score[c][d] for d in cands if d != c) for c in cands}
-        gaps = [self.score[a][b] - self.tier[a][b] for a in range(len(self.score)) for b in range(a)]
-        self.max_gap = max(gaps, default=0)
+        self.max_gap = fabric.max_gap
+        self.members = fabric.members
         self.fixed_sum = sum(self.score[a][b] for i, a in enumerate(fixed) for b in fixed[i + 1 :])
         self.fixed_tsum = sum(self.tier[a][b] for i, a in enumerate(fixed) for b in fixed[i + 1 :])
         self.fixed_min = min((self.score[a][b] for i, a in enumerate(fixed) for b in fixed[i + 1 :]), default=None)
         self.fixed_tmin = min((self.tier[a][b] for i, a in enumerate(fixed) for b in fixed[i + 1 :]), default=None)
         self.best_key: tuple[int, ...] | None = None
         self.best_set: tuple[int, ...] = ()
-        # Candidates' partners, best tier first, for the bound.
-        self.ranked = {c: sorted((d for d in cands if d != c), key=lambda d: (-self.tier[c][d], d)) for c in cands}
+        # Every GPU's partners, best tier first, for the bound (filtered by the pool where used).
+        self.ranked = fabric.ranked
 
     # -- the complete key of a set (rules 1-6; rule 7 is the set itself) --
 
@@ -521,6 +532,18 @@ class _Search:
     def run(self) -> _Found:
         greedy = _greedy(self.tier, self.fixed, self.cands, self.k)
         self.offer(greedy)
+        if len(self.cands) > self.k and len(self.fixed) + self.k >= 2:
+            # More starts: the greedy set inside each smallest group that still holds enough free
+            # GPUs (on structured hosts the answer is usually there, and a good start prunes most).
+            free = set(self.cands)
+            counts = [(len(free.intersection(self.members[i])), i) for i in range(len(self.members))]
+            fits = [c for c in counts if self.k <= c[0] < len(self.cands)]
+            if fits:
+                smallest = min(c[0] for c in fits)
+                for count, i in fits:
+                    if count == smallest:
+                        inside = sorted(free.intersection(self.members[i]))
+                        self.offer(_greedy(self.tier, self.fixed, inside, self.k))
         if len(self.fixed) + self.k < 2:
             # One GPU, nothing held: no pairs; rules 3, 4, 6 and 7 decide, over every candidate.
             for c in self.cands:
@@ -602,12 +625,27 @@ class _Search:
         new_pairs = left * members + left * (left - 1) // 2
         # The incumbent only bounds this threshold once it reaches it (the greedy start may not).
         best = self.best_key if self.best_key is not None and self.best_key[0] >= self._t else None
+        t = self._t
+        if left == 1:
+            # The last pick: each candidate completes a set; no partial set to grow.
+            for c in order:
+                bound = tsum + gains[c]
+                if best is not None:
+                    if bound < best[1]:
+                        break  # ``order`` runs by gain here (potential = 2 * gain)
+                    if bound == best[1] and not self._may_tie(
+                        chosen, c, [], 1, numa, broken, dmg, rmin, rsum, degsum, tsum, bound, new_pairs
+                    ):
+                        continue
+                self.offer(tuple(sorted([*chosen, c])))
+                best = self.best_key if self.best_key is not None and self.best_key[0] >= t else None
+            return
         for i, c in enumerate(order):
             rest = order[i + 1 :]
             if len(rest) < left - 1:
                 break
             row = tier[c]
-            nxt = [r for r in rest if row[r] >= self._t]
+            nxt = [r for r in rest if row[r] >= t]
             if len(nxt) < left - 1:
                 continue
             # ``order`` runs by potential, highest first, so nxt's best left-1 come first.
@@ -647,7 +685,7 @@ class _Search:
                 degsum + self.deg[c],
             )
             chosen.pop()
-            best = self.best_key if self.best_key is not None and self.best_key[0] >= self._t else None
+            best = self.best_key if self.best_key is not None and self.best_key[0] >= t else None
 
     def _may_tie(
         self,

@@ -431,6 +431,15 @@ class VolumeReport:
 
 
 @dataclass(frozen=True)
+class AuditReport:
+    """The drift audit: containers compared, one line per container re-applied, repairs so far."""
+
+    checked: int
+    repaired: tuple[str, ...] = ()
+    repairs_total: int = 0
+
+
+@dataclass(frozen=True)
 class HealthCheck:
     name: str
     ok: bool

@@ -4,12 +4,30 @@ inventory of a host with no GPUs to manage. ``isolator.main`` hands them to the 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
 
 from isolator.errors import NotFound
 from isolator.model import Topology
+
+
+class PidFd:
+    """A process held by a pidfd (pidfd_open(2)): while it is alive, its pid names it and nothing else."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def alive(self) -> bool:
+        try:
+            signal.pidfd_send_signal(self._fd, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def close(self) -> None:
+        os.close(self._fd)
 
 
 class ProcProcesses:
@@ -20,6 +38,25 @@ class ProcProcesses:
 
     def exists(self, pid: int) -> bool:
         return os.path.exists(os.path.join(self.proc_root, str(pid)))
+
+    def pin(self, pid: int) -> PidFd | None:
+        try:
+            return PidFd(os.pidfd_open(pid))
+        except ProcessLookupError:
+            return None
+
+    def sidecar_pids(self) -> frozenset[int]:
+        out = set()
+        pid = os.getpid()
+        while pid > 0 and pid not in out:
+            out.add(pid)
+            try:
+                with open(os.path.join(self.proc_root, str(pid), "stat")) as fh:
+                    # pid (comm) state ppid ...: comm may hold spaces and parentheses; split after the last ')'.
+                    pid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                break
+        return frozenset(out)
 
 
 class LocalFilesystem:

@@ -52,7 +52,8 @@ INDIRECT = {
     "apply": "update",
     "drop": "cleanup",
     "release_volume": "cleanup",
-    "restore": "restart",
+    "start": "restart",
+    "book": "recover",
     "inconsistencies": "health",
 }
 

@@ -532,3 +532,57 @@ def test_a_grow_into_a_vanished_cgroup_keeps_only_what_was_held(rig: Rig) -> Non
     with pytest.raises(NotFound):
         rig.service.update(a, [Resource("gpus", 2.0)])
     assert held(rig, a) == before and free(rig) == frozenset(range(8)) - set(before)
+
+
+# ---- issue 16: which pids a standalone Isolate may move ---------------------------------------------
+
+
+def test_isolate_never_moves_another_containers_process(rig: Rig) -> None:
+    a, b = cid("a"), cid("b")
+    rig.service.prepare(a, gpus(1))
+    rig.service.prepare(b, gpus(1))
+    b_init = rig.processes.spawn()
+    rig.service.isolate(b, b_init)
+    with pytest.raises(FailedPrecondition, match=f"pid {b_init} is in the cgroup '.*/b'"):
+        rig.service.isolate(a, b_init)
+    assert rig.cgroups.pids(b) == (b_init,) and rig.cgroups.pids(a) == ()
+
+
+def test_isolate_never_moves_a_process_of_a_foreign_cgroup_under_our_root(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), gpus(1))
+    rig.cgroups.prepare(cid("not-ours"))  # made by someone else under our root
+    stranger = rig.processes.spawn()
+    rig.cgroups.add_pid(cid("not-ours"), stranger)
+    with pytest.raises(FailedPrecondition, match="not-ours"):
+        rig.service.isolate(cid("a"), stranger)
+
+
+def test_isolate_never_moves_the_sidecar_or_its_ancestors(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), gpus(1))
+    for pid in sorted(rig.processes.own - {1}):  # pid 1 is refused as INVALID_ARGUMENT before
+        with pytest.raises(FailedPrecondition, match="the sidecar"):
+            rig.service.isolate(cid("a"), pid)
+    assert rig.cgroups.pids(cid("a")) == ()
+
+
+def test_isolate_of_a_process_already_in_its_own_cgroup_is_a_retry(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), gpus(1))
+    pid = rig.processes.spawn()
+    rig.service.isolate(cid("a"), pid)
+    rig.service.isolate(cid("a"), pid)
+    assert rig.cgroups.pids(cid("a")) == (pid,)
+
+
+def test_isolate_of_a_process_that_exits_during_the_move_fails(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), gpus(1))
+    pid = rig.processes.spawn()
+    real_add = rig.cgroups.add_pid
+
+    def add_then_exit(c: ContainerId, p: int) -> None:
+        real_add(c, p)
+        rig.processes.exit(p)  # the pid may now name another process: the move is not trusted
+
+    rig.cgroups.add_pid = add_then_exit  # type: ignore[method-assign]
+    with pytest.raises(FailedPrecondition, match="exited while it was being isolated"):
+        rig.service.isolate(cid("a"), pid)
+    assert rig.store.get(cid("a")).state == "prepared"  # type: ignore[union-attr]

@@ -276,6 +276,8 @@ class Admin:
         try:
             result = core.store.check()
             detail = f"'{core.store.path}': {result}; {len(core.store.load())} containers"
+            if core.rebuilt:
+                detail += f"; rebuilt from the kernel at start: {', '.join(map(str, core.rebuilt))}"
             checks.append(HealthCheck("state", result == "ok", detail))
         except IsolatorError as exc:
             checks.append(HealthCheck("state", False, exc.message))

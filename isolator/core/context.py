@@ -74,6 +74,8 @@ class Core:
         self.volumes = edges.volumes
         self.clock = edges.clock
         self.locks = ContainerLocks()
+        self.rebuilt: list[ContainerId] = []  # records rebuilt from the kernel at start (lost state)
+        self.repairs = 0  # kernel rules re-applied by the drift audit since start
         self.alloc = threading.Lock()  # the allocator and health: short sections, no I/O inside
         self._changed = threading.Condition(threading.Lock())
         self._generation = 0

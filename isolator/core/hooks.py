@@ -57,6 +57,10 @@ class ImagePlan:
     facts: DriverFacts
 
 
+def _below(path: str, top: str) -> bool:
+    return path.startswith(top.rstrip("/") + "/")
+
+
 def _volume_error(exc: VolumeError) -> IsolatorError:
     return from_code(exc.code, str(exc))
 
@@ -283,13 +287,46 @@ class Hooks:
             rec = core.require(container_id.root)
             target = core.governing(container_id)
             if core.settings.mode == "standalone":
-                core.cgroups.add_pid(target, pid)
+                self._move(container_id, target, pid)
                 crashpoint("isolate.placed")
             else:
                 self._wait_for_pid(target, pid)
             if not container_id.nested and rec.state == "prepared":
                 core.store.update(container_id, state="isolated")
         LOG.info("isolated pid %d in %s", pid, core.describe(container_id, rec.gpus))
+
+    def _move(self, cid: ContainerId, target: ContainerId, pid: int) -> None:
+        """Standalone mode places the container's init itself. The pid rule: never the sidecar or an
+        ancestor of it, never a process in another cgroup under our root (another container's, or
+        one we do not know); a process from outside our root, or already in this container, may be
+        moved. The process is held by a pidfd from the check to after the move, so the pid that was
+        written named the process that was checked (if it exited meanwhile, the move is refused)."""
+        core = self.core
+        procs = core.edges.processes
+        if pid in procs.sidecar_pids():
+            raise FailedPrecondition(f"pid {pid} is the sidecar or one of its ancestors; it is never isolated")
+        pinned = procs.pin(pid)
+        if pinned is None:
+            raise FailedPrecondition(f"pid {pid} does not exist (the container's init is gone)")
+        try:
+            where = core.cgroups.cgroup_of(pid)
+            root = core.cgroups.root_path()
+            own = core.cgroups.cgroup_path(cid.root)
+            if where is None:
+                version = core.cgroups.version
+                raise FailedPrecondition(f"pid {pid} is gone, or its {version} devices cgroup cannot be read")
+            if _below(where, root) and not (where == own or _below(where, own)):
+                raise FailedPrecondition(
+                    f"pid {pid} is in the cgroup '{where}' under our root, not in container {cid}'s; "
+                    "a process of another container or of a cgroup we do not know is never moved"
+                )
+            core.cgroups.add_pid(target, pid)
+            if not pinned.alive():
+                raise FailedPrecondition(
+                    f"pid {pid} exited while it was being isolated; its number may now name another process"
+                )
+        finally:
+            pinned.close()
 
     def _wait_for_pid(self, cid: ContainerId, pid: int) -> None:
         clock = self.core.clock

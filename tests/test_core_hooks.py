@@ -478,3 +478,24 @@ def test_prepare_refuses_a_cgroup_that_already_has_processes(mode: str) -> None:
     rig.cgroups.kill(squatter)
     rig.service.prepare(a, gpus(2))
     assert len(granted(rig, a) or []) == 2
+
+
+@pytest.mark.parametrize("container_class", ["DEFAULT", "DEBUG"])
+def test_v1_a_container_sharing_the_cgroups_of_a_nested_one_with_its_own_isolates_there(container_class: str) -> None:
+    # Mesos 1.10+ on v1 (cgroups isolator, findCgroupInfo): a nested container that shares cgroups
+    # (share_cgroups=true, or any DEBUG container) joins its closest ancestor with cgroups of its own;
+    # below a nested container with share_cgroups=false that is that container's, not the top-level one.
+    rig = fake_service("dgx-1", mode="mesos")
+    a, b, c = cid("a"), cid("a.b"), cid("a.b.c")
+    rig.cgroups.mesos_creates(a)
+    rig.service.prepare(a, gpus(2))
+    rig.cgroups.mesos_creates(b)  # a/mesos/b: share_cgroups=false
+    rig.service.prepare(b, ContainerConfig(share_cgroups=False))
+    b_pid = rig.processes.spawn()
+    rig.cgroups.add_pid(b, b_pid)
+    rig.service.isolate(b, b_pid)
+    rig.service.prepare(c, ContainerConfig(container_class=container_class))
+    c_pid = rig.processes.spawn()
+    rig.cgroups.add_pid(b, c_pid)  # Mesos's cgroups isolator: the closest ancestor with cgroups
+    rig.service.isolate(c, c_pid)
+    assert granted(rig, b) == held(rig, a)

@@ -161,10 +161,16 @@ class Core:
 
         A nested container has its own when Mesos made one: on v1 with ``share_cgroups=false``
         (``<root>/<parent>/mesos/<child>``), on v2 always (``…/mesos/<child>/leaf``, not below the
-        parent's leaf). Otherwise the top-level container's governs.
+        parent's leaf). Otherwise its closest ancestor with a cgroup of its own governs, as Mesos's
+        cgroups isolator places it (``findCgroupInfo``): below a nested container with
+        ``share_cgroups=false``, a sharing or DEBUG container runs in that one's cgroup, not the
+        top-level one's.
         """
-        if cid.nested and self.cgroups.exists(cid):
-            return cid
+        node: ContainerId | None = cid
+        while node is not None and node.nested:
+            if self.cgroups.exists(node):
+                return node
+            node = node.parent
         return cid.root
 
     def nested_cgroups(self, cid: ContainerId) -> list[ContainerId]:

@@ -183,3 +183,19 @@ def test_the_reaper_does_nothing_in_standalone_mode() -> None:
     rig.cgroups.vanish(cid("a"))
     assert rig.service.reap_vanished() == []
     assert rig.store.get(cid("a")) is not None
+
+
+def test_recover_keeps_the_volume_of_a_running_nested_container() -> None:
+    # A task group's nested task with an image uses the driver volume under its own ID; Recover
+    # must not forget it while it runs, or a driver change would collect a volume it still mounts.
+    rig = fake_service("dgx-1")
+    rig.filesystem.make_dirs("/rootfs/a")
+    rig.filesystem.make_dirs("/rootfs/t")
+    env = ("NVIDIA_VISIBLE_DEVICES=all",)
+    rig.service.prepare(
+        cid("a"), ContainerConfig(resources=(Resource("gpus", 1.0),), rootfs="/rootfs/a", image_env=env)
+    )
+    rig.service.prepare(cid("a.t"), ContainerConfig(rootfs="/rootfs/t", image_env=env))
+    assert rig.volumes.in_use_by("a.t")
+    rig.restart().recover(running("a", "a.t"), [])
+    assert rig.volumes.in_use_by("a") and rig.volumes.in_use_by("a.t")

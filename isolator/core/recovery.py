@@ -101,7 +101,10 @@ class Recovery:
                     core.allocator.restore(rec.gpus & core.allocator.total)
             result.recovered = len(live)
             if core.volumes is not None:
-                core.volumes.reconcile(str(c) for c in live)
+                # Nested containers use the volume under their own IDs: those Mesos still runs
+                # below a live container keep theirs.
+                nested = [s.container_id for s in states if s.container_id.nested and s.container_id.root in live]
+                core.volumes.reconcile([str(c) for c in live] + [str(c) for c in nested])
         core.notify()
         LOG.info("recovered %d containers, released %d", result.recovered, result.released)
         return result

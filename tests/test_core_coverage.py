@@ -50,6 +50,7 @@ INDIRECT = {
     "describe": "prepare",
     "require": "status",
     "apply": "update",
+    "apply_nested": "prepare",  # of a nested container with a cgroup of its own (mesos mode)
     "drop": "cleanup",
     "release_volume": "cleanup",
     "restore": "restart",

@@ -499,3 +499,29 @@ def test_v1_a_container_sharing_the_cgroups_of_a_nested_one_with_its_own_isolate
     rig.cgroups.add_pid(b, c_pid)  # Mesos's cgroups isolator: the closest ancestor with cgroups
     rig.service.isolate(c, c_pid)
     assert granted(rig, b) == held(rig, a)
+
+
+def test_mesos_nested_cgroups_of_their_own_follow_every_update_of_their_top_level_container() -> None:
+    rig = fake_service("dgx-1", mode="mesos")
+    a, b, c = cid("a"), cid("a.b"), cid("a.b.c")
+    rig.cgroups.mesos_creates(a)
+    rig.service.prepare(a, gpus(1))
+    rig.cgroups.mesos_creates(b)  # share_cgroups=false: a/mesos/b
+    rig.service.prepare(b, ContainerConfig(share_cgroups=False))
+    rig.service.prepare(c, ContainerConfig())  # shares b's
+    core = rig.service.core
+    assert core.nested_cgroups(a) == [b]
+    assert (core.governing(b), core.governing(c), core.governing(cid("a.x"))) == (b, b, a)
+    assert granted(rig, b) == held(rig, a)
+    rig.service.update(a, [Resource("gpus", 3.0)])
+    assert len(held(rig, a)) == 3 and granted(rig, b) == held(rig, a)
+    rig.cgroups.faults.fail_at("apply", container=b)  # the nested cgroup cannot take the grow: no GPUs, never more
+    rig.service.update(a, [Resource("gpus", 4.0)])
+    assert granted(rig, b) == [] and len(granted(rig, a) or []) == 4
+    rig.service.update(a, [Resource("gpus", 0.0)])
+    assert granted(rig, a) == [] == granted(rig, b)
+    rig.service.cleanup(c)
+    rig.service.cleanup(b)
+    assert rig.cgroups.rules_of(b) == rig.cgroups.base, "only Mesos's whitelist is left in its cgroup"
+    rig.service.cleanup(a)
+    assert rig.store.get(a) is None and free(rig) == frozenset(range(8))

@@ -21,6 +21,7 @@ import pytest
 from isolator.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, container_rules
 from isolator.errors import (
     CgroupBusy,
+    CgroupError,
     CgroupVanished,
     ContainerAlreadyRecorded,
     ContainerNotRecorded,
@@ -251,6 +252,30 @@ def test_mesos_mode_uses_the_cgroup_mesos_made_and_leaves_it(mesos: Backend) -> 
     assert cg.exists(a), "the cgroup is Mesos's to remove"
     kernel = set(cg.in_force(a).rules)
     assert not any(r.major == 195 for r in kernel), "our grants are gone"
+
+
+def test_mesos_nested_cgroup_follows_a_grow_of_its_top_level_container(mesos: Backend) -> None:
+    # Mesos makes <a>/mesos/<b> for a nested container with cgroups of its own; on v1 the kernel
+    # copied <a>'s list into <a>/mesos then, and a grant below may never exceed the cgroup above.
+    cg = mesos.cgroups
+    a, b = cid("contract-n"), cid("contract-n.b")
+    mesos.mesos_creates(a)
+    cg.prepare(a)
+    cg.apply(a, rules_for(0))
+    mesos.mesos_creates(b)
+    cg.prepare(b)
+    cg.apply(a, rules_for(0, 1))
+    cg.apply_nested(b, rules_for(0, 1))
+    assert set(cg.current(b)) == set(rules_for(0, 1))
+    cg.apply(a, rules_for(1))
+    cg.apply_nested(b, rules_for(1))
+    assert set(cg.current(b)) == set(rules_for(1))
+    if cg.version == "v1":
+        with pytest.raises(CgroupError):  # the kernel refuses more than the parent allows (EPERM)
+            cg.apply_nested(b, rules_for(1, 2))
+        assert set(cg.current(b)) == set(rules_for(1)), "a refused grant changes nothing"
+    cg.cleanup(b)
+    cg.cleanup(a)
 
 
 # ---- StateStore ----------------------------------------------------------------------------------

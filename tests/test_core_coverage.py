@@ -52,6 +52,7 @@ INDIRECT = {
     "apply": "update",
     "apply_nested": "prepare",  # of a nested container with a cgroup of its own (mesos mode)
     "drop": "cleanup",
+    "cleanup_cgroups": "cleanup",
     "release_volume": "cleanup",
     "restore": "restart",
     "inconsistencies": "health",

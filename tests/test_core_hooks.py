@@ -525,3 +525,21 @@ def test_mesos_nested_cgroups_of_their_own_follow_every_update_of_their_top_leve
     assert rig.cgroups.rules_of(b) == rig.cgroups.base, "only Mesos's whitelist is left in its cgroup"
     rig.service.cleanup(a)
     assert rig.store.get(a) is None and free(rig) == frozenset(range(8))
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_mesos_cleanup_of_a_top_level_container_before_its_nested_ones_leaves_them_no_gpus(version: str) -> None:
+    # Mesos destroys nested containers first, but a parent cleaned up first (an orphan, an
+    # operator) frees its GPUs for others: a nested cgroup of its own must not keep granting them
+    # (on v2 its program is not below the parent's leaf, so nothing else would revoke them).
+    rig = fake_service("dgx-1", mode="mesos", version=version)
+    a, b = cid("a"), cid("a.b")
+    rig.cgroups.mesos_creates(a)
+    rig.service.prepare(a, gpus(2))
+    rig.cgroups.mesos_creates(b)
+    rig.service.prepare(b, ContainerConfig(share_cgroups=False))
+    assert granted(rig, b) == held(rig, a) != []
+    rig.service.cleanup(a)
+    assert free(rig) == frozenset(range(8))
+    assert granted(rig, b) == [], "the freed GPUs are still granted to the nested container"
+    rig.service.cleanup(b)

@@ -204,6 +204,16 @@ class Core:
         """Apply ``rules`` to a nested container's own cgroup (on v1 through the ``mesos`` one above it)."""
         self.cgroups.apply_nested(child, rules)
 
+    def cleanup_cgroups(self, cid: ContainerId) -> None:
+        """Remove our rules from a top-level container's cgroup, and in mesos mode first from the
+        cgroups of its own of its nested containers: Mesos cleans those up first, but when it did not
+        (an orphan, a forced release) they must not keep granting the GPUs freed next (v2: their
+        programs are not below the parent's leaf, so nothing else would revoke them)."""
+        if self.settings.mode == "mesos":
+            for child in reversed(self.nested_cgroups(cid)):
+                self.cgroups.cleanup(child)
+        self.cgroups.cleanup(cid)
+
     def drop(self, cid: ContainerId, rec: ContainerRecord) -> None:
         """Forget a container whose rules are already gone: its record, then its GPUs; wake watchers."""
         self.store.remove(cid)

@@ -181,7 +181,8 @@ def test_containers_table_shows_a_nested_container_under_its_parent_with_the_par
     rows = [r for r in _table(out, "CONTAINER") if "train" in r["CONTAINER"] or "debug" in r["CONTAINER"]]
     assert [r["CONTAINER"].split()[-1].lstrip("`-") for r in rows] == ["train-a", "debug-1", "train-b"]
     assert rows[1]["CONTAINER"][:3] in ("└─ ", "`- ")
-    gpus_a = ",".join(str(m) for m in _minors_of(world, "train-a"))  # minors equal indices on dgx-1
+    minors = _minors_of(world, "train-a")
+    gpus_a = f"{len(minors)} [{','.join(str(m) for m in minors)}]"  # minors equal indices on dgx-1
     assert rows[0]["GPUS"] == gpus_a and rows[1]["GPUS"] == f"({gpus_a})"
     assert [r["STATE"] for r in rows] == ["prepared", "prepared", "isolated"]
     assert rows[2]["VOLUME"] == "-" and rows[0]["VOLUME"] == load_host(HOST).driver_version
@@ -249,6 +250,25 @@ def test_describe_shows_which_rules_differ_when_the_kernel_lost_a_gpu_and_health
         "ok": False,
         "detail": f"container drift: recorded GPUs [{minor}], kernel grants []",
     }
+
+
+def test_audit_reapplies_the_rules_the_kernel_lost_and_says_so(world):
+    cid = container_id("audited")
+    world.iso.prepare(cid, world.c.config(1, image=False))
+    try:
+        (minor,) = _minors_of(world, "audited")
+        with open(os.path.join(world.sidecar.cgroup_parent, "audited", "devices.deny"), "w") as fh:
+            fh.write(f"c 195:{minor} rwm")  # a daemon-reload rewrote the device rules
+        report = _json(world.socket, "audit")
+        rc, out, _ = _cli(world.socket, "audit")
+        after = _json(world.socket, "describe", "audited")
+    finally:
+        world.iso.cleanup(cid)
+    assert report["checked"] >= 3 and report["repairs_total"] >= 1
+    (line,) = report["repaired"]
+    assert line.startswith(f"container audited: kernel grants GPUs [] (recorded [{minor}])")
+    assert rc == 0 and "kernel rules agree with the records" in out, "the first audit repaired it"
+    assert after["rules_agree"] is True and after["kernel_gpu_minors"] == [minor]
 
 
 def test_describe_of_an_unknown_container_is_one_line_and_exit_1(world):
@@ -468,3 +488,16 @@ def test_on_cgroup_v2_describe_names_the_attached_device_program_and_health_agre
     assert next(c for c in health["checks"] if c["name"] == "cgroups")["detail"] == "v2 devices, standalone mode"
     assert health["healthy"] is True
     assert without_checkpoint["rules_agree"] is False and without_checkpoint["kernel_gpu_minors"] == []
+
+
+def test_containers_table_says_how_many_gpus_and_which_and_why_none():
+    from isolator.cli import render
+
+    data = {
+        "containers": [
+            {"id": "etl", "container_id": {"value": "etl"}, "gpu_indices": [], "state": "prepared", "created": 0},
+            {"id": "one", "container_id": {"value": "one"}, "gpu_indices": [0], "state": "prepared", "created": 0},
+        ]
+    }
+    rows = _table(render("containers", data, now=1.0), "CONTAINER")
+    assert [r["GPUS"] for r in rows] == ["0 (none asked)", "1 [0]"]

@@ -11,7 +11,16 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from isolator.cgroups.base import check_mode, child_names, container_dir, read_pids, rmdir_tree, write_pid
+from isolator.cgroups.base import (
+    cgroup_of,
+    check_mode,
+    child_names,
+    container_dir,
+    read_pids,
+    rmdir_tree,
+    top_level_ids,
+    write_pid,
+)
 from isolator.crashpoints import crashpoint
 from isolator.devices import ACCESS_ORDER, MESOS_DEFAULT_WHITELIST, DeviceRule, KernelRules, parse_rules, permits
 from isolator.errors import CgroupBusy, CgroupError, CgroupVanished, InvalidArgument, RuleParseError
@@ -106,6 +115,15 @@ class V1DeviceController:
     def nested_names(self, container: ContainerId) -> tuple[str, ...]:
         return child_names(self.cgroup_path(container))
 
+    def root_path(self) -> str:
+        return os.path.normpath(os.path.join(self.hierarchy, self.cgroups_root.strip("/")))
+
+    def cgroup_of(self, pid: int) -> str | None:
+        return cgroup_of(pid, self.hierarchy, "devices")
+
+    def containers(self) -> tuple[ContainerId, ...]:
+        return top_level_ids(os.path.join(self.hierarchy, self.cgroups_root.strip("/")))
+
     def in_force(self, container: ContainerId) -> KernelRules:
         path = self.cgroup_path(container)
         if not os.path.isdir(path):
@@ -194,7 +212,8 @@ class V1DeviceController:
 
     def apply_nested(self, container: ContainerId, rules: Iterable[DeviceRule]) -> None:
         rules = tuple(rules)
-        self.apply_path(os.path.dirname(self.cgroup_path(container)), rules, f"{container.parent} (mesos)")
+        parent = container.parent
+        self.apply_path(os.path.dirname(self.cgroup_path(container)), rules, f"{parent} (mesos)")
         self.apply(container, rules)
 
     def apply_path(self, cgroup: str, rules: Iterable[DeviceRule], container: str = "") -> None:

@@ -15,6 +15,7 @@ from isolator.errors import (
     AlreadyExists,
     CgroupBusy,
     CgroupError,
+    CgroupVanished,
     FailedPrecondition,
     GpusExhausted,
     Internal,
@@ -689,3 +690,19 @@ def test_an_id_that_names_a_cgroup_control_file_is_invalid_and_books_nothing(ver
     with pytest.raises(InvalidArgument, match="cannot name a cgroup"):
         rig.service.prepare(ContainerId.parse(name), gpus(1))
     assert rig.store.load() == {} and free(rig) == frozenset(range(8)) and rig.cgroups.cgroups == {}
+
+
+def test_mesos_update_is_not_failed_by_a_nested_cgroup_that_vanishes_meanwhile() -> None:
+    # A task of a task group ends (Mesos removes its cgroup) while the executor's Update arrives:
+    # nothing is granted in a cgroup that is gone, so the Update of its top-level container succeeds.
+    rig = fake_service("dgx-1", mode="mesos")
+    a, b = cid("a"), cid("a.b")
+    rig.cgroups.mesos_creates(a)
+    rig.service.prepare(a, gpus(1))
+    rig.cgroups.mesos_creates(b)
+    rig.service.prepare(b, ContainerConfig(share_cgroups=False))
+    gone = CgroupVanished(op="write", path=rig.cgroups.cgroup_path(b))
+    rig.cgroups.faults.fail_at("apply_nested", gone, container=b)
+    rig.cgroups.faults.fail_at("apply", gone, container=b)
+    rig.service.update(a, [Resource("gpus", 3.0)])
+    assert len(held(rig, a)) == 3 and granted(rig, a) == held(rig, a)

@@ -32,7 +32,7 @@ from isolator.core.ports import (
 )
 from isolator.crashpoints import crashpoint
 from isolator.devices import NVIDIA_MAJOR
-from isolator.errors import IsolatorError, NotFound
+from isolator.errors import CgroupVanished, IsolatorError, NotFound
 from isolator.model import ContainerId, ContainerRecord, Gpu, MigDevice
 
 LOG = logging.getLogger(__name__)
@@ -197,10 +197,16 @@ class Core:
         """
         for child in self.nested_cgroups(cid):
             try:
-                self.apply_nested(child, rules)
-            except IsolatorError as exc:
-                LOG.error("nested container %s could not follow its top-level container's rules: %s", child, exc)
-                self.cgroups.apply(child, self.rules(frozenset()))
+                try:
+                    self.apply_nested(child, rules)
+                except CgroupVanished:
+                    raise
+                except IsolatorError as exc:
+                    LOG.error("nested container %s could not follow its top-level container's rules: %s", child, exc)
+                    self.cgroups.apply(child, self.rules(frozenset()))
+            except CgroupVanished:
+                # Mesos removed it meanwhile (the nested container ended): nothing is granted there.
+                LOG.info("nested container %s is gone; its cgroup needs no rules", child)
 
     def apply_nested(self, child: ContainerId, rules: tuple[devrules.DeviceRule, ...]) -> None:
         """Apply ``rules`` to a nested container's own cgroup (on v1 through the ``mesos`` one above it)."""

@@ -297,6 +297,27 @@ def test_a_nested_cgroup_takes_its_parents_rules_through_apply_nested(mesos: Bac
     assert set(cg.current(a)) == set(rules_for(0, 1)), "the parent keeps its own"
 
 
+def test_mesos_mode_v1_refuses_a_cgroup_that_is_not_a_whitelist(mesos: Backend) -> None:
+    # Mesos without its cgroups/devices isolator makes the cgroup but leaves the inherited
+    # 'a *:* rwm': our rules would add nothing to an allow-all list, so prepare must refuse it.
+    cg = mesos.cgroups
+    a = cid("contract-w")
+    if isinstance(cg, FakeCgroups):
+        cg.mesos_creates(a)
+        cg.grant_behind_our_back(a, (DeviceRule("a", None, None, "rwm"),))
+    else:
+        os.makedirs(cg.cgroup_path(a))
+        if cg.version == "v1":
+            with open(os.path.join(cg.cgroup_path(a), "devices.allow"), "w") as fh:
+                fh.write("a *:* rwm")
+    if cg.version == "v1":
+        with pytest.raises(CgroupError, match="not a whitelist"):
+            cg.prepare(a)
+    else:
+        cg.prepare(a)  # v2: no list to inherit; our program is what restricts
+    cg.cleanup(a)
+
+
 # ---- StateStore ----------------------------------------------------------------------------------
 
 

@@ -95,10 +95,24 @@ class FakeCgroups:
             if self.mode == "mesos":
                 if container not in self.cgroups:
                     raise CgroupVanished(op="prepare", path=self.cgroup_path(container))
+                self._require_whitelist(container, "is Mesos's cgroups/devices isolator enabled?")
                 return
-            if self.cgroups.get(container) is None:
+            rules = self.cgroups.get(container)
+            if rules is None:
                 self._made(container)
                 self.cgroups[container] = ()  # created, everything denied
+            elif self.version == "v1" and any(r.type == "a" for r in rules):
+                self.cgroups[container] = ()  # v1 writes 'a' to devices.deny: a whitelist again
+                self._propagate(container)
+
+    def _require_whitelist(self, container: ContainerId, hint: str) -> None:
+        """v1 refuses to work on a list that allows every device, as the real controller does."""
+        if self.version == "v1" and any(r.type == "a" for r in self._in_force(container)):
+            raise CgroupError(
+                op="use",
+                path=f"{self.cgroup_path(container)}/devices.list",
+                cause=f"the cgroup allows every device ('a *:* rwm'), it is not a whitelist; {hint}",
+            )
 
     def apply(self, container: ContainerId, rules: Iterable[DeviceRule]) -> None:
         rules = tuple(rules)
@@ -108,6 +122,8 @@ class FakeCgroups:
         with self._lock:
             if container not in self.cgroups:
                 raise CgroupVanished(op="write", path=self.cgroup_path(container))
+            hint = "is Mesos's cgroups/devices isolator enabled?" if self.mode == "mesos" else "was it prepared?"
+            self._require_whitelist(container, hint)
             if self.version == "v1" and container.parent in self.between:
                 self._check_within(container, rules, self.between[container.parent])
             self.cgroups[container] = rules

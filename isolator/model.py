@@ -157,6 +157,15 @@ class MigDevice:
     caps_minors: tuple[int, ...] = ()
     memory_total: int = 0
     profile: str = ""
+    parent_index: int = -1  # the parent GPU's NVML index
+    parent_minor: int = -1  # the parent GPU's /dev/nvidia<minor>
+    gpu_slices: int = 0  # compute slices of its GPU instance (nvmlDeviceGetAttributes), 0: unknown
+    compute_slices: int = 0  # compute slices of its compute instance, 0: unknown
+    placement: tuple[int, int] | None = None  # its GPU instance's (start, size) in memory slices
+
+    @property
+    def gi_ci(self) -> tuple[int, int]:
+        return (self.gpu_instance_id, self.compute_instance_id)
 
 
 @dataclass(frozen=True)

@@ -177,7 +177,10 @@ def test_mig_placements_default_to_the_first_free_aligned_slot_and_are_shared_by
     assert [(m.gpu_slices, m.compute_slices) for m in gpu.mig_devices] == [(3, 3), (2, 2), (2, 1), (2, 1)]
     # Full: nothing of size 2 fits any more.
     full = _mig_gpu(
-        _mig(1, "3g.8gb", 4000, "placement = 0"), _mig(5, "2g.4gb", 2000), _mig(2, "2g.4gb", 2000), _mig(6, "2g.4gb", 10)
+        _mig(1, "3g.8gb", 4000, "placement = 0"),
+        _mig(5, "2g.4gb", 2000),
+        _mig(2, "2g.4gb", 2000),
+        _mig(6, "2g.4gb", 10),
     )
     assert "no free placement of size 2" in _bad(full)
 

@@ -49,6 +49,15 @@ def build_parser() -> Parser:
         p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
         return p
 
+    cdi = sub.add_parser("cdi", help="Container Device Interface spec of the managed GPUs")
+    cdi_sub = cdi.add_subparsers(dest="cdi_command", metavar="ACTION", parser_class=Parser)
+    cdi_sub.required = True
+    generate = cdi_sub.add_parser(
+        "generate", help="write the CDI spec (offline: reads NVML and builds the driver volume; no sidecar needed)"
+    )
+    configmod.add_serve_arguments(generate)
+    generate.add_argument("--output", default="-", help="file to write (default: stdout); mode 0644")
+
     admin("gpus", help_text="every GPU, its health and its holder")
     admin("topology", help_text="the interconnect matrix, as nvidia-smi topo -m")
     admin("containers", help_text="every known container and its GPUs")
@@ -434,6 +443,22 @@ def _run_serve(args: argparse.Namespace) -> int:
     return daemon.serve(config)
 
 
+def _run_cdi(args: argparse.Namespace) -> int:
+    from isolator import cdi
+    from isolator import main as daemon
+
+    output = args.output
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "cdi_command", "output")}
+    config = configmod.resolve(flags)
+    spec = daemon.generate_cdi(config)
+    if output == "-":
+        _emit(cdi.render(spec).rstrip("\n"))
+    else:
+        path, _ = cdi.write_spec(spec, os.path.dirname(os.path.abspath(output)), os.path.basename(output))
+        print(f"wrote CDI spec '{path}': {len(spec['devices'])} devices, kind {spec['kind']}", file=sys.stderr)
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -444,6 +469,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _run_serve(args)
+        if args.command == "cdi":
+            return _run_cdi(args)
         try:
             return _run_admin(args)
         except (UsageError, BrokenPipeError, KeyboardInterrupt):

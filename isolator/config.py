@@ -73,6 +73,8 @@ class Config:
     log_level: str = "info"
     allowed_uids: tuple[int, ...] = (0,)
     allowed_gids: tuple[int, ...] = ()
+    cdi_dir: str = ""
+    cdi_kind: str = "nvidia.com/gpu"
     config_file: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -163,6 +165,16 @@ def _nvidia_gpu_devices(value: Any) -> tuple[int, ...]:
     return items
 
 
+def _cdi_kind(value: Any) -> str:
+    from isolator.cdi import check_kind
+    from isolator.errors import InvalidArgument
+
+    try:
+        return check_kind(_text(value))
+    except InvalidArgument as exc:
+        raise ValueError(exc.message) from None
+
+
 PARSERS: dict[str, Any] = {
     "socket": _text,
     "socket_mode": _octal_mode,
@@ -190,6 +202,8 @@ PARSERS: dict[str, Any] = {
     "log_level": _choice(LOG_LEVELS),
     "allowed_uids": _int_list,
     "allowed_gids": _int_list,
+    "cdi_dir": _text,
+    "cdi_kind": _cdi_kind,
 }
 
 HELP = {
@@ -219,6 +233,8 @@ HELP = {
     "log_level": "debug, info, warning or error (default info)",
     "allowed_uids": "uids allowed to call the socket (default 0)",
     "allowed_gids": "gids allowed to call the socket (default none)",
+    "cdi_dir": "keep a CDI spec of the managed GPUs in this directory, e.g. /var/run/cdi (default: none)",
+    "cdi_kind": "the CDI spec's kind (default nvidia.com/gpu)",
 }
 
 

@@ -12,17 +12,18 @@ import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from isolator import gpuflags
 from isolator.config import Config
-from isolator.errors import ConfigError, NvmlNotFound
+from isolator.errors import ConfigError, FailedPrecondition, NvmlNotFound
 from isolator.server import SidecarServer
 from isolator.service import Service
 
 if TYPE_CHECKING:
     from isolator.nvml import Inventory
     from isolator.simhost.sim import SimulatedHost
+    from volumes.manager import VolumeManager
 
 LOG = logging.getLogger("isolator")
 
@@ -45,7 +46,7 @@ def simulated_host(config: Config) -> SimulatedHost:
 
 
 def build_inventory(
-    config: Config, notes: list[str] | None = None, host: SimulatedHost | None = None
+    config: Config, notes: list[str] | None = None, host: SimulatedHost | None = None, watch: bool = True
 ) -> Inventory | None:
     """The GPUs to manage, or None when there are none (gpus:0, or no NVML and nothing requested).
 
@@ -81,7 +82,8 @@ def build_inventory(
     try:
         decision = gpuflags.decide(config.resources, devices, available=inventory.device_count())
         inventory.read(decision.indices)
-        inventory.start_health_watch()
+        if watch:
+            inventory.start_health_watch()
     except BaseException:
         inventory.close()
         raise
@@ -103,18 +105,10 @@ def build_service(config: Config, notes: list[str] | None = None) -> Service:
     from isolator.devices import HostDevices
     from isolator.hooks import EmptyInventory, HookSettings, IsolatorService
     from isolator.state import StateStore
-    from volumes.manager import VolumeManager
 
     host = simulated_host(config) if config.simulate else None
     inventory = build_inventory(config, notes, host)
-    dev_root, driver_root = config.dev_root, config.driver_root
-    volume_kwargs: dict[str, object] = {}
-    if host is not None:
-        from isolator.simhost.driver import build_driver_root
-
-        driver = build_driver_root(host.driver_root, host.spec.driver_version)
-        dev_root, driver_root = host.dev_root, host.driver_root
-        volume_kwargs["path"] = driver.path
+    dev_root, volumes = _dev_root_and_volumes(config, host)
     hierarchy = detect(override=config.cgroup_version)
     if os.path.commonpath([hierarchy.mount, config.cgroups_hierarchy]) != config.cgroups_hierarchy.rstrip("/"):
         raise ConfigError(
@@ -129,7 +123,6 @@ def build_service(config: Config, notes: list[str] | None = None) -> Service:
         host_devices.load_uvm()  # Mesos loads nvidia-uvm at start when it is missing
     store = StateStore(config.state_dir)
     try:
-        volumes = VolumeManager(config.volume_root, driver_root=driver_root, **volume_kwargs)  # type: ignore[arg-type]
         return IsolatorService(
             inventory if inventory is not None else EmptyInventory(),
             controller,
@@ -144,6 +137,87 @@ def build_service(config: Config, notes: list[str] | None = None) -> Service:
         if inventory is not None:
             inventory.close()
         raise
+
+
+def _dev_root_and_volumes(config: Config, host: SimulatedHost | None) -> tuple[str, VolumeManager]:
+    """The device nodes' directory and the driver volume manager (the simulated host's when simulating)."""
+    from volumes.manager import VolumeManager
+
+    dev_root, driver_root = config.dev_root, config.driver_root
+    volume_kwargs: dict[str, object] = {}
+    if host is not None:
+        from isolator.simhost.driver import build_driver_root
+
+        driver = build_driver_root(host.driver_root, host.spec.driver_version)
+        dev_root, driver_root = host.dev_root, host.driver_root
+        volume_kwargs["path"] = driver.path
+    return dev_root, VolumeManager(config.volume_root, driver_root=driver_root, **volume_kwargs)  # type: ignore[arg-type]
+
+
+def cdi_spec_of(inventory: Any, dev_root: str, volumes: Any, kind: str) -> dict[str, Any]:
+    """The CDI spec of what ``inventory`` manages; builds the current driver's volume if needed."""
+    from isolator import cdi
+    from isolator.devices import HostDevices
+    from volumes.inject import Image, volume_env
+
+    control = HostDevices(dev_root).control_devices()
+    names = [os.path.relpath(n.path, dev_root) for n in control.numbers()]
+    volume = volumes.ensure(inventory.driver_version)
+    return cdi.build_spec(
+        cdi.entries(inventory.records),
+        dev_root=dev_root,
+        control_nodes=names,
+        volume_path=volume.path,
+        volume_env=sorted(volume_env(Image()).items()),
+        kind=kind,
+    )
+
+
+def generate_cdi(config: Config) -> dict[str, Any]:
+    """``gpu-isolator cdi generate``: the spec, offline (NVML and the volume, no running sidecar)."""
+    host = simulated_host(config) if config.simulate else None
+    inventory = build_inventory(config, host=host, watch=False)
+    if inventory is None:
+        raise FailedPrecondition("no GPUs are managed (gpus:0, or no NVML): nothing to put in a CDI spec")
+    try:
+        dev_root, volumes = _dev_root_and_volumes(config, host)
+        return cdi_spec_of(inventory, dev_root, volumes, config.cdi_kind)
+    finally:
+        inventory.close()
+
+
+class CdiKeeper:
+    """``--cdi-dir``: keeps ``<dir>/gpu-isolator.json`` equal to what the sidecar manages.
+
+    Rewritten at start, whenever a GPU's health changes (an unhealthy GPU leaves the spec) and every
+    ``interval`` seconds (a changed volume or inventory); an unchanged spec is not rewritten. A
+    failure is logged and retried at the next trigger: it never stops the sidecar.
+    """
+
+    def __init__(self, service: Any, directory: str, kind: str) -> None:
+        self.service = service
+        self.directory = directory
+        self.kind = kind
+        self._lock = threading.Lock()
+
+    def update(self) -> str | None:
+        from isolator import cdi
+
+        with self._lock:
+            try:
+                spec = cdi_spec_of(self.service._inv, self.service.settings.dev_root, self.service.volumes, self.kind)
+                path, changed = cdi.write_spec(spec, self.directory)
+            except Exception as exc:
+                LOG.error("failed to write the CDI spec into '%s': %s", self.directory, exc)
+                return None
+        if changed:
+            LOG.info("wrote CDI spec '%s' (%d devices)", path, len(spec["devices"]))
+        return path
+
+    def start(self, stop: threading.Event, interval: float) -> None:
+        self.update()
+        self.service._inv.on_health_change(lambda _event: self.update())
+        threading.Thread(target=_reap_loop, args=(self.update, stop, interval), name="cdi", daemon=True).start()
 
 
 def _reap_loop(reap: Callable[[], object], stop: threading.Event, interval: float) -> None:
@@ -175,6 +249,11 @@ def serve(config: Config) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if config.cdi_dir:
+        if getattr(service, "volumes", None) is None or not hasattr(service, "_inv"):
+            LOG.error("--cdi-dir needs the hooks service with a volume manager; no CDI spec is written")
+        else:
+            CdiKeeper(service, config.cdi_dir, config.cdi_kind).start(stop, config.reap_interval)
     reaper = getattr(service, "reap_vanished", None)
     if reaper is not None and config.mode == "mesos":
         threading.Thread(

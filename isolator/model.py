@@ -162,6 +162,7 @@ class MigDevice:
     gpu_slices: int = 0  # compute slices of its GPU instance (nvmlDeviceGetAttributes), 0: unknown
     compute_slices: int = 0  # compute slices of its compute instance, 0: unknown
     placement: tuple[int, int] | None = None  # its GPU instance's (start, size) in memory slices
+    slot: int = -1  # its index among the parent's MIG devices (nvmlDeviceGetMigDeviceHandleByIndex)
 
     @property
     def gi_ci(self) -> tuple[int, int]:

@@ -423,6 +423,7 @@ class Inventory:
                         gpu_slices=gslices,
                         compute_slices=cslices,
                         placement=self._gi_placement(handle, gi),
+                        slot=slot,
                     )
                 )
         except pynvml.NVMLError as exc:

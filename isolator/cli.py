@@ -304,7 +304,44 @@ def _gpus_table(data: dict[str, Any]) -> str:
             ("holder", "HOLDER"),
         ],
     )
+    migs = _mig_rows(data.get("gpus", []))
+    if migs:
+        table += "\n\nMIG devices\n" + _table(
+            migs,
+            [
+                ("gpu", "GPU"),
+                ("slot", "SLOT"),
+                ("gpu_instance_id", "GI"),
+                ("compute_instance_id", "CI"),
+                ("profile", "PROFILE"),
+                ("resource", "RESOURCE"),
+                ("memory", "MEMORY"),
+                ("uuid", "UUID"),
+                ("caps", "CAPS"),
+                ("holder", "HOLDER"),
+            ],
+        )
     return header + "\n" + table
+
+
+def _mig_rows(gpus: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for g in gpus:
+        for m in g.get("mig_devices") or ():
+            rows.append(
+                dict(
+                    m,
+                    gpu=g.get("index", 0),
+                    slot=m.get("slot", 0),
+                    gpu_instance_id=m.get("gpu_instance_id", 0),
+                    compute_instance_id=m.get("compute_instance_id", 0),
+                    resource=m.get("resource") or "(not offered)",
+                    memory=f"{int(m.get('memory_total_bytes', 0)) // 2**20} MiB",
+                    caps=",".join(str(c) for c in m.get("caps_minors") or ()) or "MISSING",
+                    holder=m.get("holder") or "-",
+                )
+            )
+    return rows
 
 
 def _describe_text(data: dict[str, Any], now: float) -> str:

@@ -112,6 +112,24 @@ def parents(devices: Iterable[MigDevice]) -> frozenset[int]:
     return frozenset(d.parent_minor for d in devices)
 
 
+def device_views(devices: Iterable[MigDevice], holders: Mapping[str, str]) -> list[dict[str, object]]:
+    """The ``MigDeviceInfo`` shape of the admin ``gpus`` view (holder: ``parent.child`` or "")."""
+    return [
+        {
+            "uuid": d.uuid,
+            "profile": d.profile,
+            "resource": resource_name(d.profile) if offered(d) else "",
+            "gpu_instance_id": d.gpu_instance_id,
+            "compute_instance_id": d.compute_instance_id,
+            "memory_total_bytes": d.memory_total,
+            "caps_minors": list(d.caps_minors),
+            "slot": max(d.slot, 0),
+            "holder": holders.get(d.uuid, ""),
+        }
+        for d in sorted(devices, key=_order)
+    ]
+
+
 @dataclass(frozen=True)
 class Choice:
     devices: tuple[MigDevice, ...]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from isolator import mig
 from isolator.errors import Unimplemented
 from isolator.model import ContainerConfig, ContainerId, ContainerState, LaunchInfo, RecoverResult, Resource
 
@@ -77,6 +78,7 @@ class Service:
                     "health_reason": r.status,
                     "holder": "",
                     "mig_enabled": r.mig_enabled,
+                    "mig_devices": mig.device_views(r.mig_devices, {}) if r.mig_enabled else [],
                 }
             )
         return {"driver_version": inv.driver_version, "cuda_driver_version": inv.cuda_driver_version, "gpus": gpus}

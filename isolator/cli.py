@@ -58,6 +58,11 @@ def build_parser() -> Parser:
     configmod.add_serve_arguments(generate)
     generate.add_argument("--output", default="-", help="file to write (default: stdout); mode 0644")
 
+    resources = sub.add_parser(
+        "resources", help="the agent's --resources entries for the GPUs and MIG devices (offline: reads NVML)"
+    )
+    configmod.add_serve_arguments(resources)
+
     admin("gpus", help_text="every GPU, its health and its holder")
     admin("topology", help_text="the interconnect matrix, as nvidia-smi topo -m")
     admin("containers", help_text="every known container and its GPUs")
@@ -480,6 +485,14 @@ def _run_serve(args: argparse.Namespace) -> int:
     return daemon.serve(config)
 
 
+def _run_resources(args: argparse.Namespace) -> int:
+    from isolator import main as daemon
+
+    flags = {k: v for k, v in vars(args).items() if k != "command"}
+    _emit(daemon.agent_resources(configmod.resolve(flags)))
+    return EXIT_OK
+
+
 def _run_cdi(args: argparse.Namespace) -> int:
     from isolator import cdi
     from isolator import main as daemon
@@ -508,6 +521,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_serve(args)
         if args.command == "cdi":
             return _run_cdi(args)
+        if args.command == "resources":
+            return _run_resources(args)
         try:
             return _run_admin(args)
         except (UsageError, BrokenPipeError, KeyboardInterrupt):

@@ -186,6 +186,25 @@ def generate_cdi(config: Config) -> dict[str, Any]:
         inventory.close()
 
 
+def agent_resources(config: Config) -> str:
+    """``gpu-isolator resources``: ``gpus:N;mig-<profile>:M;...`` for the agent's ``--resources``.
+
+    ``gpus`` counts the managed GPUs that are not in MIG mode (docs/mig.md, "Configuring the agent").
+    """
+    from isolator import mig
+
+    host = simulated_host(config) if config.simulate else None
+    inventory = build_inventory(config, host=host, watch=False)
+    if inventory is None:
+        return "gpus:0"
+    try:
+        records = inventory.records
+        whole = sum(1 for r in records if not r.mig_enabled)
+        return mig.agent_resources(whole, [d for r in records if r.mig_enabled for d in r.mig_devices])
+    finally:
+        inventory.close()
+
+
 class CdiKeeper:
     """``--cdi-dir``: keeps ``<dir>/gpu-isolator.json`` equal to what the sidecar manages.
 

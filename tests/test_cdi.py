@@ -241,3 +241,14 @@ def test_cdi_dir_keeps_the_spec_current_when_a_gpu_turns_unhealthy(short_tmp, a1
         assert "3" not in names and "3:0" not in names and "2" in names
     finally:
         inv.close()
+
+
+def test_resources_command_prints_the_agent_entries(short_tmp, capsys):
+    from isolator.cli import main
+
+    args = ["resources", "--simulate", "dgx-a100", "--work-dir", os.path.join(short_tmp, "w")]
+    assert main(args) == 0
+    line = capsys.readouterr().out.strip()
+    assert line == "gpus:3;mig-1g.10gb:1;mig-1g.5gb:8;mig-2g.10gb:2;mig-3g.20gb:3;mig-4g.20gb:1"
+    assert main(["resources", "--simulate", "dgx-1", "--work-dir", os.path.join(short_tmp, "w1")]) == 0
+    assert capsys.readouterr().out.strip() == "gpus:8"

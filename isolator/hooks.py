@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from isolator import devices as devrules
+from isolator import mig as migunits
 from isolator.allocator import Allocator
 from isolator.cgroups.base import DeviceController
 from isolator.crashpoints import crashpoint
@@ -153,6 +154,10 @@ class IsolatorService(Service):
         topology = inventory.topology()
         self._gpus = {g.minor: g for g in topology.gpus}
         self.allocator = Allocator(topology, policy)
+        # MIG units (docs/mig.md): every MIG device of a managed GPU in MIG mode, by UUID, and the
+        # parent minors booked in the whole-GPU allocator while any of their MIG devices is held.
+        self._mig = {d.uuid: d for d in self._mig_devices(frozenset(self._gpus))}
+        self._mig_booked: set[int] = set()
         self._sync_health()
         inventory.on_health_change(self._on_health_change)
         self._restore()
@@ -173,6 +178,65 @@ class IsolatorService(Service):
                         sorted(known),
                     )
                 self.allocator.restore(known)
+                self._book_mig(rec.mig_parents, restore=True)
+
+    def _book_mig(self, parents: frozenset[int], restore: bool = False) -> None:
+        """Book parent GPUs in the whole-GPU allocator while MIG devices on them are held."""
+        new = frozenset(m for m in parents if m not in self._mig_booked and m in self.allocator.total)
+        if new:
+            if restore:
+                self.allocator.restore(new)
+            else:
+                self.allocator.allocate_set(new)
+            self._mig_booked.update(new)
+
+    def _unbook_mig(self) -> None:
+        """Give back parents whose MIG devices are all free again (call after the store changed)."""
+        held = {parent for _cid, parent in self.store.mig_holders().values()}
+        free = frozenset(self._mig_booked - held)
+        if free:
+            self.allocator.deallocate(free & self.allocator.allocated)
+            self._mig_booked -= free
+
+    def _choose_mig(self, request: dict[str, int]) -> tuple[MigDevice, ...]:
+        if not request:
+            return ()
+        held = set(self.store.mig_holders())
+        whole = self.allocator.allocated - self._mig_booked
+        usable = self._inv.healthy()
+        blocked = {d.parent_minor for d in self._mig.values() if d.parent_minor in whole}
+        blocked |= {d.parent_minor for d in self._mig.values() if d.parent_index not in usable}
+        blocked |= set(self.allocator.unhealthy)
+        choice = migunits.choose(request, list(self._mig.values()), held, blocked)
+        return choice.devices
+
+    def _mig_of(self, rec: ContainerRecord | None) -> tuple[MigDevice, ...]:
+        """The MIG devices a record holds that the inventory knows (an unknown UUID grants nothing)."""
+        if rec is None:
+            return ()
+        out = []
+        for uuid in sorted(rec.mig_uuids):
+            dev = self._mig.get(uuid)
+            if dev is None:
+                LOG.warning(
+                    "container %s holds MIG device %s, which the inventory no longer lists", rec.container_id, uuid
+                )
+                continue
+            out.append(dev)
+        return tuple(out)
+
+    def _allocate_whole(self, count: int) -> Any:
+        """Whole GPUs, taking GPUs that are not in MIG mode first (docs/mig.md)."""
+        mig_gpus = frozenset(d.parent_minor for d in self._mig.values()) & self.allocator.available
+        if count and mig_gpus:
+            self.allocator.allocate_set(mig_gpus)
+            try:
+                return self.allocator.allocate(count)
+            except IsolatorError:
+                pass
+            finally:
+                self.allocator.deallocate(mig_gpus)
+        return self.allocator.allocate(count)
 
     def _sync_health(self) -> None:
         healthy_indices = self._inv.healthy()
@@ -188,13 +252,16 @@ class IsolatorService(Service):
 
     # ---- helpers ----------------------------------------------------------------------------------
 
-    def _rules(self, minors: frozenset[int]) -> tuple[devrules.DeviceRule, ...]:
+    def _rules(self, minors: frozenset[int], units: tuple[MigDevice, ...] = ()) -> tuple[devrules.DeviceRule, ...]:
+        """Whole GPUs (with every MIG device of one in MIG mode) and MIG units: each unit's GI and
+        CI caps nodes and its parent's node, which the driver requires (docs/mig.md)."""
         if not self._gpus:
             return tuple(devrules.MESOS_DEFAULT_WHITELIST)  # no GPUs here: no control devices either
         control = self.host_devices.control_devices(modeset=self.settings.modeset)
-        mig = self._mig_devices(minors)
+        mig = self._mig_devices(minors) + tuple(units)
         caps_major = self.host_devices.caps_major() if mig else None
-        return devrules.container_rules(control, sorted(minors), mig_devices=mig, caps_major=caps_major)
+        nodes = sorted(minors | migunits.parents(units))
+        return devrules.container_rules(control, nodes, mig_devices=mig, caps_major=caps_major)
 
     def _mig_devices(self, minors: frozenset[int]) -> tuple[MigDevice, ...]:
         out: list[MigDevice] = []
@@ -213,19 +280,19 @@ class IsolatorService(Service):
             raise NotFound(f"unknown container {cid}")
         return rec
 
-    def _device_mounts(self, rootfs: str, minors: frozenset[int]) -> list[Mount]:
+    def _device_mounts(self, rootfs: str, minors: frozenset[int], units: tuple[MigDevice, ...] = ()) -> list[Mount]:
         """Bind mounts of exactly the allocated GPUs and the control devices (Mesos exposes every
         /dev/nvidia*, unallocated GPUs and nvidia-modeset included: defect §2.15.6)."""
         if not self._gpus:
             return []
-        names = [f"nvidia{m}" for m in sorted(minors)]
+        names = [f"nvidia{m}" for m in sorted(minors | migunits.parents(units))]
         control = self.host_devices.control_devices(modeset=self.settings.modeset)
         names += [os.path.relpath(n.path, self.settings.dev_root) for n in control.numbers()]
         mounts = []
         for name in names:
             source = os.path.join(self.settings.dev_root, name)
             mounts.append(Mount(target=os.path.join(rootfs, "dev", name), source=source, flags=MS_BIND))
-        for mig in self._mig_devices(minors):
+        for mig in self._mig_devices(minors) + tuple(units):
             for minor in mig.caps_minors:
                 name = f"nvidia-caps/nvidia-cap{minor}"
                 source = os.path.join(self.settings.dev_root, name)
@@ -257,15 +324,19 @@ class IsolatorService(Service):
         if container_id.nested:
             return self._prepare_nested(container_id, config)
         count = gpu_count(config.resources)
+        mig_request = migunits.requests(config.resources)
         image_plan = self._image_plan(config)
         with self._lock:
             if self.store.get(container_id) is not None:
                 raise AlreadyExists(f"container {container_id} has already been prepared")
-            choice = self.allocator.allocate(count)
+            choice = self._allocate_whole(count)
             minors = frozenset(choice.gpus)
             undo: list[Callable[[], object]] = [lambda: self.allocator.deallocate(minors)]
             try:
-                rules = self._rules(minors)
+                units = self._choose_mig(mig_request)
+                self._book_mig(migunits.parents(units))
+                undo.append(self._unbook_mig)
+                rules = self._rules(minors, units)
                 self.store.record(
                     ContainerRecord(
                         container_id,
@@ -276,6 +347,7 @@ class IsolatorService(Service):
                         state="prepared",
                         created=self.clock(),
                         rules="\n".join(map(str, rules)),
+                        mig=frozenset((d.uuid, d.parent_minor) for d in units),
                     )
                 )
                 undo.append(lambda: self._forget(container_id))
@@ -285,11 +357,12 @@ class IsolatorService(Service):
                 crashpoint("prepare.cgroup")
                 self.controller.apply(container_id, rules)
                 crashpoint("prepare.applied")
-                info = self._launch_info(container_id, config, minors, image_plan, undo)
+                info = self._launch_info(container_id, config, minors, image_plan, undo, units)
             except BaseException:
                 self._undo(container_id, undo)
                 raise
-            LOG.info("prepared %s (%s)", self._describe(container_id, minors), choice.policy)
+            mig_note = f", MIG devices [{migunits.visible_devices(units)}]" if units else ""
+            LOG.info("prepared %s (%s)%s", self._describe(container_id, minors), choice.policy, mig_note)
             return info
 
     def _launch_info(
@@ -299,14 +372,19 @@ class IsolatorService(Service):
         minors: frozenset[int],
         image_plan: Any,
         undo: list[Callable[[], object]],
+        units: tuple[MigDevice, ...] = (),
     ) -> LaunchInfo | None:
+        # MIG holders learn which devices are theirs (docs/mig.md), with or without an image.
+        visible = (("NVIDIA_VISIBLE_DEVICES", migunits.visible_devices(units)),) if units else ()
         if not config.has_image:
-            return None  # the host's /dev and libraries, access gated by the cgroup (Mesos)
-        mounts = self._device_mounts(config.rootfs, minors)
+            # The host's /dev and libraries, access gated by the cgroup (Mesos).
+            return LaunchInfo(environment=visible) if visible else None
+        mounts = self._device_mounts(config.rootfs, minors, units)
         env: tuple[tuple[str, str], ...] = ()
         if image_plan is not None:
             mounts_v, env = self._volume(cid, config, image_plan, undo)
             mounts = mounts_v + mounts
+        env = tuple((k, v) for k, v in env if k != "NVIDIA_VISIBLE_DEVICES") + visible
         return LaunchInfo(environment=env, mounts=tuple(mounts))
 
     def _volume(
@@ -347,7 +425,7 @@ class IsolatorService(Service):
             minors = root.gpus if root is not None else frozenset()
             undo: list[Callable[[], object]] = []
             try:
-                info = self._launch_info(cid, config, minors, image_plan, undo)
+                info = self._launch_info(cid, config, minors, image_plan, undo, self._mig_of(root))
             except BaseException:
                 self._undo(cid, undo)
                 raise
@@ -370,6 +448,7 @@ class IsolatorService(Service):
         Call with the lock held."""
         self.store.remove(cid)
         self.allocator.deallocate(rec.gpus & self.allocator.allocated)
+        self._unbook_mig()
         self._changed.notify_all()
 
     def _release_volume(self, cid: ContainerId) -> None:
@@ -411,8 +490,18 @@ class IsolatorService(Service):
         if container_id.nested:
             raise FailedPrecondition(f"update is not supported for nested containers ({container_id})")
         target = gpu_count(resources)
+        wanted = migunits.requests(resources)
         with self._lock:
             rec = self._require(container_id)
+            held: dict[str, int] = {}
+            for dev in self._mig_of(rec):
+                name = migunits.resource_name(dev.profile) or dev.profile
+                held[name] = held.get(name, 0) + 1
+            if wanted != held:
+                raise FailedPrecondition(
+                    f"container {container_id} holds MIG devices {held or '{}'}; MIG holdings are fixed at launch "
+                    f"(update asks for {wanted or '{}'})"
+                )
             plan = self.allocator.plan_update(rec.gpus, target)
             add, release = frozenset(plan.add), frozenset(plan.release)
             if add:
@@ -436,8 +525,9 @@ class IsolatorService(Service):
             final = (rec.gpus | add) - release
             LOG.info("updated %s to %d GPUs", self._describe(container_id, frozenset(final)), target)
 
-    def _apply(self, cid: ContainerId, minors: frozenset[int]) -> None:
-        rules = self._rules(minors)
+    def _apply(self, cid: ContainerId, minors: frozenset[int], units: tuple[MigDevice, ...] | None = None) -> None:
+        """Grant ``minors`` whole plus MIG ``units`` (None: the MIG devices ``cid``'s record holds)."""
+        rules = self._rules(minors, self._mig_of(self.store.get(cid)) if units is None else units)
         self.controller.apply(cid, rules)
         crashpoint("apply.kernel")
         self.store.update(cid, rules="\n".join(map(str, rules)))
@@ -451,22 +541,35 @@ class IsolatorService(Service):
                     if container_id.nested:
                         return None
                     raise NotFound(f"unknown container {container_id}")
-                sick = sorted(m for m in rec.gpus if m in self.allocator.unhealthy)
+                sick = sorted(m for m in rec.gpus | rec.mig_parents if m in self.allocator.unhealthy)
                 if sick:
-                    return self._limitation(container_id, sick)
+                    return self._limitation(container_id, sick, rec)
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return None
                 self._changed.wait(timeout=remaining if remaining is not None else 5.0)
 
-    def _limitation(self, cid: ContainerId, sick: list[int]) -> dict[str, Any]:
+    def _limitation(self, cid: ContainerId, sick: list[int], rec: ContainerRecord | None = None) -> dict[str, Any]:
+        """An XID on a GPU limits every container on it: holders of the GPU and of its MIG devices."""
         reasons = {}
         for r in self._inv.records:
             if r.gpu.minor in sick:
                 reasons[r.gpu.minor] = f"{r.gpu.uuid}: {r.status or 'unhealthy'}"
         detail = "; ".join(f"GPU {m} ({reasons.get(m, 'unhealthy')})" for m in sick)
+        whole = [m for m in sick if rec is None or m in rec.gpus]
+        resources = []
+        if whole:
+            resources.append({"name": "gpus", "type": "SCALAR", "scalar": {"value": len(whole)}, "role": "*"})
+        units: dict[str, list[str]] = {}
+        for dev in self._mig_of(rec):
+            if dev.parent_minor in sick:
+                units.setdefault(migunits.resource_name(dev.profile) or dev.profile, []).append(dev.uuid)
+        for name, uuids in sorted(units.items()):
+            resources.append({"name": name, "type": "SCALAR", "scalar": {"value": len(uuids)}, "role": "*"})
+        if units:
+            detail += "; its MIG devices " + ", ".join(u for us in units.values() for u in us)
         return {
-            "resources": [{"name": "gpus", "type": "SCALAR", "scalar": {"value": len(sick)}, "role": "*"}],
+            "resources": resources,
             "message": f"container {cid} holds a GPU that became unhealthy: {detail}",
             "reason": "REASON_CONTAINER_LIMITATION",
         }
@@ -492,7 +595,8 @@ class IsolatorService(Service):
 
     def status(self, container_id: ContainerId) -> dict[str, Any]:
         rec = self._require(container_id.root)
-        return {"gpu_uuids": [self._gpus[m].uuid for m in sorted(rec.gpus) if m in self._gpus], "state": rec.state}
+        uuids = [self._gpus[m].uuid for m in sorted(rec.gpus) if m in self._gpus]
+        return {"gpu_uuids": uuids + sorted(rec.mig_uuids), "state": rec.state}
 
     def cleanup(self, container_id: ContainerId) -> None:
         if container_id.nested:
@@ -541,11 +645,13 @@ class IsolatorService(Service):
 
     def recover(self, states: list[ContainerState], orphans: list[ContainerId]) -> RecoverResult:
         with self._lock:
-            records = {cid: rec.gpus for cid, rec in self.store.load().items()}
+            # A MIG holder's cgroup grants its MIG devices' parents' nodes: those count as recorded.
+            loaded = self.store.load()
+            records = {cid: rec.gpus | rec.mig_parents for cid, rec in loaded.items()}
             kernel: dict[ContainerId, frozenset[int]] = {}
             for cid in records:
                 if self.settings.mode == "standalone":
-                    self._restore_cgroup(cid, records[cid])
+                    self._restore_cgroup(cid, loaded[cid].gpus)
                 granted = self.kernel_grants(cid)
                 if granted is not None:
                     kernel[cid] = granted
@@ -555,7 +661,8 @@ class IsolatorService(Service):
             for action in actions:
                 cid = action.container_id
                 if action.kind in (Kind.REVOKE, Kind.REAPPLY):
-                    self._apply(cid, records.get(cid, frozenset()))
+                    rec = self.store.get(cid)
+                    self._apply(cid, rec.gpus if rec is not None else frozenset())
                 elif action.kind is Kind.RELEASE:
                     with contextlib.suppress(CgroupVanished):
                         self.controller.cleanup(cid)
@@ -568,10 +675,12 @@ class IsolatorService(Service):
                 crashpoint("recover.action")
             # Rebuild the allocator from what the store now says.
             self.allocator = Allocator(self._inv.topology(), self.allocator.policy)
+            self._mig_booked = set()
             self._sync_health()
             live = self.store.load()
             for rec in live.values():
                 self.allocator.restore(rec.gpus & self.allocator.total)
+                self._book_mig(rec.mig_parents, restore=True)
             result.recovered = len(live)
             if self.volumes is not None:
                 self.volumes.reconcile(str(c) for c in live)
@@ -614,9 +723,12 @@ class IsolatorService(Service):
     def list_gpus(self) -> dict[str, Any]:
         view = super().list_gpus()
         holders = self.store.holders()
+        mig_holders = {u: str(c) for u, (c, _m) in self.store.mig_holders().items()}
         for gpu in view["gpus"]:
             holder = holders.get(gpu.get("minor", -1)) if gpu.get("uuid") else None
             gpu["holder"] = str(holder) if holder is not None else ""
+            for dev in gpu.get("mig_devices", ()):
+                dev["holder"] = mig_holders.get(dev["uuid"], "")
         return view
 
     def list_containers(self) -> list[dict[str, Any]]:
@@ -639,6 +751,7 @@ class IsolatorService(Service):
             "gpu_uuids": [self._gpus[m].uuid for m in minors],
             "gpu_minors": sorted(rec.gpus),
             "gpu_indices": [self._gpus[m].index for m in minors],
+            "mig_uuids": sorted(rec.mig_uuids),
             "cgroup": rec.cgroup,
             "mode": rec.mode,
             "volume_version": rec.volume_version,
@@ -786,7 +899,7 @@ class IsolatorService(Service):
                 )
             if pids and self.settings.mode == "standalone":
                 # A forced release must not leave running processes with access: revoke, keep the cgroup.
-                self._apply(container_id, frozenset())
+                self._apply(container_id, frozenset(), units=())
                 action = "revoked-kept-cgroup"
                 did = f"revoked their GPU access in '{cgroup}' and kept the cgroup for its processes {list(pids)}"
             else:
@@ -864,7 +977,7 @@ class IsolatorService(Service):
                     out.append(f"container {cid}: {source[len('none: ') :]}")
                     continue
                 granted = self._granted(kernel)
-                if granted != sorted(rec.gpus):
+                if granted != sorted(rec.gpus | rec.mig_parents):
                     out.append(f"container {cid}: recorded GPUs {sorted(rec.gpus)}, kernel grants {granted}")
         return out
 

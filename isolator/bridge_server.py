@@ -27,16 +27,22 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import grpc
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
+from isolator.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    IsolatorError,
+    PermissionDenied,
+    ResourceExhausted,
+    Unimplemented,
+    from_code,
+)
 from isolator.rpc import isolator_pb2 as pb
-
-if TYPE_CHECKING:
-    from isolator.server import IsolatorServicer
 
 LOG = logging.getLogger(__name__)
 
@@ -49,13 +55,10 @@ MAX_MESSAGE_CHARS = 2000
 MAX_DRAIN_BYTES = 64 * 1024 * 1024
 
 
-class BridgeError(Exception):
-    """A call that ends in an ERROR reply. ``code`` is a gRPC status code name."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+# The gRPC Isolator servicer (isolator.server.IsolatorServicer, passed in by the server, which this
+# module does not import): the bridge calls its methods by name with a request message and a
+# context, so that translation and error mapping are shared.
+Servicer = object
 
 
 # ---- outputs: proto -> the JSON stout's protobuf::parse<T> accepts --------------------------------
@@ -152,9 +155,9 @@ def check_shape(value: Any, descriptor: Any, path: str, depth: int = 0) -> None:
     ignored it would take ``"container_id": "abc"`` for an empty ID; this catches it first.
     """
     if depth > MAX_DEPTH:
-        raise BridgeError("INVALID_ARGUMENT", f"input nested deeper than {MAX_DEPTH} levels at {path}")
+        raise InvalidArgument(f"input nested deeper than {MAX_DEPTH} levels at {path}")
     if not isinstance(value, dict):
-        raise BridgeError("INVALID_ARGUMENT", f"{path} must be a JSON object, not {_kind(value)}")
+        raise InvalidArgument(f"{path} must be a JSON object, not {_kind(value)}")
     for key, item in value.items():
         field = descriptor.fields_by_name.get(key)
         if field is None or item is None:
@@ -162,7 +165,7 @@ def check_shape(value: Any, descriptor: Any, path: str, depth: int = 0) -> None:
         items = [item]
         if field.is_repeated:
             if not isinstance(item, list):
-                raise BridgeError("INVALID_ARGUMENT", f"{path}.{key} must be a JSON array, not {_kind(item)}")
+                raise InvalidArgument(f"{path}.{key} must be a JSON array, not {_kind(item)}")
             items = item
         if field.message_type is not None:
             for i, sub in enumerate(items):
@@ -175,40 +178,38 @@ def decode_input(payload: bytes, request_type: type[Message]) -> Message:
     try:
         text = payload.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise BridgeError("INVALID_ARGUMENT", f"input is not UTF-8: {exc.reason} at byte {exc.start}") from None
+        raise InvalidArgument(f"input is not UTF-8: {exc.reason} at byte {exc.start}") from None
     if not text.strip():
-        raise BridgeError("INVALID_ARGUMENT", "input is empty; expected a JSON object")
+        raise InvalidArgument("input is empty; expected a JSON object")
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise BridgeError("INVALID_ARGUMENT", f"input is not valid JSON: {exc}") from None
+        raise InvalidArgument(f"input is not valid JSON: {exc}") from None
     except RecursionError:
-        raise BridgeError("INVALID_ARGUMENT", "input is nested too deeply to parse") from None
+        raise InvalidArgument("input is nested too deeply to parse") from None
     check_shape(obj, request_type.DESCRIPTOR, "input")
     try:
         return json_format.ParseDict(obj, request_type(), ignore_unknown_fields=True, max_recursion_depth=MAX_DEPTH)
     except json_format.ParseError as exc:
-        raise BridgeError("INVALID_ARGUMENT", f"input does not match {request_type.DESCRIPTOR.name}: {exc}") from None
+        raise InvalidArgument(f"input does not match {request_type.DESCRIPTOR.name}: {exc}") from None
 
 
 def parse_frame(data: bytes) -> tuple[str, float, bytes]:
     """Split a request into (method, timeout in seconds, payload)."""
     header, sep, payload = data.partition(b"\n")
     if not sep or len(header) > MAX_HEADER_BYTES:
-        raise BridgeError("INVALID_ARGUMENT", "malformed bridge request: no header line")
+        raise InvalidArgument("malformed bridge request: no header line")
     parts = header.split(b" ")
     if parts[0] != PROTOCOL:
         version = parts[0].decode("ascii", "replace")[:40]
-        raise BridgeError(
-            "FAILED_PRECONDITION",
+        raise FailedPrecondition(
             f"bridge protocol {version!r} is not spoken here (this sidecar speaks {PROTOCOL.decode()})",
         )
     if len(parts) != 3 or not parts[2].isdigit():
-        raise BridgeError("INVALID_ARGUMENT", "malformed bridge request header; expected '<protocol> <method> <ms>'")
+        raise InvalidArgument("malformed bridge request header; expected '<protocol> <method> <ms>'")
     method = parts[1].decode("ascii", "replace")
     if method not in CALLS:
-        raise BridgeError(
-            "UNIMPLEMENTED",
+        raise Unimplemented(
             f"method {method[:40]!r} is not served over the bridge (only {', '.join(CALLS)})",
         )
     return method, int(parts[2]) / 1000.0, payload
@@ -227,7 +228,8 @@ class _Context:
         self._deadline = time.monotonic() + timeout
 
     def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise BridgeError(code.name, details)
+        # The servicer has already mapped its error to a status (isolator.server.status_of).
+        raise from_code(code.name, details)
 
     def time_remaining(self) -> float:
         if self._method == "watch":
@@ -237,7 +239,7 @@ class _Context:
         return max(0.0, self._deadline - time.monotonic())
 
 
-def handle(servicer: IsolatorServicer, data: bytes) -> bytes:
+def handle(servicer: Servicer, data: bytes) -> bytes:
     """One request's bytes -> the reply's bytes. Never raises."""
     method = "?"
     try:
@@ -247,13 +249,13 @@ def handle(servicer: IsolatorServicer, data: bytes) -> bytes:
         context = cast(grpc.ServicerContext, _Context(method, timeout))
         response = getattr(servicer, call.rpc)(request, context)
         return b"OK\n" + call.output(response)
-    except BridgeError as exc:
-        if exc.code == "INVALID_ARGUMENT":
+    except IsolatorError as exc:
+        if isinstance(exc, InvalidArgument):
             LOG.info("bridge %s refused: %s", method, exc.message)
         return error_reply(exc.code, exc.message)
     except Exception as exc:  # a bug here must answer the caller, not kill the listener
         LOG.exception("bridge %s failed with an unexpected error", method)
-        return error_reply("INTERNAL", f"internal error in bridge {method}: {exc}")
+        return error_reply("INTERNAL", f"internal error in bridge {method}: {exc}")  # as server.status_of
 
 
 # ---- the listener -------------------------------------------------------------------------------
@@ -272,7 +274,7 @@ class BridgeListener:
     def __init__(
         self,
         sock: socket.socket,
-        servicer: IsolatorServicer,
+        servicer: Servicer,
         *,
         max_request_bytes: int,
         max_concurrent: int,
@@ -323,17 +325,17 @@ class BridgeListener:
                 time.sleep(0.05)  # EMFILE and friends: do not spin
                 continue
             if not self._slots.acquire(blocking=False):
-                self._refuse(conn, "RESOURCE_EXHAUSTED", "too many bridge calls in flight; try again")
+                self._refuse(conn, ResourceExhausted("too many bridge calls in flight; try again"))
                 continue
             with self._idle:
                 self._in_flight += 1
             threading.Thread(target=self._serve, args=(conn,), name="bridge", daemon=True).start()
 
-    def _refuse(self, conn: socket.socket, code: str, message: str) -> None:
+    def _refuse(self, conn: socket.socket, error: IsolatorError) -> None:
         with conn:
             try:
                 conn.settimeout(self._io_timeout)
-                conn.sendall(error_reply(code, message))
+                conn.sendall(error_reply(error.code, error.message))
             except OSError:
                 pass
 
@@ -357,7 +359,7 @@ class BridgeListener:
         denied = self._check_peer(conn)
         if denied:
             self._drain(conn)
-            return error_reply("PERMISSION_DENIED", denied)
+            return error_reply(denied.code, denied.message)
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -367,7 +369,8 @@ class BridgeListener:
             size += len(chunk)
             if size > self._limit:
                 self._drain(conn)
-                return error_reply("INVALID_ARGUMENT", f"request larger than {self._limit - MAX_HEADER_BYTES} bytes")
+                too_big = InvalidArgument(f"request larger than {self._limit - MAX_HEADER_BYTES} bytes")
+                return error_reply(too_big.code, too_big.message)
             chunks.append(chunk)
         return handle(self._servicer, b"".join(chunks))
 
@@ -379,9 +382,11 @@ class BridgeListener:
             if not conn.recv(65536):
                 return
 
-    def _check_peer(self, conn: socket.socket) -> str | None:
+    def _check_peer(self, conn: socket.socket) -> PermissionDenied | None:
         pid, uid, gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
         if uid in self._allowed_uids or gid in self._allowed_gids:
             return None
         LOG.warning("bridge call from pid %d uid %d gid %d refused: not in allowed-uids/gids", pid, uid, gid)
-        return f"uid {uid} (gid {gid}) is not allowed to call the sidecar; see --allowed-uids and --allowed-gids"
+        return PermissionDenied(
+            f"uid {uid} (gid {gid}) is not allowed to call the sidecar; see --allowed-uids and --allowed-gids"
+        )

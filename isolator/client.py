@@ -14,6 +14,8 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
+from isolator.convert import container_id_from_proto, container_id_to_proto
+from isolator.errors import IsolatorError
 from isolator.model import ContainerId
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
@@ -40,32 +42,17 @@ def container_id(text: str) -> pb.ContainerID:
             msg = json_format.Parse(text, pb.ContainerID())
         except (json_format.ParseError, json.JSONDecodeError) as exc:
             raise BadContainerId(f"invalid container ID JSON: {exc}") from None
-        chain: list[str] = []
-        node = msg
-        while True:
-            chain.append(node.value)
-            if not node.HasField("parent"):
-                break
-            node = node.parent
-        chain.reverse()
-    else:
-        chain = text.split(".")
-    parent: ContainerId | None = None
+        try:
+            return container_id_to_proto(container_id_from_proto(msg))
+        except IsolatorError as exc:  # InvalidContainerId: its message names the ID and the reason
+            raise BadContainerId(
+                exc.message if not msg.HasField("parent") else f"{exc.message} (in {text!r})"
+            ) from None
+    chain = text.split(".")
     try:
-        for value in chain:
-            parent = ContainerId.parse(value, parent)
-    except Exception as exc:  # InvalidContainerId: its message names the ID and the reason
-        reason = getattr(exc, "message", str(exc))
-        raise BadContainerId(reason if len(chain) == 1 else f"{reason} (in {text!r})") from None
-    assert parent is not None
-    return _to_proto(parent)
-
-
-def _to_proto(cid: ContainerId) -> pb.ContainerID:
-    msg = pb.ContainerID(value=cid.value)
-    if cid.parent is not None:
-        msg.parent.CopyFrom(_to_proto(cid.parent))
-    return msg
+        return container_id_to_proto(ContainerId.from_chain(chain))
+    except IsolatorError as exc:
+        raise BadContainerId(exc.message if len(chain) == 1 else f"{exc.message} (in {text!r})") from None
 
 
 def to_dict(message: Any) -> dict[str, Any]:

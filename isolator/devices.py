@@ -229,6 +229,19 @@ def own_rules(rules: Iterable[DeviceRule], base: Iterable[DeviceRule]) -> tuple[
     return tuple(r for r in rules if r not in base_set)
 
 
+@dataclass(frozen=True)
+class KernelRules:
+    """The rules a cgroup backend says are in force on a cgroup, and where it read them.
+
+    ``present`` is False when nothing of ours is in force there (no cgroup, or no device program of
+    ours attached); ``source`` then says which.
+    """
+
+    rules: tuple[DeviceRule, ...]
+    source: str
+    present: bool = True
+
+
 # ---- The edge: device numbers from a dev root ---------------------------------------------------
 
 UVM_LOAD_COMMAND = ("nvidia-modprobe", "-u", "-c", "0")

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from isolator import gpuflags
 from isolator.config import Config
+from isolator.core.service import IsolatorService
 from isolator.errors import ConfigError, FailedPrecondition, NvmlNotFound
 from isolator.server import SidecarServer
-from isolator.service import Service
 
 if TYPE_CHECKING:
     from isolator.nvml import Inventory
@@ -97,14 +97,15 @@ def build_inventory(
     return inventory
 
 
-def build_service(config: Config, notes: list[str] | None = None) -> Service:
+def build_service(config: Config, notes: list[str] | None = None) -> IsolatorService:
     """Real edges for the hooks: NVML (or the simulated host's), the devices cgroup of the detected
     hierarchy, the state store under the work dir, and the driver volume manager."""
     from isolator.cgroups import controller_for
     from isolator.cgroups.detect import detect
+    from isolator.core.context import Settings
     from isolator.devices import HostDevices
-    from isolator.hooks import EmptyInventory, HookSettings, IsolatorService
     from isolator.state import StateStore
+    from isolator.system import EmptyInventory, LocalFilesystem, ProcProcesses, SystemClock
 
     host = simulated_host(config) if config.simulate else None
     inventory = build_inventory(config, notes, host)
@@ -124,13 +125,15 @@ def build_service(config: Config, notes: list[str] | None = None) -> Service:
     store = StateStore(config.state_dir)
     try:
         return IsolatorService(
-            inventory if inventory is not None else EmptyInventory(),
-            controller,
-            host_devices,
-            store,
-            volumes,
-            HookSettings(mode=config.mode, dev_root=dev_root),
-            policy=config.allocation_policy,
+            inventory=inventory if inventory is not None else EmptyInventory(),
+            cgroups=controller,
+            devices=host_devices,
+            store=store,
+            volumes=volumes,
+            processes=ProcProcesses(),
+            filesystem=LocalFilesystem(),
+            clock=SystemClock(),
+            settings=Settings(mode=config.mode, policy=config.allocation_policy),
         )
     except BaseException:
         store.close()
@@ -213,8 +216,10 @@ class CdiKeeper:
     failure is logged and retried at the next trigger: it never stops the sidecar.
     """
 
-    def __init__(self, service: Any, directory: str, kind: str) -> None:
-        self.service = service
+    def __init__(self, inventory: Any, dev_root: str, volumes: Any, directory: str, kind: str) -> None:
+        self.inventory = inventory
+        self.dev_root = dev_root
+        self.volumes = volumes
         self.directory = directory
         self.kind = kind
         self._lock = threading.Lock()
@@ -224,7 +229,7 @@ class CdiKeeper:
 
         with self._lock:
             try:
-                spec = cdi_spec_of(self.service._inv, self.service.settings.dev_root, self.service.volumes, self.kind)
+                spec = cdi_spec_of(self.inventory, self.dev_root, self.volumes, self.kind)
                 path, changed = cdi.write_spec(spec, self.directory)
             except Exception as exc:
                 LOG.error("failed to write the CDI spec into '%s': %s", self.directory, exc)
@@ -235,7 +240,7 @@ class CdiKeeper:
 
     def start(self, stop: threading.Event, interval: float) -> None:
         self.update()
-        self.service._inv.on_health_change(lambda _event: self.update())
+        self.inventory.on_health_change(lambda _event: self.update())
         threading.Thread(target=_reap_loop, args=(self.update, stop, interval), name="cdi", daemon=True).start()
 
 
@@ -268,15 +273,15 @@ def serve(config: Config) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    if config.cdi_dir:
-        if getattr(service, "volumes", None) is None or not hasattr(service, "_inv"):
-            LOG.error("--cdi-dir needs the hooks service with a volume manager; no CDI spec is written")
-        else:
-            CdiKeeper(service, config.cdi_dir, config.cdi_kind).start(stop, config.reap_interval)
-    reaper = getattr(service, "reap_vanished", None)
-    if reaper is not None and config.mode == "mesos":
+    core = service.core
+    if config.cdi_dir and core.volumes is not None and core.gpus:
+        keeper = CdiKeeper(core.inventory, core.edges.devices.dev_root, core.volumes, config.cdi_dir, config.cdi_kind)
+        keeper.start(stop, config.reap_interval)
+    elif config.cdi_dir:
+        LOG.error("--cdi-dir '%s': no GPUs are managed, so no CDI spec is written", config.cdi_dir)
+    if config.mode == "mesos":
         threading.Thread(
-            target=_reap_loop, args=(reaper, stop, config.reap_interval), name="reaper", daemon=True
+            target=_reap_loop, args=(service.reap_vanished, stop, config.reap_interval), name="reaper", daemon=True
         ).start()
     # Wake periodically so that signals are handled promptly whatever the platform's lock waits do.
     while not stop.wait(0.5):

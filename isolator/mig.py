@@ -20,7 +20,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from isolator.errors import InvalidArgument, ResourceExhausted
-from isolator.model import MigDevice, Resource, checked_gpu_count
+from isolator.model import MigDevice, MigDeviceInfo, Resource, checked_gpu_count
 
 PREFIX = "mig-"
 # A MIG-capable GPU's memory is 8 slices; GPU-instance placements are counted in them.
@@ -112,22 +112,22 @@ def parents(devices: Iterable[MigDevice]) -> frozenset[int]:
     return frozenset(d.parent_minor for d in devices)
 
 
-def device_views(devices: Iterable[MigDevice], holders: Mapping[str, str]) -> list[dict[str, object]]:
-    """The ``MigDeviceInfo`` shape of the admin ``gpus`` view (holder: ``parent.child`` or "")."""
-    return [
-        {
-            "uuid": d.uuid,
-            "profile": d.profile,
-            "resource": resource_name(d.profile) if offered(d) else "",
-            "gpu_instance_id": d.gpu_instance_id,
-            "compute_instance_id": d.compute_instance_id,
-            "memory_total_bytes": d.memory_total,
-            "caps_minors": list(d.caps_minors),
-            "slot": max(d.slot, 0),
-            "holder": holders.get(d.uuid, ""),
-        }
+def device_views(devices: Iterable[MigDevice], holders: Mapping[str, str]) -> tuple[MigDeviceInfo, ...]:
+    """The admin ``gpus`` view of MIG devices (holder: ``parent.child`` or "")."""
+    return tuple(
+        MigDeviceInfo(
+            uuid=d.uuid,
+            profile=d.profile,
+            resource=(resource_name(d.profile) or "") if offered(d) else "",
+            gpu_instance_id=d.gpu_instance_id,
+            compute_instance_id=d.compute_instance_id,
+            memory_total_bytes=d.memory_total,
+            caps_minors=tuple(d.caps_minors),
+            slot=max(d.slot, 0),
+            holder=holders.get(d.uuid, ""),
+        )
         for d in sorted(devices, key=_order)
-    ]
+    )
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ with the type, so nothing unvalidated can be constructed through ``ContainerId.p
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -24,6 +25,19 @@ MAX_NESTING = 32
 class ContainerId:
     value: str
     parent: ContainerId | None = None
+
+    @classmethod
+    def from_chain(cls, values: Iterable[str]) -> ContainerId:
+        """The ID whose chain (top-level first) is ``values``, each validated: the one place that
+        turns a parent chain (proto, state key, CLI ``a.b`` form, volume user name) into an ID."""
+        node: ContainerId | None = None
+        for value in values:
+            node = cls.parse(value, node)
+        if node is None:
+            from isolator.errors import InvalidContainerId
+
+            raise InvalidContainerId(value="", reason="must not be empty")
+        return node
 
     @classmethod
     def parse(cls, value: str, parent: ContainerId | None = None) -> ContainerId:
@@ -179,10 +193,6 @@ class Resource:
     role: str = "*"
 
 
-# The typed error lives in isolator.errors (it is an InvalidArgument and a ValueError); the old name
-# stays so that callers written against the foundation keep working.
-GpuCountError = InvalidGpuCount
-
 # Mesos stores scalars as fixed-point with three decimals in an int64; anything beyond 2**31 GPUs is a
 # typo or an attack, not a host, and is refused with the same message.
 MAX_GPU_COUNT = 2**31
@@ -267,8 +277,194 @@ class ContainerState:
     directory: str = ""
 
 
+@dataclass(frozen=True)
+class ContainerRecord:
+    """What the sidecar knows about one container: its GPUs (device minors) and how it set it up."""
+
+    container_id: ContainerId
+    gpus: frozenset[int] = frozenset()
+    mode: str = "mesos"
+    cgroup: str = ""
+    cgroup_version: int = 1
+    volume_version: str = ""
+    state: str = "prepared"
+    created: float = field(default_factory=time.time)  # the core passes its clock's time
+    rules: str = ""
+    mig: frozenset[tuple[str, int]] = frozenset()  # held MIG devices: (MIG UUID, parent GPU minor)
+
+    @property
+    def mig_uuids(self) -> frozenset[str]:
+        return frozenset(u for u, _ in self.mig)
+
+    @property
+    def mig_parents(self) -> frozenset[int]:
+        return frozenset(m for _, m in self.mig)
+
+
 @dataclass
 class RecoverResult:
     recovered: int = 0
     released: int = 0
-    notes: list[str] = field(default_factory=list)
+
+
+# ---- What the core answers (the server turns each into its proto message) -----------------------
+
+
+@dataclass(frozen=True)
+class Limitation:
+    """Watch's answer when a container must be told something: ``gpus`` of its GPUs became unusable,
+    and ``mig`` (resource name, count) of its MIG devices (their parent GPU did)."""
+
+    gpus: int
+    message: str
+    reason: str = "REASON_CONTAINER_LIMITATION"
+    mig: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class GpuUsage:
+    uuid: str
+    minor: int
+    memory_used_bytes: int
+    memory_total_bytes: int
+    utilization_percent: int
+
+
+@dataclass(frozen=True)
+class Usage:
+    timestamp: float
+    gpus: tuple[GpuUsage, ...] = ()
+
+
+@dataclass(frozen=True)
+class ContainerStatus:
+    gpu_uuids: tuple[str, ...]
+    state: str
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One managed GPU as the admin view shows it (``gpu-isolator gpus``)."""
+
+    index: int
+    minor: int
+    uuid: str
+    name: str = ""
+    pci_bus_id: str = ""
+    memory_total_bytes: int = 0
+    numa_node: int = -1
+    cpu_affinity: str = ""
+    healthy: bool = True
+    last_xid: int = 0
+    last_xid_time: float = 0.0
+    health_reason: str = ""
+    holder: str = ""
+    mig_enabled: bool = False
+    mig_devices: tuple[MigDeviceInfo, ...] = ()
+
+
+@dataclass(frozen=True)
+class MigDeviceInfo:
+    """One MIG device in the admin view (docs/mig.md)."""
+
+    uuid: str
+    profile: str
+    resource: str  # mig-<profile>; "" when not offered
+    gpu_instance_id: int
+    compute_instance_id: int
+    memory_total_bytes: int
+    caps_minors: tuple[int, ...]
+    slot: int
+    holder: str = ""
+
+
+@dataclass(frozen=True)
+class GpuList:
+    driver_version: str
+    cuda_driver_version: str
+    gpus: tuple[GpuInfo, ...] = ()
+
+
+@dataclass(frozen=True)
+class TopologyLink:
+    a: int
+    b: int
+    kind: str
+    nvlink_lanes: int
+
+
+@dataclass(frozen=True)
+class TopologyView:
+    """Every pair once (a < b) in ``nvidia-smi topo -m`` notation."""
+
+    indices: tuple[int, ...] = ()
+    links: tuple[TopologyLink, ...] = ()
+    numa_nodes: tuple[int, ...] = ()
+    cpu_affinity: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ContainerInfo:
+    """One container in the admin views; a nested one shows its top-level container's GPUs."""
+
+    container_id: ContainerId
+    gpu_uuids: tuple[str, ...] = ()
+    gpu_minors: tuple[int, ...] = ()
+    gpu_indices: tuple[int, ...] = ()
+    cgroup: str = ""
+    mode: str = ""
+    volume_version: str = ""
+    state: str = ""
+    created: float = 0.0
+    mig_uuids: tuple[str, ...] = ()
+
+    @property
+    def nested(self) -> bool:
+        return self.container_id.nested
+
+
+@dataclass(frozen=True)
+class Description:
+    """``gpu-isolator describe``: the record beside the rules the kernel holds."""
+
+    container: ContainerInfo
+    recorded_rules: tuple[str, ...]
+    kernel_rules: tuple[str, ...]
+    kernel_source: str
+    rules_cgroup: str
+    rules_agree: bool
+    only_recorded: tuple[str, ...]
+    only_kernel: tuple[str, ...]
+    kernel_gpu_minors: tuple[int, ...]
+    pids: tuple[int, ...]
+    gpus: tuple[GpuInfo, ...]
+    nested: tuple[ContainerInfo, ...]
+
+
+@dataclass(frozen=True)
+class Released:
+    """What ``gpu-isolator release`` did."""
+
+    container: ContainerId
+    released_gpu_uuids: tuple[str, ...]
+    released_gpu_minors: tuple[int, ...]
+    pids: tuple[int, ...]
+    action: str
+    cgroup: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class VolumeReport:
+    """The driver volumes under the volume root; ``volumes`` is the manifest the volume manager writes."""
+
+    driver_version: str
+    volume_root: str
+    volumes: tuple[Mapping[str, object], ...]
+
+
+@dataclass(frozen=True)
+class HealthCheck:
+    name: str
+    ok: bool
+    detail: str

@@ -27,8 +27,6 @@ class Kind(enum.Enum):
     RELEASE = "release-record"
     # Mesos handed the container over as an orphan: keep its GPUs until its cleanup.
     MARK_ORPHAN = "mark-orphan"
-    # Mesos knows a container we have no record of: track it with no GPUs.
-    ADOPT = "adopt-without-gpus"
     # Records, kernel and Mesos agree (or the kernel view is absent for a container Mesos runs).
     KEEP = "keep"
 
@@ -60,8 +58,8 @@ def reconcile(
     Rules: a GPU the kernel grants beyond a container's record is revoked; a recorded GPU missing
     from the kernel is re-granted when Mesos still runs the container (the record is written before
     the rules, so this is a crash in between); orphans keep their GPUs until cleanup; a record that
-    neither Mesos nor the kernel knows is released; a running container without a record is adopted
-    with no GPUs. Actions are ordered so that revocations come first.
+    neither Mesos nor the kernel knows is released; a running container without a record holds no
+    GPUs and needs no action. Actions are ordered so that revocations come first.
     """
     orphan_ids = set(orphans)
     running_ids = None if running is None else set(running) - orphan_ids
@@ -91,10 +89,9 @@ def reconcile(
         if revoke:
             act(Kind.REVOKE, revoke, "the kernel grants GPUs that are not recorded for a live container")
         if rec is None:
+            # A container Mesos runs without a record of ours holds no GPUs: nothing to keep.
             if orphan:
                 act(Kind.MARK_ORPHAN, (), "an orphan without a record holds no GPUs")
-            elif known and running_ids is not None:
-                act(Kind.ADOPT, (), "a container Mesos runs has no record; tracking it without GPUs")
         elif orphan:
             act(Kind.MARK_ORPHAN, recorded, "an orphan keeps its GPUs until its cleanup")
         elif gone:

@@ -1,4 +1,4 @@
-"""The gRPC server: servicers that translate proto <-> model, and the Unix socket's lifecycle.
+"""The gRPC server: servicers that translate proto <-> model (isolator.convert), and the Unix socket's lifecycle.
 
 Servicers only translate and map typed errors to status codes; they hold no logic. The socket is
 bound under a lock file so that two sidecars never share one path: a stale socket left by a crash
@@ -22,7 +22,6 @@ from concurrent import futures
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -30,10 +29,24 @@ from grpc_reflection.v1alpha import reflection
 from isolator import model, peergate
 from isolator.bridge_server import BridgeListener
 from isolator.config import Config
+from isolator.convert import (
+    config_from_proto,
+    container_id_from_proto,
+    container_info_to_proto,
+    description_to_proto,
+    gpu_info_to_proto,
+    launch_info_to_proto,
+    limitation_to_proto,
+    released_to_proto,
+    resources_from_proto,
+    topology_to_proto,
+    usage_to_proto,
+    volume_to_proto,
+)
+from isolator.core.api import IsolatorApi
 from isolator.errors import InvalidArgument, IsolatorError, SocketError
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
-from isolator.service import Service
 
 LOG = logging.getLogger(__name__)
 
@@ -43,71 +56,14 @@ ADMIN_SERVICE = pb.DESCRIPTOR.services_by_name["Admin"].full_name
 T = TypeVar("T")
 
 
-# ---- proto -> model ---------------------------------------------------------------------------
+# ---- error mapping: the one place typed errors become statuses -----------------------------------
 
 
-def container_id_from_proto(msg: pb.ContainerID) -> model.ContainerId:
-    chain = []
-    node = msg
-    while True:
-        chain.append(node.value)
-        if not node.HasField("parent"):
-            break
-        node = node.parent
-        if len(chain) > model.MAX_NESTING:
-            raise InvalidArgument(f"container ID nested deeper than {model.MAX_NESTING} levels")
-    parent: model.ContainerId | None = None
-    for value in reversed(chain):
-        parent = model.ContainerId.parse(value, parent)
-    assert parent is not None
-    return parent
-
-
-def container_id_to_proto(cid: model.ContainerId) -> pb.ContainerID:
-    msg = pb.ContainerID(value=cid.value)
-    if cid.parent is not None:
-        msg.parent.CopyFrom(container_id_to_proto(cid.parent))
-    return msg
-
-
-def resources_from_proto(items: Any) -> tuple[model.Resource, ...]:
-    return tuple(
-        model.Resource(
-            name=r.name,
-            value=r.scalar.value,
-            type=pb.Value.Type.Name(r.type) if r.type in pb.Value.Type.values() else str(r.type),
-            role=r.role or "*",
-        )
-        for r in items
-    )
-
-
-def config_from_proto(msg: pb.ContainerConfig) -> model.ContainerConfig:
-    cls = msg.container_class
-    manifest = msg.docker.manifest.config
-    return model.ContainerConfig(
-        resources=resources_from_proto(msg.resources),
-        container_class=pb.ContainerClass.Name(cls) if cls in pb.ContainerClass.values() else "UNKNOWN",
-        directory=msg.directory,
-        user=msg.user,
-        rootfs=msg.rootfs,
-        image_env=tuple(manifest.Env),
-        image_labels=tuple((label.key, label.value) for label in manifest.labels),
-    )
-
-
-def launch_info_to_proto(info: model.LaunchInfo) -> pb.ContainerLaunchInfo:
-    msg = pb.ContainerLaunchInfo()
-    for name, value in info.environment:
-        msg.environment.variables.add(name=name, value=value, type=pb.Environment.Variable.VALUE)
-    for name, value in info.task_environment:
-        msg.task_environment.variables.add(name=name, value=value, type=pb.Environment.Variable.VALUE)
-    for m in info.mounts:
-        msg.mounts.add(target=m.target, source=m.source, type=m.type, flags=m.flags, options=m.options)
-    return msg
-
-
-# ---- error mapping ------------------------------------------------------------------------------
+def status_of(exc: BaseException, where: str) -> tuple[grpc.StatusCode, str]:
+    """The status code and details for an error raised while serving ``where``."""
+    if isinstance(exc, IsolatorError):
+        return grpc.StatusCode[exc.code], exc.message
+    return grpc.StatusCode.INTERNAL, f"internal error in {where}: {exc}"
 
 
 def _translate_errors(method: Callable[..., T]) -> Callable[..., T]:
@@ -119,10 +75,10 @@ def _translate_errors(method: Callable[..., T]) -> Callable[..., T]:
             return method(self, request, context)
         except IsolatorError as exc:
             LOG.info("%s failed: %s", method.__name__, exc.message)
-            context.abort(grpc.StatusCode[exc.code], exc.message)
+            context.abort(*status_of(exc, method.__name__))
         except Exception as exc:
             LOG.exception("%s failed with an unexpected error", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}: {exc}")
+            context.abort(*status_of(exc, method.__name__))
         raise AssertionError("unreachable: context.abort raises")
 
     return wrapper
@@ -166,7 +122,7 @@ def _lenient(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
     def call(request: Any, context: grpc.ServicerContext) -> Any:
         if isinstance(request, _Malformed):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {request.error}")
+            context.abort(*status_of(InvalidArgument(f"malformed request message: {request.error}"), "?"))
         return behaviour(request, context)
 
     return grpc.unary_unary_rpc_method_handler(
@@ -178,7 +134,7 @@ def _lenient(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
 
 class IsolatorServicer(pb_grpc.IsolatorServicer):
-    def __init__(self, service: Service) -> None:
+    def __init__(self, service: IsolatorApi) -> None:
         self._service = service
 
     @_translate_errors
@@ -213,7 +169,7 @@ class IsolatorServicer(pb_grpc.IsolatorServicer):
         limitation = self._service.watch(container_id_from_proto(request.container_id), remaining)
         if limitation is None:
             return pb.WatchResponse()
-        return json_format.ParseDict({"limitation": limitation}, pb.WatchResponse())
+        return pb.WatchResponse(limitation=limitation_to_proto(limitation))
 
     @_translate_errors
     def Update(self, request: pb.UpdateRequest, context: grpc.ServicerContext) -> pb.UpdateResponse:
@@ -223,13 +179,12 @@ class IsolatorServicer(pb_grpc.IsolatorServicer):
 
     @_translate_errors
     def Usage(self, request: pb.UsageRequest, context: grpc.ServicerContext) -> pb.UsageResponse:
-        usage = self._service.usage(container_id_from_proto(request.container_id))
-        return json_format.ParseDict(usage, pb.UsageResponse())
+        return usage_to_proto(self._service.usage(container_id_from_proto(request.container_id)))
 
     @_translate_errors
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
         status = self._service.status(container_id_from_proto(request.container_id))
-        return json_format.ParseDict(status, pb.StatusResponse())
+        return pb.StatusResponse(gpu_uuids=status.gpu_uuids, state=status.state)
 
     @_translate_errors
     def Cleanup(self, request: pb.CleanupRequest, context: grpc.ServicerContext) -> pb.CleanupResponse:
@@ -238,46 +193,50 @@ class IsolatorServicer(pb_grpc.IsolatorServicer):
 
 
 class AdminServicer(pb_grpc.AdminServicer):
-    def __init__(self, service: Service) -> None:
+    def __init__(self, service: IsolatorApi) -> None:
         self._service = service
 
     @_translate_errors
     def ListGpus(self, request: pb.ListGpusRequest, context: grpc.ServicerContext) -> pb.ListGpusResponse:
-        return json_format.ParseDict(self._service.list_gpus(), pb.ListGpusResponse())
+        gpus = self._service.list_gpus()
+        return pb.ListGpusResponse(
+            driver_version=gpus.driver_version,
+            cuda_driver_version=gpus.cuda_driver_version,
+            gpus=[gpu_info_to_proto(g) for g in gpus.gpus],
+        )
 
     @_translate_errors
     def Topology(self, request: pb.TopologyRequest, context: grpc.ServicerContext) -> pb.TopologyResponse:
-        return json_format.ParseDict(self._service.topology(), pb.TopologyResponse())
+        return topology_to_proto(self._service.topology())
 
     @_translate_errors
     def ListContainers(
         self, request: pb.ListContainersRequest, context: grpc.ServicerContext
     ) -> pb.ListContainersResponse:
         containers = self._service.list_containers()
-        return json_format.ParseDict({"containers": containers}, pb.ListContainersResponse())
+        return pb.ListContainersResponse(containers=[container_info_to_proto(c) for c in containers])
 
     @_translate_errors
     def DescribeContainer(
         self, request: pb.DescribeContainerRequest, context: grpc.ServicerContext
     ) -> pb.DescribeContainerResponse:
-        described = self._service.describe_container(container_id_from_proto(request.container_id))
-        return json_format.ParseDict(described, pb.DescribeContainerResponse())
+        return description_to_proto(self._service.describe_container(container_id_from_proto(request.container_id)))
 
     @_translate_errors
     def Volume(self, request: pb.VolumeRequest, context: grpc.ServicerContext) -> pb.VolumeResponse:
-        import json
-
-        return pb.VolumeResponse(manifest_json=json.dumps(self._service.volume(), sort_keys=True))
+        return volume_to_proto(self._service.volume())
 
     @_translate_errors
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
         checks = self._service.health()
-        return pb.HealthResponse(checks=[pb.HealthResponse.Check(name=n, ok=ok, detail=d) for n, ok, d in checks])
+        return pb.HealthResponse(
+            checks=[pb.HealthResponse.Check(name=c.name, ok=c.ok, detail=c.detail) for c in checks]
+        )
 
     @_translate_errors
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
         released = self._service.release(container_id_from_proto(request.container_id), request.force)
-        return json_format.ParseDict(released, pb.ReleaseResponse())
+        return released_to_proto(released)
 
 
 # ---- the Unix socket ----------------------------------------------------------------------------
@@ -398,7 +357,7 @@ class SidecarServer:
     calls the same Isolator servicer (isolator/bridge_server.py).
     """
 
-    def __init__(self, config: Config, service: Service) -> None:
+    def __init__(self, config: Config, service: IsolatorApi) -> None:
         self.config = config
         self.service = service
         self._guard = SocketGuard(config.socket)

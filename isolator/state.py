@@ -13,10 +13,9 @@ import logging
 import os
 import sqlite3
 import threading
-import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from isolator.crashpoints import crashpoint
 from isolator.errors import (
@@ -29,7 +28,7 @@ from isolator.errors import (
     StateReadOnly,
     StateStorageFull,
 )
-from isolator.model import ContainerId
+from isolator.model import ContainerId, ContainerRecord
 
 LOG = logging.getLogger(__name__)
 
@@ -83,41 +82,12 @@ BEGIN SELECT RAISE(ABORT, 'mig-conflict: parent GPU is held whole'); END;
 """
 
 
-@dataclass(frozen=True)
-class ContainerRecord:
-    """What the sidecar knows about one container: its GPUs (device minors) and how it set it up."""
-
-    container_id: ContainerId
-    gpus: frozenset[int] = frozenset()
-    mode: str = "mesos"
-    cgroup: str = ""
-    cgroup_version: int = 1
-    volume_version: str = ""
-    state: str = "prepared"
-    created: float = field(default_factory=time.time)
-    rules: str = ""
-    mig: frozenset[tuple[str, int]] = frozenset()  # held MIG devices: (MIG UUID, parent GPU minor)
-
-    @property
-    def mig_uuids(self) -> frozenset[str]:
-        return frozenset(u for u, _ in self.mig)
-
-    @property
-    def mig_parents(self) -> frozenset[int]:
-        return frozenset(m for _, m in self.mig)
-
-
 def _key(cid: ContainerId) -> str:
     return json.dumps(list(cid.chain()), separators=(",", ":"), ensure_ascii=False)
 
 
 def _container_id(key: str) -> ContainerId:
-    node: ContainerId | None = None
-    for value in json.loads(key):
-        node = ContainerId.parse(value, node)
-    if node is None:
-        raise ValueError("empty container ID chain")
-    return node
+    return ContainerId.from_chain(json.loads(key))
 
 
 class StateStore:

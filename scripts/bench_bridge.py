@@ -22,7 +22,7 @@ from isolator import bridge
 from isolator.config import Config
 from isolator.model import ContainerConfig, ContainerId, LaunchInfo
 from isolator.server import SidecarServer
-from isolator.service import Service
+from isolator.testing import StubService
 
 PREPARE_INPUT = {
     "container_id": {"value": "bench"},
@@ -42,7 +42,7 @@ sys.exit(main(socket_path={socket!r}))
 """
 
 
-class _InstantService(Service):
+class _InstantService(StubService):
     def prepare(self, container_id: ContainerId, config: ContainerConfig) -> LaunchInfo | None:
         return LaunchInfo(environment=(("NVIDIA_VISIBLE_DEVICES", "0"),))
 

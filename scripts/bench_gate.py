@@ -30,8 +30,8 @@ SERVER = """
 import signal, sys, threading
 from isolator.config import Config
 from isolator.server import SidecarServer
-from isolator.service import Service
-class Quick(Service):
+from isolator.testing import StubService
+class Quick(StubService):
     def cleanup(self, container_id):
         return None
 srv = SidecarServer(Config(socket=sys.argv[1], bridge_socket=""), Quick())

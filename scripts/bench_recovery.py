@@ -5,7 +5,7 @@ Recover call Mesos makes after an agent restart, on a simulated host in mesos mo
 The state store is filled beforehand through isolator.state.StateStore with records whose cgroups do
 not exist (the containers are gone with the old agent): a few hold one GPU each, the rest none, so
 the records agree with the host's GPU count. At start the daemon loads the store and books every
-recorded GPU (IsolatorService._restore) before it serves; its fixed start cost (imports, simulated
+recorded GPU (isolator.core.recovery.Recovery.restore) before it serves; its fixed start cost (imports, simulated
 host, NVML) is measured with 0 records in the same run and subtracted.
 """
 

@@ -26,9 +26,9 @@ import pytest
 from isolator import bridge, config
 from isolator.config import Config
 from isolator.errors import AlreadyExists, Internal, NotFound, SocketError
-from isolator.model import ContainerConfig, ContainerId, LaunchInfo, Mount, gpu_count
+from isolator.model import ContainerConfig, ContainerId, GpuUsage, LaunchInfo, Limitation, Mount, Usage, gpu_count
 from isolator.server import SidecarServer
-from isolator.service import Service
+from isolator.testing import StubService
 
 MS_RDONLY, MS_BIND, MS_REC = 1, 4096, 16384
 
@@ -85,15 +85,15 @@ LAUNCH_INFO_FIELDS = {
 }
 
 
-class RecordingService(Service):
+class RecordingService(StubService):
     """Enough of the hooks to exercise the protocol: records what arrives, answers in kind."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[str, str, Any]] = []
         self.prepared: set[str] = set()
-        self.limitations: dict[str, dict[str, Any]] = {}
-        self.statistics: dict[str, Any] = {"timestamp": 1700000000.25}
+        self.limitations: dict[str, Limitation] = {}
+        self.timestamp = 1700000000.25
         self.cleanup_error: Exception | None = None
         self.gate: threading.Event | None = None  # when set, prepare blocks until the gate opens
         self.entered = threading.Event()
@@ -123,14 +123,14 @@ class RecordingService(Service):
     def isolate(self, container_id: ContainerId, pid: int) -> None:
         self.calls.append(("isolate", str(container_id), pid))
 
-    def watch(self, container_id: ContainerId, timeout: float | None) -> dict[str, Any] | None:
+    def watch(self, container_id: ContainerId, timeout: float | None) -> Limitation | None:
         self.calls.append(("watch", str(container_id), timeout))
         return self.limitations.get(str(container_id))
 
-    def usage(self, container_id: ContainerId) -> dict[str, Any]:
+    def usage(self, container_id: ContainerId) -> Usage:
         self.calls.append(("usage", str(container_id), None))
-        gpu = {"uuid": "GPU-0", "minor": 0, "memory_used_bytes": 1 << 30, "utilization_percent": 40}
-        return {"statistics": self.statistics, "gpus": [gpu]}
+        gpu = GpuUsage("GPU-0", 0, memory_used_bytes=1 << 30, memory_total_bytes=0, utilization_percent=40)
+        return Usage(timestamp=self.timestamp, gpus=(gpu,))
 
     def cleanup(self, container_id: ContainerId) -> None:
         self.calls.append(("cleanup", str(container_id), None))
@@ -306,18 +306,14 @@ def test_watch_writes_nothing_while_there_is_no_limitation_and_does_not_block(bi
 
 
 def test_watch_writes_the_limitation_with_the_fields_mesos_requires(bin_dir, service):
-    service.limitations["c1"] = {
-        "resources": [{"name": "gpus", "type": "SCALAR", "scalar": {"value": 1}}],
-        "message": "GPU-5c3f (minor 1) became unhealthy: XID 79",
-        "reason": "REASON_CONTAINER_LIMITATION",
-    }
+    service.limitations["c1"] = Limitation(gpus=1, message="GPU-5c3f (minor 1) became unhealthy: XID 79")
     run = call(bin_dir, "watch", {"container_id": {"value": "c1"}, "container_config": {}})
     assert run.returncode == 0
     limitation = json.loads(run.out)
     assert limitation["message"] == "GPU-5c3f (minor 1) became unhealthy: XID 79"
     assert limitation["reason"] == "REASON_CONTAINER_LIMITATION"
     # Resource.type is `required` in Mesos; proto3 would drop SCALAR, its zero value.
-    assert limitation["resources"] == [{"name": "gpus", "type": "SCALAR", "scalar": {"value": 1.0}}]
+    assert limitation["resources"] == [{"name": "gpus", "type": "SCALAR", "scalar": {"value": 1.0}, "role": "*"}]
 
 
 def test_usage_writes_resource_statistics_with_its_timestamp(bin_dir, service):
@@ -327,7 +323,7 @@ def test_usage_writes_resource_statistics_with_its_timestamp(bin_dir, service):
 
 
 def test_usage_without_a_timestamp_from_the_service_gets_one(bin_dir, service):
-    service.statistics = {}
+    service.timestamp = 0.0
     run = call(bin_dir, "usage", {"container_id": {"value": "c1"}})
     assert run.returncode == 0
     assert json.loads(run.out)["timestamp"] > 1.6e9
@@ -563,10 +559,12 @@ def test_empty_bridge_setting_serves_no_bridge(short_tmp):
 
 def test_a_live_bridge_socket_is_not_stolen_and_the_second_server_leaves_nothing(short_tmp):
     bridge_path = os.path.join(short_tmp, "shared.bridge")
-    first = SidecarServer(Config(socket=os.path.join(short_tmp, "a.sock"), bridge_socket=bridge_path), Service())
+    first = SidecarServer(Config(socket=os.path.join(short_tmp, "a.sock"), bridge_socket=bridge_path), StubService())
     first.start()
     try:
-        second = SidecarServer(Config(socket=os.path.join(short_tmp, "b.sock"), bridge_socket=bridge_path), Service())
+        second = SidecarServer(
+            Config(socket=os.path.join(short_tmp, "b.sock"), bridge_socket=bridge_path), StubService()
+        )
         with pytest.raises(SocketError, match="another sidecar holds"):
             second.start()
         assert not os.path.exists(os.path.join(short_tmp, "b.sock"))

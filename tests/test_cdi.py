@@ -10,7 +10,6 @@ import stat
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import pytest
 from jsonschema import Draft7Validator
@@ -217,9 +216,7 @@ def test_cdi_dir_keeps_the_spec_current_when_a_gpu_turns_unhealthy(short_tmp, a1
 
         driver = build_driver_root(a100.driver_root, a100.spec.driver_version)
         volumes = VolumeManager(os.path.join(short_tmp, "vol"), driver_root=a100.driver_root, path=driver.path)
-        # The keeper reads the service's edges; these are the real ones the daemon hands it.
-        service = SimpleNamespace(_inv=inv, volumes=volumes, settings=SimpleNamespace(dev_root=a100.dev_root))
-        keeper = CdiKeeper(service, os.path.join(short_tmp, "cdi"), "nvidia.com/gpu")
+        keeper = CdiKeeper(inv, a100.dev_root, volumes, os.path.join(short_tmp, "cdi"), "nvidia.com/gpu")
         path = keeper.update()
         assert path is not None
         with open(path) as fh:

@@ -78,20 +78,20 @@ CASES = [
         [(Kind.REVOKE, A, g(0, 1)), (Kind.RELEASE, A, g(0, 1))],
     ),
     (
-        "a record Mesos does not know, without a cgroup, is released",
+        "a record Mesos does not know, without a cgroup, is released; a running one without a record needs nothing",
         {A: g(6)},
         {},
         [B],
         [],
-        [(Kind.RELEASE, A, g(6)), (Kind.ADOPT, B, g())],
+        [(Kind.RELEASE, A, g(6))],
     ),
     (
-        "a running container without a record is adopted and its grants revoked",
+        "a running container without a record needs nothing but the revocation of its grants",
         {},
         {B: g(7)},
         [B],
         [],
-        [(Kind.REVOKE, B, g(7)), (Kind.ADOPT, B, g())],
+        [(Kind.REVOKE, B, g(7))],
     ),
     (
         "a GPU the kernel grants to a second container is revoked from the one without the record",
@@ -99,7 +99,7 @@ CASES = [
         {A: g(0), B: g(0)},
         [A, B],
         [],
-        [(Kind.REVOKE, B, g(0)), (Kind.ADOPT, B, g()), (Kind.KEEP, A, g(0))],
+        [(Kind.REVOKE, B, g(0)), (Kind.KEEP, A, g(0))],
     ),
     (
         "a stray cgroup nobody knows loses its grants",
@@ -123,7 +123,7 @@ CASES = [
         {A: g(0), A_CHILD: g(1)},
         [A, A_CHILD],
         [],
-        [(Kind.REVOKE, A_CHILD, g(1)), (Kind.ADOPT, A_CHILD, g()), (Kind.KEEP, A, g(0))],
+        [(Kind.REVOKE, A_CHILD, g(1)), (Kind.KEEP, A, g(0))],
     ),
     (
         "a container listed as both running and orphan is treated as an orphan",

@@ -26,7 +26,7 @@ from isolator.model import ContainerId
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
 from isolator.server import SidecarServer
-from isolator.service import Service
+from isolator.testing import StubService
 
 NOBODY = 65534
 
@@ -51,7 +51,7 @@ CALLER = textwrap.dedent(
 )
 
 
-class RecordingService(Service):
+class RecordingService(StubService):
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[str] = []

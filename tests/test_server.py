@@ -17,12 +17,12 @@ from isolator.errors import SocketError
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
 from isolator.server import SidecarServer
-from isolator.service import Service
+from isolator.testing import StubService
 
 
 @pytest.fixture
 def server(short_tmp):
-    srv = SidecarServer(Config(socket=os.path.join(short_tmp, "run", "s.sock")), Service())
+    srv = SidecarServer(Config(socket=os.path.join(short_tmp, "run", "s.sock")), StubService())
     srv.start()
     yield srv
     srv.stop(grace=0)
@@ -98,7 +98,7 @@ def test_stale_socket_from_a_crash_is_replaced(short_tmp):
     dead = socket.socket(socket.AF_UNIX)
     dead.bind(path)
     dead.close()  # bound but never listening: what a killed server leaves behind
-    srv = SidecarServer(Config(socket=path), Service())
+    srv = SidecarServer(Config(socket=path), StubService())
     srv.start()
     try:
         with grpc.insecure_channel(srv.address) as ch:
@@ -110,7 +110,7 @@ def test_stale_socket_from_a_crash_is_replaced(short_tmp):
 
 
 def test_live_socket_is_not_stolen(server):
-    second = SidecarServer(Config(socket=server.config.socket), Service())
+    second = SidecarServer(Config(socket=server.config.socket), StubService())
     with pytest.raises(SocketError, match="another sidecar holds"):
         second.start()
     with grpc.insecure_channel(server.address) as ch:
@@ -124,7 +124,7 @@ def test_live_socket_of_a_foreign_server_is_not_replaced(short_tmp):
     other.listen(1)
     try:
         with pytest.raises(SocketError, match="a live server answers on it"):
-            SidecarServer(Config(socket=path), Service()).start()
+            SidecarServer(Config(socket=path), StubService()).start()
         assert os.path.exists(path)
         assert not os.path.exists(path + ".lock")
     finally:
@@ -136,7 +136,7 @@ def test_regular_file_at_socket_path_is_refused_and_kept(short_tmp):
     with open(path, "w") as fh:
         fh.write("precious")
     with pytest.raises(SocketError, match="is not a socket"):
-        SidecarServer(Config(socket=path), Service()).start()
+        SidecarServer(Config(socket=path), StubService()).start()
     with open(path) as fh:
         assert fh.read() == "precious"
 
@@ -145,7 +145,7 @@ def test_socket_directory_that_cannot_be_made_is_refused_and_nothing_is_left(sho
     blocker = os.path.join(short_tmp, "file")
     open(blocker, "w").close()
     with pytest.raises(SocketError, match="is not a directory"):
-        SidecarServer(Config(socket=os.path.join(blocker, "sub", "s.sock")), Service()).start()
+        SidecarServer(Config(socket=os.path.join(blocker, "sub", "s.sock")), StubService()).start()
     assert os.listdir(short_tmp) == ["file"]
 
 
@@ -156,7 +156,7 @@ def test_socket_directory_on_a_read_only_mount_is_refused(short_tmp):
     subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", ro], check=True)
     try:
         with pytest.raises(SocketError, match=r"Read-only file system|not writable"):
-            SidecarServer(Config(socket=os.path.join(ro, "s.sock")), Service()).start()
+            SidecarServer(Config(socket=os.path.join(ro, "s.sock")), StubService()).start()
     finally:
         subprocess.run(["umount", ro], check=True)
 

@@ -98,11 +98,6 @@ class VolumeManager:
                     continue
             return self._collect_locked(driver_version) if driver_version is not None else ()
 
-    def collect(self, driver_version: str) -> tuple[str, ...]:
-        """Remove every volume other than ``driver_version``'s that has no user."""
-        with self._lock():
-            return self._collect_locked(driver_version)
-
     def reconcile(self, live: Iterable[str]) -> tuple[str, ...]:
         """At recovery: drop user records of containers not in ``live``; returns the dropped ids."""
         keep = {_user_file(c) for c in live}

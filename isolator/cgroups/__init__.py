@@ -1,15 +1,20 @@
 """Device isolation in the kernel: hierarchy detection, the v1 whitelist and the v2 eBPF program.
 
-``controller_for`` is the one place that picks a concrete ``DeviceController`` for a hierarchy.
+``controller_for`` is the one place that picks a concrete controller for a hierarchy; both implement
+``isolator.core.ports.CgroupBackend``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from isolator.cgroups.base import DeviceController
 from isolator.cgroups.detect import Hierarchy
 from isolator.devices import MESOS_DEFAULT_WHITELIST, DeviceRule
+
+if TYPE_CHECKING:
+    from isolator.cgroups.v1 import V1DeviceController
+    from isolator.cgroups.v2 import V2DeviceController
 
 
 def controller_for(
@@ -18,7 +23,7 @@ def controller_for(
     cgroups_root: str = "mesos",
     mode: str = "mesos",
     base: Iterable[DeviceRule] = MESOS_DEFAULT_WHITELIST,
-) -> DeviceController:
+) -> V1DeviceController | V2DeviceController:
     from isolator.cgroups.v1 import V1DeviceController
     from isolator.cgroups.v2 import V2DeviceController
 
@@ -27,4 +32,4 @@ def controller_for(
     return V2DeviceController(hierarchy.mount, state_dir, cgroups_root, mode, base)
 
 
-__all__ = ["DeviceController", "Hierarchy", "controller_for"]
+__all__ = ["Hierarchy", "controller_for"]

@@ -1,54 +1,20 @@
-"""The interface both device controllers (v1 whitelist, v2 eBPF) offer, and Mesos's cgroup layout.
+"""What both device controllers (v1 whitelist, v2 eBPF) share: Mesos's cgroup layout and cgroup files.
+
+The interface they implement is ``isolator.core.ports.CgroupBackend``.
 
 Paths are built only from a validated ``ContainerId``'s chain; nothing here touches the machine
-except ``read_pids``/``write_pid``/``cgroup_exists``, which take the path they act on.
+except ``read_pids``/``write_pid``/``child_names``/``rmdir_tree``, which take the path they act on.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-from typing import Protocol
 
-from isolator.devices import DeviceRule
 from isolator.errors import CgroupError, CgroupVanished
 from isolator.model import ContainerId
 
 MODES = ("mesos", "standalone")
-
-
-class DeviceController(Protocol):
-    """What the service calls; one instance per hierarchy.
-
-    * ``prepare(c)``: mesos mode checks that Mesos's cgroup exists; standalone mode creates the
-      cgroup and denies every device. Idempotent.
-    * ``apply(c, rules)``: make the container's allow-list exactly ``rules`` (the full set,
-      Mesos's default whitelist included); on failure the previous rules stay in force.
-    * ``current(c)``: the rules in force (v1: read back from ``devices.list``; v2: the checkpoint).
-    * ``recover(c)``: after a sidecar restart, bring the kernel in line with what was last applied
-      and return it (v1: the list; v2: re-attach the checkpointed program).
-    * ``add_pid(c, pid)`` / ``pids(c)``: place and list processes (``cgroup.procs``).
-    * ``cleanup(c)``: remove exactly what we added; a missing cgroup is success. Idempotent.
-    """
-
-    version: str
-    mode: str
-
-    def cgroup_path(self, container: ContainerId) -> str: ...
-
-    def prepare(self, container: ContainerId) -> None: ...
-
-    def apply(self, container: ContainerId, rules: tuple[DeviceRule, ...]) -> None: ...
-
-    def current(self, container: ContainerId) -> tuple[DeviceRule, ...]: ...
-
-    def recover(self, container: ContainerId) -> tuple[DeviceRule, ...]: ...
-
-    def add_pid(self, container: ContainerId, pid: int) -> None: ...
-
-    def pids(self, container: ContainerId) -> tuple[int, ...]: ...
-
-    def cleanup(self, container: ContainerId) -> None: ...
 
 
 def mesos_relative_path(container: ContainerId) -> str:
@@ -64,6 +30,16 @@ def check_mode(mode: str) -> str:
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
     return mode
+
+
+def child_names(top: str) -> tuple[str, ...]:
+    """Names of the cgroups Mesos made for nested containers directly below ``top`` (``top/mesos/<name>``)."""
+    below = os.path.join(top, "mesos")
+    try:
+        names = os.listdir(below)
+    except OSError:
+        return ()
+    return tuple(sorted(n for n in names if os.path.isdir(os.path.join(below, n))))
 
 
 def read_pids(cgroup: str) -> tuple[int, ...]:

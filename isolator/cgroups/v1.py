@@ -11,9 +11,9 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from isolator.cgroups.base import check_mode, container_dir, read_pids, rmdir_tree, write_pid
+from isolator.cgroups.base import check_mode, child_names, container_dir, read_pids, rmdir_tree, write_pid
 from isolator.crashpoints import crashpoint
-from isolator.devices import ACCESS_ORDER, MESOS_DEFAULT_WHITELIST, DeviceRule, parse_rules, permits
+from isolator.devices import ACCESS_ORDER, MESOS_DEFAULT_WHITELIST, DeviceRule, KernelRules, parse_rules, permits
 from isolator.errors import CgroupBusy, CgroupError, CgroupVanished, InvalidArgument, RuleParseError
 from isolator.model import ContainerId
 
@@ -99,6 +99,18 @@ class V1DeviceController:
 
     def cgroup_path(self, container: ContainerId) -> str:
         return container_dir(self.hierarchy, self.cgroups_root, container)
+
+    def exists(self, container: ContainerId) -> bool:
+        return os.path.isdir(self.cgroup_path(container))
+
+    def nested_names(self, container: ContainerId) -> tuple[str, ...]:
+        return child_names(self.cgroup_path(container))
+
+    def in_force(self, container: ContainerId) -> KernelRules:
+        path = self.cgroup_path(container)
+        if not os.path.isdir(path):
+            return KernelRules((), f"none: the cgroup '{path}' does not exist", present=False)
+        return KernelRules(self.current(container), f"devices.list of '{path}'")
 
     # ---- reading ---------------------------------------------------------------------------
 

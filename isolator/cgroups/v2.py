@@ -16,9 +16,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from isolator.cgroups import bpf, bpfprog
-from isolator.cgroups.base import check_mode, container_dir, read_pids, rmdir_tree, write_pid
+from isolator.cgroups.base import check_mode, child_names, container_dir, read_pids, rmdir_tree, write_pid
 from isolator.crashpoints import crashpoint
-from isolator.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, parse_rules
+from isolator.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, KernelRules, parse_rules
 from isolator.errors import (
     BpfError,
     CgroupBusy,
@@ -82,6 +82,23 @@ class V2DeviceController:
     def cgroup_path(self, container: ContainerId) -> str:
         top = self.container_dir(container)
         return os.path.join(top, "leaf") if self.mode == "mesos" else top
+
+    def exists(self, container: ContainerId) -> bool:
+        return os.path.isdir(self.cgroup_path(container))
+
+    def nested_names(self, container: ContainerId) -> tuple[str, ...]:
+        return child_names(self.container_dir(container))
+
+    def in_force(self, container: ContainerId) -> KernelRules:
+        path = self.cgroup_path(container)
+        if not os.path.isdir(path):
+            return KernelRules((), f"none: the cgroup '{path}' does not exist", present=False)
+        ids = self.attached_ids(container)
+        if not ids:
+            return KernelRules((), f"none: no device program of ours is attached to '{path}'", present=False)
+        # A program cannot be read back as rules; the checkpoint is what the attached one was built from.
+        progs = ", ".join(str(i) for i in ids)
+        return KernelRules(self.current(container), f"device program {progs} on '{path}' (rules from its checkpoint)")
 
     def checkpoint_path(self, container: ContainerId) -> str:
         # <state>/<a>/nested/<b>/device-rules.json: IDs only ever name directories next to

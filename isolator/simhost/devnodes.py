@@ -12,7 +12,8 @@ import os
 import stat
 from dataclasses import dataclass
 
-NVIDIA_MAJOR = 195
+from isolator.devices import NVIDIA_MAJOR
+
 NVIDIACTL_MINOR = 255
 NVIDIA_MODESET_MINOR = 254
 # LANANA's "local/experimental use" character majors (Documentation/admin-guide/devices.txt).

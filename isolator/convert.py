@@ -1,0 +1,191 @@
+"""Translation between the generated proto messages and the domain model, in both directions.
+
+The one home of each conversion: the gRPC servicers (isolator.server) and the client
+(isolator.client) use these; the core never sees a proto message.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from isolator import model
+from isolator.errors import InvalidArgument
+from isolator.rpc import isolator_pb2 as pb
+
+# ---- proto -> model ---------------------------------------------------------------------------
+
+
+def container_id_from_proto(msg: pb.ContainerID) -> model.ContainerId:
+    chain = []
+    node = msg
+    while True:
+        chain.append(node.value)
+        if not node.HasField("parent"):
+            break
+        node = node.parent
+        if len(chain) > model.MAX_NESTING:
+            raise InvalidArgument(f"container ID nested deeper than {model.MAX_NESTING} levels")
+    return model.ContainerId.from_chain(reversed(chain))
+
+
+def container_id_to_proto(cid: model.ContainerId) -> pb.ContainerID:
+    msg = pb.ContainerID(value=cid.value)
+    if cid.parent is not None:
+        msg.parent.CopyFrom(container_id_to_proto(cid.parent))
+    return msg
+
+
+def resources_from_proto(items: Any) -> tuple[model.Resource, ...]:
+    return tuple(
+        model.Resource(
+            name=r.name,
+            value=r.scalar.value,
+            type=pb.Value.Type.Name(r.type) if r.type in pb.Value.Type.values() else str(r.type),
+            role=r.role or "*",
+        )
+        for r in items
+    )
+
+
+def config_from_proto(msg: pb.ContainerConfig) -> model.ContainerConfig:
+    cls = msg.container_class
+    manifest = msg.docker.manifest.config
+    return model.ContainerConfig(
+        resources=resources_from_proto(msg.resources),
+        container_class=pb.ContainerClass.Name(cls) if cls in pb.ContainerClass.values() else "UNKNOWN",
+        directory=msg.directory,
+        user=msg.user,
+        rootfs=msg.rootfs,
+        image_env=tuple(manifest.Env),
+        image_labels=tuple((label.key, label.value) for label in manifest.labels),
+    )
+
+
+def launch_info_to_proto(info: model.LaunchInfo) -> pb.ContainerLaunchInfo:
+    msg = pb.ContainerLaunchInfo()
+    for name, value in info.environment:
+        msg.environment.variables.add(name=name, value=value, type=pb.Environment.Variable.VALUE)
+    for name, value in info.task_environment:
+        msg.task_environment.variables.add(name=name, value=value, type=pb.Environment.Variable.VALUE)
+    for m in info.mounts:
+        msg.mounts.add(target=m.target, source=m.source, type=m.type, flags=m.flags, options=m.options)
+    return msg
+
+
+# ---- model -> proto -----------------------------------------------------------------------------
+
+
+def limitation_to_proto(lim: model.Limitation) -> pb.ContainerLimitation:
+    msg = pb.ContainerLimitation(message=lim.message, reason=lim.reason)
+    if lim.gpus or not lim.mig:
+        msg.resources.add(name="gpus", type=pb.Value.SCALAR, role="*").scalar.value = lim.gpus
+    for name, count in lim.mig:
+        msg.resources.add(name=name, type=pb.Value.SCALAR, role="*").scalar.value = count
+    return msg
+
+
+def usage_to_proto(usage: model.Usage) -> pb.UsageResponse:
+    msg = pb.UsageResponse(statistics=pb.ResourceStatistics(timestamp=usage.timestamp))
+    for g in usage.gpus:
+        msg.gpus.add(
+            uuid=g.uuid,
+            minor=g.minor,
+            memory_used_bytes=g.memory_used_bytes,
+            memory_total_bytes=g.memory_total_bytes,
+            utilization_percent=g.utilization_percent,
+        )
+    return msg
+
+
+def gpu_info_to_proto(g: model.GpuInfo) -> pb.GpuInfo:
+    return pb.GpuInfo(
+        index=g.index,
+        minor=g.minor,
+        uuid=g.uuid,
+        name=g.name,
+        pci_bus_id=g.pci_bus_id,
+        memory_total_bytes=g.memory_total_bytes,
+        numa_node=g.numa_node,
+        cpu_affinity=g.cpu_affinity,
+        healthy=g.healthy,
+        last_xid=g.last_xid,
+        last_xid_time=g.last_xid_time,
+        health_reason=g.health_reason,
+        holder=g.holder,
+        mig_enabled=g.mig_enabled,
+        mig_devices=[
+            pb.MigDeviceInfo(
+                uuid=m.uuid,
+                profile=m.profile,
+                resource=m.resource,
+                gpu_instance_id=m.gpu_instance_id,
+                compute_instance_id=m.compute_instance_id,
+                memory_total_bytes=m.memory_total_bytes,
+                caps_minors=m.caps_minors,
+                slot=m.slot,
+                holder=m.holder,
+            )
+            for m in g.mig_devices
+        ],
+    )
+
+
+def container_info_to_proto(c: model.ContainerInfo) -> pb.ContainerInfo:
+    return pb.ContainerInfo(
+        container_id=container_id_to_proto(c.container_id),
+        id=str(c.container_id),
+        nested=c.nested,
+        gpu_uuids=c.gpu_uuids,
+        gpu_minors=c.gpu_minors,
+        gpu_indices=c.gpu_indices,
+        cgroup=c.cgroup,
+        mode=c.mode,
+        volume_version=c.volume_version,
+        state=c.state,
+        created=c.created,
+        mig_uuids=c.mig_uuids,
+    )
+
+
+def description_to_proto(d: model.Description) -> pb.DescribeContainerResponse:
+    return pb.DescribeContainerResponse(
+        container=container_info_to_proto(d.container),
+        recorded_rules=d.recorded_rules,
+        kernel_rules=d.kernel_rules,
+        kernel_source=d.kernel_source,
+        rules_cgroup=d.rules_cgroup,
+        rules_agree=d.rules_agree,
+        only_recorded=d.only_recorded,
+        only_kernel=d.only_kernel,
+        kernel_gpu_minors=d.kernel_gpu_minors,
+        pids=d.pids,
+        gpus=[gpu_info_to_proto(g) for g in d.gpus],
+        nested=[container_info_to_proto(c) for c in d.nested],
+    )
+
+
+def topology_to_proto(t: model.TopologyView) -> pb.TopologyResponse:
+    return pb.TopologyResponse(
+        indices=t.indices,
+        links=[pb.TopologyResponse.Link(a=k.a, b=k.b, kind=k.kind, nvlink_lanes=k.nvlink_lanes) for k in t.links],
+        numa_nodes=t.numa_nodes,
+        cpu_affinity=t.cpu_affinity,
+    )
+
+
+def released_to_proto(r: model.Released) -> pb.ReleaseResponse:
+    return pb.ReleaseResponse(
+        container=str(r.container),
+        released_gpu_uuids=r.released_gpu_uuids,
+        released_gpu_minors=r.released_gpu_minors,
+        pids=r.pids,
+        action=r.action,
+        cgroup=r.cgroup,
+        detail=r.detail,
+    )
+
+
+def volume_to_proto(v: model.VolumeReport) -> pb.VolumeResponse:
+    manifest = {"driver_version": v.driver_version, "volume_root": v.volume_root, "volumes": list(v.volumes)}
+    return pb.VolumeResponse(manifest_json=json.dumps(manifest, sort_keys=True))

@@ -1,0 +1,335 @@
+"""The views behind ``gpu-isolator`` (docs/cli.md): gpus, topology, containers, describe, release,
+volume, health. They read; only ``release`` changes anything.
+
+A nested container is never recorded (it uses its top-level container's GPUs), so it is found
+through the traces it leaves: its driver-volume user record and, in Mesos's layout, a child cgroup
+``<parent>/mesos/<child>``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable
+
+from isolator import devices as devrules
+from isolator import mig as migunits
+from isolator.core.context import Core
+from isolator.errors import CgroupVanished, FailedPrecondition, IsolatorError, NotFound
+from isolator.model import (
+    ContainerId,
+    ContainerInfo,
+    ContainerRecord,
+    Description,
+    GpuInfo,
+    GpuList,
+    HealthCheck,
+    Released,
+    TopologyLink,
+    TopologyView,
+    VolumeReport,
+)
+
+LOG = logging.getLogger(__name__)
+
+
+class Admin:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+
+    # ---- GPUs -------------------------------------------------------------------------------------
+
+    def list_gpus(self) -> GpuList:
+        inv = self.core.inventory
+        holders = self.core.store.holders()
+        mig_holders = {u: str(c) for u, (c, _m) in self.core.store.mig_holders().items()}
+        gpus = []
+        for r in inv.records:
+            g = r.gpu
+            holder = holders.get(g.minor) if g.uuid else None
+            gpus.append(
+                GpuInfo(
+                    index=g.index,
+                    # A GPU whose identity could not be read has no minor; its empty UUID says so.
+                    minor=max(g.minor, 0),
+                    uuid=g.uuid,
+                    name=g.name,
+                    pci_bus_id=g.pci_bus_id,
+                    memory_total_bytes=g.memory_total,
+                    numa_node=-1 if g.numa_node is None else g.numa_node,
+                    cpu_affinity=g.cpu_affinity,
+                    healthy=r.usable,
+                    last_xid=r.health.last_xid,
+                    last_xid_time=r.health.last_xid_time,
+                    health_reason=r.status,
+                    holder=str(holder) if holder is not None else "",
+                    mig_enabled=r.mig_enabled,
+                    mig_devices=migunits.device_views(r.mig_devices, mig_holders) if r.mig_enabled else (),
+                )
+            )
+        return GpuList(inv.driver_version, inv.cuda_driver_version, tuple(gpus))
+
+    def topology(self) -> TopologyView:
+        topo = self.core.inventory.topology()
+        indices = [g.index for g in topo.gpus]
+        links = []
+        for i, a in enumerate(indices):
+            for b in indices[i + 1 :]:
+                link = topo.link(a, b)
+                links.append(TopologyLink(a, b, link.smi, link.nvlink_lanes))
+        return TopologyView(
+            indices=tuple(indices),
+            links=tuple(links),
+            numa_nodes=tuple(-1 if g.numa_node is None else g.numa_node for g in topo.gpus),
+            cpu_affinity=tuple(g.cpu_affinity for g in topo.gpus),
+        )
+
+    # ---- containers -------------------------------------------------------------------------------
+
+    def list_containers(self) -> list[ContainerInfo]:
+        """Top-level containers sorted by ID, each followed by its nested containers (depth first)."""
+        records = self.core.store.load()
+        volume_of = self._volume_users()
+        out = []
+        for cid, rec in sorted(records.items(), key=lambda kv: kv[0].chain()):
+            out.append(self._info(cid, rec))
+            for child in self._nested_ids(cid, volume_of):
+                out.append(self._nested_info(child, rec, volume_of))
+        return out
+
+    def _info(self, cid: ContainerId, rec: ContainerRecord) -> ContainerInfo:
+        gpus = self.core.gpus
+        minors = [m for m in sorted(rec.gpus) if m in gpus]
+        return ContainerInfo(
+            container_id=cid,
+            gpu_uuids=tuple(gpus[m].uuid for m in minors),
+            gpu_minors=tuple(sorted(rec.gpus)),
+            gpu_indices=tuple(gpus[m].index for m in minors),
+            cgroup=rec.cgroup,
+            mode=rec.mode,
+            volume_version=rec.volume_version,
+            state=rec.state,
+            created=rec.created,
+            mig_uuids=tuple(sorted(rec.mig_uuids)),
+        )
+
+    def _nested_info(self, cid: ContainerId, root: ContainerRecord, volume_of: dict[str, str]) -> ContainerInfo:
+        info = self._info(cid, root)
+        return ContainerInfo(
+            container_id=cid,
+            gpu_uuids=info.gpu_uuids,
+            gpu_minors=info.gpu_minors,
+            gpu_indices=info.gpu_indices,
+            cgroup=self._rules_cgroup(cid)[1],
+            mode=info.mode,
+            volume_version=volume_of.get(str(cid), ""),
+            state=info.state,
+            created=info.created,
+            mig_uuids=info.mig_uuids,
+        )
+
+    def _volume_users(self) -> dict[str, str]:
+        """Container ID (``a.b`` form) -> driver version of the volume it uses."""
+        volumes = self.core.volumes
+        if volumes is None:
+            return {}
+        out: dict[str, str] = {}
+        try:
+            for vol in volumes.volumes():
+                for user in vol.get("users", ()):
+                    out[user] = str(vol.get("driver_version", ""))
+        except Exception as exc:  # a display view: an unreadable volume root must not hide containers
+            LOG.warning("failed to read the driver volumes' users: %s", exc)
+        return out
+
+    def _nested_ids(self, root: ContainerId, volume_of: dict[str, str]) -> list[ContainerId]:
+        found: set[tuple[str, ...]] = set()
+        prefix = str(root) + "."
+        for user in volume_of:
+            if user.startswith(prefix):
+                # The volume's record is the '.'-joined chain: a child ID containing '.' reads as deeper.
+                with contextlib.suppress(IsolatorError):
+                    found.add(ContainerId.from_chain(user.split(".")).chain())
+        found.update(self._child_cgroups(root))
+        return [ContainerId.from_chain(chain) for chain in sorted(found)]
+
+    def _child_cgroups(self, cid: ContainerId) -> set[tuple[str, ...]]:
+        """Chains of the cgroups Mesos made for nested containers below ``cid`` (``<cid>/mesos/<child>``)."""
+        out: set[tuple[str, ...]] = set()
+        for name in self.core.cgroups.nested_names(cid):
+            try:
+                child = ContainerId.parse(name, cid)
+            except IsolatorError:
+                continue
+            out.add(child.chain())
+            out |= self._child_cgroups(child)
+        return out
+
+    def _rules_cgroup(self, cid: ContainerId) -> tuple[ContainerId, str]:
+        """The container whose cgroup governs ``cid``'s device access, and that cgroup's path.
+
+        A nested container has its own when Mesos made one (v1: the kernel copies the parent's list
+        into it at creation); otherwise, and always on v2 where a parent's program applies to its
+        descendants, the top-level container's governs.
+        """
+        cgroups = self.core.cgroups
+        if cid.nested and cgroups.version == "v1" and cgroups.exists(cid):
+            return cid, cgroups.cgroup_path(cid)
+        return cid.root, cgroups.cgroup_path(cid.root)
+
+    def _find(self, cid: ContainerId) -> tuple[ContainerRecord, ContainerInfo]:
+        """The record governing ``cid`` and its view; NotFound for a container we do not know."""
+        rec = self.core.store.get(cid.root)
+        if rec is not None and not cid.nested:
+            return rec, self._info(cid, rec)
+        if rec is not None:
+            volume_of = self._volume_users()
+            if cid in self._nested_ids(cid.root, volume_of):
+                return rec, self._nested_info(cid, rec, volume_of)
+        raise NotFound(f"unknown container {cid}")
+
+    def describe_container(self, container_id: ContainerId) -> Description:
+        core = self.core
+        with core.locks.hold(container_id):
+            rec, info = self._find(container_id)
+            target, cgroup = self._rules_cgroup(container_id)
+            recorded = _sorted_rules(devrules.parse_rules(line for line in rec.rules.splitlines() if line))
+            in_force = core.cgroups.in_force(target)
+            kernel = _sorted_rules(in_force.rules)
+            try:
+                pids = tuple(sorted(core.cgroups.pids(target)))
+            except CgroupVanished:
+                pids = ()
+            volume_of = self._volume_users()
+            nested = [] if container_id.nested else self._nested_ids(container_id, volume_of)
+        listed = {g.minor: g for g in self.list_gpus().gpus if g.uuid}
+        only_recorded = tuple(str(r) for r in recorded if not devrules.permits(kernel, r))
+        only_kernel = tuple(str(r) for r in kernel if not devrules.permits(recorded, r))
+        return Description(
+            container=info,
+            recorded_rules=tuple(str(r) for r in recorded),
+            kernel_rules=tuple(str(r) for r in kernel),
+            kernel_source=in_force.source,
+            rules_cgroup=cgroup,
+            rules_agree=not only_recorded and not only_kernel and in_force.present,
+            only_recorded=only_recorded,
+            only_kernel=only_kernel,
+            kernel_gpu_minors=tuple(core.granted(kernel)),
+            pids=pids,
+            gpus=tuple(listed[m] for m in sorted(rec.gpus) if m in listed),
+            nested=tuple(self._nested_info(c, rec, volume_of) for c in nested),
+        )
+
+    def release(self, container_id: ContainerId, force: bool) -> Released:
+        core = self.core
+        if container_id.nested:
+            raise FailedPrecondition(
+                f"container {container_id} is nested and holds no GPUs of its own; "
+                f"release its top-level container {container_id.root}"
+            )
+        with core.locks.hold(container_id):
+            rec = core.require(container_id)
+            cgroup = core.cgroups.cgroup_path(container_id)
+            try:
+                pids = core.cgroups.pids(container_id)
+            except CgroupVanished:
+                pids = ()
+            if pids and not force:
+                raise FailedPrecondition(
+                    f"container {container_id} still has processes {list(pids)} in "
+                    f"'{cgroup}'; use --force to release anyway"
+                )
+            if pids and core.settings.mode == "standalone":
+                # A forced release must not leave running processes with access: revoke, keep the cgroup.
+                core.apply(container_id, frozenset(), units=())
+                action = "revoked-kept-cgroup"
+                did = f"revoked their GPU access in '{cgroup}' and kept the cgroup for its processes {list(pids)}"
+            else:
+                core.cgroups.cleanup(container_id)
+                action = "removed-cgroup"
+                did = (
+                    f"removed our device rules from '{cgroup}'"
+                    if core.settings.mode == "mesos"
+                    else f"removed the cgroup '{cgroup}'"
+                )
+                if pids:
+                    did += f" (its processes {list(pids)} keep running without GPU access)"
+            core.drop(container_id, rec)
+        core.release_volume(container_id)
+        minors = tuple(sorted(rec.gpus))
+        detail = f"released GPUs {list(minors)} of container {container_id}: {did}"
+        LOG.warning("admin: %s", detail)
+        return Released(
+            container=container_id,
+            released_gpu_uuids=tuple(core.gpus[m].uuid for m in minors if m in core.gpus),
+            released_gpu_minors=minors,
+            pids=tuple(pids),
+            action=action,
+            cgroup=cgroup,
+            detail=detail,
+        )
+
+    # ---- volume and health ------------------------------------------------------------------------
+
+    def volume(self) -> VolumeReport:
+        volumes = self.core.volumes
+        if volumes is None:
+            raise FailedPrecondition("no volume root is configured (see --volume-root)")
+        return VolumeReport(
+            driver_version=self.core.inventory.driver_version,
+            volume_root=str(volumes.volume_root),
+            volumes=tuple(volumes.volumes()),
+        )
+
+    def health(self) -> list[HealthCheck]:
+        core = self.core
+        checks = [self._nvml_check()]
+        checks.append(HealthCheck("cgroups", True, f"{core.cgroups.version} devices, {core.settings.mode} mode"))
+        try:
+            result = core.store.check()
+            detail = f"'{core.store.path}': {result}; {len(core.store.load())} containers"
+            checks.append(HealthCheck("state", result == "ok", detail))
+        except IsolatorError as exc:
+            checks.append(HealthCheck("state", False, exc.message))
+        try:
+            pending = self.inconsistencies()
+            agree = "records and kernel agree"
+            checks.append(HealthCheck("consistency", not pending, "; ".join(pending) if pending else agree))
+        except IsolatorError as exc:
+            checks.append(HealthCheck("consistency", False, exc.message))
+        return checks
+
+    def _nvml_check(self) -> HealthCheck:
+        core = self.core
+        if not core.gpus:
+            return HealthCheck("nvml", True, "no GPUs managed (gpus:0, or auto-discovery found no NVML)")
+        try:
+            seen = core.inventory.device_count()  # a live call, as nvidia-smi -L
+        except Exception as exc:
+            return HealthCheck("nvml", False, f"NVML does not answer: {exc}")
+        sick = len(core.gpus) - len(core.inventory.healthy())
+        managed = len(core.gpus)
+        detail = f"driver {core.inventory.driver_version}, {managed} GPUs managed, NVML sees {seen}, {sick} not usable"
+        return HealthCheck("nvml", bool(core.inventory.driver_version), detail)
+
+    def inconsistencies(self) -> list[str]:
+        """Records whose kernel rules do not grant exactly the recorded GPUs (what Recover would fix)."""
+        core = self.core
+        out = []
+        for cid in sorted(core.store.load(), key=ContainerId.chain):
+            with core.locks.hold(cid):
+                rec = core.store.get(cid)
+                if rec is None:
+                    continue
+                in_force = core.cgroups.in_force(cid)
+            if not in_force.present:
+                out.append(f"container {cid}: {in_force.source.removeprefix('none: ')}")
+                continue
+            granted = core.granted(in_force.rules)
+            if granted != sorted(rec.gpus | rec.mig_parents):
+                out.append(f"container {cid}: recorded GPUs {sorted(rec.gpus)}, kernel grants {granted}")
+        return out
+
+
+def _sorted_rules(rules: Iterable[devrules.DeviceRule]) -> tuple[devrules.DeviceRule, ...]:
+    return tuple(sorted(devrules.normalize(rules), key=lambda r: r.sort_key()))

@@ -1,0 +1,244 @@
+"""What the hooks, recovery and the admin views share: the edges, the allocator, the locks, and the
+few steps all three take (the rule set of a set of GPUs, granting it, forgetting a container).
+
+Locking (isolator/core/locks.py): a container's hooks hold ``locks.hold(cid)`` across their slow
+work; the allocator and the GPUs' health are touched only under ``alloc``, briefly, never across
+I/O; recovery holds ``locks.exclusive()``. Ordering rules that keep the sidecar safe across crashes:
+  * GPUs are recorded in the state store before any rule grants them, and revoked in the kernel
+    before the record lets them go (never grant what is not recorded);
+  * a failure half-way through Prepare undoes what was done, so nothing stays allocated or applied;
+  * Cleanup is idempotent and fine for containers never prepared or never known.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from isolator import devices as devrules
+from isolator import mig as migunits
+from isolator.allocator import Allocator, Choice
+from isolator.core.locks import ContainerLocks
+from isolator.core.ports import (
+    CgroupBackend,
+    Clock,
+    DeviceNodes,
+    Filesystem,
+    HealthEvent,
+    Inventory,
+    Processes,
+    StateStore,
+    VolumeBuilder,
+)
+from isolator.crashpoints import crashpoint
+from isolator.devices import NVIDIA_MAJOR
+from isolator.errors import IsolatorError, NotFound
+from isolator.model import ContainerId, ContainerRecord, Gpu, MigDevice
+
+LOG = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How the core behaves. ``mode``: mesos (Mesos owns the cgroups) or standalone (we do)."""
+
+    mode: str = "standalone"
+    policy: str = "topology"
+    # Mesos's cgroups isolator may place the pid in the devices cgroup concurrently with our isolate
+    # (isolate runs on every isolator in parallel), so mesos mode waits a little before declaring
+    # the pid misplaced.
+    isolate_settle_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class Edges:
+    """The machine as the core sees it; ``isolator.main`` wires the real ones."""
+
+    inventory: Inventory
+    cgroups: CgroupBackend
+    devices: DeviceNodes
+    store: StateStore
+    volumes: VolumeBuilder | None
+    processes: Processes
+    filesystem: Filesystem
+    clock: Clock
+
+
+class Core:
+    def __init__(self, edges: Edges, settings: Settings) -> None:
+        self.edges = edges
+        self.settings = settings
+        self.inventory = edges.inventory
+        self.cgroups = edges.cgroups
+        self.store = edges.store
+        self.volumes = edges.volumes
+        self.clock = edges.clock
+        self.locks = ContainerLocks()
+        self.alloc = threading.Lock()  # the allocator and health: short sections, no I/O inside
+        self._changed = threading.Condition(threading.Lock())
+        self._generation = 0
+        topology = edges.inventory.topology()
+        self.gpus: dict[int, Gpu] = {g.minor: g for g in topology.gpus}
+        self.allocator = Allocator(topology, settings.policy)
+        # MIG units (docs/mig.md): every MIG device of a managed GPU in MIG mode, by UUID; the held
+        # ones (UUID -> parent minor) and the parents booked in the whole-GPU allocator because
+        # some of their MIG devices are held. All three change under ``alloc`` only.
+        self.mig: dict[str, MigDevice] = {d.uuid: d for d in self.mig_devices(frozenset(self.gpus))}
+        self.mig_held: dict[str, int] = {}
+        self.mig_booked: set[int] = set()
+        with self.alloc:
+            self.sync_health()
+        edges.inventory.on_health_change(self._on_health_change)
+
+    # ---- health and change notification -----------------------------------------------------------
+
+    def sync_health(self) -> None:
+        """Copy the inventory's health into the allocator. Call with ``alloc`` held."""
+        healthy_indices = self.inventory.healthy()
+        for gpu in self.gpus.values():
+            self.allocator.set_healthy(gpu.minor, gpu.index in healthy_indices)
+
+    def _on_health_change(self, event: HealthEvent) -> None:
+        with self.alloc:
+            for gpu in self.gpus.values():
+                if gpu.index == event.index:
+                    self.allocator.set_healthy(gpu.minor, bool(event.healthy))
+        self.notify()
+
+    def notify(self) -> None:
+        """Wake every Watch: a container went away or a GPU's health changed."""
+        with self._changed:
+            self._generation += 1
+            self._changed.notify_all()
+
+    def generation(self) -> int:
+        with self._changed:
+            return self._generation
+
+    def wait_for_change(self, seen: int, timeout: float) -> None:
+        """Return once something changed after generation ``seen``, or after ``timeout`` seconds."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._generation != seen, timeout=timeout)
+
+    # ---- MIG units (call with ``alloc`` held) ------------------------------------------------------
+
+    def hold_mig(self, held: Iterable[tuple[str, int]], restore: bool = False) -> None:
+        """Mark MIG devices held and book their parents against whole-GPU use."""
+        held = list(held)
+        self.mig_held.update(held)
+        new = frozenset(p for _u, p in held if p not in self.mig_booked and p in self.allocator.total)
+        if new:
+            if restore:
+                self.allocator.restore(new)
+            else:
+                self.allocator.allocate_set(new)
+            self.mig_booked.update(new)
+
+    def free_mig(self, uuids: Iterable[str]) -> None:
+        """Free MIG devices; a parent none of whose devices is held any more is free as a whole again."""
+        for uuid in uuids:
+            self.mig_held.pop(uuid, None)
+        idle = frozenset(self.mig_booked - set(self.mig_held.values()))
+        if idle:
+            self.allocator.deallocate(idle & self.allocator.allocated)
+            self.mig_booked -= idle
+
+    def choose_mig(self, request: dict[str, int]) -> tuple[MigDevice, ...]:
+        """MIG devices for ``request`` (resource -> count), held on return; none for an empty request."""
+        if not request:
+            return ()
+        whole = self.allocator.allocated - self.mig_booked
+        usable = self.inventory.healthy()
+        blocked = {d.parent_minor for d in self.mig.values() if d.parent_minor in whole}
+        blocked |= {d.parent_minor for d in self.mig.values() if d.parent_index not in usable}
+        blocked |= set(self.allocator.unhealthy)
+        units = migunits.choose(request, list(self.mig.values()), set(self.mig_held), blocked).devices
+        self.hold_mig((d.uuid, d.parent_minor) for d in units)
+        return units
+
+    def allocate_whole(self, count: int) -> Choice:
+        """Whole GPUs, taking GPUs that are not in MIG mode first (docs/mig.md)."""
+        mig_gpus = frozenset(d.parent_minor for d in self.mig.values()) & self.allocator.available
+        if count and mig_gpus:
+            self.allocator.allocate_set(mig_gpus)
+            try:
+                return self.allocator.allocate(count)
+            except IsolatorError:
+                pass
+            finally:
+                self.allocator.deallocate(mig_gpus)
+        return self.allocator.allocate(count)
+
+    def mig_of(self, rec: ContainerRecord | None) -> tuple[MigDevice, ...]:
+        """The MIG devices a record holds that the inventory knows (an unknown UUID grants nothing)."""
+        if rec is None:
+            return ()
+        out = []
+        for uuid in sorted(rec.mig_uuids):
+            dev = self.mig.get(uuid)
+            if dev is None:
+                LOG.warning("container %s holds MIG device %s, unknown to the inventory", rec.container_id, uuid)
+                continue
+            out.append(dev)
+        return tuple(out)
+
+    # ---- shared steps -----------------------------------------------------------------------------
+
+    def rules(self, minors: frozenset[int], units: Iterable[MigDevice] = ()) -> tuple[devrules.DeviceRule, ...]:
+        """The full allow-list of a container holding GPU ``minors`` whole and MIG devices ``units``:
+        a whole GPU in MIG mode brings every MIG device's caps; a unit brings its GI and CI caps and
+        its parent's node, which the driver requires (docs/mig.md)."""
+        if not self.gpus:
+            return tuple(devrules.MESOS_DEFAULT_WHITELIST)  # no GPUs here: no control devices either
+        units = tuple(units)
+        control = self.edges.devices.control_devices()
+        mig = self.mig_devices(minors) + units
+        caps_major = self.edges.devices.caps_major() if mig else None
+        nodes = sorted(minors | migunits.parents(units))
+        return devrules.container_rules(control, nodes, mig_devices=mig, caps_major=caps_major)
+
+    def mig_devices(self, minors: frozenset[int]) -> tuple[MigDevice, ...]:
+        out: list[MigDevice] = []
+        for rec in self.inventory.records:
+            if rec.gpu.minor in minors and rec.mig_enabled:
+                out.extend(rec.mig_devices)
+        return tuple(out)
+
+    def granted(self, rules: tuple[devrules.DeviceRule, ...]) -> list[int]:
+        """The GPU minors ``rules`` let a process read and write."""
+        return sorted(m for m in self.gpus if devrules.permits(rules, devrules.DeviceRule.char(NVIDIA_MAJOR, m, "rw")))
+
+    def describe(self, cid: ContainerId, minors: frozenset[int]) -> str:
+        gpus = ", ".join(f"{m} ({self.gpus[m].uuid})" for m in sorted(minors) if m in self.gpus)
+        return f"container {cid} (cgroup '{self.cgroups.cgroup_path(cid.root)}', GPUs [{gpus}])"
+
+    def require(self, cid: ContainerId) -> ContainerRecord:
+        rec = self.store.get(cid)
+        if rec is None:
+            raise NotFound(f"unknown container {cid}")
+        return rec
+
+    def apply(self, cid: ContainerId, minors: frozenset[int], units: tuple[MigDevice, ...] | None = None) -> None:
+        """Make the kernel grant exactly ``minors`` and MIG ``units`` to ``cid`` (None: the MIG devices
+        its record holds), then record the rules granted."""
+        rules = self.rules(minors, self.mig_of(self.store.get(cid)) if units is None else units)
+        self.cgroups.apply(cid, rules)
+        crashpoint("apply.kernel")
+        self.store.update(cid, rules="\n".join(map(str, rules)))
+
+    def drop(self, cid: ContainerId, rec: ContainerRecord) -> None:
+        """Forget a container whose rules are already gone: its record, then its GPUs; wake watchers."""
+        self.store.remove(cid)
+        with self.alloc:
+            self.allocator.deallocate(rec.gpus & self.allocator.allocated)
+            self.free_mig(rec.mig_uuids)
+        self.notify()
+
+    def release_volume(self, cid: ContainerId) -> None:
+        if self.volumes is not None:
+            try:
+                self.volumes.release(str(cid), self.inventory.driver_version)
+            except Exception as exc:  # the container is gone either way; a stale user file is harmless
+                LOG.warning("failed to release the volume of container %s: %s", cid, exc)

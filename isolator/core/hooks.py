@@ -1,0 +1,383 @@
+"""The Mesos isolator hooks: prepare, isolate, update, watch, usage, status, cleanup.
+
+Each hook holds its container's lock (isolator/core/locks.py) for its whole run, and the
+allocation lock only for the decision on the shared GPUs. Decisions come from pure modules
+(allocator, devices.container_rules, volumes.inject); the machine is reached through the edges.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import posixpath
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from isolator import mig as migunits
+from isolator.core.context import Core
+from isolator.crashpoints import crashpoint
+from isolator.errors import AlreadyExists, FailedPrecondition, InvalidArgument, IsolatorError, NotFound, from_code
+from isolator.model import (
+    ContainerConfig,
+    ContainerId,
+    ContainerRecord,
+    ContainerStatus,
+    GpuUsage,
+    LaunchInfo,
+    Limitation,
+    MigDevice,
+    Mount,
+    Resource,
+    Usage,
+    gpu_count,
+)
+from volumes.errors import VolumeError
+from volumes.inject import DriverFacts, Image, check_cuda, plan_injection, should_inject
+
+LOG = logging.getLogger(__name__)
+
+MS_BIND = 4096
+MAX_PID = 1 << 22  # PID_MAX_LIMIT on 64-bit Linux
+WATCH_POLL_S = 5.0  # how often an unbounded Watch looks again even without a notification
+
+Undo = list[Callable[[], object]]
+
+
+@dataclass(frozen=True)
+class ImagePlan:
+    """What ``prepare`` decided about the driver volume before allocating anything."""
+
+    image: Image
+    facts: DriverFacts
+
+
+def _volume_error(exc: VolumeError) -> IsolatorError:
+    return from_code(exc.code, str(exc))
+
+
+class Hooks:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+
+    # ---- prepare ----------------------------------------------------------------------------------
+
+    def prepare(self, container_id: ContainerId, config: ContainerConfig) -> LaunchInfo | None:
+        if container_id.nested:
+            return self._prepare_nested(container_id, config)
+        core = self.core
+        count = gpu_count(config.resources)
+        mig_request = migunits.requests(config.resources)
+        image_plan = self._image_plan(config)
+        with core.locks.hold(container_id):
+            if core.store.get(container_id) is not None:
+                raise AlreadyExists(f"container {container_id} has already been prepared")
+            with core.alloc:
+                choice = core.allocate_whole(count)
+                try:
+                    units = core.choose_mig(mig_request)
+                except BaseException:
+                    core.allocator.deallocate(choice.gpus)
+                    raise
+            minors = frozenset(choice.gpus)
+            undo: Undo = [lambda: self._deallocate(minors, units)]
+            try:
+                rules = core.rules(minors, units)
+                core.store.record(
+                    ContainerRecord(
+                        container_id,
+                        gpus=minors,
+                        mode=core.settings.mode,
+                        cgroup=core.cgroups.cgroup_path(container_id),
+                        cgroup_version=1 if core.cgroups.version == "v1" else 2,
+                        state="prepared",
+                        created=core.clock.time(),
+                        rules="\n".join(map(str, rules)),
+                        mig=frozenset((d.uuid, d.parent_minor) for d in units),
+                    )
+                )
+                undo.append(lambda: self._forget(container_id))
+                undo.append(lambda: core.cgroups.cleanup(container_id))
+                crashpoint("prepare.recorded")
+                core.cgroups.prepare(container_id)
+                crashpoint("prepare.cgroup")
+                core.cgroups.apply(container_id, rules)
+                crashpoint("prepare.applied")
+                info = self._launch_info(container_id, config, minors, image_plan, undo, units)
+            except BaseException:
+                self._undo(container_id, undo)
+                raise
+        mig_note = f", MIG devices [{migunits.visible_devices(units)}]" if units else ""
+        LOG.info("prepared %s (%s)%s", core.describe(container_id, minors), choice.policy, mig_note)
+        return info
+
+    def _prepare_nested(self, cid: ContainerId, config: ContainerConfig) -> LaunchInfo | None:
+        # Mesos: DEBUG containers inherit everything from their parent; other nested containers get
+        # the volume and device nodes for their own rootfs and use their top-level container's GPUs.
+        if config.container_class == "DEBUG":
+            return None
+        core = self.core
+        image_plan = self._image_plan(config)
+        with core.locks.hold(cid):
+            root = core.store.get(cid.root)
+            minors = root.gpus if root is not None else frozenset()
+            undo: Undo = []
+            try:
+                info = self._launch_info(cid, config, minors, image_plan, undo, core.mig_of(root))
+            except BaseException:
+                self._undo(cid, undo)
+                raise
+        LOG.info("prepared nested %s", core.describe(cid, minors))
+        return info
+
+    def _image_plan(self, config: ContainerConfig) -> ImagePlan | None:
+        """Decide on the volume before anything is allocated, so a refusal leaves nothing behind."""
+        if not config.has_image:
+            return None
+        if not self.core.edges.filesystem.is_dir(config.rootfs):
+            raise InvalidArgument(f"the container's rootfs '{config.rootfs}' does not exist")
+        inv = self.core.inventory
+        image = Image(env=config.image_env, labels=dict(config.image_labels))
+        facts = DriverFacts(inv.driver_version, inv.cuda_driver_version)
+        try:
+            inject, _reason = should_inject(image)
+            if inject:
+                check_cuda(image, facts, config.rootfs)
+        except VolumeError as exc:
+            raise _volume_error(exc) from exc
+        return ImagePlan(image, facts) if inject else None
+
+    def _launch_info(
+        self,
+        cid: ContainerId,
+        config: ContainerConfig,
+        minors: frozenset[int],
+        image_plan: ImagePlan | None,
+        undo: Undo,
+        units: tuple[MigDevice, ...] = (),
+    ) -> LaunchInfo | None:
+        # MIG holders are told which devices are theirs (docs/mig.md), with or without an image.
+        visible = (("NVIDIA_VISIBLE_DEVICES", migunits.visible_devices(units)),) if units else ()
+        if not config.has_image:
+            # The host's /dev and libraries, access gated by the cgroup (Mesos).
+            return LaunchInfo(environment=visible) if visible else None
+        mounts = self._device_mounts(config.rootfs, minors, units)
+        env: tuple[tuple[str, str], ...] = ()
+        if image_plan is not None:
+            mounts_v, env = self._volume(cid, config, image_plan, undo)
+            mounts = mounts_v + mounts
+        env = tuple((k, v) for k, v in env if k != "NVIDIA_VISIBLE_DEVICES") + visible
+        return LaunchInfo(environment=env, mounts=tuple(mounts))
+
+    def _device_mounts(self, rootfs: str, minors: frozenset[int], units: tuple[MigDevice, ...] = ()) -> list[Mount]:
+        """Bind mounts of exactly the allocated GPUs and the control devices (Mesos exposes every
+        /dev/nvidia*, unallocated GPUs and nvidia-modeset included: defect §2.15.6)."""
+        core = self.core
+        if not core.gpus:
+            return []
+        dev_root = core.edges.devices.dev_root
+        names = [f"nvidia{m}" for m in sorted(minors | migunits.parents(units))]
+        control = core.edges.devices.control_devices()
+        names += [posixpath.relpath(n.path, dev_root) for n in control.numbers()]
+        for mig in core.mig_devices(minors) + units:
+            names += [f"nvidia-caps/nvidia-cap{minor}" for minor in mig.caps_minors]
+        return [
+            Mount(target=posixpath.join(rootfs, "dev", name), source=posixpath.join(dev_root, name), flags=MS_BIND)
+            for name in names
+        ]
+
+    def _volume(
+        self, cid: ContainerId, config: ContainerConfig, plan: ImagePlan, undo: Undo
+    ) -> tuple[list[Mount], tuple[tuple[str, str], ...]]:
+        core = self.core
+        if core.volumes is None:
+            raise FailedPrecondition("the image asks for the driver volume but no volume root is configured")
+        try:
+            volume = core.volumes.acquire(str(cid), plan.facts.driver_version)
+            undo.append(lambda: core.release_volume(cid))
+            crashpoint("prepare.volume")
+            injection = plan_injection(config.rootfs, plan.image, volume.path, plan.facts)
+        except VolumeError as exc:
+            raise _volume_error(exc) from exc
+        if injection is None:
+            return [], ()
+        if not cid.nested:
+            core.store.update(cid, volume_version=volume.driver_version)
+        mounts = []
+        for spec in injection.mounts:
+            if spec.mkdir:
+                core.edges.filesystem.make_dirs(spec.target)
+            mounts.append(Mount(target=spec.target, source=spec.source, flags=spec.flags))
+        return mounts, tuple(sorted(injection.env.items()))
+
+    def _deallocate(self, minors: frozenset[int], units: tuple[MigDevice, ...] = ()) -> None:
+        with self.core.alloc:
+            self.core.allocator.deallocate(minors)
+            self.core.free_mig(d.uuid for d in units)
+
+    def _undo(self, cid: ContainerId, undo: Undo) -> None:
+        for step in reversed(undo):
+            try:
+                step()
+            except Exception:
+                LOG.exception("failed to undo part of prepare for container %s", cid)
+
+    def _forget(self, cid: ContainerId) -> None:
+        with contextlib.suppress(NotFound):
+            self.core.store.remove(cid)
+
+    # ---- isolate ----------------------------------------------------------------------------------
+
+    def isolate(self, container_id: ContainerId, pid: int) -> None:
+        core = self.core
+        if pid <= 1 or pid >= MAX_PID:
+            raise InvalidArgument(f"pid {pid} is not a valid container pid")
+        if not core.edges.processes.exists(pid):
+            raise FailedPrecondition(f"pid {pid} does not exist (the container's init is gone)")
+        target = container_id.root if container_id.nested and core.cgroups.version == "v1" else container_id
+        with core.locks.hold(container_id):
+            rec = core.require(container_id.root)
+            if core.settings.mode == "standalone":
+                core.cgroups.add_pid(target, pid)
+                crashpoint("isolate.placed")
+            else:
+                self._wait_for_pid(target, pid)
+            if not container_id.nested and rec.state == "prepared":
+                core.store.update(container_id, state="isolated")
+        LOG.info("isolated pid %d in %s", pid, core.describe(container_id, rec.gpus))
+
+    def _wait_for_pid(self, cid: ContainerId, pid: int) -> None:
+        clock = self.core.clock
+        deadline = clock.monotonic() + self.core.settings.isolate_settle_s
+        while True:
+            if pid in self.core.cgroups.pids(cid):
+                return
+            if clock.monotonic() >= deadline:
+                raise FailedPrecondition(
+                    f"pid {pid} is not in the cgroup '{self.core.cgroups.cgroup_path(cid)}' of container {cid}"
+                )
+            clock.sleep(0.02)
+
+    # ---- update -----------------------------------------------------------------------------------
+
+    def update(self, container_id: ContainerId, resources: list[Resource]) -> None:
+        core = self.core
+        if container_id.nested:
+            raise FailedPrecondition(f"update is not supported for nested containers ({container_id})")
+        target = gpu_count(resources)
+        wanted = migunits.requests(resources)
+        with core.locks.hold(container_id):
+            rec = core.require(container_id)
+            held: dict[str, int] = {}
+            for dev in core.mig_of(rec):
+                name = migunits.resource_name(dev.profile) or dev.profile
+                held[name] = held.get(name, 0) + 1
+            if wanted != held:
+                raise FailedPrecondition(
+                    f"container {container_id} holds MIG devices {held or '{}'}; MIG holdings are fixed at "
+                    f"launch (update asks for {wanted or '{}'})"
+                )
+            with core.alloc:
+                plan = core.allocator.plan_update(rec.gpus, target)
+                add, release = frozenset(plan.add), frozenset(plan.release)
+                if add:
+                    core.allocator.allocate_set(add)
+            if add:
+                # Grow: book, record, then grant (never grant what is not recorded).
+                try:
+                    core.store.add_gpus(container_id, add)
+                    crashpoint("update.grown")
+                    core.apply(container_id, rec.gpus | add)
+                except BaseException:
+                    with contextlib.suppress(IsolatorError):
+                        core.store.remove_gpus(container_id, add)
+                    self._deallocate(add)
+                    raise
+            if release:
+                # Shrink: revoke, then let the record and the allocator go.
+                core.apply(container_id, rec.gpus - release)
+                crashpoint("update.revoked")
+                core.store.remove_gpus(container_id, release)
+                self._deallocate(release)
+            final = (rec.gpus | add) - release
+        LOG.info("updated %s to %d GPUs", core.describe(container_id, frozenset(final)), target)
+
+    # ---- watch, usage, status ---------------------------------------------------------------------
+
+    def watch(self, container_id: ContainerId, timeout: float | None) -> Limitation | None:
+        """A limitation once a GPU the container holds becomes unhealthy; None at ``timeout``."""
+        core = self.core
+        deadline = None if timeout is None else core.clock.monotonic() + max(timeout, 0.0)
+        while True:
+            seen = core.generation()
+            rec = core.store.get(container_id.root)
+            if rec is None:
+                if container_id.nested:
+                    return None
+                raise NotFound(f"unknown container {container_id}")
+            with core.alloc:
+                sick = sorted(m for m in rec.gpus | rec.mig_parents if m in core.allocator.unhealthy)
+            if sick:
+                return self._limitation(container_id, sick, rec)
+            remaining = None if deadline is None else deadline - core.clock.monotonic()
+            if remaining is not None and remaining <= 0:
+                return None
+            core.wait_for_change(seen, remaining if remaining is not None else WATCH_POLL_S)
+
+    def _limitation(self, cid: ContainerId, sick: list[int], rec: ContainerRecord) -> Limitation:
+        """An XID on a GPU limits every container on it: holders of the GPU and of its MIG devices."""
+        reasons = {}
+        for r in self.core.inventory.records:
+            if r.gpu.minor in sick:
+                reasons[r.gpu.minor] = f"{r.gpu.uuid}: {r.status or 'unhealthy'}"
+        detail = "; ".join(f"GPU {m} ({reasons.get(m, 'unhealthy')})" for m in sick)
+        units: dict[str, list[str]] = {}
+        for dev in self.core.mig_of(rec):
+            if dev.parent_minor in sick:
+                units.setdefault(migunits.resource_name(dev.profile) or dev.profile, []).append(dev.uuid)
+        if units:
+            detail += "; its MIG devices " + ", ".join(u for us in units.values() for u in us)
+        return Limitation(
+            gpus=len([m for m in sick if m in rec.gpus]),
+            message=f"container {cid} holds a GPU that became unhealthy: {detail}",
+            mig=tuple((name, len(uuids)) for name, uuids in sorted(units.items())),
+        )
+
+    def usage(self, container_id: ContainerId) -> Usage:
+        core = self.core
+        rec = core.require(container_id.root)
+        gpus = []
+        for minor in sorted(rec.gpus):
+            gpu = core.gpus.get(minor)
+            if gpu is None:
+                continue
+            u = core.inventory.usage(gpu.index)
+            gpus.append(GpuUsage(gpu.uuid, minor, u.memory_used, u.memory_total, u.gpu_utilization))
+        return Usage(timestamp=core.clock.time(), gpus=tuple(gpus))
+
+    def status(self, container_id: ContainerId) -> ContainerStatus:
+        core = self.core
+        rec = core.require(container_id.root)
+        uuids = tuple(core.gpus[m].uuid for m in sorted(rec.gpus) if m in core.gpus)
+        return ContainerStatus(uuids + tuple(sorted(rec.mig_uuids)), rec.state)
+
+    # ---- cleanup ----------------------------------------------------------------------------------
+
+    def cleanup(self, container_id: ContainerId) -> None:
+        core = self.core
+        if container_id.nested:
+            core.release_volume(container_id)
+            return
+        with core.locks.hold(container_id):
+            rec = core.store.get(container_id)
+            if rec is not None:
+                core.cgroups.cleanup(container_id)
+                crashpoint("cleanup.cgroup")
+                core.drop(container_id, rec)
+        if rec is None:
+            # Mesos calls cleanup for containers it never prepared with us (MESOS-6059).
+            LOG.info("ignoring cleanup of unknown container %s", container_id)
+            core.release_volume(container_id)
+            return
+        crashpoint("cleanup.record")
+        core.release_volume(container_id)
+        LOG.info("cleaned up %s", core.describe(container_id, rec.gpus))

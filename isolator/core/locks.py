@@ -1,0 +1,66 @@
+"""Per-container locks: one container's hooks run one at a time, different containers in parallel.
+
+The hooks of one top-level container (and its nested containers) are serialised by that
+container's lock, which they hold across their slow work (fsynced commits, the volume build, the
+wait for a pid). Nothing shared is held across that work: decisions on the shared GPUs are short
+critical sections under the allocation lock (``Core.alloc``). Recovery takes the table
+``exclusive``ly: it waits for every container's hooks to finish and keeps new ones out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+from isolator.model import ContainerId
+
+
+class ContainerLocks:
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._locks: dict[ContainerId, tuple[threading.Lock, list[int]]] = {}
+        self._exclusive = False
+        self._holders = 0
+
+    @contextlib.contextmanager
+    def hold(self, cid: ContainerId) -> Iterator[None]:
+        """Run the block as the only hook of ``cid``'s top-level container. Not re-entrant."""
+        key = cid.root
+        with self._cond:
+            self._cond.wait_for(lambda: not self._exclusive)
+            entry = self._locks.get(key)
+            if entry is None:
+                entry = self._locks[key] = (threading.Lock(), [0])
+            entry[1][0] += 1
+            self._holders += 1
+        try:
+            with entry[0]:
+                yield
+        finally:
+            with self._cond:
+                entry[1][0] -= 1
+                if entry[1][0] == 0:
+                    del self._locks[key]
+                self._holders -= 1
+                if self._holders == 0:
+                    self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Run the block with no container's hook in progress (recovery). Not re-entrant."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._exclusive)
+            self._exclusive = True
+            self._cond.wait_for(lambda: self._holders == 0)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+    def busy(self) -> int:
+        """How many hooks hold or wait for a container lock (for tests and the health view)."""
+        with self._cond:
+            return self._holders

@@ -1,0 +1,234 @@
+"""The edges the core reaches the machine through, one small ``typing.Protocol`` each.
+
+The core (``isolator.core``) imports nothing that touches the machine: it is handed one object per
+port. ``isolator.main`` wires the real ones (cgroup v1/v2 controllers, the SQLite store, the
+volume manager, NVML, ``/proc``, the system clock); ``isolator.testing`` ships in-memory fakes that
+pass the same contract tests (tests/test_contracts.py).
+
+    port            real                                        fake (isolator.testing)
+    CgroupBackend   cgroups.v1.V1DeviceController, v2.V2...     FakeCgroups
+    StateStore      state.StateStore (SQLite)                   FakeStore
+    VolumeBuilder   volumes.manager.VolumeManager               FakeVolumes
+    Inventory       nvml.Inventory, core.EmptyInventory         FakeInventory
+    DeviceNodes     devices.HostDevices                         FakeDeviceNodes
+    Processes       core.system.ProcProcesses (/proc)           FakeProcesses
+    Filesystem      core.system.LocalFilesystem                 FakeFilesystem
+    Clock           core.system.SystemClock                     ManualClock
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+from isolator.devices import ControlDevices, DeviceRule, KernelRules
+from isolator.model import ContainerId, ContainerRecord, Gpu, MigDevice, Topology
+
+
+class CgroupBackend(Protocol):
+    """A container's devices cgroup; v1 (whitelist) and v2 (eBPF program) offer exactly these methods.
+
+    * ``prepare(c)``: mesos mode checks that Mesos's cgroup exists (``CgroupVanished`` if not);
+      standalone mode creates the cgroup and denies every device. Idempotent.
+    * ``apply(c, rules)``: make the container's allow-list exactly ``rules`` (the full set, Mesos's
+      default whitelist included); on failure the previous rules stay in force.
+    * ``current(c)``: the rules in force (v1: read back from ``devices.list``; v2: the checkpoint).
+    * ``recover(c)``: after a restart, bring the kernel in line with what was last applied and return
+      it (v1: the list; v2: re-attach the checkpointed program). ``CgroupVanished`` without a cgroup.
+    * ``in_force(c)``: what the kernel enforces and where that was read, for the admin views.
+    * ``exists(c)``, ``nested_names(c)``: whether the cgroup exists; the names of the cgroups Mesos
+      made for nested containers below it (``<c>/mesos/<name>``).
+    * ``add_pid(c, pid)`` / ``pids(c)``: place and list processes (``cgroup.procs``).
+    * ``cleanup(c)``: remove exactly what we added; a missing cgroup is success. Idempotent.
+    """
+
+    version: str  # "v1" or "v2"
+    mode: str  # "mesos" or "standalone"
+
+    def cgroup_path(self, container: ContainerId) -> str: ...
+
+    def exists(self, container: ContainerId) -> bool: ...
+
+    def nested_names(self, container: ContainerId) -> tuple[str, ...]: ...
+
+    def prepare(self, container: ContainerId) -> None: ...
+
+    def apply(self, container: ContainerId, rules: Iterable[DeviceRule]) -> None: ...
+
+    def current(self, container: ContainerId) -> tuple[DeviceRule, ...]: ...
+
+    def recover(self, container: ContainerId) -> tuple[DeviceRule, ...]: ...
+
+    def in_force(self, container: ContainerId) -> KernelRules: ...
+
+    def add_pid(self, container: ContainerId, pid: int) -> None: ...
+
+    def pids(self, container: ContainerId) -> tuple[int, ...]: ...
+
+    def cleanup(self, container: ContainerId) -> None: ...
+
+
+class StateStore(Protocol):
+    """Container -> GPUs and metadata, durable once a call returns; each call one transaction.
+
+    A GPU has at most one holder (``GpuAlreadyHeld``); unknown containers are ``ContainerNotRecorded``
+    for the writers and None for ``get``. Failures are ``StateError`` and change nothing.
+    """
+
+    path: str
+
+    def record(self, rec: ContainerRecord) -> None: ...
+
+    def add_gpus(self, cid: ContainerId, minors: Iterable[int]) -> ContainerRecord: ...
+
+    def remove_gpus(self, cid: ContainerId, minors: Iterable[int]) -> ContainerRecord: ...
+
+    def update(
+        self,
+        cid: ContainerId,
+        *,
+        state: str | None = None,
+        volume_version: str | None = None,
+        rules: str | None = None,
+    ) -> ContainerRecord: ...
+
+    def remove(self, cid: ContainerId) -> ContainerRecord: ...
+
+    def get(self, cid: ContainerId) -> ContainerRecord | None: ...
+
+    def load(self) -> dict[ContainerId, ContainerRecord]: ...
+
+    def holders(self) -> dict[int, ContainerId]: ...
+
+    def mig_holders(self) -> dict[str, tuple[ContainerId, int]]: ...
+
+    def check(self) -> str: ...
+
+    def close(self) -> None: ...
+
+
+class Volume(Protocol):
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def driver_version(self) -> str: ...
+
+
+class VolumeBuilder(Protocol):
+    """The consolidated driver volume ``nvidia_<version>`` and who uses it (volumes.manager)."""
+
+    volume_root: str
+
+    def acquire(self, container_id: str, driver_version: str) -> Volume: ...
+
+    def release(self, container_id: str, driver_version: str | None = None) -> tuple[str, ...]: ...
+
+    def reconcile(self, live: Iterable[str]) -> tuple[str, ...]: ...
+
+    def volumes(self) -> list[dict[str, Any]]: ...
+
+
+class GpuHealth(Protocol):
+    @property
+    def last_xid(self) -> int: ...
+
+    @property
+    def last_xid_time(self) -> float: ...
+
+
+class GpuRecord(Protocol):
+    """One managed GPU as the inventory sees it (isolator.nvml.GpuRecord)."""
+
+    @property
+    def gpu(self) -> Gpu: ...
+
+    @property
+    def health(self) -> GpuHealth: ...
+
+    @property
+    def mig_enabled(self) -> bool: ...
+
+    @property
+    def mig_devices(self) -> tuple[MigDevice, ...]: ...
+
+    @property
+    def usable(self) -> bool: ...
+
+    @property
+    def status(self) -> str: ...
+
+
+class GpuUsageSample(Protocol):
+    @property
+    def memory_used(self) -> int: ...
+
+    @property
+    def memory_total(self) -> int: ...
+
+    @property
+    def gpu_utilization(self) -> int: ...
+
+
+class HealthEvent(Protocol):
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def healthy(self) -> bool: ...
+
+
+class Inventory(Protocol):
+    """The GPUs to manage, their topology, health and usage (NVML)."""
+
+    driver_version: str
+    cuda_driver_version: str
+
+    @property
+    def records(self) -> tuple[GpuRecord, ...]: ...
+
+    def topology(self) -> Topology: ...
+
+    def healthy(self) -> frozenset[int]: ...
+
+    def usage(self, index: int) -> GpuUsageSample: ...
+
+    def device_count(self) -> int: ...
+
+    def on_health_change(self, callback: Callable[[HealthEvent], None]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class DeviceNodes(Protocol):
+    """The NVIDIA device nodes under a dev root (their numbers are partly dynamic)."""
+
+    dev_root: str
+
+    def control_devices(self) -> ControlDevices: ...
+
+    def caps_major(self) -> int | None: ...
+
+
+class Processes(Protocol):
+    """The process table (``/proc``)."""
+
+    def exists(self, pid: int) -> bool: ...
+
+
+class Filesystem(Protocol):
+    """The few filesystem questions the core asks about a container's rootfs."""
+
+    def is_dir(self, path: str) -> bool: ...
+
+    def make_dirs(self, path: str) -> None: ...
+
+
+class Clock(Protocol):
+    """Wall time for records and statistics; monotonic time and sleeping for waits."""
+
+    def time(self) -> float: ...
+
+    def monotonic(self) -> float: ...
+
+    def sleep(self, seconds: float) -> None: ...

@@ -1,0 +1,68 @@
+"""The small real edges of the core: the process table, the filesystem, the clock, and the
+inventory of a host with no GPUs to manage. ``isolator.main`` hands them to the core."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from isolator.errors import NotFound
+from isolator.model import Topology
+
+
+class ProcProcesses:
+    """The process table as ``/proc`` shows it (``proc_root`` for a mounted elsewhere copy)."""
+
+    def __init__(self, proc_root: str = "/proc") -> None:
+        self.proc_root = proc_root
+
+    def exists(self, pid: int) -> bool:
+        return os.path.exists(os.path.join(self.proc_root, str(pid)))
+
+
+class LocalFilesystem:
+    def is_dir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def make_dirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+
+class SystemClock:
+    def time(self) -> float:
+        return time.time()
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+class EmptyInventory:
+    """A host with no GPUs to manage (``gpus:0``, or no NVML and none requested): every container
+    gets the standard devices only."""
+
+    driver_version = ""
+    cuda_driver_version = ""
+    records: tuple[Any, ...] = ()
+
+    def topology(self) -> Topology:
+        return Topology(gpus=())
+
+    def healthy(self) -> frozenset[int]:
+        return frozenset()
+
+    def usage(self, index: int) -> Any:
+        raise NotFound(f"GPU {index} is not managed by this sidecar")
+
+    def device_count(self) -> int:
+        return 0
+
+    def on_health_change(self, callback: Callable[[Any], None]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -192,6 +192,46 @@ def test_bad_mig_requests_are_refused_with_the_reason(agent):
         isolator.cleanup(cid)
 
 
+def test_whole_gpu_requests_take_gpus_not_in_mig_mode_first(agent):
+    sidecar, isolator, containerizer = agent
+    channel = grpc.insecure_channel(sidecar.address)
+    admin = pb_grpc.AdminStub(channel)
+    cid = container_id("whole-3")
+    isolator.prepare(cid, mig_config(containerizer, gpus=3))
+    try:
+        held = {g.index for g in admin.ListGpus(pb.ListGpusRequest(), timeout=10).gpus if g.holder == "whole-3"}
+        assert held == {g.index for g in HOST.gpus if not g.mig}
+    finally:
+        isolator.cleanup(cid)
+        channel.close()
+
+
+def test_update_keeps_mig_holdings_fixed(agent):
+    sidecar, isolator, containerizer = agent
+    channel = grpc.insecure_channel(sidecar.address)
+    stub = pb_grpc.IsolatorStub(channel)
+    cid = container_id("mig-update")
+    isolator.prepare(cid, mig_config(containerizer, **{"1g_5gb": 2}))
+
+    def update(*resources: tuple[str, float]) -> None:
+        request = pb.UpdateRequest(container_id=pb.ContainerID(value="mig-update"))
+        for name, value in resources:
+            request.resource_requests.add(name=name, type=pb.Value.SCALAR, role="*").scalar.value = value
+        stub.Update(request, timeout=10)
+
+    try:
+        # Mesos's Update carries the container's whole resources: the same MIG counts are fine.
+        update(("cpus", 1), ("mig-1g.5gb", 2))
+        for changed in ((("mig-1g.5gb", 3),), (("mig-1g.5gb", 1),), (("gpus", 0),)):
+            with pytest.raises(grpc.RpcError) as err:
+                update(*changed)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "MIG holdings are fixed at launch" in err.value.details()
+    finally:
+        isolator.cleanup(cid)
+        channel.close()
+
+
 # Last: it leaves a GPU unhealthy in the module's daemon.
 def test_xid_on_the_parent_gpu_limits_every_container_on_it(agent):
     sidecar, isolator, containerizer = agent

@@ -86,6 +86,7 @@ class Core:
         # ones (UUID -> parent minor) and the parents booked in the whole-GPU allocator because
         # some of their MIG devices are held. All three change under ``alloc`` only.
         self.mig: dict[str, MigDevice] = {d.uuid: d for d in self.mig_devices(frozenset(self.gpus))}
+        self.mig_mode = frozenset(r.gpu.minor for r in edges.inventory.records if r.mig_enabled) & frozenset(self.gpus)
         self.mig_held: dict[str, int] = {}
         self.mig_booked: set[int] = set()
         with self.alloc:
@@ -160,7 +161,7 @@ class Core:
 
     def allocate_whole(self, count: int) -> Choice:
         """Whole GPUs, taking GPUs that are not in MIG mode first (docs/mig.md)."""
-        mig_gpus = frozenset(d.parent_minor for d in self.mig.values()) & self.allocator.available
+        mig_gpus = self.mig_mode & self.allocator.available
         if count and mig_gpus:
             self.allocator.allocate_set(mig_gpus)
             try:

@@ -233,3 +233,14 @@ def test_two_devices_on_two_gpus_name_both_parents_and_four_caps():
     assert {str(r) for r in rules if r.major == 195 and r.minor != 255} == {"c 195:0 rwm", "c 195:2 rwm"}
     assert sum(1 for r in rules if r.major == CAPS_MAJOR) == 4
     assert mig.visible_devices(devs) == f"{by(0, 13).uuid},{by(2, 2).uuid}"
+
+
+def test_nothing_can_change_a_gpus_mig_layout():
+    """The sidecar and the fake NVML never set the MIG mode nor create or destroy instances."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "isolator"
+    setters = ("SetMigMode", "CreateGpuInstance", "CreateComputeInstance", "InstanceDestroy")
+    for path in [*root.rglob("*.py"), *root.rglob("*.c")]:
+        text = path.read_text(encoding="utf-8")
+        assert not [s for s in setters if s in text], f"{path} mentions a MIG setter"

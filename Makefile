@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: all install proto proto-check build check lint typecheck test test-gpu demo bench soak clean
+.PHONY: all install proto proto-check build check lint typecheck test test-unit test-gpu demo bench soak clean
 
 all: install build
 
@@ -46,6 +46,19 @@ check: lint typecheck proto-check
 
 test: install build check
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The core in-process over the shipped fakes, the fakes' contract suite and the pure modules: no root,
+# no cgroups, no daemon, a few seconds. Runs as any user (real edges in the contract suite skip
+# loudly without root); e.g. `setpriv --reuid=nobody --regid=nogroup --clear-groups make test-unit`
+# from a checkout that user can read, with .venv and build/ made beforehand.
+UNIT_TESTS := tests/test_core_hooks.py tests/test_core_recovery.py tests/test_core_admin.py \
+	tests/test_core_concurrency.py tests/test_core_coverage.py tests/test_contracts.py tests/test_imports.py \
+	tests/test_reconcile.py tests/test_allocator.py tests/test_devices.py tests/test_gpuflags.py \
+	tests/test_state.py tests/test_volume_plan.py tests/test_volume_inject.py tests/test_volume_parsers.py \
+	tests/test_bpfprog.py tests/test_config.py
+
+test-unit: install build
+	$(PY) -m pytest -p no:cacheprovider $(UNIT_TESTS) $(PYTEST_ARGS)
 
 test-gpu: install build
 	$(PY) -m pytest -m gpu -rs $(PYTEST_ARGS)

@@ -180,6 +180,23 @@ def _report(err_path: str | None, line: str) -> None:
     sys.stderr.buffer.write(data + b"\n")
 
 
+def _log(line: str) -> None:
+    sys.stderr.buffer.write(" ".join(line.split()).encode("utf-8", "replace") + b"\n")
+
+
+def _quiet_watch(message: str) -> int:
+    """A watch poll that could not ask the sidecar: no limitation, one line in the agent's log, exit 0.
+
+    The module's watch loop only logs a non-zero exit and polls again, but it returns before
+    deleting its three temp files (criteo CommandRunner::runWithoutTimeout), once per container
+    per period while the sidecar is down. Exit 0 with OUT left empty means "keep waiting": the
+    files are deleted and the next poll asks again. ERR is not read on success, so the reason
+    goes to stderr, which ``system()`` leaves on the agent's log.
+    """
+    _log(f"gpu-isolator watch: {message}; no limitation reported, the module polls again")
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None, socket_path: str | None = None, timeout: float | None = None) -> int:
     argv = sys.argv if argv is None else argv
     _signal.signal(_signal.SIGTERM, _on_signal)
@@ -196,16 +213,25 @@ def main(argv: list[str] | None = None, socket_path: str | None = None, timeout:
         except Failure as failure:
             if method == "cleanup" and failure.harmless_for_cleanup:
                 # Reported on stderr (the agent's log) since the module ignores ERR on success.
-                sys.stderr.write(f"gpu-isolator {method}: {failure.message}; reporting success\n")
+                _log(f"gpu-isolator {method}: {failure.message}; reporting success")
                 return EXIT_OK
+            if method == "watch":
+                return _quiet_watch(failure.message)
             _report(err_path, f"gpu-isolator {method}: {failure.message}")
             return failure.status
         except Exception as exc:  # a bug: still one line in ERR and a status below 128
+            if method == "watch":
+                return _quiet_watch(f"internal error in the bridge: {exc!r}")
             _report(err_path, f"gpu-isolator {method}: internal error in the bridge: {exc!r}")
             return EXIT_INTERNAL
     except Terminated as term:
         elapsed = time.monotonic() - started
-        _report(err_path, f"gpu-isolator {method}: interrupted by {term.name} after {elapsed:.1f} s")
+        line = f"gpu-isolator {method}: interrupted by {term.name} after {elapsed:.1f} s"
+        # When the module's own timeout sends SIGTERM it fails the call with "Command execution
+        # error" and never reads ERR (criteo CommandRunner::run): stderr, the agent's log, is the
+        # only place this line is seen then.
+        _report(err_path, line)
+        _log(line)
         return EXIT_SIGNAL
 
 

@@ -149,7 +149,7 @@ def _kind(value: Any) -> str:
 
 
 def check_shape(value: Any, descriptor: Any, path: str, depth: int = 0) -> None:
-    """Refuse non-objects where a message is expected and non-arrays where a repeated field is.
+    """Refuse non-objects where a message or a map is expected and non-arrays where a repeated field is.
 
     json_format.ParseDict iterates whatever it is given as a message, so with unknown fields
     ignored it would take ``"container_id": "abc"`` for an empty ID; this catches it first.
@@ -163,6 +163,16 @@ def check_shape(value: Any, descriptor: Any, path: str, depth: int = 0) -> None:
         if field is None or item is None:
             continue  # unknown keys are ignored, as stout ignores them
         items = [item]
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            # A map is a JSON object in stout's form (Docker's `Labels`); its values are checked
+            # against the entry's value field.
+            if not isinstance(item, dict):
+                raise InvalidArgument(f"{path}.{key} must be a JSON object, not {_kind(item)}")
+            value_field = field.message_type.fields_by_name["value"]
+            if value_field.message_type is not None:
+                for name, sub in item.items():
+                    check_shape(sub, value_field.message_type, f"{path}.{key}[{name!r}]", depth + 1)
+            continue
         if field.is_repeated:
             if not isinstance(item, list):
                 raise InvalidArgument(f"{path}.{key} must be a JSON array, not {_kind(item)}")
@@ -228,7 +238,7 @@ class _Context:
         self._deadline = time.monotonic() + timeout
 
     def abort(self, code: grpc.StatusCode, details: str) -> None:
-        # The servicer has already mapped its error to a status (isolator.server.status_of).
+        # The servicer has already mapped its error to a status (isolator.status.status_of).
         raise from_code(code.name, details)
 
     def time_remaining(self) -> float:
@@ -255,7 +265,7 @@ def handle(servicer: Servicer, data: bytes) -> bytes:
         return error_reply(exc.code, exc.message)
     except Exception as exc:  # a bug here must answer the caller, not kill the listener
         LOG.exception("bridge %s failed with an unexpected error", method)
-        return error_reply("INTERNAL", f"internal error in bridge {method}: {exc}")  # as server.status_of
+        return error_reply("INTERNAL", f"internal error in bridge {method}: {exc}")  # as status_of does
 
 
 # ---- the listener -------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ def resources_from_proto(items: Any) -> tuple[model.Resource, ...]:
 def config_from_proto(msg: pb.ContainerConfig) -> model.ContainerConfig:
     cls = msg.container_class
     manifest = msg.docker.manifest.config
+    linux = msg.container_info.linux_info
     return model.ContainerConfig(
         resources=resources_from_proto(msg.resources),
         container_class=pb.ContainerClass.Name(cls) if cls in pb.ContainerClass.values() else "UNKNOWN",
@@ -58,7 +59,10 @@ def config_from_proto(msg: pb.ContainerConfig) -> model.ContainerConfig:
         user=msg.user,
         rootfs=msg.rootfs,
         image_env=tuple(manifest.Env),
-        image_labels=tuple((label.key, label.value) for label in manifest.labels),
+        image_labels=tuple(sorted(manifest.Labels.items())),
+        command_task=msg.HasField("task_info"),
+        # Mesos declares `[default = true]`; stout writes it whenever linux_info is present.
+        share_cgroups=linux.share_cgroups if linux.HasField("share_cgroups") else True,
     )
 
 

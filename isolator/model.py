@@ -241,6 +241,11 @@ class ContainerConfig:
     rootfs: str = ""
     image_env: tuple[str, ...] = ()
     image_labels: tuple[tuple[str, str], ...] = ()
+    # ContainerConfig.task_info is set: a command task, whose isolator environment goes in
+    # ContainerLaunchInfo.task_environment (the command executor applies it over the image's).
+    command_task: bool = False
+    # LinuxInfo.share_cgroups (Mesos 1.10+, default true); false: a nested container in cgroups of its own.
+    share_cgroups: bool = True
 
     @property
     def has_image(self) -> bool:

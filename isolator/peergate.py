@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from isolator.errors import SocketError
+from isolator.errors import PermissionDenied, SocketError
+from isolator.status import status_of
 
 LOG = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class _DenyEverything(grpc.GenericRpcHandler):
     @staticmethod
     def _deny(request_iterator: object, context: grpc.ServicerContext) -> None:
         uid, gid = _credentials_from_peer(context.peer())
-        context.abort(grpc.StatusCode.PERMISSION_DENIED, denial_message(uid, gid))
+        context.abort(*status_of(PermissionDenied(denial_message(uid, gid)), "the peer-credential gate"))
 
 
 def _credentials_from_peer(peer: str) -> tuple[int, int]:

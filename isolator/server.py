@@ -47,6 +47,7 @@ from isolator.core.api import IsolatorApi
 from isolator.errors import InvalidArgument, IsolatorError, SocketError
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
+from isolator.status import status_of
 
 LOG = logging.getLogger(__name__)
 
@@ -56,14 +57,7 @@ ADMIN_SERVICE = pb.DESCRIPTOR.services_by_name["Admin"].full_name
 T = TypeVar("T")
 
 
-# ---- error mapping: the one place typed errors become statuses -----------------------------------
-
-
-def status_of(exc: BaseException, where: str) -> tuple[grpc.StatusCode, str]:
-    """The status code and details for an error raised while serving ``where``."""
-    if isinstance(exc, IsolatorError):
-        return grpc.StatusCode[exc.code], exc.message
-    return grpc.StatusCode.INTERNAL, f"internal error in {where}: {exc}"
+# ---- error mapping (isolator/status.py is the one place typed errors become statuses) -----------
 
 
 def _translate_errors(method: Callable[..., T]) -> Callable[..., T]:

@@ -1,8 +1,11 @@
 """The durable record of which container holds which GPUs, and what the sidecar did for it.
 
-An SQLite file under the state directory given to the constructor (WAL, synchronous=FULL, one
-transaction per operation). It refuses to record a GPU twice (a primary key on the GPU minor), so a
-bug above cannot double-allocate. It decides nothing: allocation and reconciliation live elsewhere.
+An SQLite file under the state directory given to the constructor (WAL, synchronous=FULL). Each
+write is atomic and durable when its call returns. Writes that arrive while another commit is
+being fsynced are committed together (group commit): one transaction, one fsync, each write in a
+savepoint of its own so that one refused write fails alone. Reads use a second connection and never
+wait for a commit. It refuses to record a GPU twice (a primary key on the GPU minor), so a bug above
+cannot double-allocate. It decides nothing: allocation and reconciliation live elsewhere.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 from isolator.crashpoints import crashpoint
 from isolator.errors import (
@@ -31,6 +35,8 @@ from isolator.errors import (
 from isolator.model import ContainerId, ContainerRecord
 
 LOG = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 DB_FILE = "allocations.sqlite3"
 SCHEMA_VERSION = 2
@@ -100,7 +106,12 @@ class StateStore:
     def __init__(self, directory: str, *, durable: bool = True) -> None:
         self.directory = directory
         self.path = os.path.join(directory, DB_FILE)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the write connection; whoever holds it commits for everyone queued
+        self._read_lock = threading.Lock()
+        self._queue: list[_Write] = []
+        self._queue_lock = threading.Lock()
+        self.commits = 0  # transactions committed (each one fsync), for tests and the benchmark
+        self.writes = 0  # writes committed; writes / commits is the group-commit factor
         try:
             os.makedirs(directory, mode=0o700, exist_ok=True)
         except OSError as exc:
@@ -126,6 +137,12 @@ class StateStore:
         except StateError:
             self._db.close()
             raise
+        try:
+            self._reader = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=10.0)
+            self._reader.execute("PRAGMA foreign_keys=ON")
+        except sqlite3.Error as exc:
+            self._db.close()
+            raise self._error("open", exc) from exc
 
     def _migrate(self) -> None:
         version = self._db.execute("PRAGMA user_version").fetchone()[0]
@@ -154,7 +171,8 @@ class StateStore:
     def record(self, rec: ContainerRecord) -> None:
         """Record a new container with its GPUs; refused if it or any of its GPUs is already held."""
         _validate(rec)
-        with self._transaction("record container") as db:
+
+        def write(db: sqlite3.Connection) -> None:
             try:
                 db.execute(
                     "INSERT INTO container VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -174,23 +192,32 @@ class StateStore:
             self._insert_gpus(db, rec.container_id, rec.gpus)
             self._insert_mig(db, rec.container_id, rec.mig)
 
+        self._write("record container", write)
+
     def add_gpus(self, cid: ContainerId, minors: Iterable[int]) -> ContainerRecord:
         """Grow: add GPUs to what the container holds (never replace them)."""
-        with self._transaction("add GPUs") as db:
+        want = frozenset(minors)
+
+        def write(db: sqlite3.Connection) -> ContainerRecord:
             self._require(db, cid)
-            self._insert_gpus(db, cid, frozenset(minors))
+            self._insert_gpus(db, cid, want)
             return self._read(db, cid)
+
+        return self._write("add GPUs", write)
 
     def remove_gpus(self, cid: ContainerId, minors: Iterable[int]) -> ContainerRecord:
         """Shrink: release GPUs the container holds; releasing one it does not hold is refused."""
         want = frozenset(minors)
-        with self._transaction("remove GPUs") as db:
+
+        def write(db: sqlite3.Connection) -> ContainerRecord:
             rec = self._read(db, cid)
             stray = sorted(want - rec.gpus)
             if stray:
                 raise InvalidArgument(f"container {cid} does not hold GPUs {stray} (it holds {sorted(rec.gpus)})")
             db.executemany("DELETE FROM allocation WHERE minor = ?", [(m,) for m in sorted(want)])
             return replace(rec, gpus=rec.gpus - want)
+
+        return self._write("remove GPUs", write)
 
     def update(
         self,
@@ -206,30 +233,36 @@ class StateStore:
         changes = {k: v for k, v in changes.items() if v is not None}
         if state is not None and state not in STATES:
             raise InvalidArgument(f"unknown container state {state!r} (known: {', '.join(STATES)})")
-        with self._transaction("update container") as db:
+
+        def write(db: sqlite3.Connection) -> ContainerRecord:
             self._require(db, cid)
             if changes:
                 assignments = ", ".join(f"{name} = ?" for name in changes)  # names are ours, not input
                 db.execute(f"UPDATE container SET {assignments} WHERE key = ?", (*changes.values(), _key(cid)))
             return self._read(db, cid)
 
+        return self._write("update container", write)
+
     def remove(self, cid: ContainerId) -> ContainerRecord:
         """Forget a container and release its GPUs; returns what it held."""
-        with self._transaction("remove container") as db:
+
+        def write(db: sqlite3.Connection) -> ContainerRecord:
             rec = self._read(db, cid)
             db.execute("DELETE FROM container WHERE key = ?", (_key(cid),))
             return rec
+
+        return self._write("remove container", write)
 
     # ---- reads ----------------------------------------------------------------------------------
 
     def mig_holders(self) -> dict[str, tuple[ContainerId, int]]:
         """MIG UUID -> (the container that holds it, its parent GPU's minor)."""
-        with self._transaction("read MIG allocations", write=False) as db:
+        with self._reading("read MIG allocations") as db:
             rows = db.execute("SELECT uuid, parent_minor, container FROM mig_allocation")
             return {u: (_container_id(k), m) for u, m, k in rows}
 
     def get(self, cid: ContainerId) -> ContainerRecord | None:
-        with self._transaction("read container", write=False) as db:
+        with self._reading("read container") as db:
             try:
                 return self._read(db, cid)
             except ContainerNotRecorded:
@@ -237,7 +270,7 @@ class StateStore:
 
     def load(self) -> dict[ContainerId, ContainerRecord]:
         """Every recorded container: two indexed scans, whatever the count."""
-        with self._transaction("load state", write=False) as db:
+        with self._reading("load state") as db:
             held: dict[str, set[int]] = {}
             for minor, key in db.execute("SELECT minor, container FROM allocation"):
                 held.setdefault(key, set()).add(minor)
@@ -252,19 +285,20 @@ class StateStore:
 
     def holders(self) -> dict[int, ContainerId]:
         """GPU minor -> the container that holds it."""
-        with self._transaction("read allocations", write=False) as db:
+        with self._reading("read allocations") as db:
             return {m: _container_id(k) for m, k in db.execute("SELECT minor, container FROM allocation")}
 
     def check(self) -> str:
         """SQLite's integrity_check plus foreign-key check: "ok" or what is wrong."""
-        with self._transaction("check state", write=False) as db:
+        with self._reading("check state") as db:
             result = "; ".join(r[0] for r in db.execute("PRAGMA integrity_check"))
             dangling = db.execute("PRAGMA foreign_key_check").fetchall()
             return result if not dangling else f"{result}; {len(dangling)} allocations without a container"
 
     def close(self) -> None:
-        with self._lock:
+        with self._lock, self._read_lock:
             self._db.close()
+            self._reader.close()
 
     def __enter__(self) -> StateStore:
         return self
@@ -275,29 +309,78 @@ class StateStore:
     # ---- internals ------------------------------------------------------------------------------
 
     @contextmanager
-    def _transaction(self, op: str, *, write: bool = True) -> Iterator[sqlite3.Connection]:
-        with self._lock:
+    def _reading(self, op: str) -> Iterator[sqlite3.Connection]:
+        """A read transaction on the read connection: a snapshot of every commit that has returned."""
+        with self._read_lock:
             try:
-                # IMMEDIATE takes the write lock up front, so a second sidecar on the same file waits
-                # (busy timeout) rather than failing halfway through.
-                self._db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+                self._reader.execute("BEGIN")
             except sqlite3.Error as exc:
                 raise self._error(op, exc) from exc
             try:
-                yield self._db
-                if write:
-                    crashpoint("state.commit")
-                self._db.execute("COMMIT")
+                yield self._reader
+                self._reader.execute("COMMIT")
             except BaseException as exc:
-                self._rollback()
+                self._rollback(self._reader)
                 if isinstance(exc, sqlite3.Error):
                     raise self._error(op, exc) from exc
                 raise
 
-    def _rollback(self) -> None:
+    def _write(self, op: str, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``fn`` in a transaction that is committed (fsynced) before this returns.
+
+        Group commit: the write is queued; whoever holds the write connection takes every queued
+        write, runs each in a savepoint (a refused one rolls back alone and gets its own error),
+        and commits them with one fsync. A failed commit fails every write in it, and none happened.
+        """
+        item = _Write(op, fn)
+        with self._queue_lock:
+            self._queue.append(item)
+        with self._lock:
+            if not item.done:
+                with self._queue_lock:
+                    batch, self._queue = self._queue, []
+                self._commit(batch)
+        if item.error is not None:
+            raise item.error
+        return item.result
+
+    def _commit(self, batch: list[_Write]) -> None:
+        db = self._db
         try:
-            if self._db.in_transaction:
-                self._db.execute("ROLLBACK")
+            try:
+                # IMMEDIATE takes the write lock up front, so a second sidecar on the same file waits
+                # (busy timeout) rather than failing halfway through.
+                db.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                raise self._error(batch[0].op, exc) from exc
+            for i, item in enumerate(batch):
+                db.execute(f"SAVEPOINT w{i}")
+                try:
+                    item.result = item.fn(db)
+                    db.execute(f"RELEASE w{i}")
+                except Exception as exc:
+                    db.execute(f"ROLLBACK TO w{i}")
+                    db.execute(f"RELEASE w{i}")
+                    item.error = self._error(item.op, exc) if isinstance(exc, sqlite3.Error) else exc
+            crashpoint("state.commit")
+            try:
+                db.execute("COMMIT")
+            except sqlite3.Error as exc:
+                raise self._error(batch[0].op, exc) from exc
+            self.commits += 1
+            self.writes += sum(1 for item in batch if item.error is None)
+        except BaseException as exc:
+            self._rollback(db)
+            for item in batch:
+                item.result, item.error = None, exc
+        finally:
+            for item in batch:
+                item.done = True
+
+    def _rollback(self, db: sqlite3.Connection) -> None:
+        try:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
         except sqlite3.Error as exc:  # the original error is the one to report
             LOG.error("state: rollback of %s failed: %s", self.path, exc)
 
@@ -382,6 +465,15 @@ def _split_sql(script: str) -> list[str]:
                 out.append(current.strip())
             current = ""
     return out
+
+
+@dataclass
+class _Write:
+    op: str
+    fn: Callable[[sqlite3.Connection], Any]
+    done: bool = False
+    result: Any = None
+    error: BaseException | None = field(default=None)
 
 
 def _validate(rec: ContainerRecord) -> None:

@@ -27,13 +27,14 @@ from dataclasses import dataclass
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [p for p in (ROOT, os.path.join(ROOT, "tests")) if p not in sys.path]
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
 from isolator.cgroups import bpf, bpfprog  # noqa: E402
 from isolator.cgroups.detect import read_mounts  # noqa: E402
 from isolator.devices import DeviceRule, HostDevices, container_rules  # noqa: E402
+from isolator.testing.cgroupfs import TEST_PARENT, cgroup_mount  # noqa: E402
 
-TEST_PARENT = "gpu-isolator-test"
 HOST_GPUS = 64  # one GPU per client even at 64 clients; the fake NVML's limit (fakenvml.c MAX_GPUS)
 
 
@@ -62,14 +63,6 @@ def write_host(path: str, gpus: int = HOST_GPUS) -> str:
     with open(path, "w") as fh:
         fh.write("\n\n".join(lines) + "\n")
     return path
-
-
-def cgroup_mount(version: str) -> str:
-    mounts = read_mounts("/proc/self/mounts")
-    mount = mounts.v1_devices if version == "v1" else mounts.v2
-    if mount is None:
-        raise RuntimeError(f"no cgroup {version} devices hierarchy on this machine")
-    return mount
 
 
 def available_versions() -> list[str]:
@@ -414,8 +407,8 @@ def daemon_rss_kib(pid: int) -> int:
 
 @contextlib.contextmanager
 def daemon(version: str, host_file: str) -> Iterator[tuple[Any, Sleepers]]:
-    """The real daemon (tests/sidecar.py) and 64 sleepers parked in its cgroups root."""
-    from sidecar import running_sidecar
+    """The real daemon (isolator/testing/sidecar.py) and 64 sleepers parked in its cgroups root."""
+    from isolator.testing.sidecar import running_sidecar
 
     with running_sidecar(host_file, version) as side:
         os.makedirs(side.cgroup_parent, exist_ok=True)

@@ -23,7 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [p for p in (ROOT, os.path.join(ROOT, "tests")) if p not in sys.path]
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
@@ -112,7 +113,7 @@ def measure(
     log: Callable[[str], None] = lambda s: None,
 ) -> dict[str, Any]:
     """Median seconds to SERVING per count (and for 0 records), their excess over 0, and Recover."""
-    from sidecar import Sidecar
+    from isolator.testing.sidecar import Sidecar
 
     out: dict[str, Any] = {"host": HOST, "mode": "mesos", "cgroup_version": "v1", "repeats": repeats, "counts": {}}
     tmp = tempfile.mkdtemp(prefix="gi-bench-rec-", dir="/tmp")

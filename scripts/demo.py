@@ -17,11 +17,8 @@ import subprocess
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-
-from mesos_harness import Containerizer, GrpcIsolator, Launched, container_id  # noqa: E402
-from sidecar import cgroup_mount, running_sidecar  # noqa: E402
+from isolator.testing.mesos import Containerizer, GrpcIsolator, Launched, container_id
+from isolator.testing.sidecar import cgroup_mount, running_sidecar
 
 BOLD, DIM, RESET = ("\033[1m", "\033[2m", "\033[0m") if sys.stdout.isatty() else ("", "", "")
 DEMO_PARENT = "gpu-isolator-demo"

@@ -1,4 +1,5 @@
-"""Test helpers for device isolation: throwaway cgroups and a child process that reports open() errnos.
+"""Test helpers for device isolation: a child process that reports open() errnos, and the throwaway
+cgroups of isolator/testing/cgroupfs.py.
 
 The child is forked once and stays alive, so a test can move it into a cgroup, change the rules,
 and ask it again; the test runner itself never joins a test cgroup.
@@ -11,17 +12,10 @@ import errno
 import json
 import os
 import signal
-import time
-import uuid
-from collections.abc import Iterator
 
-from isolator.cgroups.detect import read_mounts
+from isolator.testing.cgroupfs import hierarchy_mounts, scratch_cgroups_root
 
-TEST_PARENT = "gpu-isolator-test"
-
-
-def unique_name(tag: str) -> str:
-    return f"{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+__all__ = ["Prober", "hierarchy_mounts", "scratch_cgroups_root"]
 
 
 class Prober:
@@ -72,53 +66,3 @@ def _serve(cmd_r: int, reply_w: int) -> None:
                 except OSError as exc:
                     result[path] = errno.errorcode.get(exc.errno or 0, str(exc.errno))
             os.write(reply_w, (json.dumps(result) + "\n").encode())
-
-
-def hierarchy_mounts() -> tuple[str | None, str | None]:
-    mounts = read_mounts("/proc/self/mounts")
-    return mounts.v1_devices, mounts.v2
-
-
-def _kill_all(cgroup: str) -> None:
-    for root, _dirs, _files in os.walk(cgroup):
-        with contextlib.suppress(OSError), open(os.path.join(root, "cgroup.procs")) as fh:
-            for line in fh:
-                with contextlib.suppress(ProcessLookupError, ValueError):
-                    os.kill(int(line), signal.SIGKILL)
-
-
-def remove_cgroup_tree(cgroup: str) -> None:
-    """Kill what is left inside, then rmdir bottom-up (cgroup dirs hold only kernel files)."""
-    if not os.path.isdir(cgroup):
-        return
-    _kill_all(cgroup)
-    for _ in range(50):
-        try:
-            for root, dirs, _files in os.walk(cgroup, topdown=False):
-                for name in dirs:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.rmdir(os.path.join(root, name))
-            os.rmdir(cgroup)
-            return
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            if exc.errno != errno.EBUSY:
-                raise
-            time.sleep(0.05)  # killed processes leave the cgroup asynchronously
-    raise RuntimeError(f"could not remove test cgroup {cgroup}")
-
-
-@contextlib.contextmanager
-def scratch_cgroups_root(mount: str, tag: str) -> Iterator[str]:
-    """``<mount>/gpu-isolator-test/<unique>``, removed (with everything below) however the test ends.
-
-    Yields the path relative to the mount, to be used as ``cgroups_root``.
-    """
-    relative = os.path.join(TEST_PARENT, unique_name(tag))
-    path = os.path.join(mount, relative)
-    os.makedirs(path)
-    try:
-        yield relative
-    finally:
-        remove_cgroup_tree(path)

@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from sidecar import TEST_PARENT, Sidecar
 
 from isolator.cgroups import bpf
 from isolator.errors import BpfError
 from isolator.server import socket_is_live
+from isolator.testing.sidecar import TEST_PARENT, Sidecar
 
 PROBE = """
 import errno, json, os, sys

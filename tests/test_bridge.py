@@ -361,6 +361,14 @@ def test_input_comes_from_the_file_in_argv_never_from_stdin(bin_dir, service):
         ),
         ("prepare", {"container_id": {"value": "../etc"}}, "invalid container ID '../etc'"),
         ("prepare", {"container_config": {}}, "invalid container ID '': must not be empty"),
+        (
+            "prepare",
+            {
+                "container_id": {"value": "c1"},
+                "container_config": {"docker": {"manifest": {"config": {"Labels": [{"key": "a", "value": "b"}]}}}},
+            },
+            "input.container_config.docker.manifest.config.Labels must be a JSON object, not an array",
+        ),
         ("isolate", {"container_id": {"value": "c1"}, "pid": "abc"}, "Failed to parse pid field"),
         ("isolate", {"container_id": {"value": "c1"}, "pid": -5}, "Value out of range: -5"),
         ("isolate", {"container_id": {"value": "c1"}, "pid": True}, "Bool value True is not acceptable"),
@@ -377,6 +385,7 @@ def test_input_comes_from_the_file_in_argv_never_from_stdin(bin_dir, service):
         "scalar-not-number",
         "id-escapes",
         "id-missing",
+        "labels-map-as-array",
         "pid-word",
         "pid-negative",
         "pid-bool",
@@ -435,9 +444,9 @@ def test_launcher_takes_the_method_as_a_first_argument_for_people(bin_dir, servi
 
 
 def test_a_bad_timeout_setting_exits_2(bin_dir):
-    run = call(bin_dir, "watch", {"container_id": {"value": "c1"}}, env={bridge.TIMEOUT_ENV: "soon"})
+    run = call(bin_dir, "prepare", {"container_id": {"value": "c1"}}, env={bridge.TIMEOUT_ENV: "soon"})
     assert run.returncode == bridge.EXIT_USAGE
-    assert one_line(run.err) == "gpu-isolator watch: GPU_ISOLATOR_BRIDGE_TIMEOUT='soon' is not a number of seconds"
+    assert one_line(run.err) == "gpu-isolator prepare: GPU_ISOLATOR_BRIDGE_TIMEOUT='soon' is not a number of seconds"
 
 
 # ---- the sidecar down, slow, or the module giving up --------------------------------------------
@@ -453,6 +462,43 @@ def test_sidecar_down_fails_with_a_line_naming_the_socket(short_tmp):
         f"gpu-isolator prepare: cannot reach the sidecar at '{absent}': No such file or directory"
         " (is 'gpu-isolator serve' running?)"
     )
+
+
+# What the module writes for watch: the ContainerID and the ContainerConfig it saved at prepare
+# (criteo CommandIsolator::watch), here a Mesos 1.11 command task's as stout writes it.
+WATCH_INPUT: dict[str, Any] = {
+    "container_id": {"value": "5d8f2a3c-2b4e-4c1a-9d3e-1f2a3b4c5d6e"},
+    "container_config": {
+        "command_info": {"shell": True, "value": "nvidia-smi"},
+        "resources": [{"name": "gpus", "type": "SCALAR", "scalar": {"value": 1.0}}],
+        "container_class": "DEFAULT",
+        "directory": "/var/lib/mesos/slaves/S0/frameworks/fw/executors/e/runs/5d8f2a3c",
+    },
+}
+
+
+def test_watch_while_the_sidecar_is_down_exits_0_with_no_limitation_and_one_line_in_the_agent_log(short_tmp):
+    # The module returns before deleting IN/OUT/ERR on a non-zero watch exit, once per container
+    # per poll: exit 0 with OUT empty ("keep waiting") lets it delete them and poll again.
+    directory = os.path.join(short_tmp, "bin")
+    absent = os.path.join(short_tmp, "absent.sock.bridge")
+    bridge.install(directory, socket_path=absent)
+    run = call(directory, "watch", WATCH_INPUT)
+    assert (run.returncode, run.out, run.err) == (0, "", "")
+    line = run.stderr.removesuffix("\n")
+    assert "\n" not in line
+    assert line == (
+        f"gpu-isolator watch: cannot reach the sidecar at '{absent}': No such file or directory"
+        " (is 'gpu-isolator serve' running?); no limitation reported, the module polls again"
+    )
+
+
+def test_watch_refused_by_the_sidecar_also_exits_0_and_logs_why(bin_dir, service):
+    run = call(bin_dir, "watch", {"container_id": "not-an-object"})
+    assert (run.returncode, run.out, run.err) == (0, "", "")
+    assert run.stderr.startswith("gpu-isolator watch: INVALID_ARGUMENT: input.container_id must be a JSON object")
+    assert run.stderr.count("\n") == 1
+    assert service.calls == []
 
 
 def test_environment_names_another_socket(bin_dir, short_tmp):
@@ -485,7 +531,7 @@ def test_sigterm_from_the_module_makes_the_bridge_exit_non_zero_at_once(bin_dir,
     try:
         assert service.entered.wait(30), "the call never reached the service"
         proc.send_signal(signal.SIGTERM)
-        stdout, _ = proc.communicate(timeout=10)
+        stdout, stderr = proc.communicate(timeout=10)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -495,6 +541,8 @@ def test_sigterm_from_the_module_makes_the_bridge_exit_non_zero_at_once(bin_dir,
     assert stdout == b""
     with open(paths[2]) as fh:
         assert "gpu-isolator prepare: interrupted by SIGTERM after" in one_line(fh.read())
+    # The module never reads ERR after its timeout's SIGTERM: the agent's log gets the line too.
+    assert stderr.decode().startswith("gpu-isolator prepare: interrupted by SIGTERM after")
 
 
 # ---- the socket and the protocol ----------------------------------------------------------------

@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 from hostexpect import topology_json
-from mesos_harness import Containerizer, GrpcIsolator, container_id
-from sidecar import Sidecar, running_sidecar
 
 from isolator import cli
 from isolator.simhost.host import load_host
+from isolator.testing.mesos import Containerizer, GrpcIsolator, container_id
+from isolator.testing.sidecar import Sidecar, running_sidecar
 
 pytestmark = [pytest.mark.root, pytest.mark.cgroup_v1]
 

@@ -18,10 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from invariants import Observer, probe_grants, quick_sidecar
-from mesos_harness import GrpcIsolator, HookFailed, container_id
 
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
+from isolator.testing.mesos import GrpcIsolator, HookFailed, container_id
 
 pytestmark = [pytest.mark.root]
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 
 import pytest
-from mesos_harness import BridgeIsolator, Containerizer, GrpcIsolator, HookFailed, container_id
-from sidecar import running_sidecar
+
+from isolator.testing.mesos import BridgeIsolator, Containerizer, GrpcIsolator, HookFailed, container_id
+from isolator.testing.sidecar import running_sidecar
 
 pytestmark = [pytest.mark.root]
 
@@ -157,3 +158,27 @@ def test_cleanup_of_a_container_never_prepared_succeeds(agent):
     _sidecar, containerizer = agent
     containerizer.isolator.cleanup(container_id("never-seen"))
     containerizer.isolator.cleanup(container_id(["parent", "child"]))
+
+
+@pytest.mark.parametrize("kind", ["task", "debug"])
+def test_nested_container_runs_with_exactly_its_top_level_containers_gpus(agent, kind):
+    # Standalone mode makes no nested cgroups: a task of a task group, or a DEBUG container, runs in
+    # its top-level container's cgroup (Isolate places it there) and opens exactly its GPUs.
+    sidecar, containerizer = agent
+    nodes = [f"{sidecar.dev_root}/nvidia{i}" for i in range(8)]
+    parent = container_id(f"group-{kind}")
+    launched = containerizer.start(parent, containerizer.config(gpus=2, kind="default-executor", image=False))
+    try:
+        child = container_id([f"group-{kind}", "child"])
+        nested = containerizer.start(child, containerizer.config(gpus=None, kind=kind, image=False))
+        try:
+            assert nested.launch_info is None
+            containerizer.run(nested, nested.config, nodes)
+            assert nested.exit_code == 0, nested.stderr
+            opens = nested.report["opens"]
+            assert sorted(opens.values()) == ["ENXIO"] * 2 + ["EPERM"] * 6, opens
+        finally:
+            containerizer.destroy(child)
+    finally:
+        containerizer.destroy(parent)
+    assert launched.launch_info is None

@@ -26,10 +26,10 @@ from typing import Any
 
 import pytest
 from invariants import CrashableSidecar, Observer
-from mesos_harness import GrpcIsolator, HookFailed, container_id, gpu_resource
-from sidecar import TEST_PARENT
 
 from isolator.crashpoints import ENV, POINTS
+from isolator.testing.mesos import GrpcIsolator, HookFailed, container_id, gpu_resource
+from isolator.testing.sidecar import TEST_PARENT
 
 pytestmark = [pytest.mark.root]
 

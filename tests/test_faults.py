@@ -19,11 +19,11 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from invariants import CrashableSidecar, Observer, quick_sidecar, read_records
-from mesos_harness import GrpcIsolator, HookFailed, container_id
-from sidecar import TEST_PARENT
 
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
+from isolator.testing.mesos import GrpcIsolator, HookFailed, container_id
+from isolator.testing.sidecar import TEST_PARENT
 
 pytestmark = [pytest.mark.root]
 

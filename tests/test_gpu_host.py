@@ -16,8 +16,9 @@ import tempfile
 
 import pytest
 from cgroup_helpers import Prober
-from mesos_harness import Containerizer, GrpcIsolator, container_id
-from sidecar import running_sidecar
+
+from isolator.testing.mesos import Containerizer, GrpcIsolator, container_id
+from isolator.testing.sidecar import running_sidecar
 
 pytestmark = [pytest.mark.gpu, pytest.mark.root]
 

@@ -9,11 +9,11 @@ import grpc
 import pytest
 from cgroup_helpers import Prober
 from google.protobuf import json_format
-from mesos_harness import Containerizer, GrpcIsolator, HookFailed, container_id
-from sidecar import running_sidecar
 
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
+from isolator.testing.mesos import Containerizer, GrpcIsolator, HookFailed, container_id
+from isolator.testing.sidecar import running_sidecar
 
 pytestmark = [pytest.mark.root]
 VERSIONS = [pytest.param("v1", marks=pytest.mark.cgroup_v1), pytest.param("v2", marks=pytest.mark.cgroup_v2)]

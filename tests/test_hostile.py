@@ -19,11 +19,11 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from invariants import Observer, quick_sidecar, read_records
-from mesos_harness import GrpcIsolator, container_id
 
 from isolator.bridge_server import PROTOCOL
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
+from isolator.testing.mesos import GrpcIsolator, container_id
 
 pytestmark = [pytest.mark.root, pytest.mark.cgroup_v1]
 

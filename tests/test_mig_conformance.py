@@ -7,10 +7,10 @@ import os
 import threading
 
 import pytest
-from mesos_harness import BridgeIsolator, Containerizer, GrpcIsolator, HookFailed, container_id
-from sidecar import running_sidecar
 
 from isolator.simhost.host import load_host, mig_caps_minors
+from isolator.testing.mesos import BridgeIsolator, Containerizer, GrpcIsolator, HookFailed, container_id
+from isolator.testing.sidecar import running_sidecar
 
 pytestmark = [pytest.mark.root]
 VERSIONS = [pytest.param("v1", marks=pytest.mark.cgroup_v1), pytest.param("v2", marks=pytest.mark.cgroup_v2)]

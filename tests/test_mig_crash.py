@@ -11,11 +11,11 @@ from __future__ import annotations
 import grpc
 import pytest
 from invariants import quick_sidecar
-from mesos_harness import Containerizer, GrpcIsolator, HookFailed, container_id
 
 from isolator.crashpoints import ENV
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
+from isolator.testing.mesos import Containerizer, GrpcIsolator, HookFailed, container_id
 
 pytestmark = [pytest.mark.root]
 VERSIONS = [pytest.param("v1", marks=pytest.mark.cgroup_v1), pytest.param("v2", marks=pytest.mark.cgroup_v2)]

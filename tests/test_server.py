@@ -186,7 +186,8 @@ def test_serve_errors_exit_1_with_one_line(short_tmp):
         fh.write("[[[")
     for argv, expected in [
         (("serve", "--config", bad), "failed to parse config file"),
-        (("serve", "--socket", "/proc/version/s.sock"), "is not a directory"),
+        # --work-dir: the machine's default state dir is not this test's to open (nor to create).
+        (("serve", "--socket", "/proc/version/s.sock", "--work-dir", short_tmp), "is not a directory"),
         (("serve", "--simulate", "x", "--nvml-library", "y"), "contradict"),
     ]:
         result = _cli(*argv)

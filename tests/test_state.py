@@ -269,3 +269,68 @@ def test_a_state_directory_that_cannot_be_created_on_a_read_only_disk_is_a_typed
         subprocess.run(["mount", "-o", "remount,ro", mnt], check=True)
         with pytest.raises(StateReadOnly, match="failed to create state directory"):
             StateStore(os.path.join(mnt, "state"))
+
+
+# ---- group commit ---------------------------------------------------------------------------------
+
+
+def _staged_writers(store: StateStore, writes: list) -> list:
+    """Start one thread per write while the write connection is held, so that all of them queue and
+    the next holder commits them together; returns each write's outcome (result or exception)."""
+    import threading
+    import time
+
+    outcomes: list = [None] * len(writes)
+
+    def run(i: int) -> None:
+        try:
+            outcomes[i] = writes[i]()
+        except Exception as exc:
+            outcomes[i] = exc
+
+    with store._lock:
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(writes))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while len(store._queue) < len(writes) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert len(store._queue) == len(writes), "every writer queued behind the commit in progress"
+    for t in threads:
+        t.join(10)
+    return outcomes
+
+
+def test_concurrent_writes_share_one_commit_and_each_is_durable(tmp_path):
+    directory = str(tmp_path / "state")
+    store = StateStore(directory)
+    commits_before = store.commits
+    outcomes = _staged_writers(
+        store, [lambda i=i: store.record(ContainerRecord(cid(f"c{i}"), frozenset({i}))) for i in range(8)]
+    )
+    assert outcomes == [None] * 8
+    assert store.commits - commits_before == 1, "eight writes, one transaction, one fsync"
+    store.close()
+    with StateStore(directory) as again:
+        assert again.holders() == {i: cid(f"c{i}") for i in range(8)}
+
+
+def test_a_refused_write_in_a_shared_commit_fails_alone(tmp_path):
+    store = StateStore(str(tmp_path / "state"))
+    store.record(ContainerRecord(cid("old"), frozenset({5})))
+    outcomes = _staged_writers(
+        store,
+        [
+            lambda: store.record(ContainerRecord(cid("a"), frozenset({0}))),
+            lambda: store.record(ContainerRecord(cid("b"), frozenset({0, 1}))),  # GPU 0: a got it first
+            lambda: store.add_gpus(cid("old"), [5]),  # already its own
+            lambda: store.remove(cid("nobody")),
+            lambda: store.record(ContainerRecord(cid("c"), frozenset({2}))),
+        ],
+    )
+    assert outcomes[0] is None and outcomes[4] is None
+    assert isinstance(outcomes[1], GpuAlreadyHeld) and isinstance(outcomes[2], GpuAlreadyHeld)
+    assert isinstance(outcomes[3], ContainerNotRecorded)
+    assert store.holders() == {0: cid("a"), 2: cid("c"), 5: cid("old")}, "b's GPU 1 was rolled back with it"
+    assert store.get(cid("b")) is None
+    store.close()

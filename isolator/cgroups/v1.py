@@ -190,8 +190,13 @@ class V1DeviceController:
         LOG.info("container %s: devices cgroup '%s' created with everything denied", container, cgroup)
 
     def apply(self, container: ContainerId, rules: Iterable[DeviceRule]) -> None:
+        self.apply_path(self.cgroup_path(container), rules, str(container))
+
+    def apply_path(self, cgroup: str, rules: Iterable[DeviceRule], container: str = "") -> None:
+        """``apply`` to a cgroup that is not a container's: the ``<parent>/mesos`` cgroup between a
+        container and its nested ones, which the kernel filled with a copy of the parent's list
+        when Mesos made it, and which a nested cgroup's grants may never exceed."""
         rules = tuple(rules)
-        cgroup = self.cgroup_path(container)
         wild = [str(r) for r in rules if r.type == "a"]
         if wild:
             raise InvalidArgument(f"failed to apply {wild[0]!r} to '{cgroup}': v1 cannot allow type 'a' in a whitelist")

@@ -166,16 +166,9 @@ class Admin:
         return out
 
     def _rules_cgroup(self, cid: ContainerId) -> tuple[ContainerId, str]:
-        """The container whose cgroup governs ``cid``'s device access, and that cgroup's path.
-
-        A nested container has its own when Mesos made one (v1: the kernel copies the parent's list
-        into it at creation); otherwise, and always on v2 where a parent's program applies to its
-        descendants, the top-level container's governs.
-        """
-        cgroups = self.core.cgroups
-        if cid.nested and cgroups.version == "v1" and cgroups.exists(cid):
-            return cid, cgroups.cgroup_path(cid)
-        return cid.root, cgroups.cgroup_path(cid.root)
+        """The container whose cgroup governs ``cid``'s device access (``Core.governing``), and its path."""
+        target = self.core.governing(cid)
+        return target, self.core.cgroups.cgroup_path(target)
 
     def _find(self, cid: ContainerId) -> tuple[ContainerRecord, ContainerInfo]:
         """The record governing ``cid`` and its view; NotFound for a container we do not know."""

@@ -13,6 +13,7 @@ I/O; recovery holds ``locks.exclusive()``. Ordering rules that keep the sidecar 
 from __future__ import annotations
 
 import logging
+import posixpath
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -226,8 +227,56 @@ class Core:
         its record holds), then record the rules granted."""
         rules = self.rules(minors, self.mig_of(self.store.get(cid)) if units is None else units)
         self.cgroups.apply(cid, rules)
+        if self.settings.mode == "mesos" and not cid.nested:
+            self._apply_nested(cid, rules)  # in the kernel before the record, as the container's own
         crashpoint("apply.kernel")
         self.store.update(cid, rules="\n".join(map(str, rules)))
+
+    def governing(self, cid: ContainerId) -> ContainerId:
+        """The container whose cgroup governs ``cid``'s device access and holds its pid.
+
+        A nested container has its own when Mesos made one: on v1 with ``share_cgroups=false``
+        (``<root>/<parent>/mesos/<child>``), on v2 always (``…/mesos/<child>/leaf``, not below the
+        parent's leaf). Otherwise the top-level container's governs.
+        """
+        if cid.nested and self.cgroups.exists(cid):
+            return cid
+        return cid.root
+
+    def nested_cgroups(self, cid: ContainerId) -> list[ContainerId]:
+        """The nested containers below ``cid`` that have a cgroup of their own, parents first."""
+        out: list[ContainerId] = []
+        for name in sorted(self.cgroups.nested_names(cid)):
+            try:
+                child = ContainerId.parse(name, cid)
+            except IsolatorError:
+                continue
+            if self.cgroups.exists(child):
+                out.append(child)
+            out.extend(self.nested_cgroups(child))
+        return out
+
+    def _apply_nested(self, cid: ContainerId, rules: tuple[devrules.DeviceRule, ...]) -> None:
+        """Nested containers with cgroups of their own follow their top-level container's rules.
+
+        v2: their programs are not below ours, so nothing else would revoke a GPU there. v1: the
+        kernel propagates removals down by itself, but a grant must pass through the ``mesos``
+        cgroup in between (a copy of the parent's list taken when Mesos made it). A nested cgroup
+        that cannot take the new rules is left with no GPUs, never with more than its parent.
+        """
+        for child in self.nested_cgroups(cid):
+            try:
+                self.apply_nested(child, rules)
+            except IsolatorError as exc:
+                LOG.error("nested container %s could not follow its top-level container's rules: %s", child, exc)
+                self.cgroups.apply(child, self.rules(frozenset()))
+
+    def apply_nested(self, child: ContainerId, rules: tuple[devrules.DeviceRule, ...]) -> None:
+        """Apply ``rules`` to a nested container's own cgroup (on v1 through the ``mesos`` one above it)."""
+        apply_path = getattr(self.cgroups, "apply_path", None)  # v1 only
+        if apply_path is not None:
+            apply_path(posixpath.dirname(self.cgroups.cgroup_path(child)), rules, f"{child.parent} (mesos)")
+        self.cgroups.apply(child, rules)
 
     def drop(self, cid: ContainerId, rec: ContainerRecord) -> None:
         """Forget a container whose rules are already gone: its record, then its GPUs; wake watchers."""

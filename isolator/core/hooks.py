@@ -16,7 +16,15 @@ from dataclasses import dataclass
 from isolator import mig as migunits
 from isolator.core.context import Core
 from isolator.crashpoints import crashpoint
-from isolator.errors import AlreadyExists, FailedPrecondition, InvalidArgument, IsolatorError, NotFound, from_code
+from isolator.errors import (
+    AlreadyExists,
+    CgroupVanished,
+    FailedPrecondition,
+    InvalidArgument,
+    IsolatorError,
+    NotFound,
+    from_code,
+)
 from isolator.model import (
     ContainerConfig,
     ContainerId,
@@ -71,6 +79,7 @@ class Hooks:
         with core.locks.hold(container_id):
             if core.store.get(container_id) is not None:
                 raise AlreadyExists(f"container {container_id} has already been prepared")
+            self._refuse_populated(container_id)
             with core.alloc:
                 choice = core.allocate_whole(count)
                 try:
@@ -110,24 +119,72 @@ class Hooks:
         LOG.info("prepared %s (%s)%s", core.describe(container_id, minors), choice.policy, mig_note)
         return info
 
+    def _refuse_populated(self, cid: ContainerId) -> None:
+        """A cgroup that already holds processes would hand them the new GPUs without any Isolate
+        (left behind by a forced release, or made by someone else under our root): refuse it."""
+        cgroups = self.core.cgroups
+        if not cgroups.exists(cid):
+            return
+        try:
+            squatters = cgroups.pids(cid)
+        except CgroupVanished:
+            return
+        if squatters:
+            raise FailedPrecondition(
+                f"the cgroup '{cgroups.cgroup_path(cid)}' of container {cid} already has processes "
+                f"{list(squatters)}; they would get its GPUs without an Isolate (end them, or remove the cgroup)"
+            )
+
     def _prepare_nested(self, cid: ContainerId, config: ContainerConfig) -> LaunchInfo | None:
         # Mesos: DEBUG containers inherit everything from their parent; other nested containers get
         # the volume and device nodes for their own rootfs and use their top-level container's GPUs.
-        if config.container_class == "DEBUG":
-            return None
+        # Both get the top-level container's rules in a cgroup of their own where the agent made one.
         core = self.core
+        if config.container_class == "DEBUG":
+            with core.locks.hold(cid):
+                self._rules_for_nested(cid, config)
+            return None
         image_plan = self._image_plan(config)
         with core.locks.hold(cid):
             root = core.store.get(cid.root)
             minors = root.gpus if root is not None else frozenset()
             undo: Undo = []
             try:
+                if self._rules_for_nested(cid, config):
+                    undo.append(lambda: core.cgroups.cleanup(cid))
                 info = self._launch_info(cid, config, minors, image_plan, undo, core.mig_of(root))
             except BaseException:
                 self._undo(cid, undo)
                 raise
         LOG.info("prepared nested %s", core.describe(cid, minors))
         return info
+
+    def _rules_for_nested(self, cid: ContainerId, config: ContainerConfig) -> bool:
+        """Give a nested container that has a devices cgroup of its own its top-level container's rules.
+
+        Mesos makes ``<root>/<parent>/mesos/<child>`` (v1, and v2 with ``/leaf``) before module
+        isolators prepare, and puts the pid there: on v1 only when ``share_cgroups`` is false (1.10+),
+        whitelisted with its defaults alone, so the GPUs would be denied; on v2 (master) for every
+        nested container, outside our program on the parent's leaf, so nothing of ours would apply.
+        Below a top-level container we do not know we touch nothing, as for that container itself.
+        Call with the container's lock held.
+        """
+        core = self.core
+        if core.settings.mode != "mesos":
+            return False  # standalone: nested containers run in their top-level container's cgroup
+        root = core.store.get(cid.root)
+        if root is None:
+            return False
+        if not core.cgroups.exists(cid):
+            if not config.share_cgroups:
+                raise FailedPrecondition(
+                    f"nested container {cid} asks for cgroups of its own (share_cgroups=false) but "
+                    f"'{core.cgroups.cgroup_path(cid)}' does not exist; is Mesos's cgroups/devices isolator enabled?"
+                )
+            return False  # shares its parent's cgroup, whose rules are already in force
+        core.cgroups.prepare(cid)
+        core.apply_nested(cid, core.rules(root.gpus, core.mig_of(root)))
+        return True
 
     def _image_plan(self, config: ContainerConfig) -> ImagePlan | None:
         """Decide on the volume before anything is allocated, so a refusal leaves nothing behind."""
@@ -166,6 +223,11 @@ class Hooks:
             mounts_v, env = self._volume(cid, config, image_plan, undo)
             mounts = mounts_v + mounts
         env = tuple((k, v) for k, v in env if k != "NVIDIA_VISIBLE_DEVICES") + visible
+        if config.command_task:
+            # Mesos's isolator: a command task's environment goes in task_environment, which the
+            # command executor applies over the image's own (docker/runtime puts the image's PATH
+            # there); in `environment` the image's PATH and LD_LIBRARY_PATH would win over ours.
+            return LaunchInfo(task_environment=env, mounts=tuple(mounts))
         return LaunchInfo(environment=env, mounts=tuple(mounts))
 
     def _device_mounts(self, rootfs: str, minors: frozenset[int], units: tuple[MigDevice, ...] = ()) -> list[Mount]:
@@ -233,9 +295,9 @@ class Hooks:
             raise InvalidArgument(f"pid {pid} is not a valid container pid")
         if not core.edges.processes.exists(pid):
             raise FailedPrecondition(f"pid {pid} does not exist (the container's init is gone)")
-        target = container_id.root if container_id.nested and core.cgroups.version == "v1" else container_id
         with core.locks.hold(container_id):
             rec = core.require(container_id.root)
+            target = core.governing(container_id)
             if core.settings.mode == "standalone":
                 core.cgroups.add_pid(target, pid)
                 crashpoint("isolate.placed")
@@ -283,14 +345,14 @@ class Hooks:
                     core.allocator.allocate_set(add)
             if add:
                 # Grow: book, record, then grant (never grant what is not recorded).
+                recorded = False
                 try:
                     core.store.add_gpus(container_id, add)
+                    recorded = True
                     crashpoint("update.grown")
                     core.apply(container_id, rec.gpus | add)
                 except BaseException:
-                    with contextlib.suppress(IsolatorError):
-                        core.store.remove_gpus(container_id, add)
-                    self._deallocate(add)
+                    self._undo_grow(container_id, rec.gpus, add, recorded)
                     raise
             if release:
                 # Shrink: revoke, then let the record and the allocator go.
@@ -300,6 +362,34 @@ class Hooks:
                 self._deallocate(release)
             final = (rec.gpus | add) - release
         LOG.info("updated %s to %d GPUs", core.describe(container_id, frozenset(final)), target)
+
+    def _undo_grow(self, cid: ContainerId, kept: frozenset[int], add: frozenset[int], recorded: bool) -> None:
+        """Take back a grow that failed half-way: revoke in the kernel, then forget, then free.
+
+        The kernel may already grant ``add`` (the rules were applied, their record failed), so they
+        are revoked first; a GPU whose revocation fails stays recorded and booked, never free while
+        granted.
+        """
+        core = self.core
+        units = core.mig_of(core.store.get(cid))  # MIG holdings never change in an update
+        if recorded:
+            try:
+                core.cgroups.apply(cid, core.rules(kept, units))
+            except Exception:
+                LOG.exception(
+                    "failed to revoke GPUs %s of %s after a failed update; they stay booked", sorted(add), cid
+                )
+                return
+            try:
+                core.store.remove_gpus(cid, add)
+            except IsolatorError as exc:
+                LOG.error(
+                    "failed to forget GPUs %s of %s after a failed update; they stay booked: %s", sorted(add), cid, exc
+                )
+                return
+            with contextlib.suppress(IsolatorError):
+                core.store.update(cid, rules="\n".join(map(str, core.rules(kept, units))))
+        self._deallocate(add)
 
     # ---- watch, usage, status ---------------------------------------------------------------------
 
@@ -365,6 +455,9 @@ class Hooks:
     def cleanup(self, container_id: ContainerId) -> None:
         core = self.core
         if container_id.nested:
+            if core.settings.mode == "mesos":
+                with core.locks.hold(container_id):
+                    core.cgroups.cleanup(container_id)  # our rules in its own cgroup, if any
             core.release_volume(container_id)
             return
         with core.locks.hold(container_id):

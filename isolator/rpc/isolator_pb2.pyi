@@ -97,15 +97,58 @@ class Environment(_message.Message):
 class DockerImageManifest(_message.Message):
     __slots__ = ("config",)
     class Config(_message.Message):
-        __slots__ = ("Env", "labels")
+        __slots__ = ("Env", "Labels")
+        class LabelsEntry(_message.Message):
+            __slots__ = ("key", "value")
+            KEY_FIELD_NUMBER: _ClassVar[int]
+            VALUE_FIELD_NUMBER: _ClassVar[int]
+            key: str
+            value: str
+            def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
         ENV_FIELD_NUMBER: _ClassVar[int]
         LABELS_FIELD_NUMBER: _ClassVar[int]
         Env: _containers.RepeatedScalarFieldContainer[str]
-        labels: _containers.RepeatedCompositeFieldContainer[Label]
-        def __init__(self, Env: _Optional[_Iterable[str]] = ..., labels: _Optional[_Iterable[_Union[Label, _Mapping]]] = ...) -> None: ...
+        Labels: _containers.ScalarMap[str, str]
+        def __init__(self, Env: _Optional[_Iterable[str]] = ..., Labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     config: DockerImageManifest.Config
     def __init__(self, config: _Optional[_Union[DockerImageManifest.Config, _Mapping]] = ...) -> None: ...
+
+class TaskID(_message.Message):
+    __slots__ = ("value",)
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    value: str
+    def __init__(self, value: _Optional[str] = ...) -> None: ...
+
+class TaskInfo(_message.Message):
+    __slots__ = ("name", "task_id")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    task_id: TaskID
+    def __init__(self, name: _Optional[str] = ..., task_id: _Optional[_Union[TaskID, _Mapping]] = ...) -> None: ...
+
+class LinuxInfo(_message.Message):
+    __slots__ = ("share_cgroups",)
+    SHARE_CGROUPS_FIELD_NUMBER: _ClassVar[int]
+    share_cgroups: bool
+    def __init__(self, share_cgroups: _Optional[bool] = ...) -> None: ...
+
+class MesosContainerInfo(_message.Message):
+    __slots__ = ("type", "linux_info")
+    class Type(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        TYPE_UNSPECIFIED: _ClassVar[MesosContainerInfo.Type]
+        DOCKER: _ClassVar[MesosContainerInfo.Type]
+        MESOS: _ClassVar[MesosContainerInfo.Type]
+    TYPE_UNSPECIFIED: MesosContainerInfo.Type
+    DOCKER: MesosContainerInfo.Type
+    MESOS: MesosContainerInfo.Type
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    LINUX_INFO_FIELD_NUMBER: _ClassVar[int]
+    type: MesosContainerInfo.Type
+    linux_info: LinuxInfo
+    def __init__(self, type: _Optional[_Union[MesosContainerInfo.Type, str]] = ..., linux_info: _Optional[_Union[LinuxInfo, _Mapping]] = ...) -> None: ...
 
 class CommandInfo(_message.Message):
     __slots__ = ("shell", "value")
@@ -116,27 +159,31 @@ class CommandInfo(_message.Message):
     def __init__(self, shell: _Optional[bool] = ..., value: _Optional[str] = ...) -> None: ...
 
 class ContainerConfig(_message.Message):
-    __slots__ = ("command_info", "resources", "container_class", "directory", "user", "rootfs", "docker")
+    __slots__ = ("task_info", "command_info", "container_info", "resources", "container_class", "directory", "user", "rootfs", "docker")
     class Docker(_message.Message):
         __slots__ = ("manifest",)
         MANIFEST_FIELD_NUMBER: _ClassVar[int]
         manifest: DockerImageManifest
         def __init__(self, manifest: _Optional[_Union[DockerImageManifest, _Mapping]] = ...) -> None: ...
+    TASK_INFO_FIELD_NUMBER: _ClassVar[int]
     COMMAND_INFO_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_INFO_FIELD_NUMBER: _ClassVar[int]
     RESOURCES_FIELD_NUMBER: _ClassVar[int]
     CONTAINER_CLASS_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
     ROOTFS_FIELD_NUMBER: _ClassVar[int]
     DOCKER_FIELD_NUMBER: _ClassVar[int]
+    task_info: TaskInfo
     command_info: CommandInfo
+    container_info: MesosContainerInfo
     resources: _containers.RepeatedCompositeFieldContainer[Resource]
     container_class: ContainerClass
     directory: str
     user: str
     rootfs: str
     docker: ContainerConfig.Docker
-    def __init__(self, command_info: _Optional[_Union[CommandInfo, _Mapping]] = ..., resources: _Optional[_Iterable[_Union[Resource, _Mapping]]] = ..., container_class: _Optional[_Union[ContainerClass, str]] = ..., directory: _Optional[str] = ..., user: _Optional[str] = ..., rootfs: _Optional[str] = ..., docker: _Optional[_Union[ContainerConfig.Docker, _Mapping]] = ...) -> None: ...
+    def __init__(self, task_info: _Optional[_Union[TaskInfo, _Mapping]] = ..., command_info: _Optional[_Union[CommandInfo, _Mapping]] = ..., container_info: _Optional[_Union[MesosContainerInfo, _Mapping]] = ..., resources: _Optional[_Iterable[_Union[Resource, _Mapping]]] = ..., container_class: _Optional[_Union[ContainerClass, str]] = ..., directory: _Optional[str] = ..., user: _Optional[str] = ..., rootfs: _Optional[str] = ..., docker: _Optional[_Union[ContainerConfig.Docker, _Mapping]] = ...) -> None: ...
 
 class ContainerMountInfo(_message.Message):
     __slots__ = ("target", "source", "type", "flags", "options")
@@ -153,15 +200,15 @@ class ContainerMountInfo(_message.Message):
     def __init__(self, target: _Optional[str] = ..., source: _Optional[str] = ..., type: _Optional[str] = ..., flags: _Optional[int] = ..., options: _Optional[str] = ...) -> None: ...
 
 class ContainerFileOperation(_message.Message):
-    __slots__ = ("operation", "symlink", "mount", "mkdir")
+    __slots__ = ("operation", "symlink", "mkdir", "rename", "mount")
     class Operation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
-        UNKNOWN: _ClassVar[ContainerFileOperation.Operation]
+        OPERATION_UNSPECIFIED: _ClassVar[ContainerFileOperation.Operation]
         SYMLINK: _ClassVar[ContainerFileOperation.Operation]
         MOUNT: _ClassVar[ContainerFileOperation.Operation]
         RENAME: _ClassVar[ContainerFileOperation.Operation]
         MKDIR: _ClassVar[ContainerFileOperation.Operation]
-    UNKNOWN: ContainerFileOperation.Operation
+    OPERATION_UNSPECIFIED: ContainerFileOperation.Operation
     SYMLINK: ContainerFileOperation.Operation
     MOUNT: ContainerFileOperation.Operation
     RENAME: ContainerFileOperation.Operation
@@ -173,15 +220,13 @@ class ContainerFileOperation(_message.Message):
         source: str
         target: str
         def __init__(self, source: _Optional[str] = ..., target: _Optional[str] = ...) -> None: ...
-    class Mount(_message.Message):
-        __slots__ = ("source", "target", "flags")
+    class Rename(_message.Message):
+        __slots__ = ("source", "target")
         SOURCE_FIELD_NUMBER: _ClassVar[int]
         TARGET_FIELD_NUMBER: _ClassVar[int]
-        FLAGS_FIELD_NUMBER: _ClassVar[int]
         source: str
         target: str
-        flags: int
-        def __init__(self, source: _Optional[str] = ..., target: _Optional[str] = ..., flags: _Optional[int] = ...) -> None: ...
+        def __init__(self, source: _Optional[str] = ..., target: _Optional[str] = ...) -> None: ...
     class Mkdir(_message.Message):
         __slots__ = ("target", "recursive")
         TARGET_FIELD_NUMBER: _ClassVar[int]
@@ -191,13 +236,15 @@ class ContainerFileOperation(_message.Message):
         def __init__(self, target: _Optional[str] = ..., recursive: _Optional[bool] = ...) -> None: ...
     OPERATION_FIELD_NUMBER: _ClassVar[int]
     SYMLINK_FIELD_NUMBER: _ClassVar[int]
-    MOUNT_FIELD_NUMBER: _ClassVar[int]
     MKDIR_FIELD_NUMBER: _ClassVar[int]
+    RENAME_FIELD_NUMBER: _ClassVar[int]
+    MOUNT_FIELD_NUMBER: _ClassVar[int]
     operation: ContainerFileOperation.Operation
     symlink: ContainerFileOperation.Symlink
-    mount: ContainerFileOperation.Mount
     mkdir: ContainerFileOperation.Mkdir
-    def __init__(self, operation: _Optional[_Union[ContainerFileOperation.Operation, str]] = ..., symlink: _Optional[_Union[ContainerFileOperation.Symlink, _Mapping]] = ..., mount: _Optional[_Union[ContainerFileOperation.Mount, _Mapping]] = ..., mkdir: _Optional[_Union[ContainerFileOperation.Mkdir, _Mapping]] = ...) -> None: ...
+    rename: ContainerFileOperation.Rename
+    mount: ContainerMountInfo
+    def __init__(self, operation: _Optional[_Union[ContainerFileOperation.Operation, str]] = ..., symlink: _Optional[_Union[ContainerFileOperation.Symlink, _Mapping]] = ..., mkdir: _Optional[_Union[ContainerFileOperation.Mkdir, _Mapping]] = ..., rename: _Optional[_Union[ContainerFileOperation.Rename, _Mapping]] = ..., mount: _Optional[_Union[ContainerMountInfo, _Mapping]] = ...) -> None: ...
 
 class ContainerLaunchInfo(_message.Message):
     __slots__ = ("environment", "mounts", "file_operations", "task_environment")

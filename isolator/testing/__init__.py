@@ -1,8 +1,44 @@
 """Test doubles shipped with the package, for our tests and for projects built on this one.
 
-``StubService`` stands in for the whole service behind the servers.
+Each fake implements one port of the core (isolator/core/ports.py) and passes the same contract
+tests as the real edge (tests/test_contracts.py); ``fake_service`` wires them all to the real core.
+
+    FakeCgroups      CgroupBackend   rules and membership in memory, fault points
+    FakeStore        StateStore      records in memory, the same refusals, fault points
+    FakeVolumes      VolumeBuilder   volumes and their users in memory, fault points
+    FakeInventory    Inventory       GPUs of a shipped simulated host, XIDs and usage on demand
+    FakeDeviceNodes  DeviceNodes     nvidiactl, nvidia-uvm(-tools), nvidia-caps numbers
+    FakeProcesses    Processes       a pid table
+    FakeFilesystem   Filesystem      directories by path
+    ManualClock      Clock           time that moves when told
+    StubService      IsolatorApi     a whole-service double answering UNIMPLEMENTED
+
+For system tests, the demo and the benchmark (need root and cgroups; imported on their own):
+``isolator.testing.mesos`` plays the Mesos containerizer over gRPC or the bridge executables,
+``isolator.testing.sidecar`` runs a real daemon on a simulated host, ``isolator.testing.cgroupfs``
+makes throwaway cgroups under ``gpu-isolator-test/``.
 """
 
+from isolator.testing.cgroups import FakeCgroups
+from isolator.testing.faults import Faults
+from isolator.testing.inventory import FakeInventory
+from isolator.testing.rig import Rig, fake_service
+from isolator.testing.store import FakeStore
 from isolator.testing.stub import StubService
+from isolator.testing.system import FakeDeviceNodes, FakeFilesystem, FakeProcesses, ManualClock
+from isolator.testing.volumes import FakeVolumes
 
-__all__ = ["StubService"]
+__all__ = [
+    "FakeCgroups",
+    "FakeDeviceNodes",
+    "FakeFilesystem",
+    "FakeInventory",
+    "FakeProcesses",
+    "FakeStore",
+    "FakeVolumes",
+    "Faults",
+    "ManualClock",
+    "Rig",
+    "StubService",
+    "fake_service",
+]

@@ -17,7 +17,7 @@ def try_open(path):
     try:
         fd = os.open(path, os.O_RDWR)
     except OSError as exc:
-        return errno.errorcode.get(exc.errno, str(exc.errno))
+        return errno.errorcode.get(exc.errno or 0, str(exc.errno))
     os.close(fd)
     return "OK"
 
@@ -26,7 +26,7 @@ def writable(path):
     try:
         fd = os.open(os.path.join(path, ".probe"), os.O_CREAT | os.O_WRONLY, 0o600)
     except OSError as exc:
-        return errno.errorcode.get(exc.errno, str(exc.errno))
+        return errno.errorcode.get(exc.errno or 0, str(exc.errno))
     os.close(fd)
     os.unlink(os.path.join(path, ".probe"))
     return "OK"

@@ -20,18 +20,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
-from cgroup_helpers import TEST_PARENT, remove_cgroup_tree
 
-from isolator.cgroups.detect import read_mounts
 from isolator.simhost.sim import SimulatedHost
+from isolator.testing.cgroupfs import TEST_PARENT, cgroup_mount, remove_cgroup_tree
 
-
-def cgroup_mount(version: str) -> str:
-    mounts = read_mounts("/proc/self/mounts")
-    mount = mounts.v1_devices if version == "v1" else mounts.v2
-    if mount is None:
-        raise RuntimeError(f"no cgroup {version} devices hierarchy on this machine")
-    return mount
+__all__ = ["TEST_PARENT", "Sidecar", "cgroup_mount", "running_sidecar"]
 
 
 @dataclass

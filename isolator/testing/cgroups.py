@@ -1,0 +1,182 @@
+"""``FakeCgroups``: an in-memory devices cgroup backend (isolator.core.ports.CgroupBackend).
+
+It records, per container, whether its cgroup exists, the rules in force and its processes, with
+the semantics of the real v1 and v2 controllers that tests/test_contracts.py checks on both:
+standalone mode creates the cgroup denying everything and removes it on cleanup (refused while it
+holds processes); mesos mode expects Mesos to have made the cgroup (``mesos_creates``) and removes
+only our rules. ``faults`` fails any step by name (isolator/testing/faults.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+from isolator.cgroups.base import check_mode, mesos_relative_path
+from isolator.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, KernelRules
+from isolator.errors import CgroupBusy, CgroupError, CgroupVanished, InvalidArgument
+from isolator.model import ContainerId
+from isolator.testing.faults import Faults
+
+
+class FakeCgroups:
+    def __init__(
+        self,
+        mode: str = "standalone",
+        version: str = "v1",
+        root: str = "/fake/cgroup/devices/mesos",
+        base: Iterable[DeviceRule] = MESOS_DEFAULT_WHITELIST,
+    ) -> None:
+        if version not in ("v1", "v2"):
+            raise ValueError(f"version {version!r} is not v1 or v2")
+        self.mode = check_mode(mode)
+        self.version = version
+        self.root = root.rstrip("/")
+        self.base = tuple(base)
+        self._lock = threading.Lock()
+        self.cgroups: dict[ContainerId, tuple[DeviceRule, ...] | None] = {}  # None: exists, no rules of ours
+        self.members: dict[int, ContainerId] = {}  # pid -> the cgroup it is in
+        self.applied: list[tuple[ContainerId, tuple[DeviceRule, ...]]] = []  # every successful apply
+        self.faults = Faults(self._fault)
+
+    def _fault(self, step: str, container: ContainerId | None) -> BaseException:
+        path = self.cgroup_path(container) if container is not None else self.root
+        return CgroupError(op=step, path=path, cause="injected fault")
+
+    # ---- what Mesos or a test does to the fake machine ------------------------------------------
+
+    def mesos_creates(self, container: ContainerId) -> None:
+        """Mesos made the container's cgroup (v1: with its default whitelist; v2: its own program)."""
+        with self._lock:
+            self.cgroups.setdefault(container, None)
+
+    def vanish(self, container: ContainerId) -> None:
+        """The cgroup is removed behind our back (Mesos destroyed the container); its processes go."""
+        with self._lock:
+            self._remove(container)
+
+    def grant_behind_our_back(self, container: ContainerId, rules: Iterable[DeviceRule]) -> None:
+        """Rules in force that nobody recorded (a crash between a grant and its record)."""
+        with self._lock:
+            self.cgroups[container] = tuple(rules)
+
+    def _remove(self, container: ContainerId) -> None:
+        for cid in [c for c in self.cgroups if c == container or _below(c, container)]:
+            del self.cgroups[cid]
+        for pid in [p for p, c in self.members.items() if c == container or _below(c, container)]:
+            del self.members[pid]
+
+    # ---- CgroupBackend ----------------------------------------------------------------------------
+
+    def cgroup_path(self, container: ContainerId) -> str:
+        path = f"{self.root}/{mesos_relative_path(container)}"
+        return f"{path}/leaf" if self.version == "v2" and self.mode == "mesos" else path
+
+    def exists(self, container: ContainerId) -> bool:
+        with self._lock:
+            return container in self.cgroups
+
+    def nested_names(self, container: ContainerId) -> tuple[str, ...]:
+        with self._lock:
+            return tuple(sorted(c.value for c in self.cgroups if c.parent == container))
+
+    def prepare(self, container: ContainerId) -> None:
+        self.faults.check("prepare", container)
+        with self._lock:
+            if self.mode == "mesos":
+                if container not in self.cgroups:
+                    raise CgroupVanished(op="prepare", path=self.cgroup_path(container))
+                return
+            if self.cgroups.get(container) is None:
+                self.cgroups[container] = ()  # created, everything denied
+
+    def apply(self, container: ContainerId, rules: Iterable[DeviceRule]) -> None:
+        rules = tuple(rules)
+        self.faults.check("apply", container)
+        if self.version == "v1" and any(r.type == "a" for r in rules):
+            raise InvalidArgument(f"failed to apply 'a' rules to '{self.cgroup_path(container)}'")
+        with self._lock:
+            if container not in self.cgroups:
+                raise CgroupVanished(op="write", path=self.cgroup_path(container))
+            self.cgroups[container] = rules
+            self.applied.append((container, rules))
+
+    def current(self, container: ContainerId) -> tuple[DeviceRule, ...]:
+        self.faults.check("current", container)
+        with self._lock:
+            if container not in self.cgroups:
+                raise CgroupVanished(op="read", path=self.cgroup_path(container))
+            return self._in_force(container)
+
+    def _in_force(self, container: ContainerId) -> tuple[DeviceRule, ...]:
+        rules = self.cgroups[container]
+        if rules is None:  # Mesos's own: its default whitelist
+            return self.base if self.version == "v1" else ()
+        return rules
+
+    def recover(self, container: ContainerId) -> tuple[DeviceRule, ...]:
+        self.faults.check("recover", container)
+        with self._lock:
+            if container not in self.cgroups:
+                raise CgroupVanished(op="read", path=self.cgroup_path(container))
+            return self._in_force(container)
+
+    def in_force(self, container: ContainerId) -> KernelRules:
+        self.faults.check("in_force", container)
+        path = self.cgroup_path(container)
+        with self._lock:
+            if container not in self.cgroups:
+                return KernelRules((), f"none: the cgroup '{path}' does not exist", present=False)
+            if self.version == "v2" and self.cgroups[container] is None:
+                return KernelRules((), f"none: no device program of ours is attached to '{path}'", present=False)
+            return KernelRules(self._in_force(container), f"fake rules of '{path}'")
+
+    def add_pid(self, container: ContainerId, pid: int) -> None:
+        self.faults.check("add_pid", container)
+        with self._lock:
+            if container not in self.cgroups:
+                raise CgroupVanished(op="write", path=f"{self.cgroup_path(container)}/cgroup.procs")
+            if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+                raise CgroupError(op="write", path=self.cgroup_path(container), cause=f"{pid!r} is not a process id")
+            self.members[pid] = container
+
+    def pids(self, container: ContainerId) -> tuple[int, ...]:
+        self.faults.check("pids", container)
+        with self._lock:
+            if container not in self.cgroups:
+                raise CgroupVanished(op="read", path=f"{self.cgroup_path(container)}/cgroup.procs")
+            return tuple(sorted(p for p, c in self.members.items() if c == container))
+
+    def cleanup(self, container: ContainerId) -> None:
+        self.faults.check("cleanup", container)
+        with self._lock:
+            if container not in self.cgroups:
+                return
+            if self.mode == "mesos":
+                self.cgroups[container] = None  # our rules go, Mesos's cgroup stays
+                return
+            busy = sorted(p for p, c in self.members.items() if c == container or _below(c, container))
+            if busy:
+                raise CgroupBusy(op="remove", path=self.cgroup_path(container), pids=busy)
+            self._remove(container)
+
+    # ---- for tests ------------------------------------------------------------------------------------
+
+    def rules_of(self, container: ContainerId) -> tuple[DeviceRule, ...] | None:
+        """The rules in force, or None when the cgroup does not exist."""
+        with self._lock:
+            return self._in_force(container) if container in self.cgroups else None
+
+    def kill(self, pid: int) -> None:
+        """A process exits: it leaves its cgroup."""
+        with self._lock:
+            self.members.pop(pid, None)
+
+
+def _below(child: ContainerId, parent: ContainerId) -> bool:
+    node = child.parent
+    while node is not None:
+        if node == parent:
+            return True
+        node = node.parent
+    return False

@@ -1,0 +1,155 @@
+"""``FakeInventory``: the GPUs of a host without NVML (isolator.core.ports.Inventory).
+
+Built from a ``Topology`` or from one of the simulated hosts shipped in isolator/simhost/hosts/
+(``FakeInventory.of_host("dgx-1")``), parsed only: no fake library, no device nodes, no root.
+Tests steer it as they steer the simulated host: ``xid(index, 79)`` makes a GPU unhealthy and
+tells subscribers, ``set_usage`` sets what ``usage`` answers, ``lose_nvml`` makes live calls fail.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+
+from isolator.errors import GpuNotFound, NvmlError
+from isolator.model import Gpu, Link, MigDevice, Topology
+from isolator.nvml import GpuHealth, GpuRecord, GpuUsage, HealthEvent
+
+
+class FakeInventory:
+    def __init__(
+        self,
+        topology: Topology,
+        driver_version: str = "535.104.05",
+        cuda_driver_version: str = "12.2",
+        mig: dict[int, tuple[MigDevice, ...]] | None = None,
+    ) -> None:
+        self.driver_version = driver_version
+        self.cuda_driver_version = cuda_driver_version
+        self._topology = topology
+        self._lock = threading.Lock()
+        self._records = {
+            g.index: GpuRecord(
+                gpu=g,
+                mig_capable=bool(mig and g.index in mig),
+                mig_enabled=bool(mig and g.index in mig),
+                mig_devices=(mig or {}).get(g.index, ()),
+            )
+            for g in topology.gpus
+        }
+        self._usage: dict[int, GpuUsage] = {}
+        self._callbacks: list[Callable[[HealthEvent], None]] = []
+        self.nvml_lost = False
+        self.closed = False
+
+    @classmethod
+    def of_host(cls, name: str) -> FakeInventory:
+        """The GPUs, links and MIG devices of a shipped simulated host (``dgx-1``, ``dgx-a100``...)."""
+        from isolator.simhost.host import format_cpu_list, load_host, mig_caps_minors
+
+        spec = load_host(name)
+        gpus = tuple(
+            Gpu(
+                index=g.index,
+                minor=g.minor,
+                uuid=g.uuid,
+                name=g.name,
+                pci_bus_id=g.pci_bus_id,
+                memory_total=g.memory_mib << 20,
+                numa_node=g.numa_node,
+                cpu_affinity=format_cpu_list(spec.numa.get(g.numa_node, ())) if g.numa_node is not None else "",
+            )
+            for g in spec.gpus
+        )
+        switch_lanes = {g.index: sum(g.nvswitch.values()) for g in spec.gpus}
+        by_index = {g.index: g for g in spec.gpus}
+        links = {}
+        for a in by_index:
+            for b in by_index:
+                if a < b:
+                    lanes = min(by_index[a].nvlink.get(b, 0), by_index[b].nvlink.get(a, 0))
+                    if switch_lanes[a] and switch_lanes[b]:
+                        lanes += min(switch_lanes[a], switch_lanes[b])
+                    links[(a, b)] = Link(pcie=spec.level(a, b), nvlink_lanes=lanes)
+        mig = {
+            g.index: tuple(
+                MigDevice(
+                    parent_uuid=g.uuid,
+                    uuid=m.uuid,
+                    gpu_instance_id=m.gpu_instance,
+                    compute_instance_id=m.compute_instance,
+                    caps_minors=mig_caps_minors(g.minor, m.gpu_instance, m.compute_instance),
+                    memory_total=m.memory_mib << 20,
+                    profile=m.profile,
+                    parent_index=g.index,
+                    parent_minor=g.minor,
+                    gpu_slices=m.gpu_slices,
+                    compute_slices=m.compute_slices,
+                    placement=(m.placement_start, m.placement_size),
+                    slot=slot,
+                )
+                for slot, m in enumerate(g.mig_devices)
+            )
+            for g in spec.gpus
+            if g.mig
+        }
+        cuda = f"{spec.cuda_driver_version // 1000}.{spec.cuda_driver_version % 1000 // 10}"
+        return cls(Topology(gpus=gpus, links=links), spec.driver_version, cuda, mig)
+
+    # ---- Inventory ----------------------------------------------------------------------------------
+
+    @property
+    def records(self) -> tuple[GpuRecord, ...]:
+        with self._lock:
+            return tuple(self._records[i] for i in sorted(self._records))
+
+    def topology(self) -> Topology:
+        return self._topology
+
+    def healthy(self) -> frozenset[int]:
+        with self._lock:
+            return frozenset(i for i, r in self._records.items() if r.usable)
+
+    def usage(self, index: int) -> GpuUsage:
+        self._live("query utilization", index)
+        with self._lock:
+            if index not in self._records:
+                raise GpuNotFound(op="find GPU", target=str(index), cause="not managed by this sidecar")
+            total = self._records[index].gpu.memory_total
+            return self._usage.get(index, GpuUsage(index, total, 0, 0, 0))
+
+    def device_count(self) -> int:
+        self._live("count devices", None)
+        return len(self._records)
+
+    def on_health_change(self, callback: Callable[[HealthEvent], None]) -> None:
+        with self._lock:
+            self._callbacks.append(callback)
+
+    def close(self) -> None:
+        self.closed = True
+
+    # ---- steering -----------------------------------------------------------------------------------
+
+    def xid(self, index: int, xid: int, when: float = 0.0) -> None:
+        """A critical XID on GPU ``index``: it becomes unhealthy and subscribers hear of it."""
+        reason = f"XID {xid}"
+        with self._lock:
+            rec = self._records[index]
+            self._records[index] = replace(rec, health=GpuHealth(False, reason, xid, when))
+            callbacks = list(self._callbacks)
+        for cb in callbacks:
+            cb(HealthEvent(index, rec.gpu.uuid, False, reason, xid, when))
+
+    def set_usage(self, index: int, memory_used: int, utilization: int) -> None:
+        with self._lock:
+            total = self._records[index].gpu.memory_total
+            self._usage[index] = GpuUsage(index, total, memory_used, utilization, 0)
+
+    def lose_nvml(self) -> None:
+        self.nvml_lost = True
+
+    def _live(self, op: str, index: int | None) -> None:
+        if self.nvml_lost:
+            raise NvmlError(op=op, target="NVML" if index is None else f"GPU {index}", cause="driver not loaded")

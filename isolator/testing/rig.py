@@ -1,0 +1,75 @@
+"""``fake_service()``: the real service core over the shipped fakes, for in-process tests as any user.
+
+rig = fake_service("dgx-1")
+rig.service.prepare(ContainerId.parse("a"), ContainerConfig(resources=(Resource("gpus", 2),)))
+rig.cgroups.rules_of(ContainerId.parse("a"))      # what the "kernel" grants
+rig.restart()                                     # a sidecar restart over the same machine
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from isolator.core.context import Settings
+from isolator.core.service import IsolatorService
+from isolator.testing.cgroups import FakeCgroups
+from isolator.testing.inventory import FakeInventory
+from isolator.testing.store import FakeStore
+from isolator.testing.system import FakeDeviceNodes, FakeFilesystem, FakeProcesses, ManualClock
+from isolator.testing.volumes import FakeVolumes
+
+
+@dataclass
+class Rig:
+    inventory: FakeInventory
+    cgroups: FakeCgroups
+    store: FakeStore
+    volumes: FakeVolumes
+    processes: FakeProcesses
+    filesystem: FakeFilesystem
+    clock: ManualClock
+    devices: FakeDeviceNodes
+    settings: Settings
+    service: IsolatorService = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.service = self._build()
+
+    def _build(self) -> IsolatorService:
+        return IsolatorService(
+            inventory=self.inventory,
+            cgroups=self.cgroups,
+            devices=self.devices,
+            store=self.store,
+            volumes=self.volumes,
+            processes=self.processes,
+            filesystem=self.filesystem,
+            clock=self.clock,
+            settings=self.settings,
+        )
+
+    def restart(self) -> IsolatorService:
+        """A new service over the same machine and state, as after a sidecar restart."""
+        self.service = self._build()
+        return self.service
+
+
+def fake_service(
+    host: str = "dgx-1",
+    *,
+    mode: str = "standalone",
+    version: str = "v1",
+    policy: str = "topology",
+    inventory: FakeInventory | None = None,
+) -> Rig:
+    return Rig(
+        inventory=inventory if inventory is not None else FakeInventory.of_host(host),
+        cgroups=FakeCgroups(mode=mode, version=version),
+        store=FakeStore(),
+        volumes=FakeVolumes(),
+        processes=FakeProcesses(),
+        filesystem=FakeFilesystem(),
+        clock=ManualClock(),
+        devices=FakeDeviceNodes(),
+        settings=Settings(mode=mode, policy=policy, isolate_settle_s=2.0),
+    )

@@ -1,0 +1,164 @@
+"""``FakeStore``: an in-memory state store (isolator.core.ports.StateStore) with fault points.
+
+Same refusals as the SQLite store (tests/test_contracts.py runs one suite on both): a container
+recorded twice, a GPU held twice, a writer on an unknown container, a shrink of GPUs not held,
+an unknown state. Each call is atomic: it changes everything or nothing. ``faults`` fails a step
+by name with a StateError, as a full disk or a read-only file would (isolator/testing/faults.py);
+``lose_everything`` empties it, as a deleted state file would.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import Any
+
+from isolator.errors import (
+    ContainerAlreadyRecorded,
+    ContainerNotRecorded,
+    GpuAlreadyHeld,
+    InvalidArgument,
+    StateError,
+)
+from isolator.model import ContainerId, ContainerRecord
+from isolator.state import CGROUP_VERSIONS, STATES
+from isolator.testing.faults import Faults
+
+
+class FakeStore:
+    def __init__(self, path: str = "<memory>") -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._records: dict[ContainerId, ContainerRecord] = {}
+        self.closed = False
+        self.commits = 0  # successful writes: what the real store would fsync
+        self.faults = Faults(lambda step, cid: StateError(op=step, path=self.path, cause="injected fault"))
+
+    # ---- writes -------------------------------------------------------------------------------------
+
+    def record(self, rec: ContainerRecord) -> None:
+        self.faults.check("record", rec.container_id)
+        if rec.state not in STATES:
+            raise InvalidArgument(f"unknown container state {rec.state!r} (known: {', '.join(STATES)})")
+        if rec.cgroup_version not in CGROUP_VERSIONS:
+            raise InvalidArgument(f"cgroup version must be 1 or 2, not {rec.cgroup_version!r}")
+        with self._lock:
+            if rec.container_id in self._records:
+                raise ContainerAlreadyRecorded(container=str(rec.container_id))
+            self._check_free(rec.container_id, rec.gpus)
+            self._check_mig_free(rec.container_id, rec.mig)
+            self._records[rec.container_id] = replace(rec, gpus=frozenset(rec.gpus), mig=frozenset(rec.mig))
+            self.commits += 1
+
+    def add_gpus(self, cid: ContainerId, minors: Iterable[int]) -> ContainerRecord:
+        self.faults.check("add_gpus", cid)
+        want = frozenset(minors)
+        with self._lock:
+            rec = self._require(cid)
+            self._check_free(cid, want)
+            rec = self._records[cid] = replace(rec, gpus=rec.gpus | want)
+            self.commits += 1
+            return rec
+
+    def remove_gpus(self, cid: ContainerId, minors: Iterable[int]) -> ContainerRecord:
+        self.faults.check("remove_gpus", cid)
+        want = frozenset(minors)
+        with self._lock:
+            rec = self._require(cid)
+            stray = sorted(want - rec.gpus)
+            if stray:
+                raise InvalidArgument(f"container {cid} does not hold GPUs {stray} (it holds {sorted(rec.gpus)})")
+            rec = self._records[cid] = replace(rec, gpus=rec.gpus - want)
+            self.commits += 1
+            return rec
+
+    def update(
+        self,
+        cid: ContainerId,
+        *,
+        state: str | None = None,
+        rules: str | None = None,
+        volume_version: str | None = None,
+        cgroup: str | None = None,
+    ) -> ContainerRecord:
+        self.faults.check("update", cid)
+        if state is not None and state not in STATES:
+            raise InvalidArgument(f"unknown container state {state!r} (known: {', '.join(STATES)})")
+        changes: dict[str, Any] = {"state": state, "rules": rules, "volume_version": volume_version, "cgroup": cgroup}
+        with self._lock:
+            rec = self._require(cid)
+            rec = self._records[cid] = replace(rec, **{k: v for k, v in changes.items() if v is not None})
+            self.commits += 1
+            return rec
+
+    def remove(self, cid: ContainerId) -> ContainerRecord:
+        self.faults.check("remove", cid)
+        with self._lock:
+            rec = self._require(cid)
+            del self._records[cid]
+            self.commits += 1
+            return rec
+
+    # ---- reads --------------------------------------------------------------------------------------
+
+    def get(self, cid: ContainerId) -> ContainerRecord | None:
+        self.faults.check("get", cid)
+        with self._lock:
+            return self._records.get(cid)
+
+    def load(self) -> dict[ContainerId, ContainerRecord]:
+        self.faults.check("load")
+        with self._lock:
+            return dict(self._records)
+
+    def holders(self) -> dict[int, ContainerId]:
+        self.faults.check("holders")
+        with self._lock:
+            return {m: cid for cid, rec in self._records.items() for m in rec.gpus}
+
+    def mig_holders(self) -> dict[str, tuple[ContainerId, int]]:
+        self.faults.check("mig_holders")
+        with self._lock:
+            return {u: (cid, m) for cid, rec in self._records.items() for u, m in rec.mig}
+
+    def check(self) -> str:
+        self.faults.check("check")
+        return "ok"
+
+    def close(self) -> None:
+        self.closed = True
+
+    # ---- for tests ----------------------------------------------------------------------------------
+
+    def lose_everything(self) -> None:
+        with self._lock:
+            self._records.clear()
+
+    # ---- internals ----------------------------------------------------------------------------------
+
+    def _require(self, cid: ContainerId) -> ContainerRecord:
+        rec = self._records.get(cid)
+        if rec is None:
+            raise ContainerNotRecorded(container=str(cid))
+        return rec
+
+    def _check_free(self, cid: ContainerId, minors: frozenset[int]) -> None:
+        for minor in sorted(minors):
+            if isinstance(minor, bool) or not isinstance(minor, int) or minor < 0:
+                raise InvalidArgument(f"GPU minor {minor!r} is not a non-negative integer")
+            for other, rec in self._records.items():
+                if minor in rec.gpus or minor in rec.mig_parents:  # never whole and through its MIG devices
+                    raise GpuAlreadyHeld(gpu=minor, container=str(cid), holder=str(other))
+
+    def _check_mig_free(self, cid: ContainerId, mig: frozenset[tuple[str, int]]) -> None:
+        for uuid, parent in sorted(mig):
+            if not isinstance(uuid, str) or not uuid.startswith("MIG-") or isinstance(parent, bool):
+                raise InvalidArgument(f"MIG device {uuid!r} is not a MIG UUID with a parent GPU minor")
+            if not isinstance(parent, int) or parent < 0:
+                raise InvalidArgument(f"parent GPU minor {parent!r} of {uuid} is not a non-negative integer")
+            for other, rec in self._records.items():
+                if uuid in rec.mig_uuids:
+                    raise GpuAlreadyHeld(gpu=uuid, container=str(cid), holder=str(other))
+                if parent in rec.gpus:
+                    raise GpuAlreadyHeld(gpu=f"{parent} (parent of {uuid})", container=str(cid), holder=str(other))

@@ -1,0 +1,98 @@
+"""Fakes of the small edges: the process table, the filesystem, the clock and the device nodes."""
+
+from __future__ import annotations
+
+import threading
+
+from isolator.devices import ControlDevices, DeviceNumber
+
+
+class FakeProcesses:
+    """A pid table: ``spawn()`` makes a process, ``exit(pid)`` ends it."""
+
+    def __init__(self, first_pid: int = 1000) -> None:
+        self._lock = threading.Lock()
+        self._next = first_pid
+        self.alive: set[int] = set()
+
+    def spawn(self) -> int:
+        with self._lock:
+            pid = self._next
+            self._next += 1
+            self.alive.add(pid)
+            return pid
+
+    def exit(self, pid: int) -> None:
+        with self._lock:
+            self.alive.discard(pid)
+
+    def exists(self, pid: int) -> bool:
+        with self._lock:
+            return pid in self.alive
+
+
+class FakeFilesystem:
+    """Directories that exist, by path; ``make_dirs`` adds one and every parent."""
+
+    def __init__(self, dirs: tuple[str, ...] = ()) -> None:
+        self._lock = threading.Lock()
+        self.dirs: set[str] = set()
+        for d in dirs:
+            self.make_dirs(d)
+
+    def is_dir(self, path: str) -> bool:
+        with self._lock:
+            return path.rstrip("/") in self.dirs
+
+    def make_dirs(self, path: str) -> None:
+        with self._lock:
+            parts = path.rstrip("/").split("/")
+            for i in range(1, len(parts) + 1):
+                self.dirs.add("/".join(parts[:i]) or "/")
+
+
+class ManualClock:
+    """Time moves only when told: ``advance(s)``; ``sleep`` advances it instead of waiting."""
+
+    def __init__(self, start: float = 1_700_000_000.0) -> None:
+        self._lock = threading.Lock()
+        self._wall = start
+        self._mono = 1000.0
+        self.slept = 0.0
+
+    def time(self) -> float:
+        with self._lock:
+            return self._wall
+
+    def monotonic(self) -> float:
+        with self._lock:
+            return self._mono
+
+    def sleep(self, seconds: float) -> None:
+        self.advance(seconds)
+        with self._lock:
+            self.slept += seconds
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self._wall += seconds
+            self._mono += seconds
+
+
+class FakeDeviceNodes:
+    """The NVIDIA control nodes of a real driver (nvidiactl 195:255) and dynamic uvm/caps majors."""
+
+    def __init__(self, dev_root: str = "/dev", uvm_major: int = 510, caps_major: int | None = 511) -> None:
+        self.dev_root = dev_root
+        self.uvm_major = uvm_major
+        self._caps_major = caps_major
+
+    def control_devices(self) -> ControlDevices:
+        return ControlDevices(
+            nvidiactl=DeviceNumber(195, 255, f"{self.dev_root}/nvidiactl"),
+            uvm=DeviceNumber(self.uvm_major, 0, f"{self.dev_root}/nvidia-uvm"),
+            uvm_tools=DeviceNumber(self.uvm_major, 1, f"{self.dev_root}/nvidia-uvm-tools"),
+        )
+
+    def caps_major(self) -> int | None:
+        return self._caps_major

@@ -1,0 +1,475 @@
+"""One contract per port of the core (isolator/core/ports.py), run on the shipped fake AND the real edge.
+
+A fake earns its place only by behaving like the real thing where the core can tell: each test
+below runs on both. Real edges that need root or a cgroup version carry its marker and skip loudly
+where the machine lacks it (tests/conftest.py); the fakes run everywhere, as any user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from isolator.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, container_rules
+from isolator.errors import (
+    CgroupBusy,
+    CgroupVanished,
+    ContainerAlreadyRecorded,
+    ContainerNotRecorded,
+    GpuAlreadyHeld,
+    InvalidArgument,
+)
+from isolator.model import ContainerId, ContainerRecord, Topology
+from isolator.system import LocalFilesystem, ProcProcesses, SystemClock
+from isolator.testing import (
+    FakeCgroups,
+    FakeDeviceNodes,
+    FakeFilesystem,
+    FakeInventory,
+    FakeProcesses,
+    FakeStore,
+    ManualClock,
+)
+
+CONTROL = FakeDeviceNodes().control_devices()
+
+
+def rules_for(*gpus: int) -> tuple[DeviceRule, ...]:
+    return container_rules(CONTROL, gpus)
+
+
+def cid(text: str) -> ContainerId:
+    return ContainerId.from_chain(text.split("."))
+
+
+# ---- CgroupBackend ------------------------------------------------------------------------------
+
+
+@dataclass
+class Backend:
+    """A backend under test and what the test needs around it: a way to play Mesos and to end a process."""
+
+    cgroups: Any
+    mesos_creates: Callable[[ContainerId], None]
+    process_exits: Callable[[int], None]
+
+
+def _sleeper() -> subprocess.Popen[bytes]:
+    return subprocess.Popen(["sleep", "300"])
+
+
+@contextlib.contextmanager
+def _real(version: str, mode: str) -> Iterator[Backend]:
+    from isolator.cgroups.v1 import V1DeviceController
+    from isolator.cgroups.v2 import V2DeviceController
+    from isolator.testing.cgroupfs import hierarchy_mounts, scratch_cgroups_root
+
+    v1_mount, v2_mount = hierarchy_mounts()
+    mount = v1_mount if version == "v1" else v2_mount
+    assert mount is not None
+    state_dir = tempfile.mkdtemp(prefix="gi-contract-")
+    try:
+        with scratch_cgroups_root(mount, f"contract-{version}") as root:
+            ctl: V1DeviceController | V2DeviceController
+            if version == "v1":
+                ctl = V1DeviceController(mount, root, mode)
+            else:
+                ctl = V2DeviceController(mount, state_dir, root, mode)
+
+            def mesos_creates(c: ContainerId) -> None:
+                path = ctl.cgroup_path(c)
+                os.makedirs(path)
+                if version == "v1":  # Mesos's cgroups/devices: deny all, then its default whitelist
+                    with open(os.path.join(path, "devices.deny"), "w") as fh:
+                        fh.write("a *:* rwm")
+                    for rule in MESOS_DEFAULT_WHITELIST:
+                        with open(os.path.join(path, "devices.allow"), "w") as fh:
+                            fh.write(str(rule))
+
+            yield Backend(ctl, mesos_creates, lambda pid: None)
+    finally:
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+BACKENDS = [
+    pytest.param(("fake", "v1"), id="fake-v1"),
+    pytest.param(("fake", "v2"), id="fake-v2"),
+    pytest.param(("real", "v1"), id="real-v1", marks=[pytest.mark.root, pytest.mark.cgroup_v1]),
+    pytest.param(("real", "v2"), id="real-v2", marks=[pytest.mark.root, pytest.mark.cgroup_v2]),
+]
+
+
+def _backend(kind: str, version: str, mode: str) -> contextlib.AbstractContextManager[Backend]:
+    if kind == "real":
+        return _real(version, mode)
+    fake = FakeCgroups(mode=mode, version=version)
+    return contextlib.nullcontext(Backend(fake, fake.mesos_creates, fake.kill))
+
+
+@pytest.fixture(params=BACKENDS)
+def standalone(request) -> Iterator[Backend]:
+    kind, version = request.param
+    with _backend(kind, version, "standalone") as backend:
+        yield backend
+
+
+@pytest.fixture(params=BACKENDS)
+def mesos(request) -> Iterator[Backend]:
+    kind, version = request.param
+    with _backend(kind, version, "mesos") as backend:
+        yield backend
+
+
+@pytest.fixture
+def process(standalone: Backend) -> Iterator[int]:
+    proc = _sleeper()
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+    standalone.process_exits(proc.pid)
+
+
+def _exit(backend: Backend, pid: int, proc: subprocess.Popen[bytes] | None = None) -> None:
+    if proc is not None:
+        proc.kill()
+        proc.wait()
+    backend.process_exits(pid)
+
+
+def test_standalone_prepare_creates_the_cgroup_denying_everything(standalone: Backend) -> None:
+    cg = standalone.cgroups
+    a = cid("contract-a")
+    assert not cg.exists(a)
+    cg.prepare(a)
+    assert cg.exists(a)
+    assert cg.current(a) == ()
+    in_force = cg.in_force(a)
+    assert in_force.present and in_force.rules == ()
+    assert cg.pids(a) == ()
+
+
+def test_apply_makes_exactly_the_rules_in_force_and_replaces_them(standalone: Backend) -> None:
+    cg = standalone.cgroups
+    a = cid("contract-a")
+    cg.prepare(a)
+    for gpus in ((0, 2), (0, 1, 2), (2,), ()):
+        cg.apply(a, rules_for(*gpus))
+        assert set(cg.current(a)) == set(rules_for(*gpus))
+        assert set(cg.in_force(a).rules) == set(rules_for(*gpus))
+        assert set(cg.recover(a)) == set(rules_for(*gpus))
+
+
+def test_prepare_again_keeps_what_was_applied(standalone: Backend) -> None:
+    cg = standalone.cgroups
+    a = cid("contract-a")
+    cg.prepare(a)
+    cg.apply(a, rules_for(3))
+    cg.prepare(a)
+    assert set(cg.current(a)) == set(rules_for(3))
+
+
+def test_processes_are_placed_listed_and_moved(standalone: Backend) -> None:
+    cg = standalone.cgroups
+    a, b = cid("contract-a"), cid("contract-b")
+    cg.prepare(a)
+    cg.prepare(b)
+    proc = _sleeper()
+    try:
+        cg.add_pid(a, proc.pid)
+        assert cg.pids(a) == (proc.pid,)
+        cg.add_pid(b, proc.pid)
+        assert cg.pids(a) == () and cg.pids(b) == (proc.pid,)
+    finally:
+        _exit(standalone, proc.pid, proc)
+
+
+def test_standalone_cleanup_refuses_a_cgroup_with_processes_and_keeps_isolating(standalone: Backend) -> None:
+    cg = standalone.cgroups
+    a = cid("contract-a")
+    cg.prepare(a)
+    cg.apply(a, rules_for(1))
+    proc = _sleeper()
+    try:
+        cg.add_pid(a, proc.pid)
+        with pytest.raises(CgroupBusy, match=str(proc.pid)):
+            cg.cleanup(a)
+        assert cg.exists(a) and set(cg.current(a)) == set(rules_for(1))
+    finally:
+        _exit(standalone, proc.pid, proc)
+    cg.cleanup(a)
+    assert not cg.exists(a)
+    cg.cleanup(a)  # idempotent
+    cg.cleanup(cid("never-prepared"))
+
+
+def test_a_missing_cgroup_is_vanished_for_every_step_that_needs_it(standalone: Backend) -> None:
+    cg = standalone.cgroups
+    gone = cid("contract-gone")
+    with pytest.raises(CgroupVanished):
+        cg.apply(gone, rules_for(0))
+    with pytest.raises(CgroupVanished):
+        cg.current(gone)
+    with pytest.raises(CgroupVanished):
+        cg.pids(gone)
+    with pytest.raises(CgroupVanished):
+        cg.add_pid(gone, os.getpid())
+    in_force = cg.in_force(gone)
+    assert not in_force.present and in_force.source.startswith("none: ")
+    assert cg.nested_names(gone) == ()
+
+
+def test_nested_cgroups_are_listed_below_their_parent(standalone: Backend) -> None:
+    cg = standalone.cgroups
+    a = cid("contract-a")
+    cg.prepare(a)
+    cg.prepare(cid("contract-a.child-1"))
+    cg.prepare(cid("contract-a.child-2"))
+    assert cg.nested_names(a) == ("child-1", "child-2")
+    assert cg.cgroup_path(cid("contract-a.child-1")).startswith(cg.cgroup_path(a) + "/mesos/child-1")
+    cg.cleanup(a)
+    assert not cg.exists(cid("contract-a.child-1"))
+
+
+def test_mesos_mode_uses_the_cgroup_mesos_made_and_leaves_it(mesos: Backend) -> None:
+    cg = mesos.cgroups
+    a = cid("contract-m")
+    with pytest.raises(CgroupVanished):
+        cg.prepare(a)
+    mesos.mesos_creates(a)
+    cg.prepare(a)
+    cg.apply(a, rules_for(0, 1))
+    assert set(cg.current(a)) == set(rules_for(0, 1))
+    cg.cleanup(a)
+    assert cg.exists(a), "the cgroup is Mesos's to remove"
+    kernel = set(cg.in_force(a).rules)
+    assert not any(r.major == 195 for r in kernel), "our grants are gone"
+
+
+# ---- StateStore ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["fake", "sqlite"])
+def store(request, tmp_path) -> Iterator[FakeStore]:
+    if request.param == "fake":
+        yield FakeStore()
+        return
+    from isolator.state import StateStore
+
+    real = StateStore(str(tmp_path / "state"))
+    try:
+        yield real
+    finally:
+        real.close()
+
+
+def record(name: str, *gpus: int, **kwargs: object) -> ContainerRecord:
+    return ContainerRecord(cid(name), gpus=frozenset(gpus), created=1.0, **kwargs)
+
+
+def test_store_records_reads_and_forgets(store: FakeStore) -> None:
+    store.record(record("a", 0, 1))
+    store.record(record("b"))
+    assert store.get(cid("a")) == record("a", 0, 1)
+    assert store.get(cid("nobody")) is None
+    assert set(store.load()) == {cid("a"), cid("b")}
+    assert store.holders() == {0: cid("a"), 1: cid("a")}
+    assert store.remove(cid("a")).gpus == frozenset({0, 1})
+    assert store.holders() == {} and store.get(cid("a")) is None
+    assert store.check() == "ok"
+
+
+def test_store_ids_with_dots_and_nesting_round_trip(store: FakeStore) -> None:
+    odd = ContainerId.parse("b.1", ContainerId.parse("a.0"))
+    store.record(ContainerRecord(odd, gpus=frozenset({3}), created=1.0))
+    assert store.get(odd) is not None and store.holders() == {3: odd}
+    assert store.get(cid("a.0.b.1")) is None
+
+
+def test_store_refuses_doubles_and_changes_nothing(store: FakeStore) -> None:
+    store.record(record("a", 0))
+    with pytest.raises(ContainerAlreadyRecorded):
+        store.record(record("a", 5))
+    with pytest.raises(GpuAlreadyHeld, match="held by a"):
+        store.record(record("b", 1, 0))
+    assert store.get(cid("b")) is None and store.holders() == {0: cid("a")}
+    with pytest.raises(GpuAlreadyHeld):
+        store.add_gpus(cid("a"), [0])
+
+
+def test_store_grows_and_shrinks(store: FakeStore) -> None:
+    store.record(record("a", 0))
+    assert store.add_gpus(cid("a"), [1, 2]).gpus == frozenset({0, 1, 2})
+    assert store.remove_gpus(cid("a"), [0]).gpus == frozenset({1, 2})
+    with pytest.raises(InvalidArgument, match="does not hold"):
+        store.remove_gpus(cid("a"), [0])
+    assert store.get(cid("a")).gpus == frozenset({1, 2})
+
+
+def test_store_updates_metadata_and_refuses_unknowns(store: FakeStore) -> None:
+    store.record(record("a", 0))
+    rec = store.update(cid("a"), state="isolated", rules="c 195:0 rwm", volume_version="535")
+    assert (rec.state, rec.rules, rec.volume_version, rec.gpus) == ("isolated", "c 195:0 rwm", "535", frozenset({0}))
+    with pytest.raises(InvalidArgument, match="unknown container state"):
+        store.update(cid("a"), state="running")
+    with pytest.raises(InvalidArgument):
+        store.record(record("z", state="running"))
+    for call in (
+        lambda: store.update(cid("nobody"), state="isolated"),
+        lambda: store.add_gpus(cid("nobody"), [4]),
+        lambda: store.remove_gpus(cid("nobody"), []),
+        lambda: store.remove(cid("nobody")),
+    ):
+        with pytest.raises(ContainerNotRecorded):
+            call()
+
+
+def test_store_holds_mig_devices_once_and_never_with_their_gpu_whole(store: FakeStore) -> None:
+    store.record(record("m", mig=frozenset({("MIG-1", 0), ("MIG-2", 0)})))
+    assert store.get(cid("m")).mig == frozenset({("MIG-1", 0), ("MIG-2", 0)})
+    assert store.mig_holders() == {"MIG-1": (cid("m"), 0), "MIG-2": (cid("m"), 0)}
+    with pytest.raises(GpuAlreadyHeld, match="held by m"):
+        store.record(record("n", mig=frozenset({("MIG-1", 0)})))
+    with pytest.raises(GpuAlreadyHeld, match="held by m"):
+        store.record(record("w", 0))  # GPU 0 whole while its MIG devices are held
+    store.record(record("w", 1))
+    with pytest.raises(GpuAlreadyHeld):
+        store.record(record("x", mig=frozenset({("MIG-9", 1)})))  # a MIG device of a GPU held whole
+    with pytest.raises(InvalidArgument):
+        store.record(record("y", mig=frozenset({("GPU-1", 2)})))
+    assert set(store.load()) == {cid("m"), cid("w")}
+    store.remove(cid("m"))
+    assert store.mig_holders() == {}
+    store.record(record("n", 0))
+
+
+# ---- Processes, Filesystem, Clock ----------------------------------------------------------------
+
+
+def test_processes_exist_until_they_exit() -> None:
+    fake = FakeProcesses()
+    pid = fake.spawn()
+    assert fake.exists(pid)
+    fake.exit(pid)
+    assert not fake.exists(pid)
+
+    real = ProcProcesses()
+    proc = _sleeper()
+    assert real.exists(proc.pid)
+    proc.kill()
+    proc.wait()
+    assert not real.exists(proc.pid)
+
+
+@pytest.mark.parametrize("kind", ["fake", "local"])
+def test_filesystem_makes_and_sees_directories(kind: str, tmp_path) -> None:
+    fs: FakeFilesystem | LocalFilesystem = FakeFilesystem() if kind == "fake" else LocalFilesystem()
+    base = str(tmp_path)
+    if kind == "fake":
+        fs.make_dirs(base)
+    target = os.path.join(base, "rootfs", "usr", "local", "nvidia")
+    assert not fs.is_dir(target)
+    fs.make_dirs(target)
+    fs.make_dirs(target)  # idempotent
+    assert fs.is_dir(target) and fs.is_dir(os.path.join(base, "rootfs"))
+
+
+@pytest.mark.parametrize("kind", ["manual", "system"])
+def test_clock_sleep_moves_monotonic_time_forward(kind: str) -> None:
+    clock: ManualClock | SystemClock = ManualClock() if kind == "manual" else SystemClock()
+    start = clock.monotonic()
+    clock.sleep(0.01)
+    assert clock.monotonic() - start >= 0.01 - 1e-9
+    assert clock.time() > 1.6e9
+
+
+# ---- Inventory and DeviceNodes ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["dgx-1", "dgx-a100", "workstation-4"])
+def test_fake_inventory_of_a_host_agrees_with_nvml_on_the_simulated_host(name: str, short_tmp: str) -> None:
+    from isolator.nvml import Inventory
+    from isolator.simhost.sim import SimulatedHost
+
+    host = SimulatedHost(name, os.path.join(short_tmp, name)).setup(make_devices=False)
+    real = Inventory(library=host.library_path, proc_root=host.proc_root, sys_root=os.path.join(host.root, "sys"))
+    real.open()
+    try:
+        real.read()
+        fake = FakeInventory.of_host(name)
+        assert (fake.driver_version, fake.cuda_driver_version) == (real.driver_version, real.cuda_driver_version)
+        assert fake.topology() == real.topology()
+        assert fake.healthy() == real.healthy()
+        assert fake.device_count() == real.device_count()
+        for f, r in zip(fake.records, real.records, strict=True):
+            assert (f.gpu, f.mig_enabled, f.mig_devices, f.usable) == (r.gpu, r.mig_enabled, r.mig_devices, r.usable)
+        index = fake.records[0].gpu.index
+        assert fake.usage(index).memory_total == real.usage(index).memory_total
+    finally:
+        real.close()
+
+
+def test_fake_inventory_reports_an_xid_to_subscribers() -> None:
+    fake = FakeInventory(Topology(gpus=FakeInventory.of_host("single").topology().gpus))
+    events = []
+    fake.on_health_change(events.append)
+    fake.xid(0, 79)
+    assert [(e.index, e.healthy, e.xid) for e in events] == [(0, False, 79)]
+    assert fake.healthy() == frozenset()
+    assert fake.records[0].status == "XID 79"
+
+
+@pytest.mark.root
+def test_fake_device_nodes_agree_with_the_nodes_a_driver_makes(short_tmp: str) -> None:
+    from isolator.devices import HostDevices
+    from isolator.simhost import devnodes
+
+    dev = os.path.join(short_tmp, "dev")
+    devnodes.make_device_nodes(dev, [0, 1])
+    real_nodes, fake_nodes = HostDevices(dev), FakeDeviceNodes(dev, caps_major=None)
+    real, fake = real_nodes.control_devices(), fake_nodes.control_devices()
+    assert (fake.nvidiactl.major, fake.nvidiactl.minor) == (real.nvidiactl.major, real.nvidiactl.minor)
+    assert fake.nvidiactl.path == real.nvidiactl.path and fake.uvm.path == real.uvm.path
+    assert fake.uvm.major != 195 and real.uvm.major != 195
+    assert real_nodes.caps_major() is None and fake_nodes.caps_major() is None  # no MIG nodes
+    mig_dev = os.path.join(short_tmp, "mig-dev")
+    devnodes.make_device_nodes(mig_dev, [0], caps_minors=(1, 2))
+    real_caps, fake_caps = HostDevices(mig_dev).caps_major(), FakeDeviceNodes(mig_dev).caps_major()
+    for major in (real_caps, fake_caps):
+        assert isinstance(major, int) and major not in (195, real.uvm.major)
+
+
+# ---- VolumeBuilder --------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["fake", "manager"])
+def volumes(request, tmp_path) -> Any:
+    if request.param == "fake":
+        from isolator.testing import FakeVolumes
+
+        return FakeVolumes(str(tmp_path / "volumes"))
+    from isolator.simhost.driver import build_driver_root
+    from volumes.manager import VolumeManager
+
+    driver = build_driver_root(str(tmp_path / "driver"), "535.104.05")
+    return VolumeManager(str(tmp_path / "volumes"), str(tmp_path / "driver"), path=driver.path)
+
+
+def test_volumes_count_their_users_and_go_when_the_last_one_leaves(volumes: Any) -> None:
+    first = volumes.acquire("a", "535.104.05")
+    again = volumes.acquire("b", "535.104.05")
+    assert first.path == again.path and first.path.endswith("nvidia_535.104.05")
+    assert first.driver_version == "535.104.05"
+    assert [sorted(v["users"]) for v in volumes.volumes()] == [["a", "b"]]
+    assert volumes.reconcile(["a"]) == ("b",)
+    assert [sorted(v["users"]) for v in volumes.volumes()] == [["a"]]
+    assert volumes.release("a", "535.104.05") == (), "the running driver's volume stays"
+    assert volumes.release("never-used", None) == ()
+    assert volumes.volume_root.endswith("volumes")

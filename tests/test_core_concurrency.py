@@ -1,0 +1,193 @@
+"""Per-container concurrency of the core: one container's slow step never stalls another container.
+
+The fakes hold a step (``faults.pause_at``) the way a slow fsync, volume build or cgroup write
+would; the test checks that other containers' hooks complete meanwhile, that the same container's
+hooks wait, that Recover waits for hooks in flight, and that many threads never double-book a GPU.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from isolator.core.locks import ContainerLocks
+from isolator.devices import NVIDIA_MAJOR, DeviceRule, permits
+from isolator.errors import AlreadyExists, GpusExhausted
+from isolator.model import ContainerConfig, ContainerId, Resource
+from isolator.testing import Rig, fake_service
+
+WAIT = 5.0  # seconds a thread may take before the test calls it stuck
+
+
+def cid(text: str) -> ContainerId:
+    return ContainerId.from_chain(text.split("."))
+
+
+def gpus(n: int) -> ContainerConfig:
+    return ContainerConfig(resources=(Resource("gpus", float(n)),))
+
+
+def in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
+    out: list[object] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:  # the test inspects it
+            out.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+# ---- the lock table -------------------------------------------------------------------------------
+
+
+def test_locks_of_different_containers_are_independent_and_one_container_waits() -> None:
+    locks = ContainerLocks()
+    with locks.hold(cid("a")):
+        other, _ = in_thread(lambda: locks.hold(cid("b")).__enter__())
+        other.join(WAIT)
+        assert not other.is_alive(), "b must not wait for a"
+        same, _ = in_thread(lambda: locks.hold(cid("a.child")).__enter__())
+        same.join(0.2)
+        assert same.is_alive(), "a nested container shares its top-level container's lock"
+    same.join(WAIT)
+    assert not same.is_alive()
+
+
+def test_exclusive_waits_for_holders_and_keeps_new_ones_out() -> None:
+    locks = ContainerLocks()
+    order: list[str] = []
+    entered = threading.Event()
+    release = threading.Event()
+
+    def holder() -> None:
+        with locks.hold(cid("a")):
+            entered.set()
+            release.wait(WAIT)
+            order.append("hook")
+
+    def recover() -> None:
+        with locks.exclusive():
+            order.append("recover")
+
+    h, _ = in_thread(holder)
+    entered.wait(WAIT)
+    r, _ = in_thread(recover)
+    r.join(0.2)
+    assert r.is_alive(), "recover waits for the hook in flight"
+    release.set()
+    r.join(WAIT)
+    h.join(WAIT)
+    assert order == ["hook", "recover"]
+    assert locks.busy() == 0
+
+
+# ---- the service ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def rig() -> Rig:
+    return fake_service("dgx-1")
+
+
+@pytest.mark.parametrize(("edge", "step"), [("store", "record"), ("cgroups", "apply"), ("volumes", "acquire")])
+def test_a_slow_step_of_one_container_does_not_stall_another(rig: Rig, edge: str, step: str) -> None:
+    rig.filesystem.make_dirs("/rootfs/a")
+    slow = ContainerConfig(
+        resources=(Resource("gpus", 1.0),), rootfs="/rootfs/a", image_env=("NVIDIA_VISIBLE_DEVICES=all",)
+    )
+    entered, gate = getattr(rig, edge).faults.pause_at(step, container=cid("a") if edge != "volumes" else None)
+    a, a_out = in_thread(lambda: rig.service.prepare(cid("a"), slow))
+    assert entered.wait(WAIT), "a reached its slow step"
+    b, b_out = in_thread(lambda: (rig.service.prepare(cid("b"), gpus(2)), rig.service.cleanup(cid("b"))))
+    b.join(WAIT)
+    assert not b.is_alive() and not isinstance(b_out[0], BaseException), "b completed while a was held"
+    status, _ = in_thread(lambda: rig.service.list_gpus())
+    status.join(WAIT)
+    assert not status.is_alive(), "the admin views answer meanwhile"
+    gate.set()
+    a.join(WAIT)
+    assert not a.is_alive() and not isinstance(a_out[0], BaseException)
+
+
+def test_hooks_of_one_container_run_one_at_a_time(rig: Rig) -> None:
+    entered, gate = rig.cgroups.faults.pause_at("apply", container=cid("a"))
+    first, _ = in_thread(lambda: rig.service.prepare(cid("a"), gpus(1)))
+    assert entered.wait(WAIT)
+    second, out = in_thread(lambda: rig.service.prepare(cid("a"), gpus(1)))
+    second.join(0.2)
+    assert second.is_alive(), "the second prepare of a waits for the first"
+    gate.set()
+    first.join(WAIT)
+    second.join(WAIT)
+    assert isinstance(out[0], AlreadyExists)
+
+
+def test_recover_waits_for_hooks_in_flight(rig: Rig) -> None:
+    entered, gate = rig.cgroups.faults.pause_at("apply", container=cid("a"))
+    hook, _ = in_thread(lambda: rig.service.prepare(cid("a"), gpus(1)))
+    assert entered.wait(WAIT)
+    recover, out = in_thread(lambda: rig.service.recover([], []))
+    recover.join(0.2)
+    assert recover.is_alive()
+    gate.set()
+    hook.join(WAIT)
+    recover.join(WAIT)
+    assert out[0].recovered == 1  # type: ignore[attr-defined]
+
+
+def test_many_threads_never_grant_a_gpu_to_two_containers(rig: Rig) -> None:
+    errors: list[BaseException] = []
+    violations: list[str] = []
+    most_at_once = [0]
+    real_apply = rig.cgroups.apply
+
+    def checked_apply(c: ContainerId, rules: tuple[DeviceRule, ...]) -> None:
+        # Every grant, at the moment it is made, against what every other cgroup grants then.
+        real_apply(c, rules)
+        with rig.cgroups._lock:
+            live = {k: v for k, v in rig.cgroups.cgroups.items() if v}
+        for m in range(8):
+            holders = {k for k, v in live.items() if permits(v, DeviceRule.char(NVIDIA_MAJOR, m, "rw"))}
+            if len(holders) > 1:
+                violations.append(f"GPU {m} granted to {sorted(map(str, holders))}")
+        with_gpus = {k for m in range(8) for k, v in live.items() if permits(v, DeviceRule.char(NVIDIA_MAJOR, m, "rw"))}
+        most_at_once[0] = max(most_at_once[0], len(with_gpus))
+
+    rig.cgroups.apply = checked_apply  # type: ignore[method-assign]
+
+    def worker(n: int) -> None:
+        rnd = random.Random(n)
+        for i in range(20):
+            c = cid(f"w{n}-{i}")
+            try:
+                rig.service.prepare(c, gpus(rnd.choice([0, 1, 1, 2, 3])))
+            except GpusExhausted:
+                continue
+            try:
+                rig.service.isolate(c, rig.processes.spawn())
+                if rnd.random() < 0.5:
+                    rig.service.update(c, [Resource("gpus", float(rnd.choice([0, 1, 2])))])
+            except GpusExhausted:
+                pass
+            except BaseException as exc:
+                errors.append(exc)
+            for pid in rig.cgroups.pids(c):
+                rig.cgroups.kill(pid)
+            rig.service.cleanup(c)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert violations == []
+    assert most_at_once[0] >= 2, "containers held GPUs at the same time"
+    assert rig.store.load() == {} and rig.service.core.allocator.available == frozenset(range(8))

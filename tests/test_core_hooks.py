@@ -1,0 +1,480 @@
+"""The Mesos hooks of the core, in-process over the shipped fakes: every path and every error path.
+
+No root, no cgroups, no daemon: ``make test-unit`` runs this as any user. What the "kernel" grants
+is read from the fake cgroup backend; faults are injected at named steps (isolator/testing/faults.py).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from isolator.devices import NVIDIA_MAJOR, DeviceRule, permits
+from isolator.errors import (
+    AlreadyExists,
+    CgroupBusy,
+    CgroupError,
+    FailedPrecondition,
+    GpusExhausted,
+    Internal,
+    InvalidArgument,
+    InvalidGpuCount,
+    NotFound,
+    NvmlError,
+    StateError,
+)
+from isolator.model import ContainerConfig, ContainerId, Resource, Topology
+from isolator.system import EmptyInventory
+from isolator.testing import FakeInventory, Rig, fake_service
+
+
+def cid(text: str) -> ContainerId:
+    return ContainerId.from_chain(text.split("."))
+
+
+def gpus(n: float) -> ContainerConfig:
+    return ContainerConfig(resources=(Resource("gpus", n), Resource("cpus", 1.0)))
+
+
+def image(n: float, rootfs: str = "/rootfs/a", *env: str) -> ContainerConfig:
+    return ContainerConfig(
+        resources=(Resource("gpus", n),), rootfs=rootfs, image_env=env or ("NVIDIA_VISIBLE_DEVICES=all",)
+    )
+
+
+def granted(rig: Rig, c: ContainerId) -> list[int] | None:
+    """GPU minors the fake kernel lets ``c`` read and write; None when it has no cgroup."""
+    rules = rig.cgroups.rules_of(c)
+    if rules is None:
+        return None
+    return [m for m in range(16) if permits(rules, DeviceRule.char(NVIDIA_MAJOR, m, "rw"))]
+
+
+def held(rig: Rig, c: ContainerId) -> list[int]:
+    rec = rig.store.get(c)
+    return sorted(rec.gpus) if rec is not None else []
+
+
+def free(rig: Rig) -> frozenset[int]:
+    return rig.service.core.allocator.available
+
+
+@pytest.fixture
+def rig() -> Rig:
+    return fake_service("dgx-1")
+
+
+# ---- prepare ------------------------------------------------------------------------------------
+
+
+def test_prepare_records_then_grants_exactly_the_allocated_gpus(rig: Rig) -> None:
+    a = cid("a")
+    assert rig.service.prepare(a, gpus(2)) is None  # no image: the host's /dev, gated by the cgroup
+    assert held(rig, a) == [2, 3] == granted(rig, a)  # topology: an NV2 pair
+    rec = rig.store.get(a)
+    assert rec is not None and (rec.state, rec.mode, rec.cgroup_version) == ("prepared", "standalone", 1)
+    assert rec.created == rig.clock.time()
+    assert rec.rules.splitlines() == [str(r) for r in rig.cgroups.rules_of(a) or ()]
+    control = {str(r) for r in rig.cgroups.rules_of(a) or ()}
+    assert {"c 195:255 rwm", "c 510:0 rwm", "c 510:1 rwm"} <= control, "control devices, as Mesos"
+    assert free(rig) == frozenset(range(8)) - {2, 3}
+
+
+def test_prepare_with_zero_gpus_grants_the_control_devices_only(rig: Rig) -> None:
+    rig.service.prepare(cid("z"), gpus(0))
+    assert granted(rig, cid("z")) == [] and held(rig, cid("z")) == []
+    assert "c 195:255 rwm" in {str(r) for r in rig.cgroups.rules_of(cid("z")) or ()}
+
+
+def test_prepare_on_a_host_without_gpus_grants_mesos_defaults_only() -> None:
+    rig = fake_service(inventory=FakeInventory(Topology(gpus=())))
+    rig.service.prepare(cid("a"), gpus(0))
+    assert not any(r.major == 195 for r in rig.cgroups.rules_of(cid("a")) or ())
+    with pytest.raises(GpusExhausted, match="Requested 1 gpus but only 0 available"):
+        rig.service.prepare(cid("b"), gpus(1))
+
+
+def test_prepare_twice_is_already_exists_and_changes_nothing(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), gpus(1))
+    with pytest.raises(AlreadyExists):
+        rig.service.prepare(cid("a"), gpus(3))
+    assert held(rig, cid("a")) == granted(rig, cid("a")) and len(held(rig, cid("a"))) == 1
+
+
+@pytest.mark.parametrize("count", [0.5, -1.0, float("nan"), float("inf"), 2.0**40])
+def test_prepare_refuses_a_bad_gpu_count_with_mesos_message_before_anything(rig: Rig, count: float) -> None:
+    with pytest.raises(InvalidGpuCount, match="The 'gpus' resource must be an unsigned integer"):
+        rig.service.prepare(cid("a"), gpus(count))
+    assert rig.store.load() == {} and rig.cgroups.cgroups == {}
+
+
+def test_prepare_beyond_what_is_free_is_exhausted_and_leaves_nothing(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), gpus(6))
+    with pytest.raises(GpusExhausted):
+        rig.service.prepare(cid("b"), gpus(3))
+    assert rig.store.get(cid("b")) is None and not rig.cgroups.exists(cid("b"))
+    assert len(free(rig)) == 2
+
+
+@pytest.mark.parametrize(
+    ("edge", "step", "error"),
+    [
+        ("store", "record", StateError),
+        ("cgroups", "prepare", CgroupError),
+        ("cgroups", "apply", CgroupError),
+        ("volumes", "acquire", Internal),  # the volumes package's error, mapped by its code
+    ],
+)
+def test_a_failure_half_way_through_prepare_undoes_everything(rig: Rig, edge: str, step: str, error: type) -> None:
+    rig.filesystem.make_dirs("/rootfs/a")
+    getattr(rig, edge).faults.fail_at(step)
+    with pytest.raises(error, match="injected fault"):
+        rig.service.prepare(cid("a"), image(2))
+    assert rig.store.get(cid("a")) is None, "the record is gone"
+    assert not rig.cgroups.exists(cid("a")), "the cgroup is gone"
+    assert free(rig) == frozenset(range(8)), "the GPUs are free"
+    assert not rig.volumes.in_use_by("a")
+    rig.service.cleanup(cid("a"))  # and the following cleanup succeeds
+    rig.service.prepare(cid("a"), gpus(2))  # and the ID can be prepared again
+
+
+def test_prepare_records_before_the_kernel_grants(rig: Rig) -> None:
+    seen = []
+    real_apply = rig.cgroups.apply
+
+    def apply(c, rules):
+        seen.append(rig.store.get(c))
+        real_apply(c, rules)
+
+    rig.cgroups.apply = apply  # type: ignore[method-assign]
+    rig.service.prepare(cid("a"), gpus(1))
+    assert seen and seen[0] is not None and seen[0].gpus == frozenset(held(rig, cid("a")))
+
+
+def test_prepare_with_an_image_mounts_the_volume_and_only_the_allocated_nodes(rig: Rig) -> None:
+    rig.filesystem.make_dirs("/rootfs/a")
+    info = rig.service.prepare(cid("a"), image(2))
+    assert info is not None
+    targets = [m.target for m in info.mounts]
+    assert targets[0] == "/rootfs/a/usr/local/nvidia"
+    assert info.mounts[0].source == "/fake/volumes/nvidia_535.104.05"
+    assert targets[1:] == [
+        "/rootfs/a/dev/nvidia2",
+        "/rootfs/a/dev/nvidia3",
+        "/rootfs/a/dev/nvidiactl",
+        "/rootfs/a/dev/nvidia-uvm",
+        "/rootfs/a/dev/nvidia-uvm-tools",
+    ]
+    assert dict(info.environment)["LD_LIBRARY_PATH"].endswith("/usr/local/nvidia/lib64")
+    assert rig.filesystem.is_dir("/rootfs/a/usr/local/nvidia")
+    assert rig.store.get(cid("a")).volume_version == "535.104.05"  # type: ignore[union-attr]
+    assert rig.volumes.in_use_by("a")
+
+
+def test_prepare_with_an_image_not_asking_for_the_volume_gets_device_nodes_only(rig: Rig) -> None:
+    rig.filesystem.make_dirs("/rootfs/a")
+    info = rig.service.prepare(cid("a"), image(1, "/rootfs/a", "PATH=/bin"))
+    assert info is not None and info.environment == ()
+    assert info.mounts[0].target == "/rootfs/a/dev/nvidia0"
+    assert not rig.volumes.in_use_by("a")
+
+
+def test_prepare_refuses_a_missing_rootfs_and_a_too_new_cuda_before_allocating(rig: Rig) -> None:
+    with pytest.raises(InvalidArgument, match="rootfs '/rootfs/nope' does not exist"):
+        rig.service.prepare(cid("a"), image(1, "/rootfs/nope"))
+    rig.filesystem.make_dirs("/rootfs/a")
+    with pytest.raises(FailedPrecondition, match=r"12\.2"):
+        rig.service.prepare(
+            cid("a"), image(1, "/rootfs/a", "NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_REQUIRE_CUDA=cuda>=12.4")
+        )
+    assert rig.store.load() == {} and free(rig) == frozenset(range(8))
+
+
+def test_prepare_on_a_mig_host_grants_and_mounts_the_mig_capabilities() -> None:
+    rig = fake_service("dgx-a100")
+    mig_gpus = [r.gpu.minor for r in rig.inventory.records if r.mig_enabled]
+    assert mig_gpus, "dgx-a100 ships MIG-enabled GPUs"
+    rig.filesystem.make_dirs("/rootfs/a")
+    rig.service.prepare(cid("a"), image(8))
+    caps = [r for r in rig.cgroups.rules_of(cid("a")) or () if r.major == 511]
+    assert caps, "the nvidia-caps nodes of the MIG devices are granted"
+
+
+def test_nested_containers_use_their_parents_gpus_and_debug_ones_get_nothing(rig: Rig) -> None:
+    rig.filesystem.make_dirs("/rootfs/a")
+    rig.filesystem.make_dirs("/rootfs/child")
+    rig.service.prepare(cid("a"), gpus(2))
+    assert rig.service.prepare(cid("a.debug"), ContainerConfig(container_class="DEBUG", rootfs="/rootfs/x")) is None
+    info = rig.service.prepare(cid("a.child"), image(0, "/rootfs/child"))
+    assert info is not None
+    assert "/rootfs/child/dev/nvidia2" in [m.target for m in info.mounts]
+    assert rig.volumes.in_use_by("a.child")
+    assert rig.store.get(cid("a.child")) is None, "a nested container is never recorded"
+    orphan_child = rig.service.prepare(cid("b.child"), image(0, "/rootfs/child"))
+    assert orphan_child is not None and not any("/dev/nvidia0" in m.target for m in orphan_child.mounts)
+
+
+def test_a_failed_nested_prepare_releases_its_volume(rig: Rig) -> None:
+    rig.filesystem.make_dirs("/rootfs/child")
+    rig.service.prepare(cid("a"), gpus(1))
+    rig.filesystem.make_dirs = lambda path: (_ for _ in ()).throw(OSError("read-only"))  # type: ignore[method-assign]
+    with pytest.raises(OSError):
+        rig.service.prepare(cid("a.child"), image(0, "/rootfs/child"))
+    assert not rig.volumes.in_use_by("a.child")
+
+
+# ---- isolate --------------------------------------------------------------------------------------
+
+
+def test_isolate_places_the_pid_and_marks_the_container_isolated(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), gpus(1))
+    pid = rig.processes.spawn()
+    rig.service.isolate(cid("a"), pid)
+    assert rig.cgroups.pids(cid("a")) == (pid,)
+    assert rig.store.get(cid("a")).state == "isolated"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("pid", [-1, 0, 1, 1 << 22])
+def test_isolate_refuses_an_impossible_pid(rig: Rig, pid: int) -> None:
+    rig.service.prepare(cid("a"), gpus(1))
+    with pytest.raises(InvalidArgument, match=f"pid {pid} is not a valid container pid"):
+        rig.service.isolate(cid("a"), pid)
+
+
+def test_isolate_refuses_a_pid_that_is_gone_and_an_unknown_container(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), gpus(1))
+    with pytest.raises(FailedPrecondition, match="does not exist"):
+        rig.service.isolate(cid("a"), 4242)
+    with pytest.raises(NotFound, match="unknown container nobody"):
+        rig.service.isolate(cid("nobody"), rig.processes.spawn())
+
+
+def test_isolate_that_fails_to_place_the_pid_keeps_the_container_prepared(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), gpus(1))
+    rig.cgroups.faults.fail_at("add_pid")
+    with pytest.raises(CgroupError):
+        rig.service.isolate(cid("a"), rig.processes.spawn())
+    assert rig.store.get(cid("a")).state == "prepared"  # type: ignore[union-attr]
+
+
+def test_isolate_of_a_nested_container_on_v1_uses_the_top_level_cgroup(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), gpus(1))
+    pid = rig.processes.spawn()
+    rig.service.isolate(cid("a.child"), pid)
+    assert rig.cgroups.pids(cid("a")) == (pid,)
+
+
+def test_mesos_mode_isolate_waits_for_mesos_to_place_the_pid() -> None:
+    rig = fake_service(mode="mesos")
+    a = cid("a")
+    rig.cgroups.mesos_creates(a)
+    rig.service.prepare(a, gpus(1))
+    pid = rig.processes.spawn()
+    with pytest.raises(FailedPrecondition, match=f"pid {pid} is not in the cgroup"):
+        rig.service.isolate(a, pid)
+    assert rig.clock.slept >= 2.0, "it waited the settle time (on the manual clock, at once)"
+    rig.cgroups.add_pid(a, pid)  # Mesos's cgroups isolator did it
+    rig.service.isolate(a, pid)
+    assert rig.store.get(a).state == "isolated"  # type: ignore[union-attr]
+
+
+# ---- update ---------------------------------------------------------------------------------------
+
+
+def test_update_grows_by_adding_and_shrinks_by_revoking(rig: Rig) -> None:
+    a = cid("a")
+    rig.service.prepare(a, gpus(1))
+    first = held(rig, a)
+    rig.service.update(a, [Resource("gpus", 3.0)])
+    assert len(held(rig, a)) == 3 and set(first) <= set(held(rig, a)) and granted(rig, a) == held(rig, a)
+    rig.service.update(a, [Resource("gpus", 1.0)])
+    assert len(held(rig, a)) == 1 and granted(rig, a) == held(rig, a)
+    rig.service.update(a, [Resource("gpus", 0.0)])
+    assert held(rig, a) == [] == granted(rig, a) and free(rig) == frozenset(range(8))
+
+
+def test_update_beyond_what_is_free_is_exhausted_and_changes_nothing(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), gpus(6))
+    rig.service.prepare(cid("b"), gpus(1))
+    before = held(rig, cid("b"))
+    with pytest.raises(GpusExhausted):
+        rig.service.update(cid("b"), [Resource("gpus", 4.0)])
+    assert held(rig, cid("b")) == before == granted(rig, cid("b"))
+
+
+def test_update_refuses_nested_unknown_and_bad_counts(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), gpus(1))
+    with pytest.raises(FailedPrecondition, match="nested"):
+        rig.service.update(cid("a.child"), [Resource("gpus", 1.0)])
+    with pytest.raises(NotFound):
+        rig.service.update(cid("nobody"), [Resource("gpus", 1.0)])
+    with pytest.raises(InvalidGpuCount):
+        rig.service.update(cid("a"), [Resource("gpus", 1.5)])
+
+
+@pytest.mark.parametrize(("edge", "step"), [("store", "add_gpus"), ("cgroups", "apply")])
+def test_a_grow_that_fails_gives_the_new_gpus_back(rig: Rig, edge: str, step: str) -> None:
+    a = cid("a")
+    rig.service.prepare(a, gpus(1))
+    before = held(rig, a)
+    getattr(rig, edge).faults.fail_at(step)
+    with pytest.raises((StateError, CgroupError)):
+        rig.service.update(a, [Resource("gpus", 3.0)])
+    assert held(rig, a) == before == granted(rig, a)
+    assert free(rig) == frozenset(range(8)) - set(before)
+
+
+def test_a_shrink_whose_revocation_fails_keeps_the_gpus_recorded(rig: Rig) -> None:
+    a = cid("a")
+    rig.service.prepare(a, gpus(3))
+    before = held(rig, a)
+    rig.cgroups.faults.fail_at("apply")
+    with pytest.raises(CgroupError):
+        rig.service.update(a, [Resource("gpus", 1.0)])
+    assert held(rig, a) == before == granted(rig, a), "never release what the kernel still grants"
+
+
+# ---- watch, usage, status -------------------------------------------------------------------------
+
+
+def test_watch_answers_nothing_until_a_held_gpu_becomes_unhealthy(rig: Rig) -> None:
+    a = cid("a")
+    rig.service.prepare(a, gpus(2))
+    assert rig.service.watch(a, 0) is None
+    rig.inventory.xid(7, 79)  # not one of a's
+    assert rig.service.watch(a, 0) is None
+    rig.inventory.xid(held(rig, a)[0], 79)
+    limitation = rig.service.watch(a, 0)
+    assert limitation is not None and limitation.gpus == 1
+    assert limitation.reason == "REASON_CONTAINER_LIMITATION"
+    assert "XID 79" in limitation.message and "container a holds a GPU that became unhealthy" in limitation.message
+    assert rig.service.watch(cid("a.child"), 0) is not None, "a nested container watches its parent's GPUs"
+
+
+def test_a_waiting_watch_wakes_on_the_xid(rig: Rig) -> None:
+    a = cid("a")
+    rig.service.prepare(a, gpus(1))
+    out = []
+    waiter = threading.Thread(target=lambda: out.append(rig.service.watch(a, 10)))
+    waiter.start()
+    rig.inventory.xid(held(rig, a)[0], 48)
+    waiter.join(5)
+    assert not waiter.is_alive() and out and out[0] is not None
+
+
+def test_watch_of_an_unknown_container(rig: Rig) -> None:
+    with pytest.raises(NotFound):
+        rig.service.watch(cid("nobody"), 0)
+    assert rig.service.watch(cid("nobody.child"), 0) is None
+
+
+def test_usage_and_status_report_the_held_gpus(rig: Rig) -> None:
+    a = cid("a")
+    rig.service.prepare(a, gpus(2))
+    minor = held(rig, a)[0]
+    rig.inventory.set_usage(minor, memory_used=1 << 30, utilization=40)
+    usage = rig.service.usage(a)
+    assert usage.timestamp == rig.clock.time()
+    assert [g.minor for g in usage.gpus] == held(rig, a)
+    assert (usage.gpus[0].memory_used_bytes, usage.gpus[0].utilization_percent) == (1 << 30, 40)
+    status = rig.service.status(a)
+    assert status.state == "prepared" and len(status.gpu_uuids) == 2
+    assert rig.service.status(cid("a.child")) == status
+    rig.inventory.lose_nvml()
+    with pytest.raises(NvmlError):
+        rig.service.usage(a)
+    for call in (rig.service.usage, rig.service.status):
+        with pytest.raises(NotFound):
+            call(cid("nobody"))
+
+
+def test_usage_of_a_container_without_gpus_is_empty() -> None:
+    rig = fake_service(inventory=EmptyInventory())  # type: ignore[arg-type]
+    rig.service.prepare(cid("a"), gpus(0))
+    assert rig.service.usage(cid("a")).gpus == ()
+
+
+# ---- cleanup ----------------------------------------------------------------------------------------
+
+
+def test_cleanup_removes_the_cgroup_then_the_record_then_frees_the_gpus(rig: Rig) -> None:
+    a = cid("a")
+    rig.filesystem.make_dirs("/rootfs/a")
+    rig.service.prepare(a, image(2))
+    rig.service.cleanup(a)
+    assert not rig.cgroups.exists(a) and rig.store.get(a) is None and free(rig) == frozenset(range(8))
+    assert not rig.volumes.in_use_by("a")
+    rig.service.cleanup(a)  # idempotent
+    rig.service.cleanup(cid("never-seen"))  # MESOS-6059
+
+
+def test_cleanup_of_a_nested_container_releases_only_its_volume(rig: Rig) -> None:
+    rig.filesystem.make_dirs("/rootfs/child")
+    rig.service.prepare(cid("a"), gpus(1))
+    rig.service.prepare(cid("a.child"), image(0, "/rootfs/child"))
+    rig.service.cleanup(cid("a.child"))
+    assert not rig.volumes.in_use_by("a.child") and len(held(rig, cid("a"))) == 1
+
+
+def test_cleanup_that_cannot_remove_the_cgroup_keeps_the_record_and_the_grant(rig: Rig) -> None:
+    a = cid("a")
+    rig.service.prepare(a, gpus(1))
+    rig.service.isolate(a, rig.processes.spawn())
+    with pytest.raises(CgroupBusy):
+        rig.service.cleanup(a)
+    assert len(held(rig, a)) == 1 and granted(rig, a) == held(rig, a)
+    rig.cgroups.faults.fail_at("cleanup")
+    with pytest.raises(CgroupError):
+        rig.service.cleanup(a)
+    assert len(held(rig, a)) == 1
+
+
+def test_cleanup_whose_record_removal_fails_leaves_the_gpus_booked(rig: Rig) -> None:
+    a = cid("a")
+    rig.service.prepare(a, gpus(1))
+    rig.store.faults.fail_at("remove")
+    with pytest.raises(StateError):
+        rig.service.cleanup(a)
+    assert len(held(rig, a)) == 1 and free(rig) == frozenset(range(8)) - set(held(rig, a))
+    rig.service.cleanup(a)  # Mesos retries; the cgroup is already gone, the record goes now
+    assert rig.store.get(a) is None and free(rig) == frozenset(range(8))
+
+
+def test_a_volume_release_failure_does_not_fail_cleanup(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), gpus(1))
+    rig.volumes.faults.fail_at("release")
+    rig.service.cleanup(cid("a"))
+    assert rig.store.get(cid("a")) is None
+
+
+# ---- issue 16: isolation holds under faults ---------------------------------------------------------
+
+
+def test_a_grow_whose_state_write_fails_after_the_grant_revokes_it(rig: Rig) -> None:
+    # core.apply grants in the kernel, then records the rules: the record fails after the grant.
+    a = cid("a")
+    rig.service.prepare(a, gpus(1))
+    before = held(rig, a)
+    rig.store.faults.fail_at("update", container=a)
+    with pytest.raises(StateError):
+        rig.service.update(a, [Resource("gpus", 3.0)])
+    assert granted(rig, a) == before, "the kernel must not keep GPUs the record let go"
+    assert held(rig, a) == before and free(rig) == frozenset(range(8)) - set(before)
+
+
+@pytest.mark.parametrize("mode", ["standalone", "mesos"])
+def test_prepare_refuses_a_cgroup_that_already_has_processes(mode: str) -> None:
+    # Left behind by a forced release, or made by someone else under our root: its processes would
+    # get the new GPUs at once, without any Isolate.
+    rig = fake_service("dgx-1", mode=mode)
+    a = cid("a")
+    rig.cgroups.mesos_creates(a)
+    squatter = rig.processes.spawn()
+    rig.cgroups.add_pid(a, squatter)
+    with pytest.raises(FailedPrecondition, match=rf"already has processes \[{squatter}\]"):
+        rig.service.prepare(a, gpus(2))
+    assert granted(rig, a) == [] and rig.store.get(a) is None and free(rig) == frozenset(range(8))
+    rig.cgroups.kill(squatter)
+    rig.service.prepare(a, gpus(2))
+    assert len(granted(rig, a) or []) == 2

@@ -1,0 +1,185 @@
+"""Recovery in-process over the fakes: start-up booking, every Recover decision, and the reaper.
+
+Each decision of isolator.reconcile (revoke, reapply, release, mark orphan, keep) is driven through
+the service with the fake kernel and store set up the way a crash or a restart leaves them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from isolator.devices import NVIDIA_MAJOR, DeviceRule, container_rules, permits
+from isolator.errors import CgroupError, GpusExhausted
+from isolator.model import ContainerConfig, ContainerId, ContainerRecord, ContainerState, Resource
+from isolator.testing import Rig, fake_service
+
+
+def cid(text: str) -> ContainerId:
+    return ContainerId.from_chain(text.split("."))
+
+
+def gpus(n: int) -> ContainerConfig:
+    return ContainerConfig(resources=(Resource("gpus", float(n)),))
+
+
+def granted(rig: Rig, c: ContainerId) -> list[int] | None:
+    rules = rig.cgroups.rules_of(c)
+    if rules is None:
+        return None
+    return [m for m in range(16) if permits(rules, DeviceRule.char(NVIDIA_MAJOR, m, "rw"))]
+
+
+def held(rig: Rig, c: ContainerId) -> list[int]:
+    rec = rig.store.get(c)
+    return sorted(rec.gpus) if rec is not None else []
+
+
+def rules_granting(rig: Rig, *minors: int) -> tuple[DeviceRule, ...]:
+    return container_rules(rig.devices.control_devices(), minors)
+
+
+def running(*names: str) -> list[ContainerState]:
+    return [ContainerState(cid(n), pid=100 + i) for i, n in enumerate(names)]
+
+
+# ---- start-up -----------------------------------------------------------------------------------
+
+
+def test_a_restart_books_every_recorded_gpu_before_the_first_request() -> None:
+    rig = fake_service("dgx-1")
+    rig.service.prepare(cid("a"), gpus(6))
+    service = rig.restart()  # the bridge route: Mesos never calls Recover
+    assert service.core.allocator.allocated == frozenset(held(rig, cid("a")))
+    with pytest.raises(GpusExhausted):
+        service.prepare(cid("b"), gpus(3))
+
+
+def test_a_record_of_gpus_this_host_lacks_keeps_only_the_known_ones() -> None:
+    rig = fake_service("dgx-1")
+    rig.store.record(ContainerRecord(cid("a"), gpus=frozenset({1, 42}), mode="standalone"))
+    service = rig.restart()
+    assert service.core.allocator.allocated == frozenset({1})
+
+
+# ---- standalone Recover -------------------------------------------------------------------------
+
+
+def test_recover_keeps_containers_whose_record_and_kernel_agree() -> None:
+    rig = fake_service("dgx-1")
+    rig.service.prepare(cid("a"), gpus(2))
+    before = rig.cgroups.applied[:]
+    result = rig.restart().recover([], [])
+    assert (result.recovered, result.released) == (1, 0)
+    assert granted(rig, cid("a")) == held(rig, cid("a"))
+    assert rig.cgroups.applied == before, "nothing to re-apply"
+
+
+def test_recover_remakes_the_cgroup_of_a_record_left_without_one() -> None:
+    # A kill between recording and creating the cgroup (prepare), or between removing the cgroup and
+    # forgetting the record (cleanup).
+    rig = fake_service("dgx-1")
+    rig.service.prepare(cid("a"), gpus(2))
+    rig.cgroups.vanish(cid("a"))
+    rig.restart().recover([], [])
+    assert granted(rig, cid("a")) == held(rig, cid("a")) and len(held(rig, cid("a"))) == 2
+
+
+def test_recover_reapplies_recorded_gpus_the_kernel_does_not_grant() -> None:
+    # A kill between recording a grow (update) and granting it.
+    rig = fake_service("dgx-1")
+    rig.service.prepare(cid("a"), gpus(1))
+    rig.store.add_gpus(cid("a"), [7])
+    assert 7 not in (granted(rig, cid("a")) or [])
+    rig.restart().recover([], [])
+    assert granted(rig, cid("a")) == held(rig, cid("a")) and 7 in held(rig, cid("a"))
+    assert "c 195:7 rwm" in rig.store.get(cid("a")).rules  # type: ignore[union-attr]
+
+
+def test_recover_revokes_what_the_kernel_grants_beyond_the_record() -> None:
+    # Anything the kernel grants that is not recorded is revoked (a kill between a grant and its record).
+    rig = fake_service("dgx-1")
+    rig.service.prepare(cid("a"), gpus(1))
+    mine = held(rig, cid("a"))
+    rig.cgroups.grant_behind_our_back(cid("a"), rules_granting(rig, *mine, 5))
+    rig.restart().recover([], [])
+    assert granted(rig, cid("a")) == mine
+
+
+# ---- mesos Recover ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def mesos() -> Rig:
+    rig = fake_service("dgx-1", mode="mesos")
+    for name in ("a", "b", "c"):
+        rig.cgroups.mesos_creates(cid(name))
+        rig.service.prepare(cid(name), gpus(2))
+    return rig
+
+
+def test_recover_releases_a_container_mesos_no_longer_knows(mesos: Rig) -> None:
+    b_gpus = held(mesos, cid("b"))
+    result = mesos.restart().recover(running("a", "c"), [])
+    assert (result.recovered, result.released) == (2, 1)
+    assert mesos.store.get(cid("b")) is None
+    assert granted(mesos, cid("b")) == [], "its grants are revoked before its GPUs go back"
+    assert set(b_gpus) <= mesos.service.core.allocator.available
+
+
+def test_recover_keeps_an_orphans_gpus_until_its_cleanup(mesos: Rig) -> None:
+    c_gpus = held(mesos, cid("c"))
+    result = mesos.restart().recover(running("a", "b"), [cid("c")])
+    assert result.released == 0
+    assert mesos.store.get(cid("c")).state == "orphan"  # type: ignore[union-attr]
+    assert granted(mesos, cid("c")) == c_gpus
+    assert not set(c_gpus) & mesos.service.core.allocator.available
+    mesos.service.cleanup(cid("c"))
+    assert set(c_gpus) <= mesos.service.core.allocator.available
+
+
+def test_recover_reapplies_for_a_running_container_and_keeps_one_without_a_cgroup(mesos: Rig) -> None:
+    mesos.cgroups.grant_behind_our_back(cid("a"), rules_granting(mesos))  # lost its grants
+    mesos.cgroups.vanish(cid("b"))  # Mesos runs it, but its cgroup is not there (yet)
+    mesos.restart().recover(running("a", "b", "c"), [])
+    assert granted(mesos, cid("a")) == held(mesos, cid("a")) and len(held(mesos, cid("a"))) == 2
+    assert len(held(mesos, cid("b"))) == 2, "its GPUs stay reserved until its cleanup"
+
+
+def test_recover_ignores_nested_orphans_and_states_of_nested_containers(mesos: Rig) -> None:
+    result = mesos.restart().recover(running("a", "b", "c", "a.child"), [cid("c.child")])
+    assert (result.recovered, result.released) == (3, 0)
+
+
+def test_a_recover_action_that_fails_is_reported_and_recover_can_run_again(mesos: Rig) -> None:
+    mesos.cgroups.faults.fail_at("cleanup")
+    with pytest.raises(CgroupError):
+        mesos.restart().recover(running("a", "c"), [])
+    assert mesos.store.get(cid("b")) is not None, "not forgotten while its rules may still be in force"
+    result = mesos.service.recover(running("a", "c"), [])
+    assert result.released == 1 and mesos.store.get(cid("b")) is None
+
+
+def test_kernel_grants_reads_the_kernel_or_says_there_is_no_cgroup(mesos: Rig) -> None:
+    recovery = mesos.service.recovery
+    assert recovery.kernel_grants(cid("a")) == frozenset(held(mesos, cid("a")))
+    assert recovery.kernel_grants(cid("nobody")) is None
+
+
+# ---- reaper ---------------------------------------------------------------------------------------
+
+
+def test_the_reaper_releases_containers_whose_mesos_cgroup_vanished(mesos: Rig) -> None:
+    b_gpus = held(mesos, cid("b"))
+    assert mesos.service.reap_vanished() == []
+    mesos.cgroups.vanish(cid("b"))
+    assert mesos.service.reap_vanished() == [cid("b")]
+    assert mesos.store.get(cid("b")) is None and set(b_gpus) <= mesos.service.core.allocator.available
+    assert mesos.service.reap_vanished() == []
+
+
+def test_the_reaper_does_nothing_in_standalone_mode() -> None:
+    rig = fake_service("dgx-1")
+    rig.service.prepare(cid("a"), gpus(1))
+    rig.cgroups.vanish(cid("a"))
+    assert rig.service.reap_vanished() == []
+    assert rig.store.get(cid("a")) is not None

@@ -253,6 +253,20 @@ def test_mesos_mode_uses_the_cgroup_mesos_made_and_leaves_it(mesos: Backend) -> 
     assert not any(r.major == 195 for r in kernel), "our grants are gone"
 
 
+def test_a_nested_cgroup_takes_its_parents_rules_through_apply_nested(mesos: Backend) -> None:
+    cg = mesos.cgroups
+    a, child = cid("contract-n"), cid("contract-n.task")
+    mesos.mesos_creates(a)
+    cg.prepare(a)
+    cg.apply(a, rules_for(0, 1))
+    mesos.mesos_creates(child)  # made after the grant: on v1 the kernel copied the parent's list
+    cg.apply_nested(child, rules_for(0, 1))
+    assert set(cg.current(child)) == set(rules_for(0, 1))
+    cg.apply_nested(child, rules_for(1))
+    assert set(cg.current(child)) == set(rules_for(1))
+    assert set(cg.current(a)) == set(rules_for(0, 1)), "the parent keeps its own"
+
+
 # ---- StateStore ----------------------------------------------------------------------------------
 
 

@@ -478,3 +478,57 @@ def test_prepare_refuses_a_cgroup_that_already_has_processes(mode: str) -> None:
     rig.cgroups.kill(squatter)
     rig.service.prepare(a, gpus(2))
     assert len(granted(rig, a) or []) == 2
+
+
+# ---- nested containers with cgroups of their own (mesos mode, share_cgroups=false) ---------------
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_a_nested_cgroup_follows_its_top_level_containers_grants(version: str) -> None:
+    rig = fake_service("dgx-1", mode="mesos", version=version)
+    a, child = cid("a"), cid("a.task")
+    rig.cgroups.mesos_creates(a)
+    rig.service.prepare(a, gpus(1))
+    rig.cgroups.mesos_creates(child)  # the agent makes <a>/mesos/task for the nested container
+    core = rig.service.core
+    assert core.nested_cgroups(a) == [child]
+    assert core.governing(child) == child and core.governing(cid("a.shared")) == a
+    rig.service.update(a, [Resource("gpus", 2.0)])
+    assert granted(rig, child) == held(rig, a) and len(held(rig, a)) == 2
+    rig.service.update(a, [Resource("gpus", 0.0)])
+    assert granted(rig, child) == [] == held(rig, a)
+
+
+def test_apply_nested_gives_a_nested_cgroup_exactly_the_rules_asked() -> None:
+    rig = fake_service("dgx-1", mode="mesos")
+    a, child = cid("a"), cid("a.task")
+    rig.cgroups.mesos_creates(a)
+    rig.cgroups.mesos_creates(child)
+    core = rig.service.core
+    core.apply_nested(child, core.rules(frozenset({3})))
+    assert granted(rig, child) == [3] and granted(rig, a) == []
+
+
+def test_isolate_of_a_nested_container_with_its_own_cgroup_waits_for_the_pid_there() -> None:
+    rig = fake_service("dgx-1", mode="mesos")
+    a, child = cid("a"), cid("a.task")
+    rig.cgroups.mesos_creates(a)
+    rig.service.prepare(a, gpus(1))
+    rig.cgroups.mesos_creates(child)
+    pid = rig.processes.spawn()
+    rig.cgroups.add_pid(child, pid)
+    rig.service.isolate(child, pid)
+    with pytest.raises(FailedPrecondition, match="is not in the cgroup"):
+        rig.service.isolate(child, rig.processes.spawn())
+
+
+def test_a_grow_into_a_vanished_cgroup_keeps_only_what_was_held(rig: Rig) -> None:
+    # Nothing can be granted in a cgroup that is gone, so nothing granted needs revoking: the new
+    # GPUs go back, the old ones stay recorded (the container may still live).
+    a = cid("a")
+    rig.service.prepare(a, gpus(1))
+    before = held(rig, a)
+    rig.cgroups.vanish(a)
+    with pytest.raises(NotFound):
+        rig.service.update(a, [Resource("gpus", 2.0)])
+    assert held(rig, a) == before and free(rig) == frozenset(range(8)) - set(before)

@@ -192,6 +192,12 @@ class V1DeviceController:
     def apply(self, container: ContainerId, rules: Iterable[DeviceRule]) -> None:
         self.apply_path(self.cgroup_path(container), rules, str(container))
 
+    def apply_nested(self, container: ContainerId, rules: Iterable[DeviceRule]) -> None:
+        rules = tuple(rules)
+        parent = container.parent
+        self.apply_path(os.path.dirname(self.cgroup_path(container)), rules, f"{parent} (mesos)")
+        self.apply(container, rules)
+
     def apply_path(self, cgroup: str, rules: Iterable[DeviceRule], container: str = "") -> None:
         """``apply`` to a cgroup that is not a container's: the ``<parent>/mesos`` cgroup between a
         container and its nested ones, which the kernel filled with a copy of the parent's list

@@ -330,6 +330,10 @@ class V2DeviceController:
     def apply(self, container: ContainerId, rules: Iterable[DeviceRule]) -> None:
         self._apply(container, tuple(rules), checkpoint=True)
 
+    def apply_nested(self, container: ContainerId, rules: Iterable[DeviceRule]) -> None:
+        # A nested cgroup's program is attached to it alone: no cgroup in between filters it.
+        self.apply(container, rules)
+
     def current(self, container: ContainerId) -> tuple[DeviceRule, ...]:
         # The checkpoint outlives a cgroup removed behind our back; what is in force then is nothing.
         path = self.cgroup_path(container)

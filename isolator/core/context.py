@@ -13,7 +13,6 @@ I/O; recovery holds ``locks.exclusive()``. Ordering rules that keep the sidecar 
 from __future__ import annotations
 
 import logging
-import posixpath
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -273,10 +272,7 @@ class Core:
 
     def apply_nested(self, child: ContainerId, rules: tuple[devrules.DeviceRule, ...]) -> None:
         """Apply ``rules`` to a nested container's own cgroup (on v1 through the ``mesos`` one above it)."""
-        apply_path = getattr(self.cgroups, "apply_path", None)  # v1 only
-        if apply_path is not None:
-            apply_path(posixpath.dirname(self.cgroups.cgroup_path(child)), rules, f"{child.parent} (mesos)")
-        self.cgroups.apply(child, rules)
+        self.cgroups.apply_nested(child, rules)
 
     def drop(self, cid: ContainerId, rec: ContainerRecord) -> None:
         """Forget a container whose rules are already gone: its record, then its GPUs; wake watchers."""

@@ -375,6 +375,8 @@ class Hooks:
         if recorded:
             try:
                 core.cgroups.apply(cid, core.rules(kept, units))
+            except CgroupVanished:
+                pass  # no cgroup, no grant: nothing to revoke
             except Exception:
                 LOG.exception(
                     "failed to revoke GPUs %s of %s after a failed update; they stay booked", sorted(add), cid

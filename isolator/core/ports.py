@@ -38,6 +38,8 @@ class CgroupBackend(Protocol):
     * ``in_force(c)``: what the kernel enforces and where that was read, for the admin views.
     * ``exists(c)``, ``nested_names(c)``: whether the cgroup exists; the names of the cgroups Mesos
       made for nested containers below it (``<c>/mesos/<name>``).
+    * ``apply_nested(c, rules)``: ``apply`` to a nested container's own cgroup; on v1 a grant first
+      passes through the ``<parent>/mesos`` cgroup between them, which may never allow less.
     * ``add_pid(c, pid)`` / ``pids(c)``: place and list processes (``cgroup.procs``).
     * ``cleanup(c)``: remove exactly what we added; a missing cgroup is success. Idempotent.
     """
@@ -54,6 +56,8 @@ class CgroupBackend(Protocol):
     def prepare(self, container: ContainerId) -> None: ...
 
     def apply(self, container: ContainerId, rules: Iterable[DeviceRule]) -> None: ...
+
+    def apply_nested(self, container: ContainerId, rules: Iterable[DeviceRule]) -> None: ...
 
     def current(self, container: ContainerId) -> tuple[DeviceRule, ...]: ...
 

@@ -101,6 +101,10 @@ class FakeCgroups:
             self.cgroups[container] = rules
             self.applied.append((container, rules))
 
+    def apply_nested(self, container: ContainerId, rules: Iterable[DeviceRule]) -> None:
+        self.faults.check("apply_nested", container)
+        self.apply(container, rules)
+
     def current(self, container: ContainerId) -> tuple[DeviceRule, ...]:
         self.faults.check("current", container)
         with self._lock:

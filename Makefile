@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: all install proto proto-check build check lint typecheck test test-unit test-gpu demo bench soak clean
+.PHONY: all install proto proto-check build check lint typecheck test test-unit test-gpu demo bench soak clean dist
 
 all: install build
 
@@ -60,14 +60,25 @@ UNIT_TESTS := tests/test_core_hooks.py tests/test_core_recovery.py tests/test_co
 test-unit: install build
 	$(PY) -m pytest -p no:cacheprovider $(UNIT_TESTS) $(PYTEST_ARGS)
 
+# The real-GPU suite. Without a GPU it fails (every test would skip, and a CI job on the wrong
+# runner would stay green) unless ALLOW_NO_GPU=1.
+ALLOW_NO_GPU ?=
 test-gpu: install build
+	@$(PY) scripts/gpu_present.py || [ "$(ALLOW_NO_GPU)" = 1 ]
 	$(PY) -m pytest -m gpu -rs $(PYTEST_ARGS)
 
 demo: install build
 	$(PY) scripts/demo.py
 
 clean:
-	rm -rf build .pytest_cache .mypy_cache .ruff_cache
+	rm -rf build dist .pytest_cache .mypy_cache .ruff_cache
+
+# A wheel in dist/ with the systemd unit, the simulated hosts and the bridge executables
+# (console scripts gpu-isolator-<method>); built offline with the venv's setuptools.
+dist: $(STAMP)
+	rm -rf dist
+	$(PY) -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w dist .
+	@ls dist/*.whl
 
 # The figures of docs/bench.md, beside their floors and goals; a report that never fails the build.
 # Choose parts and sizes with e.g. BENCH_ARGS="--parts hooks,bridge --quick".

@@ -180,6 +180,24 @@ def _report(err_path: str | None, line: str) -> None:
     sys.stderr.buffer.write(data + b"\n")
 
 
+HELP = """\
+usage: gpu-isolator-<method> IN OUT ERR
+       gpu-isolator-bridge METHOD IN OUT ERR      (METHOD: prepare, isolate, watch, usage, cleanup)
+
+Forwards one isolator call of a Mesos agent (criteo/mesos-command-modules) to the gpu-isolator
+sidecar's bridge socket: reads the request from IN, writes the answer to OUT, or one line to ERR
+and a non-zero exit status (1 refused, 2 usage, 3 unreachable, 4 deadline, 5 signal, 6 bug).
+
+Install it for an agent with
+    python -m isolator.bridge install /usr/libexec/gpu-isolator [--socket PATH] [--timeout S]
+which writes this launcher and one gpu-isolator-<method> link per method; name those paths in the
+agent's modules.json (README "Configuring a Mesos agent", docs/mesos-agent.md).
+
+Environment: GPU_ISOLATOR_BRIDGE_SOCKET (default /run/gpu-isolator/isolator.sock.bridge),
+GPU_ISOLATOR_BRIDGE_TIMEOUT (seconds, default 25).
+"""
+
+
 def _log(line: str) -> None:
     sys.stderr.buffer.write(" ".join(line.split()).encode("utf-8", "replace") + b"\n")
 
@@ -199,6 +217,14 @@ def _quiet_watch(message: str) -> int:
 
 def main(argv: list[str] | None = None, socket_path: str | None = None, timeout: float | None = None) -> int:
     argv = sys.argv if argv is None else argv
+    if argv[1:] == ["--version"]:
+        from isolator import __version__  # the package's __init__: already imported by the launcher
+
+        sys.stdout.write(f"gpu-isolator-bridge {__version__}\n")
+        return EXIT_OK
+    if argv[1:] in (["--help"], ["-h"]):
+        sys.stdout.write(HELP)
+        return EXIT_OK
     _signal.signal(_signal.SIGTERM, _on_signal)
     _signal.signal(_signal.SIGINT, _on_signal)
     started = time.monotonic()

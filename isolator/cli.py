@@ -1,6 +1,7 @@
 """``gpu-isolator``: the daemon (``serve``) and the admin commands. The only module that prints.
 
-Exit codes: 0 ok, 1 error, 2 usage, 3 the sidecar cannot be reached (the message names the socket).
+Exit codes: 0 ok, 1 error, 2 usage, 3 the sidecar cannot be reached (the message names the socket);
+``serve`` exits 4 when the node's GPUs are unavailable (no usable NVML, fewer GPUs than configured).
 Errors are one line on stderr, never a traceback.
 """
 
@@ -17,10 +18,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from isolator import __version__
 from isolator import config as configmod
-from isolator.errors import IsolatorError
+from isolator.errors import GpusUnavailable, IsolatorError
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_GPUS = 0, 1, 2, 3, 4
 
 
 class UsageError(Exception):
@@ -34,19 +36,46 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
+def _seconds(value: str) -> float:
+    """A positive, finite number of seconds; anything else is a usage error naming the value."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < 86400 * 365:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds above 0")
+    return seconds
+
+
 def build_parser() -> Parser:
     parser = Parser(prog="gpu-isolator", description="GPU isolator sidecar for Apache Mesos agents")
+    parser.add_argument("--version", action="version", version=f"gpu-isolator {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     sub.required = True
 
     serve = sub.add_parser("serve", help="run the sidecar on its Unix socket")
     configmod.add_serve_arguments(serve)
 
+    unit = sub.add_parser(
+        "install-unit",
+        help="install the systemd unit (Type=notify, watchdog, hardening) for this executable",
+        description="Write gpu-isolator.service into DIR with ExecStart pointing at this installation, and a"
+        " config file if there is none. Then: systemctl daemon-reload && systemctl enable --now gpu-isolator",
+    )
+    unit.add_argument("--dir", default="/etc/systemd/system", help="where units go (default /etc/systemd/system)")
+    unit.add_argument(
+        "--config",
+        dest="unit_config",
+        default="/etc/gpu-isolator/config.toml",
+        help='the config file ExecStart names; written with mode = "mesos" if missing'
+        " (default /etc/gpu-isolator/config.toml)",
+    )
+
     def admin(name: str, help_text: str) -> Parser:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--socket", default=configmod.DEFAULT_SOCKET, help="the sidecar's socket")
         p.add_argument("--json", action="store_true", help="print JSON (a stable shape) instead of a table")
-        p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
+        p.add_argument("--timeout", type=_seconds, default=10.0, help="seconds to wait for an answer (default 10)")
         return p
 
     cdi = sub.add_parser("cdi", help="Container Device Interface spec of the managed GPUs")
@@ -231,13 +260,15 @@ def _container_rows(containers: list[dict[str, Any]], now: float) -> list[dict[s
     for c in containers:
         depth = _depth(c.get("container_id", {}))
         name = c.get("id", "") if not depth else "   " * (depth - 1) + branch + c["container_id"]["value"]
-        gpus = _list(c.get("gpu_indices", []))
+        indices = c.get("gpu_indices", [])
+        # How many, then which (NVML indices): "1 [0]" is one GPU, GPU 0; a bare index read as a count.
+        gpus = f"{len(indices)} [{_list(indices)}]" if indices else "0 (none asked)"
         rows.append(
             dict(
                 c,
                 name=name,
                 # A nested container uses its parent's GPUs; the parentheses say they are not its own.
-                gpus=f"({gpus})" if c.get("nested") and gpus != "-" else gpus,
+                gpus=f"({gpus})" if c.get("nested") and indices else ("-" if c.get("nested") else gpus),
                 volume=c.get("volume_version") or "-",
                 age=_age(float(c.get("created", now)), now),
             )
@@ -509,6 +540,52 @@ def _run_cdi(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+DEFAULT_CONFIG_TEXT = """\
+# gpu-isolator serve settings; keys are the flags without their dashes (README "Running the sidecar").
+mode = "mesos"
+socket = "/run/gpu-isolator/isolator.sock"
+work_dir = "/var/lib/gpu-isolator"
+"""
+
+
+def unit_text(executable: str, config_path: str) -> str:
+    """The shipped unit with its placeholders filled in."""
+    from importlib.resources import files
+
+    template = files("isolator").joinpath("data/gpu-isolator.service").read_text()
+    return template.replace("@EXEC@", executable).replace("@CONFIG@", config_path)
+
+
+def _run_install_unit(args: argparse.Namespace) -> int:
+    import shutil
+
+    executable = shutil.which("gpu-isolator") or ""
+    here = os.path.join(os.path.dirname(sys.executable), "gpu-isolator")
+    if os.access(here, os.X_OK):
+        executable = here  # the one of this installation (a venv), not the first on PATH
+    if not executable:
+        executable = f"{sys.executable} -m isolator"
+    unit_path = os.path.join(args.dir, "gpu-isolator.service")
+    try:
+        os.makedirs(args.dir, exist_ok=True)
+        if not os.path.exists(args.unit_config):
+            os.makedirs(os.path.dirname(os.path.abspath(args.unit_config)), exist_ok=True)
+            with open(args.unit_config, "w") as fh:
+                fh.write(DEFAULT_CONFIG_TEXT)
+            print(f"wrote {args.unit_config}")
+        tmp = unit_path + ".tmp"
+        with open(tmp, "w") as fh:
+            fh.write(unit_text(executable, os.path.abspath(args.unit_config)))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, unit_path)
+    except OSError as exc:
+        _fail(f"install-unit: failed to write '{exc.filename}': {exc.strerror}")
+        return EXIT_ERROR
+    print(f"wrote {unit_path}")
+    print("now: systemctl daemon-reload && systemctl enable --now gpu-isolator")
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -523,6 +600,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_cdi(args)
         if args.command == "resources":
             return _run_resources(args)
+        if args.command == "install-unit":
+            return _run_install_unit(args)
         try:
             return _run_admin(args)
         except (UsageError, BrokenPipeError, KeyboardInterrupt):
@@ -530,6 +609,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as exc:  # a bug here must still be one line for the operator, not a traceback
             _fail(f"{args.command}: unexpected {type(exc).__name__}: {exc}")
             return EXIT_ERROR
+    except GpusUnavailable as exc:
+        print(f"gpu-isolator: {exc.message}", file=sys.stderr)
+        return EXIT_NO_GPUS
     except IsolatorError as exc:
         print(f"gpu-isolator: {exc.message}", file=sys.stderr)
         return EXIT_ERROR

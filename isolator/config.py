@@ -37,6 +37,7 @@ MODES = ("mesos", "standalone")
 CGROUP_VERSIONS = ("auto", "v1", "v2")
 POLICIES = ("topology", "first-fit")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")
 
 # XIDs caused by the application rather than the GPU: 13 graphics engine exception, 31 GPU memory
 # page fault, 43 GPU stopped processing, 45 preemptive cleanup, 68 video processor exception, 109
@@ -67,10 +68,14 @@ class Config:
     ignored_xids: tuple[int, ...] = DEFAULT_IGNORED_XIDS
     max_workers: int = 16
     reap_interval: float = 60.0
+    gpu_probe_interval: float = 30.0
     max_concurrent_rpcs: int = 256
     max_connections: int = 128
     max_message_bytes: int = 4 * 1024 * 1024
     log_level: str = "info"
+    log_format: str = "text"
+    metrics_address: str = ""
+    job_mapping_dir: str = ""
     allowed_uids: tuple[int, ...] = (0,)
     allowed_gids: tuple[int, ...] = ()
     cdi_dir: str = ""
@@ -196,10 +201,14 @@ PARSERS: dict[str, Any] = {
     "ignored_xids": _int_list,
     "max_workers": _positive_int,
     "reap_interval": _positive_float,
+    "gpu_probe_interval": _positive_float,
     "max_concurrent_rpcs": _positive_int,
     "max_connections": _positive_int,
     "max_message_bytes": _positive_int,
     "log_level": _choice(LOG_LEVELS),
+    "log_format": _choice(LOG_FORMATS),
+    "metrics_address": _text,
+    "job_mapping_dir": _text,
     "allowed_uids": _int_list,
     "allowed_gids": _int_list,
     "cdi_dir": _text,
@@ -212,7 +221,8 @@ HELP = {
     "socket_group": "group that owns the socket, for non-root callers in the allow-list",
     "bridge_socket": "socket of the command-module bridge (default <socket>.bridge; empty: no bridge)",
     "work_dir": f"work directory; state lives in <work-dir>/state (default {DEFAULT_WORK_DIR})",
-    "volume_root": f"where nvidia_<version> driver volumes are built (default {DEFAULT_VOLUME_ROOT})",
+    "volume_root": f"where nvidia_<version> driver volumes are built (default {DEFAULT_VOLUME_ROOT};"
+    " with --simulate, <work-dir>/volumes)",
     "cgroups_hierarchy": f"cgroup mount root, as the agent's flag (default {DEFAULT_CGROUPS_HIERARCHY})",
     "cgroups_root": f"cgroup under which containers live, as the agent's flag (default {DEFAULT_CGROUPS_ROOT})",
     "cgroup_version": "devices cgroup to use: auto (detect), v1 or v2 (default auto)",
@@ -227,10 +237,14 @@ HELP = {
     "ignored_xids": f"XIDs that do not mark a GPU unhealthy (default {','.join(map(str, DEFAULT_IGNORED_XIDS))})",
     "max_workers": "gRPC worker threads (default 16)",
     "reap_interval": "seconds between checks for containers whose Mesos cgroup vanished (default 60)",
+    "gpu_probe_interval": "seconds between probes of the GPUs for loss or a MIG mode change (default 30)",
     "max_concurrent_rpcs": "requests in flight before RESOURCE_EXHAUSTED (default 256)",
     "max_connections": "connections of allowed callers open at once; more are closed (default 128)",
     "max_message_bytes": "largest request accepted, in bytes (default 4 MiB)",
     "log_level": "debug, info, warning or error (default info)",
+    "log_format": "text (default) or json: one object per line with stable keys (docs/metrics.md)",
+    "metrics_address": "serve Prometheus metrics on HOST:PORT, PORT (localhost) or unix:/path (default: off)",
+    "job_mapping_dir": "write dcgm-exporter's HPC job mapping here: one file per GPU index listing its containers",
     "allowed_uids": "uids allowed to call the socket (default 0)",
     "allowed_gids": "gids allowed to call the socket (default none)",
     "cdi_dir": "keep a CDI spec of the managed GPUs in this directory, e.g. /var/run/cdi (default: none)",
@@ -282,6 +296,10 @@ def resolve(args: argparse.Namespace | dict[str, Any]) -> Config:
             raise ConfigError(f"invalid {sources[name]} value for {name.replace('_', '-')}: {exc}") from exc
 
     known = {f.name for f in fields(Config)}
+    if parsed.get("simulate") and "volume_root" not in parsed:
+        # A simulated host's driver volume belongs with the simulated host, never in the real
+        # /run/mesos/isolators/gpu that a real agent on this machine may use.
+        parsed["volume_root"] = os.path.join(parsed.get("work_dir", DEFAULT_WORK_DIR), "volumes")
     config = Config(config_file=config_file, **{k: v for k, v in parsed.items() if k in known})
     _check_combinations(config)
     return _absolutise(config)

@@ -81,6 +81,14 @@ class ConfigError(IsolatorError):
     code = "INVALID_ARGUMENT"
 
 
+class GpusUnavailable(ConfigError):
+    """The node was not told it has no GPUs, yet NVML is missing or reports fewer GPUs than
+    configured: the daemon refuses to start (``gpu-isolator serve`` exits 4) rather than serve a
+    GPU node without its GPUs."""
+
+    code = "FAILED_PRECONDITION"
+
+
 class SocketError(IsolatorError):
     """The Unix socket cannot be created or is held by a live sidecar."""
 

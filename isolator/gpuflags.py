@@ -11,7 +11,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from isolator.errors import ConfigError
+from isolator.errors import ConfigError, GpusUnavailable
 
 DEVICES_FLAG = "'--nvidia-gpu-devices'"
 
@@ -105,15 +105,17 @@ def decide(
         if len(devices) != int(gpus):
             raise ConfigError(f"'--resources' and {DEVICES_FLAG} specify different numbers of GPU devices")
         if available is None:
-            raise ConfigError(f"gpus requested but NVML not found{': ' + nvml_problem if nvml_problem else ''}")
+            raise GpusUnavailable(f"gpus requested but NVML not found{': ' + nvml_problem if nvml_problem else ''}")
         if int(gpus) > available:
-            raise ConfigError(
+            raise GpusUnavailable(
                 "The number of GPUs requested is greater than the number of GPUs available on the machine"
             )
         missing = sorted(i for i in devices if i >= available)
         if missing:
             # Mesos fails later, in deviceGetHandleByIndex ("GPU device not found"); we say it here.
-            raise ConfigError(f"{DEVICES_FLAG} names GPU {missing[0]}, but NVML reports GPUs 0-{available - 1} only")
+            raise GpusUnavailable(
+                f"{DEVICES_FLAG} names GPU {missing[0]}, but NVML reports GPUs 0-{available - 1} only"
+            )
         return GpuFlags(gpus=int(gpus), indices=tuple(devices))
     # Auto-discovery: every GPU NVML reports. Without NVML there is nothing to discover.
     if available is None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from isolator import gpuflags
 from isolator.config import Config
 from isolator.core.service import IsolatorService
-from isolator.errors import ConfigError, FailedPrecondition, NvmlNotFound
+from isolator.errors import ConfigError, FailedPrecondition, GpusUnavailable, NvmlNotFound
 from isolator.server import SidecarServer
 
 if TYPE_CHECKING:
@@ -27,10 +27,14 @@ if TYPE_CHECKING:
 
 LOG = logging.getLogger("isolator")
 
+NO_GPUS_HINT = "if this node has no GPUs, say so with --resources gpus:0"
 
-def configure_logging(level: str) -> None:
+
+def configure_logging(level: str, fmt: str = "text") -> None:
+    from isolator.logfmt import JsonFormatter, TextFormatter
+
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -48,17 +52,20 @@ def simulated_host(config: Config) -> SimulatedHost:
 def build_inventory(
     config: Config, notes: list[str] | None = None, host: SimulatedHost | None = None, watch: bool = True
 ) -> Inventory | None:
-    """The GPUs to manage, or None when there are none (gpus:0, or no NVML and nothing requested).
+    """The GPUs to manage, or None when the operator said there are none (``--resources gpus:0``).
+
+    Fails closed (GpusUnavailable) when NVML is missing or reports fewer GPUs than configured,
+    including none at all under auto-discovery.
 
     With ``--simulate`` the simulated host's fake NVML is loaded; otherwise NVML comes from
-    ``--nvml-library`` or the dynamic loader. Warnings go to ``notes`` when given, so that a start
-    that fails later still prints one line only.
+    ``--nvml-library`` or the dynamic loader. Notes go to ``notes`` when given (logged once the
+    daemon serves), so that a start that fails later still prints one line only.
     """
     notes = notes if notes is not None else []
     devices = config.nvidia_gpu_devices
     if not gpuflags.wants_nvml(config.resources, devices):
         gpuflags.decide(config.resources, devices, available=None)  # refuses gpus:0 with devices
-        LOG.info("GPU discovery is off ('--resources' specifies 0 GPUs)")
+        notes.append("GPU discovery is off ('--resources' specifies 0 GPUs)")
         return None
     from isolator.nvml import Inventory
 
@@ -69,21 +76,29 @@ def build_inventory(
             proc_root=host.proc_root,
             sys_root=os.path.join(host.root, "sys"),
             ignored_xids=config.ignored_xids,
+            probe_s=config.gpu_probe_interval,
         )
     else:
-        inventory = Inventory(library=config.nvml_library, ignored_xids=config.ignored_xids)
+        inventory = Inventory(
+            library=config.nvml_library, ignored_xids=config.ignored_xids, probe_s=config.gpu_probe_interval
+        )
     try:
         inventory.open()
     except NvmlNotFound as exc:
-        # Raises "gpus requested but NVML not found" when GPUs were asked for; else none to manage.
+        # Raises "gpus requested but NVML not found" when GPUs were asked for.
         gpuflags.decide(config.resources, devices, available=None, nvml_problem=exc.message)
-        notes.append(f"{exc.message}; managing no GPUs")
-        return None
+        # Auto-discovery: Mesos would advertise no GPUs; a GPU node whose driver is missing must
+        # not look healthy while running GPU tasks without GPUs, so this fails closed too.
+        raise GpusUnavailable(f"no usable NVML ({exc.message}); {NO_GPUS_HINT}") from exc
     try:
-        decision = gpuflags.decide(config.resources, devices, available=inventory.device_count())
+        available = inventory.device_count()
+        decision = gpuflags.decide(config.resources, devices, available=available)
+        if not decision.indices:
+            raise GpusUnavailable(f"NVML reports no GPUs; {NO_GPUS_HINT}")
         inventory.read(decision.indices)
         if watch:
             inventory.start_health_watch()
+            watch_device_events(inventory, host)
     except BaseException:
         inventory.close()
         raise
@@ -97,7 +112,29 @@ def build_inventory(
     return inventory
 
 
-def build_service(config: Config, notes: list[str] | None = None) -> IsolatorService:
+def watch_device_events(inventory: Inventory, host: SimulatedHost | None) -> None:
+    """Kernel device events (GPU bind/unbind, nvidia module load/unload) make the inventory read
+    the GPUs again. A simulated host's events come from its control file, a real host's from the
+    kernel's netlink socket (pyroute2, imported on the watch thread, off the start-up path)."""
+    from isolator import uevents
+
+    if host is not None:
+        source = uevents.FileSource(host.uevents_path)  # now: what is written after start counts
+
+        def factory() -> uevents.Source:
+            return source
+    else:
+
+        def factory() -> uevents.Source:
+            return uevents.NetlinkSource()
+
+    watch = uevents.UeventWatch(factory, inventory.bus_ids, inventory.device_changed).start()
+    inventory.on_close(watch.stop)
+
+
+def build_service(
+    config: Config, notes: list[str] | None = None, on_volume_build: Callable[[object], None] | None = None
+) -> IsolatorService:
     """Real edges for the hooks: NVML (or the simulated host's), the devices cgroup of the detected
     hierarchy, the state store under the work dir, and the driver volume manager."""
     from isolator.cgroups import controller_for
@@ -109,7 +146,7 @@ def build_service(config: Config, notes: list[str] | None = None) -> IsolatorSer
 
     host = simulated_host(config) if config.simulate else None
     inventory = build_inventory(config, notes, host)
-    dev_root, volumes = _dev_root_and_volumes(config, host)
+    dev_root, volumes = _dev_root_and_volumes(config, host, on_volume_build)
     hierarchy = detect(override=config.cgroup_version)
     if os.path.commonpath([hierarchy.mount, config.cgroups_hierarchy]) != config.cgroups_hierarchy.rstrip("/"):
         raise ConfigError(
@@ -142,7 +179,9 @@ def build_service(config: Config, notes: list[str] | None = None) -> IsolatorSer
         raise
 
 
-def _dev_root_and_volumes(config: Config, host: SimulatedHost | None) -> tuple[str, VolumeManager]:
+def _dev_root_and_volumes(
+    config: Config, host: SimulatedHost | None, on_build: Callable[[object], None] | None = None
+) -> tuple[str, VolumeManager]:
     """The device nodes' directory and the driver volume manager (the simulated host's when simulating)."""
     from volumes.manager import VolumeManager
 
@@ -154,7 +193,13 @@ def _dev_root_and_volumes(config: Config, host: SimulatedHost | None) -> tuple[s
         driver = build_driver_root(host.driver_root, host.spec.driver_version)
         dev_root, driver_root = host.dev_root, host.driver_root
         volume_kwargs["path"] = driver.path
-    return dev_root, VolumeManager(config.volume_root, driver_root=driver_root, **volume_kwargs)  # type: ignore[arg-type]
+    volumes = VolumeManager(
+        config.volume_root,
+        driver_root=driver_root,
+        on_build=on_build,
+        **volume_kwargs,  # type: ignore[arg-type]
+    )
+    return dev_root, volumes
 
 
 def cdi_spec_of(inventory: Any, dev_root: str, volumes: Any, kind: str) -> dict[str, Any]:
@@ -241,30 +286,81 @@ class CdiKeeper:
     def start(self, stop: threading.Event, interval: float) -> None:
         self.update()
         self.inventory.on_health_change(lambda _event: self.update())
-        threading.Thread(target=_reap_loop, args=(self.update, stop, interval), name="cdi", daemon=True).start()
+        args = (self.update, stop, interval, lambda _count: None)
+        threading.Thread(target=_reap_loop, args=args, name="cdi", daemon=True).start()
 
 
-def _reap_loop(reap: Callable[[], object], stop: threading.Event, interval: float) -> None:
+def _reap_loop(
+    reap: Callable[[], object], stop: threading.Event, interval: float, reaped: Callable[[int], None]
+) -> None:
     while not stop.wait(interval):
         try:
-            reap()
+            released = reap()
+            reaped(len(released) if isinstance(released, (list, tuple)) else 0)
         except Exception:
             LOG.exception("periodic reconciliation failed; retrying in %s s", interval)
 
 
 def serve(config: Config) -> int:
-    """Run the sidecar until SIGTERM or SIGINT. Raises IsolatorError if it cannot start."""
-    configure_logging(config.log_level)
+    """Run the sidecar until SIGTERM or SIGINT. Raises IsolatorError if it cannot start.
+
+    Under systemd (``Type=notify``) it sends READY=1 once the state is restored (every recorded
+    allocation booked), both sockets serve and, in mesos mode, the first reconciliation against
+    Mesos's cgroups has released containers destroyed while it was down; WATCHDOG=1 from this serving loop at half the
+    watchdog interval, and STOPPING=1 when told to stop.
+    """
+    from isolator.sdnotify import Notifier
+
+    configure_logging(config.log_level, config.log_format)
+    notifier = Notifier()
     notes: list[str] = []
-    service = build_service(config, notes)
-    server = SidecarServer(config, service)
+    metrics = None
+    if config.metrics_address:
+        from isolator.metrics import Metrics, parse_address
+
+        parse_address(config.metrics_address)  # a bad address stops the start before anything is built
+        metrics = Metrics()
+    service = build_service(config, notes, on_volume_build=metrics.volume_built if metrics else None)
+    observers: list[Callable[[str, str, float, object], None]] = []
+    jobmap = None
+    extras: list[Callable[[], None]] = []  # stopped after the server
     try:
-        server.start()
+        if config.job_mapping_dir:
+            from isolator.jobmap import JobMapping
+
+            jobmap = JobMapping(config.job_mapping_dir, service, service.core.inventory)
+            jobmap.sync()  # exact from the recorded state, whatever a crash left there
+            observers.append(jobmap.observe)
+        if metrics is not None:
+            from isolator.metrics import MetricsServer
+
+            metrics.service = service
+            observers.append(metrics.observe)
+            extras.append(MetricsServer(config.metrics_address, metrics).start().stop)
     except BaseException:
         service.close()
         raise
+
+    def observe(hook: str, code: str, seconds: float, response: object) -> None:
+        for observer in observers:
+            observer(hook, code, seconds, response)
+
+    def reaped(count: int) -> None:
+        if metrics is not None:
+            metrics.reaped(count)
+        if count and jobmap is not None:
+            jobmap.sync()
+
+    server = SidecarServer(config, service, observe if observers else None)
+    try:
+        server.start()
+    except BaseException:
+        for stop_extra in extras:
+            stop_extra()
+        service.close()
+        raise
     for note in notes:
-        LOG.warning("%s", note)
+        LOG.info("%s", note)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -281,10 +377,27 @@ def serve(config: Config) -> int:
         LOG.error("--cdi-dir '%s': no GPUs are managed, so no CDI spec is written", config.cdi_dir)
     if config.mode == "mesos":
         threading.Thread(
-            target=_reap_loop, args=(service.reap_vanished, stop, config.reap_interval), name="reaper", daemon=True
+            target=_reap_loop,
+            args=(service.reap_vanished, stop, config.reap_interval, reaped),
+            name="reaper",
+            daemon=True,
         ).start()
-    # Wake periodically so that signals are handled promptly whatever the platform's lock waits do.
-    while not stop.wait(0.5):
-        pass
+    if config.mode == "mesos":
+        # The first reconciliation against Mesos's cgroups before READY=1: containers destroyed
+        # while the sidecar was down give their GPUs back before systemd starts the agent.
+        try:
+            reaped(len(service.reap_vanished()))
+        except Exception:
+            LOG.exception("the first reconciliation failed; the reaper retries in %s s", config.reap_interval)
+    notifier.ready(f"serving on {config.socket}")
+    tick = 0.5 if notifier.watchdog_s is None else min(0.5, notifier.watchdog_s / 2)
+    # Wake periodically so that signals are handled promptly whatever the platform's lock waits do,
+    # and so that a wedged loop stops the watchdog pings (systemd then restarts the daemon).
+    while not stop.wait(tick):
+        if notifier.watchdog_s is not None:
+            notifier.watchdog()
+    notifier.stopping()
+    for stop_extra in extras:
+        stop_extra()
     server.stop()
     return 0

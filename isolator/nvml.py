@@ -1,4 +1,9 @@
-"""The only module that imports pynvml: GPU inventory, topology, MIG devices and XID health events.
+"""The only module that imports pynvml: GPU inventory, topology, MIG devices and health.
+
+Health follows the hardware both ways: XID and double-bit ECC events mark a GPU unhealthy; a
+rescan (``request_rescan``: kernel device events from isolator/uevents.py, a failed event wait, or
+the periodic probe noticing a lost GPU or a MIG mode change) re-initialises NVML, reads the GPUs
+again by UUID and marks them unhealthy (gone) or healthy again (back, or reset since their XID).
 
 It reports what NVML says as plain model data and decides nothing about allocation. NVML errors
 become typed errors; a GPU whose queries fail is recorded as degraded and the others stay usable.
@@ -27,10 +32,21 @@ LOG = logging.getLogger(__name__)
 DEFAULT_LIBRARY = "libnvidia-ml.so.1"
 # nvmlDeviceGetCpuAffinity fills an array of 64-bit words; 64 words cover 4096 CPUs.
 CPU_SET_WORDS = 64
-# The event types k8s-device-plugin registers (k8s-topology.md section 2.4); only XIDs are acted on.
+# The event types k8s-device-plugin registers (k8s-topology.md section 2.4). XIDs outside the
+# ignored list and double-bit ECC errors mark a GPU unhealthy; single-bit errors are corrected by
+# the hardware and only logged.
 WATCHED_EVENTS = (
     pynvml.nvmlEventTypeXidCriticalError | pynvml.nvmlEventTypeDoubleBitEccError | pynvml.nvmlEventTypeSingleBitEccError
 )
+
+
+# Why a GPU is unhealthy, which decides what makes it healthy again (``Inventory._rescan``).
+HEALTH_XID = "xid"  # an XID: healthy again only after the GPU was reset (unbound, driver reloaded)
+HEALTH_ECC = "ecc"  # a double-bit ECC error: likewise
+HEALTH_ABSENT = "absent"  # NVML no longer enumerates it: healthy when it is back
+HEALTH_NVML = "nvml"  # NVML failed (event wait, init): unknown until an event wait works again
+HEALTH_REGISTER = "register"  # could not be registered for events: retried by the next rescan
+RESET_CLEARS = (HEALTH_XID, HEALTH_ECC)
 
 
 @dataclass(frozen=True)
@@ -39,6 +55,7 @@ class GpuHealth:
     reason: str = ""
     last_xid: int = 0
     last_xid_time: float = 0.0
+    source: str = ""  # one of HEALTH_*, when unhealthy
 
 
 @dataclass(frozen=True)
@@ -202,12 +219,16 @@ class Inventory:
         sys_root: str = "/sys",
         ignored_xids: Iterable[int] = DEFAULT_IGNORED_XIDS,
         poll_ms: int = 500,
+        probe_s: float = 30.0,
+        retry_s: float = 2.0,
     ) -> None:
         self.library = library
         self.proc_root = proc_root
         self.sys_root = sys_root
         self.ignored_xids = frozenset(ignored_xids)
         self.poll_ms = poll_ms
+        self.probe_s = probe_s  # how often the GPUs are probed for loss or a MIG mode change (0: never)
+        self.retry_s = retry_s  # pause before re-initialising NVML after it failed
         self.driver_version = ""
         self.cuda_driver_version = ""
         self._lock = threading.RLock()
@@ -220,6 +241,11 @@ class Inventory:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._event_set: object | None = None
+        self._rescan = threading.Event()
+        self._rescan_reasons: list[str] = []
+        self._reset: set[str] = set()  # UUIDs reset (gone, or the driver went away) since marked
+        self.rescans = 0  # completed rescans, for callers that wait on one
+        self._closers: list[Callable[[], None]] = []
 
     # ---- life cycle ------------------------------------------------------------------------
 
@@ -245,18 +271,20 @@ class Inventory:
             raise
         return self
 
+    def on_close(self, closer: Callable[[], None]) -> None:
+        """Call ``closer`` first when the inventory closes (the uevent watch that feeds it)."""
+        self._closers.append(closer)
+
     def close(self) -> None:
+        for closer in self._closers:
+            closer()
+        self._closers.clear()
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.poll_ms / 1000 + 5)
             self._thread = None
         if self._open:
-            if self._event_set is not None:
-                try:
-                    pynvml.nvmlEventSetFree(self._event_set)
-                except pynvml.NVMLError as exc:
-                    LOG.warning("failed to free the NVML event set: %s", exc)
-                self._event_set = None
+            self._free_event_set()
             try:
                 pynvml.nvmlShutdown()
             except pynvml.NVMLError as exc:
@@ -595,7 +623,45 @@ class Inventory:
         with self._lock:
             self._callbacks.append(callback)
 
-    def mark_unhealthy(self, index: int, reason: str, xid: int = 0, when: float = 0.0) -> None:
+    def bus_ids(self) -> frozenset[str]:
+        """The managed GPUs' PCI addresses (sysfs form), for matching kernel device events."""
+        with self._lock:
+            return frozenset(r.gpu.pci_bus_id for r in self._records.values() if r.gpu.pci_bus_id)
+
+    def _set_health(self, index: int, health: GpuHealth) -> None:
+        """Record ``health`` for GPU ``index`` and tell subscribers when its usability changed."""
+        with self._lock:
+            record = self._records.get(index)
+            if record is None:
+                return
+            self._records[index] = replace(record, health=health)
+        self._announce({index: record})
+
+    def _announce(self, before: dict[int, GpuRecord]) -> None:
+        """Call the callbacks for every GPU of ``before`` whose usability differs now."""
+        events = []
+        with self._lock:
+            callbacks = list(self._callbacks)
+            for index, old in sorted(before.items()):
+                new = self._records.get(index)
+                if new is None or (new.usable == old.usable and new.status == old.status):
+                    continue
+                if new.usable:
+                    LOG.warning("GPU %d (%s) is healthy again", index, new.gpu.uuid)
+                else:
+                    LOG.error("GPU %d (%s) is unhealthy: %s", index, new.gpu.uuid, new.status)
+                h = new.health
+                events.append(HealthEvent(index, new.gpu.uuid, new.usable, new.status, h.last_xid, h.last_xid_time))
+        for event in events:
+            for cb in callbacks:
+                try:
+                    cb(event)
+                except Exception:
+                    LOG.exception("health callback %r failed", cb)
+
+    def mark_unhealthy(
+        self, index: int, reason: str, xid: int = 0, when: float = 0.0, source: str = HEALTH_XID
+    ) -> None:
         with self._lock:
             record = self._records.get(index)
             if record is None:
@@ -605,25 +671,45 @@ class Inventory:
                 reason=reason,
                 last_xid=xid or record.health.last_xid,
                 last_xid_time=when or record.health.last_xid_time,
+                source=source,
             )
-            self._records[index] = replace(record, health=health)
-            callbacks = list(self._callbacks)
-        LOG.error("GPU %d (%s) is unhealthy: %s", index, record.gpu.uuid, reason)
-        event = HealthEvent(index, record.gpu.uuid, False, reason, xid, when)
-        for cb in callbacks:
-            try:
-                cb(event)
-            except Exception:
-                LOG.exception("health callback %r failed", cb)
+        self._set_health(index, health)
+
+    def _lose_sight(self, reason: str) -> None:
+        """NVML failed: every healthy GPU's health is unknown until a rescan succeeds."""
+        with self._lock:
+            indices = [i for i, r in self._records.items() if r.health.healthy]
+        for index in indices:
+            self.mark_unhealthy(index, reason, source=HEALTH_NVML)
+
+    def request_rescan(self, reason: str, reset_bus: str = "", reset_all: bool = False) -> None:
+        """Read the GPUs again on the health thread, soon. ``reset_bus`` names a GPU (PCI address)
+        that was reset, ``reset_all`` says the driver was: their XID and ECC marks are history."""
+        with self._lock:
+            self._rescan_reasons.append(reason)
+            for r in self._records.values():
+                if r.gpu.uuid and (reset_all or (reset_bus and r.gpu.pci_bus_id == reset_bus)):
+                    self._reset.add(r.gpu.uuid)
+        self._rescan.set()
+
+    def device_changed(self, change: Any) -> None:
+        """An isolator.uevents.Change: the uevent watch's callback."""
+        self.request_rescan(change.reason, change.reset_bus, change.reset_all)
 
     def start_health_watch(self) -> None:
-        """Register for XID events on every GPU read and watch them on a background thread.
+        """Register for XID and ECC events on every GPU read and watch them on a background thread.
 
         As k8s-device-plugin does: a GPU that cannot be registered is unhealthy at once, except
         when NVML says events are not supported (too old to health-check: warn and go on).
         """
         if self._thread is not None:
             return
+        self._event_set = self._register_events()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._watch, name="nvml-events", daemon=True)
+        self._thread.start()
+
+    def _register_events(self) -> object:
         event_set = self._call("create event set", "NVML", pynvml.nvmlEventSetCreate)
         with self._lock:
             handles = dict(self._handles)
@@ -634,48 +720,196 @@ class Inventory:
             except pynvml.NVMLError_NotSupported:
                 LOG.warning("GPU %d is too old to support health checking", index)
             except pynvml.NVMLError as exc:
-                self.mark_unhealthy(index, f"cannot watch for XID events: {exc}")
-        self._event_set = event_set
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._watch, name="nvml-events", daemon=True)
-        self._thread.start()
+                self.mark_unhealthy(index, f"cannot watch for XID events: {exc}", source=HEALTH_REGISTER)
+        return event_set
+
+    def _free_event_set(self) -> None:
+        if self._event_set is not None:
+            try:
+                pynvml.nvmlEventSetFree(self._event_set)
+            except pynvml.NVMLError as exc:
+                LOG.warning("failed to free the NVML event set: %s", exc)
+            self._event_set = None
 
     def _watch(self) -> None:
+        next_probe = time.monotonic() + self.probe_s
         while not self._stop.is_set():
+            if self._rescan.is_set():
+                self._rescan.clear()
+                self._rescan_now()
+            if self.probe_s and time.monotonic() >= next_probe:
+                next_probe = time.monotonic() + self.probe_s
+                self._probe()
+            if self._event_set is None:
+                # NVML is down (driver unloaded?): try again after a pause, or sooner on a uevent.
+                if self._rescan.wait(self.retry_s):
+                    continue
+                self.request_rescan("retrying NVML")
+                continue
             try:
                 data = pynvml.nvmlEventSetWait(self._event_set, self.poll_ms)
             except pynvml.NVMLError_Timeout:
+                self._sight_regained()
                 continue
             except pynvml.NVMLError as exc:
                 if self._stop.is_set():
                     break
-                # k8s-device-plugin marks every device unhealthy when the wait itself fails: the
-                # sidecar can no longer see XIDs, so nothing it hands out is known to be sound.
-                for index in self.healthy():
-                    self.mark_unhealthy(index, f"XID event wait failed: {exc}")
-                self._stop.wait(self.poll_ms / 1000)
+                # Blind to XIDs, nothing handed out is known to be sound (k8s-device-plugin marks
+                # every device unhealthy here too); unlike it, re-initialise NVML and recover.
+                self._lose_sight(f"health unknown: NVML event wait failed: {exc}")
+                self._stop.wait(self.retry_s)
+                self.request_rescan(f"event wait failed: {exc}")
                 continue
+            self._sight_regained()
             self._handle_event(data)
 
+    def _sight_regained(self) -> None:
+        """An event wait worked: GPUs whose health was unknown only for NVML's sake are healthy."""
+        with self._lock:
+            blind = [i for i, r in self._records.items() if r.health.source == HEALTH_NVML and i in self._handles]
+            if not blind:
+                return
+            before = {i: self._records[i] for i in blind}
+            for i in blind:
+                old = self._records[i].health
+                self._records[i] = replace(
+                    self._records[i], health=GpuHealth(last_xid=old.last_xid, last_xid_time=old.last_xid_time)
+                )
+        self._announce(before)
+
+    def _probe(self) -> None:
+        """A cheap look for what no event announces: a lost GPU or a changed MIG mode."""
+        with self._lock:
+            items = [(i, self._handles.get(i), r) for i, r in self._records.items() if r.gpu.uuid]
+        for index, handle, record in items:
+            if handle is None:
+                if record.health.source == HEALTH_ABSENT:
+                    continue  # still gone; a uevent or the next rescan brings it back
+                self.request_rescan(f"GPU {index} has no NVML handle")
+                return
+            try:
+                uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
+                mode = self._mig_mode(handle)
+            except pynvml.NVMLError as exc:
+                self.request_rescan(f"GPU {index} does not answer: {exc}")
+                return
+            if uuid != record.gpu.uuid or (mode is not None and mode != record.mig_enabled):
+                self.request_rescan(f"GPU {index} changed (MIG mode or identity)")
+                return
+
+    @staticmethod
+    def _mig_mode(handle: object) -> bool | None:
+        try:
+            current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
+        except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
+            return None
+        return bool(current == pynvml.NVML_DEVICE_MIG_ENABLE)
+
+    def rescan(self) -> bool:
+        """Re-initialise NVML and read the managed GPUs again, matched by UUID (their NVML index
+        may have changed); True when NVML answered. Runs on the caller's thread: the health thread
+        does it for ``request_rescan``; without that thread, callers may call it directly."""
+        return self._rescan_now()
+
+    def _rescan_now(self) -> bool:
+        with self._lock:
+            reasons, self._rescan_reasons = self._rescan_reasons, []
+            before = dict(self._records)
+        LOG.info("reading the GPUs again: %s", "; ".join(dict.fromkeys(reasons)) or "requested")
+        self._free_event_set()
+        if self._open:
+            try:
+                pynvml.nvmlShutdown()
+            except pynvml.NVMLError as exc:
+                LOG.debug("nvmlShutdown before re-initialising: %s", exc)
+            self._open = False
+        try:
+            pynvml.nvmlInit()
+            self._open = True
+            self.driver_version = _text(pynvml.nvmlSystemGetDriverVersion())
+            present: dict[str, tuple[int, object]] = {}
+            for i in range(int(pynvml.nvmlDeviceGetCount())):
+                try:
+                    handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+                    present[_text(pynvml.nvmlDeviceGetUUID(handle))] = (i, handle)
+                except pynvml.NVMLError as exc:
+                    LOG.warning("GPU at NVML index %d does not answer: %s", i, exc)
+        except pynvml.NVMLError as exc:
+            with self._lock:
+                self._reset.update(r.gpu.uuid for r in self._records.values())
+                self._handles = {}
+            self._lose_sight(f"health unknown: NVML unavailable: {exc}")
+            self.rescans += 1
+            return False
+        mig_minors = _mig_minors(self.proc_root)
+        with self._lock:
+            handles: dict[int, object] = {}
+            for index, old in before.items():
+                uuid = old.gpu.uuid
+                if not uuid:
+                    continue
+                if uuid not in present:
+                    self._reset.add(uuid)
+                    gone = "not visible to NVML: unbound from the driver, removed or lost"
+                    health = old.health if not old.health.healthy and old.health.source in RESET_CLEARS else None
+                    self._records[index] = replace(
+                        old, health=health or replace(old.health, healthy=False, reason=gone, source=HEALTH_ABSENT)
+                    )
+                    continue
+                now_index, handle = present[uuid]
+                fresh, _ = self._read_gpu(now_index, mig_minors)
+                fresh = replace(fresh, gpu=replace(fresh.gpu, index=index))
+                if fresh.gpu.minor != old.gpu.minor:
+                    fresh = replace(fresh, errors=(*fresh.errors, f"minor changed from {old.gpu.minor}"))
+                if fresh.mig_enabled != old.mig_enabled:
+                    LOG.warning("GPU %d: MIG mode is now %s", index, "enabled" if fresh.mig_enabled else "disabled")
+                health = old.health
+                # Back, or reset since its XID/ECC error. "Health unknown" (HEALTH_NVML) waits for an
+                # event wait that works (``_watch``): NVML answering nvmlInit is not enough.
+                if not health.healthy and (
+                    health.source in (HEALTH_ABSENT, HEALTH_REGISTER)
+                    or (health.source in RESET_CLEARS and uuid in self._reset)
+                ):
+                    health = GpuHealth(last_xid=health.last_xid, last_xid_time=health.last_xid_time)
+                self._reset.discard(uuid)
+                self._records[index] = replace(fresh, health=health)
+                handles[index] = handle
+            self._handles = handles
+        try:
+            self._event_set = self._register_events()
+        except NvmlError as exc:
+            self._lose_sight(f"health unknown: {exc.message}")
+        self.rescans += 1
+        self._announce(before)
+        return True
+
     def _handle_event(self, data: Any) -> None:
-        if data.eventType != pynvml.nvmlEventTypeXidCriticalError:
-            LOG.info("skipping NVML event type %#x", data.eventType)
+        kind = data.eventType
+        if kind == pynvml.nvmlEventTypeSingleBitEccError:
+            LOG.info("single-bit ECC error corrected on a GPU; it stays healthy")
             return
-        xid = int(data.eventData)
+        if kind not in (pynvml.nvmlEventTypeXidCriticalError, pynvml.nvmlEventTypeDoubleBitEccError):
+            LOG.info("skipping NVML event type %#x", kind)
+            return
+        ecc = kind == pynvml.nvmlEventTypeDoubleBitEccError
+        xid = 0 if ecc else int(data.eventData)
+        what = "double-bit ECC error" if ecc else f"XID {xid}"
+        source = HEALTH_ECC if ecc else HEALTH_XID
         try:
             uuid = _text(pynvml.nvmlDeviceGetUUID(data.device))
         except pynvml.NVMLError as exc:
+            why = f"{what} on a GPU whose UUID cannot be read: {exc}"
             for index in self.healthy():
-                self.mark_unhealthy(index, f"XID {xid} on a GPU whose UUID cannot be read: {exc}", xid, time.time())
+                self.mark_unhealthy(index, why, xid, time.time(), source)
             return
         with self._lock:
             found = next((i for i, r in self._records.items() if r.gpu.uuid == uuid), None)
         if found is None:
-            LOG.info("XID %d on GPU %s, which this sidecar does not manage", xid, uuid)
+            LOG.info("%s on GPU %s, which this sidecar does not manage", what, uuid)
             return
-        if xid in self.ignored_xids:
+        if not ecc and xid in self.ignored_xids:
             LOG.info("GPU %d: XID %d is an application error; it stays healthy", found, xid)
             return
         gi, ci = int(data.gpuInstanceId), int(data.computeInstanceId)
-        where = f" (GPU instance {gi}, compute instance {ci})" if gi != 0xFFFFFFFF else ""
-        self.mark_unhealthy(found, f"XID {xid}{where}", xid, time.time())
+        where = f" (GPU instance {gi}, compute instance {ci})" if gi != 0xFFFFFFFF and not ecc else ""
+        self.mark_unhealthy(found, f"{what}{where}", xid, time.time(), source)

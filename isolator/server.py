@@ -17,6 +17,7 @@ import os
 import socket
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any, TypeVar
@@ -24,7 +25,6 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from isolator import model, peergate
 from isolator.bridge_server import BridgeListener
@@ -45,6 +45,8 @@ from isolator.convert import (
 )
 from isolator.core.api import IsolatorApi
 from isolator.errors import InvalidArgument, IsolatorError, SocketError
+from isolator.logfmt import hook_context
+from isolator.reflection import Reflection
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
 from isolator.status import status_of
@@ -60,19 +62,51 @@ T = TypeVar("T")
 # ---- error mapping (isolator/status.py is the one place typed errors become statuses) -----------
 
 
+# Told of every call once it is answered: (hook, status code name, seconds, response or None).
+Observer = Callable[[str, str, float, Any], None]
+
+
+def _container_text(request: Any) -> str:
+    """The request's container ID as ``parent.child`` for logs ("" when it has none)."""
+    node = getattr(request, "container_id", None)
+    chain: list[str] = []
+    while node is not None and len(chain) <= model.MAX_NESTING:
+        chain.append(getattr(node, "value", ""))
+        node = node.parent if node.HasField("parent") else None
+    return ".".join(reversed(chain)) if any(chain) else ""
+
+
 def _translate_errors(method: Callable[..., T]) -> Callable[..., T]:
-    """Turn typed errors into statuses; anything else is a bug, logged with its traceback."""
+    """Turn typed errors into statuses; anything else is a bug, logged with its traceback.
+
+    The one edge every call passes (gRPC and the bridge alike): it also sets the hook and container
+    for the log lines of the call, and tells the servicer's observer (metrics, job mapping).
+    """
+    hook = method.__name__
 
     @functools.wraps(method)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> T:
-        try:
-            return method(self, request, context)
-        except IsolatorError as exc:
-            LOG.info("%s failed: %s", method.__name__, exc.message)
-            context.abort(*status_of(exc, method.__name__))
-        except Exception as exc:
-            LOG.exception("%s failed with an unexpected error", method.__name__)
-            context.abort(*status_of(exc, method.__name__))
+        observer: Observer | None = getattr(self, "observer", None)
+        started = time.perf_counter()
+        code, response = "OK", None
+        with hook_context(hook, _container_text(request)):
+            try:
+                response = method(self, request, context)
+                return response
+            except IsolatorError as exc:
+                code = exc.code
+                LOG.info("%s failed: %s", hook, exc.message)
+                context.abort(*status_of(exc, hook))
+            except Exception as exc:
+                code = "INTERNAL"
+                LOG.exception("%s failed with an unexpected error", hook)
+                context.abort(*status_of(exc, hook))
+            finally:
+                if observer is not None:
+                    try:
+                        observer(hook, code, time.perf_counter() - started, response)
+                    except Exception:
+                        LOG.exception("observer of %s failed", hook)
         raise AssertionError("unreachable: context.abort raises")
 
     return wrapper
@@ -128,8 +162,9 @@ def _lenient(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
 
 class IsolatorServicer(pb_grpc.IsolatorServicer):
-    def __init__(self, service: IsolatorApi) -> None:
+    def __init__(self, service: IsolatorApi, observer: Observer | None = None) -> None:
         self._service = service
+        self.observer = observer
 
     @_translate_errors
     def Recover(self, request: pb.RecoverRequest, context: grpc.ServicerContext) -> pb.RecoverResponse:
@@ -187,8 +222,9 @@ class IsolatorServicer(pb_grpc.IsolatorServicer):
 
 
 class AdminServicer(pb_grpc.AdminServicer):
-    def __init__(self, service: IsolatorApi) -> None:
+    def __init__(self, service: IsolatorApi, observer: Observer | None = None) -> None:
         self._service = service
+        self.observer = observer
 
     @_translate_errors
     def ListGpus(self, request: pb.ListGpusRequest, context: grpc.ServicerContext) -> pb.ListGpusResponse:
@@ -303,15 +339,29 @@ class SocketGuard:
                 raise SocketError(f"failed to create socket directory '{d}': {exc.strerror}") from exc
             self._created_dirs.append(d)
         if not os.access(directory, os.W_OK | os.X_OK):
-            raise SocketError(f"failed to bind '{self.path}': directory '{directory}' is not writable")
+            why = "is not writable"
+            try:
+                if os.statvfs(directory).f_flag & os.ST_RDONLY:
+                    why = "is on a read-only file system"
+            except OSError:
+                pass
+            raise SocketError(f"failed to bind '{self.path}': directory '{directory}' {why}")
 
     def _clear_stale(self) -> None:
         try:
             st = os.lstat(self.path)
         except FileNotFoundError:
             return
+        if stat.S_ISDIR(st.st_mode):
+            raise SocketError(
+                f"'{self.path}' is a directory; the socket option takes the socket's own path,"
+                f" e.g. '{os.path.join(self.path, 'isolator.sock')}'"
+            )
         if not stat.S_ISSOCK(st.st_mode):
-            raise SocketError(f"refusing to replace '{self.path}': it exists and is not a socket")
+            kind = "a regular file" if stat.S_ISREG(st.st_mode) else "not a socket"
+            raise SocketError(
+                f"refusing to replace '{self.path}': it exists and is {kind}; remove it or choose another path"
+            )
         if socket_is_live(self.path):
             raise SocketError(f"refusing to replace '{self.path}': a live server answers on it")
         LOG.warning("removing stale socket '%s' left by an earlier run", self.path)
@@ -351,9 +401,10 @@ class SidecarServer:
     calls the same Isolator servicer (isolator/bridge_server.py).
     """
 
-    def __init__(self, config: Config, service: IsolatorApi) -> None:
+    def __init__(self, config: Config, service: IsolatorApi, observer: Observer | None = None) -> None:
         self.config = config
         self.service = service
+        self.observer = observer
         self._guard = SocketGuard(config.socket)
         self._bridge_guard = SocketGuard(config.bridge_path) if config.bridge_path else None
         self._bridge: BridgeListener | None = None
@@ -388,13 +439,11 @@ class SidecarServer:
                     ("grpc.so_reuseport", 0),
                 ],
             )
-            isolator_servicer = IsolatorServicer(self.service)
+            isolator_servicer = IsolatorServicer(self.service, self.observer)
             pb_grpc.add_IsolatorServicer_to_server(isolator_servicer, server)
-            pb_grpc.add_AdminServicer_to_server(AdminServicer(self.service), server)
+            pb_grpc.add_AdminServicer_to_server(AdminServicer(self.service, self.observer), server)
             health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-            reflection.enable_server_reflection(
-                (ISOLATOR_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-            )
+            Reflection((ISOLATOR_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME)).add_to_server(server)
             allowed_path = os.path.join(self._private, peergate.ALLOWED_NAME)
             denied_path = os.path.join(self._private, peergate.DENIED_NAME)
             try:

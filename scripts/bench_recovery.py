@@ -46,8 +46,25 @@ FAST_RETRY = [
 
 
 def populate(state_dir: str, count: int, cgroups_root: str) -> list[ContainerId]:
-    """``count`` records as an agent that ran them would have left them; their cgroups are gone."""
+    """``count`` records as an agent that ran them would have left them, with their Mesos cgroups
+    (the containers survived the restart, as Recover then says; a record whose cgroup is gone is
+    released by the daemon's first reconciliation, in mesos mode before READY)."""
+    from isolator.testing.cgroupfs import cgroup_mount
+
     ids = [ContainerId.parse(f"recovered-{i:05d}") for i in range(count)]
+    from isolator.devices import MESOS_DEFAULT_WHITELIST
+
+    parent = os.path.join(cgroup_mount("v1"), cgroups_root)
+    whitelist = [str(rule) for rule in MESOS_DEFAULT_WHITELIST]
+    for cid in ids:
+        # What Mesos's cgroups/devices isolator leaves: deny all, then its default whitelist.
+        cgroup = os.path.join(parent, cid.value)
+        os.makedirs(cgroup)
+        with open(os.path.join(cgroup, "devices.deny"), "w") as fh:
+            fh.write("a")
+        for rule in whitelist:
+            with open(os.path.join(cgroup, "devices.allow"), "w") as fh:
+                fh.write(rule)
     with StateStore(state_dir, durable=False) as store:
         for i, cid in enumerate(ids):
             store.record(
@@ -55,7 +72,7 @@ def populate(state_dir: str, count: int, cgroups_root: str) -> list[ContainerId]
                     cid,
                     gpus=frozenset({i}) if i < min(HOLDING, HOST_GPUS) else frozenset(),
                     mode="mesos",
-                    cgroup=f"/sys/fs/cgroup/devices/{cgroups_root}/{cid.value}",
+                    cgroup=os.path.join(parent, cid.value),
                     cgroup_version=1,
                     state="isolated",
                     rules="c 195:255 rw",
@@ -140,6 +157,9 @@ def measure(
                         row["recover_call_s"].append(call_s)
                 finally:
                     _stop(proc)
+                    from isolator.testing.cgroupfs import cgroup_mount, remove_cgroup_tree
+
+                    remove_cgroup_tree(os.path.join(cgroup_mount("v1"), root))
         base = statistics.median(rows[0]["serving_s"])
         out["start_to_serving_0_s"] = base
         for count in counts:

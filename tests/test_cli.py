@@ -181,7 +181,8 @@ def test_containers_table_shows_a_nested_container_under_its_parent_with_the_par
     rows = [r for r in _table(out, "CONTAINER") if "train" in r["CONTAINER"] or "debug" in r["CONTAINER"]]
     assert [r["CONTAINER"].split()[-1].lstrip("`-") for r in rows] == ["train-a", "debug-1", "train-b"]
     assert rows[1]["CONTAINER"][:3] in ("└─ ", "`- ")
-    gpus_a = ",".join(str(m) for m in _minors_of(world, "train-a"))  # minors equal indices on dgx-1
+    minors = _minors_of(world, "train-a")
+    gpus_a = f"{len(minors)} [{','.join(str(m) for m in minors)}]"  # minors equal indices on dgx-1
     assert rows[0]["GPUS"] == gpus_a and rows[1]["GPUS"] == f"({gpus_a})"
     assert [r["STATE"] for r in rows] == ["prepared", "prepared", "isolated"]
     assert rows[2]["VOLUME"] == "-" and rows[0]["VOLUME"] == load_host(HOST).driver_version
@@ -468,3 +469,16 @@ def test_on_cgroup_v2_describe_names_the_attached_device_program_and_health_agre
     assert next(c for c in health["checks"] if c["name"] == "cgroups")["detail"] == "v2 devices, standalone mode"
     assert health["healthy"] is True
     assert without_checkpoint["rules_agree"] is False and without_checkpoint["kernel_gpu_minors"] == []
+
+
+def test_containers_table_says_how_many_gpus_and_which_and_why_none():
+    from isolator.cli import render
+
+    data = {
+        "containers": [
+            {"id": "etl", "container_id": {"value": "etl"}, "gpu_indices": [], "state": "prepared", "created": 0},
+            {"id": "one", "container_id": {"value": "one"}, "gpu_indices": [0], "state": "prepared", "created": 0},
+        ]
+    }
+    rows = _table(render("containers", data, now=1.0), "CONTAINER")
+    assert [r["GPUS"] for r in rows] == ["0 (none asked)", "1 [0]"]

@@ -120,3 +120,10 @@ def test_bridge_socket_can_be_moved_or_disabled(tmp_path, monkeypatch):
 def test_bridge_socket_that_cannot_work_is_refused(argv, message):
     with pytest.raises(ConfigError, match=message):
         resolve(*argv)
+
+
+def test_simulate_without_volume_root_keeps_volumes_under_the_work_dir():
+    config = resolve("--simulate", "dgx-1", "--work-dir", "/tmp/gi-work")
+    assert config.volume_root == "/tmp/gi-work/volumes"
+    assert resolve("--simulate", "dgx-1", "--work-dir", "/w", "--volume-root", "/v").volume_root == "/v"
+    assert resolve("--work-dir", "/w").volume_root == "/var/run/mesos/isolators/gpu"

@@ -48,6 +48,56 @@ def test_reflection_lists_isolator_admin_and_health(channel):
     assert {"gpuisolator.v1.Isolator", "gpuisolator.v1.Admin", "grpc.health.v1.Health"} <= names
 
 
+def _reflect(channel, version: str, request):
+    call = channel.stream_stream(
+        f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+    return next(iter(call(iter([request]), timeout=5)))
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+def test_reflection_describes_every_service_and_method_in_both_versions(channel, version):
+    """What `grpcurl describe` does: list the services, fetch the file of each service and of each
+    method by symbol, build a pool from the answers and resolve every method's messages there."""
+    from google.protobuf import descriptor_pb2, descriptor_pool
+
+    listed = _reflect(channel, version, reflection_pb2.ServerReflectionRequest(list_services=""))
+    names = {s.name for s in listed.list_services_response.service}
+    assert names == {
+        "gpuisolator.v1.Isolator",
+        "gpuisolator.v1.Admin",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
+        "grpc.reflection.v1alpha.ServerReflection",
+    }
+    described = 0
+    for name in sorted(names):
+        pool = descriptor_pool.DescriptorPool()
+        reply = _reflect(channel, version, reflection_pb2.ServerReflectionRequest(file_containing_symbol=name))
+        assert not reply.HasField("error_response"), (name, reply.error_response)
+        files = [
+            descriptor_pb2.FileDescriptorProto.FromString(b)
+            for b in reply.file_descriptor_response.file_descriptor_proto
+        ]
+        for proto in reversed(files):  # dependencies last in the answer, first into the pool
+            pool.Add(proto)
+        service = pool.FindServiceByName(name)
+        assert service.methods
+        for method in service.methods:
+            by_method = _reflect(
+                channel, version, reflection_pb2.ServerReflectionRequest(file_containing_symbol=method.full_name)
+            )
+            assert not by_method.HasField("error_response"), (method.full_name, by_method.error_response)
+            assert pool.FindMessageTypeByName(method.input_type.full_name)
+            assert pool.FindMessageTypeByName(method.output_type.full_name)
+            described += 1
+    assert described >= 20
+    missing = _reflect(channel, version, reflection_pb2.ServerReflectionRequest(file_containing_symbol="no.Such"))
+    assert missing.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
+
+
 def test_socket_is_born_0600_and_its_directory_is_created(server):
     st = os.stat(server.config.socket)
     assert stat.S_ISSOCK(st.st_mode)
@@ -135,7 +185,7 @@ def test_regular_file_at_socket_path_is_refused_and_kept(short_tmp):
     path = os.path.join(short_tmp, "s.sock")
     with open(path, "w") as fh:
         fh.write("precious")
-    with pytest.raises(SocketError, match="is not a socket"):
+    with pytest.raises(SocketError, match="it exists and is a regular file"):
         SidecarServer(Config(socket=path), StubService()).start()
     with open(path) as fh:
         assert fh.read() == "precious"
@@ -155,7 +205,7 @@ def test_socket_directory_on_a_read_only_mount_is_refused(short_tmp):
     os.mkdir(ro)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", ro], check=True)
     try:
-        with pytest.raises(SocketError, match=r"Read-only file system|not writable"):
+        with pytest.raises(SocketError, match=r"directory '.*/ro' is on a read-only file system"):
             SidecarServer(Config(socket=os.path.join(ro, "s.sock")), StubService()).start()
     finally:
         subprocess.run(["umount", ro], check=True)
@@ -187,7 +237,10 @@ def test_serve_errors_exit_1_with_one_line(short_tmp):
     for argv, expected in [
         (("serve", "--config", bad), "failed to parse config file"),
         # --work-dir: the machine's default state dir is not this test's to open (nor to create).
-        (("serve", "--socket", "/proc/version/s.sock", "--work-dir", short_tmp), "is not a directory"),
+        (
+            ("serve", "--resources", "gpus:0", "--work-dir", short_tmp, "--socket", "/proc/version/s.sock"),
+            "is not a directory",
+        ),
         (("serve", "--simulate", "x", "--nvml-library", "y"), "contradict"),
     ]:
         result = _cli(*argv)
@@ -200,7 +253,7 @@ def test_serve_errors_exit_1_with_one_line(short_tmp):
 def test_serve_answers_health_and_stops_cleanly_on_sigterm(short_tmp):
     path = os.path.join(short_tmp, "s.sock")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "isolator", "serve", "--socket", path, "--work-dir", short_tmp],
+        [sys.executable, "-m", "isolator", "serve", "--socket", path, "--work-dir", short_tmp, "--resources", "gpus:0"],
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -228,3 +281,30 @@ def test_admin_command_against_a_sidecar_that_is_down_exits_3_naming_the_socket(
     assert path in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert time.monotonic() - started < 20
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (lambda p: open(p, "w").close(), "it exists and is a regular file; remove it or choose another path"),
+        (os.mkdir, "is a directory; the socket option takes the socket's own path, e.g. '{p}/isolator.sock'"),
+    ],
+    ids=["file", "directory"],
+)
+def test_a_socket_path_that_is_a_file_or_a_directory_is_refused_saying_what_it_is(short_tmp, make, expected):
+    path = os.path.join(short_tmp, "taken")
+    make(path)
+    result = _cli("serve", "--resources", "gpus:0", "--socket", path, "--work-dir", short_tmp)
+    assert result.returncode == 1
+    assert expected.format(p=path) in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert os.path.exists(path) and not os.path.exists(path + ".lock")
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "soon"])
+def test_admin_timeout_must_be_a_positive_number_of_seconds(value):
+    result = _cli("gpus", "--timeout", value, "--socket", "/nonexistent/s.sock")
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip() == f"gpu-isolator gpus: argument --timeout: '{value}' is not a number of seconds above 0"
+    )

@@ -11,7 +11,7 @@ import logging
 import os
 import shutil
 import urllib.parse
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +50,9 @@ class VolumeManager:
         groups: frozenset[Group] = DEFAULT_GROUPS,
         mountinfo: str = "/proc/self/mountinfo",
         tmpfs_on_noexec: bool = True,
+        on_build: Callable[[BuildResult], None] | None = None,
     ) -> None:
+        self.on_build = on_build  # told of every volume actually built (metrics)
         self.builder = VolumeBuilder(volume_root, mountinfo=mountinfo, tmpfs_on_noexec=tmpfs_on_noexec)
         self.discoverer = Discoverer(driver_root, ldcache=ldcache, path=path, groups=groups)
         self.volume_root = self.builder.volume_root
@@ -63,7 +65,10 @@ class VolumeManager:
     def ensure(self, driver_version: str) -> BuildResult:
         """The volume of ``driver_version``, built if absent (warm: one flock and a manifest read)."""
         check_version(driver_version)
-        return self.builder.ensure(driver_version, lambda: self.plan(driver_version))
+        result = self.builder.ensure(driver_version, lambda: self.plan(driver_version))
+        if result.built and self.on_build is not None:
+            self.on_build(result)
+        return result
 
     def acquire(self, container_id: str, driver_version: str) -> Volume:
         """Record ``container_id`` as a user of the current driver's volume and return it.

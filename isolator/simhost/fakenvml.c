@@ -12,8 +12,11 @@
  * directory named by the state's "control" line:
  *   fail    lines "<index|*> <call|*> <nvml-return-code>": calls whose device (or index) is that
  *           GPU fail with that code. For a MIG handle the parent GPU's index counts.
- *   events  appended lines "<index> <xid> [<gi> <ci>]": XID critical-error events, delivered by
- *           nvmlEventSetWait_v2 to event sets created before the line was written.
+ *   events  appended lines "<index> <xid> [<gi> <ci> [xid|sbe|dbe]]": XID critical-error (or
+ *           single/double-bit ECC) events, delivered by nvmlEventSetWait_v2 to event sets created
+ *           before the line was written.
+ *   absent  lines "<index>": GPUs unbound from the driver. NVML no longer enumerates them (the
+ *           others are renumbered, as NVML does) and calls on their old handles fail GPU_IS_LOST.
  *   usage   lines "<index> <memory-used-bytes> <gpu-util-%> <memory-util-%>".
  */
 #define _GNU_SOURCE
@@ -328,6 +331,30 @@ static int usage_of(int index, unsigned long long *used, unsigned int *gpu, unsi
     return 1;
 }
 
+/* 1 when GPU `index` (the host file's index) is listed in control/absent. */
+static int is_absent(int index) {
+    FILE *fh = control_file("absent");
+    if (!fh) return 0;
+    char line[64];
+    int found = 0;
+    while (!found && fgets(line, sizeof line, fh)) {
+        int idx;
+        if (sscanf(line, "%d", &idx) == 1 && idx == index) found = 1;
+    }
+    fclose(fh);
+    return found;
+}
+
+/* The host index of the `visible`-th GPU NVML enumerates, or -1. */
+static int host_index(unsigned int visible) {
+    unsigned int seen = 0;
+    for (int i = 0; i < st->ngpus; i++) {
+        if (is_absent(i)) continue;
+        if (seen++ == visible) return i;
+    }
+    return -1;
+}
+
 /* ---- helpers -------------------------------------------------------------------------------- */
 
 #define REQUIRE_INIT()                                  \
@@ -350,6 +377,7 @@ static int valid_device(nvmlDevice_t d) {
     do {                                                         \
         REQUIRE_INIT();                                          \
         if (!valid_device(dev)) return NVML_ERROR_INVALID_ARGUMENT; \
+        if (is_absent((dev)->index)) return NVML_ERROR_GPU_IS_LOST; \
         int _rc = injected((dev)->index, call);                  \
         if (_rc != NVML_SUCCESS) return _rc;                     \
     } while (0)
@@ -438,7 +466,9 @@ EXPORT int nvmlDeviceGetCount_v2(unsigned int *count) {
     if (!count) return NVML_ERROR_INVALID_ARGUMENT;
     int rc = injected(-1, "nvmlDeviceGetCount");
     if (rc) return rc;
-    *count = (unsigned int)st->ngpus;
+    unsigned int n = 0;
+    for (int i = 0; i < st->ngpus; i++) n += !is_absent(i);
+    *count = n;
     return NVML_SUCCESS;
 }
 
@@ -446,10 +476,11 @@ EXPORT int nvmlDeviceGetCount(unsigned int *count) { return nvmlDeviceGetCount_v
 
 EXPORT int nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device) {
     REQUIRE_INIT();
-    if (!device || index >= (unsigned int)st->ngpus) return NVML_ERROR_INVALID_ARGUMENT;
-    int rc = injected((int)index, "nvmlDeviceGetHandleByIndex");
+    int host = device ? host_index(index) : -1;
+    if (host < 0) return NVML_ERROR_INVALID_ARGUMENT;
+    int rc = injected(host, "nvmlDeviceGetHandleByIndex");
     if (rc) return rc;
-    *device = &st->gpus[index];
+    *device = &st->gpus[host];
     return NVML_SUCCESS;
 }
 
@@ -462,6 +493,7 @@ EXPORT int nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device) {
     if (!uuid || !device) return NVML_ERROR_INVALID_ARGUMENT;
     for (int i = 0; i < st->ngpus; i++) {
         struct device *g = &st->gpus[i];
+        if (is_absent(i)) continue;
         if (strcmp(g->uuid, uuid) == 0) {
             int rc = injected(i, "nvmlDeviceGetHandleByUUID");
             if (rc) return rc;
@@ -483,7 +515,9 @@ EXPORT int nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device) {
 EXPORT int nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index) {
     DEVICE_CALL(device, "nvmlDeviceGetIndex");
     if (!index || device->is_mig) return NVML_ERROR_INVALID_ARGUMENT;
-    *index = (unsigned int)device->index;
+    unsigned int visible = 0;
+    for (int i = 0; i < device->index; i++) visible += !is_absent(i);
+    *index = visible;
     return NVML_SUCCESS;
 }
 
@@ -808,11 +842,15 @@ static int next_event(struct event_set *set, nvmlEventData_t *data) {
             set->cursor += (long)len;
             int idx, gi = -1, ci = -1;
             unsigned long long xid;
-            int n = sscanf(line, "%d %llu %d %d", &idx, &xid, &gi, &ci);
-            if (n < 2 || idx < 0 || idx >= st->ngpus || !(set->mask[idx] & NVML_EVENT_XID)) continue;
+            char kind[8] = "xid";
+            int n = sscanf(line, "%d %llu %d %d %7s", &idx, &xid, &gi, &ci, kind);
+            unsigned long long type = strcmp(kind, "dbe") == 0   ? NVML_EVENT_DBE
+                                      : strcmp(kind, "sbe") == 0 ? NVML_EVENT_SBE
+                                                                 : NVML_EVENT_XID;
+            if (n < 2 || idx < 0 || idx >= st->ngpus || !(set->mask[idx] & type) || is_absent(idx)) continue;
             data->device = &st->gpus[idx];
-            data->eventType = NVML_EVENT_XID;
-            data->eventData = xid;
+            data->eventType = type;
+            data->eventData = type == NVML_EVENT_XID ? xid : 0;
             data->gpuInstanceId = n >= 3 && gi >= 0 ? (unsigned int)gi : NO_INSTANCE;
             data->computeInstanceId = n >= 4 && ci >= 0 ? (unsigned int)ci : NO_INSTANCE;
             found = 1;

@@ -5,7 +5,8 @@ state back. The layout under ``root``:
 
     nvml/libnvidia-ml.so.1   a private copy of the fake NVML (each copy serves its own host)
     nvml/fakenvml.state      what the library reports (render_state)
-    nvml/control/            fail, events, usage: re-read by the library on every call
+    nvml/control/            fail, events, usage, absent: re-read by the library on every call;
+                             uevents: kernel device events for the daemon (isolator/uevents.py)
     proc/driver/nvidia-caps/mig-minors
     dev/                     nvidia<minor>, nvidiactl, nvidia-uvm..., nvidia-caps/ (mknod, root only)
 """
@@ -17,7 +18,9 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import replace
 
+from isolator import uevents
 from isolator.errors import IsolatorError
 from isolator.simhost import devnodes
 from isolator.simhost.host import HostSpec, load_host, mig_minors_text, render_state
@@ -32,6 +35,7 @@ GCC_FLAGS = ["-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-fvisibility=hidden
 
 # nvmlReturn_t values a test may inject (nvml.h).
 NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_DRIVER_NOT_LOADED = 9
 NVML_ERROR_GPU_IS_LOST = 15
 NVML_ERROR_UNKNOWN = 999
 
@@ -79,6 +83,7 @@ class SimulatedHost:
         self.proc_root = os.path.join(self.root, "proc")
         self.driver_root = os.path.join(self.root, "driver")
         self.device_numbers: devnodes.DeviceNumbers | None = None
+        self.uevents_path = os.path.join(self.control_dir, "uevents")
 
     def setup(self, make_devices: bool | None = None) -> SimulatedHost:
         """Write the library, its state, mig-minors and (as root, or when asked) the device nodes.
@@ -88,7 +93,7 @@ class SimulatedHost:
         os.makedirs(self.control_dir, exist_ok=True)
         self._install_library()
         self._write(self.state_path, render_state(self.spec, self.control_dir))
-        for name in ("fail", "usage"):
+        for name in ("fail", "usage", "absent", "uevents"):
             if not os.path.exists(os.path.join(self.control_dir, name)):
                 self._write(os.path.join(self.control_dir, name), "")
         caps_dir = os.path.join(self.proc_root, "driver", "nvidia-caps")
@@ -161,6 +166,78 @@ class SimulatedHost:
         """What nvmlDeviceGetMemoryInfo (used) and nvmlDeviceGetUtilizationRates report for GPU ``index``."""
         self._check_index(index)
         self._append("usage", f"{index} {memory_used} {gpu_util} {memory_util}")
+
+    def inject_ecc(self, index: int, double_bit: bool = True) -> None:
+        """Raise a double-bit (or single-bit) ECC error event on GPU ``index``."""
+        self._check_index(index)
+        self._append("events", f"{index} 0 -1 -1 {'dbe' if double_bit else 'sbe'}")
+
+    # ---- kernel device events (what NETLINK_KOBJECT_UEVENT would carry) --------------------------
+
+    def emit_uevent(self, props: dict[str, str]) -> None:
+        """Append one kernel-format uevent message for the daemon's uevent source to read."""
+        self._append("uevents", uevents.format_message(props).decode())
+
+    def _pci_uevent(self, index: int, action: str, driver: bool) -> None:
+        gpu = next(g for g in self.spec.gpus if g.index == index)
+        props = {
+            "ACTION": action,
+            "DEVPATH": f"/devices/pci0000:00/{gpu.pci_bus_id}",
+            "SUBSYSTEM": "pci",
+            "PCI_ID": f"{gpu.pci_device_id & 0xFFFF:04X}:{gpu.pci_device_id >> 16:04X}",
+            "PCI_SLOT_NAME": gpu.pci_bus_id,
+        }
+        if driver:
+            props["DRIVER"] = "nvidia"
+        self.emit_uevent(props)
+
+    def _absent(self) -> list[int]:
+        try:
+            with open(os.path.join(self.control_dir, "absent")) as fh:
+                return [int(x) for x in fh.read().split()]
+        except FileNotFoundError:
+            return []
+
+    def unbind(self, index: int) -> None:
+        """GPU ``index``'s PCI function leaves the nvidia driver: NVML stops enumerating it (the
+        others are renumbered) and an ``unbind`` uevent is sent, as ``echo BUS > .../unbind`` does."""
+        self._check_index(index)
+        self._write(os.path.join(self.control_dir, "absent"), "".join(f"{i}\n" for i in {*self._absent(), index}))
+        self._pci_uevent(index, "unbind", driver=False)
+
+    def bind(self, index: int) -> None:
+        """GPU ``index`` is bound to the nvidia driver again (a ``bind`` uevent follows)."""
+        self._check_index(index)
+        self._write(os.path.join(self.control_dir, "absent"), "".join(f"{i}\n" for i in self._absent() if i != index))
+        self._pci_uevent(index, "bind", driver=True)
+
+    def unload_driver(self) -> None:
+        """``rmmod nvidia``: every NVML call fails DRIVER_NOT_LOADED until ``load_driver``."""
+        self._append("fail", f"* * {NVML_ERROR_DRIVER_NOT_LOADED}")
+        self.emit_uevent({"ACTION": "remove", "DEVPATH": "/module/nvidia", "SUBSYSTEM": "module"})
+
+    def load_driver(self) -> None:
+        """``modprobe nvidia`` after ``unload_driver``."""
+        path = os.path.join(self.control_dir, "fail")
+        with open(path) as fh:
+            kept = [line for line in fh if line.strip() != f"* * {NVML_ERROR_DRIVER_NOT_LOADED}"]
+        self._write(path, "".join(kept))
+        self.emit_uevent({"ACTION": "add", "DEVPATH": "/module/nvidia", "SUBSYSTEM": "module"})
+
+    def set_mig_mode(self, index: int, enabled: bool) -> None:
+        """Turn MIG mode on (no MIG devices yet) or off for GPU ``index``. Takes effect at the next
+        nvmlInit, as a real mode change takes effect at the GPU reset it needs; the reset is
+        announced as a PCI ``change`` uevent."""
+        self._check_index(index)
+        if next(g for g in self.spec.gpus if g.index == index).mig is None:
+            raise SimHostError(f"GPU {index} of simulated host '{self.spec.name}' is not MIG-capable")
+        gpus = tuple(
+            replace(g, mig=enabled, mig_devices=g.mig_devices if enabled else ()) if g.index == index else g
+            for g in self.spec.gpus
+        )
+        self.spec = replace(self.spec, gpus=gpus)
+        self._write(self.state_path, render_state(self.spec, self.control_dir))
+        self._pci_uevent(index, "change", driver=True)
 
     def clear(self) -> None:
         """Drop injected failures and usage; events already delivered stay delivered."""

@@ -1,0 +1,244 @@
+"""Prometheus metrics (prometheus-client) on an opt-in listen address, and the server-edge observer
+that feeds them.
+
+Names follow Prometheus conventions and the Mesos agent's GPU metrics (``slave/gpus_total``,
+``slave/gpus_used``): gauges read from the service at scrape time (nothing to keep in step), and
+counters/histograms updated by ``observe`` (called once per hook by the server's error mapping) and
+by the daemon loop (reconciliation repairs) and the volume manager (builds). docs/metrics.md lists
+them. The registry is this object's own, not prometheus-client's global one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import socketserver
+import stat
+import threading
+from collections.abc import Iterator
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from isolator.errors import ConfigError, SocketError
+
+LOG = logging.getLogger(__name__)
+
+PREFIX = "gpu_isolator"
+# Hook latencies: a cycle is milliseconds (README "Performance"); Watch may wait up to its deadline.
+BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+DEFAULT_PORT = 9400
+
+
+class Metrics:
+    """What the daemon measures. ``observe`` has the server's observer signature."""
+
+    def __init__(self, service: Any = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.service = service
+        self.hook_seconds = Histogram(
+            f"{PREFIX}_hook_duration_seconds",
+            "Time to answer an isolator or admin call, by hook (RPC method) and outcome (ok or error)",
+            ("hook", "outcome"),
+            buckets=BUCKETS,
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            f"{PREFIX}_errors",
+            "Calls answered with an error, by hook and gRPC status code",
+            ("hook", "code"),
+            registry=self.registry,
+        )
+        self.repairs = Counter(
+            f"{PREFIX}_reconciliation_repairs",
+            "Allocations released by reconciliation: 'recover' (Recover's orphans and unknowns),"
+            " 'reap' (containers whose Mesos cgroup vanished)",
+            ("kind",),
+            registry=self.registry,
+        )
+        self.volume_builds = Counter(
+            f"{PREFIX}_volume_builds", "Driver volumes built (not reused)", registry=self.registry
+        )
+        self.registry.register(_ServiceCollector(self))
+
+    def observe(self, hook: str, code: str, seconds: float, response: Any = None) -> None:
+        self.hook_seconds.labels(hook, "ok" if code == "OK" else "error").observe(seconds)
+        if code != "OK":
+            self.errors.labels(hook, code).inc()
+        elif hook == "Recover" and response is not None:
+            self.repairs.labels("recover").inc(int(getattr(response, "released", 0)))
+
+    def reaped(self, count: int) -> None:
+        self.repairs.labels("reap").inc(count)
+
+    def volume_built(self, _result: object = None) -> None:
+        self.volume_builds.inc()
+
+
+class _ServiceCollector(Collector):
+    """Gauges read from the service when scraped."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        service = self._metrics.service
+        if service is None:
+            return
+        gpus = service.list_gpus().gpus
+        containers = [c for c in service.list_containers() if not c.nested]
+        total = GaugeMetricFamily(f"{PREFIX}_gpus", "GPUs managed by the sidecar (Mesos: slave/gpus_total)")
+        total.add_metric([], len(gpus))
+        used = GaugeMetricFamily(f"{PREFIX}_gpus_used", "GPUs allocated to containers (Mesos: slave/gpus_used)")
+        used.add_metric([], sum(1 for g in gpus if g.holder))
+        healthy = GaugeMetricFamily(f"{PREFIX}_gpus_healthy", "GPUs healthy and usable")
+        healthy.add_metric([], sum(1 for g in gpus if g.healthy))
+        per_gpu = GaugeMetricFamily(
+            f"{PREFIX}_gpu_healthy", "1 when the GPU is healthy and usable, else 0", labels=("gpu", "uuid", "minor")
+        )
+        for g in gpus:
+            per_gpu.add_metric([str(g.index), g.uuid, str(g.minor)], 1 if g.healthy else 0)
+        held = GaugeMetricFamily(f"{PREFIX}_container_gpus", "GPUs each container holds", labels=("container_id",))
+        for c in containers:
+            held.add_metric([str(c.container_id)], len(c.gpu_minors))
+        yield from (total, used, healthy, per_gpu, held)
+        # MIG devices as units (docs/mig.md), per Mesos resource name (mig-<profile>).
+        offered: dict[str, list[int]] = {}
+        for g in gpus:
+            for m in g.mig_devices:
+                if m.resource:
+                    counts = offered.setdefault(m.resource, [0, 0])
+                    counts[0] += 1
+                    counts[1] += 1 if m.holder else 0
+        mig_total = GaugeMetricFamily(
+            f"{PREFIX}_mig_devices", "MIG devices offered, per resource", labels=("resource",)
+        )
+        mig_used = GaugeMetricFamily(
+            f"{PREFIX}_mig_devices_used", "MIG devices allocated to containers, per resource", labels=("resource",)
+        )
+        for name, (count, in_use) in sorted(offered.items()):
+            mig_total.add_metric([name], count)
+            mig_used.add_metric([name], in_use)
+        mig_held = GaugeMetricFamily(
+            f"{PREFIX}_container_mig_devices", "MIG devices each container holds", labels=("container_id",)
+        )
+        for c in containers:
+            mig_held.add_metric([str(c.container_id)], len(c.mig_uuids))
+        yield from (mig_total, mig_used, mig_held)
+
+
+# ---- serving ----------------------------------------------------------------------------------------
+
+
+def parse_address(value: str) -> tuple[str, Any]:
+    """``unix:/path`` -> ("unix", path); ``HOST:PORT``, ``:PORT`` or ``PORT`` -> ("tcp", (host, port)).
+
+    A bare port binds localhost: metrics name containers, so they are not published to the network
+    unless an address says so.
+    """
+    text = value.strip()
+    if text.startswith("unix:"):
+        path = text[len("unix:") :]
+        if not path.startswith("/"):
+            raise ConfigError(f"--metrics-address '{value}': a unix socket path must be absolute")
+        return "unix", path
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = "", text
+    host = host.strip("[]") or "127.0.0.1"
+    if not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(f"--metrics-address '{value}': expected HOST:PORT, :PORT or unix:/path")
+    return "tcp", (host, int(port))
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        LOG.debug("metrics: " + format, *args)
+
+    def address_string(self) -> str:
+        return "unix" if isinstance(self.client_address, (str, bytes)) else super().address_string()
+
+
+class _TcpServer(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _TcpServer6(_TcpServer):
+    address_family = socket.AF_INET6
+
+
+class _UnixServer(socketserver.ThreadingMixIn, WSGIServer):
+    address_family = socket.AF_UNIX
+    daemon_threads = True
+
+    def server_bind(self) -> None:
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = "localhost", 0
+        self.setup_environ()
+
+    def get_request(self) -> tuple[Any, Any]:
+        conn, _ = self.socket.accept()
+        return conn, ("unix", 0)
+
+
+class MetricsServer:
+    """Serves ``/metrics`` (and ``/``) over HTTP on TCP or a unix socket, on a daemon thread."""
+
+    def __init__(self, address: str, metrics: Metrics, socket_mode: int = 0o660) -> None:
+        self.kind, self.target = parse_address(address)
+        self.metrics = metrics
+        self.socket_mode = socket_mode
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> MetricsServer:
+        app = make_wsgi_app(self.metrics.registry)
+        try:
+            if self.kind == "unix":
+                path = self.target
+                if os.path.lexists(path):
+                    if not os.path.isdir(path) and not os.path.islink(path) and _is_socket(path):
+                        os.unlink(path)  # a stale metrics socket of an earlier run
+                    else:
+                        raise SocketError(f"refusing to replace '{path}' for metrics: it exists and is not a socket")
+                server: WSGIServer = _UnixServer(path, _Quiet)
+                os.chmod(path, self.socket_mode)
+            else:
+                cls = _TcpServer6 if ":" in self.target[0] else _TcpServer
+                server = cls(self.target, _Quiet)
+        except OSError as exc:
+            raise SocketError(f"failed to bind metrics address '{self.address}': {exc.strerror}") from exc
+        server.set_app(app)
+        self._server = server
+        self._thread = threading.Thread(target=server.serve_forever, name="metrics", daemon=True)
+        self._thread.start()
+        LOG.info("metrics on %s", self.address)
+        return self
+
+    @property
+    def address(self) -> str:
+        if self.kind == "unix":
+            return "unix:" + str(self.target)
+        if self._server is not None:
+            bound: Any = self._server.server_address
+            return f"{bound[0]}:{bound[1]}"
+        return f"{self.target[0]}:{self.target[1]}"
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+            if self.kind == "unix":
+                try:
+                    os.unlink(self.target)
+                except FileNotFoundError:
+                    pass
+
+
+def _is_socket(path: str) -> bool:
+    return stat.S_ISSOCK(os.lstat(path).st_mode)

@@ -1,0 +1,221 @@
+"""Operator-facing outputs of a running daemon: Prometheus metrics (unix socket and TCP), dcgm-exporter's
+HPC job mapping kept exact across a crash, and JSON logs with the container on every hook line."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from isolator.logfmt import KEYS
+from isolator.metrics import parse_address
+from isolator.testing.mesos import Containerizer, GrpcIsolator, HookFailed, container_id
+from isolator.testing.sidecar import running_sidecar
+
+pytestmark = [pytest.mark.root, pytest.mark.cgroup_v1]
+
+
+class _UnixHTTP(http.client.HTTPConnection):
+    def __init__(self, path: str) -> None:
+        super().__init__("localhost", timeout=10)
+        self.path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(10)
+        self.sock.connect(self.path)
+
+
+def scrape(conn: http.client.HTTPConnection) -> dict[str, float]:
+    conn.request("GET", "/metrics")
+    response = conn.getresponse()
+    assert response.status == 200
+    text = response.read().decode()
+    conn.close()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def _until(predicate, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def test_metrics_on_a_unix_socket_count_gpus_holdings_hooks_errors_and_volume_builds(short_tmp):
+    path = os.path.join(short_tmp, "metrics.sock")
+    with running_sidecar("dgx-1", "v1", extra=("--metrics-address", f"unix:{path}")) as sidecar:
+        isolator = GrpcIsolator(sidecar.socket)
+        containerizer = Containerizer(isolator, sidecar.work)
+        try:
+            isolator.prepare(container_id("m1"), containerizer.config(gpus=2, image=True))
+            with pytest.raises(HookFailed):
+                isolator.prepare(container_id("m1"), containerizer.config(gpus=2, image=False))
+            m = scrape(_UnixHTTP(path))
+            assert m["gpu_isolator_gpus"] == 8
+            assert m["gpu_isolator_gpus_used"] == 2
+            assert m["gpu_isolator_gpus_healthy"] == 8
+            assert m['gpu_isolator_container_gpus{container_id="m1"}'] == 2
+            assert m['gpu_isolator_hook_duration_seconds_count{hook="Prepare",outcome="ok"}'] == 1
+            assert m['gpu_isolator_hook_duration_seconds_count{hook="Prepare",outcome="error"}'] == 1
+            assert m['gpu_isolator_errors_total{code="ALREADY_EXISTS",hook="Prepare"}'] == 1
+            assert m["gpu_isolator_volume_builds_total"] == 1
+            sidecar.sim.inject_xid(0, 79)
+            _until(lambda: scrape(_UnixHTTP(path))["gpu_isolator_gpus_healthy"] == 7)
+            uuid = sidecar.sim.spec.gpus[0].uuid
+            assert scrape(_UnixHTTP(path))[f'gpu_isolator_gpu_healthy{{gpu="0",minor="0",uuid="{uuid}"}}'] == 0
+        finally:
+            isolator.cleanup(container_id("m1"))
+            isolator.close()
+    assert not os.path.exists(path), "the metrics socket is removed at stop"
+
+
+def test_metrics_count_mig_devices_per_resource_and_their_holders(short_tmp):
+    path = os.path.join(short_tmp, "metrics.sock")
+    with running_sidecar("dgx-a100", "v1", extra=("--metrics-address", f"unix:{path}")) as sidecar:
+        isolator = GrpcIsolator(sidecar.socket)
+        containerizer = Containerizer(isolator, sidecar.work)
+        config = containerizer.config(gpus=None, image=False)
+        config["resources"].append({"name": "mig-1g.5gb", "type": "SCALAR", "scalar": {"value": 2}, "role": "*"})
+        try:
+            isolator.prepare(container_id("mig2"), config)
+            m = scrape(_UnixHTTP(path))
+            assert m['gpu_isolator_mig_devices{resource="mig-1g.5gb"}'] == 8
+            assert m['gpu_isolator_mig_devices{resource="mig-3g.20gb"}'] == 3
+            assert m['gpu_isolator_mig_devices_used{resource="mig-1g.5gb"}'] == 2
+            assert m['gpu_isolator_mig_devices_used{resource="mig-3g.20gb"}'] == 0
+            assert m['gpu_isolator_container_mig_devices{container_id="mig2"}'] == 2
+            assert m['gpu_isolator_container_gpus{container_id="mig2"}'] == 0
+            assert m["gpu_isolator_gpus_used"] == 0
+        finally:
+            isolator.cleanup(container_id("mig2"))
+            isolator.close()
+
+
+def test_metrics_on_localhost_tcp_when_only_a_port_is_given(short_tmp):
+    with running_sidecar("single", "v1", extra=("--metrics-address", "0")) as sidecar:
+        match = re.search(r"metrics on (127\.0\.0\.1):(\d+)", sidecar.log())
+        assert match, sidecar.log()
+        m = scrape(http.client.HTTPConnection(match.group(1), int(match.group(2)), timeout=10))
+        assert m["gpu_isolator_gpus"] == 1 and m["gpu_isolator_gpus_used"] == 0
+
+
+@pytest.mark.parametrize("value", ["localhost:http", "unix:relative.sock", "70000", "host:"])
+def test_bad_metrics_addresses_are_refused(value):
+    from isolator.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--metrics-address"):
+        parse_address(value)
+
+
+def test_a_bare_port_means_localhost_and_ipv6_is_accepted():
+    assert parse_address("9400") == ("tcp", ("127.0.0.1", 9400))
+    assert parse_address(":9400") == ("tcp", ("127.0.0.1", 9400))
+    assert parse_address("[::1]:9400") == ("tcp", ("::1", 9400))
+    assert parse_address("unix:/run/gi/metrics.sock") == ("unix", "/run/gi/metrics.sock")
+
+
+def _mapping(directory: str) -> dict[str, list[str]]:
+    return {n: open(os.path.join(directory, n)).read().split() for n in sorted(os.listdir(directory))}
+
+
+def test_job_mapping_lists_each_gpus_containers_and_is_exact_after_a_crash(short_tmp):
+    jobs = os.path.join(short_tmp, "jobs")
+    work = os.path.join(short_tmp, "w")
+    os.makedirs(work)
+    with running_sidecar("dgx-a100", "v1", extra=("--job-mapping-dir", jobs), work=work) as sidecar:
+        isolator = GrpcIsolator(sidecar.socket)
+        containerizer = Containerizer(isolator, sidecar.work)
+        isolator.prepare(container_id("j1"), containerizer.config(gpus=1, image=False))
+        isolator.prepare(container_id("j2"), containerizer.config(gpus=2, image=False))
+        config = containerizer.config(gpus=None, image=False)
+        config["resources"].append({"name": "mig-1g.5gb", "type": "SCALAR", "scalar": {"value": 1}, "role": "*"})
+        isolator.prepare(container_id("j3"), config)
+        listed = _mapping(jobs)
+        # dgx-a100: GPUs 0-3 have MIG devices: one file per GPU instance, as <index>.<instance>.
+        migs = {f"{g.index}.{m.gpu_instance}" for g in sidecar.sim.spec.gpus for m in g.mig_devices}
+        assert len(migs) == 15 and set(listed) == {str(i) for i in range(8)} | migs
+        assert sum(1 for n, ids in listed.items() if ids == ["j1"] and "." not in n) == 1
+        assert sum(1 for n, ids in listed.items() if ids == ["j2"] and "." not in n) == 2
+        # A MIG unit (the placement's first 1g.5gb: GPU 1, instance 7): its file and its GPU's.
+        assert [n for n, ids in listed.items() if ids == ["j3"]] == ["1", "1.7"]
+        isolator.cleanup(container_id("j3"))
+        isolator.cleanup(container_id("j1"))
+        assert sum(1 for ids in _mapping(jobs).values() if ids == ["j1"]) == 0
+        before = _mapping(jobs)
+        sidecar.kill()  # a crash: nothing cleaned
+        isolator.close()
+    # While it was down, someone (or a half-written run) left the directory wrong.
+    with open(os.path.join(jobs, "5"), "w") as fh:
+        fh.write("ghost\n")
+    with open(os.path.join(jobs, "12"), "w") as fh:
+        fh.write("ghost\n")
+    with open(os.path.join(jobs, "README"), "w") as fh:
+        fh.write("not ours\n")
+    with running_sidecar("dgx-a100", "v1", extra=("--job-mapping-dir", jobs), work=work):
+        after = _mapping(jobs)
+        assert after.pop("README") == ["not", "ours"]
+        assert after == before
+
+
+def test_json_logs_are_one_object_per_line_with_stable_keys_and_the_container_on_hook_lines(short_tmp):
+    with running_sidecar("dgx-1", "v1", extra=("--log-format", "json", "--log-level", "debug")) as sidecar:
+        isolator = GrpcIsolator(sidecar.socket)
+        containerizer = Containerizer(isolator, sidecar.work)
+        try:
+            isolator.prepare(container_id(["outer", "inner"]), containerizer.config(gpus=1, image=True))
+        except HookFailed:
+            pass  # a nested container without its parent is refused: a hook line all the same
+        isolator.prepare(container_id("logged"), containerizer.config(gpus=1, image=True))
+        isolator.cleanup(container_id("logged"))
+        isolator.close()
+        with open(sidecar.log_path) as fh:
+            lines = [line for line in fh.read().splitlines() if line.strip()]
+    entries = [json.loads(line) for line in lines]  # every line is one JSON object
+    assert all(tuple(e) == KEYS for e in entries)
+    hook_lines = [e for e in entries if e["hook"]]
+    assert hook_lines and all(e["container_id"] for e in hook_lines)
+    assert {e["container_id"] for e in hook_lines} >= {"logged", "outer.inner"}
+    assert any(e["hook"] == "Prepare" and e["container_id"] == "logged" for e in entries)
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", e["time"]) for e in entries)
+
+
+def test_serve_refuses_a_bad_metrics_address_with_one_line(short_tmp):
+    argv = [sys.executable, "-m", "isolator", "serve", "--socket", os.path.join(short_tmp, "s.sock")]
+    argv += ["--work-dir", short_tmp, "--simulate", "single", "--metrics-address", "localhost:http"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "--metrics-address 'localhost:http'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_calls_over_the_command_module_bridge_are_measured_and_mapped_too(short_tmp):
+    from isolator.bridge import install
+    from isolator.testing.mesos import BridgeIsolator
+
+    path = os.path.join(short_tmp, "metrics.sock")
+    jobs = os.path.join(short_tmp, "jobs")
+    flags = ("--metrics-address", f"unix:{path}", "--job-mapping-dir", jobs)
+    with running_sidecar("single", "v1", extra=flags) as sidecar:
+        bridge_dir = os.path.join(sidecar.work, "bridge")
+        install(bridge_dir, sidecar.bridge_socket)
+        isolator = BridgeIsolator(bridge_dir, sidecar.work)
+        containerizer = Containerizer(isolator, sidecar.work)
+        isolator.prepare(container_id("bridged"), containerizer.config(gpus=1, image=False))
+        assert _mapping(jobs) == {"0": ["bridged"]}
+        m = scrape(_UnixHTTP(path))
+        assert m['gpu_isolator_hook_duration_seconds_count{hook="Prepare",outcome="ok"}'] == 1
+        isolator.cleanup(container_id("bridged"))
+        assert _mapping(jobs) == {"0": []}
+        isolator.close()

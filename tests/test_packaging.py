@@ -1,0 +1,99 @@
+"""Packaging: the wheel `make dist` builds carries the license, the systemd unit, the simulated hosts
+and the bridge executables, and building it warns about no package data."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_wheel_holds_license_unit_hosts_and_bridge_executables(tmp_path):
+    pip = [sys.executable, "-m", "pip", "wheel", "-v", "--disable-pip-version-check", "--no-deps"]
+    result = subprocess.run(
+        [*pip, "--no-build-isolation", "-w", str(tmp_path), ROOT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "absent from the `packages` configuration" not in output, "package data outside any package"
+    [wheel] = [p for p in os.listdir(tmp_path) if p.endswith(".whl")]
+    with zipfile.ZipFile(tmp_path / wheel) as z:
+        names = set(z.namelist())
+        info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
+        metadata = z.read(f"{info}/METADATA").decode()
+        entry_points = z.read(f"{info}/entry_points.txt").decode()
+    assert f"{info}/licenses/LICENSE" in names
+    assert "License: Apache-2.0" in metadata or "License-Expression: Apache-2.0" in metadata
+    assert "isolator/data/gpu-isolator.service" in names
+    assert "isolator/simhost/hosts/dgx-1.toml" in names and "isolator/simhost/fakenvml.c" in names
+    for method in ("bridge", "prepare", "isolate", "watch", "usage", "cleanup"):
+        assert f"gpu-isolator-{method} = isolator.bridge:main" in entry_points
+    assert not any("__pycache__" in n or n.startswith("tests/") for n in names)
+
+
+def test_the_installed_bridge_console_scripts_run():
+    bindir = os.path.dirname(sys.executable)
+    prepare = os.path.join(bindir, "gpu-isolator-prepare")
+    assert os.access(prepare, os.X_OK), "reinstall the package (make install) to get the console scripts"
+    result = subprocess.run([prepare, "--version"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0 and result.stdout.startswith("gpu-isolator-bridge ")
+    wrong = subprocess.run([prepare, "only-one-argument"], capture_output=True, text=True, timeout=30)
+    assert wrong.returncode == 2 and "usage: gpu-isolator-<method> IN OUT ERR" in wrong.stderr
+
+
+def test_make_test_gpu_fails_without_a_gpu_unless_skipping_is_allowed():
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        from gpu_present import gpu_count
+    finally:
+        sys.path.pop(0)
+    if gpu_count()[0]:
+        import pytest
+
+        pytest.skip("this machine has a GPU: make test-gpu runs the suite for real")
+    env = {k: v for k, v in os.environ.items() if k != "ALLOW_NO_GPU"}
+    make = [
+        "make",
+        "-s",
+        "-C",
+        ROOT,
+        f"PYTHON={sys.executable}",
+        f"VENV={os.path.dirname(os.path.dirname(sys.executable))}",
+    ]
+    refused = subprocess.run([*make, "test-gpu"], capture_output=True, text=True, timeout=300, env=env)
+    assert refused.returncode != 0
+    assert "make test-gpu: no NVIDIA GPU on this machine" in refused.stderr and "ALLOW_NO_GPU=1" in refused.stderr
+    allowed = subprocess.run(
+        [*make, "test-gpu", "ALLOW_NO_GPU=1", "PYTEST_ARGS=-q -p no:cacheprovider"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert allowed.returncode == 0, allowed.stdout[-2000:] + allowed.stderr[-2000:]
+    assert "skipped" in allowed.stdout
+
+
+def test_every_relative_link_in_the_docs_points_inside_the_repository():
+    import re
+
+    pages = ["README.md"] + [
+        os.path.join("docs", n) for n in os.listdir(os.path.join(ROOT, "docs")) if n.endswith(".md")
+    ]
+    bad = []
+    for page in pages:
+        with open(os.path.join(ROOT, page)) as fh:
+            text = fh.read()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+                continue  # a URL or an anchor on the same page
+            path = os.path.normpath(os.path.join(ROOT, os.path.dirname(page), target.split("#")[0]))
+            if not path.startswith(ROOT + os.sep) or not os.path.exists(path):
+                bad.append(f"{page}: {target}")
+    assert not bad, bad

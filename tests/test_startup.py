@@ -1,0 +1,96 @@
+"""Start-up fails closed: a GPU node without usable NVML, or with fewer GPUs than configured, does not
+serve (exit 4) unless the operator said the node has no GPUs; every executable answers --version."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from isolator import __version__
+from isolator.simhost.sim import SimulatedHost
+
+NVML_ERROR_DRIVER_NOT_LOADED = 9
+
+
+def _serve(work: str, *flags: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "isolator", "serve", "--socket", os.path.join(work, "s.sock"), "--work-dir", work]
+    argv += ["--volume-root", os.path.join(work, "volumes"), "--mode", "standalone", *flags]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+
+def _one_line(stderr: str) -> str:
+    lines = [line for line in stderr.strip().splitlines() if " INFO " not in line and " WARNING " not in line]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+def test_no_nvml_under_auto_discovery_stops_the_start_with_exit_4(short_tmp):
+    result = _serve(short_tmp, "--nvml-library", "/nonexistent/libnvidia-ml.so.1")
+    assert result.returncode == 4, result.stderr
+    line = _one_line(result.stderr)
+    assert "no usable NVML (failed to load NVML '/nonexistent/libnvidia-ml.so.1'" in line
+    assert "--resources gpus:0" in line
+    assert not os.path.exists(os.path.join(short_tmp, "s.sock"))
+
+
+@pytest.mark.root
+def test_nvml_that_fails_to_initialise_on_a_simulated_host_stops_the_start(short_tmp):
+    host = SimulatedHost("dgx-1", os.path.join(short_tmp, "simhost")).setup()
+    host.fail_gpu(None, "nvmlInit", NVML_ERROR_DRIVER_NOT_LOADED)
+    result = _serve(short_tmp, "--simulate", "dgx-1")
+    assert result.returncode == 4, result.stderr
+    assert "no usable NVML" in _one_line(result.stderr)
+
+
+def test_fewer_gpus_than_configured_stops_the_start_with_exit_4(short_tmp):
+    result = _serve(short_tmp, "--simulate", "single", "--nvidia-gpu-devices", "0,1", "--resources", "gpus:2")
+    assert result.returncode == 4, result.stderr
+    assert "greater than the number of GPUs available" in _one_line(result.stderr)
+
+
+def test_the_explicit_opt_out_starts_without_nvml(short_tmp):
+    """gpus:0 is the operator saying "no GPUs here": NVML is not even loaded, the daemon serves."""
+    argv = [sys.executable, "-m", "isolator", "serve", "--socket", os.path.join(short_tmp, "s.sock")]
+    argv += ["--work-dir", short_tmp, "--volume-root", os.path.join(short_tmp, "v"), "--mode", "standalone"]
+    argv += ["--nvml-library", "/nonexistent/libnvidia-ml.so.1", "--resources", "cpus:2;gpus:0"]
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    try:
+        start = time.monotonic()
+        while not os.path.exists(os.path.join(short_tmp, "s.sock")):
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() - start < 30
+            time.sleep(0.05)
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "GPU discovery is off" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [sys.executable, "-m", "isolator", "--version"],
+        [sys.executable, "-m", "isolator.bridge", "--version"],
+    ],
+)
+def test_version_on_the_daemon_and_the_bridge(argv):
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith(__version__)
+
+
+def test_installed_bridge_executables_answer_version_and_help(tmp_path):
+    from isolator.bridge import install
+
+    paths = install(str(tmp_path / "bin"))
+    for path in paths:
+        result = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+        assert result.returncode == 0 and result.stdout == f"gpu-isolator-bridge {__version__}\n", result
+    helped = subprocess.run([paths[1], "--help"], capture_output=True, text=True, timeout=30)
+    assert helped.returncode == 0
+    assert "python -m isolator.bridge install" in helped.stdout and "modules.json" in helped.stdout

@@ -82,11 +82,10 @@ class Core:
         topology = edges.inventory.topology()
         self.gpus: dict[int, Gpu] = {g.minor: g for g in topology.gpus}
         self.allocator = Allocator(topology, settings.policy)
-        # MIG units (docs/mig.md): every MIG device of a managed GPU in MIG mode, by UUID; the held
-        # ones (UUID -> parent minor) and the parents booked in the whole-GPU allocator because
-        # some of their MIG devices are held. All three change under ``alloc`` only.
-        self.mig: dict[str, MigDevice] = {d.uuid: d for d in self.mig_devices(frozenset(self.gpus))}
-        self.mig_mode = frozenset(r.gpu.minor for r in edges.inventory.records if r.mig_enabled) & frozenset(self.gpus)
+        # MIG units (docs/mig.md): the held MIG devices (UUID -> parent minor) and the parents booked
+        # in the whole-GPU allocator because some of their MIG devices are held; both change under
+        # ``alloc`` only. The devices themselves are read from the inventory each time (``mig``), so
+        # a GPU read again after a device event offers what NVML reports now.
         self.mig_held: dict[str, int] = {}
         self.mig_booked: set[int] = set()
         with self.alloc:
@@ -125,6 +124,16 @@ class Core:
 
     # ---- MIG units (call with ``alloc`` held) ------------------------------------------------------
 
+    @property
+    def mig(self) -> dict[str, MigDevice]:
+        """Every MIG device of a managed GPU in MIG mode, by UUID, as the inventory reports it now."""
+        return {d.uuid: d for d in self.mig_devices(frozenset(self.gpus))}
+
+    @property
+    def mig_mode(self) -> frozenset[int]:
+        """Minors of the managed GPUs in MIG mode (with or without MIG devices)."""
+        return frozenset(r.gpu.minor for r in self.inventory.records if r.mig_enabled) & frozenset(self.gpus)
+
     def hold_mig(self, held: Iterable[tuple[str, int]], restore: bool = False) -> None:
         """Mark MIG devices held and book their parents against whole-GPU use."""
         held = list(held)
@@ -150,12 +159,13 @@ class Core:
         """MIG devices for ``request`` (resource -> count), held on return; none for an empty request."""
         if not request:
             return ()
+        devices = list(self.mig.values())
         whole = self.allocator.allocated - self.mig_booked
         usable = self.inventory.healthy()
-        blocked = {d.parent_minor for d in self.mig.values() if d.parent_minor in whole}
-        blocked |= {d.parent_minor for d in self.mig.values() if d.parent_index not in usable}
+        blocked = {d.parent_minor for d in devices if d.parent_minor in whole}
+        blocked |= {d.parent_minor for d in devices if d.parent_index not in usable}
         blocked |= set(self.allocator.unhealthy)
-        units = migunits.choose(request, list(self.mig.values()), set(self.mig_held), blocked).devices
+        units = migunits.choose(request, devices, set(self.mig_held), blocked).devices
         self.hold_mig((d.uuid, d.parent_minor) for d in units)
         return units
 
@@ -176,9 +186,10 @@ class Core:
         """The MIG devices a record holds that the inventory knows (an unknown UUID grants nothing)."""
         if rec is None:
             return ()
+        known = self.mig
         out = []
         for uuid in sorted(rec.mig_uuids):
-            dev = self.mig.get(uuid)
+            dev = known.get(uuid)
             if dev is None:
                 LOG.warning("container %s holds MIG device %s, unknown to the inventory", rec.container_id, uuid)
                 continue

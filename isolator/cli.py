@@ -102,6 +102,7 @@ def build_parser() -> Parser:
     release = admin("release", help_text="release a stuck allocation")
     release.add_argument("container", help="container ID, nested as parent.child")
     release.add_argument("--force", action="store_true", help="release even while processes remain")
+    admin("audit", help_text="compare every container's kernel rules with its record now, re-apply drift")
     return parser
 
 
@@ -121,6 +122,7 @@ ADMIN_CALLS: dict[str, tuple[str, str]] = {
     "volume": ("Volume", "VolumeRequest"),
     "health": ("Health", "HealthRequest"),
     "release": ("Release", "ReleaseRequest"),
+    "audit": ("Audit", "AuditRequest"),
 }
 
 
@@ -208,8 +210,18 @@ def render(command: str, data: dict[str, Any], now: float) -> str:
         "volume": lambda d, _now: _volume_text(d),
         "health": lambda d, _now: _health_table(d),
         "release": lambda d, _now: str(d.get("detail", "")),
+        "audit": lambda d, _now: _audit_text(d),
     }
     return renderers[command](data, now)
+
+
+def _audit_text(data: dict[str, Any]) -> str:
+    repaired = data.get("repaired", [])
+    head = f"checked {data.get('checked', 0)} containers: "
+    head += f"re-applied {len(repaired)}" if repaired else "kernel rules agree with the records"
+    lines = [head, *(f"  {line}" for line in repaired)]
+    lines.append(f"repairs since the sidecar started: {data.get('repairs_total', 0)}")
+    return "\n".join(lines)
 
 
 def _table(rows: list[dict[str, Any]], columns: Sequence[tuple[str, str]], indent: str = "") -> str:

@@ -68,6 +68,7 @@ class Config:
     ignored_xids: tuple[int, ...] = DEFAULT_IGNORED_XIDS
     max_workers: int = 16
     reap_interval: float = 60.0
+    audit_interval: float = 300.0  # 0: no periodic audit (gpu-isolator audit still runs one)
     gpu_probe_interval: float = 30.0
     max_concurrent_rpcs: int = 256
     max_connections: int = 128
@@ -144,6 +145,12 @@ def _positive_float(value: Any) -> float:
     return x
 
 
+def _seconds_or_off(value: Any) -> float:
+    if str(value).strip() == "0":
+        return 0.0
+    return _positive_float(value)
+
+
 def _choice(choices: tuple[str, ...]) -> Any:
     def parse(value: Any) -> str:
         if value not in choices:
@@ -201,6 +208,7 @@ PARSERS: dict[str, Any] = {
     "ignored_xids": _int_list,
     "max_workers": _positive_int,
     "reap_interval": _positive_float,
+    "audit_interval": _seconds_or_off,
     "gpu_probe_interval": _positive_float,
     "max_concurrent_rpcs": _positive_int,
     "max_connections": _positive_int,
@@ -237,6 +245,7 @@ HELP = {
     "ignored_xids": f"XIDs that do not mark a GPU unhealthy (default {','.join(map(str, DEFAULT_IGNORED_XIDS))})",
     "max_workers": "gRPC worker threads (default 16)",
     "reap_interval": "seconds between checks for containers whose Mesos cgroup vanished (default 60)",
+    "audit_interval": "seconds between drift audits of every container's kernel rules (default 300; 0: off)",
     "gpu_probe_interval": "seconds between probes of the GPUs for loss or a MIG mode change (default 30)",
     "max_concurrent_rpcs": "requests in flight before RESOURCE_EXHAUSTED (default 256)",
     "max_connections": "connections of allowed callers open at once; more are closed (default 128)",

@@ -18,6 +18,7 @@ from isolator import gpuflags
 from isolator.config import Config
 from isolator.core.service import IsolatorService
 from isolator.errors import ConfigError, FailedPrecondition, GpusUnavailable, NvmlNotFound
+from isolator.model import AuditReport
 from isolator.server import SidecarServer
 
 if TYPE_CHECKING:
@@ -301,6 +302,20 @@ def _reap_loop(
             LOG.exception("periodic reconciliation failed; retrying in %s s", interval)
 
 
+def _ignore(_count: int) -> None:
+    pass
+
+
+def _audit_loop(
+    audit: Callable[[], AuditReport], stop: threading.Event, interval: float, audited: Callable[[int], None]
+) -> None:
+    while not stop.wait(interval):
+        try:
+            audited(len(audit().repaired))
+        except Exception:
+            LOG.exception("periodic drift audit failed; retrying in %s s", interval)
+
+
 def serve(config: Config) -> int:
     """Run the sidecar until SIGTERM or SIGINT. Raises IsolatorError if it cannot start.
 
@@ -389,6 +404,9 @@ def serve(config: Config) -> int:
             reaped(len(service.reap_vanished()))
         except Exception:
             LOG.exception("the first reconciliation failed; the reaper retries in %s s", config.reap_interval)
+    if config.audit_interval > 0:
+        audit = (service.audit, stop, config.audit_interval, metrics.audited if metrics is not None else _ignore)
+        threading.Thread(target=_audit_loop, args=audit, name="audit", daemon=True).start()
     notifier.ready(f"serving on {config.socket}")
     tick = 0.5 if notifier.watchdog_s is None else min(0.5, notifier.watchdog_s / 2)
     # Wake periodically so that signals are handled promptly whatever the platform's lock waits do,

@@ -56,7 +56,7 @@ class Metrics:
         self.repairs = Counter(
             f"{PREFIX}_reconciliation_repairs",
             "Allocations released by reconciliation: 'recover' (Recover's orphans and unknowns),"
-            " 'reap' (containers whose Mesos cgroup vanished)",
+            " 'reap' (containers whose Mesos cgroup vanished); 'audit': kernel rules re-applied by the drift audit",
             ("kind",),
             registry=self.registry,
         )
@@ -71,9 +71,14 @@ class Metrics:
             self.errors.labels(hook, code).inc()
         elif hook == "Recover" and response is not None:
             self.repairs.labels("recover").inc(int(getattr(response, "released", 0)))
+        elif hook == "Audit" and response is not None:
+            self.audited(len(getattr(response, "repaired", ())))
 
     def reaped(self, count: int) -> None:
         self.repairs.labels("reap").inc(count)
+
+    def audited(self, count: int) -> None:
+        self.repairs.labels("audit").inc(count)
 
     def volume_built(self, _result: object = None) -> None:
         self.volume_builds.inc()

@@ -4,12 +4,33 @@ inventory of a host with no GPUs to manage. ``isolator.main`` hands them to the 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
 
 from isolator.errors import NotFound
 from isolator.model import Topology
+
+
+class PidFd:
+    """A process held by a pidfd (pidfd_open(2)): while it is alive, its pid names it and nothing else."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def alive(self) -> bool:
+        try:
+            signal.pidfd_send_signal(self._fd, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+PF_KTHREAD = 0x00200000  # include/linux/sched.h
 
 
 class ProcProcesses:
@@ -20,6 +41,35 @@ class ProcProcesses:
 
     def exists(self, pid: int) -> bool:
         return os.path.exists(os.path.join(self.proc_root, str(pid)))
+
+    def pin(self, pid: int) -> PidFd | None:
+        try:
+            return PidFd(os.pidfd_open(pid))
+        except ProcessLookupError:
+            return None
+
+    def kernel_thread(self, pid: int) -> bool:
+        """Whether ``pid`` is a kernel thread (PF_KTHREAD in the flags of /proc/<pid>/stat; ``ps`` shows
+        them in brackets). False for a pid that is gone: the caller's pin says that."""
+        try:
+            with open(os.path.join(self.proc_root, str(pid), "stat")) as fh:
+                flags = int(fh.read().rsplit(")", 1)[1].split()[6])
+        except (OSError, ValueError, IndexError):
+            return False
+        return bool(flags & PF_KTHREAD)
+
+    def sidecar_pids(self) -> frozenset[int]:
+        out = set()
+        pid = os.getpid()
+        while pid > 0 and pid not in out:
+            out.add(pid)
+            try:
+                with open(os.path.join(self.proc_root, str(pid), "stat")) as fh:
+                    # pid (comm) state ppid ...: comm may hold spaces and parentheses; split after the last ')'.
+                    pid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                break
+        return frozenset(out)
 
 
 class LocalFilesystem:

@@ -252,6 +252,25 @@ def test_describe_shows_which_rules_differ_when_the_kernel_lost_a_gpu_and_health
     }
 
 
+def test_audit_reapplies_the_rules_the_kernel_lost_and_says_so(world):
+    cid = container_id("audited")
+    world.iso.prepare(cid, world.c.config(1, image=False))
+    try:
+        (minor,) = _minors_of(world, "audited")
+        with open(os.path.join(world.sidecar.cgroup_parent, "audited", "devices.deny"), "w") as fh:
+            fh.write(f"c 195:{minor} rwm")  # a daemon-reload rewrote the device rules
+        report = _json(world.socket, "audit")
+        rc, out, _ = _cli(world.socket, "audit")
+        after = _json(world.socket, "describe", "audited")
+    finally:
+        world.iso.cleanup(cid)
+    assert report["checked"] >= 3 and report["repairs_total"] >= 1
+    (line,) = report["repaired"]
+    assert line.startswith(f"container audited: kernel grants GPUs [] (recorded [{minor}])")
+    assert rc == 0 and "kernel rules agree with the records" in out, "the first audit repaired it"
+    assert after["rules_agree"] is True and after["kernel_gpu_minors"] == [minor]
+
+
 def test_describe_of_an_unknown_container_is_one_line_and_exit_1(world):
     result = _cli(world.socket, "describe", "no-such-container")
     assert result[0] == cli.EXIT_ERROR

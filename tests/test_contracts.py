@@ -183,8 +183,11 @@ def test_processes_are_placed_listed_and_moved(standalone: Backend) -> None:
     cg.prepare(b)
     proc = _sleeper()
     try:
+        outside = cg.cgroup_of(proc.pid)
+        assert outside is not None and not outside.startswith(cg.root_path() + "/"), "born outside our root"
         cg.add_pid(a, proc.pid)
         assert cg.pids(a) == (proc.pid,)
+        assert cg.cgroup_of(proc.pid) == cg.cgroup_path(a) and cg.cgroup_path(a).startswith(cg.root_path() + "/")
         cg.add_pid(b, proc.pid)
         assert cg.pids(a) == () and cg.pids(b) == (proc.pid,)
     finally:
@@ -233,6 +236,8 @@ def test_nested_cgroups_are_listed_below_their_parent(standalone: Backend) -> No
     cg.prepare(cid("contract-a.child-1"))
     cg.prepare(cid("contract-a.child-2"))
     assert cg.nested_names(a) == ("child-1", "child-2")
+    cg.prepare(cid("contract-b"))
+    assert cg.containers() == (a, cid("contract-b")), "top-level containers under our root, in order"
     assert cg.cgroup_path(cid("contract-a.child-1")).startswith(cg.cgroup_path(a) + "/mesos/child-1")
     cg.cleanup(a)
     assert not cg.exists(cid("contract-a.child-1"))
@@ -367,19 +372,38 @@ def test_store_holds_mig_devices_once_and_never_with_their_gpu_whole(store: Fake
 # ---- Processes, Filesystem, Clock ----------------------------------------------------------------
 
 
-def test_processes_exist_until_they_exit() -> None:
+def test_processes_exist_until_they_exit_and_a_pin_sees_it() -> None:
     fake = FakeProcesses()
     pid = fake.spawn()
-    assert fake.exists(pid)
+    pinned = fake.pin(pid)
+    assert fake.exists(pid) and pinned is not None and pinned.alive()
     fake.exit(pid)
-    assert not fake.exists(pid)
+    assert not fake.exists(pid) and not pinned.alive() and fake.pin(pid) is None
+    pinned.close()
 
     real = ProcProcesses()
     proc = _sleeper()
-    assert real.exists(proc.pid)
+    real_pin = real.pin(proc.pid)
+    assert real.exists(proc.pid) and real_pin is not None and real_pin.alive()
     proc.kill()
     proc.wait()
-    assert not real.exists(proc.pid)
+    assert not real.exists(proc.pid) and not real_pin.alive() and real.pin(proc.pid) is None
+    real_pin.close()
+
+
+def test_kernel_threads_are_told_apart_from_processes() -> None:
+    fake = FakeProcesses()
+    for procs, process in ((fake, fake.spawn()), (ProcProcesses(), os.getpid())):
+        assert procs.kernel_thread(2), "pid 2 is kthreadd in the initial pid namespace"
+        assert not procs.kernel_thread(process)
+        assert not procs.kernel_thread(4_000_000), "a pid that is gone is not a kernel thread"
+
+
+def test_the_sidecars_own_pids_are_itself_and_its_ancestors() -> None:
+    real = ProcProcesses().sidecar_pids()
+    assert {os.getpid(), os.getppid()} <= real and 1 in real
+    fake = FakeProcesses()
+    assert 1 in fake.sidecar_pids() and not fake.sidecar_pids() & {fake.spawn()}
 
 
 @pytest.mark.parametrize("kind", ["fake", "local"])

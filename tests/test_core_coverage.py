@@ -28,6 +28,7 @@ CORE_TESTS = (
     "test_core_admin.py",
     "test_core_concurrency.py",
     "test_core_mig.py",
+    "test_core_volume_users.py",
 )
 CONTRACT_TESTS = ("test_contracts.py",)
 
@@ -58,7 +59,8 @@ INDIRECT = {
     "apply": "update",
     "drop": "cleanup",
     "release_volume": "cleanup",
-    "restore": "restart",
+    "start": "restart",
+    "book": "recover",
     "inconsistencies": "health",
     "allocate_whole": "prepare",
     "choose_mig": "prepare",

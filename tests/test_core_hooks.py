@@ -211,8 +211,19 @@ def test_nested_containers_use_their_parents_gpus_and_debug_ones_get_nothing(rig
     assert "/rootfs/child/dev/nvidia2" in [m.target for m in info.mounts]
     assert rig.volumes.in_use_by("a.child")
     assert rig.store.get(cid("a.child")) is None, "a nested container is never recorded"
-    orphan_child = rig.service.prepare(cid("b.child"), image(0, "/rootfs/child"))
-    assert orphan_child is not None and not any("/dev/nvidia0" in m.target for m in orphan_child.mounts)
+
+
+@pytest.mark.parametrize("container_class", ["DEFAULT", "DEBUG"])
+def test_a_nested_prepare_whose_top_level_container_was_never_prepared_is_refused(
+    rig: Rig, container_class: str
+) -> None:
+    rig.filesystem.make_dirs("/rootfs/child")
+    config = ContainerConfig(
+        resources=(Resource("gpus", 0.0),), rootfs="/rootfs/child", container_class=container_class
+    )
+    with pytest.raises(FailedPrecondition, match="top-level container b was never prepared"):
+        rig.service.prepare(cid("b.child"), config)
+    assert not rig.volumes.in_use_by("b.child") and rig.store.load() == {}
 
 
 def test_a_failed_nested_prepare_releases_its_volume(rig: Rig) -> None:
@@ -532,3 +543,79 @@ def test_a_grow_into_a_vanished_cgroup_keeps_only_what_was_held(rig: Rig) -> Non
     with pytest.raises(NotFound):
         rig.service.update(a, [Resource("gpus", 2.0)])
     assert held(rig, a) == before and free(rig) == frozenset(range(8)) - set(before)
+
+
+# ---- issue 16: which pids a standalone Isolate may move ---------------------------------------------
+
+
+def test_isolate_never_moves_another_containers_process(rig: Rig) -> None:
+    a, b = cid("a"), cid("b")
+    rig.service.prepare(a, gpus(1))
+    rig.service.prepare(b, gpus(1))
+    b_init = rig.processes.spawn()
+    rig.service.isolate(b, b_init)
+    with pytest.raises(FailedPrecondition, match=f"pid {b_init} is in the cgroup '.*/b'"):
+        rig.service.isolate(a, b_init)
+    assert rig.cgroups.pids(b) == (b_init,) and rig.cgroups.pids(a) == ()
+
+
+def test_isolate_never_moves_a_process_of_a_foreign_cgroup_under_our_root(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), gpus(1))
+    rig.cgroups.prepare(cid("not-ours"))  # made by someone else under our root
+    stranger = rig.processes.spawn()
+    rig.cgroups.add_pid(cid("not-ours"), stranger)
+    with pytest.raises(FailedPrecondition, match="not-ours"):
+        rig.service.isolate(cid("a"), stranger)
+
+
+def test_isolate_never_moves_the_sidecar_or_its_ancestors(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), gpus(1))
+    for pid in sorted(rig.processes.own - {1}):  # pid 1 is refused as INVALID_ARGUMENT before
+        with pytest.raises(FailedPrecondition, match="the sidecar"):
+            rig.service.isolate(cid("a"), pid)
+    assert rig.cgroups.pids(cid("a")) == ()
+
+
+def test_isolate_of_a_process_already_in_its_own_cgroup_is_a_retry(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), gpus(1))
+    pid = rig.processes.spawn()
+    rig.service.isolate(cid("a"), pid)
+    rig.service.isolate(cid("a"), pid)
+    assert rig.cgroups.pids(cid("a")) == (pid,)
+
+
+def test_isolate_of_a_process_that_exits_during_the_move_fails(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), gpus(1))
+    pid = rig.processes.spawn()
+    real_add = rig.cgroups.add_pid
+
+    def add_then_exit(c: ContainerId, p: int) -> None:
+        real_add(c, p)
+        rig.processes.exit(p)  # the pid may now name another process: the move is not trusted
+
+    rig.cgroups.add_pid = add_then_exit  # type: ignore[method-assign]
+    with pytest.raises(FailedPrecondition, match="exited while it was being isolated"):
+        rig.service.isolate(cid("a"), pid)
+    assert rig.store.get(cid("a")).state == "prepared"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("mode", ["standalone", "mesos"])
+def test_isolate_refuses_a_kernel_thread(mode: str) -> None:
+    rig = fake_service("dgx-1", mode=mode)
+    a = cid("a")
+    rig.cgroups.mesos_creates(a)
+    rig.service.prepare(a, gpus(1))
+    with pytest.raises(FailedPrecondition, match="pid 2 is a kernel thread"):
+        rig.service.isolate(a, 2)
+    assert rig.cgroups.pids(a) == () and rig.store.get(a).state == "prepared"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize(
+    "name", ["cgroup.procs", "tasks", "devices.allow", "notify_on_release", "cgroup.subtree_control"]
+)
+def test_an_id_that_names_a_cgroup_control_file_is_invalid_and_books_nothing(version: str, name: str) -> None:
+    rig = fake_service("dgx-1", version=version)
+    with pytest.raises(InvalidArgument, match="cannot name a cgroup"):
+        rig.service.prepare(ContainerId.parse(name), gpus(1))
+    assert rig.store.load() == {} and free(rig) == frozenset(range(8)) and rig.cgroups.cgroups == {}

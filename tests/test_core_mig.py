@@ -108,3 +108,17 @@ def test_gpus_view_shows_mig_devices_and_holders():
     assert sum(len(g.mig_devices) for g in view.values()) == 15
     listed = {str(c.container_id): c for c in rig.service.list_containers()}
     assert listed["h"].mig_uuids == tuple(visible(info))
+
+
+def test_the_drift_audit_finds_nothing_wrong_with_a_mig_holder_and_repairs_lost_caps():
+    rig = fake_service("dgx-a100")
+    rig.service.prepare(cid("a"), config(**{"1g_5gb": 1}))
+    granted = rig.cgroups.rules_of(cid("a"))
+    assert rig.service.audit().repaired == ()
+    rig.cgroups.apply(cid("a"), tuple(r for r in granted if r.major != CAPS_MAJOR))  # the caps rules vanish
+    report = rig.service.audit()
+    assert len(report.repaired) == 1 and "missing" in report.repaired[0]
+    assert set(rig.cgroups.rules_of(cid("a"))) == set(granted)
+    # A restart enforces the records without touching a MIG holder that is right.
+    rig.restart()
+    assert set(rig.cgroups.rules_of(cid("a"))) == set(granted) and rig.service.audit().repaired == ()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from isolator.devices import NVIDIA_MAJOR, DeviceRule, container_rules, permits
-from isolator.errors import CgroupError, GpusExhausted
+from isolator.errors import CgroupError, FailedPrecondition, GpusExhausted
 from isolator.model import ContainerConfig, ContainerId, ContainerRecord, ContainerState, Resource
 from isolator.testing import Rig, fake_service
 
@@ -183,3 +183,135 @@ def test_the_reaper_does_nothing_in_standalone_mode() -> None:
     rig.cgroups.vanish(cid("a"))
     assert rig.service.reap_vanished() == []
     assert rig.store.get(cid("a")) is not None
+
+
+# ---- issue 16: every cgroup under our root is reconciled before the first request -------------------
+
+ALLOW_ALL = (DeviceRule("a", None, None, "rwm"),)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_a_start_repairs_a_recorded_cgroup_left_without_its_rules(version: str) -> None:
+    # SIGKILL between creating a container's cgroup and restricting it (v2: no program attached yet;
+    # v1: mkdir before the deny-all), with the record already written: the bridge route never calls
+    # Recover, and a retried Prepare is ALREADY_EXISTS, so Isolate would put a process in it.
+    rig = fake_service("dgx-1", version=version)
+    a = cid("a")
+    rig.store.record(ContainerRecord(a, gpus=frozenset({1}), mode="standalone", cgroup_version=int(version[1])))
+    if version == "v2":
+        rig.cgroups.mesos_creates(a)  # exists, nothing of ours attached
+    else:
+        rig.cgroups.grant_behind_our_back(a, ALLOW_ALL)
+    rig.restart()
+    assert rig.cgroups.in_force(a).present and granted(rig, a) == [1]
+    assert ALLOW_ALL[0] not in (rig.cgroups.rules_of(a) or ())
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_a_start_denies_everything_in_an_unrecorded_cgroup_that_allows_everything(version: str) -> None:
+    rig = fake_service("dgx-1", version=version)
+    x = cid("x")
+    if version == "v2":
+        rig.cgroups.mesos_creates(x)
+    else:
+        rig.cgroups.grant_behind_our_back(x, ALLOW_ALL)
+    rig.restart()
+    assert rig.cgroups.rules_of(x) == () and rig.cgroups.in_force(x).present
+
+
+def test_a_start_with_lost_state_rebuilds_the_records_from_the_kernel() -> None:
+    rig = fake_service("dgx-1")
+    rig.service.prepare(cid("a"), gpus(2))
+    rig.service.prepare(cid("b"), gpus(1))
+    rig.service.isolate(cid("b"), rig.processes.spawn())
+    kernel = {c: granted(rig, cid(c)) for c in ("a", "b")}
+    rig.store.lose_everything()  # the database deleted or replaced by an empty one
+    service = rig.restart()
+    assert {c: held(rig, cid(c)) for c in ("a", "b")} == kernel
+    assert rig.store.get(cid("b")).state == "isolated"  # type: ignore[union-attr]
+    assert service.core.allocator.allocated == frozenset(kernel["a"] + kernel["b"])
+    with pytest.raises(GpusExhausted):
+        service.prepare(cid("c"), gpus(6))
+    assert any("rebuilt" in c.detail for c in service.health() if c.name == "state")
+
+
+def test_a_start_refuses_when_the_kernel_grants_one_gpu_to_two_unrecorded_cgroups() -> None:
+    rig = fake_service("dgx-1")
+    for name in ("x", "y"):
+        rig.cgroups.grant_behind_our_back(cid(name), rules_granting(rig, 4))
+    with pytest.raises(FailedPrecondition, match=r"GPU 4 .* x, y"):
+        rig.restart()
+
+
+def test_a_start_revokes_an_unrecorded_grant_of_a_gpu_recorded_for_another_container() -> None:
+    rig = fake_service("dgx-1")
+    rig.service.prepare(cid("a"), gpus(1))
+    mine = held(rig, cid("a"))
+    rig.cgroups.grant_behind_our_back(cid("intruder"), rules_granting(rig, *mine))
+    rig.restart()
+    assert granted(rig, cid("intruder")) == [] and granted(rig, cid("a")) == mine
+    assert rig.store.get(cid("intruder")) is None
+
+
+def test_a_mesos_mode_start_leaves_mesos_cgroups_without_our_grants_alone() -> None:
+    rig = fake_service("dgx-1", mode="mesos")
+    other = cid("not-ours")
+    rig.cgroups.mesos_creates(other)
+    before = rig.cgroups.rules_of(other)
+    rig.restart()
+    assert rig.cgroups.rules_of(other) == before and rig.store.get(other) is None
+
+
+def test_a_mesos_mode_start_reapplies_a_record_whose_grants_drifted() -> None:
+    rig = fake_service("dgx-1", mode="mesos")
+    a = cid("a")
+    rig.cgroups.mesos_creates(a)
+    rig.service.prepare(a, gpus(2))
+    rig.cgroups.grant_behind_our_back(a, rules_granting(rig))  # a daemon-reload rewrote the rules
+    rig.restart()
+    assert granted(rig, a) == held(rig, a) and len(held(rig, a)) == 2
+
+
+# ---- issue 16: the drift audit ----------------------------------------------------------------------
+
+
+def test_the_audit_reapplies_drifted_rules_and_counts_the_repairs() -> None:
+    rig = fake_service("dgx-1")
+    a, b = cid("a"), cid("b")
+    rig.service.prepare(a, gpus(2))
+    rig.service.prepare(b, gpus(1))
+    report = rig.service.audit()
+    assert (report.checked, report.repaired, report.repairs_total) == (2, (), 0)
+    rig.cgroups.grant_behind_our_back(a, rules_granting(rig))  # a daemon-reload took a's GPUs away
+    rig.cgroups.grant_behind_our_back(b, rules_granting(rig, *held(rig, b), 7))  # and gave b one more
+    report = rig.service.audit()
+    assert report.checked == 2 and report.repairs_total == 2
+    assert [line.split(":")[0] for line in report.repaired] == ["container a", "container b"]
+    assert "kernel grants GPUs [] " in report.repaired[0] and "7" in report.repaired[1]
+    assert granted(rig, a) == held(rig, a) and granted(rig, b) == held(rig, b)
+    assert rig.service.audit().repaired == () and rig.service.audit().repairs_total == 2
+
+
+def test_the_audit_remakes_a_vanished_standalone_cgroup_and_skips_a_vanished_mesos_one() -> None:
+    rig = fake_service("dgx-1")
+    rig.service.prepare(cid("a"), gpus(1))
+    rig.cgroups.vanish(cid("a"))
+    assert len(rig.service.audit().repaired) == 1
+    assert granted(rig, cid("a")) == held(rig, cid("a"))
+
+    mesos = fake_service("dgx-1", mode="mesos")
+    mesos.cgroups.mesos_creates(cid("m"))
+    mesos.service.prepare(cid("m"), gpus(1))
+    mesos.cgroups.vanish(cid("m"))
+    assert mesos.service.audit().repaired == (), "a destroyed Mesos container is the reaper's"
+
+
+def test_the_audit_in_mesos_mode_leaves_the_agents_own_rules_alone() -> None:
+    rig = fake_service("dgx-1", mode="mesos")
+    a = cid("a")
+    rig.cgroups.mesos_creates(a)
+    rig.service.prepare(a, gpus(1))
+    fuse = DeviceRule.char(10, 229, "rwm")  # the agent's --allowed_devices
+    rig.cgroups.grant_behind_our_back(a, (*(rig.cgroups.rules_of(a) or ()), fuse))
+    assert rig.service.audit().repaired == ()
+    assert fuse in (rig.cgroups.rules_of(a) or ())

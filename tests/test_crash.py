@@ -70,13 +70,22 @@ class Driver:
     # ---- daemon lifecycle ---------------------------------------------------------------------
 
     def start(self, crash: bool = True) -> None:
-        if crash:
-            point = self.points[self._next_point % len(self.points)]
-            self._next_point += 1
-            self.sidecar.env = {ENV: f"{point}:{1 + self.rng.randrange(3)}"}
-        else:
-            self.sidecar.env = {}
-        self.sidecar.start()
+        while True:
+            if crash:
+                point = self.points[self._next_point % len(self.points)]
+                self._next_point += 1
+                self.sidecar.env = {ENV: f"{point}:{1 + self.rng.randrange(3)}"}
+            else:
+                self.sidecar.env = {}
+            try:
+                self.sidecar.start()
+                break
+            except RuntimeError:
+                # Killed at a crash point of the start-up reconciliation (it repairs what the last
+                # kill left before serving): that is a kill too, and the next start must cope.
+                if not crash or self.sidecar.proc is None or self.sidecar.proc.returncode != -9:
+                    raise
+                self.kills[self._last_point()] += 1
         if self.isolator is not None:
             self.isolator.close()
         self.isolator = GrpcIsolator(self.sidecar.socket, timeout=60)

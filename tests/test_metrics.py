@@ -219,3 +219,27 @@ def test_calls_over_the_command_module_bridge_are_measured_and_mapped_too(short_
         isolator.cleanup(container_id("bridged"))
         assert _mapping(jobs) == {"0": []}
         isolator.close()
+
+
+def test_drift_repaired_by_the_audit_is_counted(short_tmp):
+    import grpc
+
+    from isolator.rpc import isolator_pb2 as pb
+    from isolator.rpc import isolator_pb2_grpc as pb_grpc
+
+    path = os.path.join(short_tmp, "metrics.sock")
+    with running_sidecar("dgx-1", "v1", extra=("--metrics-address", f"unix:{path}")) as sidecar:
+        isolator = GrpcIsolator(sidecar.socket)
+        containerizer = Containerizer(isolator, sidecar.work)
+        try:
+            isolator.prepare(container_id("drifty"), containerizer.config(gpus=1, image=False))
+            for minor in range(8):  # every GPU revoked behind the sidecar's back
+                with open(os.path.join(sidecar.cgroup_parent, "drifty", "devices.deny"), "w") as fh:
+                    fh.write(f"c 195:{minor} rwm")
+            with grpc.insecure_channel(sidecar.address) as ch:
+                report = pb_grpc.AdminStub(ch).Audit(pb.AuditRequest(), timeout=30)
+            assert len(report.repaired) == 1 and report.repairs_total == 1
+            assert scrape(_UnixHTTP(path))['gpu_isolator_reconciliation_repairs_total{kind="audit"}'] == 1
+        finally:
+            isolator.cleanup(container_id("drifty"))
+            isolator.close()

@@ -11,14 +11,27 @@ from __future__ import annotations
 import errno
 import os
 
-from isolator.errors import CgroupError, CgroupVanished
+from isolator.errors import CgroupError, CgroupVanished, InvalidArgument
 from isolator.model import ContainerId
 
 MODES = ("mesos", "standalone")
 
 
+# Names the cgroup filesystem gives its own files (cgroup v1 core and devices controller, cgroup v2
+# core): a container ID spelled like one cannot be a cgroup's directory (mkdir finds the file).
+CONTROL_FILES = frozenset({"tasks", "notify_on_release", "release_agent"})
+CONTROL_PREFIXES = ("cgroup.", "devices.")
+
+
 def mesos_relative_path(container: ContainerId) -> str:
-    """Mesos's ``containerizer::paths::getCgroupPath`` below cgroups_root: ``a/mesos/b/mesos/c``."""
+    """Mesos's ``containerizer::paths::getCgroupPath`` below cgroups_root: ``a/mesos/b/mesos/c``.
+
+    ``InvalidArgument`` for an ID that names a control file of the cgroup filesystem."""
+    for value in container.chain():
+        if value in CONTROL_FILES or value.startswith(CONTROL_PREFIXES):
+            raise InvalidArgument(
+                f"container ID '{value}' cannot name a cgroup: the cgroup filesystem uses that name for its own files"
+            )
     return "/mesos/".join(container.chain())
 
 
@@ -40,6 +53,47 @@ def child_names(top: str) -> tuple[str, ...]:
     except OSError:
         return ()
     return tuple(sorted(n for n in names if os.path.isdir(os.path.join(below, n))))
+
+
+def top_level_ids(root: str) -> tuple[ContainerId, ...]:
+    """The top-level containers whose cgroups are directly under ``root``; names that are not valid
+    container IDs (another tool's cgroups) are skipped."""
+    from isolator.errors import IsolatorError
+
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return ()
+    out = []
+    for name in names:
+        if not os.path.isdir(os.path.join(root, name)):
+            continue
+        try:
+            out.append(ContainerId.parse(name))
+        except IsolatorError:
+            continue
+    return tuple(out)
+
+
+def cgroup_of(pid: int, mount: str, controller: str | None, proc_root: str = "/proc") -> str | None:
+    """The cgroup of ``pid`` under ``mount``: the v1 hierarchy with ``controller``, or with None the
+    cgroup2 one (``0::``) of ``/proc/<pid>/cgroup``. None when the process is gone."""
+    try:
+        with open(os.path.join(proc_root, str(pid), "cgroup")) as fh:
+            lines = fh.read().splitlines()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    except OSError as exc:
+        raise CgroupError(
+            op="read", path=os.path.join(proc_root, str(pid), "cgroup"), cause=exc.strerror or str(exc)
+        ) from exc
+    for line in lines:
+        _id, controllers, path = line.split(":", 2)
+        if (controller is None and _id == "0" and controllers == "") or (
+            controller is not None and controller in controllers.split(",")
+        ):
+            return os.path.normpath(os.path.join(mount, path.lstrip("/")))
+    return None
 
 
 def read_pids(cgroup: str) -> tuple[int, ...]:

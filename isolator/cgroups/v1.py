@@ -11,7 +11,16 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from isolator.cgroups.base import check_mode, child_names, container_dir, read_pids, rmdir_tree, write_pid
+from isolator.cgroups.base import (
+    cgroup_of,
+    check_mode,
+    child_names,
+    container_dir,
+    read_pids,
+    rmdir_tree,
+    top_level_ids,
+    write_pid,
+)
 from isolator.crashpoints import crashpoint
 from isolator.devices import ACCESS_ORDER, MESOS_DEFAULT_WHITELIST, DeviceRule, KernelRules, parse_rules, permits
 from isolator.errors import CgroupBusy, CgroupError, CgroupVanished, InvalidArgument, RuleParseError
@@ -105,6 +114,15 @@ class V1DeviceController:
 
     def nested_names(self, container: ContainerId) -> tuple[str, ...]:
         return child_names(self.cgroup_path(container))
+
+    def root_path(self) -> str:
+        return os.path.normpath(os.path.join(self.hierarchy, self.cgroups_root.strip("/")))
+
+    def cgroup_of(self, pid: int) -> str | None:
+        return cgroup_of(pid, self.hierarchy, "devices")
+
+    def containers(self) -> tuple[ContainerId, ...]:
+        return top_level_ids(os.path.join(self.hierarchy, self.cgroups_root.strip("/")))
 
     def in_force(self, container: ContainerId) -> KernelRules:
         path = self.cgroup_path(container)

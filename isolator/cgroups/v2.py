@@ -16,7 +16,16 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from isolator.cgroups import bpf, bpfprog
-from isolator.cgroups.base import check_mode, child_names, container_dir, read_pids, rmdir_tree, write_pid
+from isolator.cgroups.base import (
+    cgroup_of,
+    check_mode,
+    child_names,
+    container_dir,
+    read_pids,
+    rmdir_tree,
+    top_level_ids,
+    write_pid,
+)
 from isolator.crashpoints import crashpoint
 from isolator.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, KernelRules, parse_rules
 from isolator.errors import (
@@ -88,6 +97,15 @@ class V2DeviceController:
 
     def nested_names(self, container: ContainerId) -> tuple[str, ...]:
         return child_names(self.container_dir(container))
+
+    def root_path(self) -> str:
+        return os.path.normpath(os.path.join(self.mount, self.cgroups_root.strip("/")))
+
+    def cgroup_of(self, pid: int) -> str | None:
+        return cgroup_of(pid, self.mount, None)
+
+    def containers(self) -> tuple[ContainerId, ...]:
+        return top_level_ids(os.path.join(self.mount, self.cgroups_root.strip("/")))
 
     def in_force(self, container: ContainerId) -> KernelRules:
         path = self.cgroup_path(container)

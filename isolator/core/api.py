@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from isolator.model import (
+    AuditReport,
     ContainerConfig,
     ContainerId,
     ContainerInfo,
@@ -60,5 +61,7 @@ class IsolatorApi(Protocol):
     def volume(self) -> VolumeReport: ...
 
     def health(self) -> list[HealthCheck]: ...
+
+    def audit(self) -> AuditReport: ...
 
     def close(self) -> None: ...

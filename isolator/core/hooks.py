@@ -59,6 +59,10 @@ class ImagePlan:
     facts: DriverFacts
 
 
+def _below(path: str, top: str) -> bool:
+    return path.startswith(top.rstrip("/") + "/")
+
+
 def _volume_error(exc: VolumeError) -> IsolatorError:
     return from_code(exc.code, str(exc))
 
@@ -142,12 +146,13 @@ class Hooks:
         core = self.core
         if config.container_class == "DEBUG":
             with core.locks.hold(cid):
+                self._require_top_level(cid)
                 self._rules_for_nested(cid, config)
             return None
         image_plan = self._image_plan(config)
         with core.locks.hold(cid):
-            root = core.store.get(cid.root)
-            minors = root.gpus if root is not None else frozenset()
+            root = self._require_top_level(cid)
+            minors = root.gpus
             undo: Undo = []
             try:
                 if self._rules_for_nested(cid, config):
@@ -158,6 +163,16 @@ class Hooks:
                 raise
         LOG.info("prepared nested %s", core.describe(cid, minors))
         return info
+
+    def _require_top_level(self, cid: ContainerId) -> ContainerRecord:
+        # Mesos prepares a top-level container (with every isolator) before anything nested in it;
+        # a nested container whose top-level one we never prepared is one we cannot account for.
+        rec = self.core.store.get(cid.root)
+        if rec is None:
+            raise FailedPrecondition(
+                f"nested container {cid}: its top-level container {cid.root} was never prepared with this sidecar"
+            )
+        return rec
 
     def _rules_for_nested(self, cid: ContainerId, config: ContainerConfig) -> bool:
         """Give a nested container that has a devices cgroup of its own its top-level container's rules.
@@ -254,7 +269,7 @@ class Hooks:
         if core.volumes is None:
             raise FailedPrecondition("the image asks for the driver volume but no volume root is configured")
         try:
-            volume = core.volumes.acquire(str(cid), plan.facts.driver_version)
+            volume = core.volumes.acquire(cid.key(), plan.facts.driver_version)
             undo.append(lambda: core.release_volume(cid))
             crashpoint("prepare.volume")
             injection = plan_injection(config.rootfs, plan.image, volume.path, plan.facts)
@@ -295,17 +310,52 @@ class Hooks:
             raise InvalidArgument(f"pid {pid} is not a valid container pid")
         if not core.edges.processes.exists(pid):
             raise FailedPrecondition(f"pid {pid} does not exist (the container's init is gone)")
+        if core.edges.processes.kernel_thread(pid):
+            raise FailedPrecondition(f"pid {pid} is a kernel thread; only a container's own processes are isolated")
         with core.locks.hold(container_id):
             rec = core.require(container_id.root)
             target = core.governing(container_id)
             if core.settings.mode == "standalone":
-                core.cgroups.add_pid(target, pid)
+                self._move(container_id, target, pid)
                 crashpoint("isolate.placed")
             else:
                 self._wait_for_pid(target, pid)
             if not container_id.nested and rec.state == "prepared":
                 core.store.update(container_id, state="isolated")
         LOG.info("isolated pid %d in %s", pid, core.describe(container_id, rec.gpus))
+
+    def _move(self, cid: ContainerId, target: ContainerId, pid: int) -> None:
+        """Standalone mode places the container's init itself. The pid rule: never the sidecar or an
+        ancestor of it, never a process in another cgroup under our root (another container's, or
+        one we do not know); a process from outside our root, or already in this container, may be
+        moved. The process is held by a pidfd from the check to after the move, so the pid that was
+        written named the process that was checked (if it exited meanwhile, the move is refused)."""
+        core = self.core
+        procs = core.edges.processes
+        if pid in procs.sidecar_pids():
+            raise FailedPrecondition(f"pid {pid} is the sidecar or one of its ancestors; it is never isolated")
+        pinned = procs.pin(pid)
+        if pinned is None:
+            raise FailedPrecondition(f"pid {pid} does not exist (the container's init is gone)")
+        try:
+            where = core.cgroups.cgroup_of(pid)
+            root = core.cgroups.root_path()
+            own = core.cgroups.cgroup_path(cid.root)
+            if where is None:
+                version = core.cgroups.version
+                raise FailedPrecondition(f"pid {pid} is gone, or its {version} devices cgroup cannot be read")
+            if _below(where, root) and not (where == own or _below(where, own)):
+                raise FailedPrecondition(
+                    f"pid {pid} is in the cgroup '{where}' under our root, not in container {cid}'s; "
+                    "a process of another container or of a cgroup we do not know is never moved"
+                )
+            core.cgroups.add_pid(target, pid)
+            if not pinned.alive():
+                raise FailedPrecondition(
+                    f"pid {pid} exited while it was being isolated; its number may now name another process"
+                )
+        finally:
+            pinned.close()
 
     def _wait_for_pid(self, cid: ContainerId, pid: int) -> None:
         clock = self.core.clock

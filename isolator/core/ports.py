@@ -38,9 +38,12 @@ class CgroupBackend(Protocol):
     * ``in_force(c)``: what the kernel enforces and where that was read, for the admin views.
     * ``exists(c)``, ``nested_names(c)``: whether the cgroup exists; the names of the cgroups Mesos
       made for nested containers below it (``<c>/mesos/<name>``).
+    * ``containers()``: every top-level container with a cgroup under our root, recorded or not.
     * ``apply_nested(c, rules)``: ``apply`` to a nested container's own cgroup; on v1 a grant first
       passes through the ``<parent>/mesos`` cgroup between them, which may never allow less.
     * ``add_pid(c, pid)`` / ``pids(c)``: place and list processes (``cgroup.procs``).
+    * ``root_path()``, ``cgroup_of(pid)``: our root's path; the cgroup a process is in, in this
+      hierarchy (None when it is gone).
     * ``cleanup(c)``: remove exactly what we added; a missing cgroup is success. Idempotent.
     """
 
@@ -52,6 +55,8 @@ class CgroupBackend(Protocol):
     def exists(self, container: ContainerId) -> bool: ...
 
     def nested_names(self, container: ContainerId) -> tuple[str, ...]: ...
+
+    def containers(self) -> tuple[ContainerId, ...]: ...
 
     def prepare(self, container: ContainerId) -> None: ...
 
@@ -66,6 +71,10 @@ class CgroupBackend(Protocol):
     def in_force(self, container: ContainerId) -> KernelRules: ...
 
     def add_pid(self, container: ContainerId, pid: int) -> None: ...
+
+    def root_path(self) -> str: ...
+
+    def cgroup_of(self, pid: int) -> str | None: ...
 
     def pids(self, container: ContainerId) -> tuple[int, ...]: ...
 
@@ -214,10 +223,24 @@ class DeviceNodes(Protocol):
     def caps_major(self) -> int | None: ...
 
 
+class PinnedProcess(Protocol):
+    """One process held by a pidfd: its pid cannot name another process while it is alive."""
+
+    def alive(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
 class Processes(Protocol):
-    """The process table (``/proc``)."""
+    """The process table (``/proc``, pidfds)."""
 
     def exists(self, pid: int) -> bool: ...
+
+    def pin(self, pid: int) -> PinnedProcess | None: ...  # None: no such process
+
+    def sidecar_pids(self) -> frozenset[int]: ...  # the sidecar and its ancestors
+
+    def kernel_thread(self, pid: int) -> bool: ...  # kthreadd and its children (no cgroup of a container)
 
 
 class Filesystem(Protocol):

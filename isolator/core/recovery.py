@@ -9,11 +9,13 @@ from __future__ import annotations
 import contextlib
 import logging
 
+from isolator import devices as devrules
 from isolator.allocator import Allocator
 from isolator.core.context import Core
 from isolator.crashpoints import crashpoint
-from isolator.errors import CgroupVanished
-from isolator.model import ContainerId, ContainerState, RecoverResult
+from isolator.devices import NVIDIA_MAJOR, KernelRules
+from isolator.errors import CgroupVanished, FailedPrecondition
+from isolator.model import AuditReport, ContainerId, ContainerRecord, ContainerState, RecoverResult
 from isolator.reconcile import Kind, reconcile
 
 LOG = logging.getLogger(__name__)
@@ -23,24 +25,150 @@ class Recovery:
     def __init__(self, core: Core) -> None:
         self.core = core
 
-    def restore(self) -> None:
-        """Book every recorded GPU before the first request, so nothing is handed out twice even
-        on the bridge route, where Mesos never calls Recover."""
+    def start(self) -> None:
+        """Before the first request, whether or not Recover is ever called (the bridge route never
+        calls it): bring every cgroup under our root in line with the records, then book every
+        recorded GPU so that nothing is handed out twice.
+
+        Fail closed: a recorded container gets exactly its recorded rules (its cgroup remade in
+        standalone mode); an unrecorded cgroup that grants GPUs explicitly is a record we lost, and
+        its record is rebuilt from the kernel (a GPU recorded for another container is revoked from
+        it instead); in standalone mode an unrecorded cgroup that allows every device (a crash
+        between creating it and restricting it) gets deny-all. Two unrecorded cgroups granting one
+        GPU cannot be told apart: the start stops with a message naming them.
+        """
         core = self.core
         with core.locks.exclusive():
             records = core.store.load()
-            with core.alloc:
-                for rec in records.values():
-                    known = rec.gpus & core.allocator.total
-                    if known != rec.gpus:
-                        LOG.warning(
-                            "container %s records GPUs %s that this host does not have; keeping %s",
-                            rec.container_id,
-                            sorted(rec.gpus - known),
-                            sorted(known),
-                        )
-                    core.allocator.restore(known)
-                    core.hold_mig(rec.mig, restore=True)
+            for cid, rec in sorted(records.items(), key=lambda kv: kv[0].chain()):
+                self._enforce_record(cid, rec.gpus, rec.mig_parents)
+            unrecorded = [c for c in core.cgroups.containers() if c not in records]
+            self._adopt_or_deny(unrecorded, records)
+            self.book()
+
+    def book(self) -> None:
+        """Rebuild the allocator from what the store says. Call with the table exclusive."""
+        core = self.core
+        live = core.store.load()
+        with core.alloc:
+            core.allocator = Allocator(core.inventory.topology(), core.allocator.policy)
+            core.mig_held, core.mig_booked = {}, set()
+            core.sync_health()
+            for rec in live.values():
+                known = rec.gpus & core.allocator.total
+                if known != rec.gpus:
+                    LOG.warning(
+                        "container %s records GPUs %s that this host does not have; keeping %s",
+                        rec.container_id,
+                        sorted(rec.gpus - known),
+                        sorted(known),
+                    )
+                core.allocator.restore(known)
+                core.hold_mig(rec.mig, restore=True)
+
+    def _enforce_record(
+        self, cid: ContainerId, gpus: frozenset[int], mig_parents: frozenset[int] = frozenset()
+    ) -> None:
+        """Make the kernel grant what is recorded: ``gpus`` whole, plus the MIG devices of the record
+        (their parents' nodes, ``mig_parents``, are what the GPU-level comparison sees of them)."""
+        core = self.core
+        if core.settings.mode == "standalone":
+            self._restore_cgroup(cid, gpus)
+        elif not core.cgroups.exists(cid):
+            return  # Mesos has not made it yet, or destroyed it: the reaper's and Recover's business
+        kernel = core.cgroups.in_force(cid)
+        if not kernel.present or core.granted(kernel.rules) != sorted(gpus | mig_parents):
+            LOG.warning(
+                "start: the kernel grants %s GPUs %s (%s), recorded %s; applying the record",
+                cid,
+                core.granted(kernel.rules) if kernel.present else "nothing of ours",
+                kernel.source,
+                sorted(gpus),
+            )
+            core.apply(cid, gpus)
+
+    def _adopt_or_deny(self, unrecorded: list[ContainerId], records: dict[ContainerId, ContainerRecord]) -> None:
+        core = self.core
+        # A MIG holder's parent GPU counts as recorded: an unrecorded cgroup granting it is revoked.
+        recorded = {m: cid for cid, rec in records.items() for m in rec.gpus | rec.mig_parents}
+        kernel = {c: core.cgroups.in_force(c) for c in unrecorded}
+        explicit = {c: self._explicit_grants(kernel[c]) for c in unrecorded}
+        claimants: dict[int, list[ContainerId]] = {}
+        for c, minors in explicit.items():
+            for m in minors - recorded.keys():
+                claimants.setdefault(m, []).append(c)
+        ambiguous = {m: cs for m, cs in claimants.items() if len(cs) > 1}
+        if ambiguous:
+            detail = "; ".join(f"GPU {m} by {', '.join(map(str, cs))}" for m, cs in sorted(ambiguous.items()))
+            raise FailedPrecondition(
+                f"cannot start: the kernel grants GPUs to several containers that have no record ({detail}); "
+                "the state cannot be rebuilt from the kernel. Stop all but one container holding each GPU "
+                "(or remove their cgroups) and start again (docs/reliability.md, 'Lost state')"
+            )
+        for c in unrecorded:
+            minors = explicit[c]
+            stolen = minors & recorded.keys()
+            if stolen:
+                LOG.warning(
+                    "start: cgroup '%s' has no record and is granted GPUs %s recorded for %s; revoking them",
+                    core.cgroups.cgroup_path(c),
+                    sorted(stolen),
+                    ", ".join(sorted({str(recorded[m]) for m in stolen})),
+                )
+                core.cgroups.apply(c, core.rules(minors - stolen))
+            keep = minors - stolen
+            if keep:
+                self._rebuild(c, keep)
+            elif core.settings.mode == "standalone" and self._allows_everything(kernel[c]):
+                LOG.warning("start: cgroup '%s' has no record and allows every device; denying all", kernel[c].source)
+                core.cgroups.prepare(c)
+                core.cgroups.apply(c, ())
+
+    def _explicit_grants(self, kernel: KernelRules) -> frozenset[int]:
+        """GPUs the rules grant by name (``c 195:<minor>``), as our rules do; not through wildcards."""
+        if not kernel.present:
+            return frozenset()
+        return frozenset(
+            r.minor
+            for r in kernel.rules
+            if r.type == "c"
+            and r.major == NVIDIA_MAJOR
+            and r.minor in self.core.gpus
+            and "r" in r.access
+            and "w" in r.access
+        )
+
+    def _allows_everything(self, kernel: KernelRules) -> bool:
+        if not kernel.present:
+            return True  # v2: no program of ours; nothing restricts the cgroup
+        return bool(self.core.granted(kernel.rules)) and not self._explicit_grants(kernel)
+
+    def _rebuild(self, cid: ContainerId, gpus: frozenset[int]) -> None:
+        core = self.core
+        try:
+            pids = core.cgroups.pids(cid)
+        except CgroupVanished:
+            return
+        rules = core.cgroups.in_force(cid).rules
+        core.store.record(
+            ContainerRecord(
+                cid,
+                gpus=gpus,
+                mode=core.settings.mode,
+                cgroup=core.cgroups.cgroup_path(cid),
+                cgroup_version=1 if core.cgroups.version == "v1" else 2,
+                state="isolated" if pids else "prepared",
+                created=core.clock.time(),
+                rules="\n".join(map(str, rules)),
+            )
+        )
+        core.rebuilt.append(cid)
+        LOG.warning(
+            "start: rebuilt the lost record of %s from the kernel's rules (GPUs %s, %d processes)",
+            core.describe(cid, gpus),
+            sorted(gpus),
+            len(pids),
+        )
 
     def kernel_grants(self, cid: ContainerId) -> frozenset[int] | None:
         """GPU minors the kernel grants ``cid`` (v1 devices.list, v2 our program), None if no cgroup."""
@@ -96,20 +224,75 @@ class Recovery:
                     core.store.update(cid, state="orphan")
                 crashpoint("recover.action")
             # Rebuild the allocator from what the store now says.
+            self.book()
             live = core.store.load()
-            with core.alloc:
-                core.allocator = Allocator(core.inventory.topology(), core.allocator.policy)
-                core.mig_held, core.mig_booked = {}, set()
-                core.sync_health()
-                for rec in live.values():
-                    core.allocator.restore(rec.gpus & core.allocator.total)
-                    core.hold_mig(rec.mig, restore=True)
             result.recovered = len(live)
             if core.volumes is not None:
-                core.volumes.reconcile(str(c) for c in live)
+                # Keep the users of live top-level containers and of everything nested in them:
+                # nested containers are never recorded, and their volume must outlive a Recover.
+                roots = {c.key() for c in live}
+                keep = roots | {u for u in core.volume_users() if u.split(".", 1)[0] in roots}
+                core.volumes.reconcile(keep)
         core.notify()
         LOG.info("recovered %d containers, released %d", result.recovered, result.released)
         return result
+
+    def audit(self) -> AuditReport:
+        """Compare every recorded container's kernel rules with its record; re-apply on a difference.
+
+        Drift is: a recorded rule the kernel does not enforce, GPUs granted other than the recorded
+        ones, nothing of ours in force, and in standalone mode (where the cgroup is all ours) any
+        rule the kernel enforces beyond the record. In mesos mode the agent's own rules are its
+        business. A standalone cgroup that vanished is made again; a Mesos one is the reaper's.
+        Each container is checked under its own lock, so hooks of the others go on meanwhile.
+        """
+        core = self.core
+        repaired: list[str] = []
+        checked = 0
+        for cid in sorted(core.store.load(), key=ContainerId.chain):
+            with core.locks.hold(cid):
+                rec = core.store.get(cid)
+                if rec is None:
+                    continue
+                checked += 1
+                drift = self._drift(cid, rec)
+                if drift is None:
+                    continue
+                if not core.cgroups.exists(cid):
+                    core.cgroups.prepare(cid)
+                core.apply(cid, rec.gpus)
+            line = f"container {cid}: {drift}; re-applied the recorded rules"
+            LOG.warning("audit: %s", line)
+            repaired.append(line)
+        with core.alloc:
+            core.repairs += len(repaired)
+            total = core.repairs
+        return AuditReport(checked=checked, repaired=tuple(repaired), repairs_total=total)
+
+    def _drift(self, cid: ContainerId, rec: ContainerRecord) -> str | None:
+        core = self.core
+        if not core.cgroups.exists(cid):
+            if core.settings.mode == "mesos":
+                return None
+            return f"its cgroup '{core.cgroups.cgroup_path(cid)}' is gone"
+        kernel = core.cgroups.in_force(cid)
+        if not kernel.present:
+            return kernel.source.removeprefix("none: ")
+        recorded = devrules.parse_rules(line for line in rec.rules.splitlines() if line)
+        granted = core.granted(kernel.rules)
+        missing = [str(r) for r in recorded if not devrules.permits(kernel.rules, r)]
+        extra = (
+            [] if core.settings.mode == "mesos" else [str(r) for r in kernel.rules if not devrules.permits(recorded, r)]
+        )
+        expected = sorted(rec.gpus | rec.mig_parents)  # a MIG holder is granted its devices' parents
+        if granted == expected and not missing and not extra:
+            return None
+        parts = [f"kernel grants GPUs {granted} (recorded {expected})"]
+        if missing:
+            parts.append(f"missing {missing}")
+        if extra:
+            parts.append(f"unrecorded {extra}")
+        return ", ".join(parts)
 
     def reap_vanished(self) -> list[ContainerId]:
         """Release containers whose Mesos cgroup is gone (mesos mode only).

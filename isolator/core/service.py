@@ -4,7 +4,7 @@ This is the object the gRPC servicers and the bridge call (``isolator.core.api.I
 composes three parts that share one ``Core`` (isolator/core/context.py):
 
     hooks.Hooks        prepare, isolate, update, watch, usage, status, cleanup
-    recovery.Recovery  start-up booking of recorded GPUs, recover, reap_vanished
+    recovery.Recovery  start-up reconciliation, recover, reap_vanished, the drift audit
     admin.Admin        list_gpus, topology, list_containers, describe_container, release, volume, health
 
 It speaks the domain model (isolator.model) only: no grpc, no proto, no dicts shaped like messages.
@@ -29,6 +29,7 @@ from isolator.core.ports import (
 )
 from isolator.core.recovery import Recovery
 from isolator.model import (
+    AuditReport,
     ContainerConfig,
     ContainerId,
     ContainerInfo,
@@ -67,7 +68,7 @@ class IsolatorService:
         self.hooks = Hooks(self.core)
         self.recovery = Recovery(self.core)
         self.admin = Admin(self.core)
-        self.recovery.restore()
+        self.recovery.start()
 
     # ---- Isolator hooks (include/mesos/slave/isolator.hpp) ----------------------------------------
 
@@ -99,6 +100,9 @@ class IsolatorService:
 
     def reap_vanished(self) -> list[ContainerId]:
         return self.recovery.reap_vanished()
+
+    def audit(self) -> AuditReport:
+        return self.recovery.audit()
 
     # ---- admin views --------------------------------------------------------------------------------
 

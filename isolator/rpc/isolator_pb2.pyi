@@ -625,3 +625,17 @@ class ReleaseResponse(_message.Message):
     cgroup: str
     container: str
     def __init__(self, released_gpu_uuids: _Optional[_Iterable[str]] = ..., detail: _Optional[str] = ..., released_gpu_minors: _Optional[_Iterable[int]] = ..., pids: _Optional[_Iterable[int]] = ..., action: _Optional[str] = ..., cgroup: _Optional[str] = ..., container: _Optional[str] = ...) -> None: ...
+
+class AuditRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AuditResponse(_message.Message):
+    __slots__ = ("checked", "repaired", "repairs_total")
+    CHECKED_FIELD_NUMBER: _ClassVar[int]
+    REPAIRED_FIELD_NUMBER: _ClassVar[int]
+    REPAIRS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    checked: int
+    repaired: _containers.RepeatedScalarFieldContainer[str]
+    repairs_total: int
+    def __init__(self, checked: _Optional[int] = ..., repaired: _Optional[_Iterable[str]] = ..., repairs_total: _Optional[int] = ...) -> None: ...

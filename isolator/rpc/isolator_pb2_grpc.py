@@ -444,6 +444,11 @@ class AdminStub:
                 request_serializer=gpuisolator_dot_v1_dot_isolator__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=gpuisolator_dot_v1_dot_isolator__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Audit = channel.unary_unary(
+                '/gpuisolator.v1.Admin/Audit',
+                request_serializer=gpuisolator_dot_v1_dot_isolator__pb2.AuditRequest.SerializeToString,
+                response_deserializer=gpuisolator_dot_v1_dot_isolator__pb2.AuditResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -491,6 +496,12 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Audit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -528,6 +539,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=gpuisolator_dot_v1_dot_isolator__pb2.ReleaseRequest.FromString,
                     response_serializer=gpuisolator_dot_v1_dot_isolator__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Audit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Audit,
+                    request_deserializer=gpuisolator_dot_v1_dot_isolator__pb2.AuditRequest.FromString,
+                    response_serializer=gpuisolator_dot_v1_dot_isolator__pb2.AuditResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -719,6 +735,33 @@ class Admin:
             '/gpuisolator.v1.Admin/Release',
             gpuisolator_dot_v1_dot_isolator__pb2.ReleaseRequest.SerializeToString,
             gpuisolator_dot_v1_dot_isolator__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Audit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuisolator.v1.Admin/Audit',
+            gpuisolator_dot_v1_dot_isolator__pb2.AuditRequest.SerializeToString,
+            gpuisolator_dot_v1_dot_isolator__pb2.AuditResponse.FromString,
             options,
             channel_credentials,
             insecure,

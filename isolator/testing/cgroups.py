@@ -80,6 +80,10 @@ class FakeCgroups:
         with self._lock:
             return tuple(sorted(c.value for c in self.cgroups if c.parent == container))
 
+    def containers(self) -> tuple[ContainerId, ...]:
+        with self._lock:
+            return tuple(sorted((c for c in self.cgroups if not c.nested), key=ContainerId.chain))
+
     def prepare(self, container: ContainerId) -> None:
         self.faults.check("prepare", container)
         with self._lock:
@@ -143,6 +147,14 @@ class FakeCgroups:
             if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
                 raise CgroupError(op="write", path=self.cgroup_path(container), cause=f"{pid!r} is not a process id")
             self.members[pid] = container
+
+    def root_path(self) -> str:
+        return self.root
+
+    def cgroup_of(self, pid: int) -> str | None:
+        with self._lock:
+            where = self.members.get(pid)
+        return self.cgroup_path(where) if where is not None else "/fake/cgroup/devices/user.slice"
 
     def pids(self, container: ContainerId) -> tuple[int, ...]:
         self.faults.check("pids", container)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from isolator.errors import Unimplemented
 from isolator.model import (
+    AuditReport,
     ContainerConfig,
     ContainerId,
     ContainerInfo,
@@ -72,6 +73,9 @@ class StubService:
 
     def health(self) -> list[HealthCheck]:
         raise Unimplemented(hook="Health")
+
+    def audit(self) -> AuditReport:
+        raise Unimplemented(hook="Audit")
 
     def close(self) -> None:
         pass

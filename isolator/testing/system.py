@@ -7,13 +7,37 @@ import threading
 from isolator.devices import ControlDevices, DeviceNumber
 
 
+class _Pinned:
+    def __init__(self, table: FakeProcesses, pid: int) -> None:
+        self._table, self.pid = table, pid
+
+    def alive(self) -> bool:
+        return self._table.exists(self.pid)
+
+    def close(self) -> None:
+        pass
+
+
 class FakeProcesses:
-    """A pid table: ``spawn()`` makes a process, ``exit(pid)`` ends it."""
+    """A pid table: ``spawn()`` makes a process, ``exit(pid)`` ends it; ``own`` are the sidecar's
+    pid and its ancestors' (pid 1 included)."""
 
     def __init__(self, first_pid: int = 1000) -> None:
         self._lock = threading.Lock()
         self._next = first_pid
-        self.alive: set[int] = set()
+        self.own: set[int] = {1, 600, 601}
+        self.kernel: set[int] = {2}  # kthreadd
+        self.alive: set[int] = self.own | self.kernel
+
+    def pin(self, pid: int) -> _Pinned | None:
+        return _Pinned(self, pid) if self.exists(pid) else None
+
+    def sidecar_pids(self) -> frozenset[int]:
+        return frozenset(self.own)
+
+    def kernel_thread(self, pid: int) -> bool:
+        with self._lock:
+            return pid in self.kernel and pid in self.alive
 
     def spawn(self) -> int:
         with self._lock:

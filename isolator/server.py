@@ -508,7 +508,7 @@ class SidecarServer:
             with _umask(0o177):
                 sock.bind(path)
             self._apply_socket_permissions(path)
-            sock.listen(128)
+            sock.listen(1024)  # bursts of connections wait here, not in a refusal
         except OSError as exc:
             sock.close()
             raise SocketError(f"failed to bind '{path}': {exc.strerror}") from exc

@@ -53,6 +53,8 @@ TRIM_AFTER_BYTES = 4 * 1024 * 1024
 # A connection must finish the HTTP/2 handshake this soon, and is closed after this long with no call.
 HANDSHAKE_TIMEOUT_S = 5.0
 IDLE_TIMEOUT_S = 30.0
+# ...and after this many Watch calls were open at once, once the last has ended.
+TRIM_AFTER_WATCHES = 64
 # Methods that free what the sidecar holds: never refused for load, never queued behind others.
 URGENT = frozenset({"Cleanup"})
 
@@ -133,6 +135,7 @@ class Dispatcher:
         self.bytes = 0
         self._burst = 0  # the most bytes held since memory was last given back
         self.watches = 0
+        self.watch_burst = 0  # the most Watch calls open since memory was last given back
         self.closing: asyncio.Event | None = None  # set on the loop when the server stops
 
     async def run(self, method: str, fn: Callable[..., T], request: Any, context: grpc.aio.ServicerContext) -> T:
@@ -165,6 +168,12 @@ class Dispatcher:
                 self._burst = 0
                 # Off the loop: trimming a fragmented heap takes milliseconds.
                 asyncio.get_running_loop().run_in_executor(self._lane, malloc_trim)
+
+    def watch_ended(self) -> None:
+        self.watches -= 1
+        if self.watches == 0 and self.watch_burst >= TRIM_AFTER_WATCHES:
+            self.watch_burst = 0
+            asyncio.get_running_loop().run_in_executor(self._lane, malloc_trim)
 
     async def check(self, fn: Callable[..., T], request: Any, context: grpc.aio.ServicerContext) -> T:
         """One non-blocking re-check of a Watch on the pool, outside the call count."""
@@ -250,6 +259,7 @@ def watch_handler(
         changed = asyncio.Event()
         unsubscribe = subscribe(lambda: loop.call_soon_threadsafe(changed.set), container)
         dispatcher.watches += 1
+        dispatcher.watch_burst = max(dispatcher.watch_burst, dispatcher.watches)
         try:
             remaining = _remaining(context)
             # Answer "no limitation yet" a little before the caller's deadline rather than racing it.
@@ -274,8 +284,8 @@ def watch_handler(
                 if closing is not None and closing.is_set():
                     await context.abort(*status_of(Unavailable("the sidecar is stopping; watch again"), "Watch"))
         finally:
-            dispatcher.watches -= 1
             unsubscribe()
+            dispatcher.watch_ended()
 
     return watch
 

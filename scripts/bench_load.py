@@ -5,7 +5,7 @@
   after cancelling them, how long the daemon's threads and RSS take to return to their baseline;
 * RSS at rest and at the peak of 100 concurrent Prepare requests of the largest allowed size, and
   how long it takes to fall back under 100 MiB;
-* hook cycles/s at 1, 8 and 64 clients (each client its own connection);
+* hook cycles/s at 1, 8 and 64 client threads (bench_hooks.drive);
 * an allowed caller's Prepare + Cleanup, over gRPC and over the bridge, while another user holds
   ``idle`` idle connections and ``trickling`` bridge clients sending a byte a second, once as a
   user in the allow-list and once as one outside it.
@@ -119,6 +119,7 @@ def watches_part(side: Any, sleepers: Any, watches: int, health_calls: int, cycl
     watched = pb.ContainerID(value="watched")
     stub.Prepare(pb.PrepareRequest(container_id=watched, container_config=pb.ContainerConfig()), timeout=30)
     health_latency(control, 20)  # warm
+    bench_hooks.drive(side.socket, sleepers, 16, 2, "warm")  # every worker thread started
     out["without"] = {
         "health": health_latency(control, health_calls),
         "cycle": bench_hooks.drive(side.socket, sleepers, 1, cycles, "nowatch"),
@@ -140,13 +141,13 @@ def watches_part(side: Any, sleepers: Any, watches: int, health_calls: int, cycl
     t0 = time.perf_counter()
     for f in futures:
         f.cancel()
+    for ch in channels:
+        ch.close()  # the watchers go away with their connections
     cancelled = time.perf_counter() - t0
     back = _until(lambda: _threads(pid) <= base_threads and _status_kib(pid, "VmRSS") <= base_rss + 2048, 10.0)
     out["cancel_s"] = cancelled
     out["back_to_baseline_s"] = None if back is None else back + cancelled
     out["after"] = {"threads": _threads(pid), "rss_kib": _status_kib(pid, "VmRSS")}
-    for ch in channels:
-        ch.close()
     stub.Cleanup(pb.CleanupRequest(container_id=watched), timeout=30)
     control.close()
     w, wo = out["with"], out["without"]

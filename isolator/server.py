@@ -272,10 +272,20 @@ class SocketGuard:
         directory = os.path.dirname(self.path)
         self._make_dirs(directory)
         try:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            # O_NOFOLLOW: a link planted in the socket's directory never makes us create or open its
+            # target; O_NONBLOCK: a planted FIFO cannot hang the start (it is refused just below).
+            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+            fd = os.open(self.lock_path, flags, 0o600)
         except OSError as exc:
             self.release()
+            if exc.errno == errno.ELOOP:
+                raise SocketError(f"refusing lock file '{self.lock_path}': it is a symbolic link") from exc
             raise SocketError(f"failed to create lock file '{self.lock_path}': {exc.strerror}") from exc
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            os.close(fd)
+            self.release()
+            raise SocketError(f"refusing lock file '{self.lock_path}': not a regular file owned by uid {os.geteuid()}")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -332,7 +332,10 @@ class BridgeListener:
         self._servicer = servicer
         self._limit = MAX_HEADER_BYTES + max_request_bytes
         self._caps = {"main": max_concurrent, "reserve": CLEANUP_RESERVE, "refusal": MAX_REFUSALS}
-        self._shares = {"main": max(1, int(max_concurrent * UID_SHARE)), "reserve": max(1, int(CLEANUP_RESERVE * UID_SHARE))}
+        self._shares = {
+            "main": max(1, int(max_concurrent * UID_SHARE)),
+            "reserve": max(1, int(CLEANUP_RESERVE * UID_SHARE)),
+        }
         self._taken = {"main": 0, "reserve": 0, "refusal": 0}
         self._per_uid: dict[tuple[str, int], int] = {}
         self._allowed_uids = set(allowed_uids) | {os.geteuid()}
@@ -459,7 +462,9 @@ class BridgeListener:
                         too_big = InvalidArgument(f"request larger than {self._limit - MAX_HEADER_BYTES} bytes")
                         reply = error_reply(too_big.code, too_big.message)
                     elif kind == "reserve" and not data.startswith(PROTOCOL + b" cleanup "):
-                        busy = ResourceExhausted("too many bridge calls in flight; only cleanup is taken now; try again")
+                        busy = ResourceExhausted(
+                            "too many bridge calls in flight; only cleanup is taken now; try again"
+                        )
                         reply = error_reply(busy.code, busy.message)
                     else:
                         reply = handle(self._servicer, data)

@@ -235,7 +235,7 @@ HELP = {
     "audit_interval": "seconds between drift audits of every container's kernel rules (default 300; 0: off)",
     "gpu_probe_interval": "seconds between probes of the GPUs for loss or a MIG mode change (default 30)",
     "max_concurrent_rpcs": "requests in flight (open Watch calls aside) before RESOURCE_EXHAUSTED (default 256)",
-    "max_connections": "connections of allowed callers open at once, one uid at most half; more get RESOURCE_EXHAUSTED (default 256)",
+    "max_connections": "connections of allowed callers open at once, one uid at most half (default 256)",
     "max_message_bytes": "largest request accepted, in bytes (default 256 KiB)",
     "log_level": "debug, info, warning or error (default info)",
     "log_format": "text (default) or json: one object per line with stable keys (docs/metrics.md)",

@@ -43,7 +43,7 @@ from isolator.convert import (
     volume_to_proto,
 )
 from isolator.core.api import IsolatorApi
-from isolator.errors import InvalidArgument, IsolatorError, SocketError
+from isolator.errors import IsolatorError, SocketError
 from isolator.logfmt import hook_context
 from isolator.reflection import Reflection
 from isolator.rpc import isolator_pb2 as pb
@@ -455,9 +455,7 @@ class SidecarServer:
         def container_of(request: pb.WatchRequest) -> model.ContainerId:
             return container_id_from_proto(request.container_id)
 
-        watch = serving.watch_handler(
-            isolator_servicer, service.subscribe, container_of, pb.WatchResponse, dispatcher
-        )
+        watch = serving.watch_handler(isolator_servicer, service.subscribe, container_of, pb.WatchResponse, dispatcher)
 
         async def build() -> grpc.aio.Server:
             dispatcher.closing = asyncio.Event()

@@ -69,7 +69,11 @@ def _malloc_trim() -> Callable[[], None]:
     if trim is None:
         return lambda: None
     trim.argtypes = [ctypes.c_size_t]
-    return lambda: None if trim(0) is None else None
+
+    def release() -> None:
+        trim(0)
+
+    return release
 
 
 malloc_trim = _malloc_trim()
@@ -257,7 +261,11 @@ def watch_handler(
         except Exception:
             container = None  # a malformed ID: the check below answers INVALID_ARGUMENT
         changed = asyncio.Event()
-        unsubscribe = subscribe(lambda: loop.call_soon_threadsafe(changed.set), container)
+
+        def wake() -> None:
+            loop.call_soon_threadsafe(changed.set)
+
+        unsubscribe = subscribe(wake, container)
         dispatcher.watches += 1
         dispatcher.watch_burst = max(dispatcher.watch_burst, dispatcher.watches)
         try:
@@ -347,4 +355,6 @@ def add_reflection(reflection: Any, server: grpc.aio.Server) -> None:
             request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
             response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
         )
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, {"ServerReflectionInfo": handler}),))
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(name, {"ServerReflectionInfo": handler}),)
+        )

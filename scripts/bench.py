@@ -188,6 +188,10 @@ def part_load(s: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
     return {"version": version, "repeats": len(runs), "runs": runs, "median": load_medians(runs)}
 
 
+def _throughput(clients: str) -> Callable[[dict[str, Any]], Any]:
+    return lambda r: r["throughput"][clients]["per_s"]
+
+
 def load_medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The figures the goals read, each the median over the runs (ratios taken within each run)."""
 
@@ -216,10 +220,12 @@ def load_medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "peak_mib": med(lambda r: r["memory"]["peak_mib"]),
         "after_mib": med(lambda r: r["memory"]["after_mib"]),
         "under_100_mib_after_s": med(lambda r: r["memory"]["under_100_mib_after_s"]),
-        "per_s": {c: med(lambda r, c=c: r["throughput"][c]["per_s"]) for c in runs[0]["throughput"] if c.isdigit()},
+        "per_s": {c: med(_throughput(c)) for c in runs[0]["throughput"] if c.isdigit()},
         "scaling": med(lambda r: r["throughput"]["ratio_64_over_1"]),
         "hogs_ok": all(
-            r["hogs"][who]["grpc_ok"] and r["hogs"][who]["bridge_exit"] == 0 for r in runs for who in ("allowed", "denied")
+            r["hogs"][who]["grpc_ok"] and r["hogs"][who]["bridge_exit"] == 0
+            for r in runs
+            for who in ("allowed", "denied")
         ),
     }
 
@@ -248,7 +254,9 @@ def run(parts: list[str], quick: bool = False, repeats: int | None = None, log: 
         "measured": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(),
         "quick": quick,
-        "sizes": {k: ({str(c): n for c, n in v.items()} if isinstance(v, dict) else v) for k, v in s.items() if k != "load"},
+        "sizes": {
+            k: ({str(c): n for c, n in v.items()} if isinstance(v, dict) else v) for k, v in s.items() if k != "load"
+        },
         "parts": {},
     }
     for part in parts:

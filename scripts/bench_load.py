@@ -20,7 +20,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -212,7 +211,7 @@ def memory_part(side: Any, requests: int, max_bytes: int) -> dict[str, Any]:
 
 
 def throughput_part(side: Any, sleepers: Any, cycles: dict[int, int]) -> dict[str, Any]:
-    out = {}
+    out: dict[str, Any] = {}
     for clients, each in cycles.items():
         r = bench_hooks.drive(side.socket, sleepers, clients, each, f"tp{clients}", daemon_pid=side.proc.pid)
         out[str(clients)] = {"per_s": r["per_s"], "p99_ms": r["p99_ms"], "daemon_cores": r.get("daemon_cores")}
@@ -229,10 +228,15 @@ def _bridge_cleanup(work: str, bridge_path: str, value: str) -> tuple[int, float
         bridge.install(directory, socket_path=bridge_path)
     payload = os.path.join(work, f"{value}.json")
     with open(payload, "w") as fh:
-        fh.write('{"container_id": {"value": "%s"}}' % value)
+        fh.write(f'{{"container_id": {{"value": "{value}"}}}}')
     t0 = time.perf_counter()
     run = subprocess.run(
-        [os.path.join(directory, "gpu-isolator-cleanup"), payload, os.path.join(work, "out"), os.path.join(work, "err")],
+        [
+            os.path.join(directory, "gpu-isolator-cleanup"),
+            payload,
+            os.path.join(work, "out"),
+            os.path.join(work, "err"),
+        ],
         capture_output=True,
         timeout=60,
     )
@@ -253,8 +257,19 @@ def hog_part(side: Any, idle: int, trickling: int) -> dict[str, Any]:
     out: dict[str, Any] = {"idle": idle, "trickling": trickling}
     for label, uid in (("allowed", HOG_ALLOWED_UID), ("denied", HOG_DENIED_UID)):
         hog = subprocess.Popen(
-            ["setpriv", f"--reuid={uid}", f"--regid={nogroup}", "--clear-groups", sys.executable, "-c", HOG]
-            + [side.socket, side.bridge_socket, str(idle), str(trickling)],
+            [
+                "setpriv",
+                f"--reuid={uid}",
+                f"--regid={nogroup}",
+                "--clear-groups",
+                sys.executable,
+                "-c",
+                HOG,
+                side.socket,
+                side.bridge_socket,
+                str(idle),
+                str(trickling),
+            ],
             stdout=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
             text=True,
@@ -312,7 +327,7 @@ def load(version: str, sizes: dict[str, Any], log: Callable[[str], None] = lambd
                 out["memory"] = memory_part(side, sizes["memory_requests"], max_bytes)
                 log(f"load {version}: cycles/s at {', '.join(map(str, sizes['throughput']))} clients")
                 out["throughput"] = throughput_part(side, sleepers, sizes["throughput"])
-                log(f"load {version}: another user's {sizes['idle']} idle connections and {sizes['trickling']} trickling bridge clients")
+                log(f"load {version}: another user's {sizes['idle']} idle, {sizes['trickling']} trickling connections")
                 out["hogs"] = hog_part(side, sizes["idle"], sizes["trickling"])
                 return out
             finally:

@@ -207,7 +207,7 @@ def cleanup_over_the_bridge(short_tmp: str, bridge_path: str, value: str) -> sub
     bridge.install(directory, socket_path=bridge_path)
     payload = os.path.join(short_tmp, "in.json")
     with open(payload, "w") as fh:
-        fh.write('{"container_id": {"value": "%s"}}' % value)
+        fh.write(f'{{"container_id": {{"value": "{value}"}}}}')
     out, err = os.path.join(short_tmp, "out"), os.path.join(short_tmp, "err")
     run = subprocess.run(
         [os.path.join(directory, "gpu-isolator-cleanup"), payload, out, err],
@@ -230,8 +230,19 @@ def test_another_users_idle_connections_and_trickling_bridge_clients_do_not_star
     server, service = open_server(allowed_uids=allowed)
     nogroup = grp.getgrnam("nogroup").gr_gid
     hog = subprocess.Popen(
-        ["setpriv", f"--reuid={NOBODY}", f"--regid={nogroup}", "--clear-groups", sys.executable, "-c", HOG]
-        + [server.config.socket, server.config.bridge_path, "300", "300"],
+        [
+            "setpriv",
+            f"--reuid={NOBODY}",
+            f"--regid={nogroup}",
+            "--clear-groups",
+            sys.executable,
+            "-c",
+            HOG,
+            server.config.socket,
+            server.config.bridge_path,
+            "300",
+            "300",
+        ],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         text=True,
@@ -271,9 +282,8 @@ def test_a_connection_over_a_uids_share_is_answered_resource_exhausted_not_dropp
             ch = grpc.insecure_channel(server.address, options=own)
             grpc.channel_ready_future(ch).result(timeout=10)
             held.append(ch)
-        with grpc.insecure_channel(server.address, options=own) as extra:
-            with pytest.raises(grpc.RpcError) as refused:
-                pb_grpc.IsolatorStub(extra).Cleanup(cleanup, timeout=10)
+        with grpc.insecure_channel(server.address, options=own) as extra, pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.IsolatorStub(extra).Cleanup(cleanup, timeout=10)
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
         assert "share" in refused.value.details()
         assert service.calls == []
@@ -335,9 +345,7 @@ def test_concurrent_requests_of_the_largest_allowed_size_do_not_balloon_memory()
     with running_sidecar("dgx-1", "v1") as sidecar:
         assert sidecar.proc is not None
         pid = sidecar.proc.pid
-        channel = grpc.insecure_channel(
-            sidecar.address, options=[("grpc.max_send_message_length", 8 * 1024 * 1024)]
-        )
+        channel = grpc.insecure_channel(sidecar.address, options=[("grpc.max_send_message_length", 8 * 1024 * 1024)])
         stub = pb_grpc.IsolatorStub(channel)
         try:
             config = large_config(Config().max_message_bytes - 4096)

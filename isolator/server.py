@@ -472,6 +472,7 @@ class SidecarServer:
                         isolator_servicer,
                         dispatcher,
                         {"Watch": watch},
+                        self.observer,
                     ),
                     serving.unary_handlers(
                         ADMIN_SERVICE,
@@ -479,6 +480,7 @@ class SidecarServer:
                         AdminServicer(self.service, self.observer),
                         dispatcher,
                         {},
+                        self.observer,
                     ),
                 )
             )
@@ -507,6 +509,14 @@ class SidecarServer:
             dispatcher.shutdown()
             self._dispatcher = None
         self._loop.close()
+
+    def set_serving(self, serving: bool) -> None:
+        """The standard health service's answer for the whole server and the Isolator service
+        (NOT_SERVING while no GPU can be handed out); Admin stays SERVING, to say why."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        if self._server is not None and not self._stopped.is_set():
+            for name in ("", ISOLATOR_SERVICE):
+                self._loop.call(self._health.set(name, status))
 
     def _bind_public(self, path: str) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)

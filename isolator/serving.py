@@ -34,6 +34,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from isolator.errors import InvalidArgument, ResourceExhausted, Unavailable
+from isolator.logfmt import hook_context
 from isolator.status import status_of
 
 LOG = logging.getLogger(__name__)
@@ -197,7 +198,12 @@ class Dispatcher:
 
 
 def unary_handlers(
-    service_name: str, descriptor: Any, servicer: Any, dispatcher: Dispatcher, overrides: dict[str, Any]
+    service_name: str,
+    descriptor: Any,
+    servicer: Any,
+    dispatcher: Dispatcher,
+    overrides: dict[str, Any],
+    observer: Callable[[str, str, float, Any], None] | None = None,
 ) -> grpc.GenericRpcHandler:
     """aio handlers for every method of ``descriptor``: ``overrides`` (coroutines) by name, the
     others through ``dispatcher`` to the synchronous ``servicer`` method of the same name."""
@@ -209,7 +215,7 @@ def unary_handlers(
         response_type = message_factory.GetMessageClass(method.output_type)
         behaviour = overrides.get(method.name) or _dispatch(method.name, getattr(servicer, method.name), dispatcher)
         handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            _lenient(behaviour),
+            _lenient(behaviour, method.name, observer),
             request_deserializer=_deserializer(request_type),
             response_serializer=response_type.SerializeToString,
         )
@@ -226,10 +232,22 @@ def _deserializer(request_type: Any) -> Callable[[bytes], Any]:
     return deserialize
 
 
-def _lenient(behaviour: Callable[[Any, Any], Coroutine[Any, Any, Any]]) -> Callable[[Any, Any], Any]:
+def _lenient(
+    behaviour: Callable[[Any, Any], Coroutine[Any, Any, Any]],
+    hook: str,
+    observer: Callable[[str, str, float, Any], None] | None,
+) -> Callable[[Any, Any], Any]:
     async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
         if isinstance(request, _Malformed):
-            await context.abort(*status_of(InvalidArgument(f"malformed request message: {request.error}"), "?"))
+            refused = InvalidArgument(f"malformed request message: {request.error}")
+            with hook_context(hook, ""):
+                LOG.info("%s refused: %s", hook, refused.message)
+                if observer is not None:
+                    try:
+                        observer(hook, refused.code, 0.0, None)  # told of each refusal, as of calls
+                    except Exception:
+                        LOG.exception("observer of %s failed", hook)
+            await context.abort(*status_of(refused, hook))
         return await behaviour(request, context)
 
     return call

@@ -116,9 +116,26 @@ def _write(path: str, data: bytes) -> None:
 
 
 def call(path: str, method: str, payload: bytes, timeout: float) -> bytes:
-    """Send one request to the bridge socket; the bytes for OUT, or Failure."""
+    """Send one request to the bridge socket; the bytes for OUT, or Failure.
+
+    A RESOURCE_EXHAUSTED answer (the sidecar is at its bounds and did not run the call) is retried
+    with a growing pause until the deadline, so that load delays a call instead of failing it.
+    """
     deadline = time.monotonic() + timeout
-    late = Failure(EXIT_DEADLINE, f"no answer from the sidecar at '{path}' within {timeout:g} s")
+    pause = 0.02
+    while True:
+        try:
+            return _call_once(path, method, payload, deadline - time.monotonic(), timeout)
+        except Failure as failure:
+            if not failure.message.startswith("RESOURCE_EXHAUSTED:") or deadline - time.monotonic() < pause * 2:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
+
+
+def _call_once(path: str, method: str, payload: bytes, timeout: float, total: float) -> bytes:
+    deadline = time.monotonic() + timeout
+    late = Failure(EXIT_DEADLINE, f"no answer from the sidecar at '{path}' within {total:g} s")
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)

@@ -322,8 +322,25 @@ def handle(servicer: Servicer, data: bytes) -> bytes:
 _UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;} (socket(7), SO_PEERCRED)
 
 
+# Callers outside the allow-list, and allowed ones turned away for load, are answered on threads
+# of their own, at most this many at once (beyond: closed at once), within REFUSAL_DEADLINE_S.
+MAX_REFUSALS = 16
+REFUSAL_DEADLINE_S = 2.0
+# Slots kept for cleanup once every other slot is taken: it is what frees GPUs.
+CLEANUP_RESERVE = 8
+# An allowed uid holds at most this share of the slots (and of the reserve), so that one caller's
+# slow or stuck connections cannot lock the others out.
+UID_SHARE = 0.5
+
+
 class BridgeListener:
     """Accepts on a bound, listening Unix socket and answers each connection on its own thread.
+
+    Per connection, in this order: the caller's SO_PEERCRED (a caller outside the allow-list is
+    answered PERMISSION_DENIED on a refusal thread and never takes a slot); a slot, within the
+    caller's uid share (else RESOURCE_EXHAUSTED); then the whole request must arrive, and the
+    reply leave, within ``io_timeout`` seconds overall (not per read). When every slot is taken a
+    connection may take one of CLEANUP_RESERVE slots, which serve only cleanup.
 
     Threads are daemons so that a service call that never returns cannot hold the process at exit;
     ``max_concurrent`` bounds them (usage and watch calls may arrive in parallel, §A.1.6).
@@ -343,7 +360,13 @@ class BridgeListener:
         self._sock = sock
         self._servicer = servicer
         self._limit = MAX_HEADER_BYTES + max_request_bytes
-        self._slots = threading.BoundedSemaphore(max_concurrent)
+        self._caps = {"main": max_concurrent, "reserve": CLEANUP_RESERVE, "refusal": MAX_REFUSALS}
+        self._shares = {
+            "main": max(1, int(max_concurrent * UID_SHARE)),
+            "reserve": max(1, int(CLEANUP_RESERVE * UID_SHARE)),
+        }
+        self._taken = {"main": 0, "reserve": 0, "refusal": 0}
+        self._per_uid: dict[tuple[str, int], int] = {}
         self._allowed_uids = set(allowed_uids) | {os.geteuid()}
         self._allowed_gids = set(allowed_gids)
         self._io_timeout = io_timeout
@@ -351,6 +374,7 @@ class BridgeListener:
         self._idle = threading.Condition()
         self._in_flight = 0
         self._thread: threading.Thread | None = None
+        self._warned = False
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._accept_loop, name="bridge-accept", daemon=True)
@@ -372,6 +396,11 @@ class BridgeListener:
             if self._in_flight:
                 LOG.warning("stopping with %d bridge call(s) still in flight", self._in_flight)
 
+    def slots(self) -> dict[str, int]:
+        """Slots taken now, by kind (tests and the load bench)."""
+        with self._idle:
+            return dict(self._taken)
+
     def _accept_loop(self) -> None:
         while not self._closing.is_set():
             try:
@@ -382,69 +411,134 @@ class BridgeListener:
                 LOG.warning("bridge accept failed: %s", exc.strerror)
                 time.sleep(0.05)  # EMFILE and friends: do not spin
                 continue
-            if not self._slots.acquire(blocking=False):
-                self._refuse(conn, ResourceExhausted("too many bridge calls in flight; try again"))
-                continue
-            with self._idle:
-                self._in_flight += 1
-            threading.Thread(target=self._serve, args=(conn,), name="bridge", daemon=True).start()
-
-    def _refuse(self, conn: socket.socket, error: IsolatorError) -> None:
-        with conn:
             try:
-                conn.settimeout(self._io_timeout)
-                conn.sendall(error_reply(error.code, error.message))
-            except OSError:
-                pass
+                self._admit(conn)
+            except Exception:  # one bad connection must not stop the listener
+                LOG.exception("bridge: failed to admit a connection")
+                conn.close()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _admit(self, conn: socket.socket) -> None:
+        pid, uid, gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        refusal: IsolatorError | None = None
+        if not (uid in self._allowed_uids or gid in self._allowed_gids):
+            refusal = PermissionDenied(
+                f"uid {uid} (gid {gid}) is not allowed to call the sidecar; see --allowed-uids and --allowed-gids"
+            )
+            kind = "refusal" if self._take("refusal", uid) else ""
+            if kind:
+                LOG.warning("bridge call from pid %d uid %d gid %d refused: not in allowed-uids/gids", pid, uid, gid)
+        else:
+            kind = next((k for k in ("main", "reserve") if self._take(k, uid)), "")
+            if not kind:
+                refusal = ResourceExhausted(
+                    f"too many bridge calls in flight (uid {uid} holds its share, or all"
+                    f" {self._caps['main']} slots are taken); try again"
+                )
+                kind = "refusal" if self._take("refusal", uid) else ""
+        if not kind:
+            if not self._warned:
+                LOG.warning("bridge: refusals at their cap of %d; closing new connections (uid %d)", MAX_REFUSALS, uid)
+                self._warned = True
+            conn.close()
+            return
+        self._warned = False
+        target = self._refuse if kind == "refusal" else self._serve
+        threading.Thread(target=target, args=(conn, kind, uid, refusal), name="bridge", daemon=True).start()
+
+    def _take(self, kind: str, uid: int) -> bool:
+        with self._idle:
+            if self._taken[kind] >= self._caps[kind]:
+                return False
+            share = self._shares.get(kind)
+            if share is not None and self._per_uid.get((kind, uid), 0) >= share:
+                return False
+            self._taken[kind] += 1
+            self._per_uid[(kind, uid)] = self._per_uid.get((kind, uid), 0) + 1
+            self._in_flight += 1
+            return True
+
+    def _give_back(self, kind: str, uid: int) -> None:
+        with self._idle:
+            self._taken[kind] -= 1
+            left = self._per_uid.get((kind, uid), 1) - 1
+            if left:
+                self._per_uid[(kind, uid)] = left
+            else:
+                self._per_uid.pop((kind, uid), None)
+            self._in_flight -= 1
+            self._idle.notify_all()
+
+    def _refuse(self, conn: socket.socket, kind: str, uid: int, error: IsolatorError | None) -> None:
+        assert error is not None
+        deadline = time.monotonic() + REFUSAL_DEADLINE_S
         try:
             with conn:
-                conn.settimeout(self._io_timeout)
                 try:
-                    reply = self._answer(conn)
-                    conn.sendall(reply)
+                    self._drain(conn, deadline)
+                    self._send(conn, error_reply(error.code, error.message), deadline)
                 except OSError as exc:
-                    # The caller gave up (its deadline, SIGTERM from the module): nothing to answer.
+                    LOG.debug("bridge refusal not delivered: %s", exc)
+        finally:
+            self._give_back(kind, uid)
+
+    def _serve(self, conn: socket.socket, kind: str, uid: int, _: object) -> None:
+        deadline = time.monotonic() + self._io_timeout
+        try:
+            with conn:
+                try:
+                    data = self._receive(conn, deadline)
+                    if data is None:
+                        too_big = InvalidArgument(f"request larger than {self._limit - MAX_HEADER_BYTES} bytes")
+                        reply = error_reply(too_big.code, too_big.message)
+                    elif kind == "reserve" and not data.startswith(PROTOCOL + b" cleanup "):
+                        busy = ResourceExhausted(
+                            "too many bridge calls in flight; only cleanup is taken now; try again"
+                        )
+                        reply = error_reply(busy.code, busy.message)
+                    else:
+                        reply = handle(self._servicer, data)
+                    self._send(conn, reply, time.monotonic() + self._io_timeout)
+                except OSError as exc:
+                    # The caller gave up (its deadline, SIGTERM from the module), or trickled its
+                    # request past the deadline: nothing to answer.
                     LOG.debug("bridge connection dropped: %s", exc)
         finally:
-            self._slots.release()
-            with self._idle:
-                self._in_flight -= 1
-                self._idle.notify_all()
+            self._give_back(kind, uid)
 
-    def _answer(self, conn: socket.socket) -> bytes:
-        denied = self._check_peer(conn)
-        if denied:
-            self._drain(conn)
-            return error_reply(denied.code, denied.message)
+    def _receive(self, conn: socket.socket, deadline: float) -> bytes | None:
+        """The whole request, or None when it is over the size limit (the rest drained)."""
         chunks: list[bytes] = []
         size = 0
         while True:
-            chunk = conn.recv(65536)
+            chunk = self._recv(conn, deadline)
             if not chunk:
-                break
+                return b"".join(chunks)
             size += len(chunk)
             if size > self._limit:
-                self._drain(conn)
-                too_big = InvalidArgument(f"request larger than {self._limit - MAX_HEADER_BYTES} bytes")
-                return error_reply(too_big.code, too_big.message)
+                self._drain(conn, deadline)
+                return None
             chunks.append(chunk)
-        return handle(self._servicer, b"".join(chunks))
 
     @staticmethod
-    def _drain(conn: socket.socket) -> None:
-        # Closing a Unix socket with unread data resets the peer, which then loses the answer;
-        # read and discard the rest (bounded) so that the caller learns why it was refused.
-        for _ in range(MAX_DRAIN_BYTES // 65536):
-            if not conn.recv(65536):
-                return
+    def _recv(conn: socket.socket, deadline: float) -> bytes:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the request did not arrive before the connection's deadline")
+        conn.settimeout(remaining)
+        return conn.recv(65536)
 
-    def _check_peer(self, conn: socket.socket) -> PermissionDenied | None:
-        pid, uid, gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-        if uid in self._allowed_uids or gid in self._allowed_gids:
-            return None
-        LOG.warning("bridge call from pid %d uid %d gid %d refused: not in allowed-uids/gids", pid, uid, gid)
-        return PermissionDenied(
-            f"uid {uid} (gid {gid}) is not allowed to call the sidecar; see --allowed-uids and --allowed-gids"
-        )
+    @staticmethod
+    def _send(conn: socket.socket, data: bytes, deadline: float) -> None:
+        conn.settimeout(max(deadline - time.monotonic(), 0.001))
+        conn.sendall(data)
+
+    @classmethod
+    def _drain(cls, conn: socket.socket, deadline: float) -> None:
+        # Closing a Unix socket with unread data resets the peer, which then loses the answer;
+        # read and discard the rest (bounded in bytes and time) so that the caller learns why.
+        for _ in range(MAX_DRAIN_BYTES // 65536):
+            try:
+                if not cls._recv(conn, deadline):
+                    return
+            except TimeoutError:
+                return

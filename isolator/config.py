@@ -71,8 +71,9 @@ class Config:
     audit_interval: float = 300.0  # 0: no periodic audit (gpu-isolator audit still runs one)
     gpu_probe_interval: float = 30.0
     max_concurrent_rpcs: int = 256
-    max_connections: int = 128
-    max_message_bytes: int = 4 * 1024 * 1024
+    max_connections: int = 256
+    # A Mesos ContainerConfig with a large Docker manifest is tens of KiB (docs/reliability.md).
+    max_message_bytes: int = 256 * 1024
     log_level: str = "info"
     log_format: str = "text"
     metrics_address: str = ""
@@ -247,9 +248,9 @@ HELP = {
     "reap_interval": "seconds between checks for containers whose Mesos cgroup vanished (default 60)",
     "audit_interval": "seconds between drift audits of every container's kernel rules (default 300; 0: off)",
     "gpu_probe_interval": "seconds between probes of the GPUs for loss or a MIG mode change (default 30)",
-    "max_concurrent_rpcs": "requests in flight before RESOURCE_EXHAUSTED (default 256)",
-    "max_connections": "connections of allowed callers open at once; more are closed (default 128)",
-    "max_message_bytes": "largest request accepted, in bytes (default 4 MiB)",
+    "max_concurrent_rpcs": "requests in flight (open Watch calls aside) before RESOURCE_EXHAUSTED (default 256)",
+    "max_connections": "connections of allowed callers open at once, one uid at most half (default 256)",
+    "max_message_bytes": "largest request accepted, in bytes (default 256 KiB)",
     "log_level": "debug, info, warning or error (default info)",
     "log_format": "text (default) or json: one object per line with stable keys (docs/metrics.md)",
     "metrics_address": "serve Prometheus metrics on HOST:PORT, PORT (localhost) or unix:/path (default: off)",

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from isolator.errors import PermissionDenied, SocketError
+from isolator.errors import PermissionDenied, ResourceExhausted, SocketError
 from isolator.status import status_of
 
 LOG = logging.getLogger(__name__)
@@ -33,6 +33,12 @@ _UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;} 
 # Connections of callers outside the allow-list are few and short; capping them apart keeps a
 # local user who may open the socket from starving allowed callers of connection slots.
 MAX_DENIED_CONNECTIONS = 16
+# Connections turned away for load: spliced to the refusing server, which answers each call on them
+# RESOURCE_EXHAUSTED (never a silent close), at most this many at once; beyond, closed at once.
+MAX_BUSY_CONNECTIONS = 16
+# An allowed uid may hold at most this share of ``max_connections``, so that one caller (its idle
+# connections included) cannot lock the others out.
+UID_SHARE = 0.5
 SPLICE_BUFFER = 256 * 1024
 ALLOWED_NAME = "grpc"
 DENIED_NAME = "deny"
@@ -109,35 +115,52 @@ def remove_private_dir(path: str) -> None:
 
 
 class _DenyEverything(grpc.GenericRpcHandler):
-    """Answers every method PERMISSION_DENIED. The handler is stream-unary so that gRPC calls it as
-    soon as the headers arrive, before any request message is read or parsed."""
+    """Answers every method PERMISSION_DENIED (or RESOURCE_EXHAUSTED on a connection the gate turned
+    away for load). The handler is stream-unary so that gRPC calls it as soon as the headers
+    arrive, before any request message is read or parsed."""
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         return grpc.stream_unary_rpc_method_handler(self._deny)
 
     @staticmethod
     def _deny(request_iterator: object, context: grpc.ServicerContext) -> None:
-        uid, gid = _credentials_from_peer(context.peer())
-        context.abort(*status_of(PermissionDenied(denial_message(uid, gid)), "the peer-credential gate"))
+        uid, gid, busy = _credentials_from_peer(context.peer())
+        if busy:
+            error: Exception = ResourceExhausted(busy_message(uid, busy))
+        else:
+            error = PermissionDenied(denial_message(uid, gid))
+        context.abort(*status_of(error, "the peer-credential gate"))
 
 
-def _credentials_from_peer(peer: str) -> tuple[int, int]:
-    # The gate binds its side of a denied connection to "\0gpu-isolator-peer/<uid>/<gid>/<n>";
-    # gRPC reports it as "unix-abstract:gpu-isolator-peer/<uid>/<gid>/<n>".
+def busy_message(uid: int, why: str) -> str:
+    if why == "share":
+        return f"uid {uid} holds its share of the sidecar's connections (--max-connections); close some and retry"
+    return "the sidecar holds --max-connections connections; retry shortly"
+
+
+def _credentials_from_peer(peer: str) -> tuple[int, int, str]:
+    # The gate binds its side of a refused connection to "\0gpu-isolator-peer/<uid>/<gid>/<n>[/<why>]";
+    # gRPC reports it as "unix-abstract:gpu-isolator-peer/<uid>/<gid>/<n>[/<why>]".
     try:
         _, _, rest = peer.partition("gpu-isolator-peer/")
-        uid, gid, _n = rest.split("/")
-        return int(uid), int(gid)
+        uid, gid, _n, *why = rest.split("/")
+        return int(uid), int(gid), why[0] if why else ""
     except ValueError:
-        return -1, -1
+        return -1, -1, ""
 
 
 def deny_server(path: str) -> grpc.Server:
     """A gRPC server on ``path`` that refuses everything; two workers and a small inbox."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="deny"),
-        maximum_concurrent_rpcs=MAX_DENIED_CONNECTIONS,
-        options=[("grpc.max_receive_message_length", 1024), ("grpc.so_reuseport", 0)],
+        maximum_concurrent_rpcs=MAX_DENIED_CONNECTIONS + MAX_BUSY_CONNECTIONS,
+        options=[
+            ("grpc.max_receive_message_length", 1024),
+            ("grpc.so_reuseport", 0),
+            # Refused callers get their answer at once; their connections do not linger.
+            ("grpc.server_handshake_timeout_ms", 2000),
+            ("grpc.max_connection_idle_ms", 2000),
+        ],
     )
     server.add_generic_rpc_handlers((_DenyEverything(),))
     if server.add_insecure_port("unix:" + path) == 0:
@@ -148,11 +171,12 @@ def deny_server(path: str) -> grpc.Server:
 class _Connection:
     """One caller's connection spliced to one upstream, a thread per direction."""
 
-    def __init__(self, gate: PeerGate, client: socket.socket, upstream: socket.socket, denied: bool) -> None:
+    def __init__(self, gate: PeerGate, client: socket.socket, upstream: socket.socket, kind: str, uid: int) -> None:
         self.gate = gate
         self.client = client
         self.upstream = upstream
-        self.denied = denied
+        self.kind = kind
+        self.uid = uid
         self._open = 2
         self._lock = threading.Lock()
 
@@ -193,8 +217,11 @@ class _Connection:
 class PeerGate:
     """Accepts on the bound, listening public socket and splices each connection by its caller.
 
-    ``max_connections`` bounds allowed callers' connections (each holds two threads); denied
-    callers get at most MAX_DENIED_CONNECTIONS. A connection over a cap is closed at once.
+    ``max_connections`` bounds allowed callers' connections (each holds two threads), and one uid
+    holds at most UID_SHARE of them. A connection over a cap is spliced to the refusing server,
+    which answers RESOURCE_EXHAUSTED (MAX_BUSY_CONNECTIONS at once; beyond, closed). Denied
+    callers get at most MAX_DENIED_CONNECTIONS. The gRPC server closes connections that stay
+    idle or never finish their handshake (isolator/serving.py), which frees their slots here.
     """
 
     def __init__(
@@ -209,9 +236,11 @@ class PeerGate:
         self._allowed_path = allowed_path
         self._denied_path = denied_path
         self._allowlist = allowlist
-        self._max = {False: max_connections, True: MAX_DENIED_CONNECTIONS}
+        self._max = {"allowed": max_connections, "denied": MAX_DENIED_CONNECTIONS, "busy": MAX_BUSY_CONNECTIONS}
+        self._share = max(1, int(max_connections * UID_SHARE))
         self._live: set[_Connection] = set()
-        self._count = {False: 0, True: 0}
+        self._count = {"allowed": 0, "denied": 0, "busy": 0}
+        self._per_uid: dict[int, int] = {}
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
@@ -243,7 +272,7 @@ class PeerGate:
     def connections(self) -> tuple[int, int]:
         """(allowed, denied) connections open now."""
         with self._lock:
-            return self._count[False], self._count[True]
+            return self._count["allowed"], self._count["denied"]
 
     def _accept_loop(self) -> None:
         while not self._closing.is_set():
@@ -263,47 +292,71 @@ class PeerGate:
 
     def _admit(self, client: socket.socket) -> None:
         cred = peer_credentials(client)
-        denied = not self._allowlist.allows(cred)
+        kind, why = ("denied", "") if not self._allowlist.allows(cred) else ("allowed", "")
         with self._lock:
-            full = self._count[denied] >= self._max[denied]
+            if kind == "allowed":
+                if self._per_uid.get(cred.uid, 0) >= self._share:
+                    kind, why = "busy", "share"
+                elif self._count["allowed"] >= self._max["allowed"]:
+                    kind, why = "busy", "full"
+            full = self._count[kind] >= self._max[kind]
             if not full:
-                self._count[denied] += 1
+                self._count[kind] += 1
+                if kind == "allowed":
+                    self._per_uid[cred.uid] = self._per_uid.get(cred.uid, 0) + 1
+        if kind != "allowed" or full:
+            self._warn_refusal(kind, why, full, cred)
+        else:
+            self._warned_full = False
         if full:
-            if not self._warned_full:
-                LOG.warning(
-                    "gate: %s connections at their cap of %d; closing new ones (pid %d uid %d)",
-                    "denied" if denied else "allowed",
-                    self._max[denied],
-                    cred.pid,
-                    cred.uid,
-                )
-                self._warned_full = True
             client.close()
             return
-        self._warned_full = False
         upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
-            if denied:
-                LOG.warning(
-                    "gate: call from pid %d uid %d gid %d refused: not in allowed-uids/gids",
-                    cred.pid,
-                    cred.uid,
-                    cred.gid,
-                )
-                upstream.bind(f"\0gpu-isolator-peer/{cred.uid}/{cred.gid}/{os.getpid()}.{next(self._serial)}")
-            upstream.connect(self._denied_path if denied else self._allowed_path)
+            if kind != "allowed":
+                suffix = f"/{why}" if why else ""
+                upstream.bind(f"\0gpu-isolator-peer/{cred.uid}/{cred.gid}/{os.getpid()}.{next(self._serial)}{suffix}")
+            upstream.connect(self._allowed_path if kind == "allowed" else self._denied_path)
         except OSError:
             upstream.close()
             client.close()
-            with self._lock:
-                self._count[denied] -= 1
+            self._release(kind, cred.uid)
             raise
-        conn = _Connection(self, client, upstream, denied)
+        conn = _Connection(self, client, upstream, kind, cred.uid)
         with self._lock:
             self._live.add(conn)
         conn.start()
 
+    def _warn_refusal(self, kind: str, why: str, full: bool, cred: PeerCredentials) -> None:
+        if kind == "denied" and not full:
+            LOG.warning(
+                "gate: call from pid %d uid %d gid %d refused: not in allowed-uids/gids", cred.pid, cred.uid, cred.gid
+            )
+            return
+        if self._warned_full:
+            return
+        self._warned_full = True
+        if kind == "busy" and why == "share":
+            LOG.warning("gate: uid %d holds its share of %d connections; refusing its new ones", cred.uid, self._share)
+        else:
+            LOG.warning(
+                "gate: %s connections at their cap; refusing new ones (pid %d uid %d)",
+                "denied" if kind == "denied" else "allowed",
+                cred.pid,
+                cred.uid,
+            )
+
+    def _release(self, kind: str, uid: int) -> None:
+        with self._lock:
+            self._count[kind] -= 1
+            if kind == "allowed":
+                left = self._per_uid.get(uid, 1) - 1
+                if left:
+                    self._per_uid[uid] = left
+                else:
+                    self._per_uid.pop(uid, None)
+
     def _forget(self, conn: _Connection) -> None:
         with self._lock:
             self._live.discard(conn)
-            self._count[conn.denied] -= 1
+        self._release(conn.kind, conn.uid)

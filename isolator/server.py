@@ -7,6 +7,7 @@ is replaced, a live one is never stolen.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import fcntl
@@ -19,14 +20,12 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from isolator import model, peergate
+from isolator import model, peergate, serving
 from isolator.bridge_server import BridgeListener
 from isolator.config import Config
 from isolator.convert import (
@@ -44,7 +43,7 @@ from isolator.convert import (
     volume_to_proto,
 )
 from isolator.core.api import IsolatorApi
-from isolator.errors import InvalidArgument, IsolatorError, SocketError
+from isolator.errors import IsolatorError, SocketError
 from isolator.logfmt import hook_context
 from isolator.reflection import Reflection
 from isolator.rpc import isolator_pb2 as pb
@@ -112,60 +111,8 @@ def _translate_errors(method: Callable[..., T]) -> Callable[..., T]:
     return wrapper
 
 
-class _Malformed:
-    """Stands in for a request whose bytes did not parse, so the call can answer INVALID_ARGUMENT."""
-
-    def __init__(self, error: Exception) -> None:
-        self.error = error
-
-
-class MalformedRequests(grpc.ServerInterceptor):
-    """Bytes that are not the method's request message are INVALID_ARGUMENT, not gRPC's INTERNAL
-    "Exception deserializing request!" (invalid UTF-8 in a string field, truncated varints...)."""
-
-    def __init__(self, observer: Observer | None = None) -> None:
-        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
-        self._observer = observer  # told of each refusal, as _translate_errors tells it of calls
-
-    def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None], details: Any
-    ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(details)
-        if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
-            return handler
-        wrapped = self._wrapped.get(details.method)
-        if wrapped is None:
-            wrapped = self._wrapped[details.method] = _lenient(handler, details.method, self._observer)
-        return wrapped
-
-
-def _lenient(handler: grpc.RpcMethodHandler, method: str, observer: Observer | None) -> grpc.RpcMethodHandler:
-    parse = handler.request_deserializer
-    behaviour = handler.unary_unary
-    hook = method.rsplit("/", 1)[-1]
-
-    def deserialize(data: bytes) -> Any:
-        try:
-            return parse(data)
-        except DecodeError as exc:
-            return _Malformed(exc)
-
-    def call(request: Any, context: grpc.ServicerContext) -> Any:
-        if isinstance(request, _Malformed):
-            refused = InvalidArgument(f"malformed request message: {request.error}")
-            with hook_context(hook, ""):
-                LOG.info("%s refused: %s", hook, refused.message)
-                if observer is not None:
-                    try:
-                        observer(hook, refused.code, 0.0, None)
-                    except Exception:
-                        LOG.exception("observer of %s failed", hook)
-            context.abort(*status_of(refused, hook))
-        return behaviour(request, context)
-
-    return grpc.unary_unary_rpc_method_handler(
-        call, request_deserializer=deserialize, response_serializer=handler.response_serializer
-    )
+# Bytes that are not the method's request message are INVALID_ARGUMENT, not gRPC's INTERNAL
+# "Exception deserializing request!": isolator/serving.py parses leniently.
 
 
 # ---- servicers --------------------------------------------------------------------------------
@@ -285,6 +232,10 @@ class AdminServicer(pb_grpc.AdminServicer):
 
 
 # ---- the Unix socket ----------------------------------------------------------------------------
+
+
+async def _make_health() -> health.aio.HealthServicer:
+    return health.aio.HealthServicer()  # made on the loop it serves from
 
 
 def socket_is_live(path: str) -> bool:
@@ -434,8 +385,10 @@ class SidecarServer:
         self._bridge_guard = SocketGuard(config.bridge_path) if config.bridge_path else None
         self._bridge: BridgeListener | None = None
         self._bridge_held = False
-        self._server: grpc.Server | None = None
-        self._health = health.HealthServicer(experimental_non_blocking=True)
+        self._server: grpc.aio.Server | None = None
+        self._loop = serving.EventLoopThread()
+        self._dispatcher: serving.Dispatcher | None = None
+        self._health = self._loop.call(_make_health())
         self._stopped = threading.Event()
         self._private = peergate.private_dir(config.socket)
         self._private_made = False
@@ -454,25 +407,12 @@ class SidecarServer:
             # which checks each caller's SO_PEERCRED (gRPC Python cannot see it) before splicing.
             peergate.make_private_dir(self._private)
             self._private_made = True
-            server = grpc.server(
-                futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="rpc"),
-                maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
-                interceptors=(MalformedRequests(self.observer),),
-                options=[
-                    ("grpc.max_receive_message_length", cfg.max_message_bytes),
-                    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-                    ("grpc.so_reuseport", 0),
-                ],
-            )
             isolator_servicer = IsolatorServicer(self.service, self.observer)
-            pb_grpc.add_IsolatorServicer_to_server(isolator_servicer, server)
-            pb_grpc.add_AdminServicer_to_server(AdminServicer(self.service, self.observer), server)
-            health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-            Reflection((ISOLATOR_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME)).add_to_server(server)
+            server = self._serve_aio(isolator_servicer)
             allowed_path = os.path.join(self._private, peergate.ALLOWED_NAME)
             denied_path = os.path.join(self._private, peergate.DENIED_NAME)
             try:
-                port = server.add_insecure_port("unix:" + allowed_path)
+                port = self._loop.call(self._add_port(server, "unix:" + allowed_path))
             except RuntimeError as exc:
                 raise SocketError(f"failed to bind '{allowed_path}': {exc}") from exc
             if port == 0:
@@ -486,17 +426,18 @@ class SidecarServer:
                 max_connections=cfg.max_connections,
             )
             self._start_bridge(isolator_servicer)
-            server.start()
+            self._loop.call(server.start())
             self._deny.start()
             self._gate.start()
         except BaseException:
             self._stop_bridge(grace=0)
             self._stop_gate(grace=0)
+            self._stop_aio(grace=0)
             self._guard.release(remove_socket=True)
             raise
         self._server = server
         for name in ("", ISOLATOR_SERVICE, ADMIN_SERVICE):
-            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            self._loop.call(self._health.set(name, health_pb2.HealthCheckResponse.SERVING))
         LOG.info(
             "serving on %s (mode %s, allowed uids %s, gids %s)",
             cfg.socket,
@@ -505,13 +446,77 @@ class SidecarServer:
             sorted(cfg.allowed_gids),
         )
 
+    def _serve_aio(self, isolator_servicer: IsolatorServicer) -> grpc.aio.Server:
+        """The aio server (isolator/serving.py): Watch waits on an event, the rest runs on the pool."""
+        cfg = self.config
+        dispatcher = self._dispatcher = serving.Dispatcher(cfg.max_workers, cfg.max_concurrent_rpcs)
+        service = self.service
+
+        def container_of(request: pb.WatchRequest) -> model.ContainerId:
+            return container_id_from_proto(request.container_id)
+
+        watch = serving.watch_handler(isolator_servicer, service.subscribe, container_of, pb.WatchResponse, dispatcher)
+
+        async def build() -> grpc.aio.Server:
+            dispatcher.closing = asyncio.Event()
+            server = grpc.aio.server(
+                # Watches are bounded by serving.MAX_WATCHES, other calls by the dispatcher.
+                maximum_concurrent_rpcs=serving.MAX_WATCHES + cfg.max_concurrent_rpcs + 64,
+                options=serving.server_options(cfg.max_message_bytes),
+            )
+            server.add_generic_rpc_handlers(
+                (
+                    serving.unary_handlers(
+                        ISOLATOR_SERVICE,
+                        pb.DESCRIPTOR.services_by_name["Isolator"],
+                        isolator_servicer,
+                        dispatcher,
+                        {"Watch": watch},
+                        self.observer,
+                    ),
+                    serving.unary_handlers(
+                        ADMIN_SERVICE,
+                        pb.DESCRIPTOR.services_by_name["Admin"],
+                        AdminServicer(self.service, self.observer),
+                        dispatcher,
+                        {},
+                        self.observer,
+                    ),
+                )
+            )
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+            serving.add_reflection(Reflection((ISOLATOR_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME)), server)
+            return server
+
+        return self._loop.call(build())
+
+    @staticmethod
+    async def _add_port(server: grpc.aio.Server, address: str) -> int:
+        return server.add_insecure_port(address)
+
+    def _stop_aio(self, grace: float) -> None:
+        server, self._server = self._server, None
+        dispatcher = self._dispatcher
+        if server is not None:
+
+            async def stop() -> None:
+                if dispatcher is not None and dispatcher.closing is not None:
+                    dispatcher.closing.set()  # open Watches answer UNAVAILABLE now, not after the grace
+                await server.stop(grace)
+
+            self._loop.call(stop())
+        if dispatcher is not None:
+            dispatcher.shutdown()
+            self._dispatcher = None
+        self._loop.close()
+
     def set_serving(self, serving: bool) -> None:
         """The standard health service's answer for the whole server and the Isolator service
         (NOT_SERVING while no GPU can be handed out); Admin stays SERVING, to say why."""
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         if self._server is not None and not self._stopped.is_set():
             for name in ("", ISOLATOR_SERVICE):
-                self._health.set(name, status)
+                self._loop.call(self._health.set(name, status))
 
     def _bind_public(self, path: str) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -521,7 +526,7 @@ class SidecarServer:
             with _umask(0o177):
                 sock.bind(path)
             self._apply_socket_permissions(path)
-            sock.listen(128)
+            sock.listen(1024)  # bursts of connections wait here, not in a refusal
         except OSError as exc:
             sock.close()
             raise SocketError(f"failed to bind '{path}': {exc.strerror}") from exc
@@ -587,12 +592,12 @@ class SidecarServer:
         if self._server is None or self._stopped.is_set():
             return
         self._stopped.set()
-        self._health.enter_graceful_shutdown()
+        self._loop.call(self._health.enter_graceful_shutdown())
         self._stop_bridge(grace)
         if self._gate is not None:
             self._gate.stop_accepting()
         # Calls in flight finish through their spliced connections, then the gate cuts them.
-        self._server.stop(grace).wait()
+        self._stop_aio(grace)
         self._stop_gate(grace=0)
         self._guard.release(remove_socket=True)
         self.service.close()

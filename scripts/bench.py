@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [p for p in (ROOT, HERE, os.path.join(ROOT, "tests")) if p not in sys.path]
 
-PARTS = ("hooks", "bridge", "allocator", "volume", "recovery", "footprint")
+PARTS = ("hooks", "bridge", "allocator", "volume", "recovery", "footprint", "load")
 DEFAULT_JSON = os.path.join(ROOT, "bench-results.json")
 
 # The goals the figures are read against (issue 10, and issue 6 for the allocator).
@@ -37,6 +37,15 @@ GOAL_IDLE_RSS_MIB = 60.0
 # "No growth across cycles", stated as a bound: under 2 MiB over the second half of the cycles
 # (the first half lets the allocator, SQLite's page cache and gRPC's pools reach their size).
 GOAL_RSS_GROWTH_MIB = 2.0
+# Serving under load (issue 17).
+GOAL_LOAD_HEALTH_P99_MS = 10.0
+GOAL_LOAD_CYCLE_RATIO = 1.5
+GOAL_LOAD_BACK_S = 1.0
+GOAL_LOAD_SCALING = 3.0
+GOAL_LOAD_PEAK_MIB = 300.0
+GOAL_LOAD_AFTER_MIB = 100.0
+GOAL_LOAD_AFTER_S = 5.0
+GOAL_HOOK_P99_OVER_RAW_LOAD = 8.0
 
 
 # ---- sizes --------------------------------------------------------------------------------------
@@ -57,6 +66,15 @@ def sizes(quick: bool, repeats: int | None) -> dict[str, Any]:
             "volume_repeats": 1,
             "recovery_counts": (10, 100),
             "footprint_cycles": 80,
+            "load": {
+                "watches": 50,
+                "health_calls": 20,
+                "cycles": 5,
+                "memory_requests": 10,
+                "throughput": {1: 5, 8: 1, 64: 1},
+                "idle": 20,
+                "trickling": 10,
+            },
         }
     return {
         "repeats": repeats or 5,
@@ -70,6 +88,15 @@ def sizes(quick: bool, repeats: int | None) -> dict[str, Any]:
         "volume_repeats": 5,
         "recovery_counts": (100, 1_000, 10_000),
         "footprint_cycles": 10_000,
+        "load": {
+            "watches": 1000,
+            "health_calls": 300,
+            "cycles": 200,
+            "memory_requests": 100,
+            "throughput": {1: 200, 8: 40, 64: 6},
+            "idle": 1000,
+            "trickling": 300,
+        },
     }
 
 
@@ -172,6 +199,57 @@ def part_footprint(s: dict[str, Any], log: Callable[[str], None]) -> dict[str, A
     return bench_hooks.footprint(version, s["footprint_cycles"], log=log)
 
 
+def part_load(s: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
+    import bench_hooks
+    import bench_load
+
+    version = "v1" if "v1" in bench_hooks.available_versions() else "v2"
+    runs = [bench_load.load(version, s["load"], log=log) for _ in range(s["repeats"])]
+    return {"version": version, "repeats": len(runs), "runs": runs, "median": load_medians(runs)}
+
+
+def _throughput(clients: str) -> Callable[[dict[str, Any]], Any]:
+    return lambda r: r["throughput"][clients]["per_s"]
+
+
+def load_medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The figures the goals read, each the median over the runs (ratios taken within each run)."""
+
+    def med(pick: Callable[[dict[str, Any]], Any]) -> float | None:
+        values = [v for v in (pick(r) for r in runs) if v is not None]
+        return _median(values) if values else None
+
+    w = "watches"
+    return {
+        "health_p50_ms_without": med(lambda r: r[w]["without"]["health"]["p50_ms"]),
+        "health_p99_ms_without": med(lambda r: r[w]["without"]["health"]["p99_ms"]),
+        "health_p50_ms_with": med(lambda r: r[w]["with"]["health"]["p50_ms"]),
+        "health_p99_ms_with": med(lambda r: r[w]["with"]["health"]["p99_ms"]),
+        "cycle_p99_ms_without": med(lambda r: r[w]["without"]["cycle"]["p99_ms"]),
+        "cycle_p99_ms_with": med(lambda r: r[w]["with"]["cycle"]["p99_ms"]),
+        "cycle_p99_ratio": med(lambda r: r[w]["cycle_p99_ratio"]),
+        "threads_without": med(lambda r: r[w]["without"]["threads"]),
+        "threads_with": med(lambda r: r[w]["with"]["threads"]),
+        "rss_mib_without": med(lambda r: r[w]["without"]["rss_kib"] / 1024),
+        "rss_mib_with": med(lambda r: r[w]["with"]["rss_kib"] / 1024),
+        "rss_mib_after": med(lambda r: r[w]["after"]["rss_kib"] / 1024),
+        "threads_after": med(lambda r: r[w]["after"]["threads"]),
+        "back_to_baseline_s": med(lambda r: r[w]["back_to_baseline_s"]),
+        "back_runs": sum(r[w]["back_to_baseline_s"] is not None for r in runs),
+        "rest_mib": med(lambda r: r["memory"]["rest_mib"]),
+        "peak_mib": med(lambda r: r["memory"]["peak_mib"]),
+        "after_mib": med(lambda r: r["memory"]["after_mib"]),
+        "under_100_mib_after_s": med(lambda r: r["memory"]["under_100_mib_after_s"]),
+        "per_s": {c: med(_throughput(c)) for c in runs[0]["throughput"] if c.isdigit()},
+        "scaling": med(lambda r: r["throughput"]["ratio_64_over_1"]),
+        "hogs_ok": all(
+            r["hogs"][who]["grpc_ok"] and r["hogs"][who]["bridge_exit"] == 0
+            for r in runs
+            for who in ("allowed", "denied")
+        ),
+    }
+
+
 RUNNERS: dict[str, Callable[[dict[str, Any], Callable[[str], None]], dict[str, Any]]] = {
     "hooks": part_hooks,
     "bridge": part_bridge,
@@ -179,6 +257,7 @@ RUNNERS: dict[str, Callable[[dict[str, Any], Callable[[str], None]], dict[str, A
     "volume": part_volume,
     "recovery": part_recovery,
     "footprint": part_footprint,
+    "load": part_load,
 }
 
 
@@ -195,7 +274,9 @@ def run(parts: list[str], quick: bool = False, repeats: int | None = None, log: 
         "measured": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(),
         "quick": quick,
-        "sizes": {k: ({str(c): n for c, n in v.items()} if isinstance(v, dict) else v) for k, v in s.items()},
+        "sizes": {
+            k: ({str(c): n for c, n in v.items()} if isinstance(v, dict) else v) for k, v in s.items() if k != "load"
+        },
         "parts": {},
     }
     for part in parts:
@@ -513,6 +594,52 @@ def render_footprint(f: dict[str, Any]) -> list[str]:
     ]
 
 
+def render_load(result: dict[str, Any]) -> list[str]:
+    m = result["median"]
+    run0 = result["runs"][0]
+    sizes = run0["watches"]["watches"], run0["memory"]["requests"], run0["hogs"]["idle"], run0["hogs"]["trickling"]
+    health_ok = m["health_p99_ms_with"] < GOAL_LOAD_HEALTH_P99_MS
+    ratio_ok = m["cycle_p99_ratio"] <= GOAL_LOAD_CYCLE_RATIO
+    back = m["back_to_baseline_s"]
+    back_ok = back is not None and back <= GOAL_LOAD_BACK_S and m["back_runs"] == result["repeats"]
+    scaling = m["scaling"]
+    peak_ok = m["peak_mib"] < GOAL_LOAD_PEAK_MIB
+    after = m["under_100_mib_after_s"]
+    after_ok = after is not None and after <= GOAL_LOAD_AFTER_S
+    per_s = "  ".join(f"{c} client(s) {v:.0f}/s" for c, v in m["per_s"].items() if v is not None)
+    return [
+        f"## Load: one daemon (cgroup {result['version']}), median of {result['repeats']} runs",
+        f"   Health p50/p99 ms: {_f(m['health_p50_ms_without'])}/{_f(m['health_p99_ms_without'])} with no Watch open,"
+        f" {_f(m['health_p50_ms_with'])}/{_f(m['health_p99_ms_with'])} with {sizes[0]} open",
+        f"   hook cycle p99 ms: {_f(m['cycle_p99_ms_without'])} without, {_f(m['cycle_p99_ms_with'])} with them"
+        f" ({_f(m['cycle_p99_ratio'])}x)",
+        f"   threads {m['threads_without']:.0f} -> {m['threads_with']:.0f} with them -> {m['threads_after']:.0f} after"
+        f" cancelling; RSS {m['rss_mib_without']:.1f} -> {m['rss_mib_with']:.1f} -> {m['rss_mib_after']:.1f} MiB;"
+        f" back to baseline (threads, RSS +2 MiB) in {_f(back)} s ({m['back_runs']}/{result['repeats']} runs)",
+        f"   {sizes[1]} concurrent Prepare of {run0['memory']['request_bytes']:,} bytes: RSS at rest"
+        f" {m['rest_mib']:.1f} MiB, peak {m['peak_mib']:.1f} MiB, after {m['after_mib']:.1f} MiB;"
+        f" under 100 MiB {_f(after)} s after",
+        f"   cycles/s: {per_s}; 64 over 1: {_f(scaling)}x",
+        f"   another user holding {sizes[2]} idle connections and {sizes[3]} trickling bridge clients (allowed,"
+        f" then denied): agent's Prepare+Cleanup over gRPC and cleanup over the bridge "
+        + ("all succeeded" if m["hogs_ok"] else "FAILED")
+        + " ("
+        + ", ".join(
+            f"{who} gRPC {run0['hogs'][who]['grpc_ms']:.0f} ms, bridge {run0['hogs'][who]['bridge_ms']:.0f} ms"
+            for who in ("allowed", "denied")
+        )
+        + ")",
+        f"   goals: Health p99 with watches < {GOAL_LOAD_HEALTH_P99_MS:g} ms: {_verdict(health_ok)};"
+        f" cycle p99 within {GOAL_LOAD_CYCLE_RATIO:g}x: {_verdict(ratio_ok)};"
+        f" back within {GOAL_LOAD_BACK_S:g} s: {_verdict(back_ok)};"
+        f" 64 clients >= {GOAL_LOAD_SCALING:g}x 1: {_verdict(scaling is not None and scaling >= GOAL_LOAD_SCALING)};"
+        f" peak < {GOAL_LOAD_PEAK_MIB:g} MiB: {_verdict(peak_ok)};"
+        f" < {GOAL_LOAD_AFTER_MIB:g} MiB within {GOAL_LOAD_AFTER_S:g} s: {_verdict(after_ok)};"
+        f" agent served under hogs: {_verdict(m['hogs_ok'])}",
+        f"   (hook cycle p99 at 1 client <= {GOAL_HOOK_P99_OVER_RAW_LOAD:g}x the raw floor: see the hook latency part)",
+    ]
+
+
 RENDER: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "hooks": render_hooks,
     "bridge": render_bridge,
@@ -520,6 +647,7 @@ RENDER: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "volume": render_volume,
     "recovery": render_recovery,
     "footprint": render_footprint,
+    "load": render_load,
 }
 
 

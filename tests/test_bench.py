@@ -92,7 +92,10 @@ def test_a_quick_run_of_every_part_reports_every_figure_in_the_table_and_the_jso
     assert parts["volume"]["files"] > 0
     assert set(parts["recovery"]["counts"]) == {"10", "100"}
     assert parts["footprint"]["cycles"] == 80 and len(parts["footprint"]["rss_series_mib"]) == 11
+    load = parts["load"]["median"]
+    assert load["health_p99_ms_with"] > 0 and load["peak_mib"] > 0 and load["per_s"]["64"] > 0
+    assert load["hogs_ok"]
     table = capsys.readouterr().out
-    for heading in ("Hook latency", "Bridge", "Allocator", "Driver volume", "Recovery", "Footprint"):
+    for heading in ("Hook latency", "Bridge", "Allocator", "Driver volume", "Recovery", "Footprint", "Load"):
         assert f"## {heading}" in table
     assert "could not run" not in table

@@ -364,6 +364,43 @@ def test_watch_answers_nothing_until_a_held_gpu_becomes_unhealthy(rig: Rig) -> N
     assert rig.service.watch(cid("a.child"), 0) is not None, "a nested container watches its parent's GPUs"
 
 
+def test_subscribers_hear_of_their_containers_going_away_and_of_every_health_change(rig: Rig) -> None:
+    # The non-blocking twin of watch's wait (the server's Watch awaits these callbacks, no thread).
+    a, b = cid("a"), cid("b")
+    rig.service.prepare(a, gpus(1))
+    rig.service.prepare(b, gpus(1))
+    heard: list[str] = []
+    stop_a = rig.service.subscribe(lambda: heard.append("a"), cid("a.child"))  # by its top-level container
+    stop_all = rig.service.subscribe(lambda: heard.append("all"))
+    assert rig.service.core.listeners() == 2
+    rig.service.cleanup(b)
+    assert heard == ["all"], "b going away is not a's business"
+    rig.inventory.xid(held(rig, a)[0], 79)
+    assert sorted(heard[1:]) == ["a", "all"]
+    assert rig.service.watch(a, 0) is not None  # what a woken Watch re-checks
+    rig.service.cleanup(a)
+    assert sorted(heard[3:]) == ["a", "all"]
+    stop_a()
+    stop_all()
+    stop_a()  # idempotent
+    assert rig.service.core.listeners() == 0
+    rig.inventory.xid(0, 79)
+    assert len(heard) == 5
+
+
+def test_a_failing_subscriber_does_not_fail_the_hook(rig: Rig) -> None:
+    a = cid("a")
+    rig.service.prepare(a, gpus(1))
+
+    def broken() -> None:
+        raise RuntimeError("listener bug")
+
+    stop = rig.service.subscribe(broken, a)
+    rig.service.cleanup(a)  # told, and the cleanup still succeeds
+    assert rig.store.get(a) is None
+    stop()
+
+
 def test_a_waiting_watch_wakes_on_the_xid(rig: Rig) -> None:
     a = cid("a")
     rig.service.prepare(a, gpus(1))

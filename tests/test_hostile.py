@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from invariants import Observer, quick_sidecar, read_records
 
 from isolator.bridge_server import PROTOCOL
+from isolator.config import Config
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
 from isolator.testing.mesos import GrpcIsolator, container_id
@@ -200,15 +201,18 @@ def test_pids_that_cannot_be_a_container_init_are_invalid_argument(target, pid):
 
 
 def test_huge_repeated_fields_are_answered_without_harm(target):
-    # 150k gpus entries of 1 each: a whole count, but one no host has; 50k orphans nobody knows.
+    # As many entries as the largest request holds (--max-message-bytes, 256 KiB): 7k gpus entries of
+    # 1 each (a whole count, but one no host has); 20k orphans nobody knows.
+    limit = Config().max_message_bytes
     many = pb.PrepareRequest(
-        container_id=pb.ContainerID(value="many"), container_config=pb.ContainerConfig(resources=[gpus(1)] * 150_000)
+        container_id=pb.ContainerID(value="many"), container_config=pb.ContainerConfig(resources=[gpus(1)] * 7_000)
     )
-    assert many.ByteSize() < 4 << 20
+    assert many.ByteSize() < limit
     assert target.call("Isolator", "Prepare", many) == "RESOURCE_EXHAUSTED"
-    orphans = pb.RecoverRequest(orphans=[pb.ContainerID(value=f"o{i}") for i in range(50_000)])
+    orphans = pb.RecoverRequest(orphans=[pb.ContainerID(value=f"o{i}") for i in range(20_000)])
+    assert orphans.ByteSize() < limit
     assert target.call("Isolator", "Recover", orphans) == "OK"
-    bad_orphans = pb.RecoverRequest(orphans=[pb.ContainerID(value=f"o{i}/x") for i in range(50_000)])
+    bad_orphans = pb.RecoverRequest(orphans=[pb.ContainerID(value=f"o{i}/x") for i in range(20_000)])
     assert target.call("Isolator", "Recover", bad_orphans) == "INVALID_ARGUMENT"
     target.untouched()
 

@@ -196,11 +196,13 @@ def test_a_flood_of_denied_connections_does_not_lock_out_allowed_callers(open_di
 
 
 @pytest.mark.root
-def test_connections_over_the_cap_are_closed_and_the_cap_frees_up(open_dir):
-    server, _ = serve(open_dir, max_connections=2)
+def test_connections_over_the_cap_are_refused_then_closed_and_the_cap_frees_up(open_dir):
+    server, _ = serve(open_dir, max_connections=2)  # one uid may hold 1
     try:
         held = []
-        for _ in range(2):
+        # One within the share, then MAX_BUSY_CONNECTIONS spliced to the refusing server (each call
+        # on them answers RESOURCE_EXHAUSTED; tests/test_load.py), then closed at once.
+        for _ in range(1 + peergate.MAX_BUSY_CONNECTIONS):
             s = socket.socket(socket.AF_UNIX)
             s.connect(server.config.socket)
             held.append(s)

@@ -6,6 +6,7 @@ a base for test doubles of the whole service. Only domain types (isolator.model)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from isolator.model import (
@@ -38,6 +39,10 @@ class IsolatorApi(Protocol):
     def isolate(self, container_id: ContainerId, pid: int) -> None: ...
 
     def watch(self, container_id: ContainerId, timeout: float | None) -> Limitation | None: ...
+
+    # Without a thread: ``callback`` (which must not block) runs on each change that may end a
+    # Watch of ``container``; the returned function unsubscribes. Re-check with watch(cid, 0).
+    def subscribe(self, callback: Callable[[], None], container: ContainerId | None = None) -> Callable[[], None]: ...
 
     def update(self, container_id: ContainerId, resources: list[Resource]) -> None: ...
 

@@ -12,9 +12,10 @@ I/O; recovery holds ``locks.exclusive()``. Ordering rules that keep the sidecar 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from isolator import devices as devrules
@@ -81,6 +82,10 @@ class Core:
         self.alloc = threading.Lock()  # the allocator and health: short sections, no I/O inside
         self._changed = threading.Condition(threading.Lock())
         self._generation = 0
+        # Callbacks told of changes without a thread waiting (the server's Watch): by top-level
+        # container, or under None for every change.
+        self._listeners: dict[ContainerId | None, dict[int, Callable[[], None]]] = {}
+        self._tokens = itertools.count()
         topology = edges.inventory.topology()
         self.gpus: dict[int, Gpu] = {g.minor: g for g in topology.gpus}
         self.allocator = Allocator(topology, settings.policy)
@@ -109,11 +114,47 @@ class Core:
                     self.allocator.set_healthy(gpu.minor, bool(event.healthy))
         self.notify()
 
-    def notify(self) -> None:
-        """Wake every Watch: a container went away or a GPU's health changed."""
+    def notify(self, container: ContainerId | None = None) -> None:
+        """Wake the Watches: of ``container`` when only it changed (it went away), else all of them
+        (a GPU's health changed, recovery)."""
         with self._changed:
             self._generation += 1
             self._changed.notify_all()
+            if container is None:
+                told = [cb for group in self._listeners.values() for cb in group.values()]
+            else:
+                told = [*self._listeners.get(container.root, {}).values(), *self._listeners.get(None, {}).values()]
+        for callback in told:
+            try:
+                callback()
+            except Exception:  # a listener's bug must not stop a hook
+                LOG.exception("change listener failed")
+
+    def subscribe(self, callback: Callable[[], None], container: ContainerId | None = None) -> Callable[[], None]:
+        """Call ``callback`` (from the notifying thread; it must not block) on each change that may
+        concern ``container`` (every change when None) until the returned function is called.
+
+        The non-blocking twin of ``wait_for_change``: a waiter costs an entry here, not a thread.
+        """
+        key = None if container is None else container.root
+        token = next(self._tokens)
+        with self._changed:
+            self._listeners.setdefault(key, {})[token] = callback
+
+        def unsubscribe() -> None:
+            with self._changed:
+                group = self._listeners.get(key)
+                if group is not None:
+                    group.pop(token, None)
+                    if not group:
+                        del self._listeners[key]
+
+        return unsubscribe
+
+    def listeners(self) -> int:
+        """How many subscriptions are open (tests and the load bench)."""
+        with self._changed:
+            return sum(len(group) for group in self._listeners.values())
 
     def generation(self) -> int:
         with self._changed:
@@ -315,7 +356,7 @@ class Core:
         with self.alloc:
             self.allocator.deallocate(rec.gpus & self.allocator.allocated)
             self.free_mig(rec.mig_uuids)
-        self.notify()
+        self.notify(cid)
 
     def release_volume(self, cid: ContainerId) -> None:
         """Forget ``cid`` as a user of the driver volume; a top-level container takes the records of

@@ -13,6 +13,7 @@ It speaks the domain model (isolator.model) only: no grpc, no proto, no dicts sh
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 from isolator.core.admin import Admin
 from isolator.core.context import Core, Edges, Settings
@@ -83,6 +84,11 @@ class IsolatorService:
 
     def watch(self, container_id: ContainerId, timeout: float | None) -> Limitation | None:
         return self.hooks.watch(container_id, timeout)
+
+    def subscribe(self, callback: Callable[[], None], container: ContainerId | None = None) -> Callable[[], None]:
+        """Call ``callback`` on each change that may end a Watch of ``container``; returns the
+        unsubscribe function. A Watch re-checks with ``watch(cid, 0)`` when called back."""
+        return self.core.subscribe(callback, container)
 
     def update(self, container_id: ContainerId, resources: list[Resource]) -> None:
         self.hooks.update(container_id, resources)

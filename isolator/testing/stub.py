@@ -6,6 +6,8 @@ Every other hook answers ``Unimplemented`` so the caller sees UNIMPLEMENTED, nev
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from isolator.errors import Unimplemented
 from isolator.model import (
     AuditReport,
@@ -40,6 +42,9 @@ class StubService:
 
     def watch(self, container_id: ContainerId, timeout: float | None) -> Limitation | None:
         raise Unimplemented(hook="Watch")
+
+    def subscribe(self, callback: Callable[[], None], container: ContainerId | None = None) -> Callable[[], None]:
+        return lambda: None  # nothing here ever changes
 
     def update(self, container_id: ContainerId, resources: list[Resource]) -> None:
         raise Unimplemented(hook="Update")

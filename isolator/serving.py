@@ -1,0 +1,378 @@
+"""gRPC on an event loop: long waits cost no thread, short calls run on a bounded pool.
+
+The servicers (isolator/server.py) stay synchronous: they translate and map errors, and the core
+they call blocks on fsyncs and cgroup writes. This module hosts them on a ``grpc.aio`` server whose
+event loop runs on one thread of its own:
+
+* every unary call is admitted (or refused RESOURCE_EXHAUSTED at once, never queued without bound),
+  then its servicer method runs on the worker pool (``--max-workers`` threads);
+* Cleanup, which frees GPUs, is never refused for load and never waits behind other calls: when
+  every worker is busy it runs on a lane of its own;
+* Watch is a coroutine waiting on an event: the core calls back (``IsolatorApi.subscribe``) when
+  its container goes away or a GPU's health changes, and the Watch re-checks on the pool. An open
+  Watch costs a subscription and a coroutine, no thread. It works with no deadline, ends at once
+  when its caller cancels, and answers UNAVAILABLE when the server stops;
+* requests are bounded in number (``--max-concurrent-rpcs``) and in bytes held at once
+  (``MAX_BYTES_IN_FLIGHT``); freed request memory is returned to the system once the bytes held
+  fall back to zero after a burst (glibc keeps freed arenas otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from concurrent import futures
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from isolator.errors import InvalidArgument, ResourceExhausted, Unavailable
+from isolator.logfmt import hook_context
+from isolator.status import status_of
+
+LOG = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Watch calls open at once; each is a coroutine and a subscription (a few KiB), no thread.
+MAX_WATCHES = 4096
+# Request bytes held by admitted calls at once: 128 maximum-size (256 KiB) requests.
+MAX_BYTES_IN_FLIGHT = 32 * 1024 * 1024
+# Threads of the lane Cleanup takes when every worker is busy.
+CLEANUP_LANE = 2
+# A deadline further than this is no deadline (gRPC reports "none" as a huge number of seconds).
+NO_DEADLINE_S = 365 * 86400.0
+# After a burst that held this many request bytes, give freed memory back once the burst is over.
+TRIM_AFTER_BYTES = 4 * 1024 * 1024
+# A connection must finish the HTTP/2 handshake this soon, and is closed after this long with no call.
+HANDSHAKE_TIMEOUT_S = 5.0
+IDLE_TIMEOUT_S = 30.0
+# ...and after this many Watch calls were open at once, once the last has ended.
+TRIM_AFTER_WATCHES = 64
+# Methods that free what the sidecar holds: never refused for load, never queued behind others.
+URGENT = frozenset({"Cleanup"})
+
+
+def _malloc_trim() -> Callable[[], None]:
+    path = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(path) if path else None
+        trim = libc.malloc_trim if libc is not None else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is None:
+        return lambda: None
+    trim.argtypes = [ctypes.c_size_t]
+
+    def release() -> None:
+        trim(0)
+
+    return release
+
+
+malloc_trim = _malloc_trim()
+
+
+class Aborted(Exception):
+    """A synchronous servicer's ``context.abort``; the coroutine re-raises it through gRPC."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class SyncContext:
+    """The part of ``grpc.ServicerContext`` the servicers use, for a call run on a worker thread."""
+
+    def __init__(self, peer: str, remaining: float | None) -> None:
+        self._peer = peer
+        self._deadline = None if remaining is None else time.monotonic() + remaining
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise Aborted(code, details)
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def peer(self) -> str:
+        return self._peer
+
+    def invocation_metadata(self) -> tuple[()]:
+        return ()
+
+
+class _Malformed:
+    """Stands in for request bytes that did not parse, so that the call answers INVALID_ARGUMENT."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _remaining(context: grpc.aio.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    if remaining is None or remaining > NO_DEADLINE_S:
+        return None
+    return remaining
+
+
+class Dispatcher:
+    """Admits calls and runs synchronous servicer methods on the pool; lives on the event loop.
+
+    Counters are touched only on the loop's thread, so they need no lock.
+    """
+
+    def __init__(self, workers: int, max_calls: int, max_bytes: int = MAX_BYTES_IN_FLIGHT) -> None:
+        self.workers = workers
+        self.max_calls = max_calls
+        self.max_bytes = max_bytes
+        self._pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc")
+        self._lane = futures.ThreadPoolExecutor(max_workers=CLEANUP_LANE, thread_name_prefix="rpc-cleanup")
+        self.calls = 0  # admitted, running or waiting for a worker
+        self.busy = 0  # on the pool
+        self.bytes = 0
+        self._burst = 0  # the most bytes held since memory was last given back
+        self.watches = 0
+        self.watch_burst = 0  # the most Watch calls open since memory was last given back
+        self.closing: asyncio.Event | None = None  # set on the loop when the server stops
+
+    async def run(self, method: str, fn: Callable[..., T], request: Any, context: grpc.aio.ServicerContext) -> T:
+        size = request.ByteSize() if hasattr(request, "ByteSize") else 0
+        urgent = method in URGENT
+        if not urgent:
+            if self.calls >= self.max_calls:
+                await self._refuse(context, f"{self.calls} calls in flight (--max-concurrent-rpcs {self.max_calls})")
+            if self.bytes + size > self.max_bytes and self.calls:
+                await self._refuse(context, f"{self.bytes} request bytes in flight (at most {self.max_bytes})")
+        self.calls += 1
+        self.bytes += size
+        self._burst = max(self._burst, self.bytes)
+        pool = self._lane if urgent and self.busy >= self.workers else self._pool
+        on_pool = pool is self._pool
+        if on_pool:
+            self.busy += 1
+        sync_context = SyncContext(context.peer(), _remaining(context))
+        try:
+            return await asyncio.get_running_loop().run_in_executor(pool, fn, request, sync_context)
+        except Aborted as exc:
+            await context.abort(exc.code, exc.details)
+            raise AssertionError("unreachable: abort raises") from None
+        finally:
+            self.calls -= 1
+            self.bytes -= size
+            if on_pool:
+                self.busy -= 1
+            if self.bytes == 0 and self._burst >= TRIM_AFTER_BYTES:
+                self._burst = 0
+                # Off the loop: trimming a fragmented heap takes milliseconds.
+                asyncio.get_running_loop().run_in_executor(self._lane, malloc_trim)
+
+    def watch_ended(self) -> None:
+        self.watches -= 1
+        if self.watches == 0 and self.watch_burst >= TRIM_AFTER_WATCHES:
+            self.watch_burst = 0
+            asyncio.get_running_loop().run_in_executor(self._lane, malloc_trim)
+
+    async def check(self, fn: Callable[..., T], request: Any, context: grpc.aio.ServicerContext) -> T:
+        """One non-blocking re-check of a Watch on the pool, outside the call count."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, request, SyncContext("", 0.0))
+        except Aborted as exc:
+            await context.abort(exc.code, exc.details)
+            raise AssertionError("unreachable: abort raises") from None
+
+    @staticmethod
+    async def _refuse(context: grpc.aio.ServicerContext, why: str) -> None:
+        await context.abort(*status_of(ResourceExhausted(f"the sidecar is busy: {why}; try again"), "?"))
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._lane.shutdown(wait=False, cancel_futures=True)
+
+
+def unary_handlers(
+    service_name: str,
+    descriptor: Any,
+    servicer: Any,
+    dispatcher: Dispatcher,
+    overrides: dict[str, Any],
+    observer: Callable[[str, str, float, Any], None] | None = None,
+) -> grpc.GenericRpcHandler:
+    """aio handlers for every method of ``descriptor``: ``overrides`` (coroutines) by name, the
+    others through ``dispatcher`` to the synchronous ``servicer`` method of the same name."""
+    from google.protobuf import message_factory
+
+    handlers = {}
+    for method in descriptor.methods:
+        request_type = message_factory.GetMessageClass(method.input_type)
+        response_type = message_factory.GetMessageClass(method.output_type)
+        behaviour = overrides.get(method.name) or _dispatch(method.name, getattr(servicer, method.name), dispatcher)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            _lenient(behaviour, method.name, observer),
+            request_deserializer=_deserializer(request_type),
+            response_serializer=response_type.SerializeToString,
+        )
+    return grpc.method_handlers_generic_handler(service_name, handlers)
+
+
+def _deserializer(request_type: Any) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return request_type.FromString(data)
+        except DecodeError as exc:
+            return _Malformed(exc)
+
+    return deserialize
+
+
+def _lenient(
+    behaviour: Callable[[Any, Any], Coroutine[Any, Any, Any]],
+    hook: str,
+    observer: Callable[[str, str, float, Any], None] | None,
+) -> Callable[[Any, Any], Any]:
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Malformed):
+            refused = InvalidArgument(f"malformed request message: {request.error}")
+            with hook_context(hook, ""):
+                LOG.info("%s refused: %s", hook, refused.message)
+                if observer is not None:
+                    try:
+                        observer(hook, refused.code, 0.0, None)  # told of each refusal, as of calls
+                    except Exception:
+                        LOG.exception("observer of %s failed", hook)
+            await context.abort(*status_of(refused, hook))
+        return await behaviour(request, context)
+
+    return call
+
+
+def _dispatch(name: str, fn: Callable[..., Any], dispatcher: Dispatcher) -> Callable[[Any, Any], Any]:
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await dispatcher.run(name, fn, request, context)
+
+    return call
+
+
+def watch_handler(
+    servicer: Any,
+    subscribe: Callable[[Callable[[], None], Any], Callable[[], None]],
+    container_of: Callable[[Any], Any],
+    empty: Callable[[], Any],
+    dispatcher: Dispatcher,
+) -> Callable[[Any, grpc.aio.ServicerContext], Coroutine[Any, Any, Any]]:
+    """Watch as a wait on an event: subscribe, re-check on each change, answer on a limitation,
+    an error (the container went away: NOT_FOUND), the caller's deadline or the server's stop."""
+
+    async def watch(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        loop = asyncio.get_running_loop()
+        if dispatcher.watches >= MAX_WATCHES:
+            await Dispatcher._refuse(context, f"{dispatcher.watches} Watch calls open (at most {MAX_WATCHES})")
+        try:
+            container = container_of(request)
+        except Exception:
+            container = None  # a malformed ID: the check below answers INVALID_ARGUMENT
+        changed = asyncio.Event()
+
+        def wake() -> None:
+            loop.call_soon_threadsafe(changed.set)
+
+        unsubscribe = subscribe(wake, container)
+        dispatcher.watches += 1
+        dispatcher.watch_burst = max(dispatcher.watch_burst, dispatcher.watches)
+        try:
+            remaining = _remaining(context)
+            # Answer "no limitation yet" a little before the caller's deadline rather than racing it.
+            deadline = None if remaining is None else loop.time() + max(0.0, remaining - min(0.25, remaining / 2))
+            closing = dispatcher.closing
+            while True:
+                changed.clear()
+                response = await dispatcher.check(servicer.Watch, request, context)
+                if response.HasField("limitation"):
+                    return response
+                wait = None if deadline is None else deadline - loop.time()
+                if wait is not None and wait <= 0:
+                    return empty()
+                waiters = [asyncio.ensure_future(changed.wait())]
+                if closing is not None:
+                    waiters.append(asyncio.ensure_future(closing.wait()))
+                try:
+                    await asyncio.wait(waiters, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waiters:
+                        w.cancel()
+                if closing is not None and closing.is_set():
+                    await context.abort(*status_of(Unavailable("the sidecar is stopping; watch again"), "Watch"))
+        finally:
+            unsubscribe()
+            dispatcher.watch_ended()
+
+    return watch
+
+
+class EventLoopThread:
+    """An asyncio loop running on a thread of its own, for the aio server."""
+
+    def __init__(self, name: str = "grpc-loop") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        with contextlib.suppress(Exception):
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.close()
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    """Channel arguments of the aio server: message size, and connections that cannot linger.
+
+    A caller that connects and never finishes the HTTP/2 preface is cut after the handshake
+    timeout; a connection with no call open for the idle time is closed (GOAWAY: a client
+    reconnects on its next call), so idle connections do not hold the gate's slots.
+    """
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", 64 * 1024 * 1024),
+        ("grpc.so_reuseport", 0),
+        ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
+        ("grpc.max_connection_idle_ms", int(IDLE_TIMEOUT_S * 1000)),
+    ]
+
+
+def add_reflection(reflection: Any, server: grpc.aio.Server) -> None:
+    """Reflection (isolator/reflection.py) answered on the loop: its lookups are in-memory."""
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    from isolator.reflection import V1, V1ALPHA
+
+    async def info(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        async for request in requests:
+            yield reflection.answer(request)
+
+    for name in (V1, V1ALPHA):
+        handler = grpc.stream_stream_rpc_method_handler(
+            info,
+            request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+        )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(name, {"ServerReflectionInfo": handler}),)
+        )

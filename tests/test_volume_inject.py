@@ -383,3 +383,27 @@ def test_injection_refusal_names_the_rootfs():
     with pytest.raises(CudaVersionUnsupported) as err:
         plan_injection("/rootfs", image, VOL, FACTS)
     assert err.value.fields["rootfs"] == "/rootfs"
+
+
+def test_a_shorter_requirement_is_padded_with_zeros():
+    facts = DriverFacts("535.104.05", "12.0")
+    assert _holds("cuda=12", facts)
+    assert _holds("cuda<=12", facts)
+    assert not _holds("cuda>12", facts)
+
+
+def test_an_unreadable_arch_requirement_names_the_variable():
+    with pytest.raises(InvalidImageConfig) as err:
+        _holds("arch>=8.x", DriverFacts("535.104.05", "12.2", arch="8.0"))
+    assert err.value.fields["field"] == "NVIDIA_REQUIRE_CUDA" and err.value.fields["value"] == "8.x"
+
+
+def test_refusal_without_a_rootfs_names_an_empty_one():
+    with pytest.raises(CudaVersionUnsupported) as err:
+        check_cuda(Image(("CUDA_VERSION=13.0",)), FACTS)
+    assert err.value.fields["rootfs"] == ""
+
+
+def test_only_trailing_slashes_are_dropped_from_the_rootfs():
+    inj = plan_injection("/rootfs/ID-X//", Image(("NVIDIA_VISIBLE_DEVICES=all",)), VOL, FACTS)
+    assert inj is not None and inj.mounts[0].target == "/rootfs/ID-X/usr/local/nvidia"

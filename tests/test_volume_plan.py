@@ -472,3 +472,37 @@ def test_driver_versions_that_are_too_long_start_oddly_or_are_not_text_are_refus
     with pytest.raises(InvalidDriverVersion) as err:
         check_version(version)
     assert err.value.fields == {"version": version, "cause": "expected something like 550.54.15"}
+
+
+def test_digest_is_stable_across_releases_because_manifests_record_it():
+    # volumes/build.py writes plan_digest into each volume's manifest; a change in how the plan is
+    # serialised (key order included) would make every existing volume look different.
+    plan = plan_volume(discovery(lib("libcuda.so", f"/usr/lib/libcuda.so.{V}", soname="libcuda.so.1")), V)
+    assert plan.digest() == "8f1a5f48fb5970ac3f124fdf96f027293b1438b94255a84123f6dcd99bfc5e69"
+
+
+def test_the_version_in_a_skip_is_everything_after_the_first_so_of_the_file_name():
+    s = _skip(lib("libcuda.so", "/opt/nvidia.so.d/libcuda.so.550.so.1"))
+    assert s.detail == f"file version 550.so.1 is not the running driver's {V}"
+    s = _skip(lib("libcuda.so", "/opt/nvidia.so.d/libcuda.so"))
+    assert s.detail == f"file version none is not the running driver's {V}"
+
+
+def test_binaries_before_libraries_do_not_stop_the_links():
+    b = BinaryCandidate("nvidia-smi", "/usr/bin/nvidia-smi", "/usr/bin/nvidia-smi", "/host/usr/bin/nvidia-smi")
+    plan = plan_volume(discovery(lib("libcuda.so", f"/usr/lib/libcuda.so.{V}", soname="libcuda.so.1"), bins=(b,)), V)
+    assert [(link.dir, link.name) for link in plan.links] == [("lib64", "libcuda.so"), ("lib64", "libcuda.so.1")]
+    assert "nvidia-smi" not in {m.component for m in plan.missing}
+
+
+def test_cache_keys_of_one_file_collapse_silently():
+    real = f"/usr/lib/libcuda.so.{V}"
+    plan = plan_volume(
+        discovery(lib("libcuda.so", real, key="libcuda.so.1"), lib("libcuda.so", real, key="libcuda.so")), V
+    )
+    assert len(plan.files) == 1 and plan.skipped == ()
+
+
+def test_duplicate_skip_names_its_component():
+    plan = plan_volume(discovery(lib("libcuda.so", f"/a/libcuda.so.{V}"), lib("libcuda.so", f"/b/libcuda.so.{V}")), V)
+    assert [(s.component, s.reason) for s in plan.skipped] == [("libcuda.so", "duplicate-name")]

@@ -402,17 +402,6 @@ def test_caps_major_ignores_other_names_and_is_none_for_an_empty_directory(short
     assert HostDevices(short_tmp).caps_major() is None
 
 
-@pytest.mark.root
-def test_caps_nodes_that_disagree_on_the_major_are_refused(short_tmp: str) -> None:
-    caps = os.path.join(short_tmp, "nvidia-caps")
-    os.mkdir(caps)
-    os.mknod(os.path.join(caps, "nvidia-cap1"), 0o600 | stat.S_IFCHR, os.makedev(242, 1))
-    os.mknod(os.path.join(caps, "nvidia-cap2"), 0o600 | stat.S_IFCHR, os.makedev(243, 2))
-    with pytest.raises(DeviceNodeError) as info:
-        HostDevices(short_tmp).caps_major()
-    assert info.value.fields["cause"] == "nodes disagree on the major: [242, 243]"
-
-
 def test_load_uvm_errors_name_the_node_and_the_command(short_tmp: str) -> None:
     node = os.path.join(short_tmp, "nvidia-uvm")
     with pytest.raises(UvmLoadError) as info:
@@ -435,3 +424,60 @@ def test_load_uvm_errors_name_the_node_and_the_command(short_tmp: str) -> None:
 def test_load_uvm_does_nothing_when_the_node_exists_even_as_a_dangling_link(short_tmp: str) -> None:
     os.symlink("/nonexistent", os.path.join(short_tmp, "nvidia-uvm"))
     assert HostDevices(short_tmp, ["false"]).load_uvm() is False
+
+
+def test_a_wildcard_major_does_not_skip_checking_the_minor() -> None:
+    assert _reason(major=None, minor=1048576) == "minor 1048576 is not an integer in 0..1048575"
+
+
+def test_parse_errors_name_at_most_80_characters_even_of_padding() -> None:
+    text = " " * 79 + "c 1:3 rr"
+    with pytest.raises(RuleParseError) as info:
+        DeviceRule.parse(text)
+    assert info.value.fields["value"] == " " * 79 + "c"
+    with pytest.raises(RuleParseError) as info:
+        DeviceRule.parse(5)  # type: ignore[arg-type]
+    assert info.value.fields["value"] == "5"
+
+
+def test_a_regular_file_is_refused_naming_the_path(short_tmp: str) -> None:
+    path = os.path.join(short_tmp, "nvidia0")
+    open(path, "w").close()
+    with pytest.raises(DeviceNodeError) as info:
+        HostDevices(short_tmp).stat_char(path)
+    assert info.value.fields == {"path": path, "cause": "not a character device"}
+
+
+@pytest.mark.root
+def test_caps_nodes_that_disagree_name_the_directory(short_tmp: str) -> None:
+    caps = os.path.join(short_tmp, "nvidia-caps")
+    os.mkdir(caps)
+    os.mknod(os.path.join(caps, "nvidia-cap1"), 0o600 | stat.S_IFCHR, os.makedev(242, 1))
+    os.mknod(os.path.join(caps, "nvidia-cap2"), 0o600 | stat.S_IFCHR, os.makedev(243, 2))
+    with pytest.raises(DeviceNodeError) as info:
+        HostDevices(short_tmp).caps_major()
+    assert info.value.fields == {"path": caps, "cause": "nodes disagree on the major: [242, 243]"}
+
+
+def test_load_uvm_logs_the_missing_node_and_the_command(short_tmp: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="isolator.devices")
+    with pytest.raises(UvmLoadError):
+        HostDevices(short_tmp, ["true", "-u"]).load_uvm()
+    node = os.path.join(short_tmp, "nvidia-uvm")
+    assert [r.getMessage() for r in caplog.records if r.name == "isolator.devices"] == [
+        f"'{node}' is missing; running true -u"
+    ]
+
+
+def test_load_uvm_that_cannot_start_names_the_node_and_the_whole_command(short_tmp: str) -> None:
+    with pytest.raises(UvmLoadError) as info:
+        HostDevices(short_tmp, [short_tmp, "-u"]).load_uvm()  # a directory: PermissionError
+    assert info.value.fields["path"] == os.path.join(short_tmp, "nvidia-uvm")
+    assert info.value.fields["cause"].startswith(f"{short_tmp} -u: [Errno 13]")
+
+
+def test_load_uvm_failure_keeps_the_last_400_characters_of_stderr(short_tmp: str) -> None:
+    script = "import sys; sys.stderr.write('x' * 500 + 'E' * 400); sys.exit(1)"
+    with pytest.raises(UvmLoadError) as info:
+        HostDevices(short_tmp, ["python3", "-c", script]).load_uvm()
+    assert info.value.fields["cause"].endswith(" exited with 1: " + "E" * 400)

@@ -520,3 +520,34 @@ def test_access_mask_sums_the_bits_of_each_letter() -> None:
     assert bpfprog.access_mask("m") == 1
     assert bpfprog.access_mask("rwm") == 7
     assert bpfprog.access_mask("wr") == 6
+
+
+@pytest.mark.parametrize(
+    ("op", "a", "b", "taken"),
+    [(0x60, 5, 4, True), (0x70, 4, 5, False), (0xC0, 4, 5, True), (0xD0, 5, 4, False)],
+)
+def test_signed_jumps_tell_neighbouring_values_apart(op: int, a: int, b: int, taken: bool) -> None:
+    assert evaluate(_jump_program(op | X | JMP, a, b), REQ) == int(taken)
+    assert evaluate(_jump_program(op | X | JMP32, a, b), REQ) == int(taken)
+
+
+def test_stores_to_neighbouring_stack_slots_keep_each_other() -> None:
+    prog = [
+        *ld64(2, 0x1111),
+        Insn(0x7B, 10, 2, -8),
+        *ld64(2, 0x2222),
+        Insn(0x7B, 10, 2, -16),
+    ]
+    assert r0_after([*prog, Insn(0x79, 0, 10, -8)]) == 0x1111
+    assert r0_after([*prog, Insn(0x79, 0, 10, -16)]) == 0x2222
+
+
+def test_a_program_that_exits_without_setting_r0_denies() -> None:
+    # Registers start at zero (the kernel's verifier would refuse the read; we fail closed).
+    assert evaluate([Insn(EXIT)], REQ) == 0
+    assert r0_after([Insn(0xBF, 0, 7)]) == 0  # r0 = r7, never written
+
+
+def test_denied_goes_on_after_a_wildcard_rule() -> None:
+    prog = build(parse_rules(["c 195:0 rwm"]))
+    assert [str(r) for r in denied(prog, parse_rules(["c *:* rwm", "c 195:1 m"]))] == ["c 195:1 m"]

@@ -31,6 +31,7 @@ from typing import Any, cast
 
 import grpc
 from google.protobuf import json_format
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from isolator.errors import (
@@ -42,6 +43,7 @@ from isolator.errors import (
     Unimplemented,
     from_code,
 )
+from isolator.logfmt import hook_context
 from isolator.rpc import isolator_pb2 as pb
 
 LOG = logging.getLogger(__name__)
@@ -142,6 +144,18 @@ CALLS: dict[str, Call] = {
 # ---- inputs -----------------------------------------------------------------------------------
 
 
+NUMERIC_CPP_TYPES = frozenset(
+    {
+        FieldDescriptor.CPPTYPE_INT32,
+        FieldDescriptor.CPPTYPE_INT64,
+        FieldDescriptor.CPPTYPE_UINT32,
+        FieldDescriptor.CPPTYPE_UINT64,
+        FieldDescriptor.CPPTYPE_DOUBLE,
+        FieldDescriptor.CPPTYPE_FLOAT,
+    }
+)
+
+
 def _kind(value: Any) -> str:
     if value is None:
         return "null"
@@ -181,6 +195,12 @@ def check_shape(value: Any, descriptor: Any, path: str, depth: int = 0) -> None:
             for i, sub in enumerate(items):
                 where = f"{path}.{key}" + (f"[{i}]" if field.is_repeated else "")
                 check_shape(sub, field.message_type, where, depth + 1)
+        elif field.cpp_type in NUMERIC_CPP_TYPES:
+            # json_format takes true for 1 (a Python bool is an int); stout never writes one for a number.
+            for i, sub in enumerate(items):
+                if isinstance(sub, bool):
+                    where = f"{path}.{key}" + (f"[{i}]" if field.is_repeated else "")
+                    raise InvalidArgument(f"{where} must be a number, not a boolean")
 
 
 def decode_input(payload: bytes, request_type: type[Message]) -> Message:
@@ -249,13 +269,41 @@ class _Context:
         return max(0.0, self._deadline - time.monotonic())
 
 
+def _container_hint(payload: bytes) -> str:
+    """The container ID an input names (``parent.child``), best effort, for the log line of a
+    refusal that happens before the request is a message; "" when there is none to read."""
+    try:
+        node = json.loads(payload).get("container_id")
+        chain: list[str] = []
+        while isinstance(node, dict) and len(chain) <= MAX_DEPTH:
+            chain.append(str(node.get("value", ""))[:256])
+            node = node.get("parent")
+        return ".".join(reversed(chain))
+    except (ValueError, AttributeError, RecursionError):
+        return ""
+
+
 def handle(servicer: Servicer, data: bytes) -> bytes:
     """One request's bytes -> the reply's bytes. Never raises."""
     method = "?"
     try:
         method, timeout, payload = parse_frame(data)
         call = CALLS[method]
-        request = decode_input(payload, call.request_type)
+        started = time.perf_counter()
+        try:
+            request = decode_input(payload, call.request_type)
+        except IsolatorError as exc:
+            # Refused before the servicer (whose error mapping logs and measures every call) runs:
+            # say so with the hook and the container, and count it as the servicer would.
+            with hook_context(call.rpc, _container_hint(payload)):
+                LOG.info("bridge %s refused: %s", method, exc.message)
+                observer = getattr(servicer, "observer", None)
+                if observer is not None:
+                    try:
+                        observer(call.rpc, exc.code, time.perf_counter() - started, None)
+                    except Exception:
+                        LOG.exception("observer of %s failed", call.rpc)
+            return error_reply(exc.code, exc.message)
         context = cast(grpc.ServicerContext, _Context(method, timeout))
         response = getattr(servicer, call.rpc)(request, context)
         return b"OK\n" + call.output(response)

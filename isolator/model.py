@@ -72,8 +72,22 @@ class ContainerId:
         return self.parent is not None
 
     def __str__(self) -> str:
-        # Mesos's stringify(ContainerID): the parent chain joined with '.'.
+        # Mesos's stringify(ContainerID): the parent chain joined with '.'. Two containers can share
+        # it (the top-level 'p.c' and 'c' nested in 'p'): never use it as a key, use ``key()``.
         return ".".join(self.chain())
+
+    def key(self) -> str:
+        """The chain as a string no other container has: each ID with '%' and '.' escaped, joined
+        with '.'. For IDs without either it is Mesos's ``stringify``. ``from_key`` reverses it."""
+        return ".".join(v.replace("%", "%25").replace(".", "%2E") for v in self.chain())
+
+    @classmethod
+    def from_key(cls, key: str) -> ContainerId:
+        return cls.from_chain(_unescape(part) for part in key.split("."))
+
+
+def _unescape(part: str) -> str:
+    return part.replace("%2E", ".").replace("%2e", ".").replace("%25", "%")
 
 
 def _id_problem(value: str) -> str | None:

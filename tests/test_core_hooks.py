@@ -71,14 +71,14 @@ def rig() -> Rig:
 def test_prepare_records_then_grants_exactly_the_allocated_gpus(rig: Rig) -> None:
     a = cid("a")
     assert rig.service.prepare(a, gpus(2)) is None  # no image: the host's /dev, gated by the cgroup
-    assert held(rig, a) == [2, 3] == granted(rig, a)  # topology: an NV2 pair
+    assert held(rig, a) == [0, 3] == granted(rig, a)  # topology: an NV2 pair that keeps 1-2 (NV2) for the next pair
     rec = rig.store.get(a)
     assert rec is not None and (rec.state, rec.mode, rec.cgroup_version) == ("prepared", "standalone", 1)
     assert rec.created == rig.clock.time()
     assert rec.rules.splitlines() == [str(r) for r in rig.cgroups.rules_of(a) or ()]
     control = {str(r) for r in rig.cgroups.rules_of(a) or ()}
     assert {"c 195:255 rwm", "c 510:0 rwm", "c 510:1 rwm"} <= control, "control devices, as Mesos"
-    assert free(rig) == frozenset(range(8)) - {2, 3}
+    assert free(rig) == frozenset(range(8)) - {0, 3}
 
 
 def test_prepare_with_zero_gpus_grants_the_control_devices_only(rig: Rig) -> None:
@@ -160,7 +160,7 @@ def test_prepare_with_an_image_mounts_the_volume_and_only_the_allocated_nodes(ri
     assert targets[0] == "/rootfs/a/usr/local/nvidia"
     assert info.mounts[0].source == "/fake/volumes/nvidia_535.104.05"
     assert targets[1:] == [
-        "/rootfs/a/dev/nvidia2",
+        "/rootfs/a/dev/nvidia0",
         "/rootfs/a/dev/nvidia3",
         "/rootfs/a/dev/nvidiactl",
         "/rootfs/a/dev/nvidia-uvm",
@@ -208,11 +208,22 @@ def test_nested_containers_use_their_parents_gpus_and_debug_ones_get_nothing(rig
     assert rig.service.prepare(cid("a.debug"), ContainerConfig(container_class="DEBUG", rootfs="/rootfs/x")) is None
     info = rig.service.prepare(cid("a.child"), image(0, "/rootfs/child"))
     assert info is not None
-    assert "/rootfs/child/dev/nvidia2" in [m.target for m in info.mounts]
+    assert "/rootfs/child/dev/nvidia0" in [m.target for m in info.mounts]
     assert rig.volumes.in_use_by("a.child")
     assert rig.store.get(cid("a.child")) is None, "a nested container is never recorded"
-    orphan_child = rig.service.prepare(cid("b.child"), image(0, "/rootfs/child"))
-    assert orphan_child is not None and not any("/dev/nvidia0" in m.target for m in orphan_child.mounts)
+
+
+@pytest.mark.parametrize("container_class", ["DEFAULT", "DEBUG"])
+def test_a_nested_prepare_whose_top_level_container_was_never_prepared_is_refused(
+    rig: Rig, container_class: str
+) -> None:
+    rig.filesystem.make_dirs("/rootfs/child")
+    config = ContainerConfig(
+        resources=(Resource("gpus", 0.0),), rootfs="/rootfs/child", container_class=container_class
+    )
+    with pytest.raises(FailedPrecondition, match="top-level container b was never prepared"):
+        rig.service.prepare(cid("b.child"), config)
+    assert not rig.volumes.in_use_by("b.child") and rig.store.load() == {}
 
 
 def test_a_failed_nested_prepare_releases_its_volume(rig: Rig) -> None:
@@ -586,3 +597,25 @@ def test_isolate_of_a_process_that_exits_during_the_move_fails(rig: Rig) -> None
     with pytest.raises(FailedPrecondition, match="exited while it was being isolated"):
         rig.service.isolate(cid("a"), pid)
     assert rig.store.get(cid("a")).state == "prepared"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("mode", ["standalone", "mesos"])
+def test_isolate_refuses_a_kernel_thread(mode: str) -> None:
+    rig = fake_service("dgx-1", mode=mode)
+    a = cid("a")
+    rig.cgroups.mesos_creates(a)
+    rig.service.prepare(a, gpus(1))
+    with pytest.raises(FailedPrecondition, match="pid 2 is a kernel thread"):
+        rig.service.isolate(a, 2)
+    assert rig.cgroups.pids(a) == () and rig.store.get(a).state == "prepared"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize(
+    "name", ["cgroup.procs", "tasks", "devices.allow", "notify_on_release", "cgroup.subtree_control"]
+)
+def test_an_id_that_names_a_cgroup_control_file_is_invalid_and_books_nothing(version: str, name: str) -> None:
+    rig = fake_service("dgx-1", version=version)
+    with pytest.raises(InvalidArgument, match="cannot name a cgroup"):
+        rig.service.prepare(ContainerId.parse(name), gpus(1))
+    assert rig.store.load() == {} and free(rig) == frozenset(range(8)) and rig.cgroups.cgroups == {}

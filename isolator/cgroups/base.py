@@ -11,14 +11,27 @@ from __future__ import annotations
 import errno
 import os
 
-from isolator.errors import CgroupError, CgroupVanished
+from isolator.errors import CgroupError, CgroupVanished, InvalidArgument
 from isolator.model import ContainerId
 
 MODES = ("mesos", "standalone")
 
 
+# Names the cgroup filesystem gives its own files (cgroup v1 core and devices controller, cgroup v2
+# core): a container ID spelled like one cannot be a cgroup's directory (mkdir finds the file).
+CONTROL_FILES = frozenset({"tasks", "notify_on_release", "release_agent"})
+CONTROL_PREFIXES = ("cgroup.", "devices.")
+
+
 def mesos_relative_path(container: ContainerId) -> str:
-    """Mesos's ``containerizer::paths::getCgroupPath`` below cgroups_root: ``a/mesos/b/mesos/c``."""
+    """Mesos's ``containerizer::paths::getCgroupPath`` below cgroups_root: ``a/mesos/b/mesos/c``.
+
+    ``InvalidArgument`` for an ID that names a control file of the cgroup filesystem."""
+    for value in container.chain():
+        if value in CONTROL_FILES or value.startswith(CONTROL_PREFIXES):
+            raise InvalidArgument(
+                f"container ID '{value}' cannot name a cgroup: the cgroup filesystem uses that name for its own files"
+            )
     return "/mesos/".join(container.chain())
 
 

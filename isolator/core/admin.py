@@ -118,33 +118,26 @@ class Admin:
             gpu_indices=info.gpu_indices,
             cgroup=self._rules_cgroup(cid)[1],
             mode=info.mode,
-            volume_version=volume_of.get(str(cid), ""),
+            volume_version=volume_of.get(cid.key(), ""),
             state=info.state,
             created=info.created,
         )
 
     def _volume_users(self) -> dict[str, str]:
-        """Container ID (``a.b`` form) -> driver version of the volume it uses."""
-        volumes = self.core.volumes
-        if volumes is None:
-            return {}
-        out: dict[str, str] = {}
+        """Container key (``ContainerId.key()``) -> driver version of the volume it uses."""
         try:
-            for vol in volumes.volumes():
-                for user in vol.get("users", ()):
-                    out[user] = str(vol.get("driver_version", ""))
+            return self.core.volume_users()
         except Exception as exc:  # a display view: an unreadable volume root must not hide containers
             LOG.warning("failed to read the driver volumes' users: %s", exc)
-        return out
+            return {}
 
     def _nested_ids(self, root: ContainerId, volume_of: dict[str, str]) -> list[ContainerId]:
         found: set[tuple[str, ...]] = set()
-        prefix = str(root) + "."
+        prefix = root.key() + "."
         for user in volume_of:
             if user.startswith(prefix):
-                # The volume's record is the '.'-joined chain: a child ID containing '.' reads as deeper.
                 with contextlib.suppress(IsolatorError):
-                    found.add(ContainerId.from_chain(user.split(".")).chain())
+                    found.add(ContainerId.from_key(user).chain())
         found.update(self._child_cgroups(root))
         return [ContainerId.from_chain(chain) for chain in sorted(found)]
 
@@ -292,7 +285,7 @@ class Admin:
     def _nvml_check(self) -> HealthCheck:
         core = self.core
         if not core.gpus:
-            return HealthCheck("nvml", True, "no GPUs managed (gpus:0, or auto-discovery found no NVML)")
+            return HealthCheck("nvml", True, "no GPUs managed ('--resources gpus:0': this node has none)")
         try:
             seen = core.inventory.device_count()  # a live call, as nvidia-smi -L
         except Exception as exc:

@@ -275,6 +275,16 @@ def serve(config: Config) -> int:
         if count and jobmap is not None:
             jobmap.sync()
 
+    # Before the sockets exist: a SIGTERM from whoever saw them (systemd, a test) stops the
+    # sidecar cleanly instead of killing it with its sockets left behind.
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        LOG.info("received %s, stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     server = SidecarServer(config, service, observe if observers else None)
     try:
         server.start()
@@ -285,14 +295,6 @@ def serve(config: Config) -> int:
         raise
     for note in notes:
         LOG.info("%s", note)
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        LOG.info("received %s, stopping", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     if config.mode == "mesos":
         threading.Thread(
             target=_reap_loop,

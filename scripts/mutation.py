@@ -167,7 +167,7 @@ def prepare(module: Module) -> Path:
     return work
 
 
-def run_module(module: Module, equivalents: list[Equivalent], verbose: bool) -> Result:
+def run_module(module: Module, equivalents: list[Equivalent]) -> Result:
     work = prepare(module)
     log = work / "mutmut.log"
     with open(log, "w") as fh:
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for module in chosen:
         print(f"mutation: {module.path} against {' '.join(module.tests)} ...", flush=True)
-        result = run_module(module, equivalents, args.survivors)
+        result = run_module(module, equivalents)
         results.append(result)
         if args.survivors:
             for key, diff in sorted(result.survivors.items()):

@@ -212,3 +212,272 @@ def test_load_uvm_failure_is_a_clear_error(short_tmp: str) -> None:
         HostDevices(short_tmp, ["true"]).load_uvm()
     with pytest.raises(UvmLoadError, match="not installed"):
         HostDevices(short_tmp, ["nvidia-modprobe-does-not-exist", "-u"]).load_uvm()
+
+
+# ---- Boundaries and the exact reasons, so a changed comparison or message is noticed ------------
+# (make mutation, docs/mutation.md)
+
+
+def _reason(**kw: object) -> str:
+    args = {"type": "c", "major": 1, "minor": 3, "access": "rwm"} | kw
+    with pytest.raises(RuleParseError) as info:
+        DeviceRule(args["type"], args["major"], args["minor"], args["access"])  # type: ignore[arg-type]
+    return str(info.value.fields["reason"])
+
+
+@pytest.mark.parametrize(("major", "minor"), [(0, 0), (4095, 0), (0, 1048575), (4095, 1048575)])
+def test_device_numbers_at_the_dev_t_limits_are_accepted(major: int, minor: int) -> None:
+    assert DeviceRule("b", major, minor).selector == ("b", major, minor)
+
+
+def test_each_field_problem_is_named_exactly() -> None:
+    assert _reason(type="d") == "type 'd' is not one of a, b, c"
+    assert _reason(major=4096) == "major 4096 is not an integer in 0..4095"
+    assert _reason(major=-1) == "major -1 is not an integer in 0..4095"
+    assert _reason(minor=1048576) == "minor 1048576 is not an integer in 0..1048575"
+    assert _reason(minor=-1) == "minor -1 is not an integer in 0..1048575"
+    assert _reason(major=True) == "major True is not an integer in 0..4095"
+    assert _reason(minor="3") == "minor '3' is not an integer in 0..1048575"
+    assert _reason(type="a", major=None, minor=3) == "type 'a' covers every device and takes '*:*'"
+    assert _reason(type="a", major=1, minor=None) == "type 'a' covers every device and takes '*:*'"
+    assert _reason(access="") == "access '' must be a non-empty subset of 'rwm'"
+    assert _reason(access="rx") == "access 'rx' must be a non-empty subset of 'rwm'"
+    assert _reason(access=None) == "access None must be a non-empty subset of 'rwm'"
+    assert _reason(access="rwr") == "access 'rwr' repeats a letter"
+
+
+def test_the_error_shows_the_rule_as_given() -> None:
+    with pytest.raises(RuleParseError) as info:
+        DeviceRule("c", 1, 4096 * 256, "rw")
+    assert info.value.fields["value"] == "c 1:1048576 rw"
+    assert info.value.message.startswith("invalid device rule 'c 1:1048576 rw': minor")
+
+
+def test_parse_errors_name_the_text_cut_to_80_characters() -> None:
+    with pytest.raises(RuleParseError) as info:
+        DeviceRule.parse("c 1:3 " + "r" * 100)
+    assert info.value.fields == {
+        "value": ("c 1:3 " + "r" * 100)[:80],
+        "reason": "expected '<a|b|c> <major|*>:<minor|*> <access of rwm>'",
+    }
+    with pytest.raises(RuleParseError) as info:
+        DeviceRule.parse("c 1:3 rwr")
+    assert info.value.fields == {"value": "c 1:3 rwr", "reason": "access 'rwr' repeats a letter"}
+    with pytest.raises(RuleParseError) as info:
+        DeviceRule.parse(None)  # type: ignore[arg-type]
+    assert info.value.fields == {"value": "None", "reason": "must be a string"}
+
+
+def test_parse_strips_surrounding_whitespace_and_reads_wildcards() -> None:
+    assert DeviceRule.parse("  c 136:* rw \n") == DeviceRule("c", 136, None, "rw")
+    assert DeviceRule.parse("b *:7 m") == DeviceRule("b", None, 7, "m")
+    assert DeviceRule.parse(" a ") == DeviceRule("a", None, None, "rwm")
+    assert DeviceRule.parse("c 0:0 w") == DeviceRule("c", 0, 0, "w")
+
+
+def test_wildcard_and_sort_key() -> None:
+    assert DeviceRule.parse("a *:* r").is_wildcard
+    assert DeviceRule.parse("c *:3 r").is_wildcard
+    assert DeviceRule.parse("c 3:* r").is_wildcard
+    assert not DeviceRule.parse("c 3:3 r").is_wildcard
+    assert DeviceRule.parse("c 3:4 rw").sort_key() == ("c", 3, 4, "rw")
+    assert DeviceRule.parse("c *:* m").sort_key() == ("c", -1, -1, "m")
+    assert DeviceRule.char(195, 2, "r") == DeviceRule("c", 195, 2, "r")
+    assert DeviceRule.char(195, 2).access == "rwm"
+
+
+@pytest.mark.parametrize(
+    ("outer", "inner", "expected"),
+    [
+        ("c 195:* rwm", "c *:0 r", False),  # a wildcard request is not one the narrower rule covers
+        ("c *:0 rwm", "c 195:0 r", True),
+        ("c *:0 rwm", "c 195:1 r", False),
+        ("b 8:0 rwm", "c 8:0 r", False),
+        ("a *:* rw", "a *:* rwm", False),
+        ("c 1:3 rwm", "a *:* r", False),
+    ],
+)
+def test_encompasses_each_field(outer: str, inner: str, expected: bool) -> None:
+    assert DeviceRule.parse(outer).encompasses(DeviceRule.parse(inner)) is expected
+
+
+def test_parse_rules_skips_blank_lines() -> None:
+    from isolator.devices import parse_rules
+
+    assert parse_rules(["c 1:3 r", "", "   ", "b 8:0 m"]) == (DeviceRule("c", 1, 3, "r"), DeviceRule("b", 8, 0, "m"))
+
+
+def test_normalize_keeps_first_seen_order_and_drops_duplicates_and_covered_rules() -> None:
+    rules = [DeviceRule.parse(t) for t in ("c 1:3 r", "c 5:1 rwm", "c 1:3 r", "c 1:* rw", "b 8:0 m")]
+    assert [str(r) for r in normalize(rules)] == ["c 5:1 rwm", "c 1:* rw", "b 8:0 m"]
+
+
+def test_permits_needs_one_rule_covering_the_whole_request() -> None:
+    rules = [DeviceRule.parse("c 1:3 r"), DeviceRule.parse("c 1:3 w")]
+    assert permits(rules, DeviceRule.parse("c 1:3 w"))
+    assert not permits(rules, DeviceRule.parse("c 1:3 rw"))  # as the kernel: no union across rules
+    assert not permits([], DeviceRule.parse("c 1:3 r"))
+
+
+@pytest.mark.parametrize("minor", [0, 1048575])
+def test_gpu_minors_at_the_limits_are_granted(minor: int) -> None:
+    assert str(container_rules(CONTROL, [minor])[-1]) == f"c 195:{minor} rwm"
+
+
+@pytest.mark.parametrize("minor", [1048576, True, "0"])
+def test_gpu_minors_beyond_the_limit_or_not_integers_are_refused(minor: object) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        container_rules(CONTROL, [minor])  # type: ignore[list-item]
+    assert info.value.message == f"invalid GPU minor {minor!r}"
+
+
+def test_repeated_gpus_and_caps_appear_once_and_a_custom_base_is_used() -> None:
+    mig_a = MigDevice("GPU-a", "MIG-a", gpu_instance_id=1, compute_instance_id=0, caps_minors=(13, 12))
+    mig_b = MigDevice("GPU-a", "MIG-b", gpu_instance_id=2, compute_instance_id=0, caps_minors=(12, 14))
+    base = (DeviceRule.parse("c 1:3 rwm"), DeviceRule.parse("c 195:255 rwm"))
+    rules = container_rules(CONTROL, [2, 2, 0], [mig_a, mig_b], caps_major=508, base=base)
+    assert [str(r) for r in rules] == [
+        "c 1:3 rwm",
+        "c 195:255 rwm",  # in base and a control device: once
+        "c 511:0 rwm",
+        "c 511:1 rwm",
+        "c 195:0 rwm",
+        "c 195:2 rwm",
+        "c 508:12 rwm",
+        "c 508:13 rwm",
+        "c 508:14 rwm",
+    ]
+
+
+def test_mig_devices_without_caps_nodes_need_no_caps_major() -> None:
+    mig = MigDevice("GPU-a", "MIG-b", gpu_instance_id=1, compute_instance_id=0, caps_minors=())
+    assert container_rules(CONTROL, [0], [mig]) == container_rules(CONTROL, [0])
+
+
+def test_missing_caps_major_message() -> None:
+    mig = MigDevice("GPU-a", "MIG-b", gpu_instance_id=1, compute_instance_id=0, caps_minors=(12,))
+    with pytest.raises(InvalidArgument) as info:
+        container_rules(CONTROL, [0], [mig])
+    assert info.value.message == "MIG devices need the nvidia-caps major, and none was given"
+
+
+def test_own_rules_keep_order_and_drop_only_base_rules() -> None:
+    rules = [DeviceRule.parse(t) for t in ("c 195:0 rwm", "c 1:3 rwm", "c 195:1 rwm")]
+    assert own_rules(rules, [DeviceRule.parse("c 1:3 rwm")]) == (rules[0], rules[2])
+
+
+def test_device_number_rule_and_control_device_order() -> None:
+    assert DeviceNumber(195, 0).rule("rw") == DeviceRule("c", 195, 0, "rw")
+    assert DeviceNumber(195, 0).rule() == DeviceRule("c", 195, 0, "rwm")
+    full = ControlDevices(DeviceNumber(195, 255), DeviceNumber(511, 0), DeviceNumber(511, 1), DeviceNumber(195, 254))
+    assert [(d.major, d.minor) for d in full.numbers()] == [(195, 255), (511, 0), (511, 1), (195, 254)]
+
+
+def test_host_devices_join_names_under_the_dev_root() -> None:
+    host = HostDevices("/srv/dev")
+    assert host.path("nvidiactl") == "/srv/dev/nvidiactl"
+    assert host.uvm_load_command == ("nvidia-modprobe", "-u", "-c", "0")
+
+
+def test_stat_of_a_missing_node_names_the_path_and_the_cause(short_tmp: str) -> None:
+    path = os.path.join(short_tmp, "nvidiactl")
+    with pytest.raises(DeviceNodeError) as info:
+        HostDevices(short_tmp).stat_char(path)
+    assert info.value.fields == {"path": path, "cause": "No such file or directory"}
+
+
+def test_caps_major_is_none_without_the_caps_directory_and_names_an_unreadable_one(short_tmp: str) -> None:
+    assert HostDevices(short_tmp).caps_major() is None
+    open(os.path.join(short_tmp, "nvidia-caps"), "w").close()  # a file where the directory should be
+    with pytest.raises(DeviceNodeError) as info:
+        HostDevices(short_tmp).caps_major()
+    assert info.value.fields == {"path": os.path.join(short_tmp, "nvidia-caps"), "cause": "Not a directory"}
+
+
+def test_caps_major_ignores_other_names_and_is_none_for_an_empty_directory(short_tmp: str) -> None:
+    caps = os.path.join(short_tmp, "nvidia-caps")
+    os.mkdir(caps)
+    assert HostDevices(short_tmp).caps_major() is None
+    open(os.path.join(caps, "README"), "w").close()  # not a node, and not a nvidia-cap name
+    assert HostDevices(short_tmp).caps_major() is None
+
+
+def test_load_uvm_errors_name_the_node_and_the_command(short_tmp: str) -> None:
+    node = os.path.join(short_tmp, "nvidia-uvm")
+    with pytest.raises(UvmLoadError) as info:
+        HostDevices(short_tmp, ["sh", "-c", "echo out; exit 4"]).load_uvm()
+    assert info.value.fields == {"path": node, "cause": "sh -c echo out; exit 4 exited with 4: out"}
+    with pytest.raises(UvmLoadError) as info:
+        HostDevices(short_tmp, ["true", "x"]).load_uvm()
+    assert info.value.fields == {"path": node, "cause": "true x succeeded but the node is absent"}
+    with pytest.raises(UvmLoadError) as info:
+        HostDevices(short_tmp, ["no-such-modprobe", "-u"]).load_uvm()
+    assert info.value.fields == {
+        "path": node,
+        "cause": "no-such-modprobe is not installed (it ships with the NVIDIA driver)",
+    }
+    with pytest.raises(UvmLoadError) as info:
+        HostDevices(short_tmp, [short_tmp]).load_uvm()  # a directory: PermissionError, an OSError
+    assert info.value.fields["cause"].startswith(f"{short_tmp}: [Errno 13]")
+
+
+def test_load_uvm_does_nothing_when_the_node_exists_even_as_a_dangling_link(short_tmp: str) -> None:
+    os.symlink("/nonexistent", os.path.join(short_tmp, "nvidia-uvm"))
+    assert HostDevices(short_tmp, ["false"]).load_uvm() is False
+
+
+def test_a_wildcard_major_does_not_skip_checking_the_minor() -> None:
+    assert _reason(major=None, minor=1048576) == "minor 1048576 is not an integer in 0..1048575"
+
+
+def test_parse_errors_name_at_most_80_characters_even_of_padding() -> None:
+    text = " " * 79 + "c 1:3 rr"
+    with pytest.raises(RuleParseError) as info:
+        DeviceRule.parse(text)
+    assert info.value.fields["value"] == " " * 79 + "c"
+    with pytest.raises(RuleParseError) as info:
+        DeviceRule.parse(5)  # type: ignore[arg-type]
+    assert info.value.fields["value"] == "5"
+
+
+def test_a_regular_file_is_refused_naming_the_path(short_tmp: str) -> None:
+    path = os.path.join(short_tmp, "nvidia0")
+    open(path, "w").close()
+    with pytest.raises(DeviceNodeError) as info:
+        HostDevices(short_tmp).stat_char(path)
+    assert info.value.fields == {"path": path, "cause": "not a character device"}
+
+
+@pytest.mark.root
+def test_caps_nodes_that_disagree_name_the_directory(short_tmp: str) -> None:
+    caps = os.path.join(short_tmp, "nvidia-caps")
+    os.mkdir(caps)
+    os.mknod(os.path.join(caps, "nvidia-cap1"), 0o600 | stat.S_IFCHR, os.makedev(242, 1))
+    os.mknod(os.path.join(caps, "nvidia-cap2"), 0o600 | stat.S_IFCHR, os.makedev(243, 2))
+    with pytest.raises(DeviceNodeError) as info:
+        HostDevices(short_tmp).caps_major()
+    assert info.value.fields == {"path": caps, "cause": "nodes disagree on the major: [242, 243]"}
+
+
+def test_load_uvm_logs_the_missing_node_and_the_command(short_tmp: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="isolator.devices")
+    with pytest.raises(UvmLoadError):
+        HostDevices(short_tmp, ["true", "-u"]).load_uvm()
+    node = os.path.join(short_tmp, "nvidia-uvm")
+    assert [r.getMessage() for r in caplog.records if r.name == "isolator.devices"] == [
+        f"'{node}' is missing; running true -u"
+    ]
+
+
+def test_load_uvm_that_cannot_start_names_the_node_and_the_whole_command(short_tmp: str) -> None:
+    with pytest.raises(UvmLoadError) as info:
+        HostDevices(short_tmp, [short_tmp, "-u"]).load_uvm()  # a directory: PermissionError
+    assert info.value.fields["path"] == os.path.join(short_tmp, "nvidia-uvm")
+    assert info.value.fields["cause"].startswith(f"{short_tmp} -u: [Errno 13]")
+
+
+def test_load_uvm_failure_keeps_the_last_400_characters_of_stderr(short_tmp: str) -> None:
+    script = "import sys; sys.stderr.write('x' * 500 + 'E' * 400); sys.exit(1)"
+    with pytest.raises(UvmLoadError) as info:
+        HostDevices(short_tmp, ["python3", "-c", script]).load_uvm()
+    assert info.value.fields["cause"].endswith(" exited with 1: " + "E" * 400)

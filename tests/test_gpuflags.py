@@ -100,3 +100,82 @@ def test_nvml_is_not_needed_for_the_opt_out_or_without_isolation():
     assert not wants_nvml("gpus:1", (0,), isolation=False)
     assert wants_nvml("cpus:1", None)
     assert wants_nvml("gpus:0", (0,))  # needs no NVML either, but decide() must refuse it
+
+
+# Boundaries and each branch of the parser, so that a changed comparison or operator is noticed
+# (make mutation, docs/mutation.md).
+
+
+def test_asking_for_exactly_every_gpu_of_the_machine_is_granted():
+    every = tuple(range(COUNT))
+    assert decide(f"gpus:{COUNT}", every, COUNT) == GpuFlags(gpus=COUNT, indices=every)
+
+
+def test_one_gpu_more_than_the_machine_has_is_refused():
+    n = COUNT + 1
+    with pytest.raises(
+        ConfigError, match=r"^The number of GPUs requested is greater than the number of GPUs available"
+    ):
+        decide(f"gpus:{n}", tuple(range(n)), COUNT)
+
+
+def test_device_index_equal_to_the_gpu_count_is_refused_and_the_last_index_granted():
+    with pytest.raises(
+        ConfigError, match=rf"^'--nvidia-gpu-devices' names GPU {COUNT}, but NVML reports GPUs 0-{COUNT - 1} only$"
+    ):
+        decide("gpus:1", (COUNT,), COUNT)
+    assert decide("gpus:1", (COUNT - 1,), COUNT) == GpuFlags(gpus=1, indices=(COUNT - 1,))
+
+
+def test_the_lowest_missing_device_index_is_named():
+    with pytest.raises(ConfigError, match=r"names GPU 5,"):
+        decide("gpus:2", (6, 5), COUNT)
+
+
+def test_requested_gpus_without_nvml_and_no_reason_say_only_that():
+    with pytest.raises(ConfigError, match=r"^gpus requested but NVML not found$"):
+        decide("gpus:1", (0,), None)
+
+
+@pytest.mark.parametrize("value", ["0.5", "-1"])
+def test_non_integer_gpus_message_is_mesos_wording(value):
+    with pytest.raises(ConfigError, match=r"^The 'gpus' resource must be a non-negative integer$"):
+        decide(f"gpus:{value}", (0,), COUNT)
+
+
+def test_json_resources_sum_only_gpus_entries_and_every_one_of_them():
+    text = (
+        '[{"name": "cpus", "type": "SCALAR", "scalar": {"value": 8}},'
+        ' {"name": "gpus", "type": "SCALAR", "scalar": {"value": 1}},'
+        ' {"name": "gpus", "role": "ml", "type": "SCALAR", "scalar": {"value": 2}}]'
+    )
+    assert parse_gpus(text) == 3
+
+
+def test_json_resources_without_gpus_have_none():
+    assert parse_gpus('[{"name": "cpus", "type": "SCALAR", "scalar": {"value": 8}}]') is None
+    assert parse_gpus("[]") is None
+
+
+@pytest.mark.parametrize("scalar", ['{"value": true}', '{"value": "2"}', "{}", "null"])
+def test_json_gpus_that_are_not_a_number_are_refused(scalar):
+    text = f'[{{"name": "gpus", "type": "SCALAR", "scalar": {scalar}}}]'
+    with pytest.raises(ConfigError, match=r"^The 'gpus' resource must be a scalar$"):
+        parse_gpus(text)
+
+
+def test_unparsable_json_resources_are_refused_with_the_parser_reason():
+    with pytest.raises(ConfigError, match=r"^invalid --resources JSON: Expecting"):
+        parse_gpus('[{"name": "gpus",')
+
+
+def test_text_entries_without_a_colon_are_skipped_not_the_end_of_the_list():
+    assert parse_gpus("cpus;gpus:2") == 2
+    assert parse_gpus(" gpus : 2 ; gpus(role(x)):1 ") == 3
+
+
+def test_text_gpus_that_are_not_a_number_are_refused_naming_the_value():
+    with pytest.raises(ConfigError, match=r"^The 'gpus' resource must be a scalar, got 'two'$"):
+        parse_gpus("gpus: two ")
+    with pytest.raises(ConfigError, match=r"got '1:2'"):
+        parse_gpus("gpus:1:2")

@@ -31,6 +31,7 @@ from typing import Any, cast
 
 import grpc
 from google.protobuf import json_format
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from isolator.errors import (
@@ -142,6 +143,19 @@ CALLS: dict[str, Call] = {
 # ---- inputs -----------------------------------------------------------------------------------
 
 
+_NUMERIC = frozenset(
+    {
+        FieldDescriptor.CPPTYPE_INT32,
+        FieldDescriptor.CPPTYPE_INT64,
+        FieldDescriptor.CPPTYPE_UINT32,
+        FieldDescriptor.CPPTYPE_UINT64,
+        FieldDescriptor.CPPTYPE_DOUBLE,
+        FieldDescriptor.CPPTYPE_FLOAT,
+        FieldDescriptor.CPPTYPE_ENUM,
+    }
+)
+
+
 def _kind(value: Any) -> str:
     if value is None:
         return "null"
@@ -181,6 +195,17 @@ def check_shape(value: Any, descriptor: Any, path: str, depth: int = 0) -> None:
             for i, sub in enumerate(items):
                 where = f"{path}.{key}" + (f"[{i}]" if field.is_repeated else "")
                 check_shape(sub, field.message_type, where, depth + 1)
+        elif field.cpp_type in _NUMERIC:
+            # json_format takes ``true`` for 1 in a double (``"scalar": {"value": true}`` would be one
+            # GPU); stout's parser refuses a boolean for a number, and so do we.
+            for i, sub in enumerate(items):
+                if isinstance(sub, bool):
+                    where = f"{path}.{key}" + (f"[{i}]" if field.is_repeated else "")
+                    raise InvalidArgument(f"{where} must be a number, not a boolean")
+        elif field.cpp_type == FieldDescriptor.CPPTYPE_BOOL:
+            for sub in items:
+                if not isinstance(sub, bool):
+                    raise InvalidArgument(f"{path}.{key} must be a boolean, not {_kind(sub)}")
 
 
 def decode_input(payload: bytes, request_type: type[Message]) -> Message:

@@ -19,6 +19,18 @@ from isolator.errors import InvalidGpuCount
 # accepts is accepted here, and nothing that could escape a cgroup or state path is.
 NAME_MAX = 255
 MAX_NESTING = 32
+# Every ID becomes a cgroup directory's name, and a cgroup directory already holds the kernel's
+# control files: 'tasks', 'notify_on_release', 'release_agent', and '<controller>.<file>' for
+# cgroup itself and each controller (Documentation/admin-guide/cgroup-v1/, cgroup-v2.rst). An ID
+# that names one can never be a cgroup (Mesos's own cgroups isolators fail on it too), so it is
+# refused here, once, instead of failing as an I/O error deep in a hook.
+CGROUP_FILES = frozenset({"tasks", "notify_on_release", "release_agent"})
+CGROUP_FILE_PREFIXES = frozenset(
+    {
+        "cgroup", "devices", "memory", "cpu", "cpuacct", "cpuset", "io", "blkio", "pids", "freezer",
+        "hugetlb", "misc", "rdma", "net_cls", "net_prio", "perf_event",
+    }
+)  # fmt: skip
 
 
 @dataclass(frozen=True, order=True)
@@ -85,6 +97,8 @@ def _id_problem(value: str) -> str | None:
         return f"longer than {NAME_MAX} bytes"
     if value in (".", ".."):
         return "'.' and '..' are reserved"
+    if value in CGROUP_FILES or ("." in value and value.partition(".")[0] in CGROUP_FILE_PREFIXES):
+        return "it names a cgroup control file, so it cannot name a container's cgroup"
     for ch in value:
         if ch in "/\\":
             return f"{ch!r} is not allowed"

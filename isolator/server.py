@@ -294,6 +294,30 @@ def socket_is_live(path: str) -> bool:
     return True
 
 
+def _open_lock(path: str) -> int:
+    """Open (or create) the lock file without following a link planted in its place, and only if it
+    is a regular file of ours: a root daemon must not create or truncate files through a name that
+    someone else chose (the socket's directory may be writable by others, e.g. /run or /tmp)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise SocketError(
+                f"refusing lock file '{path}': it is a symbolic link (remove it; the sidecar makes its own)"
+            ) from exc
+        raise SocketError(f"failed to create lock file '{path}': {exc.strerror}") from exc
+    st = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(st.st_mode):
+        problem = "it is not a regular file"
+    elif st.st_uid != os.geteuid():
+        problem = f"it is owned by uid {st.st_uid}, not by this sidecar's uid {os.geteuid()}"
+    if problem:
+        os.close(fd)
+        raise SocketError(f"refusing lock file '{path}': {problem} (remove it; the sidecar makes its own)")
+    return fd
+
+
 class SocketGuard:
     """Holds ``<socket>.lock`` for the server's life and clears a stale socket under it.
 
@@ -311,10 +335,10 @@ class SocketGuard:
         directory = os.path.dirname(self.path)
         self._make_dirs(directory)
         try:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
+            fd = _open_lock(self.lock_path)
+        except SocketError:
             self.release()
-            raise SocketError(f"failed to create lock file '{self.lock_path}': {exc.strerror}") from exc
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 import os
 
-from isolator.errors import CgroupError, CgroupVanished
+from isolator.errors import CgroupError, CgroupVanished, FailedPrecondition
 from isolator.model import ContainerId
 
 MODES = ("mesos", "standalone")
@@ -104,6 +104,13 @@ def write_pid(cgroup: str, pid: int) -> None:
     except FileNotFoundError as exc:
         raise CgroupVanished(op="write", path=path) from exc
     except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            # cgroup_procs_write refuses kernel threads (PF_NO_SETAFFINITY, e.g. kthreadd, pid 2)
+            # with EINVAL: what the caller sent can never be isolated, not an error of ours.
+            raise FailedPrecondition(
+                f"failed to write '{path}': pid {pid} cannot change cgroups (the kernel refuses; "
+                "it is a kernel thread, not a container's init)"
+            ) from exc
         cause = "no such process" if exc.errno == errno.ESRCH else exc.strerror or str(exc)
         raise CgroupError(op="write", path=path, cause=f"pid {pid}: {cause}") from exc
 

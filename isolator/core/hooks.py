@@ -134,6 +134,15 @@ class Hooks:
         # the volume and device nodes for their own rootfs and use their top-level container's GPUs.
         # Both get the top-level container's rules in a cgroup of their own where the agent made one.
         core = self.core
+        if core.store.get(cid.root) is None:
+            # Mesos prepares a parent before its nested containers; a nested Prepare under a parent we
+            # never prepared (or already cleaned up) would otherwise run with no GPUs and no record
+            # to clean it up by. FAILED_PRECONDITION, not NOT_FOUND: the nested container itself is
+            # what is being created; what is missing is the state it depends on.
+            raise FailedPrecondition(
+                f"nested container {cid} cannot be prepared: its top-level container {cid.root} "
+                "was never prepared here (or was already cleaned up)"
+            )
         if config.container_class == "DEBUG":
             with core.locks.hold(cid):
                 self._rules_for_nested(cid, config)

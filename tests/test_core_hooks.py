@@ -211,8 +211,10 @@ def test_nested_containers_use_their_parents_gpus_and_debug_ones_get_nothing(rig
     assert "/rootfs/child/dev/nvidia2" in [m.target for m in info.mounts]
     assert rig.volumes.in_use_by("a.child")
     assert rig.store.get(cid("a.child")) is None, "a nested container is never recorded"
-    orphan_child = rig.service.prepare(cid("b.child"), image(0, "/rootfs/child"))
-    assert orphan_child is not None and not any("/dev/nvidia0" in m.target for m in orphan_child.mounts)
+    # A nested container under a parent never prepared is refused (issue 16 item 9), leaving nothing.
+    with pytest.raises(FailedPrecondition, match="never prepared"):
+        rig.service.prepare(cid("b.child"), image(0, "/rootfs/child"))
+    assert not rig.volumes.in_use_by("b.child")
 
 
 def test_a_failed_nested_prepare_releases_its_volume(rig: Rig) -> None:

@@ -85,8 +85,21 @@ class ContainerId:
         return self.parent is not None
 
     def __str__(self) -> str:
-        # Mesos's stringify(ContainerID): the parent chain joined with '.'.
+        # Mesos's stringify(ContainerID): the parent chain joined with '.'. Ambiguous (a top-level
+        # 'p.c' and 'c' nested in 'p' print alike, since validateID allows '.'): for display only.
         return ".".join(self.chain())
+
+    @property
+    def key(self) -> str:
+        """An unambiguous one-string form: each ID with '%' and '.' escaped, joined with '.'. Used
+        where containers share a namespace of names (the driver volume's users), so that the
+        top-level 'p.c' (``p%2Ec``) and 'c' nested in 'p' (``p.c``) never share one."""
+        return ".".join(v.replace("%", "%25").replace(".", "%2E") for v in self.chain())
+
+    @classmethod
+    def from_key(cls, key: str) -> ContainerId:
+        """The ID whose ``key`` is ``key`` (validated like any other)."""
+        return cls.from_chain(v.replace("%2E", ".").replace("%25", "%") for v in key.split("."))
 
 
 def _id_problem(value: str) -> str | None:

@@ -118,13 +118,13 @@ class Admin:
             gpu_indices=info.gpu_indices,
             cgroup=self._rules_cgroup(cid)[1],
             mode=info.mode,
-            volume_version=volume_of.get(str(cid), ""),
+            volume_version=volume_of.get(cid.key, ""),
             state=info.state,
             created=info.created,
         )
 
     def _volume_users(self) -> dict[str, str]:
-        """Container ID (``a.b`` form) -> driver version of the volume it uses."""
+        """Container key (``ContainerId.key``) -> driver version of the volume it uses."""
         volumes = self.core.volumes
         if volumes is None:
             return {}
@@ -139,12 +139,11 @@ class Admin:
 
     def _nested_ids(self, root: ContainerId, volume_of: dict[str, str]) -> list[ContainerId]:
         found: set[tuple[str, ...]] = set()
-        prefix = str(root) + "."
+        prefix = root.key + "."
         for user in volume_of:
             if user.startswith(prefix):
-                # The volume's record is the '.'-joined chain: a child ID containing '.' reads as deeper.
                 with contextlib.suppress(IsolatorError):
-                    found.add(ContainerId.from_chain(user.split(".")).chain())
+                    found.add(ContainerId.from_key(user).chain())
         found.update(self._child_cgroups(root))
         return [ContainerId.from_chain(chain) for chain in sorted(found)]
 

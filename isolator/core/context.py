@@ -210,6 +210,6 @@ class Core:
     def release_volume(self, cid: ContainerId) -> None:
         if self.volumes is not None:
             try:
-                self.volumes.release(str(cid), self.inventory.driver_version)
+                self.volumes.release(cid.key, self.inventory.driver_version)
             except Exception as exc:  # the container is gone either way; a stale user file is harmless
                 LOG.warning("failed to release the volume of container %s: %s", cid, exc)

@@ -256,7 +256,7 @@ class Hooks:
         if core.volumes is None:
             raise FailedPrecondition("the image asks for the driver volume but no volume root is configured")
         try:
-            volume = core.volumes.acquire(str(cid), plan.facts.driver_version)
+            volume = core.volumes.acquire(cid.key, plan.facts.driver_version)
             undo.append(lambda: core.release_volume(cid))
             crashpoint("prepare.volume")
             injection = plan_injection(config.rootfs, plan.image, volume.path, plan.facts)

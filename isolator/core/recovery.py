@@ -219,7 +219,9 @@ class Recovery:
             live = core.store.load()
             result.recovered = len(live)
             if core.volumes is not None:
-                core.volumes.reconcile(str(c) for c in live)
+                # Nested containers are not recorded: their users are kept with their top-level
+                # container (the agent cleans them up before it), never dropped as unknown.
+                core.volumes.reconcile(c.key for c in live)
         core.notify()
         LOG.info("recovered %d containers, released %d", result.recovered, result.released)
         return result

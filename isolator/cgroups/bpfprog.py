@@ -32,6 +32,8 @@ MOV32_X = 0xBC  # BPF_ALU | BPF_MOV | BPF_X
 MOV32_K = 0xB4  # BPF_ALU | BPF_MOV | BPF_K
 JNE_K = 0x55  # BPF_JMP | BPF_JNE | BPF_K
 JNE_X = 0x5D  # BPF_JMP | BPF_JNE | BPF_X
+JEQ_K = 0x15  # BPF_JMP | BPF_JEQ | BPF_K
+JA = 0x05  # BPF_JMP | BPF_JA
 EXIT = 0x95  # BPF_JMP | BPF_EXIT
 
 # Registers after the prologue: r2 device type, r3 requested access, r4 major, r5 minor.
@@ -116,17 +118,33 @@ def _rule_block(rule: DeviceRule) -> list[Insn]:
     return fixed + tail
 
 
-def build(rules: Iterable[DeviceRule]) -> tuple[Insn, ...]:
-    """A default-deny program allowing exactly ``rules`` (normalized; first match allows)."""
+def build(rules: Iterable[DeviceRule], decide_majors: Iterable[int] | None = None) -> tuple[Insn, ...]:
+    """A default-deny program allowing exactly ``rules`` (normalized; first match allows).
+
+    With ``decide_majors`` (mesos mode) the program decides only for character devices of those
+    majors, with the same allow-list, and allows everything else: device programs on a cgroup and
+    its ancestors must all allow (BPF_F_ALLOW_MULTI is an AND), so every other device is left to
+    the agent's program, exactly as the agent's ``--allowed_devices`` set it.
+    """
     insns: list[Insn] = list(PROLOGUE)
+    blocks: list[Insn] = []
     for rule in normalize(rules):
-        insns.extend(_rule_block(rule))
+        blocks.extend(_rule_block(rule))
+    if decide_majors is not None:
+        majors = sorted(set(decide_majors))
+        # 0: if type != c goto allow; 1..k: if major == M_i goto rules; k+1, k+2: allow (w0 = 1;
+        # exit); k+3: the rule blocks. Offsets count from the next instruction.
+        k = len(majors)
+        insns.append(Insn(JNE_K, R2, 0, k, DEV_CHAR))
+        insns.extend(Insn(JEQ_K, R4, 0, k - i + 1, major) for i, major in enumerate(majors))
+        insns.extend((Insn(MOV32_K, R0, imm=1), Insn(EXIT)))
+    insns.extend(blocks)
     insns.extend(EPILOGUE)
     return tuple(insns)
 
 
-def build_bytes(rules: Iterable[DeviceRule]) -> bytes:
-    return assemble(build(rules))
+def build_bytes(rules: Iterable[DeviceRule], decide_majors: Iterable[int] | None = None) -> bytes:
+    return assemble(build(rules, decide_majors))
 
 
 # ---- Evaluation -------------------------------------------------------------------------------

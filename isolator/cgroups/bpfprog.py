@@ -247,6 +247,7 @@ def evaluate(program: bytes | Sequence[Insn], request: Request) -> int:
     regs[10] = _STACK_TOP
     ctx = request.ctx()
     stack = bytearray(_STACK_SIZE)
+    written = bytearray(_STACK_SIZE)  # privileged programs may read stack they never wrote: garbage
     sizes = {0x00: 4, 0x08: 2, 0x10: 1, 0x18: 8}
 
     def load(addr: int, size: int) -> int:
@@ -254,6 +255,8 @@ def evaluate(program: bytes | Sequence[Insn], request: Request) -> int:
             return int.from_bytes(ctx[addr - _CTX_BASE : addr - _CTX_BASE + size], "little")
         base = _STACK_TOP - _STACK_SIZE
         if base <= addr and addr + size <= _STACK_TOP:
+            if not all(written[addr - base : addr - base + size]):
+                raise UnsupportedProgram("read of stack never written (its value is whatever was there)")
             return int.from_bytes(stack[addr - base : addr - base + size], "little")
         raise UnsupportedProgram(f"load of {size} bytes outside the context and stack")
 
@@ -262,6 +265,7 @@ def evaluate(program: bytes | Sequence[Insn], request: Request) -> int:
         if not (base <= addr and addr + size <= _STACK_TOP):
             raise UnsupportedProgram("store outside the stack")
         stack[addr - base : addr - base + size] = (value & ((1 << (8 * size)) - 1)).to_bytes(size, "little")
+        written[addr - base : addr - base + size] = b"\x01" * size
 
     pc = 0
     for _ in range(_MAX_STEPS):
@@ -344,6 +348,10 @@ def disassemble(program: bytes | Sequence[Insn]) -> list[str]:
             text = f"if r{n.dst} != {n.imm} goto +{n.off}"
         elif n.code == JNE_X:
             text = f"if r{n.dst} != r{n.src} goto +{n.off}"
+        elif n.code == JEQ_K:
+            text = f"if r{n.dst} == {n.imm} goto +{n.off}"
+        elif n.code == JA:
+            text = f"goto +{n.off}"
         elif n.code == EXIT:
             text = "exit"
         else:

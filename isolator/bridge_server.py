@@ -143,7 +143,7 @@ CALLS: dict[str, Call] = {
 # ---- inputs -----------------------------------------------------------------------------------
 
 
-_NUMERIC = frozenset(
+NUMERIC_CPP_TYPES = frozenset(
     {
         FieldDescriptor.CPPTYPE_INT32,
         FieldDescriptor.CPPTYPE_INT64,
@@ -151,7 +151,6 @@ _NUMERIC = frozenset(
         FieldDescriptor.CPPTYPE_UINT64,
         FieldDescriptor.CPPTYPE_DOUBLE,
         FieldDescriptor.CPPTYPE_FLOAT,
-        FieldDescriptor.CPPTYPE_ENUM,
     }
 )
 
@@ -195,17 +194,12 @@ def check_shape(value: Any, descriptor: Any, path: str, depth: int = 0) -> None:
             for i, sub in enumerate(items):
                 where = f"{path}.{key}" + (f"[{i}]" if field.is_repeated else "")
                 check_shape(sub, field.message_type, where, depth + 1)
-        elif field.cpp_type in _NUMERIC:
-            # json_format takes ``true`` for 1 in a double (``"scalar": {"value": true}`` would be one
-            # GPU); stout's parser refuses a boolean for a number, and so do we.
+        elif field.cpp_type in NUMERIC_CPP_TYPES:
+            # json_format takes true for 1 (a Python bool is an int); stout never writes one for a number.
             for i, sub in enumerate(items):
                 if isinstance(sub, bool):
                     where = f"{path}.{key}" + (f"[{i}]" if field.is_repeated else "")
                     raise InvalidArgument(f"{where} must be a number, not a boolean")
-        elif field.cpp_type == FieldDescriptor.CPPTYPE_BOOL:
-            for sub in items:
-                if not isinstance(sub, bool):
-                    raise InvalidArgument(f"{path}.{key} must be a boolean, not {_kind(sub)}")
 
 
 def decode_input(payload: bytes, request_type: type[Message]) -> Message:

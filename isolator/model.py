@@ -20,18 +20,6 @@ from isolator.errors import InvalidArgument, InvalidGpuCount
 # accepts is accepted here, and nothing that could escape a cgroup or state path is.
 NAME_MAX = 255
 MAX_NESTING = 32
-# Every ID becomes a cgroup directory's name, and a cgroup directory already holds the kernel's
-# control files: 'tasks', 'notify_on_release', 'release_agent', and '<controller>.<file>' for
-# cgroup itself and each controller (Documentation/admin-guide/cgroup-v1/, cgroup-v2.rst). An ID
-# that names one can never be a cgroup (Mesos's own cgroups isolators fail on it too), so it is
-# refused here, once, instead of failing as an I/O error deep in a hook.
-CGROUP_FILES = frozenset({"tasks", "notify_on_release", "release_agent"})
-CGROUP_FILE_PREFIXES = frozenset(
-    {
-        "cgroup", "devices", "memory", "cpu", "cpuacct", "cpuset", "io", "blkio", "pids", "freezer",
-        "hugetlb", "misc", "rdma", "net_cls", "net_prio", "perf_event",
-    }
-)  # fmt: skip
 
 
 @dataclass(frozen=True, order=True)
@@ -85,21 +73,22 @@ class ContainerId:
         return self.parent is not None
 
     def __str__(self) -> str:
-        # Mesos's stringify(ContainerID): the parent chain joined with '.'. Ambiguous (a top-level
-        # 'p.c' and 'c' nested in 'p' print alike, since validateID allows '.'): for display only.
+        # Mesos's stringify(ContainerID): the parent chain joined with '.'. Two containers can share
+        # it (the top-level 'p.c' and 'c' nested in 'p'): never use it as a key, use ``key()``.
         return ".".join(self.chain())
 
-    @property
     def key(self) -> str:
-        """An unambiguous one-string form: each ID with '%' and '.' escaped, joined with '.'. Used
-        where containers share a namespace of names (the driver volume's users), so that the
-        top-level 'p.c' (``p%2Ec``) and 'c' nested in 'p' (``p.c``) never share one."""
+        """The chain as a string no other container has: each ID with '%' and '.' escaped, joined
+        with '.'. For IDs without either it is Mesos's ``stringify``. ``from_key`` reverses it."""
         return ".".join(v.replace("%", "%25").replace(".", "%2E") for v in self.chain())
 
     @classmethod
     def from_key(cls, key: str) -> ContainerId:
-        """The ID whose ``key`` is ``key`` (validated like any other)."""
-        return cls.from_chain(v.replace("%2E", ".").replace("%25", "%") for v in key.split("."))
+        return cls.from_chain(_unescape(part) for part in key.split("."))
+
+
+def _unescape(part: str) -> str:
+    return part.replace("%2E", ".").replace("%2e", ".").replace("%25", "%")
 
 
 def _id_problem(value: str) -> str | None:
@@ -111,8 +100,6 @@ def _id_problem(value: str) -> str | None:
         return f"longer than {NAME_MAX} bytes"
     if value in (".", ".."):
         return "'.' and '..' are reserved"
-    if value in CGROUP_FILES or ("." in value and value.partition(".")[0] in CGROUP_FILE_PREFIXES):
-        return "it names a cgroup control file, so it cannot name a container's cgroup"
     for ch in value:
         if ch in "/\\":
             return f"{ch!r} is not allowed"

@@ -294,30 +294,6 @@ def socket_is_live(path: str) -> bool:
     return True
 
 
-def _open_lock(path: str) -> int:
-    """Open (or create) the lock file without following a link planted in its place, and only if it
-    is a regular file of ours: a root daemon must not create or truncate files through a name that
-    someone else chose (the socket's directory may be writable by others, e.g. /run or /tmp)."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise SocketError(
-                f"refusing lock file '{path}': it is a symbolic link (remove it; the sidecar makes its own)"
-            ) from exc
-        raise SocketError(f"failed to create lock file '{path}': {exc.strerror}") from exc
-    st = os.fstat(fd)
-    problem = None
-    if not stat.S_ISREG(st.st_mode):
-        problem = "it is not a regular file"
-    elif st.st_uid != os.geteuid():
-        problem = f"it is owned by uid {st.st_uid}, not by this sidecar's uid {os.geteuid()}"
-    if problem:
-        os.close(fd)
-        raise SocketError(f"refusing lock file '{path}': {problem} (remove it; the sidecar makes its own)")
-    return fd
-
-
 class SocketGuard:
     """Holds ``<socket>.lock`` for the server's life and clears a stale socket under it.
 
@@ -335,10 +311,20 @@ class SocketGuard:
         directory = os.path.dirname(self.path)
         self._make_dirs(directory)
         try:
-            fd = _open_lock(self.lock_path)
-        except SocketError:
+            # O_NOFOLLOW: a link planted in the socket's directory never makes us create or open its
+            # target; O_NONBLOCK: a planted FIFO cannot hang the start (it is refused just below).
+            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+            fd = os.open(self.lock_path, flags, 0o600)
+        except OSError as exc:
             self.release()
-            raise
+            if exc.errno == errno.ELOOP:
+                raise SocketError(f"refusing lock file '{self.lock_path}': it is a symbolic link") from exc
+            raise SocketError(f"failed to create lock file '{self.lock_path}': {exc.strerror}") from exc
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            os.close(fd)
+            self.release()
+            raise SocketError(f"refusing lock file '{self.lock_path}': not a regular file owned by uid {os.geteuid()}")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

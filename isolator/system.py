@@ -31,6 +31,9 @@ class PidFd:
         os.close(self._fd)
 
 
+PF_KTHREAD = 0x00200000  # include/linux/sched.h
+
+
 class ProcProcesses:
     """The process table as ``/proc`` shows it (``proc_root`` for a mounted elsewhere copy)."""
 
@@ -45,6 +48,16 @@ class ProcProcesses:
             return PidFd(os.pidfd_open(pid))
         except ProcessLookupError:
             return None
+
+    def kernel_thread(self, pid: int) -> bool:
+        """Whether ``pid`` is a kernel thread (PF_KTHREAD in the flags of /proc/<pid>/stat; ``ps`` shows
+        them in brackets). False for a pid that is gone: the caller's pin says that."""
+        try:
+            with open(os.path.join(self.proc_root, str(pid), "stat")) as fh:
+                flags = int(fh.read().rsplit(")", 1)[1].split()[6])
+        except (OSError, ValueError, IndexError):
+            return False
+        return bool(flags & PF_KTHREAD)
 
     def sidecar_pids(self) -> frozenset[int]:
         out = set()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import grp
 import json
 import os
+import re
 import signal
 import socket
 import stat
@@ -371,7 +372,7 @@ def test_input_comes_from_the_file_in_argv_never_from_stdin(bin_dir, service):
         ),
         ("isolate", {"container_id": {"value": "c1"}, "pid": "abc"}, "Failed to parse pid field"),
         ("isolate", {"container_id": {"value": "c1"}, "pid": -5}, "Value out of range: -5"),
-        ("isolate", {"container_id": {"value": "c1"}, "pid": True}, "Bool value True is not acceptable"),
+        ("isolate", {"container_id": {"value": "c1"}, "pid": True}, "input.pid must be a number, not a boolean"),
     ],
     ids=[
         "truncated-json",
@@ -700,3 +701,24 @@ def test_install_writes_a_launcher_that_skips_site_and_one_link_per_method(short
     assert all(os.readlink(p) == "gpu-isolator-bridge" for p in paths[1:])
     # Installing again replaces everything in place.
     assert bridge.install(os.path.join(short_tmp, "bin")) == paths
+
+
+@pytest.mark.parametrize(
+    ("request_type", "payload", "where"),
+    [
+        ("IsolateRequest", '{"container_id": {"value": "a"}, "pid": true}', "input.pid"),
+        (
+            "UpdateRequest",
+            '{"container_id": {"value": "a"}, '
+            '"resource_requests": [{"name": "gpus", "type": "SCALAR", "scalar": {"value": true}}]}',
+            "input.resource_requests[0].scalar.value",
+        ),
+    ],
+)
+def test_the_bridge_refuses_a_boolean_where_mesos_writes_a_number(request_type: str, payload: str, where: str) -> None:
+    from isolator.bridge_server import decode_input
+    from isolator.errors import InvalidArgument
+    from isolator.rpc import isolator_pb2
+
+    with pytest.raises(InvalidArgument, match=rf"{re.escape(where)} must be a number, not a boolean"):
+        decode_input(payload.encode(), getattr(isolator_pb2, request_type))

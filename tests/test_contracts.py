@@ -372,6 +372,14 @@ def test_processes_exist_until_they_exit_and_a_pin_sees_it() -> None:
     real_pin.close()
 
 
+def test_kernel_threads_are_told_apart_from_processes() -> None:
+    fake = FakeProcesses()
+    for procs, process in ((fake, fake.spawn()), (ProcProcesses(), os.getpid())):
+        assert procs.kernel_thread(2), "pid 2 is kthreadd in the initial pid namespace"
+        assert not procs.kernel_thread(process)
+        assert not procs.kernel_thread(4_000_000), "a pid that is gone is not a kernel thread"
+
+
 def test_the_sidecars_own_pids_are_itself_and_its_ancestors() -> None:
     real = ProcProcesses().sidecar_pids()
     assert {os.getpid(), os.getppid()} <= real and 1 in real

@@ -22,7 +22,13 @@ from isolator.core.recovery import Recovery
 from isolator.core.service import IsolatorService
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CORE_TESTS = ("test_core_hooks.py", "test_core_recovery.py", "test_core_admin.py", "test_core_concurrency.py")
+CORE_TESTS = (
+    "test_core_hooks.py",
+    "test_core_recovery.py",
+    "test_core_admin.py",
+    "test_core_concurrency.py",
+    "test_core_volume_users.py",
+)
 CONTRACT_TESTS = ("test_contracts.py",)
 
 

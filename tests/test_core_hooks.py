@@ -211,10 +211,19 @@ def test_nested_containers_use_their_parents_gpus_and_debug_ones_get_nothing(rig
     assert "/rootfs/child/dev/nvidia2" in [m.target for m in info.mounts]
     assert rig.volumes.in_use_by("a.child")
     assert rig.store.get(cid("a.child")) is None, "a nested container is never recorded"
-    # A nested container under a parent never prepared is refused (issue 16 item 9), leaving nothing.
-    with pytest.raises(FailedPrecondition, match="never prepared"):
-        rig.service.prepare(cid("b.child"), image(0, "/rootfs/child"))
-    assert not rig.volumes.in_use_by("b.child")
+
+
+@pytest.mark.parametrize("container_class", ["DEFAULT", "DEBUG"])
+def test_a_nested_prepare_whose_top_level_container_was_never_prepared_is_refused(
+    rig: Rig, container_class: str
+) -> None:
+    rig.filesystem.make_dirs("/rootfs/child")
+    config = ContainerConfig(
+        resources=(Resource("gpus", 0.0),), rootfs="/rootfs/child", container_class=container_class
+    )
+    with pytest.raises(FailedPrecondition, match="top-level container b was never prepared"):
+        rig.service.prepare(cid("b.child"), config)
+    assert not rig.volumes.in_use_by("b.child") and rig.store.load() == {}
 
 
 def test_a_failed_nested_prepare_releases_its_volume(rig: Rig) -> None:
@@ -588,3 +597,25 @@ def test_isolate_of_a_process_that_exits_during_the_move_fails(rig: Rig) -> None
     with pytest.raises(FailedPrecondition, match="exited while it was being isolated"):
         rig.service.isolate(cid("a"), pid)
     assert rig.store.get(cid("a")).state == "prepared"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("mode", ["standalone", "mesos"])
+def test_isolate_refuses_a_kernel_thread(mode: str) -> None:
+    rig = fake_service("dgx-1", mode=mode)
+    a = cid("a")
+    rig.cgroups.mesos_creates(a)
+    rig.service.prepare(a, gpus(1))
+    with pytest.raises(FailedPrecondition, match="pid 2 is a kernel thread"):
+        rig.service.isolate(a, 2)
+    assert rig.cgroups.pids(a) == () and rig.store.get(a).state == "prepared"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize(
+    "name", ["cgroup.procs", "tasks", "devices.allow", "notify_on_release", "cgroup.subtree_control"]
+)
+def test_an_id_that_names_a_cgroup_control_file_is_invalid_and_books_nothing(version: str, name: str) -> None:
+    rig = fake_service("dgx-1", version=version)
+    with pytest.raises(InvalidArgument, match="cannot name a cgroup"):
+        rig.service.prepare(ContainerId.parse(name), gpus(1))
+    assert rig.store.load() == {} and free(rig) == frozenset(range(8)) and rig.cgroups.cgroups == {}

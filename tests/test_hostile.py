@@ -338,3 +338,26 @@ def test_bridge_refuses_bytes_that_are_not_a_json_object(target, payload):
     assume(not is_object)
     assert reply_code(bridge_call(target.sidecar.bridge_socket, "cleanup", payload)) == "INVALID_ARGUMENT"
     target.untouched()
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_ids_naming_cgroup_files_and_kernel_thread_pids_get_a_status_that_says_so(version):
+    # Each of these once came back INTERNAL: mkdir met the control file, the kernel refused to move
+    # kthreadd. The caller sent them, so the caller is told.
+    with quick_sidecar("dgx-1", version) as sidecar:
+        t = Target(sidecar)
+        for name in ("cgroup.procs", "tasks", "devices.allow", "cgroup.subtree_control"):
+            request = pb.PrepareRequest(
+                container_id=pb.ContainerID(value=name), container_config=pb.ContainerConfig(resources=[gpus(1)])
+            )
+            assert t.call("Isolator", "Prepare", request) == "INVALID_ARGUMENT", name
+        cid = pb.ContainerID(value="kthread-target")
+        prepare = pb.PrepareRequest(container_id=cid, container_config=pb.ContainerConfig(resources=[gpus(1)]))
+        assert t.call("Isolator", "Prepare", prepare) == "OK"
+        assert t.call("Isolator", "Isolate", pb.IsolateRequest(container_id=cid, pid=2)) == "FAILED_PRECONDITION"
+        orphan = pb.ContainerID(value="child", parent=pb.ContainerID(value="never-prepared"))
+        nested = pb.PrepareRequest(container_id=orphan, container_config=pb.ContainerConfig())
+        assert t.call("Isolator", "Prepare", nested) == "FAILED_PRECONDITION"
+        assert t.call("Isolator", "Cleanup", pb.CleanupRequest(container_id=cid)) == "OK"
+        assert read_records(sidecar.work) == {}
+        t.channel.close()

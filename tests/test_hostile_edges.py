@@ -60,7 +60,7 @@ def test_ids_that_name_cgroup_control_files_are_invalid_argument_and_allocate_no
         "Prepare", pb.PrepareRequest(container_id=cid, container_config=pb.ContainerConfig(resources=[gpus(1)]))
     )
     assert code == "INVALID_ARGUMENT", message
-    assert "control file" in message
+    assert "cannot name a cgroup" in message
     # Nothing stayed allocated: all 8 GPUs can still be taken by one container.
     ok = pb.ContainerID(value="after-" + name.replace(".", "-"))
     assert (
@@ -70,8 +70,6 @@ def test_ids_that_name_cgroup_control_files_are_invalid_argument_and_allocate_no
         == "OK"
     )
     assert client.call("Cleanup", pb.CleanupRequest(container_id=ok))[0] == "OK"
-    nested = pb.ContainerID(value=name, parent=pb.ContainerID(value="p"))
-    assert client.call("Prepare", pb.PrepareRequest(container_id=nested))[0] == "INVALID_ARGUMENT"
 
 
 @pytest.mark.root
@@ -162,7 +160,7 @@ def test_lock_file_owned_by_another_user_is_refused(short_tmp):
     with open(path + ".lock", "w"):
         pass
     os.chown(path + ".lock", 65534, 65534)
-    with pytest.raises(SocketError, match="owned by uid 65534"):
+    with pytest.raises(SocketError, match="not a regular file owned by uid"):
         SidecarServer(Config(socket=path), StubService()).start()
 
 

@@ -309,3 +309,27 @@ def test_admin_timeout_must_be_a_positive_number_of_seconds(value):
     assert (
         result.stderr.strip() == f"gpu-isolator gpus: argument --timeout: '{value}' is not a number of seconds above 0"
     )
+
+
+def test_a_lock_file_planted_as_a_symlink_is_refused_and_its_target_left_alone(short_tmp):
+    # A local user who can write the socket's directory plants <socket>.lock -> a file of root's
+    # choosing; the daemon, as root, must neither create nor open what the link names.
+    path = os.path.join(short_tmp, "s.sock")
+    victim = os.path.join(short_tmp, "victim")
+    os.symlink(victim, path + ".lock")
+    with pytest.raises(SocketError, match="is a symbolic link"):
+        SidecarServer(Config(socket=path), StubService()).start()
+    assert not os.path.lexists(victim) and os.path.islink(path + ".lock")
+    with open(victim, "w") as fh:
+        fh.write("precious")
+    with pytest.raises(SocketError, match="is a symbolic link"):
+        SidecarServer(Config(socket=path), StubService()).start()
+    with open(victim) as fh:
+        assert fh.read() == "precious"
+
+
+def test_a_lock_file_that_is_not_a_regular_file_is_refused(short_tmp):
+    path = os.path.join(short_tmp, "s.sock")
+    os.mkfifo(path + ".lock")
+    with pytest.raises(SocketError, match="not a regular file"):
+        SidecarServer(Config(socket=path), StubService()).start()

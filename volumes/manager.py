@@ -104,22 +104,16 @@ class VolumeManager:
             return self._collect_locked(driver_version) if driver_version is not None else ()
 
     def reconcile(self, live: Iterable[str]) -> tuple[str, ...]:
-        """At recovery: drop user records of containers not in ``live``; returns the dropped ids.
-
-        Users are '.'-joined chains (the core's ``ContainerId.key``): a user below a live one
-        (``live.child``) is kept with it, since nested containers are not recorded anywhere else
-        and may still have the volume mounted.
-        """
-        keep = set(live)
+        """At recovery: drop user records of containers not in ``live``; returns the dropped ids."""
+        keep = {_user_file(c) for c in live}
         dropped = []
         with self._lock():
             for version in self._user_versions():
                 d = os.path.join(self.users_root, version)
                 for name in os.listdir(d):
-                    user = urllib.parse.unquote(name)
-                    if not _kept(user, keep):
+                    if name not in keep:
                         os.unlink(os.path.join(d, name))
-                        dropped.append(user)
+                        dropped.append(urllib.parse.unquote(name))
         return tuple(sorted(set(dropped)))
 
     def users(self) -> dict[str, tuple[str, ...]]:
@@ -164,12 +158,6 @@ class VolumeManager:
                 removed.append(self.builder.path_of(version))
             shutil.rmtree(d, ignore_errors=True)
         return tuple(removed)
-
-
-def _kept(user: str, live: set[str]) -> bool:
-    """``user`` is live, or nested (after a '.') below a live user."""
-    parts = user.split(".")
-    return any(".".join(parts[:i]) in live for i in range(1, len(parts) + 1))
 
 
 def _user_file(container_id: str) -> str:

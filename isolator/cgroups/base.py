@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Iterable
 
 from isolator.devices import NVIDIA_MAJOR
-from isolator.errors import CgroupError, CgroupVanished, FailedPrecondition, IsolatorError
+from isolator.errors import CgroupError, CgroupVanished, InvalidArgument, IsolatorError
 from isolator.model import ContainerId
 
 LOG = logging.getLogger(__name__)
@@ -22,8 +22,28 @@ LOG = logging.getLogger(__name__)
 MODES = ("mesos", "standalone")
 
 
+# Names the cgroup filesystem gives its own files (cgroup v1 core and devices controller, cgroup v2
+# core): a container ID spelled like one cannot be a cgroup's directory (mkdir finds the file).
+CONTROL_FILES = frozenset({"tasks", "notify_on_release", "release_agent"})
+# cgroup v2 puts every enabled controller's files in each cgroup ('memory.max', 'pids.max', ...).
+CONTROL_PREFIXES = tuple(
+    f"{c}."
+    for c in (
+        "cgroup", "devices", "memory", "cpu", "cpuacct", "cpuset", "io", "blkio", "pids", "freezer",
+        "hugetlb", "misc", "rdma", "net_cls", "net_prio", "perf_event",
+    )
+)  # fmt: skip
+
+
 def mesos_relative_path(container: ContainerId) -> str:
-    """Mesos's ``containerizer::paths::getCgroupPath`` below cgroups_root: ``a/mesos/b/mesos/c``."""
+    """Mesos's ``containerizer::paths::getCgroupPath`` below cgroups_root: ``a/mesos/b/mesos/c``.
+
+    ``InvalidArgument`` for an ID that names a control file of the cgroup filesystem."""
+    for value in container.chain():
+        if value in CONTROL_FILES or value.startswith(CONTROL_PREFIXES):
+            raise InvalidArgument(
+                f"container ID '{value}' cannot name a cgroup: the cgroup filesystem uses that name for its own files"
+            )
     return "/mesos/".join(container.chain())
 
 
@@ -109,13 +129,6 @@ def write_pid(cgroup: str, pid: int) -> None:
     except FileNotFoundError as exc:
         raise CgroupVanished(op="write", path=path) from exc
     except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            # cgroup_procs_write refuses kernel threads (PF_NO_SETAFFINITY, e.g. kthreadd, pid 2)
-            # with EINVAL: what the caller sent can never be isolated, not an error of ours.
-            raise FailedPrecondition(
-                f"failed to write '{path}': pid {pid} cannot change cgroups (the kernel refuses; "
-                "it is a kernel thread, not a container's init)"
-            ) from exc
         cause = "no such process" if exc.errno == errno.ESRCH else exc.strerror or str(exc)
         raise CgroupError(op="write", path=path, cause=f"pid {pid}: {cause}") from exc
 

@@ -118,28 +118,22 @@ class Admin:
             gpu_indices=info.gpu_indices,
             cgroup=self._rules_cgroup(cid)[1],
             mode=info.mode,
-            volume_version=volume_of.get(cid.key, ""),
+            volume_version=volume_of.get(cid.key(), ""),
             state=info.state,
             created=info.created,
         )
 
     def _volume_users(self) -> dict[str, str]:
-        """Container key (``ContainerId.key``) -> driver version of the volume it uses."""
-        volumes = self.core.volumes
-        if volumes is None:
-            return {}
-        out: dict[str, str] = {}
+        """Container key (``ContainerId.key()``) -> driver version of the volume it uses."""
         try:
-            for vol in volumes.volumes():
-                for user in vol.get("users", ()):
-                    out[user] = str(vol.get("driver_version", ""))
+            return self.core.volume_users()
         except Exception as exc:  # a display view: an unreadable volume root must not hide containers
             LOG.warning("failed to read the driver volumes' users: %s", exc)
-        return out
+            return {}
 
     def _nested_ids(self, root: ContainerId, volume_of: dict[str, str]) -> list[ContainerId]:
         found: set[tuple[str, ...]] = set()
-        prefix = root.key + "."
+        prefix = root.key() + "."
         for user in volume_of:
             if user.startswith(prefix):
                 with contextlib.suppress(IsolatorError):

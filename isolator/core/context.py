@@ -208,8 +208,29 @@ class Core:
         self.notify()
 
     def release_volume(self, cid: ContainerId) -> None:
+        """Forget ``cid`` as a user of the driver volume; a top-level container takes the records of
+        its nested containers with it (they cannot outlive it, and may have died unseen)."""
+        if self.volumes is None:
+            return
+        try:
+            keys = [cid.key()]
+            if not cid.nested:
+                keys += [u for u in self.volume_users() if _root_key(u) == keys[0] and u != keys[0]]
+            for key in keys:
+                self.volumes.release(key, self.inventory.driver_version)
+        except Exception as exc:  # the container is gone either way; a stale user file is harmless
+            LOG.warning("failed to release the volume of container %s: %s", cid, exc)
+
+    def volume_users(self) -> dict[str, str]:
+        """Every driver-volume user (a container's ``key()``) -> the driver version of its volume."""
+        out: dict[str, str] = {}
         if self.volumes is not None:
-            try:
-                self.volumes.release(cid.key, self.inventory.driver_version)
-            except Exception as exc:  # the container is gone either way; a stale user file is harmless
-                LOG.warning("failed to release the volume of container %s: %s", cid, exc)
+            for vol in self.volumes.volumes():
+                for user in vol.get("users", ()):
+                    out[str(user)] = str(vol.get("driver_version", ""))
+        return out
+
+
+def _root_key(key: str) -> str:
+    """The top-level container's part of a ``ContainerId.key()`` (escaped IDs hold no '.')."""
+    return key.split(".", 1)[0]

@@ -135,23 +135,14 @@ class Hooks:
         # the volume and device nodes for their own rootfs and use their top-level container's GPUs.
         # Both get the top-level container's rules in a cgroup of their own where the agent made one.
         core = self.core
-        if core.store.get(cid.root) is None:
-            # Mesos prepares a parent before its nested containers; a nested Prepare under a parent we
-            # never prepared (or already cleaned up) would otherwise run with no GPUs and no record
-            # to clean it up by. FAILED_PRECONDITION, not NOT_FOUND: the nested container itself is
-            # what is being created; what is missing is the state it depends on.
-            raise FailedPrecondition(
-                f"nested container {cid} cannot be prepared: its top-level container {cid.root} "
-                "was never prepared here (or was already cleaned up)"
-            )
         if config.container_class == "DEBUG":
             with core.locks.hold(cid):
+                self._require_top_level(cid)
                 self._rules_for_nested(cid, config)
             return None
         image_plan = self._image_plan(config)
         with core.locks.hold(cid):
-            root = core.store.get(cid.root)
-            minors = root.gpus if root is not None else frozenset()
+            minors = self._require_top_level(cid).gpus
             undo: Undo = []
             try:
                 if self._rules_for_nested(cid, config):
@@ -162,6 +153,16 @@ class Hooks:
                 raise
         LOG.info("prepared nested %s", core.describe(cid, minors))
         return info
+
+    def _require_top_level(self, cid: ContainerId) -> ContainerRecord:
+        # Mesos prepares a top-level container (with every isolator) before anything nested in it;
+        # a nested container whose top-level one we never prepared is one we cannot account for.
+        rec = self.core.store.get(cid.root)
+        if rec is None:
+            raise FailedPrecondition(
+                f"nested container {cid}: its top-level container {cid.root} was never prepared with this sidecar"
+            )
+        return rec
 
     def _rules_for_nested(self, cid: ContainerId, config: ContainerConfig) -> bool:
         """Give a nested container that has a devices cgroup of its own its top-level container's rules.
@@ -256,7 +257,7 @@ class Hooks:
         if core.volumes is None:
             raise FailedPrecondition("the image asks for the driver volume but no volume root is configured")
         try:
-            volume = core.volumes.acquire(cid.key, plan.facts.driver_version)
+            volume = core.volumes.acquire(cid.key(), plan.facts.driver_version)
             undo.append(lambda: core.release_volume(cid))
             crashpoint("prepare.volume")
             injection = plan_injection(config.rootfs, plan.image, volume.path, plan.facts)
@@ -300,6 +301,8 @@ class Hooks:
             raise InvalidArgument(f"pid {pid} is not a valid container pid")
         if not core.edges.processes.exists(pid):
             raise FailedPrecondition(f"pid {pid} does not exist (the container's init is gone)")
+        if core.edges.processes.kernel_thread(pid):
+            raise FailedPrecondition(f"pid {pid} is a kernel thread; only a container's own processes are isolated")
         with core.locks.hold(container_id):
             rec = core.require(container_id.root)
             target = core.governing(container_id)

@@ -238,6 +238,8 @@ class Processes(Protocol):
 
     def sidecar_pids(self) -> frozenset[int]: ...  # the sidecar and its ancestors
 
+    def kernel_thread(self, pid: int) -> bool: ...  # kthreadd and its children (no cgroup of a container)
+
 
 class Filesystem(Protocol):
     """The few filesystem questions the core asks about a container's rootfs."""

@@ -219,9 +219,11 @@ class Recovery:
             live = core.store.load()
             result.recovered = len(live)
             if core.volumes is not None:
-                # Nested containers are not recorded: their users are kept with their top-level
-                # container (the agent cleans them up before it), never dropped as unknown.
-                core.volumes.reconcile(c.key for c in live)
+                # Keep the users of live top-level containers and of everything nested in them:
+                # nested containers are never recorded, and their volume must outlive a Recover.
+                roots = {c.key() for c in live}
+                keep = roots | {u for u in core.volume_users() if u.split(".", 1)[0] in roots}
+                core.volumes.reconcile(keep)
         core.notify()
         LOG.info("recovered %d containers, released %d", result.recovered, result.released)
         return result

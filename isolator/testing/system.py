@@ -29,13 +29,18 @@ class FakeProcesses:
         self._lock = threading.Lock()
         self._next = first_pid
         self.own: set[int] = {1, 600, 601}
-        self.alive: set[int] = set(self.own)
+        self.kernel: set[int] = {2}  # kthreadd
+        self.alive: set[int] = self.own | self.kernel
 
     def pin(self, pid: int) -> _Pinned | None:
         return _Pinned(self, pid) if self.exists(pid) else None
 
     def sidecar_pids(self) -> frozenset[int]:
         return frozenset(self.own)
+
+    def kernel_thread(self, pid: int) -> bool:
+        with self._lock:
+            return pid in self.kernel and pid in self.alive
 
     def spawn(self) -> int:
         with self._lock:

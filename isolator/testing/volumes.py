@@ -53,10 +53,8 @@ class FakeVolumes:
         dropped = set()
         with self._lock:
             for users in self.users.values():
-                # As the manager: '.'-joined chains; a user nested below a live one is kept.
-                gone = {u for u in users if not _kept(u, keep)}
-                dropped |= gone
-                users -= gone
+                dropped |= users - keep
+                users &= keep
         return tuple(sorted(dropped))
 
     def volumes(self) -> list[dict[str, Any]]:
@@ -70,8 +68,3 @@ class FakeVolumes:
     def in_use_by(self, container_id: str) -> bool:
         with self._lock:
             return any(container_id in u for u in self.users.values())
-
-
-def _kept(user: str, live: set[str]) -> bool:
-    parts = user.split(".")
-    return any(".".join(parts[:i]) in live for i in range(1, len(parts) + 1))

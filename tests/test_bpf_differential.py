@@ -640,6 +640,8 @@ UNSUPPORTED = {
     "uninitialized stack": [*PROLOGUE, Insn(0x79, R6, R10, -8), Insn(0xBF, R0, R6), Insn(0x57, R0, imm=1), Insn(EXIT)],
     # bpf_get_current_uid_gid (helper 15) is allowed in cgroup device programs.
     "helper call": [*PROLOGUE, Insn(0x85, imm=15), Insn(0x57, R0, imm=1), Insn(EXIT)],
+    # Signed division (BPF_SDIV: ALU64 DIV with off 1; cpu v4, Linux 6.6) of the major by 3.
+    "signed division": [*PROLOGUE, Insn(0x37, R4, off=1, imm=3), Insn(MOV32_K, R0, imm=1), Insn(EXIT)],
     # BPF_END (byte swap to big endian, 32 bits) of the major.
     "byte swap": [*PROLOGUE, Insn(0xDC, R4, imm=32), Insn(MOV32_K, R0, imm=1), Insn(EXIT)],
 }
@@ -650,7 +652,10 @@ def test_programs_the_kernel_runs_but_the_evaluator_does_not_model_are_reported_
     oracle: Oracle, name: str
 ) -> None:
     insns = UNSUPPORTED[name]
-    oracle.verdicts(bpfprog.assemble(insns))  # a real program: the kernel loads and runs it
+    try:
+        oracle.verdicts(bpfprog.assemble(insns))  # a real program: the kernel loads and runs it
+    except BpfError as exc:
+        pytest.skip(f"this kernel does not load the {name} program: {str(exc)[:120]}")
     with pytest.raises(UnsupportedProgram):
         bpfprog.evaluate(insns, REQUESTS[0])
     with pytest.raises(UnsupportedProgram):

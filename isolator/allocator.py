@@ -6,8 +6,8 @@ minor (``/dev/nvidia<minor>``, what the kernel, the state store and Mesos's ``19
 
 from __future__ import annotations
 
+import itertools
 import logging
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -42,18 +42,36 @@ NVLINK_POINTS = 100
 # go-nvml maps lane counts above 18 to EighteenNVLINKLinks; 18 is also H100's lane count.
 MAX_LANES = 18
 
+# The tolerance of "best now" (docs/allocator.md, "Look-ahead"): on a pair joined by NVLink the
+# traffic runs over the lanes, so the PCIe level below the CPU's root complex (same board, PIX, PXB,
+# PHB) does not change what the pair can do; NODE and SYS still count (they cross host bridges or
+# sockets). A pair's *tier* is its score with those four levels made equal on NVLink pairs. PCIe-only
+# pairs keep their exact level: there the PCIe path is the data path.
+TIER_CLASS = {60: 30, 50: 30, 40: 30, 30: 30, 20: 20, 10: 10}
+
 # With fewer than two GPUs a set has no pairs; it then has no slowest link to compare.
 NO_PAIRS = -1
 
-# How many equally good sets the search keeps for the tie-breaks (NUMA spread, what is left).
-# Symmetric hosts (NVSwitch) have thousands of equal sets; past this many the later ones add little.
-MAX_TIES = 64
+# The search budget in expanded partial sets (SearchLimits); see docs/allocator.md, "Search budget".
+DEFAULT_MAX_CANDIDATES = 2_500
+
+# Bisections tried exactly up to this many GPUs in a group (C(16, 8) / 2 = 6,435 splits); larger
+# groups without a natural split are halved greedily (still deterministic).
+EXACT_BISECTION_MAX = 16
 
 
 def pair_points(link: Link) -> int:
     """The score of one GPU pair: PCIe points plus 100 per NVLink lane (capped at 18 lanes)."""
     lanes = min(max(int(link.nvlink_lanes), 0), MAX_LANES)
     return PCIE_POINTS.get(_level(link.pcie), PCIE_POINTS[PcieLevel.SYSTEM]) + NVLINK_POINTS * lanes
+
+
+def pair_tier(link: Link) -> int:
+    """The pair's score up to the tolerance: PIX, PXB, PHB and same board are one class on an
+    NVLink pair (the lanes carry the traffic); exact on PCIe-only pairs."""
+    lanes = min(max(int(link.nvlink_lanes), 0), MAX_LANES)
+    points = PCIE_POINTS.get(_level(link.pcie), PCIE_POINTS[PcieLevel.SYSTEM])
+    return NVLINK_POINTS * lanes + (TIER_CLASS[points] if lanes else points)
 
 
 def _level(value: object) -> PcieLevel:
@@ -78,6 +96,18 @@ class Fabric:
     score: tuple[tuple[int, ...], ...]
     repairs: tuple[str, ...] = ()
     position: Mapping[int, int] = field(default_factory=dict)
+    # The score up to the tolerance (pair_tier), same layout as ``score``.
+    tier: tuple[tuple[int, ...], ...] = ()
+    # The host's groups (docs/allocator.md, "Look-ahead"): bit masks over positions, each of two or
+    # more GPUs, the whole host first; ``ancestors[p]`` are the groups holding position p.
+    groups: tuple[int, ...] = ()
+    ancestors: tuple[tuple[int, ...], ...] = ()
+    # Per position, the other positions by tier, best first; and the most the exact score of a pair
+    # exceeds its tier (for the search's bounds).
+    ranked: tuple[tuple[int, ...], ...] = ()
+    max_gap: int = 0
+    # The groups as position tuples (same order as ``groups``).
+    members: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def of(cls, topology: Topology) -> Fabric:
@@ -90,6 +120,7 @@ class Fabric:
         n = len(gpus)
         default = pair_points(Link())
         matrix = [[0 if i == j else default for j in range(n)] for i in range(n)]
+        tiers = [[0 if i == j else pair_tier(Link()) for j in range(n)] for i in range(n)]
         seen: dict[tuple[int, int], int] = {}
         repairs: list[str] = []
         for key, link in topology.links.items():
@@ -97,6 +128,7 @@ class Fabric:
                 a, b = key
                 pa, pb = by_index[a], by_index[b]
                 points = pair_points(link)
+                tier = pair_tier(link)
             except (KeyError, TypeError, ValueError, AttributeError):
                 repairs.append(f"ignored link {key!r}: it does not name two GPUs of this host")
                 continue
@@ -107,22 +139,38 @@ class Fabric:
             if pair in seen and seen[pair] != points:
                 # Asymmetric inventory (k8s-device-plugin #448 panics here): trust the weaker side.
                 repairs.append(f"link {key!r} differs by direction ({seen[pair]} vs {points}); using the weaker")
-                points = min(points, seen[pair])
+                if seen[pair] < points:
+                    points, tier = seen[pair], tiers[pa][pb]
             seen[pair] = points
             matrix[pa][pb] = matrix[pb][pa] = points
+            tiers[pa][pb] = tiers[pb][pa] = tier
         for i in range(n):
             for j in range(i + 1, n):
                 if (i, j) not in seen:
                     repairs.append(f"no link between minors {minors[i]} and {minors[j]}; assuming SYS")
         for line in repairs:
             LOG.warning("topology: %s", line)
+        tier_rows = tuple(tuple(row) for row in tiers)
+        groups = host_groups(tier_rows)
         return cls(
             minors=minors,
             numa=tuple(g.numa_node for g in gpus),
             score=tuple(tuple(row) for row in matrix),
             repairs=tuple(repairs),
             position={m: p for p, m in enumerate(minors)},
+            tier=tier_rows,
+            groups=groups,
+            ancestors=tuple(tuple(i for i, g in enumerate(groups) if g >> p & 1) for p in range(n)),
+            ranked=tuple(
+                tuple(sorted((d for d in range(n) if d != c), key=lambda d: (-tier_rows[c][d], d))) for c in range(n)
+            ),
+            max_gap=max((matrix[a][b] - tiers[a][b] for a in range(n) for b in range(a)), default=0),
+            members=tuple(tuple(p for p in range(n) if g >> p & 1) for g in groups),
         )
+
+    def group_minors(self) -> list[tuple[int, ...]]:
+        """The host's groups as minors, the whole host first (for docs, logs and tests)."""
+        return [tuple(m for p, m in enumerate(self.minors) if g >> p & 1) for g in self.groups]
 
     def pair(self, a: int, b: int) -> int:
         """The score between minors ``a`` and ``b``."""
@@ -143,15 +191,110 @@ class Fabric:
     def numa_nodes(self, minors: Iterable[int]) -> int:
         return len({self.numa[self.position[m]] for m in minors} - {None})
 
+    def tier_score(self, minors: Iterable[int]) -> tuple[int, int]:
+        """``(slowest pair tier, sum of pair tiers)``: the "now" quality up to the tolerance."""
+        pos = [self.position[m] for m in minors]
+        total, slowest = 0, NO_PAIRS
+        for i, a in enumerate(pos):
+            row = self.tier[a]
+            for b in pos[i + 1 :]:
+                t = row[b]
+                total += t
+                slowest = t if slowest == NO_PAIRS else min(slowest, t)
+        return slowest, total
+
+
+def host_groups(tier: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+    """The host's groups, as bit masks over positions: the whole host, then recursively the parts
+    it falls into. A group whose pairs are all alike (one NVSwitch socket) has no parts. Otherwise
+    its parts are the connected components of its pairs better than its weakest pair (sockets,
+    boards, PCIe switches); when that leaves it whole (DGX-1's cube mesh, where NV2 links cross the
+    sockets), it is halved where the halves' slowest pair, then their total, is best (DGX-1's two
+    NVLink quads, then inside a quad the two NV2 pairs that leave no NV1 pair behind)."""
+    n = len(tier)
+    out: list[int] = []
+
+    def visit(group: list[int]) -> None:
+        if len(group) < 2:
+            return
+        out.append(sum(1 << p for p in group))
+        for part in _parts(tier, group):
+            visit(part)
+
+    visit(list(range(n)))
+    return tuple(out)
+
+
+def _parts(tier: tuple[tuple[int, ...], ...], group: list[int]) -> list[list[int]]:
+    values = [tier[a][b] for i, a in enumerate(group) for b in group[i + 1 :]]
+    low = min(values)
+    if low == max(values):
+        return []
+    # Connected components of the pairs better than the weakest.
+    parts: list[list[int]] = []
+    seen: set[int] = set()
+    for start in group:
+        if start in seen:
+            continue
+        comp, stack = [], [start]
+        seen.add(start)
+        while stack:
+            a = stack.pop()
+            comp.append(a)
+            for b in group:
+                if b not in seen and tier[a][b] > low:
+                    seen.add(b)
+                    stack.append(b)
+        parts.append(sorted(comp))
+    if len(parts) > 1:
+        return parts
+    return _bisect(tier, group)
+
+
+def _bisect(tier: tuple[tuple[int, ...], ...], group: list[int]) -> list[list[int]]:
+    def quality(half: list[int]) -> tuple[int, int]:
+        lo, total = None, 0
+        for i, a in enumerate(half):
+            for b in half[i + 1 :]:
+                t = tier[a][b]
+                total += t
+                lo = t if lo is None or t < lo else lo
+        return (lo if lo is not None else 10**9), total
+
+    size = len(group) // 2
+    first, rest = group[0], group[1:]
+    if len(group) <= EXACT_BISECTION_MAX:
+        best_key, best = None, None
+        # ``first`` stays in the larger (or, for even groups, the first) half: each split once.
+        for mates in itertools.combinations(rest, len(group) - size - 1):
+            a = [first, *mates]
+            b = [p for p in rest if p not in mates]
+            (la, sa), (lb, sb) = quality(a), quality(b)
+            key = (min(la, lb), sa + sb)
+            if best_key is None or key > best_key:
+                best_key, best = key, (a, b)
+        assert best is not None
+        return [sorted(best[0]), sorted(best[1])]
+    # Large group with no natural split: grow one half from its first GPU, best-linked first.
+    half = [first]
+    pool = list(rest)
+    while len(half) < len(group) - size:
+        c = max(pool, key=lambda c: (min(tier[c][h] for h in half), sum(tier[c][h] for h in half), -c))
+        half.append(c)
+        pool.remove(c)
+    return [sorted(half), sorted(pool)]
+
 
 @dataclass(frozen=True)
 class SearchLimits:
-    """Bounds on the exact search. ``max_nodes`` is deterministic (same input, same answer on any
-    machine); ``deadline_s`` is the wall-clock safety net. Either one ends the search early, and the
-    best set found so far (never worse than the greedy start) is returned with ``exact=False``."""
+    """The search's work budget, counted in candidates examined (never in seconds, so the
+    same input gives the same answer at any load and on any machine). When the budget runs out the
+    best set found so far (never worse than the greedy start) is returned with ``exact=False``.
 
-    max_nodes: int = 50_000
-    deadline_s: float = 0.004
+    The default is chosen so that the worst decision measured on the shipped hosts and on 16- and
+    32-GPU hosts stays under the decision-time goal (docs/allocator.md, "Search budget")."""
+
+    max_candidates: int = DEFAULT_MAX_CANDIDATES
 
 
 @dataclass(frozen=True)
@@ -164,7 +307,7 @@ class Choice:
     score: int = 0
     slowest: int = NO_PAIRS
     exact: bool = True
-    nodes: int = 0
+    work: int = 0
 
 
 @dataclass(frozen=True)
@@ -191,32 +334,35 @@ def choose(
     """Pick ``count`` GPUs out of ``available`` (free and healthy minors).
 
     ``holding`` are minors the container already has (a grow): the new GPUs are chosen to connect
-    well with them, and they are never returned again. The result has exactly ``count`` distinct
-    minors from ``available``, or a typed error: InvalidGpuCount, GpusExhausted, UnknownGpus.
+    well with them. A held GPU cannot also be available (InvalidArgument). The result has exactly
+    ``count`` distinct minors from ``available``, or a typed error: InvalidGpuCount, GpusExhausted,
+    UnknownGpus, InvalidArgument.
     """
     n = checked_gpu_count(count)
     if policy not in POLICIES:
         raise InvalidArgument(f"unknown allocation policy {policy!r} (known: {', '.join(POLICIES)})")
     held = _known(fabric, holding)
-    free = _known(fabric, available) - held
+    free = _known(fabric, available)
+    both = sorted(held & free)
+    if both:
+        raise InvalidArgument(f"GPUs {both} are given as both held and available")
     if n > len(free):
         raise GpusExhausted(requested=n, available=len(free))
     if n == 0:
-        return _describe(fabric, (), held, policy, exact=True, nodes=0)
+        return _describe(fabric, (), held, policy, exact=True, work=0)
     if policy == FIRST_FIT:
         # Mesos's NvidiaGpuAllocator: the first `count` elements of an ordered set (lowest minors).
-        return _describe(fabric, tuple(sorted(free)[:n]), held, policy, exact=True, nodes=0)
+        return _describe(fabric, tuple(sorted(free)[:n]), held, policy, exact=True, work=0)
     pos = fabric.position
     found = _topology_search(
-        fabric.score,
-        fabric.numa,
+        fabric,
         fixed=sorted(pos[m] for m in held),
         cands=sorted(pos[m] for m in free),
         k=n,
         limits=limits or SearchLimits(),
     )
     return _describe(
-        fabric, tuple(fabric.minors[p] for p in found.chosen), held, policy, exact=found.exact, nodes=found.nodes
+        fabric, tuple(fabric.minors[p] for p in found.chosen), held, policy, exact=found.exact, work=found.work
     )
 
 
@@ -245,7 +391,7 @@ def plan_update(
         return UpdatePlan(add=choice.gpus, choice=choice)
     if policy == FIRST_FIT:
         keep = tuple(sorted(held)[:n])
-        choice = _describe(fabric, keep, frozenset(), policy, exact=True, nodes=0)
+        choice = _describe(fabric, keep, frozenset(), policy, exact=True, work=0)
     else:
         # Among equally connected sets to keep, the tie-break prefers releasing GPUs that still pair
         # well with each other (what is left, here, is what is released).
@@ -263,104 +409,332 @@ def _known(fabric: Fabric, minors: Iterable[int]) -> frozenset[int]:
 
 
 def _describe(
-    fabric: Fabric, new: tuple[int, ...], held: frozenset[int], policy: str, *, exact: bool, nodes: int
+    fabric: Fabric, new: tuple[int, ...], held: frozenset[int], policy: str, *, exact: bool, work: int
 ) -> Choice:
     total, slowest = fabric.set_score((*held, *new))
-    return Choice(gpus=tuple(sorted(new)), policy=policy, score=total, slowest=slowest, exact=exact, nodes=nodes)
+    return Choice(gpus=tuple(sorted(new)), policy=policy, score=total, slowest=slowest, exact=exact, work=work)
 
 
 # ---- the topology search -------------------------------------------------------------------------
 #
-# Objective, lexicographic, for the resulting set S = fixed + chosen:
-#   1. the slowest pair in S, highest first: a ring collective runs at its slowest link
-#      (nccl-tests #178: 208 GB/s on an NVLink pair, 20 GB/s once a PCIe-only GPU joins);
-#   2. the sum of pair scores (go-gpuallocator's score);
+# Objective (docs/allocator.md has the cases behind each rule), for the resulting set S = held +
+# chosen out of the free GPUs F, compared in this order:
+#   1. the slowest pair's tier, highest first (a ring collective runs at its slowest link:
+#      nccl-tests #178); a tier is the pair score up to the stated tolerance (pair_tier);
+#   2. the sum of pair tiers;
 #   3. fewer NUMA nodes;
-#   4. what is left for later requests, best first: the total score of the pairs among the
-#      remaining free GPUs, then the sum over them of each one's best remaining partner (the
-#      insight behind go-gpuallocator's partitions, without sacrificing the current request for a
-#      guess about the sizes of future ones). For a single GPU this is the whole decision: take the
-#      GPU whose loss hurts the remaining pairs least, i.e. the least connected one, which fills
-#      partly used groups before breaking whole ones (k8s-device-plugin #1193, go-gpuallocator #18);
-#   5. the lowest minors, so that the answer is deterministic.
-# Search: the best slowest link is found by trying thresholds from the highest pair score down and
-# asking for a set whose pairs all reach it (a clique); within the first threshold that has one,
-# branch and bound maximises the sum. A greedy set seeds the bound and is the fallback answer.
+#   4. look-ahead: what the choice breaks of the host's groups that are wholly free in F, the
+#      largest groups first (keep whole sockets, NVSwitch partitions, NVLink quads and the pairs
+#      inside them; take from groups already broken);
+#   5. the slowest pair's exact score, then the exact sum (go-gpuallocator's score);
+#   6. take the GPUs least connected to the rest of F (the sum of their scores into F, lowest);
+#   7. the lowest minors (the sorted tuple, smallest first): the stated tie rule.
+# Search: the best slowest tier is found by trying tier thresholds from the top down and asking for a
+# set whose pairs all reach it (a clique); within the first threshold that has one, a depth-first
+# branch and bound maximises rules 2-7 together. Every bound is a true upper bound, so the search
+# is exact when it finishes. It counts its work in candidates examined (each partial set costs one
+# plus the GPUs it may still grow by); when the count passes the budget it returns the best set
+# found so far (never worse than the greedy start) with exact=False. Nothing reads a clock.
 
 
 @dataclass
 class _Found:
     chosen: tuple[int, ...]
     exact: bool
-    nodes: int
+    work: int
 
 
 class _Stop(Exception):
     pass
 
 
-class _Budget:
-    def __init__(self, limits: SearchLimits) -> None:
-        self.nodes = 0
-        self.max_nodes = limits.max_nodes
-        self.deadline = time.perf_counter() + limits.deadline_s
-        # The best (slowest link, sum, sets) seen so far, for an early stop.
-        self.partial: tuple[int, int, list[tuple[int, ...]]] | None = None
-
-    def tick(self) -> None:
-        self.nodes += 1
-        if self.nodes >= self.max_nodes or (self.nodes & 15 == 0 and time.perf_counter() >= self.deadline):
-            raise _Stop
-
-
-def _topology_search(
-    score: tuple[tuple[int, ...], ...],
-    numa: tuple[int | None, ...],
-    fixed: list[int],
-    cands: list[int],
-    k: int,
-    limits: SearchLimits,
-) -> _Found:
-    budget = _Budget(limits)
+def _topology_search(fabric: Fabric, fixed: list[int], cands: list[int], k: int, limits: SearchLimits) -> _Found:
     if k == len(cands):
         return _Found(tuple(cands), True, 0)
-    greedy = _greedy(score, fixed, cands, k)
-    best_min, best_sum = _key(score, fixed, greedy)
-    ties: list[tuple[int, ...]] = [greedy]
-    exact = True
-    if len(fixed) + k < 2:
-        ties = [(c,) for c in cands]  # one GPU, nothing held: no pairs, what is left decides
-    else:
-        # Thresholds: every pair score a result could have as its slowest link, above the greedy's.
-        fixed_min = _key(score, fixed, ())[0] if len(fixed) >= 2 else None
-        values = {score[a][b] for a in cands for b in (*fixed, *cands) if a != b}
-        thresholds = sorted((v for v in values if v >= best_min), reverse=True)
-        if fixed_min is not None:
-            thresholds = [t for t in thresholds if t <= fixed_min]
+    search = _Search(fabric, fixed, cands, k, limits.max_candidates)
+    return search.run()
+
+
+class _Search:
+    def __init__(self, fabric: Fabric, fixed: list[int], cands: list[int], k: int, max_candidates: int) -> None:
+        self.score = fabric.score
+        self.tier = fabric.tier
+        self.fixed = fixed
+        self.cands = cands
+        self.k = k
+        self.max_candidates = max_candidates
+        self.work = 0
+        free = 0
+        for c in cands:
+            free |= 1 << c
+        # Groups wholly free now, and for each candidate the ones it would break (by size rank).
+        sizes = sorted({g.bit_count() for g in fabric.groups}, reverse=True)
+        rank = {s: i for i, s in enumerate(sizes)}
+        self.n_ranks = len(sizes)
+        intact = {i for i, g in enumerate(fabric.groups) if g & ~free == 0}
+        self.breaks = {
+            c: tuple((i, rank[fabric.groups[i].bit_count()]) for i in fabric.ancestors[c] if i in intact) for c in cands
+        }
+        # NUMA nodes as bits (None is no node).
+        ids = {v: i for i, v in enumerate(sorted({x for x in fabric.numa if x is not None}))}
+        self.numa_bit = [0 if x is None else 1 << ids[x] for x in fabric.numa]
+        self.fixed_numa = 0
+        for f in fixed:
+            self.fixed_numa |= self.numa_bit[f]
+        self.deg = {c: sum(self.score[c][d] for d in cands if d != c) for c in cands}
+        self.max_gap = fabric.max_gap
+        self.members = fabric.members
+        self.fixed_sum = sum(self.score[a][b] for i, a in enumerate(fixed) for b in fixed[i + 1 :])
+        self.fixed_tsum = sum(self.tier[a][b] for i, a in enumerate(fixed) for b in fixed[i + 1 :])
+        self.fixed_min = min((self.score[a][b] for i, a in enumerate(fixed) for b in fixed[i + 1 :]), default=None)
+        self.fixed_tmin = min((self.tier[a][b] for i, a in enumerate(fixed) for b in fixed[i + 1 :]), default=None)
+        self.best_key: tuple[int, ...] | None = None
+        self.best_set: tuple[int, ...] = ()
+        # Every GPU's partners, best tier first, for the bound (filtered by the pool where used).
+        self.ranked = fabric.ranked
+
+    # -- the complete key of a set (rules 1-6; rule 7 is the set itself) --
+
+    def key(self, chosen: tuple[int, ...]) -> tuple[int, ...]:
+        members = [*self.fixed, *chosen]
+        tmin, tsum, rmin, rsum = None, 0, None, 0
+        for i, a in enumerate(members):
+            for b in members[i + 1 :]:
+                t, r = self.tier[a][b], self.score[a][b]
+                tsum += t
+                rsum += r
+                tmin = t if tmin is None or t < tmin else tmin
+                rmin = r if rmin is None or r < rmin else rmin
+        numa = self.fixed_numa
+        dmg = [0] * self.n_ranks
+        broken: set[int] = set()
+        for c in chosen:
+            numa |= self.numa_bit[c]
+            for g, r in self.breaks[c]:
+                if g not in broken:
+                    broken.add(g)
+                    dmg[r] += 1
+        return (
+            NO_PAIRS if tmin is None else tmin,
+            tsum,
+            -numa.bit_count(),
+            *(-d for d in dmg),
+            NO_PAIRS if rmin is None else rmin,
+            rsum,
+            -sum(self.deg[c] for c in chosen),
+        )
+
+    def offer(self, chosen: tuple[int, ...]) -> None:
+        key = self.key(chosen)
+        if self.best_key is None or key > self.best_key or (key == self.best_key and chosen < self.best_set):
+            self.best_key, self.best_set = key, chosen
+
+    def run(self) -> _Found:
+        greedy = _greedy(self.tier, self.fixed, self.cands, self.k)
+        self.offer(greedy)
+        if len(self.cands) > self.k and len(self.fixed) + self.k >= 2:
+            # More starts: the greedy set inside each smallest group that still holds enough free
+            # GPUs (on structured hosts the answer is usually there, and a good start prunes most).
+            free = set(self.cands)
+            counts = [(len(free.intersection(self.members[i])), i) for i in range(len(self.members))]
+            fits = [c for c in counts if self.k <= c[0] < len(self.cands)]
+            if fits:
+                smallest = min(c[0] for c in fits)
+                for count, i in fits:
+                    if count == smallest:
+                        inside = sorted(free.intersection(self.members[i]))
+                        self.offer(_greedy(self.tier, self.fixed, inside, self.k))
+        if len(self.fixed) + self.k < 2:
+            # One GPU, nothing held: no pairs; rules 3, 4, 6 and 7 decide, over every candidate.
+            for c in self.cands:
+                self.offer((c,))
+            return _Found(self.best_set, True, len(self.cands))
+        assert self.best_key is not None
+        floor = self.best_key[0]
+        values = {self.tier[a][b] for a in self.cands for b in (*self.fixed, *self.cands) if a != b}
+        thresholds = sorted((v for v in values if v >= floor), reverse=True)
+        if self.fixed_tmin is not None:
+            thresholds = [t for t in thresholds if t <= self.fixed_tmin]
+        exact = True
         try:
             for t in thresholds:
-                found = _best_clique(score, fixed, cands, k, t, best_sum if t == best_min else -1, budget)
-                if found:
-                    best_min, best_sum, ties = t, found[0], found[1]
+                if self._clique_search(t):
                     break
         except _Stop:
             exact = False
-            # A clique found at a threshold above the greedy's is better even if the sum search was cut.
-            if budget.partial is not None and budget.partial[:2] >= (best_min, best_sum):
-                best_min, best_sum, ties = budget.partial
-    chosen = _tie_break(score, numa, fixed, cands, ties)
-    return _Found(chosen, exact, budget.nodes)
+        return _Found(self.best_set, exact, self.work)
 
+    # -- branch and bound over the sets whose pairs all reach tier t --
 
-def _key(score: tuple[tuple[int, ...], ...], fixed: list[int], chosen: Iterable[int]) -> tuple[int, int]:
-    members = [*fixed, *chosen]
-    total, slowest = 0, NO_PAIRS
-    for i, a in enumerate(members):
-        for b in members[i + 1 :]:
-            s = score[a][b]
-            total += s
-            slowest = s if slowest == NO_PAIRS else min(slowest, s)
-    return slowest, total
+    def _clique_search(self, t: int) -> bool:
+        """Search the sets of slowest tier >= t; True when one was found (then it is the answer)."""
+        tier = self.tier
+        pool = [c for c in self.cands if all(tier[c][f] >= t for f in self.fixed)]
+        if len(pool) < self.k:
+            return False
+        gains = {c: sum(tier[c][f] for f in self.fixed) for c in pool}
+        raw_gains = {c: sum(self.score[c][f] for f in self.fixed) for c in pool}
+        self._t = t
+        self._dfs(
+            [], pool, gains, raw_gains, self.fixed_tsum, self.fixed_sum, self.fixed_min, self.fixed_numa, 0,
+            [0] * self.n_ranks, 0,
+        )  # fmt: skip
+        assert self.best_key is not None
+        return self.best_key[0] >= t
+
+    def _dfs(
+        self,
+        chosen: list[int],
+        pool: list[int],
+        gains: dict[int, int],
+        raw_gains: dict[int, int],
+        tsum: int,
+        rsum: int,
+        rmin: int | None,
+        numa: int,
+        broken: int,
+        dmg: list[int],
+        degsum: int,
+    ) -> None:
+        # Work is counted in candidates examined: a partial set costs one plus the GPUs it may grow by.
+        self.work += 1 + len(pool)
+        if self.work > self.max_candidates:
+            raise _Stop
+        left = self.k - len(chosen)
+        if left == 0:
+            self.offer(tuple(sorted(chosen)))
+            return
+        tier = self.tier
+        inpool = set(pool)
+        # Potential of each candidate: twice its gain plus its best left-1 tiers into the pool
+        # (each pair among later picks is shared by two picks, hence the halving below).
+        potential = {}
+        for c in pool:
+            top, want = 0, left - 1
+            if want:
+                for d in self.ranked[c]:
+                    if d in inpool:
+                        top += tier[c][d]
+                        want -= 1
+                        if want == 0:
+                            break
+            potential[c] = 2 * gains[c] + top
+        # Most promising first, so that good sets are found early and bound the rest.
+        order = sorted(pool, key=lambda c: (-potential[c], c))
+        members = len(self.fixed) + len(chosen)
+        new_pairs = left * members + left * (left - 1) // 2
+        # The incumbent only bounds this threshold once it reaches it (the greedy start may not).
+        best = self.best_key if self.best_key is not None and self.best_key[0] >= self._t else None
+        t = self._t
+        if left == 1:
+            # The last pick: each candidate completes a set; no partial set to grow.
+            for c in order:
+                bound = tsum + gains[c]
+                if best is not None:
+                    if bound < best[1]:
+                        break  # ``order`` runs by gain here (potential = 2 * gain)
+                    if bound == best[1] and not self._may_tie(
+                        chosen, c, [], 1, numa, broken, dmg, rmin, rsum, degsum, tsum, bound, new_pairs
+                    ):
+                        continue
+                self.offer(tuple(sorted([*chosen, c])))
+                best = self.best_key if self.best_key is not None and self.best_key[0] >= t else None
+            return
+        for i, c in enumerate(order):
+            rest = order[i + 1 :]
+            if len(rest) < left - 1:
+                break
+            row = tier[c]
+            nxt = [r for r in rest if row[r] >= t]
+            if len(nxt) < left - 1:
+                continue
+            # ``order`` runs by potential, highest first, so nxt's best left-1 come first.
+            bound = tsum + (potential[c] + sum(potential[r] for r in nxt[: left - 1])) // 2
+            if best is not None:
+                if bound < best[1]:
+                    continue
+                if bound == best[1] and not self._may_tie(
+                    chosen, c, nxt, left, numa, broken, dmg, rmin, rsum, degsum, tsum, bound, new_pairs
+                ):
+                    continue
+            # Extend.
+            cbroken, cdmg = broken, dmg
+            for g, r in self.breaks[c]:
+                if not cbroken >> g & 1:
+                    if cdmg is dmg:
+                        cdmg = list(dmg)
+                    cbroken |= 1 << g
+                    cdmg[r] += 1
+            srow = self.score[c]
+            crmin = rmin
+            for m in (*self.fixed, *chosen):
+                v = srow[m]
+                crmin = v if crmin is None or v < crmin else crmin
+            chosen.append(c)
+            self._dfs(
+                chosen,
+                nxt,
+                {r: gains[r] + row[r] for r in nxt},
+                {r: raw_gains[r] + srow[r] for r in nxt},
+                tsum + gains[c],
+                rsum + raw_gains[c],
+                crmin,
+                numa | self.numa_bit[c],
+                cbroken,
+                cdmg,
+                degsum + self.deg[c],
+            )
+            chosen.pop()
+            best = self.best_key if self.best_key is not None and self.best_key[0] >= t else None
+
+    def _may_tie(
+        self,
+        chosen: list[int],
+        c: int,
+        nxt: list[int],
+        left: int,
+        numa: int,
+        broken: int,
+        dmg: list[int],
+        rmin: int | None,
+        rsum: int,
+        degsum: int,
+        tsum: int,
+        bound: int,
+        new_pairs: int,
+    ) -> bool:
+        """With the tier sum at most equal to the best, can this branch still beat the best on the
+        later rules? Each bound below is optimistic, so False proves it cannot."""
+        best = self.best_key
+        assert best is not None
+        numa_c = (numa | self.numa_bit[c]).bit_count()
+        cdmg = list(dmg)
+        for g, r in self.breaks[c]:
+            if not broken >> g & 1:
+                cdmg[r] += 1
+        srow = self.score[c]
+        crmin = rmin
+        for m in (*self.fixed, *chosen):
+            v = srow[m]
+            crmin = v if crmin is None or v < crmin else crmin
+        rest_degs = sorted(self.deg[r] for r in nxt)[: left - 1]
+        ub = (
+            bound,
+            -numa_c,
+            *(-d for d in cdmg),
+            # The slowest pair is at most any pair of the set, e.g. c with its best next partner.
+            (max(srow[r] for r in nxt) if crmin is None else crmin),
+            rsum + (bound - tsum) + self.max_gap * new_pairs,
+            -(degsum + self.deg[c] + sum(rest_degs)),
+        )
+        rest = best[1:]
+        if ub < rest:
+            return False
+        if ub > rest:
+            return True
+        # Equal at best: only a lexicographically smaller set could win (rule 7).
+        smallest = tuple(sorted([*chosen, c, *sorted(nxt)[: left - 1]]))
+        return smallest < self.best_set
 
 
 def _greedy(score: tuple[tuple[int, ...], ...], fixed: list[int], cands: list[int], k: int) -> tuple[int, ...]:
@@ -382,113 +756,6 @@ def _greedy(score: tuple[tuple[int, ...], ...], fixed: list[int], cands: list[in
         chosen.append(c)
         pool.remove(c)
     return tuple(sorted(chosen))
-
-
-def _best_clique(
-    score: tuple[tuple[int, ...], ...],
-    fixed: list[int],
-    cands: list[int],
-    k: int,
-    t: int,
-    floor: int,
-    budget: _Budget,
-) -> tuple[int, list[tuple[int, ...]]] | None:
-    """The highest sum over k-sets whose pairs (with ``fixed``) all score at least ``t``, and up to
-    MAX_TIES sets reaching it; None when no such set has a sum of at least ``floor``."""
-    base = _key(score, fixed, ())[1]
-    # Candidates that link to every held GPU at t or better, with their gain towards the held set.
-    pool = [c for c in cands if all(score[c][f] >= t for f in fixed)]
-    if len(pool) < k:
-        return None
-    gains = {c: sum(score[c][f] for f in fixed) for c in pool}
-    # Each candidate's partners, best first, for the bound below.
-    ranked = {c: sorted((d for d in pool if d != c), key=lambda d: -score[c][d]) for c in pool}
-    best = [floor]
-    ties: list[tuple[int, ...]] = []
-    chosen: list[int] = []
-
-    def dfs(pool: list[int], gains: dict[int, int], total: int, left: int) -> None:
-        budget.tick()
-        if left == 0:
-            if total > best[0]:
-                best[0] = total
-                ties.clear()
-            if total == best[0] and len(ties) < MAX_TIES:
-                ties.append(tuple(sorted(chosen)))
-                budget.partial = (t, best[0], list(ties))
-            return
-        # Most promising first, so that good sums are found early and prune the rest.
-        order = sorted(pool, key=lambda c: -gains[c])
-        # Each pick adds its gain plus its pairs with the other picks; a GPU's share of those pairs
-        # is at most half the sum of its best `left - 1` scores into the pool (a pair is shared by
-        # two picks). The bound on a branch is the best `left` of these potentials.
-        inpool = set(pool)
-        potential = {}
-        for c in order:
-            top = 0
-            want = left - 1
-            for d in ranked[c]:
-                if want == 0:
-                    break
-                if d in inpool:
-                    top += score[c][d]
-                    want -= 1
-            potential[c] = 2 * gains[c] + top
-        for i, c in enumerate(order):
-            rest = order[i + 1 :]
-            if len(rest) < left - 1:
-                break
-            bound = total + (potential[c] + sum(sorted((potential[r] for r in rest), reverse=True)[: left - 1])) // 2
-            # Keep equal sums while collecting ties; afterwards only a strictly better sum helps.
-            if bound < best[0] or (bound == best[0] and len(ties) >= MAX_TIES):
-                continue
-            row = score[c]
-            nxt = [r for r in rest if row[r] >= t]
-            if len(nxt) < left - 1:
-                continue
-            chosen.append(c)
-            dfs(nxt, {r: gains[r] + row[r] for r in nxt}, total + gains[c], left - 1)
-            chosen.pop()
-
-    dfs(pool, gains, base, k)
-    if not ties:
-        return None
-    return best[0], ties
-
-
-def _tie_break(
-    score: tuple[tuple[int, ...], ...],
-    numa: tuple[int | None, ...],
-    fixed: list[int],
-    cands: list[int],
-    ties: list[tuple[int, ...]],
-) -> tuple[int, ...]:
-    if len(ties) == 1:
-        return ties[0]
-    partners = {c: sorted((d for d in cands if d != c), key=lambda d: -score[c][d]) for c in cands}
-    degree = {c: sum(score[c][d] for d in cands if d != c) for c in cands}
-    pool_total = sum(degree.values()) // 2
-
-    def leftover(chosen: tuple[int, ...]) -> tuple[int, int]:
-        taken = set(chosen)
-        best_partner = 0
-        for c in cands:
-            if c in taken:
-                continue
-            for d in partners[c]:
-                if d not in taken:
-                    best_partner += score[c][d]
-                    break
-        inner = sum(score[a][b] for i, a in enumerate(chosen) for b in chosen[i + 1 :])
-        remaining = pool_total - sum(degree[c] for c in chosen) + inner
-        return best_partner, remaining
-
-    def rank(chosen: tuple[int, ...]) -> tuple[int, int, int, tuple[int, ...]]:
-        nodes = len({numa[p] for p in (*fixed, *chosen)} - {None})
-        bp, rem = leftover(chosen)
-        return (-nodes, rem, bp, tuple(-p for p in chosen))
-
-    return max(ties, key=rank)
 
 
 # ---- the book ------------------------------------------------------------------------------------
@@ -533,7 +800,13 @@ class Allocator:
         (self._unhealthy.discard if healthy else self._unhealthy.add)(minor)
 
     def allocate(self, count: object, *, holding: Iterable[int] = ()) -> Choice:
+        """Choose and book ``count`` GPUs. ``holding``: the GPUs the container already has (a grow);
+        each must be on this host (UnknownGpus), allocated (GpusNotAllocated) and healthy
+        (GpusNotAvailable), or nothing is booked."""
         n = checked_gpu_count(count)
+        held = self._check_held(holding)
+        if held and self._unhealthy & held:
+            raise GpusNotAvailable(gpus=sorted(self._unhealthy & held), reason="unhealthy")
         free = self.available
         if n > len(free):
             raise GpusExhausted(
@@ -542,9 +815,16 @@ class Allocator:
                 requested=n,
                 available=len(free),
             )
-        choice = choose(self.fabric, free, n, self.policy, holding=holding, limits=self.limits)
+        choice = choose(self.fabric, free, n, self.policy, holding=held, limits=self.limits)
         self._allocated.update(choice.gpus)
         return choice
+
+    def _check_held(self, holding: Iterable[int]) -> frozenset[int]:
+        held = _known(self.fabric, holding)
+        unheld = sorted(held - self._allocated)
+        if unheld:
+            raise GpusNotAllocated(gpus=unheld)
+        return held
 
     def allocate_set(self, minors: Iterable[int]) -> frozenset[int]:
         """Allocate exactly these GPUs, all or nothing (Mesos's allocate(set))."""
@@ -577,5 +857,7 @@ class Allocator:
         return want
 
     def plan_update(self, holding: Iterable[int], target: object) -> UpdatePlan:
-        """Plan a grow or shrink for a container holding ``holding``; books nothing."""
-        return plan_update(self.fabric, holding, self.available, target, self.policy, limits=self.limits)
+        """Plan a grow or shrink for a container holding ``holding``; books nothing. Every held GPU
+        must be on this host (UnknownGpus) and allocated (GpusNotAllocated)."""
+        held = self._check_held(holding)
+        return plan_update(self.fabric, held, self.available, target, self.policy, limits=self.limits)

@@ -43,6 +43,7 @@ from isolator.errors import (
     Unimplemented,
     from_code,
 )
+from isolator.logfmt import hook_context
 from isolator.rpc import isolator_pb2 as pb
 
 LOG = logging.getLogger(__name__)
@@ -268,13 +269,41 @@ class _Context:
         return max(0.0, self._deadline - time.monotonic())
 
 
+def _container_hint(payload: bytes) -> str:
+    """The container ID an input names (``parent.child``), best effort, for the log line of a
+    refusal that happens before the request is a message; "" when there is none to read."""
+    try:
+        node = json.loads(payload).get("container_id")
+        chain: list[str] = []
+        while isinstance(node, dict) and len(chain) <= MAX_DEPTH:
+            chain.append(str(node.get("value", ""))[:256])
+            node = node.get("parent")
+        return ".".join(reversed(chain))
+    except (ValueError, AttributeError, RecursionError):
+        return ""
+
+
 def handle(servicer: Servicer, data: bytes) -> bytes:
     """One request's bytes -> the reply's bytes. Never raises."""
     method = "?"
     try:
         method, timeout, payload = parse_frame(data)
         call = CALLS[method]
-        request = decode_input(payload, call.request_type)
+        started = time.perf_counter()
+        try:
+            request = decode_input(payload, call.request_type)
+        except IsolatorError as exc:
+            # Refused before the servicer (whose error mapping logs and measures every call) runs:
+            # say so with the hook and the container, and count it as the servicer would.
+            with hook_context(call.rpc, _container_hint(payload)):
+                LOG.info("bridge %s refused: %s", method, exc.message)
+                observer = getattr(servicer, "observer", None)
+                if observer is not None:
+                    try:
+                        observer(call.rpc, exc.code, time.perf_counter() - started, None)
+                    except Exception:
+                        LOG.exception("observer of %s failed", call.rpc)
+            return error_reply(exc.code, exc.message)
         context = cast(grpc.ServicerContext, _Context(method, timeout))
         response = getattr(servicer, call.rpc)(request, context)
         return b"OK\n" + call.output(response)

@@ -474,7 +474,19 @@ def _run_serve(args: argparse.Namespace) -> int:
     from isolator import main as daemon
 
     config = configmod.resolve(args)
-    return daemon.serve(config)
+    try:
+        return daemon.serve(config)
+    except IsolatorError as exc:
+        if config.log_format != "json":
+            raise
+        # The daemon logs JSON: so is the line saying why it stops (one object, level critical).
+        import logging
+
+        from isolator.logfmt import JsonFormatter
+
+        record = logging.LogRecord("isolator", logging.CRITICAL, __file__, 0, "%s", (exc.message,), None)
+        print(JsonFormatter().format(record), file=sys.stderr)
+        return EXIT_NO_GPUS if isinstance(exc, GpusUnavailable) else EXIT_ERROR
 
 
 DEFAULT_CONFIG_TEXT = """\
@@ -485,12 +497,53 @@ work_dir = "/var/lib/gpu-isolator"
 """
 
 
-def unit_text(executable: str, config_path: str) -> str:
-    """The shipped unit with its placeholders filled in."""
+# What the unit's sandbox hides from the service: PrivateTmp=yes gives it empty /tmp and /var/tmp,
+# ProtectHome=yes empty /home, /root and /run/user. An installation or config file there is bound
+# read-only into the sandbox (BindReadOnlyPaths=; with ProtectHome=tmpfs, as systemd.exec(5)
+# recommends for exposing parts of a home), or the service could not even start.
+PRIVATE_TMP_DIRS = ("/tmp", "/var/tmp")
+HOME_DIRS = ("/home", "/root", "/run/user")
+
+
+def _under(path: str, roots: Sequence[str]) -> bool:
+    return any(path == root or path.startswith(root + "/") for root in roots)
+
+
+def hidden_by_sandbox(paths: Sequence[str]) -> list[str]:
+    """The outermost of ``paths`` that the unit's sandbox would hide (see PRIVATE_TMP_DIRS)."""
+    hidden = sorted({os.path.normpath(os.path.abspath(p)) for p in paths if p})
+    hidden = [p for p in hidden if _under(p, PRIVATE_TMP_DIRS + HOME_DIRS)]
+    return [p for p in hidden if not any(p != q and _under(p, (q,)) for q in hidden)]
+
+
+def _unit_word(word: str, command: bool = False) -> str:
+    """``word`` as one word of a unit file line: ``%`` specifiers and (in a command) ``$`` variables
+    escaped, quoted when it holds whitespace, quotes or backslashes."""
+    word = word.replace("%", "%%")
+    if command:
+        word = word.replace("$", "$$")
+    if not word or any(c.isspace() or c in "\"'\\;" for c in word):
+        word = '"' + word.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return word
+
+
+def unit_text(executable: str, config_path: str, read_only: Sequence[str] = ()) -> str:
+    """The shipped unit with its placeholders filled in; ``read_only``: directories the service
+    must read that its sandbox hides (``hidden_by_sandbox``)."""
     from importlib.resources import files
 
     template = files("isolator").joinpath("data/gpu-isolator.service").read_text()
-    return template.replace("@EXEC@", executable).replace("@CONFIG@", config_path)
+    exec_words = executable.split(" ") if executable.startswith(sys.executable + " ") else [executable]
+    text = template.replace("@EXEC@", " ".join(_unit_word(w, command=True) for w in exec_words))
+    text = text.replace("@CONFIG@", _unit_word(config_path, command=True))
+    if read_only:
+        lines = text.splitlines(keepends=True)
+        at = next(i for i, line in enumerate(lines) if line.startswith("ProtectHome="))
+        if any(_under(p, HOME_DIRS) for p in read_only):
+            lines[at] = "ProtectHome=tmpfs\n"
+        lines.insert(at + 1, "BindReadOnlyPaths=" + " ".join(_unit_word(p) for p in read_only) + "\n")
+        text = "".join(lines)
+    return text
 
 
 def _run_install_unit(args: argparse.Namespace) -> int:
@@ -510,15 +563,23 @@ def _run_install_unit(args: argparse.Namespace) -> int:
             with open(args.unit_config, "w") as fh:
                 fh.write(DEFAULT_CONFIG_TEXT)
             print(f"wrote {args.unit_config}")
+        config_path = os.path.abspath(args.unit_config)
+        import isolator
+
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(isolator.__file__)))
+        exe_dir = os.path.dirname(executable.split(" ")[0])
+        read_only = hidden_by_sandbox([sys.prefix, package_root, exe_dir, os.path.dirname(config_path)])
         tmp = unit_path + ".tmp"
         with open(tmp, "w") as fh:
-            fh.write(unit_text(executable, os.path.abspath(args.unit_config)))
+            fh.write(unit_text(executable, config_path, read_only))
         os.chmod(tmp, 0o644)
         os.replace(tmp, unit_path)
     except OSError as exc:
         _fail(f"install-unit: failed to write '{exc.filename}': {exc.strerror}")
         return EXIT_ERROR
     print(f"wrote {unit_path}")
+    if read_only:
+        print(f"bound read-only into the unit's sandbox, which would hide them: {' '.join(read_only)}")
     print("now: systemctl daemon-reload && systemctl enable --now gpu-isolator")
     return EXIT_OK
 

@@ -23,6 +23,8 @@ LOG = logging.getLogger(__name__)
 
 # Names this module writes; other files in the directory are left alone.
 OURS = re.compile(r"^\d+(\.\d+)?$")
+# Its temporary files (written, then renamed over a name above); one is left only by a crash mid-write.
+TMP_PREFIX = ".tmp-"
 # Hooks after which holdings may have changed.
 MUTATING = frozenset({"Recover", "Prepare", "Update", "Cleanup", "Release"})
 
@@ -64,7 +66,7 @@ class JobMapping:
             for name, ids in wanted.items():
                 self._write(name, "".join(f"{i}\n" for i in ids))
             for name in os.listdir(self.directory):
-                if OURS.match(name) and name not in wanted:
+                if (OURS.match(name) and name not in wanted) or name.startswith(TMP_PREFIX):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(os.path.join(self.directory, name))
 
@@ -76,7 +78,7 @@ class JobMapping:
                     return
         except FileNotFoundError:
             pass
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=TMP_PREFIX)
         try:
             with os.fdopen(fd, "w") as fh:
                 fh.write(text)

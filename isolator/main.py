@@ -12,7 +12,7 @@ import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from isolator import gpuflags
 from isolator.config import Config
@@ -221,6 +221,14 @@ def _audit_loop(
             LOG.exception("periodic drift audit failed; retrying in %s s", interval)
 
 
+def _nvml_of(service: IsolatorService) -> Inventory | None:
+    """The service's NVML inventory, or None on a node without GPUs (``--resources gpus:0``)."""
+    from isolator.system import EmptyInventory
+
+    inventory = service.core.inventory
+    return None if isinstance(inventory, EmptyInventory) else cast("Inventory", inventory)
+
+
 def serve(config: Config) -> int:
     """Run the sidecar until SIGTERM or SIGINT. Raises IsolatorError if it cannot start.
 
@@ -306,13 +314,33 @@ def serve(config: Config) -> int:
     if config.audit_interval > 0:
         audit = (service.audit, stop, config.audit_interval, metrics.audited if metrics is not None else _ignore)
         threading.Thread(target=_audit_loop, args=audit, name="audit", daemon=True).start()
-    notifier.ready(f"serving on {config.socket}")
+    serving = f"serving on {config.socket}"
+    notifier.ready(serving)
+    nvml = _nvml_of(service)
+    answering = True
+    rescans = nvml.rescans if nvml is not None else 0
     tick = 0.5 if notifier.watchdog_s is None else min(0.5, notifier.watchdog_s / 2)
     # Wake periodically so that signals are handled promptly whatever the platform's lock waits do,
     # and so that a wedged loop stops the watchdog pings (systemd then restarts the daemon).
     while not stop.wait(tick):
         if notifier.watchdog_s is not None:
             notifier.watchdog()
+        if nvml is not None and nvml.nvml_answering != answering:
+            # Health that follows NVML: grpc_health_probe says NOT_SERVING while no GPU can be handed out.
+            answering = not answering
+            server.set_serving(answering)
+            if answering:
+                LOG.warning("NVML answers again: the health service says SERVING")
+            else:
+                LOG.error("NVML does not answer: the health service says NOT_SERVING until it does")
+            notifier.notify(f"STATUS={serving if answering else 'NVML does not answer; no GPU can be handed out'}")
+        if nvml is not None and jobmap is not None and nvml.rescans != rescans:
+            # The GPUs were read again (a MIG mode change, a GPU back): the files follow the inventory.
+            rescans = nvml.rescans
+            try:
+                jobmap.sync()
+            except Exception:
+                LOG.exception("failed to update the job mapping in '%s'", config.job_mapping_dir)
     notifier.stopping()
     for stop_extra in extras:
         stop_extra()

@@ -32,6 +32,10 @@ PREFIX = "gpu_isolator"
 # Hook latencies: a cycle is milliseconds (README "Performance"); Watch may wait up to its deadline.
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 DEFAULT_PORT = 9400
+# Anyone who can connect is answered (on TCP, any local user): a connection silent for this long is
+# dropped, and at most this many are answered at once (more are closed as they are accepted).
+IO_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 16
 
 
 class Metrics:
@@ -60,6 +64,8 @@ class Metrics:
             ("kind",),
             registry=self.registry,
         )
+        for kind in ("recover", "reap", "audit"):
+            self.repairs.labels(kind)  # exported as 0 from the start, not from the first repair
         self.volume_builds = Counter(
             f"{PREFIX}_volume_builds", "Driver volumes built (not reused)", registry=self.registry
         )
@@ -138,6 +144,10 @@ def parse_address(value: str) -> tuple[str, Any]:
 
 
 class _Quiet(WSGIRequestHandler):
+    def setup(self) -> None:
+        self.timeout = IO_TIMEOUT_S  # type: ignore[misc]  # StreamRequestHandler.setup applies it
+        super().setup()
+
     def log_message(self, format: str, *args: Any) -> None:
         LOG.debug("metrics: " + format, *args)
 
@@ -145,17 +155,47 @@ class _Quiet(WSGIRequestHandler):
         return "unix" if isinstance(self.client_address, (str, bytes)) else super().address_string()
 
 
-class _TcpServer(socketserver.ThreadingMixIn, WSGIServer):
+class _Bounded(socketserver.ThreadingMixIn):
+    """A thread per connection, at most MAX_CONNECTIONS at once; errors (a timed-out or dropped
+    connection) go to the debug log, not to stderr as socketserver's tracebacks."""
+
     daemon_threads = True
+    _slots: threading.BoundedSemaphore | None = None
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if self._slots is None:
+            self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        if not self._slots.acquire(blocking=False):
+            LOG.debug("metrics: %d connections already open; closing a new one", MAX_CONNECTIONS)
+            self.shutdown_request(request)  # type: ignore[attr-defined]
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            assert self._slots is not None
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        LOG.debug("metrics: a connection failed", exc_info=True)
+
+
+class _TcpServer(_Bounded, WSGIServer):
+    pass
 
 
 class _TcpServer6(_TcpServer):
     address_family = socket.AF_INET6
 
 
-class _UnixServer(socketserver.ThreadingMixIn, WSGIServer):
+class _UnixServer(_Bounded, WSGIServer):
     address_family = socket.AF_UNIX
-    daemon_threads = True
 
     def server_bind(self) -> None:
         socketserver.TCPServer.server_bind(self)

@@ -231,6 +231,7 @@ class Inventory:
         self._rescan = threading.Event()
         self._rescan_reasons: list[str] = []
         self._reset: set[str] = set()  # UUIDs reset (gone, or the driver went away) since marked
+        self._answering = True  # False from a failed event wait or re-initialisation until a wait works
         self.rescans = 0  # completed rescans, for callers that wait on one
         self._closers: list[Callable[[], None]] = []
 
@@ -569,6 +570,12 @@ class Inventory:
         with self._lock:
             self._callbacks.append(callback)
 
+    @property
+    def nvml_answering(self) -> bool:
+        """False while NVML does not answer (driver unloaded, event wait failing): from the failure
+        until an event wait works again. The daemon's gRPC health follows it."""
+        return self._answering
+
     def bus_ids(self) -> frozenset[str]:
         """The managed GPUs' PCI addresses (sysfs form), for matching kernel device events."""
         with self._lock:
@@ -623,6 +630,7 @@ class Inventory:
 
     def _lose_sight(self, reason: str) -> None:
         """NVML failed: every healthy GPU's health is unknown until a rescan succeeds."""
+        self._answering = False
         with self._lock:
             indices = [i for i, r in self._records.items() if r.health.healthy]
         for index in indices:
@@ -711,6 +719,7 @@ class Inventory:
 
     def _sight_regained(self) -> None:
         """An event wait worked: GPUs whose health was unknown only for NVML's sake are healthy."""
+        self._answering = True
         with self._lock:
             blind = [i for i, r in self._records.items() if r.health.source == HEALTH_NVML and i in self._handles]
             if not blind:

@@ -123,8 +123,9 @@ class MalformedRequests(grpc.ServerInterceptor):
     """Bytes that are not the method's request message are INVALID_ARGUMENT, not gRPC's INTERNAL
     "Exception deserializing request!" (invalid UTF-8 in a string field, truncated varints...)."""
 
-    def __init__(self) -> None:
+    def __init__(self, observer: Observer | None = None) -> None:
         self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
+        self._observer = observer  # told of each refusal, as _translate_errors tells it of calls
 
     def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None], details: Any
@@ -134,13 +135,14 @@ class MalformedRequests(grpc.ServerInterceptor):
             return handler
         wrapped = self._wrapped.get(details.method)
         if wrapped is None:
-            wrapped = self._wrapped[details.method] = _lenient(handler)
+            wrapped = self._wrapped[details.method] = _lenient(handler, details.method, self._observer)
         return wrapped
 
 
-def _lenient(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _lenient(handler: grpc.RpcMethodHandler, method: str, observer: Observer | None) -> grpc.RpcMethodHandler:
     parse = handler.request_deserializer
     behaviour = handler.unary_unary
+    hook = method.rsplit("/", 1)[-1]
 
     def deserialize(data: bytes) -> Any:
         try:
@@ -150,7 +152,15 @@ def _lenient(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
     def call(request: Any, context: grpc.ServicerContext) -> Any:
         if isinstance(request, _Malformed):
-            context.abort(*status_of(InvalidArgument(f"malformed request message: {request.error}"), "?"))
+            refused = InvalidArgument(f"malformed request message: {request.error}")
+            with hook_context(hook, ""):
+                LOG.info("%s refused: %s", hook, refused.message)
+                if observer is not None:
+                    try:
+                        observer(hook, refused.code, 0.0, None)
+                    except Exception:
+                        LOG.exception("observer of %s failed", hook)
+            context.abort(*status_of(refused, hook))
         return behaviour(request, context)
 
     return grpc.unary_unary_rpc_method_handler(
@@ -447,7 +457,7 @@ class SidecarServer:
             server = grpc.server(
                 futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="rpc"),
                 maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
-                interceptors=(MalformedRequests(),),
+                interceptors=(MalformedRequests(self.observer),),
                 options=[
                     ("grpc.max_receive_message_length", cfg.max_message_bytes),
                     ("grpc.max_send_message_length", 64 * 1024 * 1024),
@@ -494,6 +504,14 @@ class SidecarServer:
             sorted(set(cfg.allowed_uids) | {os.geteuid()}),
             sorted(cfg.allowed_gids),
         )
+
+    def set_serving(self, serving: bool) -> None:
+        """The standard health service's answer for the whole server and the Isolator service
+        (NOT_SERVING while no GPU can be handed out); Admin stays SERVING, to say why."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        if self._server is not None and not self._stopped.is_set():
+            for name in ("", ISOLATOR_SERVICE):
+                self._health.set(name, status)
 
     def _bind_public(self, path: str) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)

@@ -30,6 +30,8 @@ DEFAULT_JSON = os.path.join(ROOT, "bench-results.json")
 GOAL_HOOK_P99_OVER_RAW = 10.0
 GOAL_BRIDGE_OVER_BARE = 3.0
 GOAL_DECISION_P99_MS_16 = 5.0
+# Issue 19: decision p99 at every request size, on 16 and on 32 GPUs.
+GOAL_DECISION_P99_MS_BY_GPUS = {16: 2.0, 32: 10.0}
 GOAL_RECOVERY_10K_S = 1.0
 GOAL_IDLE_RSS_MIB = 60.0
 # "No growth across cycles", stated as a bound: under 2 MiB over the second half of the cycles
@@ -50,6 +52,8 @@ def sizes(quick: bool, repeats: int | None) -> dict[str, Any]:
             "grpc_cycles": {1: 5, 8: 1, 64: 1},
             "bridge_calls": 3,
             "allocator_requests": 40,
+            "allocator_arrivals": 40,
+            "allocator_patterns": 3,
             "volume_repeats": 1,
             "recovery_counts": (10, 100),
             "footprint_cycles": 80,
@@ -61,6 +65,8 @@ def sizes(quick: bool, repeats: int | None) -> dict[str, Any]:
         "grpc_cycles": {1: 300, 8: 50, 64: 8},
         "bridge_calls": 50,
         "allocator_requests": 400,
+        "allocator_arrivals": 1000,
+        "allocator_patterns": 40,
         "volume_repeats": 5,
         "recovery_counts": (100, 1_000, 10_000),
         "footprint_cycles": 10_000,
@@ -126,10 +132,24 @@ def part_allocator(s: dict[str, Any], log: Callable[[str], None]) -> dict[str, A
     topologies, views = bench_allocator.shipped_topologies()
     log("allocator: running the request streams")
     hosts = bench_allocator.run(topologies, requests=s["allocator_requests"], baseline_views=views)
+    log("allocator: stream scenario (mixes of sizes, side by side)")
+    stream = bench_allocator.stream(topologies, views, arrivals=s["allocator_arrivals"])
+    log("allocator: single decisions on fragmented patterns")
+    fragmented = bench_allocator.fragmented(topologies, views, samples=max(10, s["allocator_patterns"] * 5))
+    log("allocator: decision times on 16 and 32 GPUs")
+    times = bench_allocator.decision_times(patterns=s["allocator_patterns"])
     from isolator.simhost.host import load_host
 
     nvswitch = [name for name in hosts if load_host(name).switches]
-    return {"requests_per_host": s["allocator_requests"], "hosts": hosts, "nvswitch_hosts": nvswitch}
+    return {
+        "requests_per_host": s["allocator_requests"],
+        "hosts": hosts,
+        "nvswitch_hosts": nvswitch,
+        "stream_arrivals": s["allocator_arrivals"],
+        "stream": stream,
+        "fragmented": fragmented,
+        "decision_times": times,
+    }
 
 
 def part_volume(s: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
@@ -335,6 +355,70 @@ def render_allocator(a: dict[str, Any]) -> list[str]:
         out.append(
             f"   goal: topology decision p99 at 16 GPUs under {GOAL_DECISION_P99_MS_16:g} ms: {worst:.3f} ms,"
             f" {_verdict(worst < GOAL_DECISION_P99_MS_16)}"
+        )
+    if "stream" in a:
+        out.extend(render_stream(a))
+    return out
+
+
+def render_stream(a: dict[str, Any]) -> list[str]:
+    """Issue 19: the stream scenario, fragmented single decisions and decision times, with goals."""
+    from bench_allocator import PARTITION, TOPOLOGY, stream_table
+
+    out = [
+        f"## Allocator stream scenario: {a['stream_arrivals']} arrivals per host and mix (seeded allocate/release)",
+        "   best.free: the best set for the arriving size was still free; quad@4: an all-NVLink quad was",
+        "   free at a size-4 arrival; worse: topology's set worse now than partition's on the same free GPUs",
+        "   (exact score / tier) out of the arrivals compared",
+    ]
+    out.extend("   " + line for line in stream_table(a["stream"]).splitlines() if line)
+    behind, worse = [], []
+    for host, per in a["stream"].items():
+        for mix, rows in per.items():
+            if not isinstance(rows, dict):
+                continue
+            t, p = rows[TOPOLOGY], rows[PARTITION]
+            if t["quad_free_at_4"] is not None and t["quad_free_at_4"] < p["quad_free_at_4"]:
+                behind.append(f"{host} {mix}")
+            if t.get("worse_tier"):
+                worse.append(f"{host} {mix}")
+    out.append(
+        "   goal: quad@4 at least partition's on every host and mix: "
+        + _verdict(not behind)
+        + (f" (behind on {', '.join(behind)})" if behind else "")
+    )
+    out.append(
+        "   goal: never a set worse now than partition's (up to the tolerance, by tier): "
+        + _verdict(not worse)
+        + (f" (worse on {', '.join(worse)})" if worse else "")
+    )
+    frag = a["fragmented"]
+    out.append(
+        "   fragmented single decisions (every pattern on 8 GPUs or fewer, sampled on 16): "
+        + "; ".join(
+            f"{h} {r['decisions']} decisions, worse {r['worse_raw']} raw / {r['worse_tier']} tier,"
+            f" cut {r['budget_cut']}"
+            for h, r in frag.items()
+        )
+    )
+    out.append(
+        "   goal: never worse than partition (by tier) and exact (no budget cut) up to 16 GPUs: "
+        + _verdict(all(r["worse_tier"] == 0 and r["budget_cut"] == 0 for r in frag.values()))
+    )
+    for host, r in a["decision_times"].items():
+        worst_size, worst = max(((k, v["p99_ms"]) for k, v in r["sizes"].items()), key=lambda kv: kv[1])
+        cpu_size, cpu = max(((k, v["p99_cpu_ms"]) for k, v in r["sizes"].items()), key=lambda kv: kv[1])
+        cut = sum(v["cut"] for v in r["sizes"].values())
+        goal = GOAL_DECISION_P99_MS_BY_GPUS.get(r["gpus"])
+        out.append(
+            f"   decision p99 on {host} ({r['gpus']} GPUs), worst size: wall {worst:.3f} ms (size {worst_size}),"
+            f" CPU {cpu:.3f} ms (size {cpu_size}); budget cut {cut} of"
+            f" {sum(v['decisions'] for v in r['sizes'].values())}"
+            + (
+                f"; goal under {goal:g} ms at every size: wall {_verdict(worst < goal)}, CPU {_verdict(cpu < goal)}"
+                if goal
+                else ""
+            )
         )
     return out
 

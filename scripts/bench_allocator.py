@@ -289,6 +289,289 @@ def _simulate(fabric: Fabric, oracle: Oracle, events: list[tuple[str, int, int]]
     }
 
 
+# ---- the stream scenario (issue 19): mixes of sizes, what each policy leaves for later -------------
+
+# Sizes per host size: 1/2/4 and 2/4 on hosts of up to 8 GPUs, 1/2/4/8 on 16.
+STREAM_MIXES = {4: ((1, 2, 4), (2, 4)), 8: ((1, 2, 4), (2, 4)), 16: ((1, 2, 4, 8),)}
+
+
+def stream_topologies(topologies: dict[str, Topology], views: dict[str, Topology] | None = None):
+    """The hosts of the stream scenario: the shipped multi-GPU hosts plus a 16-GPU host of two
+    DGX-1 boards (tests/topologies.py: joined_dgx1), whose baseline view is the topology itself."""
+    from topologies import joined_dgx1
+
+    hosts = {k: v for k, v in topologies.items() if len(v.gpus) > 1}
+    hosts["dgx-1x2"] = joined_dgx1(2)
+    seen = dict(views or {})
+    seen.setdefault("dgx-1x2", hosts["dgx-1x2"])
+    return hosts, seen
+
+
+def make_mix_stream(n_gpus: int, sizes: tuple[int, ...], seed: int, arrivals: int) -> list[tuple[str, int, int]]:
+    """Sizes drawn uniformly from ``sizes``; a live job departs with probability 1/2 or when the
+    next size does not fit, so every arrival fits in the free GPUs."""
+    rng = random.Random(seed)
+    live: dict[int, int] = {}
+    events: list[tuple[str, int, int]] = []
+    job = 0
+    size = rng.choice(sizes)
+    while job < arrivals:
+        if live and (rng.random() < 0.5 or sum(live.values()) + size > n_gpus):
+            gone = rng.choice(sorted(live))
+            events.append(("depart", gone, 0))
+            del live[gone]
+            continue
+        events.append(("arrive", job, size))
+        live[job] = size
+        job += 1
+        size = rng.choice(sizes)
+    return events
+
+
+def nvlink_quads(topology: Topology) -> list[int]:
+    """Every 4-set of minors whose six pairs all have NVLink lanes, as bit masks."""
+    minor = {g.index: g.minor for g in topology.gpus}
+    lanes = {}
+    for (a, b), link in topology.links.items():
+        if a in minor and b in minor:
+            lanes[frozenset((minor[a], minor[b]))] = link.nvlink_lanes
+    minors = sorted(minor.values())
+    quads = []
+    for quad in itertools.combinations(minors, 4):
+        if all(lanes.get(frozenset(p), 0) > 0 for p in itertools.combinations(quad, 2)):
+            quads.append(sum(1 << m for m in quad))
+    return quads
+
+
+def _raw_key(fabric: Fabric, got: tuple[int, ...]) -> tuple[int, int]:
+    total, slowest = fabric.set_score(got)
+    return slowest, total
+
+
+def stream(
+    topologies: dict[str, Topology],
+    views: dict[str, Topology] | None = None,
+    seed: int = 20240611,
+    arrivals: int = 1000,
+) -> dict:
+    """Per host, mix and policy: at each arrival whether the best set for that size was still free,
+    the share of all-NVLink quads free at size-4 arrivals, the quality of the chosen set relative to
+    the best set free at that moment, and (topology) how often its set was worse now than the
+    partition baseline's on the same free GPUs, by exact score and by tier."""
+    hosts, seen = stream_topologies(topologies, views)
+    out: dict[str, dict] = {}
+    for name, topology in hosts.items():
+        fabric = Fabric.of(topology)
+        n = len(fabric.minors)
+        mixes = STREAM_MIXES.get(n)
+        if not mixes:
+            continue
+        oracle = Oracle(fabric)
+        quads = nvlink_quads(topology)
+        best_empty = {s: oracle.best(frozenset(fabric.minors), s) for s in oracle.sets}
+        out[name] = {"gpus": n, "nvlink_quads": len(quads)}
+        for mix in mixes:
+            events = make_mix_stream(n, mix, seed, arrivals)
+            policies = _policies(topology, fabric, seen.get(name))
+            baseline = policies[PARTITION]
+            row = {}
+            for policy_name, policy in policies.items():
+                row[policy_name] = _stream_one(
+                    fabric, oracle, quads, best_empty, events, policy, baseline if policy_name == TOPOLOGY else None
+                )
+            out[name]["/".join(map(str, mix))] = row
+    return out
+
+
+def _stream_one(fabric, oracle, quads, best_empty, events, policy, baseline) -> dict:
+    free = frozenset(fabric.minors)
+    held: dict[int, tuple[int, ...]] = {}
+    best_free: list[int] = []
+    quad_free: list[int] = []
+    rel_score: list[float] = []
+    rel_link: list[float] = []
+    single_left: list[float] = []
+    times: dict[int, list[float]] = {}
+    worse_raw = worse_tier = compared = refused = 0
+    for kind, job, size in events:
+        if kind == "depart":
+            free |= frozenset(held.pop(job, ()))
+            continue
+        mask = sum(1 << m for m in free)
+        if size == 4 and quads:
+            quad_free.append(any(q & mask == q for q in quads))
+        if size >= 2:
+            best_total, best_slowest = oracle.best(free, size)
+            best_free.append((best_total, best_slowest) == best_empty[size])
+        start = time.perf_counter()
+        try:
+            got = tuple(policy(free, size))
+        except Exception:
+            got = ()
+        times.setdefault(size, []).append(time.perf_counter() - start)
+        if len(got) != size or len(set(got)) != size or not set(got) <= free:
+            refused += 1
+            continue
+        if size == 1:
+            possible = max(oracle.remaining(free - {m}) for m in free)
+            single_left.append(oracle.remaining(free - set(got)) / possible if possible else 1.0)
+        else:
+            total, slowest = fabric.set_score(got)
+            rel_score.append(total / best_total)
+            rel_link.append(slowest / best_slowest)
+            if baseline is not None:
+                theirs = tuple(baseline(free, size))
+                if len(theirs) == size:
+                    compared += 1
+                    worse_raw += _raw_key(fabric, got) < _raw_key(fabric, theirs)
+                    worse_tier += fabric.tier_score(got) < fabric.tier_score(theirs)
+        held[job] = got
+        free -= frozenset(got)
+
+    def share(xs: list[int]) -> float | None:
+        return round(sum(xs) / len(xs), 4) if xs else None
+
+    def mean(xs: list[float]) -> float | None:
+        return round(statistics.fmean(xs), 4) if xs else None
+
+    def p99(xs: list[float]) -> float:
+        ms = sorted(x * 1000 for x in xs)
+        return round(ms[min(len(ms) - 1, int(len(ms) * 0.99))], 3)
+
+    everything = [t for ts in times.values() for t in ts]
+    row = {
+        "arrivals": sum(len(t) for t in times.values()),
+        "refused_while_free": refused,
+        "best_free": share(best_free),
+        "quad_free_at_4": share(quad_free),
+        "rel_score": mean(rel_score),
+        "rel_slowest_link": mean(rel_link),
+        "single_rel_leftover": mean(single_left),
+        "p50_ms": round(sorted(everything)[len(everything) // 2] * 1000, 3) if everything else None,
+        "p99_ms": p99(everything) if everything else None,
+        "p99_ms_by_size": {s: p99(ts) for s, ts in sorted(times.items())},
+    }
+    if baseline is not None:
+        row.update(compared_with_partition=compared, worse_than_partition=worse_raw, worse_tier=worse_tier)
+    return row
+
+
+STREAM_HEADERS = "policy      best.free quad@4  rel.sum rel.slow 1-GPU.left refused  p50 ms  p99 ms  worse(raw/tier)"
+
+
+def stream_table(result: dict) -> str:
+    lines = []
+    for host, per in result.items():
+        for mix, rows in per.items():
+            if not isinstance(rows, dict):
+                continue
+            lines.append(f"\n{host} ({per['gpus']} GPUs, {per['nvlink_quads']} NVLink quads), sizes {mix}")
+            lines.append("  " + STREAM_HEADERS)
+            for policy in POLICY_NAMES:
+                r = rows[policy]
+                cells = [
+                    policy.ljust(10),
+                    *(
+                        ("-" if r[k] is None else f"{r[k]:g}").rjust(w)
+                        for k, w in (
+                            ("best_free", 9),
+                            ("quad_free_at_4", 7),
+                            ("rel_score", 8),
+                            ("rel_slowest_link", 8),
+                            ("single_rel_leftover", 10),
+                            ("refused_while_free", 7),
+                            ("p50_ms", 7),
+                            ("p99_ms", 7),
+                        )
+                    ),
+                ]
+                if "worse_than_partition" in r:
+                    cells.append(f"{r['worse_than_partition']}/{r['worse_tier']} of {r['compared_with_partition']}")
+                lines.append("  " + " ".join(cells))
+    return "\n".join(lines)
+
+
+# ---- single decisions: every fragmented pattern, and decision time on 16 and 32 GPUs ---------------
+
+
+def fragmented(
+    topologies: dict[str, Topology], views: dict[str, Topology] | None = None, samples: int = 300, seed: int = 7
+) -> dict:
+    """Per shipped host: every availability pattern (8 GPUs or fewer) or ``samples`` seeded ones
+    (16), every size from 2 to one below the free count: how often topology's set is worse now than
+    the partition baseline's (exact score; tier), and how often its search was cut by the budget."""
+    rng = random.Random(seed)
+    out = {}
+    for name, topology in topologies.items():
+        fabric = Fabric.of(topology)
+        minors = fabric.minors
+        if len(minors) < 3:
+            continue
+        base = PartitionBaseline(topology, (views or {}).get(name))
+        if len(minors) <= 8:
+            patterns = [frozenset(c) for r in range(3, len(minors) + 1) for c in itertools.combinations(minors, r)]
+        else:
+            patterns = [frozenset(m for m in minors if rng.random() < 0.7) for _ in range(samples)]
+        worse_raw = worse_tier = cut = decisions = 0
+        for free in patterns:
+            for size in range(2, len(free)):
+                ours = choose(fabric, free, size, TOPOLOGY)
+                theirs = tuple(base(free, size))
+                decisions += 1
+                cut += not ours.exact
+                if len(theirs) == size:
+                    worse_raw += _raw_key(fabric, ours.gpus) < _raw_key(fabric, theirs)
+                    worse_tier += fabric.tier_score(ours.gpus) < fabric.tier_score(theirs)
+        out[name] = {"decisions": decisions, "worse_raw": worse_raw, "worse_tier": worse_tier, "budget_cut": cut}
+    return out
+
+
+def decision_times(patterns: int = 40, seed: int = 11) -> dict:
+    """Decision time per request size on fragmented patterns of 16- and 32-GPU hosts (DGX-2, two
+    and four DGX-1 boards): p50, p99, max in ms (wall) and p99, max of the thread's CPU time, the
+    most work (candidates examined), and how many searches the budget cut (those return the best
+    set found so far, deterministically)."""
+    from topologies import dgx2, joined_dgx1
+
+    rng = random.Random(seed)
+    out = {}
+    for name, topology in (("dgx-2", dgx2()), ("dgx-1x2", joined_dgx1(2)), ("dgx-1x4", joined_dgx1(4))):
+        fabric = Fabric.of(topology)
+        frees = [frozenset(fabric.minors)] + [
+            frozenset(m for m in fabric.minors if rng.random() < rng.choice((0.5, 0.7, 0.9))) for _ in range(patterns)
+        ]
+        per: dict[int, list[float]] = {}
+        cpu: dict[int, list[float]] = {}
+        nodes: dict[int, int] = {}
+        cut: dict[int, int] = {}
+        for free in frees:
+            for size in range(1, len(free) + 1):
+                start, start_cpu = time.perf_counter(), time.thread_time()
+                c = choose(fabric, free, size, TOPOLOGY)
+                per.setdefault(size, []).append((time.perf_counter() - start) * 1000)
+                cpu.setdefault(size, []).append((time.thread_time() - start_cpu) * 1000)
+                nodes[size] = max(nodes.get(size, 0), c.work)
+                cut[size] = cut.get(size, 0) + (not c.exact)
+        rows = {}
+        for size, ts in sorted(per.items()):
+            ts.sort()
+            cs = sorted(cpu[size])
+            rows[size] = {
+                "p50_ms": round(ts[len(ts) // 2], 3),
+                "p99_ms": round(ts[min(len(ts) - 1, int(len(ts) * 0.99))], 3),
+                # CPU time of the deciding thread: what the decision costs, without the time a
+                # shared machine spends running something else.
+                "p99_cpu_ms": round(cs[min(len(cs) - 1, int(len(cs) * 0.99))], 3),
+                "max_cpu_ms": round(cs[-1], 3),
+                "max_ms": round(ts[-1], 3),
+                "max_work": nodes[size],
+                "cut": cut[size],
+                "decisions": len(ts),
+            }
+        out[name] = {"gpus": len(fabric.minors), "sizes": rows}
+    return out
+
+
 def state_recovery_seconds(count: int = 10_000) -> float:
     """Seconds to open the store and load `count` recorded containers (written beforehand)."""
     from isolator.model import ContainerId
@@ -341,12 +624,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=20240611)
     parser.add_argument("--requests", type=int, default=400, help="arrivals per host")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--arrivals", type=int, default=1000, help="arrivals per host and mix (stream scenario)")
     args = parser.parse_args(argv)
     topologies, views = shipped_topologies()
     result = run(topologies, args.seed, args.requests, views)
+    streams = stream(topologies, views, args.seed, args.arrivals)
+    singles = fragmented(topologies, views)
+    timing = decision_times()
     recovery = state_recovery_seconds()
     if args.json:
-        print(json.dumps({"hosts": result, "state_recovery_10k_s": round(recovery, 4)}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "hosts": result,
+                    "stream": streams,
+                    "fragmented": singles,
+                    "decision_times": timing,
+                    "state_recovery_10k_s": round(recovery, 4),
+                },
+                indent=2,
+            )
+        )
         return 0
     print(
         "Relative columns compare what was handed out with the best set available at that moment\n"
@@ -355,6 +653,20 @@ def main(argv: list[str] | None = None) -> int:
         "relative to the best single pick. refused: requests refused while enough GPUs were free."
     )
     print(table(result))
+    print("\nStream scenario: best.free = the best set for the arriving size was still free; quad@4 = an")
+    print("all-NVLink quad was free at a size-4 arrival; worse = topology's set worse now than the partition")
+    print("baseline's on the same free GPUs (exact score / tier)")
+    print(stream_table(streams))
+    print("\nSingle decisions on fragmented patterns (topology vs partition):")
+    for host, r in singles.items():
+        print(f"  {host}: {r}")
+    print("\nDecision time (ms) by size on 16 and 32 GPUs:")
+    for host, r in timing.items():
+        worst = max(v["p99_ms"] for v in r["sizes"].values())
+        print(
+            f"  {host} ({r['gpus']} GPUs): worst p99 {worst} ms; "
+            + "; ".join(f"{k}: {v['p99_ms']}/{v['max_work']}w/{v['cut']}cut" for k, v in r["sizes"].items())
+        )
     print(f"\nstate store: opened and loaded 10,000 recorded containers in {recovery * 1000:.1f} ms")
     return 0
 

@@ -71,14 +71,14 @@ def rig() -> Rig:
 def test_prepare_records_then_grants_exactly_the_allocated_gpus(rig: Rig) -> None:
     a = cid("a")
     assert rig.service.prepare(a, gpus(2)) is None  # no image: the host's /dev, gated by the cgroup
-    assert held(rig, a) == [2, 3] == granted(rig, a)  # topology: an NV2 pair
+    assert held(rig, a) == [0, 3] == granted(rig, a)  # topology: an NV2 pair that keeps 1-2 (NV2) for the next pair
     rec = rig.store.get(a)
     assert rec is not None and (rec.state, rec.mode, rec.cgroup_version) == ("prepared", "standalone", 1)
     assert rec.created == rig.clock.time()
     assert rec.rules.splitlines() == [str(r) for r in rig.cgroups.rules_of(a) or ()]
     control = {str(r) for r in rig.cgroups.rules_of(a) or ()}
     assert {"c 195:255 rwm", "c 510:0 rwm", "c 510:1 rwm"} <= control, "control devices, as Mesos"
-    assert free(rig) == frozenset(range(8)) - {2, 3}
+    assert free(rig) == frozenset(range(8)) - {0, 3}
 
 
 def test_prepare_with_zero_gpus_grants_the_control_devices_only(rig: Rig) -> None:
@@ -160,7 +160,7 @@ def test_prepare_with_an_image_mounts_the_volume_and_only_the_allocated_nodes(ri
     assert targets[0] == "/rootfs/a/usr/local/nvidia"
     assert info.mounts[0].source == "/fake/volumes/nvidia_535.104.05"
     assert targets[1:] == [
-        "/rootfs/a/dev/nvidia2",
+        "/rootfs/a/dev/nvidia0",
         "/rootfs/a/dev/nvidia3",
         "/rootfs/a/dev/nvidiactl",
         "/rootfs/a/dev/nvidia-uvm",
@@ -208,7 +208,7 @@ def test_nested_containers_use_their_parents_gpus_and_debug_ones_get_nothing(rig
     assert rig.service.prepare(cid("a.debug"), ContainerConfig(container_class="DEBUG", rootfs="/rootfs/x")) is None
     info = rig.service.prepare(cid("a.child"), image(0, "/rootfs/child"))
     assert info is not None
-    assert "/rootfs/child/dev/nvidia2" in [m.target for m in info.mounts]
+    assert "/rootfs/child/dev/nvidia0" in [m.target for m in info.mounts]
     assert rig.volumes.in_use_by("a.child")
     assert rig.store.get(cid("a.child")) is None, "a nested container is never recorded"
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from invariants import CrashableSidecar, Observer
+from invariants import CrashableSidecar, Observer, read_records
 
 from isolator.crashpoints import ENV, POINTS
 from isolator.testing.mesos import GrpcIsolator, HookFailed, container_id, gpu_resource
@@ -65,6 +65,7 @@ class Driver:
     serial: int = 0
     isolator: GrpcIsolator | None = None
     observer: Observer | None = None
+    jobs: str = ""  # the daemon's --job-mapping-dir
     _next_point: int = 0
 
     # ---- daemon lifecycle ---------------------------------------------------------------------
@@ -115,6 +116,16 @@ class Driver:
         assert self.observer is not None
         problems = self.observer.problems()
         assert not problems, f"after {sum(self.kills.values())} kills {dict(self.kills)}: {problems}"
+        if self.jobs:
+            # dcgm-exporter's job mapping is exact after every crash: each GPU's file lists exactly
+            # the top-level containers whose records hold it (dgx-1: minor == index).
+            records = read_records(self.sidecar.work)
+            want = {str(i): sorted(c for c, held in records.items() if "." not in c and i in held) for i in range(GPUS)}
+            got = {}
+            for name in os.listdir(self.jobs):
+                with open(os.path.join(self.jobs, name)) as fh:
+                    got[name] = fh.read().split()
+            assert got == want, f"after {sum(self.kills.values())} kills {dict(self.kills)}: job mapping {got}"
 
     def call(self, hook: str, *args: Any) -> Any:
         assert self.isolator is not None
@@ -237,9 +248,12 @@ def test_sigkill_inside_every_hook_never_double_grants_and_recover_restores_reco
     wanted = crash_points()
     work = tempfile.mkdtemp(prefix="gi-crash-", dir="/tmp")
     root = f"{TEST_PARENT}/{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    sidecar = CrashableSidecar(work=work, host="dgx-1", cgroup_version=version, cgroups_root=root)
+    jobs = os.path.join(work, "jobs")
+    sidecar = CrashableSidecar(
+        work=work, host="dgx-1", cgroup_version=version, cgroups_root=root, extra=("--job-mapping-dir", jobs)
+    )
     observer = Observer(sidecar, GPUS)
-    driver = Driver(sidecar, random.Random(seed), points_for(version), observer=observer)
+    driver = Driver(sidecar, random.Random(seed), points_for(version), observer=observer, jobs=jobs)
     try:
         driver.run(wanted)
         driver.finish()

@@ -289,3 +289,28 @@ def test_a_bind_or_unbind_is_a_reset_and_a_change_is_not():
     assert uevents.relevant({"ACTION": "unbind", "SUBSYSTEM": "pci", "PCI_SLOT_NAME": bus}, {bus}).reset_bus == bus
     assert uevents.relevant({"ACTION": "change", "SUBSYSTEM": "pci", "PCI_SLOT_NAME": bus}, {bus}).reset_bus == ""
     assert uevents.relevant({"ACTION": "remove", "SUBSYSTEM": "module", "DEVPATH": "/module/nvidia"}, {bus}).reset_all
+
+
+@pytest.mark.root
+@pytest.mark.cgroup_v1
+def test_the_grpc_health_service_is_not_serving_while_nvml_is_gone_and_serving_again_after():
+    """With the driver unloaded no GPU can be handed out and `gpu-isolator health` says UNHEALTHY;
+    grpc_health_probe (the README's readiness check) must not keep saying SERVING. The Admin service
+    stays SERVING: it is how an operator finds out why."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    with running_sidecar("single", "v1") as sidecar, grpc.insecure_channel(sidecar.address) as channel:
+        probe = health_pb2_grpc.HealthStub(channel)
+
+        def status(service: str) -> int:
+            return probe.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+
+        assert status("") == serving and status("gpuisolator.v1.Isolator") == serving
+        sidecar.sim.unload_driver()
+        _until(lambda: status("") == not_serving)
+        assert status("gpuisolator.v1.Isolator") == not_serving
+        assert status("gpuisolator.v1.Admin") == serving
+        sidecar.sim.load_driver()
+        _until(lambda: status("") == serving)
+        assert status("gpuisolator.v1.Isolator") == serving

@@ -193,6 +193,122 @@ def test_calls_over_the_command_module_bridge_are_measured_and_mapped_too(short_
         isolator.close()
 
 
+def _bridge_call(path: str, method: bytes, payload: bytes) -> bytes:
+    from isolator.bridge_server import PROTOCOL
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(30)
+        conn.connect(path)
+        conn.sendall(PROTOCOL + b" " + method + b" 10000\n" + payload)
+        conn.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := conn.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_bridge_input_refused_before_the_hook_is_counted_and_logged_with_its_container(short_tmp):
+    """An agent whose JSON the bridge cannot take (another Mesos version's shape) fails every call with
+    INVALID_ARGUMENT before the hook runs: that must show in gpu_isolator_errors_total and on a log
+    line carrying the hook and the container, like every other refusal."""
+    path = os.path.join(short_tmp, "metrics.sock")
+    flags = ("--metrics-address", f"unix:{path}", "--log-format", "json")
+    with running_sidecar("single", "v1", extra=flags) as sidecar:
+        payload = json.dumps({"container_id": {"value": "refused-1"}, "container_config": 5}).encode()
+        reply = _bridge_call(sidecar.bridge_socket, b"prepare", payload)
+        assert reply.startswith(b"ERROR INVALID_ARGUMENT"), reply
+        m = scrape(_UnixHTTP(path))
+        assert m.get('gpu_isolator_errors_total{code="INVALID_ARGUMENT",hook="Prepare"}') == 1, m
+        assert m.get('gpu_isolator_hook_duration_seconds_count{hook="Prepare",outcome="error"}') == 1, m
+        with open(sidecar.log_path) as fh:
+            entries = [json.loads(line) for line in fh.read().splitlines() if line.strip()]
+    refused = [e for e in entries if "refused" in e["message"]]
+    assert refused and all(e["hook"] == "Prepare" and e["container_id"] == "refused-1" for e in refused), refused
+
+
+def test_grpc_requests_refused_as_malformed_are_counted_too(short_tmp):
+    """Bytes that are not the method's message are INVALID_ARGUMENT before the servicer runs; like
+    every other answered error they belong in gpu_isolator_errors_total."""
+    import grpc
+
+    path = os.path.join(short_tmp, "metrics.sock")
+    with running_sidecar("single", "v1", extra=("--metrics-address", f"unix:{path}")) as sidecar:
+        with grpc.insecure_channel(sidecar.address) as channel:
+            call = channel.unary_unary("/gpuisolator.v1.Isolator/Prepare")  # bytes in, bytes out
+            with pytest.raises(grpc.RpcError) as caught:
+                call(b"\x0a\x05\x0a", timeout=10)  # a length past the end: truncated
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        m = scrape(_UnixHTTP(path))
+    assert m.get('gpu_isolator_errors_total{code="INVALID_ARGUMENT",hook="Prepare"}') == 1, m
+
+
+def test_job_mapping_temporary_files_left_by_a_crash_mid_write_are_removed_at_start(short_tmp):
+    """Each file is written as a temporary file then renamed; a SIGKILL between the two leaves the
+    temporary file behind, and nothing else would ever remove it."""
+    jobs = os.path.join(short_tmp, "jobs")
+    os.makedirs(jobs)
+    with open(os.path.join(jobs, ".tmp-k3x9q_1"), "w") as fh:
+        fh.write("half-written\n")
+    with open(os.path.join(jobs, ".hidden-not-ours"), "w") as fh:
+        fh.write("x\n")
+    with running_sidecar("single", "v1", extra=("--job-mapping-dir", jobs)):
+        assert sorted(os.listdir(jobs)) == [".hidden-not-ours", "0"]
+
+
+def test_job_mapping_follows_a_mig_mode_change_without_waiting_for_a_hook(short_tmp):
+    """Files are named by GPU and by MIG GPU instance: when MIG is turned off on a GPU its instance
+    files must go (and dcgm-exporter stop labelling instances that no longer exist) as soon as the
+    inventory has read the change, not at the next Prepare or Cleanup."""
+    jobs = os.path.join(short_tmp, "jobs")
+    with running_sidecar("dgx-a100", "v1", extra=("--job-mapping-dir", jobs)) as sidecar:
+        assert any(n.startswith("0.") for n in os.listdir(jobs))
+        sidecar.sim.set_mig_mode(0, False)
+        _until(lambda: not any(n.startswith("0.") for n in os.listdir(jobs)))
+        assert "0" in os.listdir(jobs)
+
+
+def test_counters_with_known_labels_are_exported_as_zero_before_anything_happens():
+    """Prometheus's "avoid missing metrics": a series that appears only on its first repair makes
+    rate() and alerts on it blind until then. Both reconciliation kinds are known in advance."""
+    from prometheus_client import generate_latest
+
+    from isolator.metrics import Metrics
+
+    text = generate_latest(Metrics().registry).decode()
+    assert 'gpu_isolator_reconciliation_repairs_total{kind="recover"} 0.0' in text
+    assert 'gpu_isolator_reconciliation_repairs_total{kind="reap"} 0.0' in text
+    assert 'gpu_isolator_reconciliation_repairs_total{kind="audit"} 0.0' in text
+
+
+def test_idle_metrics_connections_are_bounded_and_time_out(short_tmp, monkeypatch):
+    """The metrics endpoint answers anyone who can connect (on TCP: any local user). Connections that
+    send nothing must neither pile up a thread each without bound nor be held forever."""
+    import threading
+
+    from isolator import metrics as metrics_mod
+
+    monkeypatch.setattr(metrics_mod, "IO_TIMEOUT_S", 0.5)
+    path = os.path.join(short_tmp, "m.sock")
+    server = metrics_mod.MetricsServer(f"unix:{path}", metrics_mod.Metrics()).start()
+    before = threading.active_count()
+    idle = []
+    try:
+        for _ in range(3 * metrics_mod.MAX_CONNECTIONS):
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.connect(path)
+            idle.append(conn)
+        time.sleep(0.2)
+        assert threading.active_count() - before <= metrics_mod.MAX_CONNECTIONS + 1
+        idle[0].settimeout(5)
+        assert idle[0].recv(1) == b""  # closed by the server after its timeout
+        _until(lambda: threading.active_count() - before <= 1)
+        assert "gpu_isolator_volume_builds_total" in str(scrape(_UnixHTTP(path)))
+    finally:
+        for conn in idle:
+            conn.close()
+        server.stop()
+
+
 def test_drift_repaired_by_the_audit_is_counted(short_tmp):
     import grpc
 

@@ -94,3 +94,21 @@ def test_installed_bridge_executables_answer_version_and_help(tmp_path):
     helped = subprocess.run([paths[1], "--help"], capture_output=True, text=True, timeout=30)
     assert helped.returncode == 0
     assert "python -m isolator.bridge install" in helped.stdout and "modules.json" in helped.stdout
+
+
+@pytest.mark.parametrize(
+    ("flags", "code", "expected"),
+    [
+        (("--nvml-library", "/nonexistent/libnvidia-ml.so.1"), 4, "no usable NVML"),
+        (("--simulate", "single", "--metrics-address", "localhost:http"), 1, "--metrics-address"),
+    ],
+    ids=["no-nvml", "bad-metrics-address"],
+)
+def test_with_json_logs_the_line_saying_why_the_start_failed_is_json_too(short_tmp, flags, code, expected):
+    """A log shipper parsing --log-format json must not lose the one line that matters most."""
+    import json
+
+    result = _serve(short_tmp, "--log-format", "json", *flags)
+    assert result.returncode == code, result.stderr
+    entries = [json.loads(line) for line in result.stderr.splitlines() if line.strip()]  # all JSON
+    assert entries[-1]["level"] == "critical" and expected in entries[-1]["message"], entries[-1]

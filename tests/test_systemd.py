@@ -157,3 +157,101 @@ def test_ready_comes_after_the_first_reconciliation_in_mesos_mode(short_tmp, mon
             listener.close()
     finally:
         first.stop()
+
+
+def _exec_start(unit: str) -> list[str]:
+    """ExecStart's argv as systemd reads it (C-style quoting; ``%%`` and ``$$`` for literal ``%`` and ``$``)."""
+    import shlex
+
+    line = next(x for x in unit.splitlines() if x.startswith("ExecStart="))
+    return [w.replace("%%", "%").replace("$$", "$") for w in shlex.split(line.removeprefix("ExecStart="))]
+
+
+def test_install_unit_keeps_what_the_sandbox_hides_readable(tmp_path):
+    """PrivateTmp=yes gives the service an empty /tmp and ProtectHome=yes an empty /home and /root:
+    a unit installed from a clone (or with a config) there could not even start. install-unit binds
+    those directories read-only into the sandbox instead (ProtectHome=tmpfs where a home is involved)."""
+    units, config = tmp_path / "units", tmp_path / "etc" / "config.toml"
+    assert str(config).startswith(("/tmp/", "/var/tmp/")), "pytest's tmp_path is expected under /tmp"
+    result = subprocess.run(
+        [sys.executable, "-m", "isolator", "install-unit", "--dir", str(units), "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stderr
+    text = (units / "gpu-isolator.service").read_text()
+    binds = [line for line in text.splitlines() if line.startswith("BindReadOnlyPaths=")]
+    assert binds and str(config.parent) in binds[0].split("=", 1)[1].split(), text
+    assert "PrivateTmp=yes" in text.splitlines()
+
+    home = unit_text("/root/gi/.venv/bin/gpu-isolator", "/etc/gpu-isolator/config.toml", ["/root/gi"])
+    lines = home.splitlines()
+    assert "ProtectHome=tmpfs" in lines and "ProtectHome=yes" not in lines
+    assert "BindReadOnlyPaths=/root/gi" in lines
+    plain = unit_text("/opt/gi/bin/gpu-isolator", "/etc/gpu-isolator/config.toml")
+    assert "ProtectHome=yes" in plain.splitlines() and "BindReadOnlyPaths" not in plain
+
+
+def test_install_unit_quotes_paths_for_systemd(tmp_path):
+    """ExecStart is split on whitespace and expands % specifiers and $VARIABLES: a config path with
+    a space, '%' or '$' must reach the daemon as one unchanged argument."""
+    units, config = tmp_path / "units", tmp_path / "etc 50% $HOME" / "config.toml"
+    result = subprocess.run(
+        [sys.executable, "-m", "isolator", "install-unit", "--dir", str(units), "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stderr
+    text = (units / "gpu-isolator.service").read_text()
+    argv = _exec_start(text)
+    assert argv[-2:] == ["--config", str(config)], argv
+    assert "$$HOME" in text  # a literal '$' for systemd
+    analyze = shutil.which("systemd-analyze")
+    if analyze is not None:
+        verified = subprocess.run(
+            [analyze, "verify", str(units / "gpu-isolator.service")], capture_output=True, text=True, timeout=60
+        )
+        assert verified.returncode == 0, verified.stderr
+
+
+def test_every_default_path_the_daemon_writes_is_writable_in_the_sandbox_after_a_reboot():
+    """ProtectSystem=strict makes /run read-only; ReadWritePaths=-/run/mesos is skipped (the '-')
+    when /run/mesos does not exist as the service starts, which is every boot (/run is a tmpfs and
+    the unit starts Before= the agent). The driver volumes (volume_root) would then never be
+    writable in the daemon's namespace, and every GPU container's Prepare would fail until a restart.
+    Models systemd's rules: a path is writable when under a RuntimeDirectory/StateDirectory, or under
+    a ReadWritePaths entry that is mandatory or created before the namespace is set up (a privileged
+    ExecStartPre=+ on /run, which is empty at boot)."""
+    from isolator.config import DEFAULT_SOCKET, DEFAULT_VOLUME_ROOT, DEFAULT_WORK_DIR
+
+    text = unit_text("/usr/bin/gpu-isolator", "/etc/gpu-isolator/config.toml")
+    values: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and not line.startswith("#"):
+            values.setdefault(key, []).append(value)
+
+    def canonical(path: str) -> str:
+        return "/run" + path[len("/var/run") :] if path.startswith("/var/run/") else path
+
+    def under(path: str, root: str) -> bool:
+        return path == root or path.startswith(root.rstrip("/") + "/")
+
+    exists_at_boot: list[str] = []  # what privileged ExecStartPre commands create before ExecStart
+    for command in values.get("ExecStartPre", []):
+        words = command.split()
+        if words[0].startswith("+") and words[0].endswith("/mkdir") and "-p" in words:
+            exists_at_boot += [canonical(w) for w in words[1:] if w.startswith("/")]
+    writable = [f"/run/{d}" for v in values.get("RuntimeDirectory", []) for d in v.split()]
+    writable += [f"/var/lib/{d}" for v in values.get("StateDirectory", []) for d in v.split()]
+    for v in values.get("ReadWritePaths", []):
+        for entry in v.split():
+            path = canonical(entry.lstrip("-"))
+            optional = entry.startswith("-")
+            on_tmpfs = under(path, "/run")
+            if not optional or not on_tmpfs or any(under(made, path) for made in exists_at_boot):
+                writable.append(path)
+    for path in (os.path.dirname(DEFAULT_SOCKET), DEFAULT_WORK_DIR, DEFAULT_VOLUME_ROOT):
+        assert any(under(canonical(path), w) for w in writable), f"{path} is read-only in the sandbox after a boot"

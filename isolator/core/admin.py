@@ -285,7 +285,7 @@ class Admin:
     def _nvml_check(self) -> HealthCheck:
         core = self.core
         if not core.gpus:
-            return HealthCheck("nvml", True, "no GPUs managed (gpus:0, or auto-discovery found no NVML)")
+            return HealthCheck("nvml", True, "no GPUs managed ('--resources gpus:0': this node has none)")
         try:
             seen = core.inventory.device_count()  # a live call, as nvidia-smi -L
         except Exception as exc:

@@ -279,6 +279,16 @@ def serve(config: Config) -> int:
         if count and jobmap is not None:
             jobmap.sync()
 
+    # The handlers go in before the sockets exist: a SIGTERM that arrives as soon as the socket
+    # appears (a supervisor, a test) must stop the daemon cleanly, not kill it with the default action.
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        LOG.info("received %s, stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     server = SidecarServer(config, service, observe if observers else None)
     try:
         server.start()
@@ -289,14 +299,6 @@ def serve(config: Config) -> int:
         raise
     for note in notes:
         LOG.info("%s", note)
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        LOG.info("received %s, stopping", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     if config.mode == "mesos":
         threading.Thread(
             target=_reap_loop,

@@ -87,8 +87,8 @@ BENCH_ARGS ?=
 bench: install build
 	-$(PY) scripts/bench.py $(BENCH_ARGS)
 
-# Crash consistency with 200 SIGKILLs per cgroup version, and more generated hostile input
+# Crash consistency with 500 SIGKILLs per cgroup version, with and without Recover after each restart, and more generated hostile input
 # (docs/reliability.md). Takes several minutes; `make test` runs the same tests smaller.
 soak: install build
-	GPU_ISOLATOR_CRASH_POINTS=200 GPU_ISOLATOR_HOSTILE_EXAMPLES=300 $(PY) -m pytest -s -rs \
+	GPU_ISOLATOR_CRASH_POINTS=500 GPU_ISOLATOR_HOSTILE_EXAMPLES=300 $(PY) -m pytest -s -rs \
 		tests/test_crash.py tests/test_hostile.py tests/test_concurrency.py $(PYTEST_ARGS)

@@ -162,14 +162,21 @@ def test_many_threads_never_grant_a_gpu_to_two_containers(rig: Rig) -> None:
 
     rig.cgroups.apply = checked_apply  # type: ignore[method-assign]
 
+    together = threading.Barrier(8)
+
     def worker(n: int) -> None:
         rnd = random.Random(n)
-        for i in range(20):
+        for i in range(10):
             c = cid(f"w{n}-{i}")
             try:
-                rig.service.prepare(c, gpus(rnd.choice([0, 1, 1, 2, 3])))
+                # The first round: one GPU each, all eight held at once (the barrier), however the
+                # threads happen to be scheduled; then random sizes.
+                rig.service.prepare(c, gpus(1 if i == 0 else rnd.choice([0, 1, 1, 2, 3])))
             except GpusExhausted:
                 continue
+            finally:
+                if i == 0:
+                    together.wait(WAIT)
             try:
                 rig.service.isolate(c, rig.processes.spawn())
                 if rnd.random() < 0.5:

@@ -4,12 +4,13 @@ The daemon kills itself at the n-th pass of a named crash point (isolator/crashp
 restart aims at the next point in turn (n drawn from a seeded stream), so kills land between every
 pair of steps that matter — after the record and before the cgroup, between v1 writes, between a
 v2 checkpoint and its attach, inside Recover itself, just before a state COMMIT. After every
-restart the driver calls Recover, as the agent does, and checks from outside (tests/invariants.py):
+restart the driver calls Recover, as the agent does (or, as on the command-module route, never does,
+leaving it to the start-up reconciliation), and checks from outside (tests/invariants.py):
 no GPU granted to two containers, every recorded container's kernel grants equal its record, no
 unrecorded cgroup grants anything. At the end everything is cleaned up and nothing of ours is left.
 
 The number of kills is GPU_ISOLATOR_CRASH_POINTS (default 8 per cgroup version; ``make soak`` runs
-200 per version). The seed is GPU_ISOLATOR_CRASH_SEED (default 9), printed on failure.
+500 per version and per route). The seed is GPU_ISOLATOR_CRASH_SEED (default 9), printed on failure.
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ class Driver:
     isolator: GrpcIsolator | None = None
     observer: Observer | None = None
     jobs: str = ""  # the daemon's --job-mapping-dir
+    # The agent calls Recover after each restart; the command-module route never does, and then the
+    # start-up reconciliation alone must leave the kernel exactly as recorded.
+    recovers: bool = True
     _next_point: int = 0
 
     # ---- daemon lifecycle ---------------------------------------------------------------------
@@ -100,12 +104,16 @@ class Driver:
         while True:
             self.start()
             try:
-                self.call("recover", [], [])
+                self.recover()
                 break
             except Crashed:
                 assert self.sidecar.died() == -9
                 self.kills[self._last_point()] += 1
         self.check()
+
+    def recover(self) -> None:
+        if self.recovers:
+            self.call("recover", [], [])
 
     def _last_point(self) -> str:
         log = self.sidecar.log()
@@ -206,7 +214,7 @@ class Driver:
 
     def run(self, wanted: int) -> None:
         self.start()
-        self.call("recover", [], [])
+        self.recover()
         while sum(self.kills.values()) < wanted:
             assert self.misses <= wanted, f"{self.misses} restarts never reached their crash point"
             self.ops += 1
@@ -215,7 +223,7 @@ class Driver:
                 self.misses += 1
                 assert self.sidecar.terminate() == 0, self.sidecar.log()
                 self.start()
-                self.call("recover", [], [])
+                self.recover()
                 self.check()
                 continue
             self.step()
@@ -225,7 +233,7 @@ class Driver:
         if self.sidecar.proc is not None and self.sidecar.proc.poll() is None:
             assert self.sidecar.terminate() == 0, self.sidecar.log()
         self.start(crash=False)
-        self.call("recover", [], [])
+        self.recover()
         self.check()
         for c in list(self.live.values()):
             self.destroy(c)
@@ -237,13 +245,14 @@ def crash_points() -> int:
     return int(os.environ.get("GPU_ISOLATOR_CRASH_POINTS", DEFAULT_POINTS))
 
 
-def points_for(version: str) -> tuple[str, ...]:
+def points_for(version: str, recovers: bool = True) -> tuple[str, ...]:
     other = "v2." if version == "v1" else "v1."
-    return tuple(p for p in POINTS if not p.startswith(other))
+    return tuple(p for p in POINTS if not p.startswith(other) and (recovers or not p.startswith("recover.")))
 
 
+@pytest.mark.parametrize("recovers", [True, False], ids=["agent-recovers", "bridge-route-never-recovers"])
 @pytest.mark.parametrize("version", VERSIONS)
-def test_sigkill_inside_every_hook_never_double_grants_and_recover_restores_records_and_rules(version):
+def test_sigkill_inside_every_hook_never_double_grants_and_recover_restores_records_and_rules(version, recovers):
     seed = int(os.environ.get("GPU_ISOLATOR_CRASH_SEED", "9"))
     wanted = crash_points()
     work = tempfile.mkdtemp(prefix="gi-crash-", dir="/tmp")
@@ -253,7 +262,9 @@ def test_sigkill_inside_every_hook_never_double_grants_and_recover_restores_reco
         work=work, host="dgx-1", cgroup_version=version, cgroups_root=root, extra=("--job-mapping-dir", jobs)
     )
     observer = Observer(sidecar, GPUS)
-    driver = Driver(sidecar, random.Random(seed), points_for(version), observer=observer, jobs=jobs)
+    driver = Driver(
+        sidecar, random.Random(seed), points_for(version, recovers), observer=observer, jobs=jobs, recovers=recovers
+    )
     try:
         driver.run(wanted)
         driver.finish()
@@ -263,7 +274,7 @@ def test_sigkill_inside_every_hook_never_double_grants_and_recover_restores_reco
         assert sum(driver.kills.values()) >= wanted
         if wanted >= 4 * len(driver.points):
             # The soak aims at every point several times; each must have been hit at least once.
-            assert set(driver.kills) == set(driver.points), f"never killed at {set(driver.points) - set(driver.kills)}"
+            assert set(driver.points) <= set(driver.kills), f"never killed at {set(driver.points) - set(driver.kills)}"
         print(f"seed {seed}: {sum(driver.kills.values())} kills {dict(driver.kills)}, {driver.misses} misses")
     except BaseException:
         print(f"seed {seed}; sidecar log tail:\n{sidecar.log() if sidecar.log_path else ''}")

@@ -161,6 +161,7 @@ def build_service(
             f"outside --cgroups-hierarchy '{config.cgroups_hierarchy}'"
         )
     host_devices = HostDevices(dev_root)
+    # In mesos mode the controller writes only NVIDIA's majors; every other device is the agent's.
     controller = controller_for(
         hierarchy,
         os.path.join(config.work_dir, "devices"),
@@ -279,8 +280,8 @@ def serve(config: Config) -> int:
         if count and jobmap is not None:
             jobmap.sync()
 
-    # The handlers go in before the sockets exist: a SIGTERM that arrives as soon as the socket
-    # appears (a supervisor, a test) must stop the daemon cleanly, not kill it with the default action.
+    # Before the sockets exist: a SIGTERM from whoever saw them (systemd, a test) stops the
+    # sidecar cleanly instead of killing it with its sockets left behind.
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -219,6 +219,33 @@ def test_recover_reattaches_the_checkpointed_rules_after_a_restart(
     assert gpu_access(prober, host) == expected({1, 2})
 
 
+def test_rules_checkpointed_but_never_attached_are_not_reported_in_force(
+    mount: str, cgroups_root: str, state_dir: str, host: HostDevices, prober: Prober
+) -> None:
+    # A SIGKILL between the checkpoint and the attach (crash point v2.checkpoint) leaves the old
+    # program under the new checkpoint. in_force must not take the checkpoint's word for it, or the
+    # start-up reconciliation and the drift audit would see the record honoured while the kernel
+    # grants the old set.
+    cid = ContainerId.parse("task-ckpt")
+    ctl = V2DeviceController(mount, state_dir, cgroups_root, mode="standalone")
+    ctl.prepare(cid)
+    old, new = container_rules(host.control_devices(), [1]), container_rules(host.control_devices(), [1, 2])
+    ctl.apply(cid, old)
+    assert ctl.in_force(cid).present and ctl.in_force(cid).rules == old
+    fd = bpf.prog_load(bpfprog.build_bytes(new), PROG_NAME)
+    try:
+        tag = bpf.prog_info(fd).tag
+    finally:
+        os.close(fd)
+    ctl._write_checkpoint(cid, new, tag)  # what the killed apply had written: checkpoint, no attach
+    kernel = ctl.in_force(cid)
+    assert not kernel.present and "not the one its checkpoint was built from" in kernel.source
+    ctl.add_pid(cid, prober.pid)
+    assert gpu_access(prober, host) == expected({1}), "the kernel still enforces the old program"
+    ctl.apply(cid, new)
+    assert ctl.in_force(cid).present and gpu_access(prober, host) == expected({1, 2})
+
+
 def test_prepare_in_mesos_mode_needs_the_leaf_cgroup(mount: str, cgroups_root: str, state_dir: str) -> None:
     ctl = V2DeviceController(mount, state_dir, cgroups_root, mode="mesos")
     with pytest.raises(CgroupVanished, match="leaf"):

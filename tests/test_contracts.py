@@ -21,6 +21,7 @@ import pytest
 from isolator.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, container_rules
 from isolator.errors import (
     CgroupBusy,
+    CgroupError,
     CgroupVanished,
     ContainerAlreadyRecorded,
     ContainerNotRecorded,
@@ -258,6 +259,30 @@ def test_mesos_mode_uses_the_cgroup_mesos_made_and_leaves_it(mesos: Backend) -> 
     assert not any(r.major == 195 for r in kernel), "our grants are gone"
 
 
+def test_mesos_nested_cgroup_follows_a_grow_of_its_top_level_container(mesos: Backend) -> None:
+    # Mesos makes <a>/mesos/<b> for a nested container with cgroups of its own; on v1 the kernel
+    # copied <a>'s list into <a>/mesos then, and a grant below may never exceed the cgroup above.
+    cg = mesos.cgroups
+    a, b = cid("contract-n"), cid("contract-n.b")
+    mesos.mesos_creates(a)
+    cg.prepare(a)
+    cg.apply(a, rules_for(0))
+    mesos.mesos_creates(b)
+    cg.prepare(b)
+    cg.apply(a, rules_for(0, 1))
+    cg.apply_nested(b, rules_for(0, 1))
+    assert set(cg.current(b)) == set(rules_for(0, 1))
+    cg.apply(a, rules_for(1))
+    cg.apply_nested(b, rules_for(1))
+    assert set(cg.current(b)) == set(rules_for(1))
+    if cg.version == "v1":
+        with pytest.raises(CgroupError):  # the kernel refuses more than the parent allows (EPERM)
+            cg.apply_nested(b, rules_for(1, 2))
+        assert set(cg.current(b)) == set(rules_for(1)), "a refused grant changes nothing"
+    cg.cleanup(b)
+    cg.cleanup(a)
+
+
 def test_a_nested_cgroup_takes_its_parents_rules_through_apply_nested(mesos: Backend) -> None:
     cg = mesos.cgroups
     a, child = cid("contract-n"), cid("contract-n.task")
@@ -270,6 +295,27 @@ def test_a_nested_cgroup_takes_its_parents_rules_through_apply_nested(mesos: Bac
     cg.apply_nested(child, rules_for(1))
     assert set(cg.current(child)) == set(rules_for(1))
     assert set(cg.current(a)) == set(rules_for(0, 1)), "the parent keeps its own"
+
+
+def test_mesos_mode_v1_refuses_a_cgroup_that_is_not_a_whitelist(mesos: Backend) -> None:
+    # Mesos without its cgroups/devices isolator makes the cgroup but leaves the inherited
+    # 'a *:* rwm': our rules would add nothing to an allow-all list, so prepare must refuse it.
+    cg = mesos.cgroups
+    a = cid("contract-w")
+    if isinstance(cg, FakeCgroups):
+        cg.mesos_creates(a)
+        cg.grant_behind_our_back(a, (DeviceRule("a", None, None, "rwm"),))
+    else:
+        os.makedirs(cg.cgroup_path(a))
+        if cg.version == "v1":
+            with open(os.path.join(cg.cgroup_path(a), "devices.allow"), "w") as fh:
+                fh.write("a *:* rwm")
+    if cg.version == "v1":
+        with pytest.raises(CgroupError, match="not a whitelist"):
+            cg.prepare(a)
+    else:
+        cg.prepare(a)  # v2: no list to inherit; our program is what restricts
+    cg.cleanup(a)
 
 
 # ---- StateStore ----------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from isolator.devices import NVIDIA_MAJOR, DeviceRule, permits
 from isolator.errors import FailedPrecondition, NotFound
 from isolator.model import ContainerConfig, ContainerId, Resource, Topology
 from isolator.system import EmptyInventory
@@ -198,3 +199,18 @@ def test_an_inventory_without_a_driver_version_is_unhealthy() -> None:
 def test_close_closes_the_inventory_and_the_store(rig: Rig) -> None:
     rig.service.close()
     assert rig.inventory.closed and rig.store.closed
+
+
+def test_mesos_forced_release_revokes_nested_cgroups_of_their_own_too() -> None:
+    # v2: a nested cgroup's program is not below its top-level container's leaf; releasing the
+    # top-level container's GPUs must not leave them granted there.
+    rig = fake_service("dgx-1", mode="mesos", version="v2")
+    a, b = cid("a"), cid("a.b")
+    rig.cgroups.mesos_creates(a)
+    rig.service.prepare(a, ContainerConfig(resources=(Resource("gpus", 2.0),)))
+    rig.cgroups.mesos_creates(b)
+    rig.service.prepare(b, ContainerConfig(share_cgroups=False))
+    rig.cgroups.add_pid(b, rig.processes.spawn())
+    rig.service.release(a, force=True)
+    rules = rig.cgroups.rules_of(b) or ()
+    assert not [m for m in range(8) if permits(rules, DeviceRule.char(NVIDIA_MAJOR, m, "rw"))]

@@ -56,7 +56,9 @@ INDIRECT = {
     "describe": "prepare",
     "require": "status",
     "apply": "update",
+    "apply_nested": "prepare",  # of a nested container with a cgroup of its own (mesos mode)
     "drop": "cleanup",
+    "cleanup_cgroups": "cleanup",
     "release_volume": "cleanup",
     "start": "restart",
     "book": "recover",

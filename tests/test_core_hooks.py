@@ -15,6 +15,7 @@ from isolator.errors import (
     AlreadyExists,
     CgroupBusy,
     CgroupError,
+    CgroupVanished,
     FailedPrecondition,
     GpusExhausted,
     Internal,
@@ -491,6 +492,71 @@ def test_prepare_refuses_a_cgroup_that_already_has_processes(mode: str) -> None:
     assert len(granted(rig, a) or []) == 2
 
 
+@pytest.mark.parametrize("container_class", ["DEFAULT", "DEBUG"])
+def test_v1_a_container_sharing_the_cgroups_of_a_nested_one_with_its_own_isolates_there(container_class: str) -> None:
+    # Mesos 1.10+ on v1 (cgroups isolator, findCgroupInfo): a nested container that shares cgroups
+    # (share_cgroups=true, or any DEBUG container) joins its closest ancestor with cgroups of its own;
+    # below a nested container with share_cgroups=false that is that container's, not the top-level one.
+    rig = fake_service("dgx-1", mode="mesos")
+    a, b, c = cid("a"), cid("a.b"), cid("a.b.c")
+    rig.cgroups.mesos_creates(a)
+    rig.service.prepare(a, gpus(2))
+    rig.cgroups.mesos_creates(b)  # a/mesos/b: share_cgroups=false
+    rig.service.prepare(b, ContainerConfig(share_cgroups=False))
+    b_pid = rig.processes.spawn()
+    rig.cgroups.add_pid(b, b_pid)
+    rig.service.isolate(b, b_pid)
+    rig.service.prepare(c, ContainerConfig(container_class=container_class))
+    c_pid = rig.processes.spawn()
+    rig.cgroups.add_pid(b, c_pid)  # Mesos's cgroups isolator: the closest ancestor with cgroups
+    rig.service.isolate(c, c_pid)
+    assert granted(rig, b) == held(rig, a)
+
+
+def test_mesos_nested_cgroups_of_their_own_follow_every_update_of_their_top_level_container() -> None:
+    rig = fake_service("dgx-1", mode="mesos")
+    a, b, c = cid("a"), cid("a.b"), cid("a.b.c")
+    rig.cgroups.mesos_creates(a)
+    rig.service.prepare(a, gpus(1))
+    rig.cgroups.mesos_creates(b)  # share_cgroups=false: a/mesos/b
+    rig.service.prepare(b, ContainerConfig(share_cgroups=False))
+    rig.service.prepare(c, ContainerConfig())  # shares b's
+    core = rig.service.core
+    assert core.nested_cgroups(a) == [b]
+    assert (core.governing(b), core.governing(c), core.governing(cid("a.x"))) == (b, b, a)
+    assert granted(rig, b) == held(rig, a)
+    rig.service.update(a, [Resource("gpus", 3.0)])
+    assert len(held(rig, a)) == 3 and granted(rig, b) == held(rig, a)
+    rig.cgroups.faults.fail_at("apply", container=b)  # the nested cgroup cannot take the grow: no GPUs, never more
+    rig.service.update(a, [Resource("gpus", 4.0)])
+    assert granted(rig, b) == [] and len(granted(rig, a) or []) == 4
+    rig.service.update(a, [Resource("gpus", 0.0)])
+    assert granted(rig, a) == [] == granted(rig, b)
+    rig.service.cleanup(c)
+    rig.service.cleanup(b)
+    assert rig.cgroups.rules_of(b) == rig.cgroups.base, "only Mesos's whitelist is left in its cgroup"
+    rig.service.cleanup(a)
+    assert rig.store.get(a) is None and free(rig) == frozenset(range(8))
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_mesos_cleanup_of_a_top_level_container_before_its_nested_ones_leaves_them_no_gpus(version: str) -> None:
+    # Mesos destroys nested containers first, but a parent cleaned up first (an orphan, an
+    # operator) frees its GPUs for others: a nested cgroup of its own must not keep granting them
+    # (on v2 its program is not below the parent's leaf, so nothing else would revoke them).
+    rig = fake_service("dgx-1", mode="mesos", version=version)
+    a, b = cid("a"), cid("a.b")
+    rig.cgroups.mesos_creates(a)
+    rig.service.prepare(a, gpus(2))
+    rig.cgroups.mesos_creates(b)
+    rig.service.prepare(b, ContainerConfig(share_cgroups=False))
+    assert granted(rig, b) == held(rig, a) != []
+    rig.service.cleanup(a)
+    assert free(rig) == frozenset(range(8))
+    assert granted(rig, b) == [], "the freed GPUs are still granted to the nested container"
+    rig.service.cleanup(b)
+
+
 # ---- nested containers with cgroups of their own (mesos mode, share_cgroups=false) ---------------
 
 
@@ -510,14 +576,19 @@ def test_a_nested_cgroup_follows_its_top_level_containers_grants(version: str) -
     assert granted(rig, child) == [] == held(rig, a)
 
 
-def test_apply_nested_gives_a_nested_cgroup_exactly_the_rules_asked() -> None:
-    rig = fake_service("dgx-1", mode="mesos")
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_apply_nested_gives_a_nested_cgroup_exactly_the_rules_asked(version: str) -> None:
+    rig = fake_service("dgx-1", mode="mesos", version=version)
     a, child = cid("a"), cid("a.task")
     rig.cgroups.mesos_creates(a)
     rig.cgroups.mesos_creates(child)
     core = rig.service.core
+    if version == "v1":  # the kernel refuses a grant below beyond what the parent allows (EPERM)
+        with pytest.raises(CgroupError):
+            core.apply_nested(child, core.rules(frozenset({3})))
+        rig.cgroups.apply(a, core.rules(frozenset({3})))  # once the parent allows it, it passes
     core.apply_nested(child, core.rules(frozenset({3})))
-    assert granted(rig, child) == [3] and granted(rig, a) == []
+    assert granted(rig, child) == [3]
 
 
 def test_isolate_of_a_nested_container_with_its_own_cgroup_waits_for_the_pid_there() -> None:
@@ -619,3 +690,19 @@ def test_an_id_that_names_a_cgroup_control_file_is_invalid_and_books_nothing(ver
     with pytest.raises(InvalidArgument, match="cannot name a cgroup"):
         rig.service.prepare(ContainerId.parse(name), gpus(1))
     assert rig.store.load() == {} and free(rig) == frozenset(range(8)) and rig.cgroups.cgroups == {}
+
+
+def test_mesos_update_is_not_failed_by_a_nested_cgroup_that_vanishes_meanwhile() -> None:
+    # A task of a task group ends (Mesos removes its cgroup) while the executor's Update arrives:
+    # nothing is granted in a cgroup that is gone, so the Update of its top-level container succeeds.
+    rig = fake_service("dgx-1", mode="mesos")
+    a, b = cid("a"), cid("a.b")
+    rig.cgroups.mesos_creates(a)
+    rig.service.prepare(a, gpus(1))
+    rig.cgroups.mesos_creates(b)
+    rig.service.prepare(b, ContainerConfig(share_cgroups=False))
+    gone = CgroupVanished(op="write", path=rig.cgroups.cgroup_path(b))
+    rig.cgroups.faults.fail_at("apply_nested", gone, container=b)
+    rig.cgroups.faults.fail_at("apply", gone, container=b)
+    rig.service.update(a, [Resource("gpus", 3.0)])
+    assert len(held(rig, a)) == 3 and granted(rig, a) == held(rig, a)

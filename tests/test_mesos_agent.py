@@ -219,6 +219,40 @@ def test_nested_container_with_cgroups_of_its_own_gets_the_rules_there_and_isola
         containerizer.destroy(executor)
 
 
+def test_debug_container_below_a_nested_container_with_cgroups_of_its_own_runs_in_that_cgroup(agent):
+    # Mesos's cgroups isolator (findCgroupInfo) puts a sharing or DEBUG container's pid in its closest
+    # ancestor with cgroups of its own; isolate used to wait for it in the top-level cgroup and fail.
+    sidecar, containerizer = agent
+    cgroups = containerizer.cgroups
+    executor = container_id("debug-below")
+    launched = containerizer.start(executor, containerizer.config(gpus=1, kind="default-executor", image=False))
+    try:
+        containerizer.run(launched, launched.config, host_nodes(sidecar))
+        mine = granted(sidecar, launched.report["opens"])
+        task = container_id(["debug-below", "task"])
+        config = containerizer.config(gpus=1, kind="task", image=False, share_cgroups=False)
+        nested = containerizer.start(task, config)
+        try:
+            containerizer.run(nested, config, host_nodes(sidecar))
+            assert nested.exit_code == 0, nested.stderr
+            debug = container_id(["debug-below", "task", "debug"])
+            debug_config = containerizer.config(gpus=None, kind="debug", image=False)
+            shell = containerizer.start(debug, debug_config)
+            try:
+                containerizer.run(shell, debug_config, host_nodes(sidecar))
+                assert shell.exit_code == 0, shell.stderr
+                own = cgroups.path(["debug-below", "task"])
+                if cgroups.version == "v1":
+                    assert shell.cgroup == own, "the task's cgroup, not the executor's"
+                assert granted(sidecar, shell.report["opens"]) == mine
+            finally:
+                containerizer.destroy(debug)
+        finally:
+            containerizer.destroy(task)
+    finally:
+        containerizer.destroy(executor)
+
+
 def test_nested_container_with_cgroups_of_its_own_that_mesos_did_not_make_is_refused(agent):
     _sidecar, containerizer = agent
     executor = container_id("no-nested-cgroup")

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from isolator.simhost.driver import build_driver_root, write_elf_so
+from isolator.simhost.driver import build_driver_root, ldconfig, run_ldconfig, write_elf_so
 from volumes.elf import parse_elf, read_elf
 from volumes.errors import ElfError, LdCacheError
 from volumes.ldcache import parse_ldcache, read_ldcache
@@ -21,7 +21,7 @@ def sim(tmp_path_factory):
 
 
 def ldconfig_print(cache: str) -> list[str]:
-    out = subprocess.run(["ldconfig", "-p", "-C", cache], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([ldconfig(), "-p", "-C", cache], capture_output=True, text=True, check=True).stdout
     return [line.split(" => ")[1] for line in out.splitlines() if " => " in line]
 
 
@@ -30,7 +30,7 @@ def test_ldcache_parses_every_format_ldconfig_writes_with_the_same_entries_as_ld
     cache = str(tmp_path / f"ld.so.cache.{fmt}")
     conf = tmp_path / "ld.so.conf"
     conf.write_text("".join(sim.root + d + "\n" for d in (sim.lib64_dir, sim.lib32_dir)))
-    proc = subprocess.run(["ldconfig", "-c", fmt, "-C", cache, "-f", str(conf), "-X"], capture_output=True, text=True)
+    proc = subprocess.run([ldconfig(), "-c", fmt, "-C", cache, "-f", str(conf), "-X"], capture_output=True, text=True)
     if proc.returncode != 0 and "format" in proc.stderr:
         pytest.skip(f"this ldconfig cannot write the {fmt} format: {proc.stderr.strip()}")
     parsed = read_ldcache(cache)
@@ -105,7 +105,7 @@ def test_written_elf_objects_parse_and_ldconfig_caches_them(tmp_path, bits):
     cache = str(tmp_path / "cache")
     conf = tmp_path / "conf"
     conf.write_text(f"{libdir}\n")
-    subprocess.run(["ldconfig", "-C", cache, "-f", str(conf), "-X"], check=True, capture_output=True)
+    subprocess.run([ldconfig(), "-C", cache, "-f", str(conf), "-X"], check=True, capture_output=True)
     # ldconfig always adds the system's trusted directories; look at ours only.
     entries = [e for e in read_ldcache(cache).entries if e.value.startswith(str(libdir))]
     assert [(e.key, e.bits) for e in entries] == [("libnvidia-tls.so.1.2", bits)]
@@ -130,3 +130,15 @@ def test_elf_reader_reads_a_real_system_library():
         pytest.skip("not a Debian x86-64 host")
     info = read_elf(libc)
     assert info.soname == "libc.so.6" and info.elf_class == 64
+
+
+def test_ldconfig_is_found_with_a_normal_users_path(tmp_path, monkeypatch):
+    # A normal user's PATH has no sbin (Debian's login.defs: /usr/local/bin:/usr/bin:/bin:...), and
+    # `make test-unit` runs as one; ldconfig lives in /sbin.
+    monkeypatch.setenv("PATH", "/usr/local/bin:/usr/bin:/bin")
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "ld.so.conf").write_text("")
+    run_ldconfig(str(tmp_path))
+    assert (tmp_path / "etc" / "ld.so.cache").exists()
+    cache = str(tmp_path / "etc" / "ld.so.cache")
+    assert ldconfig_print(cache) == []

@@ -55,6 +55,7 @@ class Attached:
     name: str
     fd: int
     insns: bytes
+    tag: str = ""  # the kernel's hash of the loaded instructions (bpftool prog show: tag)
 
 
 class V2DeviceController:
@@ -122,12 +123,21 @@ class V2DeviceController:
         path = self.cgroup_path(container)
         if not os.path.isdir(path):
             return KernelRules((), f"none: the cgroup '{path}' does not exist", present=False)
-        ids = self.attached_ids(container)
-        if not ids:
+        ours = self._our_programs(container)
+        if not ours:
             return KernelRules((), f"none: no device program of ours is attached to '{path}'", present=False)
-        # A program cannot be read back as rules; the checkpoint is what the attached one was built from.
-        progs = ", ".join(str(i) for i in ids)
-        return KernelRules(self.current(container), f"device program {progs} on '{path}' (rules from its checkpoint)")
+        # A program cannot be read back as rules; the checkpoint is what the attached one was built
+        # from, as long as the kernel's tag of the attached program is the one checkpointed with its
+        # rules. A kill between checkpoint and attach leaves the old program under the new rules.
+        rules, tag = self._read_checkpoint_and_tag(container)
+        progs = ", ".join(str(i) for i, _tag in ours)
+        if rules is None or len(ours) != 1 or not tag or ours[0][1] != tag:
+            return KernelRules(
+                (),
+                f"none: the device program {progs} on '{path}' is not the one its checkpoint was built from",
+                present=False,
+            )
+        return KernelRules(rules, f"device program {progs} on '{path}' (rules from its checkpoint)")
 
     def checkpoint_path(self, container: ContainerId) -> str:
         # <state>/<a>/nested/<b>/device-rules.json: IDs only ever name directories next to
@@ -140,23 +150,42 @@ class V2DeviceController:
         return os.path.join(self.state_dir, *parts, CHECKPOINT_FILE)
 
     def _read_checkpoint(self, container: ContainerId) -> tuple[DeviceRule, ...] | None:
+        return self._read_checkpoint_and_tag(container)[0]
+
+    def _read_checkpoint_and_tag(self, container: ContainerId) -> tuple[tuple[DeviceRule, ...] | None, str]:
+        """The checkpointed rules (None without a checkpoint) and the tag of the program built from
+        them ('' in checkpoints written before tags were kept: never taken as proof)."""
         path = self.checkpoint_path(container)
         try:
             with open(path) as fh:
                 data = json.load(fh)
-            return parse_rules(data["rules"])
+            return parse_rules(data["rules"]), str(data.get("tag", ""))
         except FileNotFoundError:
-            return None
-        except (OSError, ValueError, KeyError, TypeError, RuleParseError) as exc:
+            return None, ""
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RuleParseError) as exc:
             raise CgroupError(op="read checkpoint", path=path, cause=str(exc)) from exc
 
-    def _write_checkpoint(self, container: ContainerId, rules: tuple[DeviceRule, ...] | None) -> None:
+    def _our_programs(self, container: ContainerId) -> list[tuple[int, str]]:
+        """(id, tag) of our programs on the container's cgroup (empty when the cgroup is gone)."""
+        path = self.cgroup_path(container)
+        try:
+            fd = self._open(path, "query")
+        except CgroupVanished:
+            return []
+        try:
+            with self._attached(fd, path) as progs:
+                return [(p.id, p.tag) for p in self._ours(progs)]
+        finally:
+            os.close(fd)
+
+    def _write_checkpoint(self, container: ContainerId, rules: tuple[DeviceRule, ...] | None, tag: str = "") -> None:
         path = self.checkpoint_path(container)
         if rules is None:
             self._remove_checkpoint(container)
             return
-        body = {"container": list(container.chain()), "cgroup": self.cgroup_path(container)}
+        body: dict[str, object] = {"container": list(container.chain()), "cgroup": self.cgroup_path(container)}
         body["rules"] = [str(r) for r in rules]
+        body["tag"] = tag
         tmp = path + ".tmp"
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -216,7 +245,7 @@ class V2DeviceController:
                 except BpfError:
                     os.close(fd)
                     raise
-                progs.append(Attached(prog_id, info.name, fd, info.insns))
+                progs.append(Attached(prog_id, info.name, fd, info.insns, info.tag))
             yield progs
         finally:
             for prog in progs:
@@ -228,16 +257,7 @@ class V2DeviceController:
 
     def attached_ids(self, container: ContainerId) -> tuple[int, ...]:
         """Ids of our programs on the container's cgroup (empty when the cgroup is gone)."""
-        path = self.cgroup_path(container)
-        try:
-            fd = self._open(path, "query")
-        except CgroupVanished:
-            return ()
-        try:
-            with self._attached(fd, path) as progs:
-                return tuple(p.id for p in self._ours(progs))
-        finally:
-            os.close(fd)
+        return tuple(i for i, _tag in self._our_programs(container))
 
     def _ancestors(self, path: str) -> list[str]:
         out: list[str] = []
@@ -312,18 +332,19 @@ class V2DeviceController:
                 self._check_conflicts(path, progs, rules)
                 ours = self._ours(progs)
                 prog_fd = bpf.prog_load(self.program(rules), self.prog_name)
-                previous = self._read_checkpoint(container)
+                previous, previous_tag = self._read_checkpoint_and_tag(container)
                 try:
                     if checkpoint:
                         # Checkpoint first (as Mesos's DeviceManager does): a crash between the
-                        # two steps leaves a record that recover() can re-apply.
-                        self._write_checkpoint(container, rules)
+                        # two steps leaves a record that recover() can re-apply. The program's tag
+                        # goes with it, so that in_force can tell whether the attach happened.
+                        self._write_checkpoint(container, rules, bpf.prog_info(prog_fd).tag)
                         crashpoint("v2.checkpoint")
                     try:
                         bpf.prog_attach(cgroup_fd, prog_fd, ours[0].fd if ours else None, path)
                     except BpfError:
                         if checkpoint:
-                            self._write_checkpoint(container, previous)
+                            self._write_checkpoint(container, previous, previous_tag)
                         raise
                 finally:
                     os.close(prog_fd)

@@ -226,7 +226,7 @@ class Admin:
                 action = "revoked-kept-cgroup"
                 did = f"revoked their GPU access in '{cgroup}' and kept the cgroup for its processes {list(pids)}"
             else:
-                core.cgroups.cleanup(container_id)
+                core.cleanup_cgroups(container_id)
                 action = "removed-cgroup"
                 did = (
                     f"removed our device rules from '{cgroup}'"

@@ -32,7 +32,7 @@ from isolator.core.ports import (
 )
 from isolator.crashpoints import crashpoint
 from isolator.devices import NVIDIA_MAJOR
-from isolator.errors import IsolatorError, NotFound
+from isolator.errors import CgroupVanished, IsolatorError, NotFound
 from isolator.model import ContainerId, ContainerRecord, Gpu, MigDevice
 
 LOG = logging.getLogger(__name__)
@@ -162,10 +162,16 @@ class Core:
 
         A nested container has its own when Mesos made one: on v1 with ``share_cgroups=false``
         (``<root>/<parent>/mesos/<child>``), on v2 always (``…/mesos/<child>/leaf``, not below the
-        parent's leaf). Otherwise the top-level container's governs.
+        parent's leaf). Otherwise its closest ancestor with a cgroup of its own governs, as Mesos's
+        cgroups isolator places it (``findCgroupInfo``): below a nested container with
+        ``share_cgroups=false``, a sharing or DEBUG container runs in that one's cgroup, not the
+        top-level one's.
         """
-        if cid.nested and self.cgroups.exists(cid):
-            return cid
+        node: ContainerId | None = cid
+        while node is not None and node.nested:
+            if self.cgroups.exists(node):
+                return node
+            node = node.parent
         return cid.root
 
     def nested_cgroups(self, cid: ContainerId) -> list[ContainerId]:
@@ -191,14 +197,30 @@ class Core:
         """
         for child in self.nested_cgroups(cid):
             try:
-                self.apply_nested(child, rules)
-            except IsolatorError as exc:
-                LOG.error("nested container %s could not follow its top-level container's rules: %s", child, exc)
-                self.cgroups.apply(child, self.rules(frozenset()))
+                try:
+                    self.apply_nested(child, rules)
+                except CgroupVanished:
+                    raise
+                except IsolatorError as exc:
+                    LOG.error("nested container %s could not follow its top-level container's rules: %s", child, exc)
+                    self.cgroups.apply(child, self.rules(frozenset()))
+            except CgroupVanished:
+                # Mesos removed it meanwhile (the nested container ended): nothing is granted there.
+                LOG.info("nested container %s is gone; its cgroup needs no rules", child)
 
     def apply_nested(self, child: ContainerId, rules: tuple[devrules.DeviceRule, ...]) -> None:
         """Apply ``rules`` to a nested container's own cgroup (on v1 through the ``mesos`` one above it)."""
         self.cgroups.apply_nested(child, rules)
+
+    def cleanup_cgroups(self, cid: ContainerId) -> None:
+        """Remove our rules from a top-level container's cgroup, and in mesos mode first from the
+        cgroups of its own of its nested containers: Mesos cleans those up first, but when it did not
+        (an orphan, a forced release) they must not keep granting the GPUs freed next (v2: their
+        programs are not below the parent's leaf, so nothing else would revoke them)."""
+        if self.settings.mode == "mesos":
+            for child in reversed(self.nested_cgroups(cid)):
+                self.cgroups.cleanup(child)
+        self.cgroups.cleanup(cid)
 
     def drop(self, cid: ContainerId, rec: ContainerRecord) -> None:
         """Forget a container whose rules are already gone: its record, then its GPUs; wake watchers."""

@@ -483,7 +483,7 @@ class Hooks:
         with core.locks.hold(container_id):
             rec = core.store.get(container_id)
             if rec is not None:
-                core.cgroups.cleanup(container_id)
+                core.cleanup_cgroups(container_id)
                 crashpoint("cleanup.cgroup")
                 core.drop(container_id, rec)
         if rec is None:

@@ -32,6 +32,9 @@ class CgroupBackend(Protocol):
       standalone mode creates the cgroup and denies every device. Idempotent.
     * ``apply(c, rules)``: make the container's allow-list exactly ``rules`` (the full set, Mesos's
       default whitelist included); on failure the previous rules stay in force.
+    * ``apply_nested(c, rules)``: ``apply`` to a nested container's own cgroup after its top-level
+      container's rules changed (v1: through the ``<parent>/mesos`` cgroup between, which the kernel
+      filled with a copy of the parent's list and which a grant below may never exceed).
     * ``current(c)``: the rules in force (v1: read back from ``devices.list``; v2: the checkpoint).
     * ``recover(c)``: after a restart, bring the kernel in line with what was last applied and return
       it (v1: the list; v2: re-attach the checkpointed program). ``CgroupVanished`` without a cgroup.

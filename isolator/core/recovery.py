@@ -207,7 +207,7 @@ class Recovery:
                     core.apply(cid, records.get(cid, frozenset()))
                 elif action.kind is Kind.RELEASE:
                     with contextlib.suppress(CgroupVanished):
-                        core.cgroups.cleanup(cid)
+                        core.cleanup_cgroups(cid)
                     core.store.remove(cid)
                     result.released += 1
                     core.release_volume(cid)

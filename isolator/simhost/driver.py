@@ -194,9 +194,17 @@ def _overlay(src: str, dst: str) -> None:
                 shutil.copy2(s_path, d_path)
 
 
+def ldconfig() -> str:
+    """The system's ldconfig: on PATH, else in the sbin directories a normal user's PATH lacks."""
+    found = shutil.which("ldconfig") or shutil.which("ldconfig", path="/usr/sbin:/sbin")
+    if found is None:
+        raise RuntimeError("no ldconfig on PATH, in /usr/sbin or in /sbin")
+    return found
+
+
 def run_ldconfig(root: str) -> None:
     """Write <root>/etc/ld.so.cache with the system's ldconfig (-r needs chroot, so root or a userns)."""
-    cmd = ["ldconfig", "-r", root]
+    cmd = [ldconfig(), "-r", root]
     if os.geteuid() != 0:
         cmd = ["unshare", "--user", "--map-root-user", *cmd]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)

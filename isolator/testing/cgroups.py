@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterable
 
 from isolator.cgroups.base import check_mode, mesos_relative_path
-from isolator.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, KernelRules
+from isolator.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, KernelRules, permits
 from isolator.errors import CgroupBusy, CgroupError, CgroupVanished, InvalidArgument
 from isolator.model import ContainerId
 from isolator.testing.faults import Faults
@@ -37,6 +37,9 @@ class FakeCgroups:
         self.cgroups: dict[ContainerId, tuple[DeviceRule, ...] | None] = {}  # None: exists, no rules of ours
         self.members: dict[int, ContainerId] = {}  # pid -> the cgroup it is in
         self.applied: list[tuple[ContainerId, tuple[DeviceRule, ...]]] = []  # every successful apply
+        # v1: the list of each ``<parent>/mesos`` cgroup between a container and its nested ones; the
+        # kernel copies the parent's list into it when it is made, and a grant below may never exceed it.
+        self.between: dict[ContainerId, tuple[DeviceRule, ...]] = {}
         self.faults = Faults(self._fault)
 
     def _fault(self, step: str, container: ContainerId | None) -> BaseException:
@@ -48,6 +51,7 @@ class FakeCgroups:
     def mesos_creates(self, container: ContainerId) -> None:
         """Mesos made the container's cgroup (v1: with its default whitelist; v2: its own program)."""
         with self._lock:
+            self._made(container)
             self.cgroups.setdefault(container, None)
 
     def vanish(self, container: ContainerId) -> None:
@@ -63,6 +67,7 @@ class FakeCgroups:
     def _remove(self, container: ContainerId) -> None:
         for cid in [c for c in self.cgroups if c == container or _below(c, container)]:
             del self.cgroups[cid]
+            self.between.pop(cid, None)
         for pid in [p for p, c in self.members.items() if c == container or _below(c, container)]:
             del self.members[pid]
 
@@ -90,9 +95,24 @@ class FakeCgroups:
             if self.mode == "mesos":
                 if container not in self.cgroups:
                     raise CgroupVanished(op="prepare", path=self.cgroup_path(container))
+                self._require_whitelist(container, "is Mesos's cgroups/devices isolator enabled?")
                 return
-            if self.cgroups.get(container) is None:
+            rules = self.cgroups.get(container)
+            if rules is None:
+                self._made(container)
                 self.cgroups[container] = ()  # created, everything denied
+            elif self.version == "v1" and any(r.type == "a" for r in rules):
+                self.cgroups[container] = ()  # v1 writes 'a' to devices.deny: a whitelist again
+                self._propagate(container)
+
+    def _require_whitelist(self, container: ContainerId, hint: str) -> None:
+        """v1 refuses to work on a list that allows every device, as the real controller does."""
+        if self.version == "v1" and any(r.type == "a" for r in self._in_force(container)):
+            raise CgroupError(
+                op="use",
+                path=f"{self.cgroup_path(container)}/devices.list",
+                cause=f"the cgroup allows every device ('a *:* rwm'), it is not a whitelist; {hint}",
+            )
 
     def apply(self, container: ContainerId, rules: Iterable[DeviceRule]) -> None:
         rules = tuple(rules)
@@ -102,12 +122,55 @@ class FakeCgroups:
         with self._lock:
             if container not in self.cgroups:
                 raise CgroupVanished(op="write", path=self.cgroup_path(container))
+            hint = "is Mesos's cgroups/devices isolator enabled?" if self.mode == "mesos" else "was it prepared?"
+            self._require_whitelist(container, hint)
+            if self.version == "v1" and container.parent in self.between:
+                self._check_within(container, rules, self.between[container.parent])
             self.cgroups[container] = rules
             self.applied.append((container, rules))
+            self._propagate(container)
 
     def apply_nested(self, container: ContainerId, rules: Iterable[DeviceRule]) -> None:
+        rules = tuple(rules)
         self.faults.check("apply_nested", container)
+        if self.version == "v1" and container.parent is not None:
+            with self._lock:
+                if container.parent not in self.cgroups or container not in self.cgroups:
+                    raise CgroupVanished(op="write", path=self.cgroup_path(container))
+                self._check_within(container, rules, self._in_force(container.parent))
+                self.between[container.parent] = rules
+                self._propagate(container.parent)
         self.apply(container, rules)
+
+    def _made(self, container: ContainerId) -> None:
+        """A cgroup is created: on v1 its ``<parent>/mesos`` copies the parent's list the first time."""
+        parent = container.parent
+        if self.version == "v1" and parent is not None and parent in self.cgroups and parent not in self.between:
+            self.between[parent] = self._in_force(parent)
+
+    def _check_within(
+        self, container: ContainerId, rules: tuple[DeviceRule, ...], above: tuple[DeviceRule, ...]
+    ) -> None:
+        beyond = [str(r) for r in rules if not permits(above, r)]
+        if beyond:  # the v1 kernel refuses the write (EPERM) and the previous list stays
+            raise CgroupError(
+                op="write", path=self.cgroup_path(container), cause=f"{beyond[0]}: Operation not permitted"
+            )
+
+    def _propagate(self, container: ContainerId) -> None:
+        """v1: what a cgroup no longer allows goes from every cgroup below it too (the kernel's
+        revalidation of its children's exceptions)."""
+        if self.version != "v1":
+            return
+        bound = self._in_force(container)
+        if container in self.between:
+            self.between[container] = tuple(r for r in self.between[container] if permits(bound, r))
+            bound = self.between[container]
+        for child in [c for c in self.cgroups if c.parent == container]:
+            rules = self.cgroups[child]
+            if rules is not None:
+                self.cgroups[child] = tuple(r for r in rules if permits(bound, r))
+            self._propagate(child)
 
     def current(self, container: ContainerId) -> tuple[DeviceRule, ...]:
         self.faults.check("current", container)
@@ -170,6 +233,7 @@ class FakeCgroups:
                 return
             if self.mode == "mesos":
                 self.cgroups[container] = None  # our rules go, Mesos's cgroup stays
+                self._propagate(container)
                 return
             busy = sorted(p for p, c in self.members.items() if c == container or _below(c, container))
             if busy:

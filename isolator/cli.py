@@ -78,6 +78,20 @@ def build_parser() -> Parser:
         p.add_argument("--timeout", type=_seconds, default=10.0, help="seconds to wait for an answer (default 10)")
         return p
 
+    cdi = sub.add_parser("cdi", help="Container Device Interface spec of the managed GPUs")
+    cdi_sub = cdi.add_subparsers(dest="cdi_command", metavar="ACTION", parser_class=Parser)
+    cdi_sub.required = True
+    generate = cdi_sub.add_parser(
+        "generate", help="write the CDI spec (offline: reads NVML and builds the driver volume; no sidecar needed)"
+    )
+    configmod.add_serve_arguments(generate)
+    generate.add_argument("--output", default="-", help="file to write (default: stdout); mode 0644")
+
+    resources = sub.add_parser(
+        "resources", help="the agent's --resources entries for the GPUs and MIG devices (offline: reads NVML)"
+    )
+    configmod.add_serve_arguments(resources)
+
     admin("gpus", help_text="every GPU, its health and its holder")
     admin("topology", help_text="the interconnect matrix, as nvidia-smi topo -m")
     admin("containers", help_text="every known container and its GPUs")
@@ -338,7 +352,44 @@ def _gpus_table(data: dict[str, Any]) -> str:
             ("holder", "HOLDER"),
         ],
     )
+    migs = _mig_rows(data.get("gpus", []))
+    if migs:
+        table += "\n\nMIG devices\n" + _table(
+            migs,
+            [
+                ("gpu", "GPU"),
+                ("slot", "SLOT"),
+                ("gpu_instance_id", "GI"),
+                ("compute_instance_id", "CI"),
+                ("profile", "PROFILE"),
+                ("resource", "RESOURCE"),
+                ("memory", "MEMORY"),
+                ("uuid", "UUID"),
+                ("caps", "CAPS"),
+                ("holder", "HOLDER"),
+            ],
+        )
     return header + "\n" + table
+
+
+def _mig_rows(gpus: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for g in gpus:
+        for m in g.get("mig_devices") or ():
+            rows.append(
+                dict(
+                    m,
+                    gpu=g.get("index", 0),
+                    slot=m.get("slot", 0),
+                    gpu_instance_id=m.get("gpu_instance_id", 0),
+                    compute_instance_id=m.get("compute_instance_id", 0),
+                    resource=m.get("resource") or "(not offered)",
+                    memory=f"{int(m.get('memory_total_bytes', 0)) // 2**20} MiB",
+                    caps=",".join(str(c) for c in m.get("caps_minors") or ()) or "MISSING",
+                    holder=m.get("holder") or "-",
+                )
+            )
+    return rows
 
 
 def _describe_text(data: dict[str, Any], now: float) -> str:
@@ -489,6 +540,30 @@ def _run_serve(args: argparse.Namespace) -> int:
         return EXIT_NO_GPUS if isinstance(exc, GpusUnavailable) else EXIT_ERROR
 
 
+def _run_resources(args: argparse.Namespace) -> int:
+    from isolator import main as daemon
+
+    flags = {k: v for k, v in vars(args).items() if k != "command"}
+    _emit(daemon.agent_resources(configmod.resolve(flags)))
+    return EXIT_OK
+
+
+def _run_cdi(args: argparse.Namespace) -> int:
+    from isolator import cdi
+    from isolator import main as daemon
+
+    output = args.output
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "cdi_command", "output")}
+    config = configmod.resolve(flags)
+    spec = daemon.generate_cdi(config)
+    if output == "-":
+        _emit(cdi.render(spec).rstrip("\n"))
+    else:
+        path, _ = cdi.write_spec(spec, os.path.dirname(os.path.abspath(output)), os.path.basename(output))
+        print(f"wrote CDI spec '{path}': {len(spec['devices'])} devices, kind {spec['kind']}", file=sys.stderr)
+    return EXIT_OK
+
+
 DEFAULT_CONFIG_TEXT = """\
 # gpu-isolator serve settings; keys are the flags without their dashes (README "Running the sidecar").
 mode = "mesos"
@@ -594,6 +669,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _run_serve(args)
+        if args.command == "cdi":
+            return _run_cdi(args)
+        if args.command == "resources":
+            return _run_resources(args)
         if args.command == "install-unit":
             return _run_install_unit(args)
         try:

@@ -79,6 +79,8 @@ class Config:
     job_mapping_dir: str = ""
     allowed_uids: tuple[int, ...] = (0,)
     allowed_gids: tuple[int, ...] = ()
+    cdi_dir: str = ""
+    cdi_kind: str = "nvidia.com/gpu"
     config_file: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -175,6 +177,16 @@ def _nvidia_gpu_devices(value: Any) -> tuple[int, ...]:
     return items
 
 
+def _cdi_kind(value: Any) -> str:
+    from isolator.cdi import check_kind
+    from isolator.errors import InvalidArgument
+
+    try:
+        return check_kind(_text(value))
+    except InvalidArgument as exc:
+        raise ValueError(exc.message) from None
+
+
 PARSERS: dict[str, Any] = {
     "socket": _text,
     "socket_mode": _octal_mode,
@@ -207,6 +219,8 @@ PARSERS: dict[str, Any] = {
     "job_mapping_dir": _text,
     "allowed_uids": _int_list,
     "allowed_gids": _int_list,
+    "cdi_dir": _text,
+    "cdi_kind": _cdi_kind,
 }
 
 HELP = {
@@ -242,6 +256,8 @@ HELP = {
     "job_mapping_dir": "write dcgm-exporter's HPC job mapping here: one file per GPU index listing its containers",
     "allowed_uids": "uids allowed to call the socket (default 0)",
     "allowed_gids": "gids allowed to call the socket (default none)",
+    "cdi_dir": "keep a CDI spec of the managed GPUs in this directory, e.g. /var/run/cdi (default: none)",
+    "cdi_kind": "the CDI spec's kind (default nvidia.com/gpu)",
 }
 
 

@@ -82,7 +82,10 @@ def launch_info_to_proto(info: model.LaunchInfo) -> pb.ContainerLaunchInfo:
 
 def limitation_to_proto(lim: model.Limitation) -> pb.ContainerLimitation:
     msg = pb.ContainerLimitation(message=lim.message, reason=lim.reason)
-    msg.resources.add(name="gpus", type=pb.Value.SCALAR, role="*").scalar.value = lim.gpus
+    if lim.gpus or not lim.mig:
+        msg.resources.add(name="gpus", type=pb.Value.SCALAR, role="*").scalar.value = lim.gpus
+    for name, count in lim.mig:
+        msg.resources.add(name=name, type=pb.Value.SCALAR, role="*").scalar.value = count
     return msg
 
 
@@ -115,6 +118,20 @@ def gpu_info_to_proto(g: model.GpuInfo) -> pb.GpuInfo:
         health_reason=g.health_reason,
         holder=g.holder,
         mig_enabled=g.mig_enabled,
+        mig_devices=[
+            pb.MigDeviceInfo(
+                uuid=m.uuid,
+                profile=m.profile,
+                resource=m.resource,
+                gpu_instance_id=m.gpu_instance_id,
+                compute_instance_id=m.compute_instance_id,
+                memory_total_bytes=m.memory_total_bytes,
+                caps_minors=m.caps_minors,
+                slot=m.slot,
+                holder=m.holder,
+            )
+            for m in g.mig_devices
+        ],
     )
 
 
@@ -131,6 +148,7 @@ def container_info_to_proto(c: model.ContainerInfo) -> pb.ContainerInfo:
         volume_version=c.volume_version,
         state=c.state,
         created=c.created,
+        mig_uuids=c.mig_uuids,
     )
 
 

@@ -43,21 +43,35 @@ class JobMapping:
             raise ConfigError(f"--job-mapping-dir '{directory}' is not writable")
 
     def wanted(self) -> dict[str, list[str]]:
-        """File name -> container IDs, from the service's records."""
-        holders: dict[int, list[str]] = {}
+        """File name -> container IDs, from the service's records.
+
+        A GPU held whole lists its holder in its own file and in every MIG device's; a MIG device
+        held as a unit (docs/mig.md) lists its holder in its ``<index>.<gpu instance>`` file and in
+        its GPU's file (every container with work on that GPU).
+        """
+        holders: dict[int, set[str]] = {}
+        unit_holders: dict[str, set[str]] = {}
         for c in self.service.list_containers():
             if c.nested:
                 continue  # nested containers share their top-level container's GPUs and ID prefix
             for index in c.gpu_indices:
-                holders.setdefault(int(index), []).append(str(c.container_id))
+                holders.setdefault(int(index), set()).add(str(c.container_id))
+            for uuid in c.mig_uuids:
+                unit_holders.setdefault(uuid, set()).add(str(c.container_id))
         out: dict[str, list[str]] = {}
         for record in self.inventory.records:
             index = record.gpu.index
-            ids = sorted(holders.get(index, []))
-            out[str(index)] = ids
+            whole = holders.get(index, set())
+            on_gpu = set(whole)
             if record.mig_enabled:
+                per_gi: dict[int, set[str]] = {}
                 for mig in record.mig_devices:
-                    out[f"{index}.{mig.gpu_instance_id}"] = ids
+                    ids = unit_holders.get(mig.uuid, set())
+                    per_gi.setdefault(mig.gpu_instance_id, set()).update(ids)
+                    on_gpu |= ids
+                for gi, ids in per_gi.items():
+                    out[f"{index}.{gi}"] = sorted(whole | ids)
+            out[str(index)] = sorted(on_gpu)
         return out
 
     def sync(self) -> None:

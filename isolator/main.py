@@ -12,18 +12,19 @@ import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from isolator import gpuflags
 from isolator.config import Config
 from isolator.core.service import IsolatorService
-from isolator.errors import ConfigError, GpusUnavailable, NvmlNotFound
+from isolator.errors import ConfigError, FailedPrecondition, GpusUnavailable, NvmlNotFound
 from isolator.model import AuditReport
 from isolator.server import SidecarServer
 
 if TYPE_CHECKING:
     from isolator.nvml import Inventory
     from isolator.simhost.sim import SimulatedHost
+    from volumes.manager import VolumeManager
 
 LOG = logging.getLogger("isolator")
 
@@ -50,7 +51,7 @@ def simulated_host(config: Config) -> SimulatedHost:
 
 
 def build_inventory(
-    config: Config, notes: list[str] | None = None, host: SimulatedHost | None = None
+    config: Config, notes: list[str] | None = None, host: SimulatedHost | None = None, watch: bool = True
 ) -> Inventory | None:
     """The GPUs to manage, or None when the operator said there are none (``--resources gpus:0``).
 
@@ -96,8 +97,9 @@ def build_inventory(
         if not decision.indices:
             raise GpusUnavailable(f"NVML reports no GPUs; {NO_GPUS_HINT}")
         inventory.read(decision.indices)
-        inventory.start_health_watch()
-        watch_device_events(inventory, host)
+        if watch:
+            inventory.start_health_watch()
+            watch_device_events(inventory, host)
     except BaseException:
         inventory.close()
         raise
@@ -142,18 +144,10 @@ def build_service(
     from isolator.devices import HostDevices
     from isolator.state import StateStore
     from isolator.system import EmptyInventory, LocalFilesystem, ProcProcesses, SystemClock
-    from volumes.manager import VolumeManager
 
     host = simulated_host(config) if config.simulate else None
     inventory = build_inventory(config, notes, host)
-    dev_root, driver_root = config.dev_root, config.driver_root
-    volume_kwargs: dict[str, object] = {}
-    if host is not None:
-        from isolator.simhost.driver import build_driver_root
-
-        driver = build_driver_root(host.driver_root, host.spec.driver_version)
-        dev_root, driver_root = host.dev_root, host.driver_root
-        volume_kwargs["path"] = driver.path
+    dev_root, volumes = _dev_root_and_volumes(config, host, on_volume_build)
     hierarchy = detect(override=config.cgroup_version)
     if os.path.commonpath([hierarchy.mount, config.cgroups_hierarchy]) != config.cgroups_hierarchy.rstrip("/"):
         raise ConfigError(
@@ -173,12 +167,6 @@ def build_service(
         host_devices.load_uvm()  # Mesos loads nvidia-uvm at start when it is missing
     store = StateStore(config.state_dir)
     try:
-        volumes = VolumeManager(
-            config.volume_root,
-            driver_root=driver_root,
-            on_build=on_volume_build,
-            **volume_kwargs,  # type: ignore[arg-type]
-        )
         return IsolatorService(
             inventory=inventory if inventory is not None else EmptyInventory(),
             cgroups=controller,
@@ -195,6 +183,117 @@ def build_service(
         if inventory is not None:
             inventory.close()
         raise
+
+
+def _dev_root_and_volumes(
+    config: Config, host: SimulatedHost | None, on_build: Callable[[object], None] | None = None
+) -> tuple[str, VolumeManager]:
+    """The device nodes' directory and the driver volume manager (the simulated host's when simulating)."""
+    from volumes.manager import VolumeManager
+
+    dev_root, driver_root = config.dev_root, config.driver_root
+    volume_kwargs: dict[str, object] = {}
+    if host is not None:
+        from isolator.simhost.driver import build_driver_root
+
+        driver = build_driver_root(host.driver_root, host.spec.driver_version)
+        dev_root, driver_root = host.dev_root, host.driver_root
+        volume_kwargs["path"] = driver.path
+    volumes = VolumeManager(
+        config.volume_root,
+        driver_root=driver_root,
+        on_build=on_build,
+        **volume_kwargs,  # type: ignore[arg-type]
+    )
+    return dev_root, volumes
+
+
+def cdi_spec_of(inventory: Any, dev_root: str, volumes: Any, kind: str) -> dict[str, Any]:
+    """The CDI spec of what ``inventory`` manages; builds the current driver's volume if needed."""
+    from isolator import cdi
+    from isolator.devices import HostDevices
+    from volumes.inject import Image, volume_env
+
+    control = HostDevices(dev_root).control_devices()
+    names = [os.path.relpath(n.path, dev_root) for n in control.numbers()]
+    volume = volumes.ensure(inventory.driver_version)
+    return cdi.build_spec(
+        cdi.entries(inventory.records),
+        dev_root=dev_root,
+        control_nodes=names,
+        volume_path=volume.path,
+        volume_env=sorted(volume_env(Image()).items()),
+        kind=kind,
+    )
+
+
+def generate_cdi(config: Config) -> dict[str, Any]:
+    """``gpu-isolator cdi generate``: the spec, offline (NVML and the volume, no running sidecar)."""
+    host = simulated_host(config) if config.simulate else None
+    inventory = build_inventory(config, host=host, watch=False)
+    if inventory is None:
+        raise FailedPrecondition("no GPUs are managed (gpus:0, or no NVML): nothing to put in a CDI spec")
+    try:
+        dev_root, volumes = _dev_root_and_volumes(config, host)
+        return cdi_spec_of(inventory, dev_root, volumes, config.cdi_kind)
+    finally:
+        inventory.close()
+
+
+def agent_resources(config: Config) -> str:
+    """``gpu-isolator resources``: ``gpus:N;mig-<profile>:M;...`` for the agent's ``--resources``.
+
+    ``gpus`` counts the managed GPUs that are not in MIG mode (docs/mig.md, "Configuring the agent").
+    """
+    from isolator import mig
+
+    host = simulated_host(config) if config.simulate else None
+    inventory = build_inventory(config, host=host, watch=False)
+    if inventory is None:
+        return "gpus:0"
+    try:
+        records = inventory.records
+        whole = sum(1 for r in records if not r.mig_enabled)
+        return mig.agent_resources(whole, [d for r in records if r.mig_enabled for d in r.mig_devices])
+    finally:
+        inventory.close()
+
+
+class CdiKeeper:
+    """``--cdi-dir``: keeps ``<dir>/gpu-isolator.json`` equal to what the sidecar manages.
+
+    Rewritten at start, whenever a GPU's health changes (an unhealthy GPU leaves the spec) and every
+    ``interval`` seconds (a changed volume or inventory); an unchanged spec is not rewritten. A
+    failure is logged and retried at the next trigger: it never stops the sidecar.
+    """
+
+    def __init__(self, inventory: Any, dev_root: str, volumes: Any, directory: str, kind: str) -> None:
+        self.inventory = inventory
+        self.dev_root = dev_root
+        self.volumes = volumes
+        self.directory = directory
+        self.kind = kind
+        self._lock = threading.Lock()
+
+    def update(self) -> str | None:
+        from isolator import cdi
+
+        with self._lock:
+            try:
+                spec = cdi_spec_of(self.inventory, self.dev_root, self.volumes, self.kind)
+                path, changed = cdi.write_spec(spec, self.directory)
+            except Exception as exc:
+                LOG.error("failed to write the CDI spec into '%s': %s", self.directory, exc)
+                return None
+        if changed:
+            LOG.info("wrote CDI spec '%s' (%d devices)", path, len(spec["devices"]))
+        return path
+
+    def start(self, stop: threading.Event, interval: float) -> None:
+        self.update()
+        self.inventory.on_health_change(lambda _event: self.update())
+        args = (self.update, stop, interval, lambda _count: None)
+        threading.Thread(target=_reap_loop, args=args, name="cdi", daemon=True).start()
 
 
 def _reap_loop(
@@ -300,6 +399,13 @@ def serve(config: Config) -> int:
         raise
     for note in notes:
         LOG.info("%s", note)
+    core = service.core
+    keeper: CdiKeeper | None = None
+    if config.cdi_dir and core.volumes is not None and core.gpus:
+        keeper = CdiKeeper(core.inventory, core.edges.devices.dev_root, core.volumes, config.cdi_dir, config.cdi_kind)
+        keeper.start(stop, config.reap_interval)
+    elif config.cdi_dir:
+        LOG.error("--cdi-dir '%s': no GPUs are managed, so no CDI spec is written", config.cdi_dir)
     if config.mode == "mesos":
         threading.Thread(
             target=_reap_loop,
@@ -337,13 +443,16 @@ def serve(config: Config) -> int:
             else:
                 LOG.error("NVML does not answer: the health service says NOT_SERVING until it does")
             notifier.notify(f"STATUS={serving if answering else 'NVML does not answer; no GPU can be handed out'}")
-        if nvml is not None and jobmap is not None and nvml.rescans != rescans:
+        if nvml is not None and (jobmap is not None or keeper is not None) and nvml.rescans != rescans:
             # The GPUs were read again (a MIG mode change, a GPU back): the files follow the inventory.
             rescans = nvml.rescans
-            try:
-                jobmap.sync()
-            except Exception:
-                LOG.exception("failed to update the job mapping in '%s'", config.job_mapping_dir)
+            if jobmap is not None:
+                try:
+                    jobmap.sync()
+                except Exception:
+                    LOG.exception("failed to update the job mapping in '%s'", config.job_mapping_dir)
+            if keeper is not None:
+                keeper.update()  # logs its own failures
     notifier.stopping()
     for stop_extra in extras:
         stop_extra()

@@ -117,6 +117,29 @@ class _ServiceCollector(Collector):
         for c in containers:
             held.add_metric([str(c.container_id)], len(c.gpu_minors))
         yield from (total, used, healthy, per_gpu, held)
+        # MIG devices as units (docs/mig.md), per Mesos resource name (mig-<profile>).
+        offered: dict[str, list[int]] = {}
+        for g in gpus:
+            for m in g.mig_devices:
+                if m.resource:
+                    counts = offered.setdefault(m.resource, [0, 0])
+                    counts[0] += 1
+                    counts[1] += 1 if m.holder else 0
+        mig_total = GaugeMetricFamily(
+            f"{PREFIX}_mig_devices", "MIG devices offered, per resource", labels=("resource",)
+        )
+        mig_used = GaugeMetricFamily(
+            f"{PREFIX}_mig_devices_used", "MIG devices allocated to containers, per resource", labels=("resource",)
+        )
+        for name, (count, in_use) in sorted(offered.items()):
+            mig_total.add_metric([name], count)
+            mig_used.add_metric([name], in_use)
+        mig_held = GaugeMetricFamily(
+            f"{PREFIX}_container_mig_devices", "MIG devices each container holds", labels=("container_id",)
+        )
+        for c in containers:
+            mig_held.add_metric([str(c.container_id)], len(c.mig_uuids))
+        yield from (mig_total, mig_used, mig_held)
 
 
 # ---- serving ----------------------------------------------------------------------------------------

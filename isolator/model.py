@@ -202,6 +202,16 @@ class MigDevice:
     caps_minors: tuple[int, ...] = ()
     memory_total: int = 0
     profile: str = ""
+    parent_index: int = -1  # the parent GPU's NVML index
+    parent_minor: int = -1  # the parent GPU's /dev/nvidia<minor>
+    gpu_slices: int = 0  # compute slices of its GPU instance (nvmlDeviceGetAttributes), 0: unknown
+    compute_slices: int = 0  # compute slices of its compute instance, 0: unknown
+    placement: tuple[int, int] | None = None  # its GPU instance's (start, size) in memory slices
+    slot: int = -1  # its index among the parent's MIG devices (nvmlDeviceGetMigDeviceHandleByIndex)
+
+    @property
+    def gi_ci(self) -> tuple[int, int]:
+        return (self.gpu_instance_id, self.compute_instance_id)
 
 
 @dataclass(frozen=True)
@@ -316,6 +326,15 @@ class ContainerRecord:
     state: str = "prepared"
     created: float = field(default_factory=time.time)  # the core passes its clock's time
     rules: str = ""
+    mig: frozenset[tuple[str, int]] = frozenset()  # held MIG devices: (MIG UUID, parent GPU minor)
+
+    @property
+    def mig_uuids(self) -> frozenset[str]:
+        return frozenset(u for u, _ in self.mig)
+
+    @property
+    def mig_parents(self) -> frozenset[int]:
+        return frozenset(m for _, m in self.mig)
 
 
 @dataclass
@@ -329,11 +348,13 @@ class RecoverResult:
 
 @dataclass(frozen=True)
 class Limitation:
-    """Watch's answer when a container must be told something: ``gpus`` of its GPUs became unusable."""
+    """Watch's answer when a container must be told something: ``gpus`` of its GPUs became unusable,
+    and ``mig`` (resource name, count) of its MIG devices (their parent GPU did)."""
 
     gpus: int
     message: str
     reason: str = "REASON_CONTAINER_LIMITATION"
+    mig: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -375,6 +396,22 @@ class GpuInfo:
     health_reason: str = ""
     holder: str = ""
     mig_enabled: bool = False
+    mig_devices: tuple[MigDeviceInfo, ...] = ()
+
+
+@dataclass(frozen=True)
+class MigDeviceInfo:
+    """One MIG device in the admin view (docs/mig.md)."""
+
+    uuid: str
+    profile: str
+    resource: str  # mig-<profile>; "" when not offered
+    gpu_instance_id: int
+    compute_instance_id: int
+    memory_total_bytes: int
+    caps_minors: tuple[int, ...]
+    slot: int
+    holder: str = ""
 
 
 @dataclass(frozen=True)
@@ -415,6 +452,7 @@ class ContainerInfo:
     volume_version: str = ""
     state: str = ""
     created: float = 0.0
+    mig_uuids: tuple[str, ...] = ()
 
     @property
     def nested(self) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -172,6 +173,18 @@ def _cpu_list(words: Iterable[int]) -> str:
 
 def _text(value: bytes | str) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+_PROFILE = re.compile(r"^(?:(\d+)c\.)?(\d+)g\.\d+gb(?:\+\w+)*$")
+
+
+def profile_slices(profile: str) -> tuple[int, int] | None:
+    """``1g.5gb`` -> (1, 1), ``1c.3g.20gb`` -> (3, 1): GPU-instance and compute-instance slices."""
+    m = _PROFILE.fullmatch(profile)
+    if m is None:
+        return None
+    gpu = int(m.group(2))
+    return gpu, int(m.group(1) or gpu)
 
 
 def _mig_minors(proc_root: str) -> dict[str, int]:
@@ -410,7 +423,11 @@ class Inventory:
                     continue
                 gi = pynvml.nvmlDeviceGetGpuInstanceId(mig)
                 ci = pynvml.nvmlDeviceGetComputeInstanceId(mig)
+                # nvidia-smi -L: "MIG 1g.5gb Device 0: (UUID: MIG-...)"; NVML names a MIG device
+                # "<GPU name> MIG <profile>".
                 name = _text(pynvml.nvmlDeviceGetName(mig))
+                profile = name.rsplit(" MIG ", 1)[1].strip() if " MIG " in name else ""
+                gslices, cslices = self._mig_slices(mig, gpu.index, gi, ci, profile, errors)
                 caps = tuple(
                     mig_minors[key]
                     for key in (f"gpu{gpu.minor}/gi{gi}/access", f"gpu{gpu.minor}/gi{gi}/ci{ci}/access")
@@ -429,12 +446,49 @@ class Inventory:
                         compute_instance_id=ci,
                         caps_minors=caps,
                         memory_total=int(pynvml.nvmlDeviceGetMemoryInfo(mig).total),
-                        profile=name.rsplit(" MIG ", 1)[1] if " MIG " in name else "",
+                        profile=profile,
+                        parent_index=gpu.index,
+                        parent_minor=gpu.minor,
+                        gpu_slices=gslices,
+                        compute_slices=cslices,
+                        placement=self._gi_placement(handle, gi),
+                        slot=slot,
                     )
                 )
         except pynvml.NVMLError as exc:
             errors.append(f"failed to query MIG devices of GPU {gpu.index}: {exc}")
         return True, True, tuple(out)
+
+    @staticmethod
+    def _mig_slices(mig: object, index: int, gi: int, ci: int, profile: str, errors: list[str]) -> tuple[int, int]:
+        """GPU-instance and compute-instance slices (nvidia-smi mig -lgi / -lci), checked against the name.
+
+        A profile name that disagrees with NVML's slice counts is an error (the GPU is then
+        degraded): handing out a device whose size we cannot trust is worse than not handing it out.
+        """
+        named = profile_slices(profile)
+        try:
+            attrs = pynvml.nvmlDeviceGetAttributes_v2(mig)
+        except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
+            return named if named is not None else (0, 0)
+        counted = (int(attrs.gpuInstanceSliceCount), int(attrs.computeInstanceSliceCount))
+        if named is not None and named != counted:
+            errors.append(
+                f"MIG device GI {gi} CI {ci} of GPU {index} is named {profile!r} but NVML counts "
+                f"{counted[0]} GPU-instance and {counted[1]} compute-instance slices"
+            )
+        return counted
+
+    @staticmethod
+    def _gi_placement(handle: object, gi: int) -> tuple[int, int] | None:
+        """Where the GPU instance sits in the GPU's memory slices (nvidia-smi mig -lgi "Placement")."""
+        try:
+            info = pynvml.nvmlGpuInstanceGetInfo(pynvml.nvmlDeviceGetGpuInstanceById(handle, gi))
+        except pynvml.NVMLError as exc:
+            # Placement only steers which device is chosen; without it the choice ignores contiguity.
+            LOG.info("no placement for GPU instance %d: %s", gi, exc)
+            return None
+        return (int(info.placement.start), int(info.placement.size))
 
     def _read_links(
         self, records: dict[int, GpuRecord], handles: dict[int, object]

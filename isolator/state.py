@@ -39,7 +39,7 @@ LOG = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DB_FILE = "allocations.sqlite3"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 STATES = ("prepared", "isolated", "orphan")
 CGROUP_VERSIONS = (1, 2)
 
@@ -68,6 +68,23 @@ CREATE TABLE allocation (
     container TEXT NOT NULL REFERENCES container (key) ON DELETE CASCADE
 );
 CREATE INDEX allocation_by_container ON allocation (container);
+"""
+# Version 2: MIG devices as units. The primary key gives a MIG device at most one holder; the
+# triggers keep a GPU from being held whole and through its MIG devices at once (docs/mig.md).
+_SCHEMA_V2 = """
+CREATE TABLE mig_allocation (
+    uuid         TEXT PRIMARY KEY CHECK (uuid LIKE 'MIG-%'),
+    parent_minor INTEGER NOT NULL CHECK (parent_minor >= 0),
+    container    TEXT NOT NULL REFERENCES container (key) ON DELETE CASCADE
+) WITHOUT ROWID;
+CREATE INDEX mig_allocation_by_container ON mig_allocation (container);
+CREATE INDEX mig_allocation_by_parent ON mig_allocation (parent_minor);
+CREATE TRIGGER whole_gpu_not_while_mig_held BEFORE INSERT ON allocation
+WHEN EXISTS (SELECT 1 FROM mig_allocation WHERE parent_minor = NEW.minor)
+BEGIN SELECT RAISE(ABORT, 'mig-conflict: GPU has MIG devices held'); END;
+CREATE TRIGGER mig_not_while_whole_gpu_held BEFORE INSERT ON mig_allocation
+WHEN EXISTS (SELECT 1 FROM allocation WHERE minor = NEW.parent_minor)
+BEGIN SELECT RAISE(ABORT, 'mig-conflict: parent GPU is held whole'); END;
 """
 
 
@@ -131,15 +148,18 @@ class StateStore:
         version = self._db.execute("PRAGMA user_version").fetchone()[0]
         if version == SCHEMA_VERSION:
             return
-        if version != 0:
+        if version not in (0, 1):
             raise StateCorrupt(
                 op="open", path=self.path, cause=f"schema version {version}; this sidecar knows {SCHEMA_VERSION}"
             )
         self._db.execute("BEGIN IMMEDIATE")
         try:
-            for statement in _SCHEMA.split(";"):
-                if statement.strip():
-                    self._db.execute(statement)
+            if version == 0:
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        self._db.execute(statement)
+            for statement in _split_sql(_SCHEMA_V2):
+                self._db.execute(statement)
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             self._db.execute("COMMIT")
         except BaseException:
@@ -170,6 +190,7 @@ class StateStore:
             except sqlite3.IntegrityError as exc:
                 raise ContainerAlreadyRecorded(container=str(rec.container_id)) from exc
             self._insert_gpus(db, rec.container_id, rec.gpus)
+            self._insert_mig(db, rec.container_id, rec.mig)
 
         self._write("record container", write)
 
@@ -234,6 +255,12 @@ class StateStore:
 
     # ---- reads ----------------------------------------------------------------------------------
 
+    def mig_holders(self) -> dict[str, tuple[ContainerId, int]]:
+        """MIG UUID -> (the container that holds it, its parent GPU's minor)."""
+        with self._reading("read MIG allocations") as db:
+            rows = db.execute("SELECT uuid, parent_minor, container FROM mig_allocation")
+            return {u: (_container_id(k), m) for u, m, k in rows}
+
     def get(self, cid: ContainerId) -> ContainerRecord | None:
         with self._reading("read container") as db:
             try:
@@ -247,9 +274,12 @@ class StateStore:
             held: dict[str, set[int]] = {}
             for minor, key in db.execute("SELECT minor, container FROM allocation"):
                 held.setdefault(key, set()).add(minor)
+            migs: dict[str, set[tuple[str, int]]] = {}
+            for uuid, parent, key in db.execute("SELECT uuid, parent_minor, container FROM mig_allocation"):
+                migs.setdefault(key, set()).add((uuid, parent))
             out: dict[ContainerId, ContainerRecord] = {}
             for row in db.execute("SELECT * FROM container"):
-                rec = self._row(row, frozenset(held.get(row[0], ())))
+                rec = self._row(row, frozenset(held.get(row[0], ())), frozenset(migs.get(row[0], ())))
                 out[rec.container_id] = rec
             return out
 
@@ -362,9 +392,31 @@ class StateStore:
                 db.execute("INSERT INTO allocation VALUES (?, ?)", (minor, _key(cid)))
             except sqlite3.IntegrityError as exc:
                 row = db.execute("SELECT container FROM allocation WHERE minor = ?", (minor,)).fetchone()
+                if row is None:  # the trigger: MIG devices of this GPU are held
+                    row = db.execute(
+                        "SELECT container FROM mig_allocation WHERE parent_minor = ? ORDER BY uuid", (minor,)
+                    ).fetchone()
                 holder = str(_container_id(row[0])) if row else "?"
                 LOG.error("state: refused GPU %d for %s: already held by %s", minor, cid, holder)
                 raise GpuAlreadyHeld(gpu=minor, container=str(cid), holder=holder) from exc
+
+    def _insert_mig(self, db: sqlite3.Connection, cid: ContainerId, mig: frozenset[tuple[str, int]]) -> None:
+        for uuid, parent in sorted(mig):
+            if not isinstance(uuid, str) or not uuid.startswith("MIG-") or isinstance(parent, bool):
+                raise InvalidArgument(f"MIG device {uuid!r} is not a MIG UUID with a parent GPU minor")
+            if not isinstance(parent, int) or parent < 0:
+                raise InvalidArgument(f"parent GPU minor {parent!r} of {uuid} is not a non-negative integer")
+            try:
+                db.execute("INSERT INTO mig_allocation VALUES (?, ?, ?)", (uuid, parent, _key(cid)))
+            except sqlite3.IntegrityError as exc:
+                if "mig-conflict" in str(exc):
+                    raise GpuAlreadyHeld(
+                        gpu=f"{parent} (parent of {uuid})", container=str(cid), holder="a whole-GPU holder"
+                    ) from exc
+                row = db.execute("SELECT container FROM mig_allocation WHERE uuid = ?", (uuid,)).fetchone()
+                holder = str(_container_id(row[0])) if row else "?"
+                LOG.error("state: refused MIG device %s for %s: already held by %s", uuid, cid, holder)
+                raise GpuAlreadyHeld(gpu=uuid, container=str(cid), holder=holder) from exc
 
     def _require(self, db: sqlite3.Connection, cid: ContainerId) -> None:
         if db.execute("SELECT 1 FROM container WHERE key = ?", (_key(cid),)).fetchone() is None:
@@ -376,15 +428,18 @@ class StateStore:
         if row is None:
             raise ContainerNotRecorded(container=str(cid))
         gpus = frozenset(m for (m,) in db.execute("SELECT minor FROM allocation WHERE container = ?", (key,)))
-        return self._row(row, gpus)
+        mig = frozenset(
+            (u, m) for u, m in db.execute("SELECT uuid, parent_minor FROM mig_allocation WHERE container = ?", (key,))
+        )
+        return self._row(row, gpus, mig)
 
-    def _row(self, row: tuple, gpus: frozenset[int]) -> ContainerRecord:
+    def _row(self, row: tuple, gpus: frozenset[int], mig: frozenset[tuple[str, int]] = frozenset()) -> ContainerRecord:
         key, mode, cgroup, version, volume, state, created, rules = row
         try:
             cid = _container_id(key)
         except (ValueError, TypeError) as exc:
             raise StateCorrupt(op="read", path=self.path, cause=f"bad container key {key!r}: {exc}") from exc
-        return ContainerRecord(cid, gpus, mode, cgroup, version, volume, state, created, rules)
+        return ContainerRecord(cid, gpus, mode, cgroup, version, volume, state, created, rules, mig)
 
     def _error(self, op: str, exc: sqlite3.Error) -> StateError:
         code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
@@ -397,6 +452,19 @@ class StateStore:
         if code in (_SQLITE_CORRUPT, _SQLITE_NOTADB):
             return StateCorrupt(op=op, path=self.path, cause=cause)
         return StateError(op=op, path=self.path, cause=cause)
+
+
+def _split_sql(script: str) -> list[str]:
+    """Statements of a script whose triggers contain ';' inside BEGIN ... END."""
+    out: list[str] = []
+    current = ""
+    for part in script.split(";"):
+        current += part + ";"
+        if sqlite3.complete_statement(current):
+            if current.strip(" \n;"):
+                out.append(current.strip())
+            current = ""
+    return out
 
 
 @dataclass

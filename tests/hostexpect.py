@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from isolator.simhost.host import HostSpec, format_cpu_list
+from isolator.simhost.host import HostSpec, format_cpu_list, mig_caps_minors
 
 SMI = {0: "PIX", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
 
@@ -42,6 +42,24 @@ def gpus_json(spec: HostSpec) -> list[dict[str, Any]]:
                 "health_reason": "",
                 "holder": "",
                 "mig_enabled": bool(g.mig),
+                "mig_devices": [
+                    {
+                        "uuid": m.uuid,
+                        "profile": m.profile,
+                        "resource": "mig-" + m.profile.replace("+", ".") if m.gpu_slices == m.compute_slices else "",
+                        "gpu_instance_id": m.gpu_instance,
+                        "compute_instance_id": m.compute_instance,
+                        "memory_total_bytes": str(m.memory_mib * 2**20),
+                        "caps_minors": list(mig_caps_minors(g.minor, m.gpu_instance, m.compute_instance)),
+                        "slot": slot,
+                        "holder": "",
+                    }
+                    for slot, m in sorted(
+                        enumerate(g.mig_devices), key=lambda sm: (sm[1].gpu_instance, sm[1].compute_instance)
+                    )
+                ]
+                if g.mig
+                else [],
             }
         )
     return out

@@ -396,6 +396,25 @@ def test_store_updates_metadata_and_refuses_unknowns(store: FakeStore) -> None:
             call()
 
 
+def test_store_holds_mig_devices_once_and_never_with_their_gpu_whole(store: FakeStore) -> None:
+    store.record(record("m", mig=frozenset({("MIG-1", 0), ("MIG-2", 0)})))
+    assert store.get(cid("m")).mig == frozenset({("MIG-1", 0), ("MIG-2", 0)})
+    assert store.mig_holders() == {"MIG-1": (cid("m"), 0), "MIG-2": (cid("m"), 0)}
+    with pytest.raises(GpuAlreadyHeld, match="held by m"):
+        store.record(record("n", mig=frozenset({("MIG-1", 0)})))
+    with pytest.raises(GpuAlreadyHeld, match="held by m"):
+        store.record(record("w", 0))  # GPU 0 whole while its MIG devices are held
+    store.record(record("w", 1))
+    with pytest.raises(GpuAlreadyHeld):
+        store.record(record("x", mig=frozenset({("MIG-9", 1)})))  # a MIG device of a GPU held whole
+    with pytest.raises(InvalidArgument):
+        store.record(record("y", mig=frozenset({("GPU-1", 2)})))
+    assert set(store.load()) == {cid("m"), cid("w")}
+    store.remove(cid("m"))
+    assert store.mig_holders() == {}
+    store.record(record("n", 0))
+
+
 # ---- Processes, Filesystem, Clock ----------------------------------------------------------------
 
 

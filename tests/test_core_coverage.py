@@ -27,6 +27,7 @@ CORE_TESTS = (
     "test_core_recovery.py",
     "test_core_admin.py",
     "test_core_concurrency.py",
+    "test_core_mig.py",
     "test_core_volume_users.py",
 )
 CONTRACT_TESTS = ("test_contracts.py",)
@@ -63,6 +64,11 @@ INDIRECT = {
     "start": "restart",
     "book": "recover",
     "inconsistencies": "health",
+    "allocate_whole": "prepare",
+    "choose_mig": "prepare",
+    "mig_of": "watch",
+    "hold_mig": "restart",
+    "free_mig": "cleanup",
 }
 
 

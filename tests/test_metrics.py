@@ -82,6 +82,28 @@ def test_metrics_on_a_unix_socket_count_gpus_holdings_hooks_errors_and_volume_bu
     assert not os.path.exists(path), "the metrics socket is removed at stop"
 
 
+def test_metrics_count_mig_devices_per_resource_and_their_holders(short_tmp):
+    path = os.path.join(short_tmp, "metrics.sock")
+    with running_sidecar("dgx-a100", "v1", extra=("--metrics-address", f"unix:{path}")) as sidecar:
+        isolator = GrpcIsolator(sidecar.socket)
+        containerizer = Containerizer(isolator, sidecar.work)
+        config = containerizer.config(gpus=None, image=False)
+        config["resources"].append({"name": "mig-1g.5gb", "type": "SCALAR", "scalar": {"value": 2}, "role": "*"})
+        try:
+            isolator.prepare(container_id("mig2"), config)
+            m = scrape(_UnixHTTP(path))
+            assert m['gpu_isolator_mig_devices{resource="mig-1g.5gb"}'] == 8
+            assert m['gpu_isolator_mig_devices{resource="mig-3g.20gb"}'] == 3
+            assert m['gpu_isolator_mig_devices_used{resource="mig-1g.5gb"}'] == 2
+            assert m['gpu_isolator_mig_devices_used{resource="mig-3g.20gb"}'] == 0
+            assert m['gpu_isolator_container_mig_devices{container_id="mig2"}'] == 2
+            assert m['gpu_isolator_container_gpus{container_id="mig2"}'] == 0
+            assert m["gpu_isolator_gpus_used"] == 0
+        finally:
+            isolator.cleanup(container_id("mig2"))
+            isolator.close()
+
+
 def test_metrics_on_localhost_tcp_when_only_a_port_is_given(short_tmp):
     with running_sidecar("single", "v1", extra=("--metrics-address", "0")) as sidecar:
         match = re.search(r"metrics on (127\.0\.0\.1):(\d+)", sidecar.log())
@@ -118,12 +140,18 @@ def test_job_mapping_lists_each_gpus_containers_and_is_exact_after_a_crash(short
         containerizer = Containerizer(isolator, sidecar.work)
         isolator.prepare(container_id("j1"), containerizer.config(gpus=1, image=False))
         isolator.prepare(container_id("j2"), containerizer.config(gpus=2, image=False))
+        config = containerizer.config(gpus=None, image=False)
+        config["resources"].append({"name": "mig-1g.5gb", "type": "SCALAR", "scalar": {"value": 1}, "role": "*"})
+        isolator.prepare(container_id("j3"), config)
         listed = _mapping(jobs)
-        # dgx-a100: GPU 0 has MIG devices: one file per GPU instance, as <index>.<instance>.
-        migs = {f"0.{m.gpu_instance}" for m in sidecar.sim.spec.gpus[0].mig_devices}
-        assert len(migs) == 3 and set(listed) == {str(i) for i in range(8)} | migs
+        # dgx-a100: GPUs 0-3 have MIG devices: one file per GPU instance, as <index>.<instance>.
+        migs = {f"{g.index}.{m.gpu_instance}" for g in sidecar.sim.spec.gpus for m in g.mig_devices}
+        assert len(migs) == 15 and set(listed) == {str(i) for i in range(8)} | migs
         assert sum(1 for n, ids in listed.items() if ids == ["j1"] and "." not in n) == 1
         assert sum(1 for n, ids in listed.items() if ids == ["j2"] and "." not in n) == 2
+        # A MIG unit (the placement's first 1g.5gb: GPU 1, instance 7): its file and its GPU's.
+        assert [n for n, ids in listed.items() if ids == ["j3"]] == ["1", "1.7"]
+        isolator.cleanup(container_id("j3"))
         isolator.cleanup(container_id("j1"))
         assert sum(1 for ids in _mapping(jobs).values() if ids == ["j1"]) == 0
         before = _mapping(jobs)

@@ -9,7 +9,7 @@ import pytest
 from hostexpect import kind, lanes
 
 from isolator.errors import GpuNotFound, NvmlNotFound
-from isolator.nvml import HealthEvent, Inventory
+from isolator.nvml import HealthEvent, Inventory, profile_slices
 from isolator.simhost.host import format_cpu_list, mig_caps_minors, shipped_hosts
 from isolator.simhost.sim import NVML_ERROR_UNKNOWN, SimulatedHost
 
@@ -101,19 +101,43 @@ def test_workstation_reports_minors_that_differ_from_indices(inventory):
 
 def test_mig_devices_carry_uuids_and_the_nvidia_caps_minors_they_need(inventory):
     host, inv = inventory("dgx-a100")
-    gpu0 = inv.record(0)
-    spec = host.spec.gpus[0]
-    assert gpu0.mig_enabled
-    assert [(m.gpu_instance_id, m.compute_instance_id, m.profile) for m in gpu0.mig_devices] == [
-        (m.gpu_instance, m.compute_instance, m.profile) for m in spec.mig_devices
-    ]
-    for dev, want in zip(gpu0.mig_devices, spec.mig_devices, strict=True):
-        assert dev.uuid == want.uuid and dev.uuid.startswith("MIG-")
-        assert dev.parent_uuid == spec.uuid
-        assert dev.memory_total == want.memory_mib * 2**20
-        assert dev.caps_minors == mig_caps_minors(spec.minor, want.gpu_instance, want.compute_instance)
-    assert inv.record(1).mig_enabled and inv.record(1).mig_devices == ()
-    assert not inv.record(2).mig_enabled and inv.record(2).mig_capable
+    listed = 0
+    for spec in host.spec.gpus:
+        record = inv.record(spec.index)
+        assert record.mig_enabled == bool(spec.mig) and record.mig_capable
+        assert [(m.gpu_instance_id, m.compute_instance_id, m.profile) for m in record.mig_devices] == [
+            (m.gpu_instance, m.compute_instance, m.profile) for m in spec.mig_devices
+        ]
+        for dev, want in zip(record.mig_devices, spec.mig_devices, strict=True):
+            assert dev.uuid == want.uuid and dev.uuid.startswith("MIG-")
+            assert (dev.parent_uuid, dev.parent_index, dev.parent_minor) == (spec.uuid, spec.index, spec.minor)
+            assert dev.memory_total == want.memory_mib * 2**20
+            assert dev.caps_minors == mig_caps_minors(spec.minor, want.gpu_instance, want.compute_instance)
+            assert (dev.gpu_slices, dev.compute_slices) == (want.gpu_slices, want.compute_slices)
+            assert dev.placement == (want.placement_start, want.placement_size)
+            listed += 1
+    assert listed == 15  # 3 + 7 + 2 + 3 on GPUs 0-3
+    assert [m.profile for m in inv.record(3).mig_devices] == ["4g.20gb", "2g.10gb", "1g.10gb"]
+    assert inv.record(4).mig_enabled and inv.record(4).mig_devices == ()
+    assert not inv.record(5).mig_enabled and inv.record(5).mig_capable
+
+
+def test_mig_caps_minors_follow_the_drivers_layout():
+    # /proc/driver/nvidia-caps/mig-minors: config 1, monitor 2, then per GPU minor 15 GPU instances
+    # of one GI access minor followed by 8 CI access minors (9 per GI, 135 per GPU).
+    assert mig_caps_minors(0, 0, 0) == (3, 4)
+    assert mig_caps_minors(0, 0, 7) == (3, 11)
+    assert mig_caps_minors(0, 1, 0) == (12, 13)
+    assert mig_caps_minors(1, 0, 0) == (138, 139)
+    assert mig_caps_minors(0, 14, 7) == (129, 137)
+
+
+def test_profile_names_give_their_slices():
+    assert profile_slices("1g.5gb") == (1, 1)
+    assert profile_slices("3g.20gb") == (3, 3)
+    assert profile_slices("1c.3g.20gb") == (3, 1)
+    assert profile_slices("1g.5gb+me") == (1, 1)
+    assert profile_slices("") is None and profile_slices("3g") is None
 
 
 def test_mig_device_without_caps_minors_has_none_rather_than_a_guess(inventory, sim):

@@ -154,6 +154,51 @@ def test_inconsistent_files_are_refused_with_the_reason(edit, expected):
     assert expected in _bad(GOOD.replace(old, new, 1))
 
 
+def _mig_gpu(*devices: str) -> str:
+    body = "".join(f"\n[[gpu.mig_device]]\n{d}\n" for d in devices)
+    return GOOD.replace("nvlink = { 1 = 2 }", "nvlink = { 1 = 2 }\nmig = true\n" + body, 1)
+
+
+def _mig(gi: int, profile: str, mem: int, extra: str = "", ci: int = 0) -> str:
+    return f'gpu_instance = {gi}\ncompute_instance = {ci}\nprofile = "{profile}"\nmemory_mib = {mem}\n{extra}'
+
+
+def test_mig_placements_default_to_the_first_free_aligned_slot_and_are_shared_by_a_gis_cis():
+    # A 16 GiB GPU: one memory slice is 2 GB, so 3g.8gb takes 4 slices, 2g.4gb 2 and 1g.2gb 1.
+    text = _mig_gpu(
+        _mig(1, "3g.8gb", 4000, "placement = 0"),
+        _mig(5, "2g.4gb", 2000),
+        _mig(2, "1c.2g.4gb", 2000),
+        _mig(2, "1c.2g.4gb", 2000, ci=1),
+    )
+    gpu = parse_host(text).gpus[0]
+    got = [(m.gpu_instance, m.compute_instance, m.placement_start, m.placement_size) for m in gpu.mig_devices]
+    assert got == [(1, 0, 0, 4), (5, 0, 4, 2), (2, 0, 6, 2), (2, 1, 6, 2)]
+    assert [(m.gpu_slices, m.compute_slices) for m in gpu.mig_devices] == [(3, 3), (2, 2), (2, 1), (2, 1)]
+    # Full: nothing of size 2 fits any more.
+    full = _mig_gpu(
+        _mig(1, "3g.8gb", 4000, "placement = 0"),
+        _mig(5, "2g.4gb", 2000),
+        _mig(2, "2g.4gb", 2000),
+        _mig(6, "2g.4gb", 10),
+    )
+    assert "no free placement of size 2" in _bad(full)
+
+
+@pytest.mark.parametrize(
+    ("devices", "expected"),
+    [
+        ((_mig(1, "3g.20gb", 1000, "placement = 0"), _mig(2, "1g.5gb", 1000, "placement = 2")), "overlaps"),
+        ((_mig(1, "1g.5gb", 1000, "placement = 8"),), "outside slices 0..7"),
+        ((_mig(1, "9g.5gb", 1000),), "slices must satisfy"),
+        ((_mig(1, "1g.5gb", 1000), _mig(1, "1g.5gb", 1000, "placement = 3", ci=1)), "already placed at 0"),
+        ((_mig(1, "1g.5gb", 1000, "colour = 1"),), "unknown key 'colour'"),
+    ],
+)
+def test_impossible_mig_layouts_are_refused(devices, expected):
+    assert expected in _bad(_mig_gpu(*devices))
+
+
 def test_missing_file_and_unknown_host_name_are_refused(short_tmp):
     with pytest.raises(HostFileError, match="No such file"):
         load_host(os.path.join(short_tmp, "absent.toml"))

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Iterable
 
 from isolator import devices as devrules
+from isolator import mig as migunits
 from isolator.core.context import Core
 from isolator.errors import CgroupVanished, FailedPrecondition, IsolatorError, NotFound
 from isolator.model import (
@@ -41,6 +42,7 @@ class Admin:
     def list_gpus(self) -> GpuList:
         inv = self.core.inventory
         holders = self.core.store.holders()
+        mig_holders = {u: str(c) for u, (c, _m) in self.core.store.mig_holders().items()}
         gpus = []
         for r in inv.records:
             g = r.gpu
@@ -62,6 +64,7 @@ class Admin:
                     health_reason=r.status,
                     holder=str(holder) if holder is not None else "",
                     mig_enabled=r.mig_enabled,
+                    mig_devices=migunits.device_views(r.mig_devices, mig_holders) if r.mig_enabled else (),
                 )
             )
         return GpuList(inv.driver_version, inv.cuda_driver_version, tuple(gpus))
@@ -107,6 +110,7 @@ class Admin:
             volume_version=rec.volume_version,
             state=rec.state,
             created=rec.created,
+            mig_uuids=tuple(sorted(rec.mig_uuids)),
         )
 
     def _nested_info(self, cid: ContainerId, root: ContainerRecord, volume_of: dict[str, str]) -> ContainerInfo:
@@ -121,6 +125,7 @@ class Admin:
             volume_version=volume_of.get(cid.key(), ""),
             state=info.state,
             created=info.created,
+            mig_uuids=info.mig_uuids,
         )
 
     def _volume_users(self) -> dict[str, str]:
@@ -222,7 +227,7 @@ class Admin:
                 )
             if pids and core.settings.mode == "standalone":
                 # A forced release must not leave running processes with access: revoke, keep the cgroup.
-                core.apply(container_id, frozenset())
+                core.apply(container_id, frozenset(), units=())
                 action = "revoked-kept-cgroup"
                 did = f"revoked their GPU access in '{cgroup}' and kept the cgroup for its processes {list(pids)}"
             else:
@@ -309,7 +314,7 @@ class Admin:
                 out.append(f"container {cid}: {in_force.source.removeprefix('none: ')}")
                 continue
             granted = core.granted(in_force.rules)
-            if granted != sorted(rec.gpus):
+            if granted != sorted(rec.gpus | rec.mig_parents):
                 out.append(f"container {cid}: recorded GPUs {sorted(rec.gpus)}, kernel grants {granted}")
         return out
 

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from isolator import devices as devrules
-from isolator.allocator import Allocator
+from isolator import mig as migunits
+from isolator.allocator import Allocator, Choice
 from isolator.core.locks import ContainerLocks
 from isolator.core.ports import (
     CgroupBackend,
@@ -82,6 +84,12 @@ class Core:
         topology = edges.inventory.topology()
         self.gpus: dict[int, Gpu] = {g.minor: g for g in topology.gpus}
         self.allocator = Allocator(topology, settings.policy)
+        # MIG units (docs/mig.md): the held MIG devices (UUID -> parent minor) and the parents booked
+        # in the whole-GPU allocator because some of their MIG devices are held; both change under
+        # ``alloc`` only. The devices themselves are read from the inventory each time (``mig``), so
+        # a GPU read again after a device event offers what NVML reports now.
+        self.mig_held: dict[str, int] = {}
+        self.mig_booked: set[int] = set()
         with self.alloc:
             self.sync_health()
         edges.inventory.on_health_change(self._on_health_change)
@@ -116,16 +124,94 @@ class Core:
         with self._changed:
             self._changed.wait_for(lambda: self._generation != seen, timeout=timeout)
 
+    # ---- MIG units (call with ``alloc`` held) ------------------------------------------------------
+
+    @property
+    def mig(self) -> dict[str, MigDevice]:
+        """Every MIG device of a managed GPU in MIG mode, by UUID, as the inventory reports it now."""
+        return {d.uuid: d for d in self.mig_devices(frozenset(self.gpus))}
+
+    @property
+    def mig_mode(self) -> frozenset[int]:
+        """Minors of the managed GPUs in MIG mode (with or without MIG devices)."""
+        return frozenset(r.gpu.minor for r in self.inventory.records if r.mig_enabled) & frozenset(self.gpus)
+
+    def hold_mig(self, held: Iterable[tuple[str, int]], restore: bool = False) -> None:
+        """Mark MIG devices held and book their parents against whole-GPU use."""
+        held = list(held)
+        self.mig_held.update(held)
+        new = frozenset(p for _u, p in held if p not in self.mig_booked and p in self.allocator.total)
+        if new:
+            if restore:
+                self.allocator.restore(new)
+            else:
+                self.allocator.allocate_set(new)
+            self.mig_booked.update(new)
+
+    def free_mig(self, uuids: Iterable[str]) -> None:
+        """Free MIG devices; a parent none of whose devices is held any more is free as a whole again."""
+        for uuid in uuids:
+            self.mig_held.pop(uuid, None)
+        idle = frozenset(self.mig_booked - set(self.mig_held.values()))
+        if idle:
+            self.allocator.deallocate(idle & self.allocator.allocated)
+            self.mig_booked -= idle
+
+    def choose_mig(self, request: dict[str, int]) -> tuple[MigDevice, ...]:
+        """MIG devices for ``request`` (resource -> count), held on return; none for an empty request."""
+        if not request:
+            return ()
+        devices = list(self.mig.values())
+        whole = self.allocator.allocated - self.mig_booked
+        usable = self.inventory.healthy()
+        blocked = {d.parent_minor for d in devices if d.parent_minor in whole}
+        blocked |= {d.parent_minor for d in devices if d.parent_index not in usable}
+        blocked |= set(self.allocator.unhealthy)
+        units = migunits.choose(request, devices, set(self.mig_held), blocked).devices
+        self.hold_mig((d.uuid, d.parent_minor) for d in units)
+        return units
+
+    def allocate_whole(self, count: int) -> Choice:
+        """Whole GPUs, taking GPUs that are not in MIG mode first (docs/mig.md)."""
+        mig_gpus = self.mig_mode & self.allocator.available
+        if count and mig_gpus:
+            self.allocator.allocate_set(mig_gpus)
+            try:
+                return self.allocator.allocate(count)
+            except IsolatorError:
+                pass
+            finally:
+                self.allocator.deallocate(mig_gpus)
+        return self.allocator.allocate(count)
+
+    def mig_of(self, rec: ContainerRecord | None) -> tuple[MigDevice, ...]:
+        """The MIG devices a record holds that the inventory knows (an unknown UUID grants nothing)."""
+        if rec is None:
+            return ()
+        known = self.mig
+        out = []
+        for uuid in sorted(rec.mig_uuids):
+            dev = known.get(uuid)
+            if dev is None:
+                LOG.warning("container %s holds MIG device %s, unknown to the inventory", rec.container_id, uuid)
+                continue
+            out.append(dev)
+        return tuple(out)
+
     # ---- shared steps -----------------------------------------------------------------------------
 
-    def rules(self, minors: frozenset[int]) -> tuple[devrules.DeviceRule, ...]:
-        """The full allow-list of a container holding GPU ``minors``."""
+    def rules(self, minors: frozenset[int], units: Iterable[MigDevice] = ()) -> tuple[devrules.DeviceRule, ...]:
+        """The full allow-list of a container holding GPU ``minors`` whole and MIG devices ``units``:
+        a whole GPU in MIG mode brings every MIG device's caps; a unit brings its GI and CI caps and
+        its parent's node, which the driver requires (docs/mig.md)."""
         if not self.gpus:
             return tuple(devrules.MESOS_DEFAULT_WHITELIST)  # no GPUs here: no control devices either
+        units = tuple(units)
         control = self.edges.devices.control_devices()
-        mig = self.mig_devices(minors)
+        mig = self.mig_devices(minors) + units
         caps_major = self.edges.devices.caps_major() if mig else None
-        return devrules.container_rules(control, sorted(minors), mig_devices=mig, caps_major=caps_major)
+        nodes = sorted(minors | migunits.parents(units))
+        return devrules.container_rules(control, nodes, mig_devices=mig, caps_major=caps_major)
 
     def mig_devices(self, minors: frozenset[int]) -> tuple[MigDevice, ...]:
         out: list[MigDevice] = []
@@ -148,9 +234,10 @@ class Core:
             raise NotFound(f"unknown container {cid}")
         return rec
 
-    def apply(self, cid: ContainerId, minors: frozenset[int]) -> None:
-        """Make the kernel grant exactly ``minors`` to ``cid``, then record the rules granted."""
-        rules = self.rules(minors)
+    def apply(self, cid: ContainerId, minors: frozenset[int], units: tuple[MigDevice, ...] | None = None) -> None:
+        """Make the kernel grant exactly ``minors`` and MIG ``units`` to ``cid`` (None: the MIG devices
+        its record holds), then record the rules granted."""
+        rules = self.rules(minors, self.mig_of(self.store.get(cid)) if units is None else units)
         self.cgroups.apply(cid, rules)
         if self.settings.mode == "mesos" and not cid.nested:
             self._apply_nested(cid, rules)  # in the kernel before the record, as the container's own
@@ -227,6 +314,7 @@ class Core:
         self.store.remove(cid)
         with self.alloc:
             self.allocator.deallocate(rec.gpus & self.allocator.allocated)
+            self.free_mig(rec.mig_uuids)
         self.notify()
 
     def release_volume(self, cid: ContainerId) -> None:

@@ -13,6 +13,7 @@ import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from isolator import mig as migunits
 from isolator.core.context import Core
 from isolator.crashpoints import crashpoint
 from isolator.errors import (
@@ -32,6 +33,7 @@ from isolator.model import (
     GpuUsage,
     LaunchInfo,
     Limitation,
+    MigDevice,
     Mount,
     Resource,
     Usage,
@@ -77,17 +79,23 @@ class Hooks:
             return self._prepare_nested(container_id, config)
         core = self.core
         count = gpu_count(config.resources)
+        mig_request = migunits.requests(config.resources)
         image_plan = self._image_plan(config)
         with core.locks.hold(container_id):
             if core.store.get(container_id) is not None:
                 raise AlreadyExists(f"container {container_id} has already been prepared")
             self._refuse_populated(container_id)
             with core.alloc:
-                choice = core.allocator.allocate(count)
+                choice = core.allocate_whole(count)
+                try:
+                    units = core.choose_mig(mig_request)
+                except BaseException:
+                    core.allocator.deallocate(choice.gpus)
+                    raise
             minors = frozenset(choice.gpus)
-            undo: Undo = [lambda: self._deallocate(minors)]
+            undo: Undo = [lambda: self._deallocate(minors, units)]
             try:
-                rules = core.rules(minors)
+                rules = core.rules(minors, units)
                 core.store.record(
                     ContainerRecord(
                         container_id,
@@ -98,6 +106,7 @@ class Hooks:
                         state="prepared",
                         created=core.clock.time(),
                         rules="\n".join(map(str, rules)),
+                        mig=frozenset((d.uuid, d.parent_minor) for d in units),
                     )
                 )
                 undo.append(lambda: self._forget(container_id))
@@ -107,11 +116,12 @@ class Hooks:
                 crashpoint("prepare.cgroup")
                 core.cgroups.apply(container_id, rules)
                 crashpoint("prepare.applied")
-                info = self._launch_info(container_id, config, minors, image_plan, undo)
+                info = self._launch_info(container_id, config, minors, image_plan, undo, units)
             except BaseException:
                 self._undo(container_id, undo)
                 raise
-        LOG.info("prepared %s (%s)", core.describe(container_id, minors), choice.policy)
+        mig_note = f", MIG devices [{migunits.visible_devices(units)}]" if units else ""
+        LOG.info("prepared %s (%s)%s", core.describe(container_id, minors), choice.policy, mig_note)
         return info
 
     def _refuse_populated(self, cid: ContainerId) -> None:
@@ -142,12 +152,13 @@ class Hooks:
             return None
         image_plan = self._image_plan(config)
         with core.locks.hold(cid):
-            minors = self._require_top_level(cid).gpus
+            root = self._require_top_level(cid)
+            minors = root.gpus
             undo: Undo = []
             try:
                 if self._rules_for_nested(cid, config):
                     undo.append(lambda: core.cgroups.cleanup(cid))
-                info = self._launch_info(cid, config, minors, image_plan, undo)
+                info = self._launch_info(cid, config, minors, image_plan, undo, core.mig_of(root))
             except BaseException:
                 self._undo(cid, undo)
                 raise
@@ -188,7 +199,7 @@ class Hooks:
                 )
             return False  # shares its parent's cgroup, whose rules are already in force
         core.cgroups.prepare(cid)
-        core.apply_nested(cid, core.rules(root.gpus))
+        core.apply_nested(cid, core.rules(root.gpus, core.mig_of(root)))
         return True
 
     def _image_plan(self, config: ContainerConfig) -> ImagePlan | None:
@@ -216,14 +227,19 @@ class Hooks:
         minors: frozenset[int],
         image_plan: ImagePlan | None,
         undo: Undo,
+        units: tuple[MigDevice, ...] = (),
     ) -> LaunchInfo | None:
+        # MIG holders are told which devices are theirs (docs/mig.md), with or without an image.
+        visible = (("NVIDIA_VISIBLE_DEVICES", migunits.visible_devices(units)),) if units else ()
         if not config.has_image:
-            return None  # the host's /dev and libraries, access gated by the cgroup (Mesos)
-        mounts = self._device_mounts(config.rootfs, minors)
+            # The host's /dev and libraries, access gated by the cgroup (Mesos).
+            return LaunchInfo(environment=visible) if visible else None
+        mounts = self._device_mounts(config.rootfs, minors, units)
         env: tuple[tuple[str, str], ...] = ()
         if image_plan is not None:
             mounts_v, env = self._volume(cid, config, image_plan, undo)
             mounts = mounts_v + mounts
+        env = tuple((k, v) for k, v in env if k != "NVIDIA_VISIBLE_DEVICES") + visible
         if config.command_task:
             # Mesos's isolator: a command task's environment goes in task_environment, which the
             # command executor applies over the image's own (docker/runtime puts the image's PATH
@@ -231,17 +247,17 @@ class Hooks:
             return LaunchInfo(task_environment=env, mounts=tuple(mounts))
         return LaunchInfo(environment=env, mounts=tuple(mounts))
 
-    def _device_mounts(self, rootfs: str, minors: frozenset[int]) -> list[Mount]:
+    def _device_mounts(self, rootfs: str, minors: frozenset[int], units: tuple[MigDevice, ...] = ()) -> list[Mount]:
         """Bind mounts of exactly the allocated GPUs and the control devices (Mesos exposes every
         /dev/nvidia*, unallocated GPUs and nvidia-modeset included: defect §2.15.6)."""
         core = self.core
         if not core.gpus:
             return []
         dev_root = core.edges.devices.dev_root
-        names = [f"nvidia{m}" for m in sorted(minors)]
+        names = [f"nvidia{m}" for m in sorted(minors | migunits.parents(units))]
         control = core.edges.devices.control_devices()
         names += [posixpath.relpath(n.path, dev_root) for n in control.numbers()]
-        for mig in core.mig_devices(minors):
+        for mig in core.mig_devices(minors) + units:
             names += [f"nvidia-caps/nvidia-cap{minor}" for minor in mig.caps_minors]
         # Targets resolved inside the image (``dev`` may be a link in it): never a host path.
         target = core.edges.filesystem.mount_target
@@ -278,9 +294,10 @@ class Hooks:
             mounts.append(Mount(target=target, source=spec.source, flags=spec.flags))
         return mounts, tuple(sorted(injection.env.items()))
 
-    def _deallocate(self, minors: frozenset[int]) -> None:
+    def _deallocate(self, minors: frozenset[int], units: tuple[MigDevice, ...] = ()) -> None:
         with self.core.alloc:
             self.core.allocator.deallocate(minors)
+            self.core.free_mig(d.uuid for d in units)
 
     def _undo(self, cid: ContainerId, undo: Undo) -> None:
         for step in reversed(undo):
@@ -367,8 +384,18 @@ class Hooks:
         if container_id.nested:
             raise FailedPrecondition(f"update is not supported for nested containers ({container_id})")
         target = gpu_count(resources)
+        wanted = migunits.requests(resources)
         with core.locks.hold(container_id):
             rec = core.require(container_id)
+            held: dict[str, int] = {}
+            for dev in core.mig_of(rec):
+                name = migunits.resource_name(dev.profile) or dev.profile
+                held[name] = held.get(name, 0) + 1
+            if wanted != held:
+                raise FailedPrecondition(
+                    f"container {container_id} holds MIG devices {held or '{}'}; MIG holdings are fixed at "
+                    f"launch (update asks for {wanted or '{}'})"
+                )
             with core.alloc:
                 plan = core.allocator.plan_update(rec.gpus, target)
                 add, release = frozenset(plan.add), frozenset(plan.release)
@@ -402,9 +429,10 @@ class Hooks:
         granted.
         """
         core = self.core
+        units = core.mig_of(core.store.get(cid))  # MIG holdings never change in an update
         if recorded:
             try:
-                core.cgroups.apply(cid, core.rules(kept))
+                core.cgroups.apply(cid, core.rules(kept, units))
             except CgroupVanished:
                 pass  # no cgroup, no grant: nothing to revoke
             except Exception:
@@ -420,7 +448,7 @@ class Hooks:
                 )
                 return
             with contextlib.suppress(IsolatorError):
-                core.store.update(cid, rules="\n".join(map(str, core.rules(kept))))
+                core.store.update(cid, rules="\n".join(map(str, core.rules(kept, units))))
         self._deallocate(add)
 
     # ---- watch, usage, status ---------------------------------------------------------------------
@@ -437,21 +465,32 @@ class Hooks:
                     return None
                 raise NotFound(f"unknown container {container_id}")
             with core.alloc:
-                sick = sorted(m for m in rec.gpus if m in core.allocator.unhealthy)
+                sick = sorted(m for m in rec.gpus | rec.mig_parents if m in core.allocator.unhealthy)
             if sick:
-                return self._limitation(container_id, sick)
+                return self._limitation(container_id, sick, rec)
             remaining = None if deadline is None else deadline - core.clock.monotonic()
             if remaining is not None and remaining <= 0:
                 return None
             core.wait_for_change(seen, remaining if remaining is not None else WATCH_POLL_S)
 
-    def _limitation(self, cid: ContainerId, sick: list[int]) -> Limitation:
+    def _limitation(self, cid: ContainerId, sick: list[int], rec: ContainerRecord) -> Limitation:
+        """An XID on a GPU limits every container on it: holders of the GPU and of its MIG devices."""
         reasons = {}
         for r in self.core.inventory.records:
             if r.gpu.minor in sick:
                 reasons[r.gpu.minor] = f"{r.gpu.uuid}: {r.status or 'unhealthy'}"
         detail = "; ".join(f"GPU {m} ({reasons.get(m, 'unhealthy')})" for m in sick)
-        return Limitation(gpus=len(sick), message=f"container {cid} holds a GPU that became unhealthy: {detail}")
+        units: dict[str, list[str]] = {}
+        for dev in self.core.mig_of(rec):
+            if dev.parent_minor in sick:
+                units.setdefault(migunits.resource_name(dev.profile) or dev.profile, []).append(dev.uuid)
+        if units:
+            detail += "; its MIG devices " + ", ".join(u for us in units.values() for u in us)
+        return Limitation(
+            gpus=len([m for m in sick if m in rec.gpus]),
+            message=f"container {cid} holds a GPU that became unhealthy: {detail}",
+            mig=tuple((name, len(uuids)) for name, uuids in sorted(units.items())),
+        )
 
     def usage(self, container_id: ContainerId) -> Usage:
         core = self.core
@@ -468,7 +507,8 @@ class Hooks:
     def status(self, container_id: ContainerId) -> ContainerStatus:
         core = self.core
         rec = core.require(container_id.root)
-        return ContainerStatus(tuple(core.gpus[m].uuid for m in sorted(rec.gpus) if m in core.gpus), rec.state)
+        uuids = tuple(core.gpus[m].uuid for m in sorted(rec.gpus) if m in core.gpus)
+        return ContainerStatus(uuids + tuple(sorted(rec.mig_uuids)), rec.state)
 
     # ---- cleanup ----------------------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ class Recovery:
         with core.locks.exclusive():
             records = core.store.load()
             for cid, rec in sorted(records.items(), key=lambda kv: kv[0].chain()):
-                self._enforce_record(cid, rec.gpus)
+                self._enforce_record(cid, rec.gpus, rec.mig_parents)
             unrecorded = [c for c in core.cgroups.containers() if c not in records]
             self._adopt_or_deny(unrecorded, records)
             self.book()
@@ -52,6 +52,7 @@ class Recovery:
         live = core.store.load()
         with core.alloc:
             core.allocator = Allocator(core.inventory.topology(), core.allocator.policy)
+            core.mig_held, core.mig_booked = {}, set()
             core.sync_health()
             for rec in live.values():
                 known = rec.gpus & core.allocator.total
@@ -63,15 +64,20 @@ class Recovery:
                         sorted(known),
                     )
                 core.allocator.restore(known)
+                core.hold_mig(rec.mig, restore=True)
 
-    def _enforce_record(self, cid: ContainerId, gpus: frozenset[int]) -> None:
+    def _enforce_record(
+        self, cid: ContainerId, gpus: frozenset[int], mig_parents: frozenset[int] = frozenset()
+    ) -> None:
+        """Make the kernel grant what is recorded: ``gpus`` whole, plus the MIG devices of the record
+        (their parents' nodes, ``mig_parents``, are what the GPU-level comparison sees of them)."""
         core = self.core
         if core.settings.mode == "standalone":
             self._restore_cgroup(cid, gpus)
         elif not core.cgroups.exists(cid):
             return  # Mesos has not made it yet, or destroyed it: the reaper's and Recover's business
         kernel = core.cgroups.in_force(cid)
-        if not kernel.present or core.granted(kernel.rules) != sorted(gpus):
+        if not kernel.present or core.granted(kernel.rules) != sorted(gpus | mig_parents):
             LOG.warning(
                 "start: the kernel grants %s GPUs %s (%s), recorded %s; applying the record",
                 cid,
@@ -83,7 +89,8 @@ class Recovery:
 
     def _adopt_or_deny(self, unrecorded: list[ContainerId], records: dict[ContainerId, ContainerRecord]) -> None:
         core = self.core
-        recorded = {m: cid for cid, rec in records.items() for m in rec.gpus}
+        # A MIG holder's parent GPU counts as recorded: an unrecorded cgroup granting it is revoked.
+        recorded = {m: cid for cid, rec in records.items() for m in rec.gpus | rec.mig_parents}
         kernel = {c: core.cgroups.in_force(c) for c in unrecorded}
         explicit = {c: self._explicit_grants(kernel[c]) for c in unrecorded}
         claimants: dict[int, list[ContainerId]] = {}
@@ -190,11 +197,13 @@ class Recovery:
     def recover(self, states: list[ContainerState], orphans: list[ContainerId]) -> RecoverResult:
         core = self.core
         with core.locks.exclusive():
-            records = {cid: rec.gpus for cid, rec in core.store.load().items()}
+            loaded = core.store.load()
+            # A MIG holder's cgroup grants its MIG devices' parents' nodes: those count as recorded.
+            records = {cid: rec.gpus | rec.mig_parents for cid, rec in loaded.items()}
             kernel: dict[ContainerId, frozenset[int]] = {}
             for cid in records:
                 if core.settings.mode == "standalone":
-                    self._restore_cgroup(cid, records[cid])
+                    self._restore_cgroup(cid, loaded[cid].gpus)
                 granted = self.kernel_grants(cid)
                 if granted is not None:
                     kernel[cid] = granted
@@ -204,7 +213,7 @@ class Recovery:
             for action in actions:
                 cid = action.container_id
                 if action.kind in (Kind.REVOKE, Kind.REAPPLY):
-                    core.apply(cid, records.get(cid, frozenset()))
+                    core.apply(cid, loaded[cid].gpus if cid in loaded else frozenset())
                 elif action.kind is Kind.RELEASE:
                     with contextlib.suppress(CgroupVanished):
                         core.cleanup_cgroups(cid)
@@ -275,9 +284,10 @@ class Recovery:
         extra = (
             [] if core.settings.mode == "mesos" else [str(r) for r in kernel.rules if not devrules.permits(recorded, r)]
         )
-        if granted == sorted(rec.gpus) and not missing and not extra:
+        expected = sorted(rec.gpus | rec.mig_parents)  # a MIG holder is granted its devices' parents
+        if granted == expected and not missing and not extra:
             return None
-        parts = [f"kernel grants GPUs {granted} (recorded {sorted(rec.gpus)})"]
+        parts = [f"kernel grants GPUs {granted} (recorded {expected})"]
         if missing:
             parts.append(f"missing {missing}")
         if extra:

@@ -403,7 +403,7 @@ class CleanupResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GpuInfo(_message.Message):
-    __slots__ = ("index", "minor", "uuid", "name", "pci_bus_id", "memory_total_bytes", "numa_node", "cpu_affinity", "healthy", "last_xid", "last_xid_time", "health_reason", "holder", "mig_enabled")
+    __slots__ = ("index", "minor", "uuid", "name", "pci_bus_id", "memory_total_bytes", "numa_node", "cpu_affinity", "healthy", "last_xid", "last_xid_time", "health_reason", "holder", "mig_enabled", "mig_devices")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     MINOR_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
@@ -418,6 +418,7 @@ class GpuInfo(_message.Message):
     HEALTH_REASON_FIELD_NUMBER: _ClassVar[int]
     HOLDER_FIELD_NUMBER: _ClassVar[int]
     MIG_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    MIG_DEVICES_FIELD_NUMBER: _ClassVar[int]
     index: int
     minor: int
     uuid: str
@@ -432,7 +433,30 @@ class GpuInfo(_message.Message):
     health_reason: str
     holder: str
     mig_enabled: bool
-    def __init__(self, index: _Optional[int] = ..., minor: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., pci_bus_id: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., numa_node: _Optional[int] = ..., cpu_affinity: _Optional[str] = ..., healthy: _Optional[bool] = ..., last_xid: _Optional[int] = ..., last_xid_time: _Optional[float] = ..., health_reason: _Optional[str] = ..., holder: _Optional[str] = ..., mig_enabled: _Optional[bool] = ...) -> None: ...
+    mig_devices: _containers.RepeatedCompositeFieldContainer[MigDeviceInfo]
+    def __init__(self, index: _Optional[int] = ..., minor: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., pci_bus_id: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., numa_node: _Optional[int] = ..., cpu_affinity: _Optional[str] = ..., healthy: _Optional[bool] = ..., last_xid: _Optional[int] = ..., last_xid_time: _Optional[float] = ..., health_reason: _Optional[str] = ..., holder: _Optional[str] = ..., mig_enabled: _Optional[bool] = ..., mig_devices: _Optional[_Iterable[_Union[MigDeviceInfo, _Mapping]]] = ...) -> None: ...
+
+class MigDeviceInfo(_message.Message):
+    __slots__ = ("uuid", "profile", "resource", "gpu_instance_id", "compute_instance_id", "memory_total_bytes", "caps_minors", "slot", "holder")
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    RESOURCE_FIELD_NUMBER: _ClassVar[int]
+    GPU_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPS_MINORS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    uuid: str
+    profile: str
+    resource: str
+    gpu_instance_id: int
+    compute_instance_id: int
+    memory_total_bytes: int
+    caps_minors: _containers.RepeatedScalarFieldContainer[int]
+    slot: int
+    holder: str
+    def __init__(self, uuid: _Optional[str] = ..., profile: _Optional[str] = ..., resource: _Optional[str] = ..., gpu_instance_id: _Optional[int] = ..., compute_instance_id: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., caps_minors: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ..., holder: _Optional[str] = ...) -> None: ...
 
 class ListGpusRequest(_message.Message):
     __slots__ = ()
@@ -476,7 +500,7 @@ class TopologyResponse(_message.Message):
     def __init__(self, indices: _Optional[_Iterable[int]] = ..., links: _Optional[_Iterable[_Union[TopologyResponse.Link, _Mapping]]] = ..., numa_nodes: _Optional[_Iterable[int]] = ..., cpu_affinity: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ContainerInfo(_message.Message):
-    __slots__ = ("container_id", "gpu_uuids", "gpu_minors", "cgroup", "mode", "volume_version", "state", "created", "id", "gpu_indices", "nested")
+    __slots__ = ("container_id", "gpu_uuids", "gpu_minors", "cgroup", "mode", "volume_version", "state", "created", "id", "gpu_indices", "nested", "mig_uuids")
     CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
     GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
     GPU_MINORS_FIELD_NUMBER: _ClassVar[int]
@@ -488,6 +512,7 @@ class ContainerInfo(_message.Message):
     ID_FIELD_NUMBER: _ClassVar[int]
     GPU_INDICES_FIELD_NUMBER: _ClassVar[int]
     NESTED_FIELD_NUMBER: _ClassVar[int]
+    MIG_UUIDS_FIELD_NUMBER: _ClassVar[int]
     container_id: ContainerID
     gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
     gpu_minors: _containers.RepeatedScalarFieldContainer[int]
@@ -499,7 +524,8 @@ class ContainerInfo(_message.Message):
     id: str
     gpu_indices: _containers.RepeatedScalarFieldContainer[int]
     nested: bool
-    def __init__(self, container_id: _Optional[_Union[ContainerID, _Mapping]] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., gpu_minors: _Optional[_Iterable[int]] = ..., cgroup: _Optional[str] = ..., mode: _Optional[str] = ..., volume_version: _Optional[str] = ..., state: _Optional[str] = ..., created: _Optional[float] = ..., id: _Optional[str] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., nested: _Optional[bool] = ...) -> None: ...
+    mig_uuids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, container_id: _Optional[_Union[ContainerID, _Mapping]] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., gpu_minors: _Optional[_Iterable[int]] = ..., cgroup: _Optional[str] = ..., mode: _Optional[str] = ..., volume_version: _Optional[str] = ..., state: _Optional[str] = ..., created: _Optional[float] = ..., id: _Optional[str] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., nested: _Optional[bool] = ..., mig_uuids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListContainersRequest(_message.Message):
     __slots__ = ()

@@ -113,6 +113,8 @@ struct device {
     unsigned int pci_device_id;
     unsigned int mig_mode;
     unsigned int gi, ci;
+    unsigned int gi_slices, ci_slices, gi_profile; /* MIG handle: nvmlDeviceGetAttributes, GI profile */
+    unsigned int pstart, psize;                    /* MIG handle: its GPU instance's placement */
     char uuid[96];
     char bus_id[32];
     char name[96];
@@ -242,8 +244,10 @@ static int load_state(struct state *s) {
             unsigned int gi, ci;
             unsigned long long mem;
             char uuid[96];
-            if (sscanf(line, "mig %d %d %u %u %llu %95s %n", &idx, &slot, &gi, &ci, &mem, uuid, &n) < 6 || idx < 0 ||
-                idx >= MAX_GPUS || slot < 0 || slot >= MAX_MIG) {
+            unsigned int gis, cis, prof, pstart, psize;
+            if (sscanf(line, "mig %d %d %u %u %llu %u %u %u %u %u %95s %n", &idx, &slot, &gi, &ci, &mem, &gis, &cis,
+                       &prof, &pstart, &psize, uuid, &n) < 11 ||
+                idx < 0 || idx >= MAX_GPUS || slot < 0 || slot >= MAX_MIG) {
                 fclose(fh);
                 return NVML_ERROR_UNKNOWN;
             }
@@ -263,6 +267,11 @@ static int load_state(struct state *s) {
             m->pci_device_id = parent->pci_device_id;
             m->gi = gi;
             m->ci = ci;
+            m->gi_slices = gis;
+            m->ci_slices = cis;
+            m->gi_profile = prof;
+            m->pstart = pstart;
+            m->psize = psize;
             snprintf(m->uuid, sizeof m->uuid, "%s", uuid);
             snprintf(m->bus_id, sizeof m->bus_id, "%s", parent->bus_id);
             snprintf(m->name, sizeof m->name, "%s", line + n);
@@ -707,6 +716,72 @@ EXPORT int nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, unsigned int *id)
     DEVICE_CALL(device, "nvmlDeviceGetComputeInstanceId");
     if (!id || !device->is_mig) return NVML_ERROR_INVALID_ARGUMENT;
     *id = device->ci;
+    return NVML_SUCCESS;
+}
+
+/* nvmlDeviceAttributes_t (nvml.h): what a MIG device is made of. */
+typedef struct {
+    unsigned int multiprocessorCount;
+    unsigned int sharedCopyEngineCount;
+    unsigned int sharedDecoderCount;
+    unsigned int sharedEncoderCount;
+    unsigned int sharedJpegCount;
+    unsigned int sharedOfaCount;
+    unsigned int gpuInstanceSliceCount;
+    unsigned int computeInstanceSliceCount;
+    unsigned long long memorySizeMB;
+} nvmlDeviceAttributes_t;
+
+/* nvmlGpuInstanceInfo_t (nvml.h); the GPU instance handle is opaque: here, its first MIG device. */
+typedef struct {
+    struct device *device;
+    unsigned int id;
+    unsigned int profileId;
+    unsigned int start;
+    unsigned int size;
+} nvmlGpuInstanceInfo_t;
+
+EXPORT int nvmlDeviceGetAttributes_v2(nvmlDevice_t device, nvmlDeviceAttributes_t *attrs) {
+    DEVICE_CALL(device, "nvmlDeviceGetAttributes");
+    if (!attrs) return NVML_ERROR_INVALID_ARGUMENT;
+    if (!device->is_mig) return NVML_ERROR_NOT_SUPPORTED;
+    memset(attrs, 0, sizeof *attrs);
+    /* A100: 14 SMs per compute slice (1g: 14, 7g: 98). */
+    attrs->multiprocessorCount = 14 * device->ci_slices;
+    attrs->sharedCopyEngineCount = device->gi_slices;
+    attrs->gpuInstanceSliceCount = device->gi_slices;
+    attrs->computeInstanceSliceCount = device->ci_slices;
+    attrs->memorySizeMB = device->memory_total >> 20;
+    return NVML_SUCCESS;
+}
+
+EXPORT int nvmlDeviceGetAttributes(nvmlDevice_t device, nvmlDeviceAttributes_t *attrs) {
+    return nvmlDeviceGetAttributes_v2(device, attrs);
+}
+
+EXPORT int nvmlDeviceGetGpuInstanceById(nvmlDevice_t device, unsigned int id, struct device **gi) {
+    DEVICE_CALL(device, "nvmlDeviceGetGpuInstanceById");
+    if (!gi || device->is_mig) return NVML_ERROR_INVALID_ARGUMENT;
+    if (device->mig_mode != 1) return NVML_ERROR_NOT_SUPPORTED;
+    for (int j = 0; j < device->nmig; j++) {
+        if (device->mig[j] && device->mig[j]->gi == id) {
+            *gi = device->mig[j];
+            return NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_NOT_FOUND;
+}
+
+EXPORT int nvmlGpuInstanceGetInfo(struct device *gi, nvmlGpuInstanceInfo_t *info) {
+    REQUIRE_INIT();
+    if (!info || !valid_device(gi) || !gi->is_mig) return NVML_ERROR_INVALID_ARGUMENT;
+    int rc = injected(gi->index, "nvmlGpuInstanceGetInfo");
+    if (rc) return rc;
+    info->device = gi->parent;
+    info->id = gi->gi;
+    info->profileId = gi->gi_profile;
+    info->start = gi->pstart;
+    info->size = gi->psize;
     return NVML_SUCCESS;
 }
 

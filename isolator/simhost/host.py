@@ -38,6 +38,10 @@ MAX_MINOR = 253
 # Mesos and the driver use GPU instance ids 0-14 and compute instance ids 0-7
 # (/proc/driver/nvidia-caps/mig-minors lists exactly those).
 MAX_GI, MAX_CI = 14, 7
+# A MIG-capable GPU's memory is cut into 8 slices; GPU instance placements are counted in them
+# (go-nvml's A100 tables: 1g at starts 0..6 with size 1, 3g at 0 and 4 with size 4, 7g at 0 with size 8).
+MIG_MEMORY_SLICES = 8
+PROFILE = re.compile(r"^(?:(\d)c\.)?(\d)g\.(\d+)gb(\+me)?$")
 BUS_ID = re.compile(r"^(?:([0-9a-fA-F]{4}|[0-9a-fA-F]{8}):)?([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])$")
 UUID_NAMESPACE = uuidlib.UUID("6d1c9a52-3f0e-4a8e-9a51-8f4e2b7c1d00")
 
@@ -49,6 +53,19 @@ class MigSpec:
     profile: str
     memory_mib: int
     uuid: str
+    gpu_slices: int = 1  # compute slices of its GPU instance (the N of Ng)
+    compute_slices: int = 1  # compute slices of its compute instance (the N of Nc, else = gpu_slices)
+    placement_start: int = 0  # its GPU instance's placement, in memory slices (0..7)
+    placement_size: int = 1
+
+    @property
+    def profile_id(self) -> int:
+        """NVML's NVML_GPU_INSTANCE_PROFILE_* id of its GPU instance (nvml.h)."""
+        if self.profile.endswith("+me"):
+            return {1: 7, 2: 8}.get(self.gpu_slices, 7)  # *_SLICE_REV1: with media extensions
+        if self.gpu_slices == 1 and self.placement_size == 2:
+            return 9  # NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2 (1g.10gb on A100-40GB)
+        return {1: 0, 2: 1, 3: 2, 4: 3, 7: 4, 8: 5, 6: 6}.get(self.gpu_slices, 0)
 
 
 @dataclass(frozen=True)
@@ -507,10 +524,12 @@ def _parse_mig(
         r.fail(f"{p}.mig_device", f"{len(tables)} MIG devices; a GPU has at most {MAX_MIG_DEVICES}")
     out: list[MigSpec] = []
     seen: set[tuple[int, int]] = set()
+    placements: dict[int, tuple[int, int]] = {}  # GPU instance -> (start, size)
     total = 0
+    gpu_gb = -(-memory // 1024)
     for j, m in enumerate(tables):
         q = f"{p}.mig_device[{j}]"
-        r.only(m, q, {"gpu_instance", "compute_instance", "profile", "memory_mib", "uuid"})
+        r.only(m, q, {"gpu_instance", "compute_instance", "profile", "memory_mib", "uuid", "placement"})
         gi = r.non_negative(m, q, "gpu_instance")
         ci = r.non_negative(m, q, "compute_instance")
         if gi > MAX_GI:
@@ -521,18 +540,47 @@ def _parse_mig(
             r.fail(q, f"GPU instance {gi} / compute instance {ci} is declared twice")
         seen.add((gi, ci))
         profile = r.get(m, q, "profile", str)
-        if not re.fullmatch(r"\d+g\.\d+gb", profile):
-            r.fail(f"{q}.profile", f"{profile!r} is not a MIG profile (e.g. 3g.20gb)")
+        pm = PROFILE.fullmatch(profile)
+        if not pm:
+            r.fail(f"{q}.profile", f"{profile!r} is not a MIG profile (e.g. 3g.20gb, 1g.5gb+me, 1c.3g.20gb)")
+        gslices = int(pm.group(2))
+        cslices = int(pm.group(1) or gslices)
+        if not 1 <= gslices <= 8 or not 1 <= cslices <= gslices:
+            r.fail(f"{q}.profile", f"{profile!r}: slices must satisfy 1 <= compute <= GPU instance <= 8")
         mem = r.get(m, q, "memory_mib", int)
         if mem <= 0:
             r.fail(f"{q}.memory_mib", f"{mem} must be positive")
-        total += mem
+        # Compute instances of one GPU instance share its memory: count it once.
+        if gi not in placements:
+            total += mem
         if total > memory:
             r.fail(f"{q}.memory_mib", f"MIG devices hold {total} MiB, more than the GPU's {memory} MiB")
+        # Placement size in memory slices: the profile's memory as a share of the GPU's 8 slices.
+        size = max(1, min(MIG_MEMORY_SLICES, round(int(pm.group(3)) * MIG_MEMORY_SLICES / gpu_gb)))
+        start = r.get(m, q, "placement", int, None)
+        if gi in placements:
+            if start is not None and start != placements[gi][0]:
+                r.fail(f"{q}.placement", f"GPU instance {gi} is already placed at {placements[gi][0]}")
+            start, size = placements[gi]
+        else:
+            taken = {s for a, b in placements.values() for s in range(a, a + b)}
+            if start is None:
+                # The first aligned start that is free, as the driver places a new instance.
+                start = next(
+                    (x for x in range(0, MIG_MEMORY_SLICES - size + 1, size) if taken.isdisjoint(range(x, x + size))),
+                    -1,
+                )
+                if start < 0:
+                    r.fail(q, f"no free placement of size {size} left on the GPU")
+            if start < 0 or start + size > MIG_MEMORY_SLICES:
+                r.fail(f"{q}.placement", f"placement {start}+{size} is outside slices 0..{MIG_MEMORY_SLICES - 1}")
+            if not taken.isdisjoint(range(start, start + size)):
+                r.fail(f"{q}.placement", f"placement {start}+{size} overlaps another GPU instance")
+            placements[gi] = (start, size)
         mig_uuid = r.get(m, q, "uuid", str, "") or "MIG-" + str(
             uuidlib.uuid5(UUID_NAMESPACE, f"{host}/{index}/{gi}/{ci}")
         )
-        out.append(MigSpec(gi, ci, profile, mem, mig_uuid))
+        out.append(MigSpec(gi, ci, profile, mem, mig_uuid, gslices, cslices, start, size))
     return tuple(out)
 
 
@@ -612,6 +660,8 @@ def render_state(spec: HostSpec, control_dir: str) -> str:
         for slot, m in enumerate(g.mig_devices):
             mem = m.memory_mib * 2**20
             lines.append(
-                f"mig {g.index} {slot} {m.gpu_instance} {m.compute_instance} {mem} {m.uuid} {g.name} MIG {m.profile}"
+                f"mig {g.index} {slot} {m.gpu_instance} {m.compute_instance} {mem} {m.gpu_slices} "
+                f"{m.compute_slices} {m.profile_id} {m.placement_start} {m.placement_size} {m.uuid} "
+                f"{g.name} MIG {m.profile}"
             )
     return "\n".join(lines) + "\n"

@@ -82,8 +82,14 @@ class FakeInventory:
                     caps_minors=mig_caps_minors(g.minor, m.gpu_instance, m.compute_instance),
                     memory_total=m.memory_mib << 20,
                     profile=m.profile,
+                    parent_index=g.index,
+                    parent_minor=g.minor,
+                    gpu_slices=m.gpu_slices,
+                    compute_slices=m.compute_slices,
+                    placement=(m.placement_start, m.placement_size),
+                    slot=slot,
                 )
-                for m in g.mig_devices
+                for slot, m in enumerate(g.mig_devices)
             )
             for g in spec.gpus
             if g.mig

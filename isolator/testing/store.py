@@ -47,7 +47,8 @@ class FakeStore:
             if rec.container_id in self._records:
                 raise ContainerAlreadyRecorded(container=str(rec.container_id))
             self._check_free(rec.container_id, rec.gpus)
-            self._records[rec.container_id] = replace(rec, gpus=frozenset(rec.gpus))
+            self._check_mig_free(rec.container_id, rec.mig)
+            self._records[rec.container_id] = replace(rec, gpus=frozenset(rec.gpus), mig=frozenset(rec.mig))
             self.commits += 1
 
     def add_gpus(self, cid: ContainerId, minors: Iterable[int]) -> ContainerRecord:
@@ -116,6 +117,11 @@ class FakeStore:
         with self._lock:
             return {m: cid for cid, rec in self._records.items() for m in rec.gpus}
 
+    def mig_holders(self) -> dict[str, tuple[ContainerId, int]]:
+        self.faults.check("mig_holders")
+        with self._lock:
+            return {u: (cid, m) for cid, rec in self._records.items() for u, m in rec.mig}
+
     def check(self) -> str:
         self.faults.check("check")
         return "ok"
@@ -142,5 +148,17 @@ class FakeStore:
             if isinstance(minor, bool) or not isinstance(minor, int) or minor < 0:
                 raise InvalidArgument(f"GPU minor {minor!r} is not a non-negative integer")
             for other, rec in self._records.items():
-                if minor in rec.gpus:
+                if minor in rec.gpus or minor in rec.mig_parents:  # never whole and through its MIG devices
                     raise GpuAlreadyHeld(gpu=minor, container=str(cid), holder=str(other))
+
+    def _check_mig_free(self, cid: ContainerId, mig: frozenset[tuple[str, int]]) -> None:
+        for uuid, parent in sorted(mig):
+            if not isinstance(uuid, str) or not uuid.startswith("MIG-") or isinstance(parent, bool):
+                raise InvalidArgument(f"MIG device {uuid!r} is not a MIG UUID with a parent GPU minor")
+            if not isinstance(parent, int) or parent < 0:
+                raise InvalidArgument(f"parent GPU minor {parent!r} of {uuid} is not a non-negative integer")
+            for other, rec in self._records.items():
+                if uuid in rec.mig_uuids:
+                    raise GpuAlreadyHeld(gpu=uuid, container=str(cid), holder=str(other))
+                if parent in rec.gpus:
+                    raise GpuAlreadyHeld(gpu=f"{parent} (parent of {uuid})", container=str(cid), holder=str(other))

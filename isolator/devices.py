@@ -223,6 +223,23 @@ def container_rules(
     return tuple(dict.fromkeys(rules))
 
 
+def owned_majors(
+    rules: Iterable[DeviceRule], base: Iterable[DeviceRule], known: Iterable[int] = (NVIDIA_MAJOR,)
+) -> frozenset[int]:
+    """The character majors the sidecar decides for in mesos mode: NVIDIA's (195, and the dynamic
+    nvidia-uvm and nvidia-caps majors in ``known``) and every major of a rule of ours in ``rules``.
+    Every other device is the agent's (its default whitelist and --allowed_devices)."""
+    base_set = set(base)
+    ours = {r.major for r in rules if r.type == "c" and r.major is not None and r not in base_set}
+    return frozenset({NVIDIA_MAJOR, *known, *ours})
+
+
+def is_owned(rule: DeviceRule, majors: frozenset[int]) -> bool:
+    """A rule of ours in mesos mode: a character device of one of ``majors`` (wildcard majors and
+    block devices are never ours; the agent's ``c *:* m`` stays the agent's)."""
+    return rule.type == "c" and rule.major is not None and rule.major in majors
+
+
 def own_rules(rules: Iterable[DeviceRule], base: Iterable[DeviceRule]) -> tuple[DeviceRule, ...]:
     """The rules of a set that are not in ``base``: what the sidecar adds on top of Mesos."""
     base_set = set(base)
@@ -294,6 +311,15 @@ class HostDevices:
         if len(majors) > 1:
             raise DeviceNodeError(path=caps_dir, cause=f"nodes disagree on the major: {sorted(majors)}")
         return majors.pop() if majors else None
+
+    def nvidia_majors(self) -> tuple[int, ...]:
+        """Every NVIDIA character major on this host: 195, nvidia-uvm's and nvidia-caps' (dynamic).
+        In mesos mode these are the devices the sidecar decides for; the rest are the agent's."""
+        majors = {NVIDIA_MAJOR, *(d.major for d in self.control_devices().numbers())}
+        caps = self.caps_major()
+        if caps is not None:
+            majors.add(caps)
+        return tuple(sorted(majors))
 
     def load_uvm(self) -> bool:
         """Make sure ``<dev_root>/nvidia-uvm`` exists; returns True when the command had to run."""

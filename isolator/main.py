@@ -154,10 +154,15 @@ def build_service(
             f"the {hierarchy.version} devices hierarchy is mounted at '{hierarchy.mount}', "
             f"outside --cgroups-hierarchy '{config.cgroups_hierarchy}'"
         )
-    controller = controller_for(
-        hierarchy, os.path.join(config.work_dir, "devices"), cgroups_root=config.cgroups_root, mode=config.mode
-    )
     host_devices = HostDevices(dev_root)
+    # In mesos mode the controller writes only NVIDIA's majors; every other device is the agent's.
+    controller = controller_for(
+        hierarchy,
+        os.path.join(config.work_dir, "devices"),
+        cgroups_root=config.cgroups_root,
+        mode=config.mode,
+        nvidia_majors=host_devices.nvidia_majors,
+    )
     if inventory is not None and host is None:
         host_devices.load_uvm()  # Mesos loads nvidia-uvm at start when it is missing
     store = StateStore(config.state_dir)

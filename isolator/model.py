@@ -7,12 +7,13 @@ with the type, so nothing unvalidated can be constructed through ``ContainerId.p
 from __future__ import annotations
 
 import math
+import posixpath
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from isolator.errors import InvalidGpuCount
+from isolator.errors import InvalidArgument, InvalidGpuCount
 
 # Mesos's validateID (src/common/validation.cpp): not empty, at most NAME_MAX bytes, not '.' or
 # '..', no '/', '\\' or control characters. We keep exactly that grammar so every ID Mesos
@@ -105,6 +106,22 @@ def _id_problem(value: str) -> str | None:
         if ord(ch) < 0x20 or ord(ch) == 0x7F or 0xD800 <= ord(ch) <= 0xDFFF:
             return "control characters are not allowed"
     return None
+
+
+def check_rootfs(rootfs: object) -> str:
+    """The rootfs as the agent must send it: an absolute, normalized host path (not ``/``)."""
+    if not isinstance(rootfs, str) or not rootfs:
+        raise InvalidArgument(f"the container's rootfs {rootfs!r} must be a non-empty path")
+    if "\x00" in rootfs:
+        raise InvalidArgument("the container's rootfs contains a NUL byte")
+    if not rootfs.startswith("/"):
+        raise InvalidArgument(f"the container's rootfs '{rootfs}' is not an absolute path")
+    normal = posixpath.normpath(rootfs)
+    if normal != rootfs.rstrip("/") or ".." in rootfs.split("/"):
+        raise InvalidArgument(f"the container's rootfs '{rootfs}' is not a normalized path ('{normal}')")
+    if normal == "/":
+        raise InvalidArgument("the container's rootfs must not be the host's '/'")
+    return normal
 
 
 @dataclass(frozen=True)

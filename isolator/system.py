@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from isolator import rootfs as rootfs_paths
 from isolator.errors import NotFound
 from isolator.model import Topology
 
@@ -78,6 +79,12 @@ class LocalFilesystem:
 
     def make_dirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
+
+    def make_dirs_in(self, rootfs: str, path: str) -> str:
+        return rootfs_paths.make_dirs_in(rootfs, path)
+
+    def mount_target(self, rootfs: str, path: str) -> str:
+        return rootfs_paths.mount_target_in(rootfs, path)
 
 
 class SystemClock:

@@ -77,7 +77,7 @@ def test_mesos_mode_grants_only_allocated_gpus_and_follows_updates_for_a_running
 ) -> None:
     cid = ContainerId.parse("executor-1")
     path = simulate_mesos_agent(hierarchy, cgroups_root, cid)
-    ctl = V1DeviceController(hierarchy, cgroups_root, mode="mesos")
+    ctl = V1DeviceController(hierarchy, cgroups_root, mode="mesos", nvidia_majors=host.nvidia_majors)
     assert ctl.cgroup_path(cid) == path
     control = host.control_devices()
 

@@ -465,6 +465,24 @@ def test_filesystem_makes_and_sees_directories(kind: str, tmp_path) -> None:
     assert fs.is_dir(target) and fs.is_dir(os.path.join(base, "rootfs"))
 
 
+@pytest.mark.parametrize("kind", ["fake", "local"])
+def test_filesystem_makes_dirs_and_mount_targets_inside_an_image_rootfs(kind: str, tmp_path) -> None:
+    fs: FakeFilesystem | LocalFilesystem = FakeFilesystem() if kind == "fake" else LocalFilesystem()
+    rootfs = os.path.realpath(os.path.join(str(tmp_path), "rootfs"))
+    os.makedirs(rootfs)
+    if kind == "fake":
+        fs.make_dirs(rootfs)
+    made = fs.make_dirs_in(rootfs, "usr/local/nvidia")
+    assert made == os.path.join(rootfs, "usr/local/nvidia") and fs.is_dir(made)
+    assert fs.make_dirs_in(rootfs, "usr/local/nvidia") == made  # idempotent
+    assert fs.mount_target(rootfs, "dev/nvidia0") == os.path.join(rootfs, "dev/nvidia0")
+    for bad in ("relative/rootfs", rootfs + "/../rootfs", "/"):
+        with pytest.raises(InvalidArgument, match="rootfs"):
+            fs.make_dirs_in(bad, "usr/local/nvidia")
+        with pytest.raises(InvalidArgument, match="rootfs"):
+            fs.mount_target(bad, "dev/nvidia0")
+
+
 @pytest.mark.parametrize("kind", ["manual", "system"])
 def test_clock_sleep_moves_monotonic_time_forward(kind: str) -> None:
     clock: ManualClock | SystemClock = ManualClock() if kind == "manual" else SystemClock()

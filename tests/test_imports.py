@@ -120,6 +120,7 @@ FORBIDDEN_IN_CORE = {
     "isolator.nvml",
     "isolator.state",
     "isolator.system",
+    "isolator.rootfs",
     "isolator.simhost",
     "isolator.main",
     "volumes.manager",

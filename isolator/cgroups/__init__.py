@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from isolator.cgroups.detect import Hierarchy
@@ -23,13 +23,14 @@ def controller_for(
     cgroups_root: str = "mesos",
     mode: str = "mesos",
     base: Iterable[DeviceRule] = MESOS_DEFAULT_WHITELIST,
+    nvidia_majors: Callable[[], Iterable[int]] | None = None,
 ) -> V1DeviceController | V2DeviceController:
     from isolator.cgroups.v1 import V1DeviceController
     from isolator.cgroups.v2 import V2DeviceController
 
     if hierarchy.version == "v1":
-        return V1DeviceController(hierarchy.mount, cgroups_root, mode, base)
-    return V2DeviceController(hierarchy.mount, state_dir, cgroups_root, mode, base)
+        return V1DeviceController(hierarchy.mount, cgroups_root, mode, base, nvidia_majors)
+    return V2DeviceController(hierarchy.mount, state_dir, cgroups_root, mode, base, nvidia_majors=nvidia_majors)
 
 
 __all__ = ["Hierarchy", "controller_for"]

@@ -9,10 +9,15 @@ except ``read_pids``/``write_pid``/``child_names``/``rmdir_tree``, which take th
 from __future__ import annotations
 
 import errno
+import logging
 import os
+from collections.abc import Callable, Iterable
 
-from isolator.errors import CgroupError, CgroupVanished, InvalidArgument
+from isolator.devices import NVIDIA_MAJOR
+from isolator.errors import CgroupError, CgroupVanished, InvalidArgument, IsolatorError
 from isolator.model import ContainerId
+
+LOG = logging.getLogger(__name__)
 
 MODES = ("mesos", "standalone")
 
@@ -20,7 +25,14 @@ MODES = ("mesos", "standalone")
 # Names the cgroup filesystem gives its own files (cgroup v1 core and devices controller, cgroup v2
 # core): a container ID spelled like one cannot be a cgroup's directory (mkdir finds the file).
 CONTROL_FILES = frozenset({"tasks", "notify_on_release", "release_agent"})
-CONTROL_PREFIXES = ("cgroup.", "devices.")
+# cgroup v2 puts every enabled controller's files in each cgroup ('memory.max', 'pids.max', ...).
+CONTROL_PREFIXES = tuple(
+    f"{c}."
+    for c in (
+        "cgroup", "devices", "memory", "cpu", "cpuacct", "cpuset", "io", "blkio", "pids", "freezer",
+        "hugetlb", "misc", "rdma", "net_cls", "net_prio", "perf_event",
+    )
+)  # fmt: skip
 
 
 def mesos_relative_path(container: ContainerId) -> str:
@@ -139,3 +151,15 @@ def _rmdir(path: str) -> None:
         pass
     except OSError as exc:
         raise CgroupError(op="remove", path=path, cause=exc.strerror or str(exc)) from exc
+
+
+def known_majors(nvidia_majors: Callable[[], Iterable[int]] | None) -> tuple[int, ...]:
+    """The NVIDIA majors the host reports; 195 alone when it cannot say (a node is gone): then only
+    rules of ours with other majors are recognised, by the rules applied."""
+    if nvidia_majors is None:
+        return (NVIDIA_MAJOR,)
+    try:
+        return tuple(nvidia_majors())
+    except (IsolatorError, OSError) as exc:
+        LOG.warning("failed to read the NVIDIA device majors, deciding for %d only: %s", NVIDIA_MAJOR, exc)
+        return (NVIDIA_MAJOR,)

@@ -32,6 +32,8 @@ MOV32_X = 0xBC  # BPF_ALU | BPF_MOV | BPF_X
 MOV32_K = 0xB4  # BPF_ALU | BPF_MOV | BPF_K
 JNE_K = 0x55  # BPF_JMP | BPF_JNE | BPF_K
 JNE_X = 0x5D  # BPF_JMP | BPF_JNE | BPF_X
+JEQ_K = 0x15  # BPF_JMP | BPF_JEQ | BPF_K
+JA = 0x05  # BPF_JMP | BPF_JA
 EXIT = 0x95  # BPF_JMP | BPF_EXIT
 
 # Registers after the prologue: r2 device type, r3 requested access, r4 major, r5 minor.
@@ -116,17 +118,33 @@ def _rule_block(rule: DeviceRule) -> list[Insn]:
     return fixed + tail
 
 
-def build(rules: Iterable[DeviceRule]) -> tuple[Insn, ...]:
-    """A default-deny program allowing exactly ``rules`` (normalized; first match allows)."""
+def build(rules: Iterable[DeviceRule], decide_majors: Iterable[int] | None = None) -> tuple[Insn, ...]:
+    """A default-deny program allowing exactly ``rules`` (normalized; first match allows).
+
+    With ``decide_majors`` (mesos mode) the program decides only for character devices of those
+    majors, with the same allow-list, and allows everything else: device programs on a cgroup and
+    its ancestors must all allow (BPF_F_ALLOW_MULTI is an AND), so every other device is left to
+    the agent's program, exactly as the agent's ``--allowed_devices`` set it.
+    """
     insns: list[Insn] = list(PROLOGUE)
+    blocks: list[Insn] = []
     for rule in normalize(rules):
-        insns.extend(_rule_block(rule))
+        blocks.extend(_rule_block(rule))
+    if decide_majors is not None:
+        majors = sorted(set(decide_majors))
+        # 0: if type != c goto allow; 1..k: if major == M_i goto rules; k+1, k+2: allow (w0 = 1;
+        # exit); k+3: the rule blocks. Offsets count from the next instruction.
+        k = len(majors)
+        insns.append(Insn(JNE_K, R2, 0, k, DEV_CHAR))
+        insns.extend(Insn(JEQ_K, R4, 0, k - i + 1, major) for i, major in enumerate(majors))
+        insns.extend((Insn(MOV32_K, R0, imm=1), Insn(EXIT)))
+    insns.extend(blocks)
     insns.extend(EPILOGUE)
     return tuple(insns)
 
 
-def build_bytes(rules: Iterable[DeviceRule]) -> bytes:
-    return assemble(build(rules))
+def build_bytes(rules: Iterable[DeviceRule], decide_majors: Iterable[int] | None = None) -> bytes:
+    return assemble(build(rules, decide_majors))
 
 
 # ---- Evaluation -------------------------------------------------------------------------------
@@ -229,6 +247,7 @@ def evaluate(program: bytes | Sequence[Insn], request: Request) -> int:
     regs[10] = _STACK_TOP
     ctx = request.ctx()
     stack = bytearray(_STACK_SIZE)
+    written = bytearray(_STACK_SIZE)  # privileged programs may read stack they never wrote: garbage
     sizes = {0x00: 4, 0x08: 2, 0x10: 1, 0x18: 8}
 
     def load(addr: int, size: int) -> int:
@@ -236,6 +255,8 @@ def evaluate(program: bytes | Sequence[Insn], request: Request) -> int:
             return int.from_bytes(ctx[addr - _CTX_BASE : addr - _CTX_BASE + size], "little")
         base = _STACK_TOP - _STACK_SIZE
         if base <= addr and addr + size <= _STACK_TOP:
+            if not all(written[addr - base : addr - base + size]):
+                raise UnsupportedProgram("read of stack never written (its value is whatever was there)")
             return int.from_bytes(stack[addr - base : addr - base + size], "little")
         raise UnsupportedProgram(f"load of {size} bytes outside the context and stack")
 
@@ -244,6 +265,7 @@ def evaluate(program: bytes | Sequence[Insn], request: Request) -> int:
         if not (base <= addr and addr + size <= _STACK_TOP):
             raise UnsupportedProgram("store outside the stack")
         stack[addr - base : addr - base + size] = (value & ((1 << (8 * size)) - 1)).to_bytes(size, "little")
+        written[addr - base : addr - base + size] = b"\x01" * size
 
     pc = 0
     for _ in range(_MAX_STEPS):
@@ -326,6 +348,10 @@ def disassemble(program: bytes | Sequence[Insn]) -> list[str]:
             text = f"if r{n.dst} != {n.imm} goto +{n.off}"
         elif n.code == JNE_X:
             text = f"if r{n.dst} != r{n.src} goto +{n.off}"
+        elif n.code == JEQ_K:
+            text = f"if r{n.dst} == {n.imm} goto +{n.off}"
+        elif n.code == JA:
+            text = f"goto +{n.off}"
         elif n.code == EXIT:
             text = "exit"
         else:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from isolator.cgroups.base import (
@@ -16,13 +16,23 @@ from isolator.cgroups.base import (
     check_mode,
     child_names,
     container_dir,
+    known_majors,
     read_pids,
     rmdir_tree,
     top_level_ids,
     write_pid,
 )
 from isolator.crashpoints import crashpoint
-from isolator.devices import ACCESS_ORDER, MESOS_DEFAULT_WHITELIST, DeviceRule, KernelRules, parse_rules, permits
+from isolator.devices import (
+    ACCESS_ORDER,
+    MESOS_DEFAULT_WHITELIST,
+    DeviceRule,
+    KernelRules,
+    is_owned,
+    owned_majors,
+    parse_rules,
+    permits,
+)
 from isolator.errors import CgroupBusy, CgroupError, CgroupVanished, InvalidArgument, RuleParseError
 from isolator.model import ContainerId
 
@@ -88,7 +98,9 @@ class V1DeviceController:
     """Devices cgroup v1 at ``<hierarchy>/<cgroups_root>/<a>/mesos/<b>...`` (Mesos's layout).
 
     mesos mode: the cgroup is Mesos's, created and whitelisted by its cgroups/devices subsystem
-    before our prepare; we add and remove only entries whose selector is not in ``base``.
+    before our prepare (its defaults plus the agent's --allowed_devices); we add and remove only
+    NVIDIA entries (character devices of the majors ``nvidia_majors()`` names, plus those of our
+    rules) and leave every other entry exactly as the agent set it.
     standalone mode: we create the cgroup, deny everything, then allow the full set.
     """
 
@@ -100,11 +112,20 @@ class V1DeviceController:
         cgroups_root: str = "mesos",
         mode: str = "mesos",
         base: Iterable[DeviceRule] = MESOS_DEFAULT_WHITELIST,
+        nvidia_majors: Callable[[], Iterable[int]] | None = None,
     ) -> None:
         self.hierarchy = hierarchy
         self.cgroups_root = cgroups_root
         self.mode = check_mode(mode)
         self.base = tuple(base)
+        self.nvidia_majors = nvidia_majors
+
+    def _owned(self, rules: Iterable[DeviceRule]) -> Callable[[DeviceRule], bool]:
+        """Which entries are ours to write: all in standalone mode, NVIDIA's in mesos mode."""
+        if self.mode != "mesos":
+            return lambda _rule: True
+        majors = owned_majors(rules, self.base, known_majors(self.nvidia_majors))
+        return lambda rule: is_owned(rule, majors)
 
     def cgroup_path(self, container: ContainerId) -> str:
         return container_dir(self.hierarchy, self.cgroups_root, container)
@@ -226,12 +247,13 @@ class V1DeviceController:
             raise InvalidArgument(f"failed to apply {wild[0]!r} to '{cgroup}': v1 cannot allow type 'a' in a whitelist")
         current = self._read_list(cgroup)
         self._require_whitelist(cgroup, current)
-        untouchable = self.base if self.mode == "mesos" else ()
+        owned = self._owned(rules)
+        untouchable = [r for r in (*current, *rules) if not owned(r)]
         writes = whitelist_diff(current, rules, untouchable)
         self._run(cgroup, writes)
         after = self._read_list(cgroup)
-        missing = [str(r) for r in rules if not permits(after, r)]
         frozen = {r.selector for r in untouchable}
+        missing = [str(r) for r in rules if r.selector not in frozen and not permits(after, r)]
         extra = [str(r) for r in after if r.selector not in frozen and not permits(rules, r)]
         if missing or extra:
             self._run(cgroup, tuple(w.inverse() for w in reversed(writes)))
@@ -263,8 +285,8 @@ class V1DeviceController:
                 current = self._read_list(cgroup)
             except CgroupVanished:
                 return
-            frozen = {r.selector for r in self.base}
-            writes = tuple(Write(False, r) for r in current if r.selector not in frozen and r.type != "a")
+            owned = self._owned(())
+            writes = tuple(Write(False, r) for r in current if owned(r))
             try:
                 self._run(cgroup, writes)
             except CgroupVanished:

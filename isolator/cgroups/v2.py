@@ -12,7 +12,7 @@ import errno
 import json
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from isolator.cgroups import bpf, bpfprog
@@ -21,13 +21,14 @@ from isolator.cgroups.base import (
     check_mode,
     child_names,
     container_dir,
+    known_majors,
     read_pids,
     rmdir_tree,
     top_level_ids,
     write_pid,
 )
 from isolator.crashpoints import crashpoint
-from isolator.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, KernelRules, parse_rules
+from isolator.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, KernelRules, owned_majors, parse_rules
 from isolator.errors import (
     BpfError,
     CgroupBusy,
@@ -76,6 +77,7 @@ class V2DeviceController:
         mode: str = "mesos",
         base: Iterable[DeviceRule] = MESOS_DEFAULT_WHITELIST,
         prog_name: str = PROG_NAME,
+        nvidia_majors: Callable[[], Iterable[int]] | None = None,
     ) -> None:
         self.mount = mount
         self.state_dir = state_dir
@@ -83,6 +85,15 @@ class V2DeviceController:
         self.mode = check_mode(mode)
         self.base = tuple(base)
         self.prog_name = prog_name
+        self.nvidia_majors = nvidia_majors
+
+    def program(self, rules: tuple[DeviceRule, ...]) -> bytes:
+        """Our program for ``rules``. In mesos mode it decides for NVIDIA's character majors only and
+        allows every other device, which the agent's program on ``<id>`` decides (all programs on a
+        cgroup and its ancestors must allow): the agent's --allowed_devices stay in force."""
+        if self.mode != "mesos":
+            return bpfprog.build_bytes(rules)
+        return bpfprog.build_bytes(rules, owned_majors(rules, self.base, known_majors(self.nvidia_majors)))
 
     # ---- paths and checkpoint --------------------------------------------------------------
 
@@ -320,7 +331,7 @@ class V2DeviceController:
             with self._attached(cgroup_fd, path) as progs:
                 self._check_conflicts(path, progs, rules)
                 ours = self._ours(progs)
-                prog_fd = bpf.prog_load(bpfprog.build_bytes(rules), self.prog_name)
+                prog_fd = bpf.prog_load(self.program(rules), self.prog_name)
                 previous, previous_tag = self._read_checkpoint_and_tag(container)
                 try:
                     if checkpoint:

@@ -37,6 +37,7 @@ from isolator.model import (
     Mount,
     Resource,
     Usage,
+    check_rootfs,
     gpu_count,
 )
 from volumes.errors import VolumeError
@@ -205,6 +206,7 @@ class Hooks:
         """Decide on the volume before anything is allocated, so a refusal leaves nothing behind."""
         if not config.has_image:
             return None
+        check_rootfs(config.rootfs)  # absolute and normalized: everything below resolves in it
         if not self.core.edges.filesystem.is_dir(config.rootfs):
             raise InvalidArgument(f"the container's rootfs '{config.rootfs}' does not exist")
         inv = self.core.inventory
@@ -257,8 +259,10 @@ class Hooks:
         names += [posixpath.relpath(n.path, dev_root) for n in control.numbers()]
         for mig in core.mig_devices(minors) + units:
             names += [f"nvidia-caps/nvidia-cap{minor}" for minor in mig.caps_minors]
+        # Targets resolved inside the image (``dev`` may be a link in it): never a host path.
+        target = core.edges.filesystem.mount_target
         return [
-            Mount(target=posixpath.join(rootfs, "dev", name), source=posixpath.join(dev_root, name), flags=MS_BIND)
+            Mount(target=target(rootfs, f"dev/{name}"), source=posixpath.join(dev_root, name), flags=MS_BIND)
             for name in names
         ]
 
@@ -281,9 +285,13 @@ class Hooks:
             core.store.update(cid, volume_version=volume.driver_version)
         mounts = []
         for spec in injection.mounts:
+            target = spec.target
             if spec.mkdir:
-                core.edges.filesystem.make_dirs(spec.target)
-            mounts.append(Mount(target=spec.target, source=spec.source, flags=spec.flags))
+                # Made inside the image as if it were '/', and mounted where that resolved to (an
+                # image's `usr -> /X` must not make the sidecar create /X/local/nvidia on the host).
+                rel = posixpath.relpath(spec.target, config.rootfs)
+                target = core.edges.filesystem.make_dirs_in(config.rootfs, rel)
+            mounts.append(Mount(target=target, source=spec.source, flags=spec.flags))
         return mounts, tuple(sorted(injection.env.items()))
 
     def _deallocate(self, minors: frozenset[int], units: tuple[MigDevice, ...] = ()) -> None:

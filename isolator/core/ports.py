@@ -253,6 +253,15 @@ class Filesystem(Protocol):
 
     def make_dirs(self, path: str) -> None: ...
 
+    def make_dirs_in(self, rootfs: str, path: str) -> str:
+        """Make directory ``path`` inside image ``rootfs`` resolved as if the rootfs were ``/``
+        (isolator/rootfs.py); the host path it resolved to."""
+        ...
+
+    def mount_target(self, rootfs: str, path: str) -> str:
+        """The host path to bind a file on at ``path`` inside ``rootfs``, resolved the same way."""
+        ...
+
 
 class Clock(Protocol):
     """Wall time for records and statistics; monotonic time and sleeping for waits."""

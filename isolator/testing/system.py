@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import posixpath
 import threading
 
 from isolator.devices import ControlDevices, DeviceNumber
+from isolator.errors import InvalidArgument
+from isolator.model import check_rootfs
 
 
 class _Pinned:
@@ -73,6 +76,24 @@ class FakeFilesystem:
             parts = path.rstrip("/").split("/")
             for i in range(1, len(parts) + 1):
                 self.dirs.add("/".join(parts[:i]) or "/")
+
+    # The fake has no links, so resolving in the rootfs is joining; the rootfs is checked as the
+    # real edge checks it (absolute, normalized), and it must exist.
+    def make_dirs_in(self, rootfs: str, path: str) -> str:
+        target = self._in(rootfs, path)
+        self.make_dirs(target)
+        return target
+
+    def mount_target(self, rootfs: str, path: str) -> str:
+        target = self._in(rootfs, path)
+        self.make_dirs(posixpath.dirname(target))
+        return target
+
+    def _in(self, rootfs: str, path: str) -> str:
+        root = check_rootfs(rootfs)
+        if not self.is_dir(root):
+            raise InvalidArgument(f"the container's rootfs '{rootfs}' does not exist")
+        return posixpath.join(root, posixpath.normpath("/" + path).lstrip("/"))
 
 
 class ManualClock:

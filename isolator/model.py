@@ -87,6 +87,11 @@ class ContainerId:
         return cls.from_chain(_unescape(part) for part in key.split("."))
 
 
+def key_root(key: str) -> str:
+    """The top-level container's part of a ``ContainerId.key()`` (escaped IDs hold no '.')."""
+    return key.split(".", 1)[0]
+
+
 def _unescape(part: str) -> str:
     return part.replace("%2E", ".").replace("%2e", ".").replace("%25", "%")
 

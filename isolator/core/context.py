@@ -36,7 +36,7 @@ from isolator.core.ports import (
 from isolator.crashpoints import crashpoint
 from isolator.devices import NVIDIA_MAJOR
 from isolator.errors import CgroupVanished, IsolatorError, NotFound
-from isolator.model import ContainerId, ContainerRecord, Gpu, MigDevice
+from isolator.model import ContainerId, ContainerRecord, Gpu, MigDevice, key_root
 
 LOG = logging.getLogger(__name__)
 
@@ -366,7 +366,7 @@ class Core:
         try:
             keys = [cid.key()]
             if not cid.nested:
-                keys += [u for u in self.volume_users() if _root_key(u) == keys[0] and u != keys[0]]
+                keys += [u for u in self.volume_users() if key_root(u) == keys[0] and u != keys[0]]
             for key in keys:
                 self.volumes.release(key, self.inventory.driver_version)
         except Exception as exc:  # the container is gone either way; a stale user file is harmless
@@ -380,8 +380,3 @@ class Core:
                 for user in vol.get("users", ()):
                     out[str(user)] = str(vol.get("driver_version", ""))
         return out
-
-
-def _root_key(key: str) -> str:
-    """The top-level container's part of a ``ContainerId.key()`` (escaped IDs hold no '.')."""
-    return key.split(".", 1)[0]

@@ -15,7 +15,7 @@ from isolator.core.context import Core
 from isolator.crashpoints import crashpoint
 from isolator.devices import NVIDIA_MAJOR, KernelRules
 from isolator.errors import CgroupVanished, FailedPrecondition
-from isolator.model import AuditReport, ContainerId, ContainerRecord, ContainerState, RecoverResult
+from isolator.model import AuditReport, ContainerId, ContainerRecord, ContainerState, RecoverResult, key_root
 from isolator.reconcile import Kind, reconcile
 
 LOG = logging.getLogger(__name__)
@@ -231,7 +231,7 @@ class Recovery:
                 # Keep the users of live top-level containers and of everything nested in them:
                 # nested containers are never recorded, and their volume must outlive a Recover.
                 roots = {c.key() for c in live}
-                keep = roots | {u for u in core.volume_users() if u.split(".", 1)[0] in roots}
+                keep = roots | {u for u in core.volume_users() if key_root(u) in roots}
                 core.volumes.reconcile(keep)
         core.notify()
         LOG.info("recovered %d containers, released %d", result.recovered, result.released)

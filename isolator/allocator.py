@@ -102,9 +102,9 @@ class Fabric:
     # more GPUs, the whole host first; ``ancestors[p]`` are the groups holding position p.
     groups: tuple[int, ...] = ()
     ancestors: tuple[tuple[int, ...], ...] = ()
-    # Per position, the other positions by tier, best first; and the most the exact score of a pair
-    # exceeds its tier (for the search's bounds).
-    ranked: tuple[tuple[int, ...], ...] = ()
+    # Per position, its partners by tier as (tier, bit mask of the positions at that tier), best
+    # tier first; and the most the exact score of a pair exceeds its tier (for the search's bounds).
+    by_tier: tuple[tuple[tuple[int, int], ...], ...] = ()
     max_gap: int = 0
     # The groups as position tuples (same order as ``groups``).
     members: tuple[tuple[int, ...], ...] = ()
@@ -161,9 +161,7 @@ class Fabric:
             tier=tier_rows,
             groups=groups,
             ancestors=tuple(tuple(i for i, g in enumerate(groups) if g >> p & 1) for p in range(n)),
-            ranked=tuple(
-                tuple(sorted((d for d in range(n) if d != c), key=lambda d: (-tier_rows[c][d], d))) for c in range(n)
-            ),
+            by_tier=tuple(_by_tier(tier_rows[c], c) for c in range(n)),
             max_gap=max((matrix[a][b] - tiers[a][b] for a in range(n) for b in range(a)), default=0),
             members=tuple(tuple(p for p in range(n) if g >> p & 1) for g in groups),
         )
@@ -202,6 +200,14 @@ class Fabric:
                 total += t
                 slowest = t if slowest == NO_PAIRS else min(slowest, t)
         return slowest, total
+
+
+def _by_tier(row: tuple[int, ...], me: int) -> tuple[tuple[int, int], ...]:
+    masks: dict[int, int] = {}
+    for d, value in enumerate(row):
+        if d != me:
+            masks[value] = masks.get(value, 0) | 1 << d
+    return tuple(sorted(masks.items(), reverse=True))
 
 
 def host_groups(tier: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
@@ -490,8 +496,11 @@ class _Search:
         self.fixed_tmin = min((self.tier[a][b] for i, a in enumerate(fixed) for b in fixed[i + 1 :]), default=None)
         self.best_key: tuple[int, ...] | None = None
         self.best_set: tuple[int, ...] = ()
-        # Every GPU's partners, best tier first, for the bound (filtered by the pool where used).
-        self.ranked = fabric.ranked
+        # Every GPU's partners by tier, best first, for the bound (masked by the pool where used).
+        self.by_tier = fabric.by_tier
+        # Interchangeable candidates (the search's symmetry rule): for each, the lower ones it can
+        # be swapped with without changing any rule's value.
+        self.lower = _interchangeable(fabric, cands)
 
     # -- the complete key of a set (rules 1-6; rule 7 is the set itself) --
 
@@ -605,19 +614,22 @@ class _Search:
             self.offer(tuple(sorted(chosen)))
             return
         tier = self.tier
-        inpool = set(pool)
         # Potential of each candidate: twice its gain plus its best left-1 tiers into the pool
         # (each pair among later picks is shared by two picks, hence the halving below).
+        inpool = 0
+        for c in pool:
+            inpool |= 1 << c
         potential = {}
         for c in pool:
             top, want = 0, left - 1
             if want:
-                for d in self.ranked[c]:
-                    if d in inpool:
-                        top += tier[c][d]
-                        want -= 1
-                        if want == 0:
-                            break
+                for value, mask in self.by_tier[c]:
+                    count = (mask & inpool).bit_count()
+                    if count >= want:
+                        top += want * value
+                        break
+                    top += count * value
+                    want -= count
             potential[c] = 2 * gains[c] + top
         # Most promising first, so that good sets are found early and bound the rest.
         order = sorted(pool, key=lambda c: (-potential[c], c))
@@ -628,7 +640,11 @@ class _Search:
         t = self._t
         if left == 1:
             # The last pick: each candidate completes a set; no partial set to grow.
+            passed: set[int] = set()
             for c in order:
+                if self.lower[c] and not passed.isdisjoint(self.lower[c]):
+                    continue  # a lower interchangeable GPU was left out: a mirror of a set seen
+                passed.add(c)
                 bound = tsum + gains[c]
                 if best is not None:
                     if bound < best[1]:
@@ -644,6 +660,8 @@ class _Search:
             rest = order[i + 1 :]
             if len(rest) < left - 1:
                 break
+            if self.lower[c] and not self.lower[c].isdisjoint(order[:i]):
+                continue  # a lower interchangeable GPU is left out here: a mirror of a set seen
             row = tier[c]
             nxt = [r for r in rest if row[r] >= t]
             if len(nxt) < left - 1:
@@ -735,6 +753,31 @@ class _Search:
         # Equal at best: only a lexicographically smaller set could win (rule 7).
         smallest = tuple(sorted([*chosen, c, *sorted(nxt)[: left - 1]]))
         return smallest < self.best_set
+
+
+def _interchangeable(fabric: Fabric, cands: list[int]) -> dict[int, frozenset[int]]:
+    """For each candidate, the lower candidates interchangeable with it: the same tier and score
+    to every other GPU, the same NUMA node and the same groups. Swapping two such GPUs in a set
+    changes no rule's value, so the best set holds the lowest members of each class (rule 7), and
+    a set that holds one but leaves out a lower one need not be searched."""
+    classes: list[list[int]] = []
+    for c in cands:
+        for cls in classes:
+            a = cls[0]
+            if (
+                fabric.numa[a] == fabric.numa[c]
+                and fabric.ancestors[a] == fabric.ancestors[c]
+                and all(
+                    fabric.tier[a][x] == fabric.tier[c][x] and fabric.score[a][x] == fabric.score[c][x]
+                    for x in range(len(fabric.minors))
+                    if x != a and x != c
+                )
+            ):
+                cls.append(c)
+                break
+        else:
+            classes.append([c])
+    return {c: frozenset(x for x in cls if x < c) for cls in classes for c in cls}
 
 
 def _greedy(score: tuple[tuple[int, ...], ...], fixed: list[int], cands: list[int], k: int) -> tuple[int, ...]:

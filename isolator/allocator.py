@@ -108,6 +108,10 @@ class Fabric:
     max_gap: int = 0
     # The groups as position tuples (same order as ``groups``).
     members: tuple[tuple[int, ...], ...] = ()
+    # Per position, the lower positions interchangeable with it (the search's symmetry rule).
+    twins: tuple[frozenset[int], ...] = ()
+    # Per position, the sum of its exact scores to every other GPU.
+    row_sum: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, topology: Topology) -> Fabric:
@@ -164,6 +168,8 @@ class Fabric:
             by_tier=tuple(_by_tier(tier_rows[c], c) for c in range(n)),
             max_gap=max((matrix[a][b] - tiers[a][b] for a in range(n) for b in range(a)), default=0),
             members=tuple(tuple(p for p in range(n) if g >> p & 1) for g in groups),
+            twins=_twins(matrix, tiers, [g.numa_node for g in gpus], groups),
+            row_sum=tuple(sum(row) for row in matrix),
         )
 
     def group_minors(self) -> list[tuple[int, ...]]:
@@ -487,7 +493,10 @@ class _Search:
         self.fixed_numa = 0
         for f in fixed:
             self.fixed_numa |= self.numa_bit[f]
-        self.deg = {c: sum(self.score[c][d] for d in cands if d != c) for c in cands}
+        # Each candidate's exact scores into the other candidates: its row sum less what goes to GPUs
+        # that are not candidates (few, on a mostly free host).
+        others = [d for d in range(len(fabric.minors)) if not free >> d & 1]
+        self.deg = {c: fabric.row_sum[c] - sum(self.score[c][d] for d in others) for c in cands}
         self.max_gap = fabric.max_gap
         self.members = fabric.members
         self.fixed_sum = sum(self.score[a][b] for i, a in enumerate(fixed) for b in fixed[i + 1 :])
@@ -500,7 +509,7 @@ class _Search:
         self.by_tier = fabric.by_tier
         # Interchangeable candidates (the search's symmetry rule): for each, the lower ones it can
         # be swapped with without changing any rule's value.
-        self.lower = _interchangeable(fabric, cands)
+        self.lower = fabric.twins
 
     # -- the complete key of a set (rules 1-6; rule 7 is the set itself) --
 
@@ -755,29 +764,42 @@ class _Search:
         return smallest < self.best_set
 
 
-def _interchangeable(fabric: Fabric, cands: list[int]) -> dict[int, frozenset[int]]:
-    """For each candidate, the lower candidates interchangeable with it: the same tier and score
+def _twins(
+    score: list[list[int]], tier: list[list[int]], numa: list[int | None], groups: tuple[int, ...]
+) -> tuple[frozenset[int], ...]:
+    """For each position, the lower positions interchangeable with it: the same tier and exact score
     to every other GPU, the same NUMA node and the same groups. Swapping two such GPUs in a set
-    changes no rule's value, so the best set holds the lowest members of each class (rule 7), and
-    a set that holds one but leaves out a lower one need not be searched."""
+    changes no rule's value, so the best set holds the lowest free members of each class (rule 7),
+    and a set that holds one but leaves out a lower free one need not be searched. The relation is
+    transitive (equal rows outside the pair make the pair's own entries equal too), so each class
+    is checked against its first member only."""
+    n = len(score)
     classes: list[list[int]] = []
-    for c in cands:
+    for c in range(n):
+        mine = tuple(g >> c & 1 for g in groups)
         for cls in classes:
             a = cls[0]
             if (
-                fabric.numa[a] == fabric.numa[c]
-                and fabric.ancestors[a] == fabric.ancestors[c]
-                and all(
-                    fabric.tier[a][x] == fabric.tier[c][x] and fabric.score[a][x] == fabric.score[c][x]
-                    for x in range(len(fabric.minors))
-                    if x != a and x != c
-                )
+                numa[a] == numa[c]
+                and tuple(g >> a & 1 for g in groups) == mine
+                and all(tier[a][x] == tier[c][x] and score[a][x] == score[c][x] for x in range(n) if x != a and x != c)
             ):
                 cls.append(c)
                 break
         else:
             classes.append([c])
-    return {c: frozenset(x for x in cls if x < c) for cls in classes for c in cls}
+    lower: list[frozenset[int]] = [frozenset()] * n
+    for cls in classes:
+        for c in cls:
+            lower[c] = frozenset(x for x in cls if x < c)
+    return tuple(lower)
+
+
+def _interchangeable(fabric: Fabric, cands: list[int]) -> dict[int, frozenset[int]]:
+    """The symmetry rule's classes among ``cands``: for each, the lower candidates it can be
+    swapped with (Fabric.twins restricted to the candidates)."""
+    among = frozenset(cands)
+    return {c: fabric.twins[c] & among for c in cands}
 
 
 def _greedy(score: tuple[tuple[int, ...], ...], fixed: list[int], cands: list[int], k: int) -> tuple[int, ...]:

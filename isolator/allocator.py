@@ -55,6 +55,11 @@ NO_PAIRS = -1
 # The search budget in expanded partial sets (SearchLimits); see docs/allocator.md, "Search budget".
 DEFAULT_MAX_CANDIDATES = 2_500
 
+# A partial set that will take all of its pool but at most FINISH_DROP GPUs, in at most FINISH_MAX
+# ways, is finished by trying each way (exact tier sums, no bound needed).
+FINISH_DROP = 3
+FINISH_MAX = 120
+
 # Bisections tried exactly up to this many GPUs in a group (C(16, 8) / 2 = 6,435 splits); larger
 # groups without a natural split are halved greedily (still deterministic).
 EXACT_BISECTION_MAX = 16
@@ -623,6 +628,9 @@ class _Search:
             self.offer(tuple(sorted(chosen)))
             return
         tier = self.tier
+        if len(pool) <= left + 1:
+            self._finish(chosen, pool, gains, tsum, len(pool) - left)
+            return
         # Potential of each candidate: twice its gain plus its best left-1 tiers into the pool
         # (each pair among later picks is shared by two picks, hence the halving below).
         inpool = 0
@@ -665,9 +673,14 @@ class _Search:
                 self.offer(tuple(sorted([*chosen, c])))
                 best = self.best_key if self.best_key is not None and self.best_key[0] >= t else None
             return
+        # Prefix sums of the potentials in ``order``: the bound of child i without the tier filter,
+        # which never grows with i, so once it falls below the best no later child can reach it.
+        acc = [0, *itertools.accumulate(potential[c] for c in order)]
         for i, c in enumerate(order):
             rest = order[i + 1 :]
             if len(rest) < left - 1:
+                break
+            if best is not None and tsum + (acc[i + left] - acc[i]) // 2 < best[1]:
                 break
             if self.lower[c] and not self.lower[c].isdisjoint(order[:i]):
                 continue  # a lower interchangeable GPU is left out here: a mirror of a set seen
@@ -713,6 +726,41 @@ class _Search:
             )
             chosen.pop()
             best = self.best_key if self.best_key is not None and self.best_key[0] >= t else None
+
+    def _finish(self, chosen: list[int], pool: list[int], gains: dict[int, int], tsum: int, drop: int) -> None:
+        """The completions of ``chosen`` by the whole ``pool`` (drop 0) or by all of it but one GPU
+        (drop 1), tried exactly: a completion's tier sum is the pool's whole sum less what the
+        left-out GPU takes with it. Those whose pairs all reach the threshold and whose sum is the
+        best go to ``offer`` for rules 3-7."""
+        tier = self.tier
+        t = self._t
+        whole = tsum + sum(gains.values())
+        outs = set(pool) if drop else set()
+        fits = True
+        for i, a in enumerate(pool):
+            row = tier[a]
+            for b in pool[i + 1 :]:
+                whole += row[b]
+                if row[b] < t:
+                    # Only a GPU on every pair below the threshold may be the one left out.
+                    outs &= {a, b}
+                    fits = False
+        if not drop:
+            if fits:
+                self.offer(tuple(sorted([*chosen, *pool])))
+            return
+        self.work += len(outs)
+        top, sets = None, []
+        for x in sorted(outs):
+            value = whole - gains[x] - sum(tier[x][p] for p in pool)
+            if top is None or value > top:
+                top, sets = value, [x]
+            elif value == top:
+                sets.append(x)
+        if top is None or (self.best_key is not None and self.best_key[0] >= t and top < self.best_key[1]):
+            return
+        for x in sets:
+            self.offer(tuple(sorted([*chosen, *(p for p in pool if p != x)])))
 
     def _may_tie(
         self,

@@ -720,3 +720,24 @@ def test_the_symmetry_rule_cuts_the_work_of_an_empty_nvswitch_host():
     # 1,800 candidates; with it, under 800.
     fabric = Fabric.of(dgx2())
     assert max(choose(fabric, range(16), n).work for n in range(2, 16)) < 800
+
+
+@pytest.mark.parametrize("host", [dgx2, lambda: joined_dgx1(2)])
+def test_leaving_out_one_gpu_is_decided_by_trying_each_and_matches_brute_force(host):
+    fabric = Fabric.of(host())
+    choice = choose(fabric, range(16), 15)
+    assert choice.exact
+    assert choice.gpus == optimum_by_brute_force(fabric, set(range(16)), 15)
+    # Each of the 16 ways is tried once per threshold, not searched: little work.
+    assert choice.work < 150
+
+
+def test_only_a_gpu_on_every_slow_pair_may_be_the_one_left_out():
+    # Four GPUs joined by NVLink, a fifth on PCIe only: taking four of the five leaves out the fifth
+    # (every pair below the NVLink tier touches it), never a better-linked one.
+    nv = Link(pcie=PcieLevel.HOSTBRIDGE, nvlink_lanes=2)
+    fabric = Fabric.of(build(5, lambda a, b: Link(pcie=PcieLevel.SINGLE) if 4 in (a, b) else nv))
+    assert choose(fabric, range(5), 4).gpus == (0, 1, 2, 3)
+    # With the slow GPU held, every set of four holds a slow pair: the best one still leaves a
+    # well-linked GPU out, the highest minor (rule 7 among equals).
+    assert choose(fabric, range(4), 3, holding=[4]).gpus == (0, 1, 2)

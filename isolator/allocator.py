@@ -510,6 +510,8 @@ class _Search:
         self.fixed_tmin = min((self.tier[a][b] for i, a in enumerate(fixed) for b in fixed[i + 1 :]), default=None)
         self.best_key: tuple[int, ...] | None = None
         self.best_set: tuple[int, ...] = ()
+        self._t = 0
+        self._open = False
         # Every GPU's partners by tier, best first, for the bound (masked by the pool where used).
         self.by_tier = fabric.by_tier
         # Interchangeable candidates (the search's symmetry rule): for each, the lower ones it can
@@ -595,6 +597,17 @@ class _Search:
         pool = [c for c in self.cands if all(tier[c][f] >= t for f in self.fixed)]
         if len(pool) < self.k:
             return False
+        # A member of such a set pairs at t or better with k-1 others of the pool: drop those that
+        # cannot, until none is left to drop (then too few left means no such set).
+        while True:
+            keep = [c for c in pool if sum(tier[c][d] >= t for d in pool) >= self.k - 1]
+            if len(keep) < self.k:
+                return False
+            if len(keep) == len(pool):
+                break
+            pool = keep
+        # When every pair of the pool reaches t, no branch needs the threshold filter.
+        self._open = all(tier[a][b] >= t for i, a in enumerate(pool) for b in pool[i + 1 :])
         gains = {c: sum(tier[c][f] for f in self.fixed) for c in pool}
         raw_gains = {c: sum(self.score[c][f] for f in self.fixed) for c in pool}
         self._t = t
@@ -685,11 +698,15 @@ class _Search:
             if self.lower[c] and not self.lower[c].isdisjoint(order[:i]):
                 continue  # a lower interchangeable GPU is left out here: a mirror of a set seen
             row = tier[c]
-            nxt = [r for r in rest if row[r] >= t]
-            if len(nxt) < left - 1:
-                continue
-            # ``order`` runs by potential, highest first, so nxt's best left-1 come first.
-            bound = tsum + (potential[c] + sum(potential[r] for r in nxt[: left - 1])) // 2
+            if self._open:
+                nxt = rest
+                bound = tsum + (acc[i + left] - acc[i]) // 2
+            else:
+                nxt = [r for r in rest if row[r] >= t]
+                if len(nxt) < left - 1:
+                    continue
+                # ``order`` runs by potential, highest first, so nxt's best left-1 come first.
+                bound = tsum + (potential[c] + sum([potential[r] for r in nxt[: left - 1]])) // 2
             if best is not None:
                 if bound < best[1]:
                     continue

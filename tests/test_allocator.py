@@ -741,3 +741,16 @@ def test_only_a_gpu_on_every_slow_pair_may_be_the_one_left_out():
     # With the slow GPU held, every set of four holds a slow pair: the best one still leaves a
     # well-linked GPU out, the highest minor (rule 7 among equals).
     assert choose(fabric, range(4), 3, holding=[4]).gpus == (0, 1, 2)
+
+
+def test_a_threshold_no_set_of_the_size_can_reach_is_refused_without_a_search():
+    # DGX-1 (Volta): each GPU has two NV2 partners, so no four GPUs pair at NV2 everywhere. The
+    # thresholds no set of four can reach are refused by counting partners (no search work), and
+    # the search at the first one that can finds the quad at once: 17 candidates, the root's.
+    fabric = Fabric.of(dgx1_volta())
+    four = choose(fabric, range(8), 4)
+    assert four.gpus == (0, 1, 2, 3) and four.exact
+    assert four.work == 17
+    # Seven of eight: the thresholds above the slowest pair of the host are refused the same way;
+    # what is left is one search whose pool is all but one GPU, tried GPU by GPU.
+    assert choose(fabric, range(8), 7).work == 17

@@ -754,3 +754,27 @@ def test_a_threshold_no_set_of_the_size_can_reach_is_refused_without_a_search():
     # Seven of eight: the thresholds above the slowest pair of the host are refused the same way;
     # what is left is one search whose pool is all but one GPU, tried GPU by GPU.
     assert choose(fabric, range(8), 7).work == 17
+
+
+# The search's effort is an output (Choice.work, counted, never timed) and deterministic, so a change
+# to the bounds, the order, the symmetry rule or the shortcuts shows here even when the answer is
+# unchanged. A deliberate change updates these counts (and `make bench`'s decision times).
+EFFORT = [
+    ("dgx1_volta", tuple(range(8)), 3, (), (0, 2, 3), 47),
+    ("dgx1_volta", tuple(range(8)), 5, (), (0, 1, 2, 3, 4), 129),
+    ("dgx1_volta", (0, 1, 2, 4, 5, 6, 7), 3, (), (4, 6, 7), 26),
+    ("dgx1_volta", (1, 2, 4, 5, 6, 7), 2, (0,), (1, 2), 3),
+    ("dgx2", tuple(range(16)), 6, (), (0, 1, 2, 3, 4, 5), 123),
+    ("dgx2", tuple(range(16)), 11, (), tuple(range(11)), 611),
+    ("dgx2", (0, 2, 3, 5, 7, 8, 9, 12, 14, 15), 4, (), (0, 2, 3, 5), 37),
+    ("dgx1x2", tuple(range(16)), 10, (), (0, 1, 2, 3, 4, 5, 6, 7, 8, 11), 1465),
+    ("dgx1x2", (0, 1, 3, 4, 6, 9, 10, 11, 12, 13, 15), 5, (), (9, 10, 11, 13, 15), 191),
+    ("dgx1x2", tuple(range(2, 16)), 3, (0, 1), (2, 3, 4), 55),
+]
+EFFORT_HOSTS = {"dgx1_volta": dgx1_volta, "dgx2": dgx2, "dgx1x2": lambda: joined_dgx1(2)}
+
+
+@pytest.mark.parametrize(("host", "free", "n", "held", "expected", "work"), EFFORT)
+def test_the_search_takes_the_same_answer_with_the_same_effort(host, free, n, held, expected, work):
+    choice = choose(Fabric.of(EFFORT_HOSTS[host]()), free, n, holding=held)
+    assert (choice.gpus, choice.work, choice.exact) == (expected, work, True)

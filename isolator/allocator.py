@@ -509,9 +509,11 @@ class _Search:
         self.fixed_min = min((self.score[a][b] for i, a in enumerate(fixed) for b in fixed[i + 1 :]), default=None)
         self.fixed_tmin = min((self.tier[a][b] for i, a in enumerate(fixed) for b in fixed[i + 1 :]), default=None)
         self.best_key: tuple[int, ...] | None = None
-        self.best_set: tuple[int, ...] = ()
-        self._t = 0
-        self._open = False
+        # Set by the first offer (run() always offers the greedy set first), and by each threshold's
+        # search before its first node.
+        self.best_set: tuple[int, ...]
+        self._t: int
+        self._open: bool
         # Every GPU's partners by tier, best first, for the bound (masked by the pool where used).
         self.by_tier = fabric.by_tier
         # Interchangeable candidates (the search's symmetry rule): for each, the lower ones it can
@@ -641,8 +643,13 @@ class _Search:
             self.offer(tuple(sorted(chosen)))
             return
         tier = self.tier
-        if len(pool) <= left + 1:
-            self._finish(chosen, pool, gains, tsum, len(pool) - left)
+        if len(pool) == left:
+            # One completion (its key says whether its pairs reach the threshold; one below it
+            # cannot displace a set that does).
+            self.offer(tuple(sorted([*chosen, *pool])))
+            return
+        if len(pool) == left + 1:
+            self._leave_one_out(chosen, pool, gains, tsum)
             return
         # Potential of each candidate: twice its gain plus its best left-1 tiers into the pool
         # (each pair among later picks is shared by two picks, hence the halving below).
@@ -744,16 +751,14 @@ class _Search:
             chosen.pop()
             best = self.best_key if self.best_key is not None and self.best_key[0] >= t else None
 
-    def _finish(self, chosen: list[int], pool: list[int], gains: dict[int, int], tsum: int, drop: int) -> None:
-        """The completions of ``chosen`` by the whole ``pool`` (drop 0) or by all of it but one GPU
-        (drop 1), tried exactly: a completion's tier sum is the pool's whole sum less what the
-        left-out GPU takes with it. Those whose pairs all reach the threshold and whose sum is the
-        best go to ``offer`` for rules 3-7."""
+    def _leave_one_out(self, chosen: list[int], pool: list[int], gains: dict[int, int], tsum: int) -> None:
+        """The completions of ``chosen`` by all of ``pool`` but one GPU, tried exactly: a completion's
+        tier sum is the pool's whole sum less what the left-out GPU takes with it. Those whose pairs
+        all reach the threshold and whose sum is the best go to ``offer`` for rules 3-7."""
         tier = self.tier
         t = self._t
         whole = tsum + sum(gains.values())
-        outs = set(pool) if drop else set()
-        fits = True
+        outs = set(pool)
         for i, a in enumerate(pool):
             row = tier[a]
             for b in pool[i + 1 :]:
@@ -761,14 +766,9 @@ class _Search:
                 if row[b] < t:
                     # Only a GPU on every pair below the threshold may be the one left out.
                     outs &= {a, b}
-                    fits = False
-        if not drop:
-            if fits:
-                self.offer(tuple(sorted([*chosen, *pool])))
-            return
         self.work += len(outs)
         top, sets = None, []
-        for x in sorted(outs):
+        for x in outs:
             value = whole - gains[x] - sum(tier[x][p] for p in pool)
             if top is None or value > top:
                 top, sets = value, [x]

@@ -770,8 +770,32 @@ EFFORT = [
     ("dgx1x2", tuple(range(16)), 10, (), (0, 1, 2, 3, 4, 5, 6, 7, 8, 11), 1465),
     ("dgx1x2", (0, 1, 3, 4, 6, 9, 10, 11, 12, 13, 15), 5, (), (9, 10, 11, 13, 15), 191),
     ("dgx1x2", tuple(range(2, 16)), 3, (0, 1), (2, 3, 4), 55),
+    # Found by searching seeded random requests for ones that tell surviving mutants from the search
+    # (make mutation; docs/mutation.md), each checked against brute force.
+    ("a10_cliques", tuple(range(8)), 6, (), (0, 1, 2, 3, 4, 5), 35),
+    ("dgx1_pascal", (0, 1, 2, 3, 4, 5, 7), 2, (), (5, 7), 15),
+    ("dgx1x2", (0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 13), 4, (7, 12, 15), (8, 9, 10, 11), 121),
+    ("rtx8000_x4", (0, 1, 2, 3), 3, (), (0, 1, 2), 14),
+    ("dgx_a100", (1, 2, 3, 4, 5, 6, 7), 4, (), (2, 3, 4, 5), 40),
+    ("a10_cliques", (0, 1, 2, 3, 4), 3, (6,), (0, 1, 2), 15),
+    ("dgx1_volta", (0, 1, 5, 6), 1, (7,), (6,), 2),
+    ("dgx1x2", (0, 1, 2, 6, 8, 10, 11, 12, 14, 15), 4, (4, 5, 9), (6, 8, 10, 11), 63),
+    ("dgx1_volta", (0, 1, 4, 6, 7), 4, (2, 3, 5), (0, 1, 6, 7), 11),
+    ("dgx1_pascal", (0, 2, 5, 6), 1, (1, 7), (5,), 5),
+    ("dgx2", tuple(range(16)), 2, (), (0, 1), 17),
+    ("dgx1_pascal", (2, 3, 5, 7), 4, (0, 4), (2, 3, 5, 7), 0),
+    ("dgx_a100", (0, 1, 2, 3, 4, 6), 3, (), (0, 1, 4), 25),
+    ("dgx1x2", (0, 1, 2, 3, 5, 6, 8, 9, 10, 11, 12, 13, 14, 15), 9, (), (6, 8, 9, 10, 11, 12, 13, 14, 15), 981),
 ]
-EFFORT_HOSTS = {"dgx1_volta": dgx1_volta, "dgx2": dgx2, "dgx1x2": lambda: joined_dgx1(2)}
+EFFORT_HOSTS = {
+    "dgx1_volta": dgx1_volta,
+    "dgx1_pascal": dgx1_pascal,
+    "dgx2": dgx2,
+    "dgx1x2": lambda: joined_dgx1(2),
+    "dgx_a100": dgx_a100,
+    "rtx8000_x4": rtx8000_x4,
+    "a10_cliques": a10_cliques,
+}
 
 
 @pytest.mark.parametrize(("host", "free", "n", "held", "expected", "work"), EFFORT)

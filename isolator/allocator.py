@@ -638,10 +638,7 @@ class _Search:
         self.work += 1 + len(pool)
         if self.work > self.max_candidates:
             raise _Stop
-        left = self.k - len(chosen)
-        if left == 0:
-            self.offer(tuple(sorted(chosen)))
-            return
+        left = self.k - len(chosen)  # at least 1: the last pick completes sets without a node of its own
         tier = self.tier
         if len(pool) == left:
             # One completion (its key says whether its pairs reach the threshold; one below it

@@ -602,14 +602,18 @@ class _Search:
         # A member of such a set pairs at t or better with k-1 others of the pool: drop those that
         # cannot, until none is left to drop (then too few left means no such set).
         while True:
-            keep = [c for c in pool if sum(tier[c][d] >= t for d in pool) >= self.k - 1]
+            inpool = 0
+            for c in pool:
+                inpool |= 1 << c
+            partners = [self._partners(c, t, inpool) for c in pool]
+            keep = [c for c, n in zip(pool, partners) if n >= self.k - 1]
             if len(keep) < self.k:
                 return False
             if len(keep) == len(pool):
                 break
             pool = keep
         # When every pair of the pool reaches t, no branch needs the threshold filter.
-        self._open = all(tier[a][b] >= t for i, a in enumerate(pool) for b in pool[i + 1 :])
+        self._open = min(partners) == len(pool) - 1
         gains = {c: sum(tier[c][f] for f in self.fixed) for c in pool}
         raw_gains = {c: sum(self.score[c][f] for f in self.fixed) for c in pool}
         self._t = t
@@ -619,6 +623,15 @@ class _Search:
         )  # fmt: skip
         assert self.best_key is not None
         return self.best_key[0] >= t
+
+    def _partners(self, c: int, t: int, inpool: int) -> int:
+        """How many GPUs of the pool (a bit mask) pair with ``c`` at tier ``t`` or better."""
+        mask = 0
+        for value, members in self.by_tier[c]:
+            if value < t:
+                break
+            mask |= members
+        return (mask & inpool).bit_count()
 
     def _dfs(
         self,
@@ -877,11 +890,18 @@ def _greedy(score: tuple[tuple[int, ...], ...], fixed: list[int], cands: list[in
         pool = [c for c in pool if c not in (a, b)]
     elif not fixed:
         return (pool[0],)
+    # Each candidate's weakest and total link to the members so far, kept up to date as they grow.
+    members = [*fixed, *chosen]
+    weakest = {c: min(score[c][m] for m in members) for c in pool}
+    total = {c: sum(score[c][m] for m in members) for c in pool}
     while len(chosen) < k:
-        members = [*fixed, *chosen]
-        c = max(pool, key=lambda c: (min(score[c][m] for m in members), sum(score[c][m] for m in members), -c))
+        c = max(pool, key=lambda c: (weakest[c], total[c], -c))
         chosen.append(c)
         pool.remove(c)
+        row = score[c]
+        for d in pool:
+            weakest[d] = min(weakest[d], row[d])
+            total[d] += row[d]
     return tuple(sorted(chosen))
 
 

@@ -606,7 +606,7 @@ class _Search:
             for c in pool:
                 inpool |= 1 << c
             partners = [self._partners(c, t, inpool) for c in pool]
-            keep = [c for c, n in zip(pool, partners) if n >= self.k - 1]
+            keep = [c for i, c in enumerate(pool) if partners[i] >= self.k - 1]
             if len(keep) < self.k:
                 return False
             if len(keep) == len(pool):

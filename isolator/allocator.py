@@ -115,6 +115,9 @@ class Fabric:
     members: tuple[tuple[int, ...], ...] = ()
     # Per position, the lower positions interchangeable with it (the search's symmetry rule).
     twins: tuple[frozenset[int], ...] = ()
+    # Mirror images (the search's symmetry rule for whole groups): for two sibling groups that the
+    # host maps onto each other in minor order, the swap as (position, its image) pairs, ascending.
+    mirrors: tuple[tuple[tuple[int, int], ...], ...] = ()
     # Per position, the sum of its exact scores to every other GPU.
     row_sum: tuple[int, ...] = ()
 
@@ -174,6 +177,7 @@ class Fabric:
             max_gap=max((matrix[a][b] - tiers[a][b] for a in range(n) for b in range(a)), default=0),
             members=tuple(tuple(p for p in range(n) if g >> p & 1) for g in groups),
             twins=_twins(matrix, tiers, [g.numa_node for g in gpus], groups),
+            mirrors=_mirrors(matrix, tiers, [g.numa_node for g in gpus], groups),
             row_sum=tuple(sum(row) for row in matrix),
         )
 
@@ -519,6 +523,13 @@ class _Search:
         # Interchangeable candidates (the search's symmetry rule): for each, the lower ones it can
         # be swapped with without changing any rule's value.
         self.lower = fabric.twins
+        # The mirrors this request leaves intact: both halves' free and held GPUs map onto each other.
+        free_set, held_set = set(cands), set(fixed)
+        self.mirrors = [
+            m
+            for m in fabric.mirrors
+            if all((a in free_set) == (b in free_set) and (a in held_set) == (b in held_set) for a, b in m)
+        ]
 
     # -- the complete key of a set (rules 1-6; rule 7 is the set itself) --
 
@@ -652,6 +663,8 @@ class _Search:
         if self.work > self.max_candidates:
             raise _Stop
         left = self.k - len(chosen)  # at least 1: the last pick completes sets without a node of its own
+        if self.mirrors and self._mirrored(chosen, pool):
+            return
         tier = self.tier
         if len(pool) == left:
             # One completion (its key says whether its pairs reach the threshold; one below it
@@ -761,6 +774,21 @@ class _Search:
             chosen.pop()
             best = self.best_key if self.best_key is not None and self.best_key[0] >= t else None
 
+    def _mirrored(self, chosen: list[int], pool: list[int]) -> bool:
+        """True when every set below this node is the mirror image of a lower one (so not the
+        answer, by rule 7): for some mirror, at the lowest GPU whose membership differs from its
+        image's, this node has already left that GPU out and taken its image."""
+        taken, open_ = set(chosen), set(pool)
+        for swap in self.mirrors:
+            for a, b in swap:
+                if a in open_ or b in open_:
+                    break  # undecided here: this mirror cannot rule the node out
+                if (a in taken) != (b in taken):
+                    if b in taken:
+                        return True
+                    break
+        return False
+
     def _leave_one_out(self, chosen: list[int], pool: list[int], gains: dict[int, int], tsum: int) -> None:
         """The completions of ``chosen`` by all of ``pool`` but one GPU, tried exactly: a completion's
         tier sum is the pool's whole sum less what the left-out GPU takes with it. Those whose pairs
@@ -868,6 +896,39 @@ def _twins(
         for c in cls:
             lower[c] = frozenset(x for x in cls if x < c)
     return tuple(lower)
+
+
+def _mirrors(
+    score: list[list[int]], tier: list[list[int]], numa: list[int | None], groups: tuple[int, ...]
+) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Sibling groups that the host maps onto each other: for a group whose parts are exactly two of
+    the same size, the swap of the parts in minor order (i-th onto i-th), kept when it preserves
+    every pair's tier and exact score, which GPUs share a NUMA node and the set of groups. Such a
+    swap changes no rule's value of a set whose free and held GPUs it maps onto themselves, so the
+    best set is never above its image in rule 7's order."""
+    n = len(score)
+    members = [[p for p in range(n) if g >> p & 1] for g in groups]
+    out = []
+    for whole in members:
+        parts = [m for m in members if set(m) < set(whole) and not any(set(m) < set(o) < set(whole) for o in members)]
+        if len(parts) != 2 or len(parts[0]) != len(parts[1]):
+            continue
+        image = list(range(n))
+        for a, b in zip(parts[0], parts[1], strict=True):
+            image[a], image[b] = b, a
+        if any(
+            tier[image[x]][image[y]] != tier[x][y]
+            or score[image[x]][image[y]] != score[x][y]
+            or (numa[image[x]] == numa[image[y]]) != (numa[x] == numa[y])
+            for x in range(n)
+            for y in range(n)
+        ):
+            continue
+        if {sum(1 << image[p] for p in m) for m in members} != set(groups):
+            continue
+        pairs = sorted({(min(p, image[p]), max(p, image[p])) for p in range(n) if image[p] != p})
+        out.append(tuple(pairs))
+    return tuple(out)
 
 
 def _interchangeable(fabric: Fabric, cands: list[int]) -> dict[int, frozenset[int]]:

@@ -32,6 +32,7 @@ from isolator.allocator import (
     NO_PAIRS,
     TOPOLOGY,
     Allocator,
+    Choice,
     Fabric,
     SearchLimits,
     _interchangeable,
@@ -856,3 +857,464 @@ def test_the_mirror_rule_cuts_the_work_of_two_empty_dgx1_boards():
     # Counted, not timed: size 10 of 16 examined 1,465 candidates before the rule and 1,098 with it.
     fabric = Fabric.of(joined_dgx1(2))
     assert choose(fabric, range(16), 10).work == 1098
+
+
+# ---- the book: errors carry their fields, and the policy and budget reach every search ----------
+
+
+def test_the_book_refuses_an_unknown_policy_naming_the_known_ones():
+    with pytest.raises(InvalidArgument) as err:
+        Allocator(single(), policy="best")
+    assert str(err.value) == "unknown allocation policy 'best' (known: topology, first-fit)"
+
+
+def test_the_book_uses_the_default_budget_unless_given_one():
+    assert Allocator(single()).limits == SearchLimits()
+    tight = SearchLimits(max_candidates=1)
+    assert Allocator(single(), limits=tight).limits is tight
+
+
+def test_the_books_budget_reaches_allocate_and_plan_update():
+    alloc = Allocator(joined_dgx1(2), limits=SearchLimits(max_candidates=1))
+    grabbed = alloc.allocate(5)
+    assert not grabbed.exact and grabbed.work == 17
+    shrink = alloc.plan_update(alloc.allocated, 3)
+    assert shrink.choice is not None and not shrink.choice.exact
+    # With the default budget the same searches finish.
+    alloc = Allocator(joined_dgx1(2))
+    assert alloc.allocate(5).exact
+    assert alloc.plan_update(alloc.allocated, 3).choice.exact  # type: ignore[union-attr]
+
+
+def test_the_books_policy_reaches_allocate_and_plan_update():
+    alloc = Allocator(dgx1_volta(), policy=FIRST_FIT)
+    assert alloc.allocate(2).gpus == (0, 1)  # topology would take the NV2 pair 0-3
+    grow = alloc.plan_update({0, 1}, 3)
+    assert grow.add == (2,) and grow.choice is not None and grow.choice.policy == FIRST_FIT
+    shrink = alloc.plan_update({0, 1}, 1)
+    assert shrink.release == (1,)
+    assert shrink.choice is not None and shrink.choice.policy == FIRST_FIT
+
+
+def test_the_book_grows_from_what_the_container_holds():
+    # DGX-1 with 0 and 3 booked, the container holding 0: the best partner of 0 left is 4 (NV2
+    # across the sockets); a fresh single would take 1 or 2 (the already broken quad).
+    alloc = Allocator(dgx1_volta())
+    alloc.allocate_set({0, 3})
+    assert alloc.allocate(1, holding={0}).gpus == (4,)
+
+
+def test_a_gpu_marked_healthy_again_is_available_again():
+    alloc = Allocator(workstation())
+    alloc.set_healthy(2, False)
+    assert alloc.available == {0, 1, 3} and alloc.unhealthy == {2}
+    alloc.set_healthy(2, True)
+    assert alloc.available == {0, 1, 2, 3} and alloc.unhealthy == frozenset()
+
+
+def test_a_grow_holding_an_unhealthy_gpu_names_only_the_unhealthy_one():
+    alloc = Allocator(dgx1_volta())
+    alloc.allocate_set({0, 1})
+    alloc.set_healthy(1, False)
+    with pytest.raises(GpusNotAvailable) as err:
+        alloc.allocate(1, holding={0, 1})
+    assert err.value.fields == {"gpus": [1], "reason": "unhealthy"}
+    assert str(err.value) == "GPUs [1] are not available: unhealthy"
+
+
+def test_exhaustion_in_the_book_states_requested_and_available():
+    alloc = Allocator(dgx1_volta())
+    with pytest.raises(GpusExhausted) as err:
+        alloc.allocate(9)
+    assert str(err.value) == "Requested 9 gpus but only 8 available"  # nothing unhealthy: no note
+    assert err.value.fields == {"requested": 9, "available": 8}
+    alloc.set_healthy(3, False)
+    alloc.allocate_set({0})
+    with pytest.raises(GpusExhausted) as err:
+        alloc.allocate(7)
+    assert str(err.value) == "Requested 7 gpus but only 6 available (1 more are unhealthy)"
+    assert err.value.fields == {"requested": 7, "available": 6}
+
+
+def test_allocating_a_set_names_the_taken_or_unhealthy_gpus():
+    alloc = Allocator(dgx1_volta())
+    alloc.allocate_set({2, 5})
+    alloc.set_healthy(6, False)
+    with pytest.raises(GpusNotAvailable) as err:
+        alloc.allocate_set({1, 2, 5, 6})
+    assert err.value.fields == {"gpus": [2, 5], "reason": "already allocated"}
+    assert str(err.value) == "GPUs [2, 5] are not available: already allocated"
+    with pytest.raises(GpusNotAvailable) as err:
+        alloc.allocate_set({1, 6})
+    assert err.value.fields == {"gpus": [6], "reason": "unhealthy"}
+    assert alloc.allocated == {2, 5}
+
+
+def test_restoring_adds_to_what_is_booked_and_names_a_gpu_already_allocated():
+    alloc = Allocator(dgx1_volta())
+    alloc.allocate_set({1})
+    assert alloc.restore({4, 5}) == {4, 5}
+    assert alloc.allocated == {1, 4, 5}
+    with pytest.raises(GpusNotAvailable) as err:
+        alloc.restore({0, 4})
+    assert err.value.fields == {"gpus": [4], "reason": "already allocated"}
+    assert str(err.value) == "GPUs [4] are not available: already allocated"
+    assert alloc.allocated == {1, 4, 5}
+
+
+def test_a_double_free_names_the_gpus_that_are_not_allocated():
+    alloc = Allocator(dgx1_volta())
+    alloc.allocate_set({1, 2})
+    with pytest.raises(GpusNotAllocated) as err:
+        alloc.deallocate({2, 3, 7})
+    assert err.value.fields == {"gpus": [3, 7]}
+    assert alloc.allocated == {1, 2}
+
+
+# ---- plan_update: the policy and the budget reach both directions ------------------------------
+
+
+def test_a_first_fit_grow_takes_the_lowest_free_minors():
+    plan = plan_update(Fabric.of(dgx1_volta()), {6}, {0, 1, 2, 3, 4, 5, 7}, 2, FIRST_FIT)
+    assert plan.add == (0,)
+    assert plan.choice is not None and plan.choice.policy == FIRST_FIT
+
+
+def test_a_first_fit_shrink_describes_what_it_keeps():
+    plan = plan_update(Fabric.of(dgx1_volta()), {0, 3, 5}, set(), 2, FIRST_FIT)
+    assert plan.release == (5,)
+    assert plan.choice == Choice(gpus=(0, 3), policy=FIRST_FIT, score=230, slowest=230, exact=True, work=0)
+
+
+def test_a_topology_shrink_describes_what_it_keeps():
+    plan = plan_update(Fabric.of(dgx1_volta()), {0, 1, 2, 3}, {4, 5, 6, 7}, 2, limits=UNLIMITED)
+    assert plan.release == (1, 2)
+    assert plan.choice is not None
+    assert (plan.choice.gpus, plan.choice.policy, plan.choice.score, plan.choice.exact) == ((0, 3), TOPOLOGY, 230, True)
+
+
+def test_the_budget_reaches_both_a_grow_and_a_shrink():
+    fabric = Fabric.of(joined_dgx1(2))
+    tight = SearchLimits(max_candidates=1)
+    grow = plan_update(fabric, {0}, set(range(1, 16)), 5, limits=tight)
+    assert grow.choice is not None and not grow.choice.exact and grow.choice.work == 16
+    shrink = plan_update(fabric, set(range(16)), set(), 5, limits=tight)
+    assert shrink.choice is not None and not shrink.choice.exact and shrink.choice.work == 17
+
+
+def test_an_unknown_policy_is_refused_for_a_grow_and_a_shrink():
+    fabric = Fabric.of(dgx1_volta())
+    with pytest.raises(InvalidArgument, match="unknown allocation policy 'best'"):
+        plan_update(fabric, {0, 1}, {2, 3}, 3, "best")
+    with pytest.raises(InvalidArgument, match="unknown allocation policy 'best'"):
+        plan_update(fabric, {0, 1, 2}, set(), 1, "best")
+
+
+# ---- the fabric: its fields, its repairs and how groups are split --------------------------------
+
+
+def test_the_fabric_of_a_workstation_lists_partners_by_tier_and_its_groups():
+    fabric = Fabric.of(workstation())
+    assert fabric.score == ((0, 50, 10, 10), (50, 0, 10, 10), (10, 10, 0, 50), (10, 10, 50, 0))
+    assert fabric.tier == fabric.score  # PCIe only: the tier is the exact score
+    # Per position: (tier, bit mask of the partners at that tier), best first; never itself.
+    assert fabric.by_tier == (
+        ((50, 0b0010), (10, 0b1100)),
+        ((50, 0b0001), (10, 0b1100)),
+        ((50, 0b1000), (10, 0b0011)),
+        ((50, 0b0100), (10, 0b0011)),
+    )
+    assert fabric.groups == (0b1111, 0b0011, 0b1100)
+    assert fabric.members == ((0, 1, 2, 3), (0, 1), (2, 3))
+    assert fabric.ancestors == ((0, 1), (0, 1), (0, 2), (0, 2))
+    assert fabric.max_gap == 0
+
+
+def test_the_fabric_of_a_dgx1_knows_the_most_the_tolerance_hides_on_a_pair():
+    fabric = Fabric.of(dgx1_volta())
+    # 2-3 is NV2 + PIX (250) in tier 230: the tolerance hides at most 20 points on this host.
+    assert fabric.max_gap == 20
+    assert fabric.by_tier[0] == ((230, 0b1000), (210, 0b10000), (130, 0b0110), (10, 0b11100000))
+    assert fabric.members[1:4] == ((0, 1, 2, 3), (0, 3), (1, 2))
+    assert Fabric.of(dgx2()).max_gap == 20  # NV6 + PIX (620) in tier 600
+    assert Fabric.of(single()).max_gap == 0  # no pairs at all
+    assert Fabric.of(single()).by_tier == ((),)
+
+
+def test_a_gpu_scores_zero_with_itself():
+    fabric = Fabric.of(build(3, lambda a, b: Link(PcieLevel.SINGLE, 1)))
+    assert [fabric.pair(m, m) for m in range(3)] == [0, 0, 0]
+    assert [fabric.tier[p][p] for p in range(3)] == [0, 0, 0]
+    assert fabric.tier[0][1] == fabric.tier[1][2] == 130
+
+
+def test_repairs_are_listed_and_logged_one_line_each(caplog):
+    gpus = tuple(Gpu(index=i, minor=i, uuid=f"GPU-{i}") for i in range(3))
+    links = {
+        (0, 1): Link(PcieLevel.SINGLE, 2),
+        (1, 0): Link(PcieLevel.SINGLE, 1),
+        (1, 9): Link(PcieLevel.SINGLE, 4),
+        (2, 2): Link(PcieLevel.SINGLE),
+    }
+    with caplog.at_level("WARNING", logger="isolator.allocator"):
+        fabric = Fabric.of(Topology(gpus=gpus, links=links))
+    assert fabric.repairs == (
+        "link (1, 0) differs by direction (250 vs 150); using the weaker",
+        "ignored link (1, 9): it does not name two GPUs of this host",
+        "ignored link (2, 2): a GPU has no link to itself",
+        "no link between minors 0 and 2; assuming SYS",
+        "no link between minors 1 and 2; assuming SYS",
+    )
+    assert [r.getMessage() for r in caplog.records] == [f"topology: {line}" for line in fabric.repairs]
+
+
+def test_a_missing_pair_is_sys_in_score_and_tier():
+    gpus = tuple(Gpu(index=i, minor=i, uuid=f"GPU-{i}") for i in range(3))
+    fabric = Fabric.of(Topology(gpus=gpus, links={(0, 1): Link(PcieLevel.SINGLE, 2)}))
+    assert fabric.score[0][2] == fabric.score[1][2] == 10
+    assert fabric.tier[0][2] == fabric.tier[2][1] == 10
+    assert fabric.tier[0][1] == 230
+
+
+def test_the_weaker_direction_wins_whichever_comes_first():
+    gpus = tuple(Gpu(index=i, minor=i, uuid=f"GPU-{i}") for i in range(2))
+    for first, second in (
+        (Link(PcieLevel.SINGLE, 1), Link(PcieLevel.SINGLE, 2)),
+        (Link(PcieLevel.SINGLE, 2), Link(PcieLevel.SINGLE, 1)),
+    ):
+        fabric = Fabric.of(Topology(gpus=gpus, links={(0, 1): first, (1, 0): second}))
+        assert fabric.pair(0, 1) == fabric.pair(1, 0) == 150  # NV1 + PIX, not NV2 + PIX
+        assert fabric.tier[0][1] == fabric.tier[1][0] == 130
+        assert len(fabric.repairs) == 1
+
+
+def test_duplicate_minors_are_named_without_the_unique_ones():
+    gpus = (
+        Gpu(index=0, minor=3, uuid="GPU-a"),
+        Gpu(index=1, minor=4, uuid="GPU-b"),
+        Gpu(index=2, minor=3, uuid="GPU-c"),
+    )
+    with pytest.raises(InvalidTopology) as err:
+        Fabric.of(Topology(gpus=gpus))
+    assert str(err.value) == "invalid GPU topology: minor numbers [3] appear on more than one GPU"
+
+
+def two_nvlink_cliques() -> Topology:
+    """16 GPUs: two NV2 cliques of 8 (0-7, 8-15), NV1 between them except one NV3 pair (0-8). No
+    component split (0-8 joins the cliques), so the host is bisected, exactly (16 GPUs)."""
+
+    def link(a: int, b: int) -> Link:
+        if (a, b) == (0, 8):
+            return Link(PcieLevel.SYSTEM, 3)
+        return Link(PcieLevel.SYSTEM, 2 if a // 8 == b // 8 else 1)
+
+    return build(16, link)
+
+
+def test_a_16_gpu_group_is_bisected_exactly_into_its_cliques():
+    # The exact bisection keeps both cliques whole (slowest NV2 on each side); growing a half from
+    # GPU 0 by its best link would pull 8 across and split both cliques.
+    assert Fabric.of(two_nvlink_cliques()).group_minors() == [tuple(range(16)), tuple(range(8)), tuple(range(8, 16))]
+
+
+def test_a_large_ring_is_halved_into_two_arcs_from_the_lowest_gpu():
+    topo = build(18, lambda a, b: Link(PcieLevel.SYSTEM, 1 if (b - a) in (1, 17) else 0))
+    groups = Fabric.of(topo).group_minors()
+    # Grown from GPU 0, ties to the lower GPU: the arc 0-8, then 9-17.
+    assert groups[1] == tuple(range(9))
+    assert tuple(range(9, 18)) in groups
+
+
+# A six-GPU NVLink mesh without a natural split (every pair is joined above the weakest, NV0): the
+# lanes per pair (a, b), a < b; PCIe SYS everywhere. Found by search as a mesh where the bisection's
+# choice depends on each part of its rule: the halves' slowest pair first, then their total, then the
+# first split found.
+_MESH6_LANES = {
+    (0, 1): 2, (0, 2): 1, (0, 3): 1, (0, 4): 0, (0, 5): 0,
+    (1, 2): 1, (1, 3): 2, (1, 4): 1, (1, 5): 1,
+    (2, 3): 3, (2, 4): 2, (2, 5): 4,
+    (3, 4): 3, (3, 5): 4,
+    (4, 5): 1,
+}  # fmt: skip
+
+
+def test_a_mesh_is_bisected_by_the_slowest_pair_then_the_total_of_its_halves():
+    mesh = build(6, lambda a, b: Link(PcieLevel.SYSTEM, _MESH6_LANES[(a, b)]))
+    assert Fabric.of(mesh).group_minors() == [(0, 1, 2, 3, 4, 5), (0, 1, 2), (0, 1), (3, 4, 5), (3, 5)]
+
+
+# ---- the search's work on known decisions ---------------------------------------------------------
+
+
+def greedy_trap() -> Topology:
+    """7 GPUs where the greedy start is wrong on rule 1: 0-1 and 0-2 are NV3, but 1-2 is SYS, so the
+    greedy triple 0, 1, 2 has a SYS pair; 3, 4, 5 are NV1 to each other (and 3-6): the best triple.
+    The search then starts below the incumbent's slowest tier at the top thresholds."""
+    lanes = {(0, 1): 3, (0, 2): 3, (3, 4): 1, (3, 5): 1, (4, 5): 1, (3, 6): 1}
+    return build(7, lambda a, b: Link(PcieLevel.SYSTEM, lanes.get((a, b), 0)))
+
+
+@functools.cache
+def fabric_of(host) -> Fabric:
+    return Fabric.of(host())
+
+
+def two_dgx1() -> Topology:
+    return joined_dgx1(2)
+
+
+# (host, free, count, held) -> (chosen, work). The work is the search's count of candidates examined:
+# deterministic, and what a looser bound or a lost cut would raise (a wrong cut shows in the set).
+# The sets are the brute-force optimum of the objective.
+_KNOWN_SEARCHES = [
+    (a10_cliques, (1, 3, 4, 5, 6, 7), 3, (), (4, 5, 6), 9),
+    (dgx1_pascal, (0, 1, 2, 3, 5, 6), 2, (), (5, 6), 9),
+    (workstation, (0, 1, 2, 3), 3, (), (0, 1, 2), 9),
+    (greedy_trap, tuple(range(7)), 3, (), (3, 4, 5), 4),
+    (greedy_trap, tuple(range(7)), 2, (), (0, 1), 6),
+    (greedy_trap, (1, 2, 3, 4, 5, 6), 2, (0,), (1, 2), 13),
+    (greedy_trap, (1, 2, 3, 4, 5, 6), 3, (), (3, 4, 5), 4),
+    (hgx_h100, (0, 1, 6, 7), 2, (3, 4, 5), (6, 7), 9),
+    (a10_cliques, (4, 6, 7), 2, (1, 2, 5), (4, 6), 7),
+    (two_dgx1, (1, 6), 1, (2, 4), (1,), 5),
+    (dgx1_volta, (0, 2, 3, 5, 6, 7), 2, (), (2, 3), 11),
+    (dgx1_volta, (3, 4, 6, 7), 4, (), (3, 4, 6, 7), 0),  # all free GPUs: nothing to search
+    (dgx_a100, (1, 2, 3, 4, 5, 6, 7), 5, (), (1, 2, 3, 4, 5), 47),
+    (rtx8000_x4, (0, 1, 3), 2, (2,), (1, 3), 7),
+    (hgx_h100, (0, 2, 3, 4, 5, 6), 5, (7,), (0, 2, 4, 5, 6), 13),
+    (two_dgx1, (0, 1, 2, 4, 5, 7, 8, 9, 10, 11, 13, 14), 3, (), (8, 10, 11), 21),
+]
+
+
+@pytest.mark.parametrize(("host", "free", "n", "held", "chosen", "work"), _KNOWN_SEARCHES)
+def test_known_searches_find_the_optimum_with_the_same_work(host, free, n, held, chosen, work):
+    fabric = fabric_of(host)
+    choice = choose(fabric, free, n, holding=held, limits=UNLIMITED)
+    assert (choice.gpus, choice.work, choice.exact) == (chosen, work, True)
+    if math.comb(len(free), n) <= 300:
+        assert chosen == optimum_by_brute_force(fabric, set(free), n, held)
+
+
+def nv2_mesh(n: int, nv2: str, phb: str, numa: tuple[int, ...] | None = None) -> Topology:
+    """``n`` GPUs; NV2 on the pairs listed in ``nv2`` ("01 23": 0-1 and 2-3), no NVLink elsewhere;
+    PHB on the pairs in ``phb``, PIX elsewhere (one tier on NVLink pairs, two exact scores)."""
+    lanes = {(int(p[0]), int(p[1])) for p in nv2.split()}
+    slow = {(int(p[0]), int(p[1])) for p in phb.split()}
+
+    def link(a: int, b: int) -> Link:
+        return Link(PcieLevel.HOSTBRIDGE if (a, b) in slow else PcieLevel.SINGLE, 2 if (a, b) in lanes else 0)
+
+    return build(n, link, numa=(lambda i: None) if numa is None else (lambda i: numa[i]))
+
+
+# Meshes found by a randomised search for decisions where the objective's later rules (NUMA nodes,
+# slowest exact pair, least connected) and the cuts built on them decide the set or the work:
+# many equal tiers, exact scores that differ inside a tier, held GPUs. Each set is the brute-force
+# optimum; the work is what the search needs to prove it.
+_MESH_SEARCHES = [
+    (6, "01 02 04 05 12 13 14 23 24 25 34 35 45", "03 12 15 23 24", None, (0, 2, 3, 4), 2, (1, 5), (3, 4), 14),
+    (
+        9,
+        "01 06 12 14 15 18 23 24 26 27 28 34 35 36 38 45 46 47 48 56 57 58 67 68",
+        "03 04 08 14 17 18 23 25 27 34 46 78",
+        None,
+        (0, 1, 2, 4, 5, 8),
+        3,
+        (3, 6),
+        (4, 5, 8),
+        7,
+    ),
+    (5, "02 04 13 14 23 34", "12 23 24 34", (2, 0, 2, 1, 2), (0, 1, 2, 4), 2, (), (0, 2), 7),
+    (
+        7,
+        "03 04 06 12 13 14 15 16 23 24 26 34 35 45 46",
+        "02 04 05 14 16 23 24 26 35 46 56",
+        (1, 1, 0, 2, 0, 0, 0),
+        tuple(range(7)),
+        4,
+        (),
+        (1, 2, 4, 6),
+        34,
+    ),
+    (
+        8,
+        "01 02 03 04 07 13 14 15 16 17 24 25 26 34 35 36 37 45 47 57 67",
+        "03 04 05 06 07 12 13 15 23 24 27 35 45 47 57",
+        None,
+        (1, 2, 3, 4, 5, 6, 7),
+        2,
+        (0,),
+        (1, 7),
+        15,
+    ),
+    (
+        7,
+        "01 02 06 12 13 14 15 16 25 26 34 35 36 45 56",
+        "01 02 13 16 23 24 36 46",
+        (1, 2, 0, 2, 0, 0, 2),
+        tuple(range(7)),
+        4,
+        (),
+        (1, 3, 4, 5),
+        31,
+    ),
+    (6, "02 03 04 12 13 23 24 25 34 35 45", "04 05 13 14 15 23 25", None, (0, 1, 2, 3), 2, (), (1, 3), 15),
+    (4, "02 03", "01", (0, 2, 2, 0), (0, 1, 2), 2, (), (0, 2), 3),
+    (
+        6,
+        "01 02 04 13 14 23 25 34 35 45",
+        "01 02 04 05 12 13 14 15 23 24 25 34 35 45",
+        (0, 1, 2, 2, 0, 0),
+        (0, 1, 3, 4),
+        3,
+        (2, 5),
+        (0, 3, 4),
+        9,
+    ),
+]
+
+
+@pytest.mark.parametrize(("size", "nv2", "phb", "numa", "free", "n", "held", "chosen", "work"), _MESH_SEARCHES)
+def test_mesh_searches_find_the_optimum_with_the_same_work(size, nv2, phb, numa, free, n, held, chosen, work):
+    fabric = Fabric.of(nv2_mesh(size, nv2, phb, numa))
+    choice = choose(fabric, free, n, holding=held, limits=UNLIMITED)
+    assert (choice.gpus, choice.work, choice.exact) == (chosen, work, True)
+    assert chosen == optimum_by_brute_force(fabric, set(free), n, held)
+
+
+def test_a_gpu_without_a_numa_node_shares_none_with_the_others():
+    # 0 has no NUMA node, 1 is on node 1, 2 on node 0; every pair alike. {0, 1} and {0, 2} span one
+    # node each, {1, 2} two: the lowest of the one-node sets wins.
+    host = build(3, lambda a, b: Link(PcieLevel.NODE), numa=lambda i: (None, 1, 0)[i])
+    assert pick(Fabric.of(host), range(3), 2).gpus == (0, 1)
+
+
+# ---- choose: what it returns without a search, and its refusals ----------------------------------
+
+
+def test_choose_refuses_an_unknown_policy_naming_the_known_ones():
+    with pytest.raises(InvalidArgument) as err:
+        choose(Fabric.of(single()), {0}, 1, "best")
+    assert str(err.value) == "unknown allocation policy 'best' (known: topology, first-fit)"
+
+
+@pytest.mark.parametrize("policy", [TOPOLOGY, FIRST_FIT])
+def test_asking_for_no_gpus_describes_what_is_held_without_a_search(policy):
+    choice = choose(Fabric.of(dgx1_volta()), {4, 5}, 0, policy, holding={0, 3})
+    assert choice == Choice(gpus=(), policy=policy, score=230, slowest=230, exact=True, work=0)
+
+
+def test_first_fit_needs_no_search():
+    choice = choose(Fabric.of(dgx1_volta()), {7, 5, 3, 1}, 2, FIRST_FIT, holding={0})
+    assert choice == Choice(gpus=(1, 3), policy=FIRST_FIT, score=150 + 230 + 130, slowest=130, exact=True, work=0)
+
+
+def test_unknown_gpus_are_named_with_the_known_ones():
+    with pytest.raises(UnknownGpus) as err:
+        choose(Fabric.of(workstation()), {0, 5, 7}, 1)
+    assert err.value.fields == {"gpus": [5, 7], "known": [0, 1, 2, 3]}
+
+
+def test_a_stopped_search_says_exact_false():
+    choice = choose(Fabric.of(joined_dgx1(2)), range(16), 6, limits=SearchLimits(max_candidates=1))
+    assert choice.exact is False

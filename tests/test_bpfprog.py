@@ -554,3 +554,38 @@ def test_a_program_that_exits_without_setting_r0_denies() -> None:
 def test_denied_goes_on_after_a_wildcard_rule() -> None:
     prog = build(parse_rules(["c 195:0 rwm"]))
     assert [str(r) for r in denied(prog, parse_rules(["c *:* rwm", "c 195:1 m"]))] == ["c 195:1 m"]
+
+
+def test_mesos_mode_decides_only_character_devices_of_the_given_majors() -> None:
+    rules = parse_rules(["c 195:0 rw"])
+    prog = build(rules, decide_majors=[195, 10, 195])
+    lines = disassemble(prog)
+    # After the prologue: not a character device -> allow; major 10 or 195 -> the rules; else allow.
+    assert lines[6:11] == [
+        "  6: if r2 != 2 goto +2",
+        "  7: if r4 == 10 goto +3",
+        "  8: if r4 == 195 goto +2",
+        "  9: w0 = 1",
+        " 10: exit",
+    ]
+    assert build_bytes(rules, decide_majors=[10, 195]) == assemble(prog)
+    assert evaluate(prog, Request("c", 195, 0, "rw")) == 1  # the rule
+    assert evaluate(prog, Request("c", 195, 1, "r")) == 0  # a decided major, no rule
+    assert evaluate(prog, Request("c", 10, 200, "r")) == 0  # the other decided major
+    assert evaluate(prog, Request("c", 1, 3, "rwm")) == 1  # another major: left to the agent's program
+    assert evaluate(prog, Request("b", 195, 0, "rwm")) == 1  # a block device: likewise
+    # Without majors the same rules decide everything.
+    assert evaluate(build(rules), Request("c", 1, 3, "r")) == 0
+
+
+def test_disassembly_names_equal_jumps_and_unconditional_jumps() -> None:
+    assert disassemble([Insn(0x15, 4, 0, 3, 195), Insn(0x05, 0, 0, 2)]) == ["  0: if r4 == 195 goto +3", "  1: goto +2"]
+
+
+def test_a_one_byte_store_marks_only_that_byte_written() -> None:
+    store = Insn(0x72, 10, 0, -16, 7)  # *(u8 *)(r10 - 16) = 7
+    assert r0_after([store, Insn(0x71, 0, 10, -16)]) == 7
+    with pytest.raises(UnsupportedProgram, match=r"^read of stack never written"):
+        evaluate([store, Insn(0x61, 0, 10, -16), Insn(EXIT)], REQ)
+    with pytest.raises(UnsupportedProgram, match=r"^read of stack never written"):
+        evaluate([store, Insn(0x71, 0, 10, -15), Insn(EXIT)], REQ)

@@ -1183,6 +1183,14 @@ _KNOWN_SEARCHES = [
     (rtx8000_x4, (0, 1, 3), 2, (2,), (1, 3), 7),
     (hgx_h100, (0, 2, 3, 4, 5, 6), 5, (7,), (0, 2, 4, 5, 6), 13),
     (two_dgx1, (0, 1, 2, 4, 5, 7, 8, 9, 10, 11, 13, 14), 3, (), (8, 10, 11), 21),
+    # A single breaks the NV4 pair 0-1 rather than the PIX triple 2-4: larger groups count first.
+    (padded_trap, (0, 1, 2, 3, 4), 1, (), (0,), 5),
+    # The held GPU's NUMA node counts (rule 3): 4 is on node 1, so 5 and 7 (node 1) join it, not 1 and 2.
+    (dgx1_pascal, (0, 1, 2, 3, 5, 7), 3, (4,), (0, 5, 7), 30),
+    (dgx2, (2, 5, 9, 15), 2, (3, 14), (2, 15), 14),
+    # Interchangeable GPUs (8-9, 12-13, 14-15 under one PCIe switch): skipping a mirrored set must not
+    # end the last pick early.
+    (dgx2, (1, 5, 7, 8, 9, 11, 12, 13, 14, 15), 5, (), (11, 12, 13, 14, 15), 44),
 ]
 
 

@@ -569,6 +569,12 @@ def test_mesos_mode_decides_only_character_devices_of_the_given_majors() -> None
         " 10: exit",
     ]
     assert build_bytes(rules, decide_majors=[10, 195]) == assemble(prog)
+    assert hex_lines(assemble(prog))[6:11] == [
+        "5502020002000000",  # if r2 != 2 goto +2
+        "150403000a000000",  # if r4 == 10 goto +3
+        "15040200c3000000",  # if r4 == 195 goto +2
+        *ALLOW_HEX,
+    ]
     assert evaluate(prog, Request("c", 195, 0, "rw")) == 1  # the rule
     assert evaluate(prog, Request("c", 195, 1, "r")) == 0  # a decided major, no rule
     assert evaluate(prog, Request("c", 10, 200, "r")) == 0  # the other decided major

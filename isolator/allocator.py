@@ -914,7 +914,8 @@ def _mirrors(
         if len(parts) != 2 or len(parts[0]) != len(parts[1]):
             continue
         image = list(range(n))
-        for a, b in zip(parts[0], parts[1], strict=True):
+        for i, a in enumerate(parts[0]):
+            b = parts[1][i]
             image[a], image[b] = b, a
         if any(
             tier[image[x]][image[y]] != tier[x][y]

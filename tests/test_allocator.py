@@ -829,8 +829,24 @@ def test_halves_that_differ_in_a_link_a_numa_node_or_size_are_no_mirror():
     skewed = build(4, lambda a, b: Link(PcieLevel.SINGLE, 2) if (a, b) in ((0, 1), (2, 3)) else alike,
                    numa=lambda i: int(i == 3))  # fmt: skip
     assert Fabric.of(skewed).mirrors == ()
+    # The same tier but another exact score (the first quad's PIX pair 0-1 made PXB): no mirror.
+    links = dict(volta.links)
+    key = (0, 1) if (0, 1) in links else (1, 0)
+    links[key] = Link(pcie=PcieLevel.MULTIPLE, nvlink_lanes=links[key].nvlink_lanes)
+    assert Fabric.of(Topology(gpus=volta.gpus, links=links)).tier == Fabric.of(volta).tier
+    assert Fabric.of(Topology(gpus=volta.gpus, links=links)).mirrors == ()
     # Three GPUs against one: halves of different sizes.
     assert Fabric.of(build(3, lambda a, b: Link(PcieLevel.SINGLE, 2) if (a, b) == (0, 1) else alike)).mirrors == ()
+
+
+def test_a_group_that_is_no_mirror_does_not_hide_the_mirrors_further_down():
+    # Two DGX-1 boards, the first with one NV2 pair made NV1: neither the boards nor the first
+    # board's quads mirror each other any more, the second board's quads still do.
+    host = joined_dgx1(2)
+    links = dict(host.links)
+    key = (0, 3) if (0, 3) in links else (3, 0)
+    links[key] = Link(pcie=links[key].pcie, nvlink_lanes=1)
+    assert Fabric.of(Topology(gpus=host.gpus, links=links)).mirrors == (((8, 12), (9, 13), (10, 14), (11, 15)),)
 
 
 def test_a_mirror_applies_only_when_the_request_maps_onto_itself():
@@ -1191,6 +1207,9 @@ _KNOWN_SEARCHES = [
     # Interchangeable GPUs (8-9, 12-13, 14-15 under one PCIe switch): skipping a mirrored set must not
     # end the last pick early.
     (dgx2, (1, 5, 7, 8, 9, 11, 12, 13, 14, 15), 5, (), (11, 12, 13, 14, 15), 44),
+    # The greedy start's running totals (wrong totals give another start and more work).
+    (two_dgx1, (0, 1, 3, 4, 5, 7, 8, 10, 11, 12, 13, 15), 5, (), (8, 10, 11, 12, 15), 152),
+    (two_dgx1, (0, 1, 2, 3, 5, 6, 7, 8, 13, 14), 5, (10, 12, 15), (5, 6, 7, 13, 14), 174),
 ]
 
 

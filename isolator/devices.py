@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import stat
 import subprocess
 from collections.abc import Iterable, Sequence
@@ -327,6 +328,11 @@ class HostDevices:
         if os.path.lexists(node):
             return False
         LOG.info("'%s' is missing; running %s", node, " ".join(self.uvm_load_command))
+        program = self.uvm_load_command[0]
+        if os.sep not in program and shutil.which(program) is None:
+            # Looked up first: exec through a PATH with a directory this user may not search fails
+            # with EACCES rather than ENOENT, which would hide that the program is simply absent.
+            raise UvmLoadError(path=node, cause=f"{program} is not installed (it ships with the NVIDIA driver)")
         try:
             proc = subprocess.run(self.uvm_load_command, capture_output=True, text=True, timeout=60, check=False)
         except FileNotFoundError as exc:

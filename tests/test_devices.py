@@ -481,3 +481,16 @@ def test_load_uvm_failure_keeps_the_last_400_characters_of_stderr(short_tmp: str
     with pytest.raises(UvmLoadError) as info:
         HostDevices(short_tmp, ["python3", "-c", script]).load_uvm()
     assert info.value.fields["cause"].endswith(" exited with 1: " + "E" * 400)
+
+
+def test_a_program_found_only_as_a_file_that_cannot_run_is_not_installed(short_tmp: str, monkeypatch) -> None:
+    # A PATH entry holding a same-named file without execute permission (or one this user may not
+    # search) makes exec fail with EACCES, not ENOENT; the error still says the program is absent.
+    bin_dir = os.path.join(short_tmp, "bin")
+    os.mkdir(bin_dir)
+    with open(os.path.join(bin_dir, "nvidia-modprobe-stub"), "w") as fh:
+        fh.write("#!/bin/sh\nexit 0\n")
+    monkeypatch.setenv("PATH", bin_dir)
+    with pytest.raises(UvmLoadError) as info:
+        HostDevices(short_tmp, ["nvidia-modprobe-stub", "-u"]).load_uvm()
+    assert info.value.fields["cause"] == "nvidia-modprobe-stub is not installed (it ships with the NVIDIA driver)"

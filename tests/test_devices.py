@@ -16,8 +16,10 @@ from isolator.devices import (
     DeviceRule,
     HostDevices,
     container_rules,
+    is_owned,
     normalize,
     own_rules,
+    owned_majors,
     permits,
 )
 from isolator.errors import DeviceNodeError, InvalidArgument, RuleParseError, UvmLoadError
@@ -494,3 +496,35 @@ def test_a_program_found_only_as_a_file_that_cannot_run_is_not_installed(short_t
     with pytest.raises(UvmLoadError) as info:
         HostDevices(short_tmp, ["nvidia-modprobe-stub", "-u"]).load_uvm()
     assert info.value.fields["cause"] == "nvidia-modprobe-stub is not installed (it ships with the NVIDIA driver)"
+
+
+def test_a_uvm_load_command_given_by_a_path_that_does_not_exist_is_not_installed(short_tmp: str) -> None:
+    with pytest.raises(UvmLoadError) as info:
+        HostDevices(short_tmp, ["/nonexistent/nvidia-modprobe", "-u"]).load_uvm()
+    assert info.value.fields == {
+        "path": os.path.join(short_tmp, "nvidia-uvm"),
+        "cause": "/nonexistent/nvidia-modprobe is not installed (it ships with the NVIDIA driver)",
+    }
+
+
+def test_mesos_mode_owns_nvidias_majors_and_the_majors_of_its_own_rules_only() -> None:
+    base = [DeviceRule.parse("c 1:3 rwm"), DeviceRule.parse("c 136:* rwm")]
+    rules = [
+        *base,
+        DeviceRule.parse("c 195:0 rwm"),
+        DeviceRule.parse("c 240:1 rw"),  # ours: a GPU-related node with a dynamic major
+        DeviceRule.parse("b 8:0 rw"),  # a block device is never ours
+        DeviceRule.parse("c *:* m"),  # nor a wildcard major
+    ]
+    assert owned_majors(rules, base) == frozenset({195, 240})
+    assert owned_majors(rules, base, known=(195, 508, 511)) == frozenset({195, 240, 508, 511})
+    # 195 is always owned, even when ``known`` leaves it out.
+    assert owned_majors([], [], known=(508,)) == frozenset({195, 508})
+    # A rule that is also in the base set is the agent's, whatever its major.
+    assert owned_majors([DeviceRule.parse("c 136:* rwm")], base) == frozenset({195})
+    majors = frozenset({195, 240})
+    assert is_owned(DeviceRule.parse("c 195:3 rwm"), majors)
+    assert is_owned(DeviceRule.parse("c 240:0 r"), majors)
+    assert not is_owned(DeviceRule.parse("c 136:0 rwm"), majors)
+    assert not is_owned(DeviceRule.parse("b 195:0 rwm"), majors)
+    assert not is_owned(DeviceRule.parse("c *:* m"), majors)

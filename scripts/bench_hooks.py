@@ -397,12 +397,17 @@ def drive(
     return out
 
 
-def daemon_rss_kib(pid: int) -> int:
+def proc_status(pid: int, key: str) -> int:
+    """A number from /proc/<pid>/status: ``Threads``, or a size in KiB such as ``VmRSS``, ``VmHWM``."""
     with open(f"/proc/{pid}/status") as fh:
         for line in fh:
-            if line.startswith("VmRSS:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    raise RuntimeError(f"no {key} for pid {pid}")
+
+
+def daemon_rss_kib(pid: int) -> int:
+    return proc_status(pid, "VmRSS")
 
 
 @contextlib.contextmanager

@@ -65,13 +65,10 @@ HOG = textwrap.dedent(
 
 
 def _threads(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        return int(next(line for line in fh if line.startswith("Threads:")).split()[1])
+    return bench_hooks.proc_status(pid, "Threads")
 
 
-def _status_kib(pid: int, key: str) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        return int(next(line for line in fh if line.startswith(key + ":")).split()[1])
+_status_kib = bench_hooks.proc_status
 
 
 def _until(predicate: Callable[[], bool], timeout: float) -> float | None:

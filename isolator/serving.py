@@ -6,8 +6,9 @@ event loop runs on one thread of its own:
 
 * every unary call is admitted (or refused RESOURCE_EXHAUSTED at once, never queued without bound),
   then its servicer method runs on the worker pool (``--max-workers`` threads);
-* Cleanup, which frees GPUs, is never refused for load and never waits behind other calls: when
-  every worker is busy it runs on a lane of its own;
+* Cleanup, which frees GPUs, is never refused for load and never waits behind other calls: a free
+  worker takes a queued Cleanup before any other queued call, and a lane of its own (threads that
+  take nothing else) runs it even when every worker is stuck (``HookPool``);
 * Watch is a coroutine waiting on an event: the core calls back (``IsolatorApi.subscribe``) when
   its container goes away or a GPU's health changes, and the Watch re-checks on the pool. An open
   Watch costs a subscription and a coroutine, no thread. It works with no deadline, ends at once
@@ -20,6 +21,7 @@ event loop runs on one thread of its own:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ctypes
 import ctypes.util
@@ -45,7 +47,7 @@ T = TypeVar("T")
 MAX_WATCHES = 4096
 # Request bytes held by admitted calls at once: 128 maximum-size (256 KiB) requests.
 MAX_BYTES_IN_FLIGHT = 32 * 1024 * 1024
-# Threads of the lane Cleanup takes when every worker is busy.
+# Threads that take only Cleanup calls, so that one runs even when every worker is stuck.
 CLEANUP_LANE = 2
 # A deadline further than this is no deadline (gRPC reports "none" as a huge number of seconds).
 NO_DEADLINE_S = 365 * 86400.0
@@ -78,6 +80,9 @@ def _malloc_trim() -> Callable[[], None]:
 
 
 malloc_trim = _malloc_trim()
+
+
+_Item = tuple[futures.Future[Any], Callable[..., Any], tuple[Any, ...]]
 
 
 class Aborted(Exception):
@@ -123,6 +128,97 @@ def _remaining(context: grpc.aio.ServicerContext) -> float | None:
     return remaining
 
 
+class HookPool:
+    """Worker threads for the synchronous servicers, urgent calls (Cleanup) first.
+
+    ``workers`` threads take the oldest urgent call, else the oldest other one; ``lane`` more take
+    only urgent calls. So a Cleanup waits behind other Cleanups only: never behind a queue of
+    Prepares (a FIFO pool made it wait behind all of them), and never for a worker stuck in a long
+    call. Threads start on demand, as ``ThreadPoolExecutor``'s do, and stay.
+    """
+
+    def __init__(self, workers: int, lane: int = CLEANUP_LANE, name: str = "rpc") -> None:
+        self.workers = workers
+        self.lane = lane
+        self._name = name
+        lock = threading.Lock()
+        self._for_workers = threading.Condition(lock)
+        self._for_lane = threading.Condition(lock)
+        self._urgent: collections.deque[_Item] = collections.deque()
+        self._normal: collections.deque[_Item] = collections.deque()
+        self._started = [0, 0]  # workers, lane threads
+        # Of each, those waiting and not yet woken: ``notify`` wakes exactly one waiter (Python's
+        # Condition has no spurious wake-ups), so whoever wakes one counts it off here.
+        self._idle = [0, 0]
+        self._closed = False
+
+    def submit(self, fn: Callable[..., T], *args: Any, urgent: bool = False) -> futures.Future[T]:
+        future: futures.Future[T] = futures.Future()
+        with self._for_workers:
+            if self._closed:
+                raise RuntimeError("the worker pool is shut down")
+            (self._urgent if urgent else self._normal).append((future, fn, args))
+            # Each call wakes one waiting thread, or starts one; else a busy worker takes it next.
+            if self._idle[0]:
+                self._idle[0] -= 1
+                self._for_workers.notify()
+            elif self._started[0] < self.workers:
+                self._start(0)
+            elif urgent and self._idle[1]:
+                self._idle[1] -= 1
+                self._for_lane.notify()
+            elif urgent and self._started[1] < self.lane:
+                self._start(1)
+        return future
+
+    def _start(self, lane: int) -> None:
+        n = self._started[lane]
+        self._started[lane] += 1
+        name = f"{self._name}-cleanup_{n}" if lane else f"{self._name}_{n}"
+        threading.Thread(target=self._run, args=(lane,), name=name, daemon=True).start()
+
+    def _next(self, lane: int) -> _Item | None:
+        wait = self._for_lane if lane else self._for_workers
+        with wait:
+            while True:
+                if self._urgent:
+                    return self._urgent.popleft()
+                if not lane and self._normal:
+                    return self._normal.popleft()
+                if self._closed:
+                    return None
+                self._idle[lane] += 1
+                wait.wait()
+
+    def _run(self, lane: int) -> None:
+        while (item := self._next(lane)) is not None:
+            future, fn, args = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = fn(*args)
+                except BaseException as exc:
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+            del item, future, fn, args  # nothing of a finished call stays alive while waiting
+
+    def threads(self) -> int:
+        with self._for_workers:
+            return self._started[0] + self._started[1]
+
+    def shutdown(self) -> None:
+        """Cancel what is queued; running calls finish on their threads (daemon threads: not joined)."""
+        with self._for_workers:
+            self._closed = True
+            queued = [*self._urgent, *self._normal]
+            self._urgent.clear()
+            self._normal.clear()
+            self._for_workers.notify_all()
+            self._for_lane.notify_all()
+        for future, _fn, _args in queued:
+            future.cancel()
+
+
 class Dispatcher:
     """Admits calls and runs synchronous servicer methods on the pool; lives on the event loop.
 
@@ -133,10 +229,8 @@ class Dispatcher:
         self.workers = workers
         self.max_calls = max_calls
         self.max_bytes = max_bytes
-        self._pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc")
-        self._lane = futures.ThreadPoolExecutor(max_workers=CLEANUP_LANE, thread_name_prefix="rpc-cleanup")
+        self.pool = HookPool(workers, CLEANUP_LANE)
         self.calls = 0  # admitted, running or waiting for a worker
-        self.busy = 0  # on the pool
         self.bytes = 0
         self._burst = 0  # the most bytes held since memory was last given back
         self.watches = 0
@@ -154,36 +248,34 @@ class Dispatcher:
         self.calls += 1
         self.bytes += size
         self._burst = max(self._burst, self.bytes)
-        pool = self._lane if urgent and self.busy >= self.workers else self._pool
-        on_pool = pool is self._pool
-        if on_pool:
-            self.busy += 1
         sync_context = SyncContext(context.peer(), _remaining(context))
         try:
-            return await asyncio.get_running_loop().run_in_executor(pool, fn, request, sync_context)
+            return await asyncio.wrap_future(self.pool.submit(fn, request, sync_context, urgent=urgent))
         except Aborted as exc:
             await context.abort(exc.code, exc.details)
             raise AssertionError("unreachable: abort raises") from None
         finally:
             self.calls -= 1
             self.bytes -= size
-            if on_pool:
-                self.busy -= 1
             if self.bytes == 0 and self._burst >= TRIM_AFTER_BYTES:
                 self._burst = 0
-                # Off the loop: trimming a fragmented heap takes milliseconds.
-                asyncio.get_running_loop().run_in_executor(self._lane, malloc_trim)
+                self._trim()
+
+    def _trim(self) -> None:
+        # Off the loop: trimming a fragmented heap takes milliseconds.
+        with contextlib.suppress(RuntimeError):  # the pool is shut down: the process is stopping
+            self.pool.submit(malloc_trim)
 
     def watch_ended(self) -> None:
         self.watches -= 1
         if self.watches == 0 and self.watch_burst >= TRIM_AFTER_WATCHES:
             self.watch_burst = 0
-            asyncio.get_running_loop().run_in_executor(self._lane, malloc_trim)
+            self._trim()
 
     async def check(self, fn: Callable[..., T], request: Any, context: grpc.aio.ServicerContext) -> T:
         """One non-blocking re-check of a Watch on the pool, outside the call count."""
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, request, SyncContext("", 0.0))
+            return await asyncio.wrap_future(self.pool.submit(fn, request, SyncContext("", 0.0)))
         except Aborted as exc:
             await context.abort(exc.code, exc.details)
             raise AssertionError("unreachable: abort raises") from None
@@ -193,8 +285,7 @@ class Dispatcher:
         await context.abort(*status_of(ResourceExhausted(f"the sidecar is busy: {why}; try again"), "?"))
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._lane.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
 
 
 def unary_handlers(

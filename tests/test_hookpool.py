@@ -1,0 +1,142 @@
+"""The servicers' worker pool (isolator.serving.HookPool): Cleanup is taken before queued calls and
+has threads of its own, so it never waits behind Prepares or for workers stuck in long calls.
+
+In-process: the pool is plain threads; each test blocks workers on events it controls, so nothing
+here depends on timing.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from isolator.serving import HookPool
+
+WAIT = 30.0
+
+
+class Gate:
+    """A call that blocks until released, and says when it started."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, tag: str) -> str:
+        self.started.set()
+        assert self.release.wait(WAIT), "never released"
+        return tag
+
+
+def test_a_queued_cleanup_runs_before_the_calls_queued_ahead_of_it():
+    pool = HookPool(workers=1, lane=0)
+    order: list[str] = []
+    blocker = Gate()
+    try:
+        first = pool.submit(blocker, "blocker")
+        assert blocker.started.wait(WAIT)
+        queued = [pool.submit(order.append, f"prepare-{i}") for i in range(5)]
+        cleanup = pool.submit(order.append, "cleanup", urgent=True)
+        blocker.release.set()
+        assert first.result(WAIT) == "blocker"
+        cleanup.result(WAIT)
+        for f in queued:
+            f.result(WAIT)
+        # One worker: it took the Cleanup before the five calls queued before it.
+        assert order == ["cleanup", *(f"prepare-{i}" for i in range(5))]
+    finally:
+        blocker.release.set()
+        pool.shutdown()
+
+
+def test_a_cleanup_runs_on_its_lane_while_every_worker_is_stuck():
+    pool = HookPool(workers=2, lane=1)
+    gates = [Gate(), Gate()]
+    try:
+        stuck = [pool.submit(g, f"stuck-{i}") for i, g in enumerate(gates)]
+        for g in gates:
+            assert g.started.wait(WAIT)
+        waiting = pool.submit(lambda: "prepare")  # no worker free: it waits
+        assert pool.submit(lambda: "cleanup", urgent=True).result(WAIT) == "cleanup"
+        assert not waiting.done()  # the lane takes Cleanups only
+        assert pool.threads() == 3
+        for g in gates:
+            g.release.set()
+        assert [f.result(WAIT) for f in stuck] == ["stuck-0", "stuck-1"]
+        assert waiting.result(WAIT) == "prepare"
+    finally:
+        for g in gates:
+            g.release.set()
+        pool.shutdown()
+
+
+def test_threads_start_on_demand_up_to_the_limits_and_stay():
+    pool = HookPool(workers=3, lane=2)
+    try:
+        assert pool.threads() == 0
+        for _ in range(20):
+            pool.submit(lambda: None).result(WAIT)
+        assert 1 <= pool.threads() <= 3  # sequential calls reuse the idle worker
+        gates = [Gate() for _ in range(5)]
+        futures = [pool.submit(g, "x") for g in gates[:3]]
+        for g in gates[:3]:
+            assert g.started.wait(WAIT)  # three workers
+        futures += [pool.submit(g, "x", urgent=True) for g in gates[3:]]
+        for g in gates[3:]:
+            assert g.started.wait(WAIT)  # and two lane threads, all at once
+        assert pool.threads() == 5
+        for g in gates:
+            g.release.set()
+        assert [f.result(WAIT) for f in futures] == ["x"] * 5
+    finally:
+        pool.shutdown()
+
+
+def test_an_error_reaches_the_caller_and_the_worker_goes_on():
+    pool = HookPool(workers=1, lane=0)
+    try:
+
+        def boom() -> None:
+            raise ValueError("bad request")
+
+        with pytest.raises(ValueError, match="bad request"):
+            pool.submit(boom).result(WAIT)
+        assert pool.submit(lambda: 7).result(WAIT) == 7
+    finally:
+        pool.shutdown()
+
+
+def test_shutdown_cancels_what_is_queued_and_refuses_new_calls():
+    pool = HookPool(workers=1, lane=0)
+    blocker = Gate()
+    running = pool.submit(blocker, "running")
+    assert blocker.started.wait(WAIT)
+    queued = pool.submit(lambda: "never")
+    pool.shutdown()
+    assert queued.cancelled()
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.submit(lambda: None)
+    blocker.release.set()
+    assert running.result(WAIT) == "running"  # a call already running finishes
+
+
+def test_thousands_of_mixed_calls_from_several_submitters_all_complete():
+    # A lost wake-up (a call queued while a thread sleeps) would leave some future unfinished.
+    pool = HookPool(workers=3, lane=1)
+    results: list[list[object]] = [[] for _ in range(4)]
+
+    def submitter(k: int) -> None:
+        futures = [pool.submit(lambda i=i: (k, i), urgent=(i % 7 == 0)) for i in range(2000)]
+        results[k] = [f.result(WAIT) for f in futures]
+
+    try:
+        threads = [threading.Thread(target=submitter, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT)
+        assert all(r == [(k, i) for i in range(2000)] for k, r in enumerate(results))
+        assert pool.threads() <= 4
+    finally:
+        pool.shutdown()

@@ -186,6 +186,25 @@ def test_apply_to_a_vanished_cgroup_is_a_typed_error_and_cleanup_of_it_succeeds(
     ctl.cleanup(cid)
 
 
+def test_a_cgroup_removed_between_two_writes_of_one_run_is_vanished_not_a_write_error(
+    hierarchy: str, cgroups_root: str
+) -> None:
+    # A run keeps devices.allow/deny open across its writes; the kernel answers a write to a removed
+    # cgroup's file with ENODEV (not the ENOENT of an open), which must read as "vanished" too.
+    from isolator.cgroups.v1 import Write, _Files
+
+    cid = ContainerId.parse("removed-mid-run")
+    path = simulate_mesos_agent(hierarchy, cgroups_root, cid)
+    with _Files(path) as files:
+        files.write(Write(True, DeviceRule.char(1, 3, "rw")))
+        files.write(Write(False, DeviceRule.char(1, 3, "w")))
+        os.rmdir(path)
+        with pytest.raises(CgroupVanished):
+            files.write(Write(True, DeviceRule.char(1, 5, "rw")))
+        with pytest.raises(CgroupVanished):
+            files.write(Write(False, DeviceRule.char(1, 5, "rw")))
+
+
 def test_nested_container_maps_to_mesos_nested_cgroup_path(hierarchy: str, cgroups_root: str) -> None:
     parent = ContainerId.parse("exec")
     child = ContainerId.parse("task", parent)

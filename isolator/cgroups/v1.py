@@ -6,6 +6,8 @@ under a hierarchy passed in. It never touches entries of Mesos's default whiteli
 
 from __future__ import annotations
 
+import errno
+import functools
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -94,6 +96,49 @@ def whitelist_diff(
     return tuple(allows + denies)
 
 
+@functools.lru_cache(maxsize=256)
+def _parse_list(text: str) -> tuple[DeviceRule, ...]:
+    """``devices.list`` text to rules. Rules are immutable, and a host's lists repeat (the same
+    grants container after container), so parsed lists are kept by their text."""
+    return parse_rules(text.splitlines())
+
+
+class _Files:
+    """``devices.allow`` and ``devices.deny`` of one cgroup, each opened once for a run of writes.
+
+    The kernel takes one rule per write(2) (security/device_cgroup.c ``devcgroup_access_write``),
+    so each rule is its own ``os.write``, never buffered with another. A cgroup removed meanwhile
+    fails the open with ENOENT or a write with ENODEV: both mean it vanished.
+    """
+
+    def __init__(self, cgroup: str) -> None:
+        self.cgroup = cgroup
+        self._fds: dict[str, int] = {}
+
+    def __enter__(self) -> _Files:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def write(self, write: Write) -> None:
+        name = write.file
+        path = os.path.join(self.cgroup, name)
+        try:
+            fd = self._fds.get(name)
+            if fd is None:
+                fd = self._fds[name] = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            os.write(fd, str(write.rule).encode())
+        except FileNotFoundError as exc:
+            raise CgroupVanished(op="write", path=path) from exc
+        except OSError as exc:
+            if exc.errno == errno.ENODEV:
+                raise CgroupVanished(op="write", path=path) from exc
+            raise CgroupError(op="write", path=path, cause=f"{write.rule}: {exc.strerror or exc}") from exc
+
+
 class V1DeviceController:
     """Devices cgroup v1 at ``<hierarchy>/<cgroups_root>/<a>/mesos/<b>...`` (Mesos's layout).
 
@@ -157,7 +202,7 @@ class V1DeviceController:
         path = os.path.join(cgroup, "devices.list")
         try:
             with open(path) as fh:
-                return parse_rules(fh.read().splitlines())
+                return _parse_list(fh.read())
         except FileNotFoundError as exc:
             raise CgroupVanished(op="read", path=path) from exc
         except OSError as exc:
@@ -184,29 +229,24 @@ class V1DeviceController:
     # ---- writing ---------------------------------------------------------------------------
 
     def _write(self, cgroup: str, write: Write) -> None:
-        path = os.path.join(cgroup, write.file)
-        try:
-            with open(path, "w") as fh:
-                fh.write(str(write.rule))
-        except FileNotFoundError as exc:
-            raise CgroupVanished(op="write", path=path) from exc
-        except OSError as exc:
-            raise CgroupError(op="write", path=path, cause=f"{write.rule}: {exc.strerror or exc}") from exc
+        with _Files(cgroup) as files:
+            files.write(write)
 
     def _run(self, cgroup: str, writes: tuple[Write, ...]) -> None:
         done: list[Write] = []
-        try:
-            for write in writes:
-                self._write(cgroup, write)
-                done.append(write)
-                crashpoint("v1.write")
-        except (CgroupError, CgroupVanished):
-            for write in reversed(done):
-                try:
-                    self._write(cgroup, write.inverse())
-                except (CgroupError, CgroupVanished) as exc:
-                    LOG.error("rollback of %s in '%s' failed: %s", write, cgroup, exc)
-            raise
+        with _Files(cgroup) as files:
+            try:
+                for write in writes:
+                    files.write(write)
+                    done.append(write)
+                    crashpoint("v1.write")
+            except (CgroupError, CgroupVanished):
+                for write in reversed(done):
+                    try:
+                        files.write(write.inverse())
+                    except (CgroupError, CgroupVanished) as exc:
+                        LOG.error("rollback of %s in '%s' failed: %s", write, cgroup, exc)
+                raise
 
     def prepare(self, container: ContainerId) -> None:
         cgroup = self.cgroup_path(container)

@@ -145,7 +145,7 @@ class Observer:
                 out.append(f"container {name} records GPUs {sorted(recorded)} but has no cgroup (no rules)")
         return out
 
-    def leftovers(self, timeout: float = 10.0) -> list[str]:
+    def leftovers(self, timeout: float = 60.0) -> list[str]:
         """What is left of ours once every container is cleaned up (empty when nothing is)."""
         work = self.sidecar.work
         out = []
@@ -203,7 +203,7 @@ class CrashableSidecar(Sidecar):
         with contextlib.suppress(OSError):
             if socket_is_live(self.socket):
                 with grpc.insecure_channel(self.address) as ch:
-                    reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                    reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30)
                     return reply.status == health_pb2.HealthCheckResponse.SERVING
         return False
 

@@ -63,7 +63,7 @@ def world() -> Iterator[World]:
             iso.close()
 
 
-def _wait_for(predicate: Any, what: str, deadline: float = 20.0) -> None:
+def _wait_for(predicate: Any, what: str, deadline: float = 60.0) -> None:
     end = time.monotonic() + deadline
     while not predicate():
         if time.monotonic() > end:

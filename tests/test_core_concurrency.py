@@ -19,7 +19,7 @@ from isolator.errors import AlreadyExists, GpusExhausted
 from isolator.model import ContainerConfig, ContainerId, Resource
 from isolator.testing import Rig, fake_service
 
-WAIT = 5.0  # seconds a thread may take before the test calls it stuck
+WAIT = 30.0  # seconds a thread may take before the test calls it stuck (a loaded machine is slow)
 
 
 def cid(text: str) -> ContainerId:

@@ -405,10 +405,11 @@ def test_a_waiting_watch_wakes_on_the_xid(rig: Rig) -> None:
     a = cid("a")
     rig.service.prepare(a, gpus(1))
     out = []
-    waiter = threading.Thread(target=lambda: out.append(rig.service.watch(a, 10)))
+    # The watch's own timeout is far beyond the join: only the wake-up can end it in time.
+    waiter = threading.Thread(target=lambda: out.append(rig.service.watch(a, 3600)), daemon=True)
     waiter.start()
     rig.inventory.xid(held(rig, a)[0], 48)
-    waiter.join(5)
+    waiter.join(60)
     assert not waiter.is_alive() and out and out[0] is not None
 
 

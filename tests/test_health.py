@@ -27,7 +27,7 @@ from isolator.testing.mesos import Containerizer, GrpcIsolator, container_id
 from isolator.testing.sidecar import running_sidecar
 
 
-def _until(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
+def _until(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"

@@ -64,7 +64,7 @@ def _steer(work: str, name: str) -> SimulatedHost:
     return SimulatedHost(name, os.path.join(work, "simhost"))
 
 
-def _wait_for(predicate: Callable[[], bool], what: str, deadline: float = 20.0) -> None:
+def _wait_for(predicate: Callable[[], bool], what: str, deadline: float = 60.0) -> None:
     end = time.monotonic() + deadline
     while not predicate():
         if time.monotonic() > end:

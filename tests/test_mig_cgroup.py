@@ -9,6 +9,7 @@ from __future__ import annotations
 import grpc
 import pytest
 from cgroup_helpers import Prober
+from watch_helpers import assert_no_limitation
 
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
@@ -254,9 +255,7 @@ def test_xid_on_the_parent_gpu_limits_every_container_on_it(agent):
         assert reply.limitation.reason == pb.REASON_CONTAINER_LIMITATION
         assert reply.limitation.resources[0].name == "mig-2g.10gb" and ub in reply.limitation.message
         assert "XID 79" in reply.limitation.message
-        assert not stub.Watch(pb.WatchRequest(container_id=pb.ContainerID(value="xid-a")), timeout=0.5).HasField(
-            "limitation"
-        )
+        assert_no_limitation(stub, "xid-a")
         futures["xid-a"].cancel()
     finally:
         isolator.cleanup(a)

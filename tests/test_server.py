@@ -5,7 +5,6 @@ import socket
 import stat
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
@@ -37,13 +36,13 @@ def channel(server):
 def test_health_service_answers_serving_for_the_server_and_each_service(channel):
     stub = health_pb2_grpc.HealthStub(channel)
     for name in ("", "gpuisolator.v1.Isolator", "gpuisolator.v1.Admin"):
-        reply = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=30)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
 
 
 def test_reflection_lists_isolator_admin_and_health(channel):
     stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-    replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+    replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=30)
     names = {s.name for r in replies for s in r.list_services_response.service}
     assert {"gpuisolator.v1.Isolator", "gpuisolator.v1.Admin", "grpc.health.v1.Health"} <= names
 
@@ -54,7 +53,7 @@ def _reflect(channel, version: str, request):
         request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
         response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
     )
-    return next(iter(call(iter([request]), timeout=5)))
+    return next(iter(call(iter([request]), timeout=30)))
 
 
 @pytest.mark.parametrize("version", ["v1", "v1alpha"])
@@ -127,7 +126,7 @@ UNIMPLEMENTED = [
 def test_hooks_not_yet_built_answer_unimplemented(channel, service, method, request_):
     stub = pb_grpc.IsolatorStub(channel) if service == "Isolator" else pb_grpc.AdminStub(channel)
     with pytest.raises(grpc.RpcError) as info:
-        getattr(stub, method)(request_, timeout=5)
+        getattr(stub, method)(request_, timeout=30)
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert method in info.value.details()
 
@@ -139,7 +138,7 @@ def test_hooks_not_yet_built_answer_unimplemented(channel, service, method, requ
 def test_malformed_container_ids_are_invalid_argument_before_any_hook_runs(channel, value):
     stub = pb_grpc.IsolatorStub(channel)
     with pytest.raises(grpc.RpcError) as info:
-        stub.Cleanup(pb.CleanupRequest(container_id=pb.ContainerID(value=value)), timeout=5)
+        stub.Cleanup(pb.CleanupRequest(container_id=pb.ContainerID(value=value)), timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "invalid container ID" in info.value.details()
 
@@ -153,7 +152,7 @@ def test_stale_socket_from_a_crash_is_replaced(short_tmp):
     srv.start()
     try:
         with grpc.insecure_channel(srv.address) as ch:
-            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         srv.stop(grace=0)
@@ -165,7 +164,7 @@ def test_live_socket_is_not_stolen(server):
     with pytest.raises(SocketError, match="another sidecar holds"):
         second.start()
     with grpc.insecure_channel(server.address) as ch:
-        health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30)
 
 
 def test_live_socket_of_a_foreign_server_is_not_replaced(short_tmp):
@@ -261,7 +260,7 @@ def test_serve_answers_health_and_stops_cleanly_on_sigterm(short_tmp):
     try:
         with grpc.insecure_channel("unix:" + path) as ch:
             grpc.channel_ready_future(ch).result(timeout=30)
-            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
         proc.terminate()
         assert proc.wait(timeout=30) == 0
@@ -276,12 +275,14 @@ def test_serve_answers_health_and_stops_cleanly_on_sigterm(short_tmp):
 
 def test_admin_command_against_a_sidecar_that_is_down_exits_3_naming_the_socket(short_tmp):
     path = os.path.join(short_tmp, "absent.sock")
-    started = time.monotonic()
-    result = _cli("gpus", "--socket", path)
+    # It fails at once rather than waiting out its deadline: with a --timeout of 600 s, a command
+    # that waited would be killed by _cli's 120 s (a hang, not a timing: a loaded machine's
+    # start-up takes seconds, not minutes), and the message is "cannot reach", not "did not answer".
+    result = _cli("gpus", "--socket", path, "--timeout", "600", timeout=120)
     assert result.returncode == 3
     assert path in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
-    assert time.monotonic() - started < 20
+    assert "did not answer" not in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize(

@@ -62,7 +62,7 @@ def test_the_explicit_opt_out_starts_without_nvml(short_tmp):
         start = time.monotonic()
         while not os.path.exists(os.path.join(short_tmp, "s.sock")):
             assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() - start < 30
+            assert time.monotonic() - start < 120, "the socket never appeared"
             time.sleep(0.05)
     finally:
         proc.terminate()

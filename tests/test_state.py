@@ -292,12 +292,12 @@ def _staged_writers(store: StateStore, writes: list) -> list:
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(writes))]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while len(store._queue) < len(writes) and time.monotonic() < deadline:
             time.sleep(0.001)
         assert len(store._queue) == len(writes), "every writer queued behind the commit in progress"
     for t in threads:
-        t.join(10)
+        t.join(60)
     return outcomes
 
 

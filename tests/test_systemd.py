@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -18,9 +19,10 @@ from isolator.cli import unit_text
 from isolator.sdnotify import Notifier
 
 
-def _messages(sock: socket.socket, until: float) -> list[str]:
+def _messages(sock: socket.socket, until: float, enough: Callable[[list[str]], bool]) -> list[str]:
+    """Datagrams as they arrive, until ``enough`` of them came or the budget ran out."""
     out: list[str] = []
-    while time.monotonic() < until:
+    while time.monotonic() < until and not enough(out):
         sock.settimeout(max(0.01, until - time.monotonic()))
         try:
             out.append(sock.recv(4096).decode())
@@ -48,10 +50,12 @@ def test_the_daemon_sends_ready_after_it_serves_then_watchdog_pings_then_stoppin
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.connect(sock_path)  # ready means serving: the socket already accepts
         probe.close()
-        pings = _messages(listener, time.monotonic() + 1.0)
-        assert pings.count("WATCHDOG=1") >= 4, pings  # every 0.1 s for a 0.2 s watchdog
+        # Pings keep coming (every 0.1 s for a 0.2 s watchdog; the period is the bench's to measure,
+        # a loaded machine may stretch it): four of them, waited for on a generous budget.
+        pings = _messages(listener, time.monotonic() + 60, lambda out: out.count("WATCHDOG=1") >= 4)
+        assert pings.count("WATCHDOG=1") >= 4, pings
         proc.send_signal(signal.SIGTERM)
-        rest = _messages(listener, time.monotonic() + 10)
+        rest = _messages(listener, time.monotonic() + 60, lambda out: any(m.startswith("STOPPING=1") for m in out))
         assert any(m.startswith("STOPPING=1") for m in rest), rest
         assert proc.wait(timeout=30) == 0
     finally:

@@ -69,6 +69,27 @@ def _rule(selector: Selector, access: set[str]) -> DeviceRule:
     return DeviceRule(selector[0], selector[1], selector[2], "".join(c for c in ACCESS_ORDER if c in access))
 
 
+def _selector_order(selector: Selector) -> tuple[str, int, int]:
+    """``DeviceRule.sort_key`` of a selector's rules, without building one: wildcards first."""
+    kind, major, minor = selector
+    return (kind, -1 if major is None else major, -1 if minor is None else minor)
+
+
+def _uncovered(rules: Iterable[DeviceRule], grants: tuple[DeviceRule, ...], skip: set[Selector]) -> list[str]:
+    """The rules (outside ``skip``) that no rule of ``grants`` encompasses, as the kernel judges.
+
+    An entry of the same selector holding every access bit answers most rules at once; the rest
+    take the full scan (a wildcard entry may cover them)."""
+    exact = _by_selector(grants)
+    out = []
+    for rule in rules:
+        if rule.selector in skip or set(rule.access) <= exact.get(rule.selector, set()):
+            continue
+        if not permits(grants, rule):
+            out.append(str(rule))
+    return out
+
+
 def whitelist_diff(
     current: Iterable[DeviceRule], desired: Iterable[DeviceRule], untouchable: Iterable[DeviceRule] = ()
 ) -> tuple[Write, ...]:
@@ -84,7 +105,7 @@ def whitelist_diff(
     want = _by_selector(desired)
     allows: list[Write] = []
     denies: list[Write] = []
-    for sel in sorted(set(have) | set(want), key=lambda s: _rule(s, {"r"}).sort_key()):
+    for sel in sorted(set(have) | set(want), key=_selector_order):
         if sel in frozen:
             continue
         add = want.get(sel, set()) - have.get(sel, set())
@@ -293,8 +314,8 @@ class V1DeviceController:
         self._run(cgroup, writes)
         after = self._read_list(cgroup)
         frozen = {r.selector for r in untouchable}
-        missing = [str(r) for r in rules if r.selector not in frozen and not permits(after, r)]
-        extra = [str(r) for r in after if r.selector not in frozen and not permits(rules, r)]
+        missing = _uncovered(rules, after, frozen)
+        extra = _uncovered(after, rules, frozen)
         if missing or extra:
             self._run(cgroup, tuple(w.inverse() for w in reversed(writes)))
             raise CgroupError(

@@ -1,0 +1,91 @@
+"""The pure half of the v1 whitelist (isolator/cgroups/v1.py): the diff that turns one list into
+another, and the read-back check that judges what the kernel holds. No cgroup needed.
+
+The kernel keeps one entry per (type, major, minor) and adds or strips access bits on it
+(security/device_cgroup.c ``dev_exception_add``/``dev_exception_rm``); ``apply`` below plays that
+on a list, so the diff is judged by what the kernel would end up holding.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from isolator.cgroups.v1 import Write, _selector_order, _uncovered, whitelist_diff
+from isolator.devices import DeviceRule, permits
+
+ACCESS = ("r", "w", "m", "rw", "rm", "wm", "rwm")
+
+rules = st.builds(
+    DeviceRule,
+    st.sampled_from(("b", "c")),
+    st.one_of(st.none(), st.integers(0, 4)),
+    st.one_of(st.none(), st.integers(0, 4)),
+    st.sampled_from(ACCESS),
+)
+
+
+def kernel_form(rs: list[DeviceRule]) -> tuple[DeviceRule, ...]:
+    """One entry per selector, access bits merged, as devices.list prints it."""
+    merged: dict[tuple[str, int | None, int | None], set[str]] = {}
+    for r in rs:
+        merged.setdefault(r.selector, set()).update(r.access)
+    return tuple(DeviceRule(t, ma, mi, "".join(a)) for (t, ma, mi), a in merged.items())
+
+
+def apply(current: tuple[DeviceRule, ...], writes: tuple[Write, ...]) -> tuple[DeviceRule, ...]:
+    held = {r.selector: set(r.access) for r in current}
+    for w in writes:
+        bits = held.setdefault(w.rule.selector, set())
+        if w.allow:
+            bits.update(w.rule.access)
+        else:
+            bits.difference_update(w.rule.access)
+    return tuple(DeviceRule(t, ma, mi, "".join(a)) for (t, ma, mi), a in held.items() if a)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(rules, max_size=8), st.lists(rules, max_size=8))
+def test_the_diff_turns_the_current_list_into_the_desired_one_and_allows_before_it_denies(have, want):
+    current, desired = kernel_form(have), kernel_form(want)
+    writes = whitelist_diff(current, desired)
+    assert sorted(apply(current, writes), key=DeviceRule.sort_key) == sorted(desired, key=DeviceRule.sort_key)
+    kinds = [w.allow for w in writes]
+    assert kinds == sorted(kinds, reverse=True)  # every allow before any deny: a grow never drops access
+    for allow in (True, False):  # each kind in the kernel's listing order: the same lists, the same writes
+        keys = [w.rule.sort_key() for w in writes if w.allow == allow]
+        assert keys == sorted(keys)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(rules, max_size=8), st.lists(rules, max_size=8))
+def test_selectors_untouchable_are_never_written(have, want):
+    untouchable = have[:2]
+    frozen = {r.selector for r in untouchable}
+    writes = whitelist_diff(kernel_form(have), kernel_form(want), untouchable)
+    assert not [w for w in writes if w.rule.selector in frozen]
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(rules, max_size=8), st.lists(rules, max_size=8), st.lists(rules, max_size=2))
+def test_the_read_back_check_agrees_with_the_kernels_rule_by_rule_judgement(asked, held, skipped):
+    grants = kernel_form(held)
+    skip = {r.selector for r in skipped}
+    expected = [str(r) for r in asked if r.selector not in skip and not permits(grants, r)]
+    assert _uncovered(asked, grants, skip) == expected
+
+
+def test_the_read_back_check_sees_a_missing_bit_an_extra_entry_and_a_wildcard_that_covers():
+    c = DeviceRule.char
+    held = (c(195, 0, "rw"), DeviceRule("c", 1, None, "rwm"))
+    assert _uncovered([c(195, 0, "rwm")], held, set()) == ["c 195:0 rwm"]  # m is not held
+    assert _uncovered([c(195, 0, "r"), c(1, 3, "rw")], held, set()) == []  # 'c 1:* rwm' covers 1:3
+    assert _uncovered([c(195, 1, "r")], held, set()) == ["c 195:1 r"]
+    assert _uncovered([c(195, 1, "r")], held, {("c", 195, 1)}) == []
+
+
+@given(st.lists(rules, min_size=1, max_size=10))
+def test_selectors_sort_as_their_rules_do(rs):
+    assert sorted({r.selector for r in rs}, key=_selector_order) == sorted(
+        {r.selector for r in rs}, key=lambda s: DeviceRule(s[0], s[1], s[2], "r").sort_key()
+    )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import logging
 import os
@@ -58,6 +59,13 @@ class Attached:
     tag: str = ""  # the kernel's hash of the loaded instructions (bpftool prog show: tag)
 
 
+@functools.lru_cache(maxsize=256)
+def _program(rules: tuple[DeviceRule, ...], decide_majors: frozenset[int] | None) -> bytes:
+    """``bpfprog.build_bytes``, kept by its inputs: it is a pure function of them, and a host
+    builds the same few programs (the deny-all one, each grant size) container after container."""
+    return bpfprog.build_bytes(rules, None if decide_majors is None else sorted(decide_majors))
+
+
 class V2DeviceController:
     """eBPF device programs at Mesos's cgroup2 layout under ``mount``.
 
@@ -92,8 +100,8 @@ class V2DeviceController:
         allows every other device, which the agent's program on ``<id>`` decides (all programs on a
         cgroup and its ancestors must allow): the agent's --allowed_devices stay in force."""
         if self.mode != "mesos":
-            return bpfprog.build_bytes(rules)
-        return bpfprog.build_bytes(rules, owned_majors(rules, self.base, known_majors(self.nvidia_majors)))
+            return _program(tuple(rules), None)
+        return _program(tuple(rules), frozenset(owned_majors(rules, self.base, known_majors(self.nvidia_majors))))
 
     # ---- paths and checkpoint --------------------------------------------------------------
 

@@ -7,7 +7,6 @@ is replaced, a live one is never stolen.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import fcntl
@@ -458,7 +457,6 @@ class SidecarServer:
         watch = serving.watch_handler(isolator_servicer, service.subscribe, container_of, pb.WatchResponse, dispatcher)
 
         async def build() -> grpc.aio.Server:
-            dispatcher.closing = asyncio.Event()
             server = grpc.aio.server(
                 # Watches are bounded by serving.MAX_WATCHES, other calls by the dispatcher.
                 maximum_concurrent_rpcs=serving.MAX_WATCHES + cfg.max_concurrent_rpcs + 64,
@@ -500,8 +498,8 @@ class SidecarServer:
         if server is not None:
 
             async def stop() -> None:
-                if dispatcher is not None and dispatcher.closing is not None:
-                    dispatcher.closing.set()  # open Watches answer UNAVAILABLE now, not after the grace
+                if dispatcher is not None:
+                    dispatcher.close_watches()  # open Watches answer UNAVAILABLE now, not after the grace
                 await server.stop(grace)
 
             self._loop.call(stop())

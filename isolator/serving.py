@@ -235,7 +235,8 @@ class Dispatcher:
         self._burst = 0  # the most bytes held since memory was last given back
         self.watches = 0
         self.watch_burst = 0  # the most Watch calls open since memory was last given back
-        self.closing: asyncio.Event | None = None  # set on the loop when the server stops
+        self.stopping = False  # set on the loop when the server stops: open Watches answer UNAVAILABLE
+        self._wakers: set[_Waker] = set()  # those of the open Watch calls
 
     async def run(self, method: str, fn: Callable[..., T], request: Any, context: grpc.aio.ServicerContext) -> T:
         size = request.ByteSize() if hasattr(request, "ByteSize") else 0
@@ -265,6 +266,12 @@ class Dispatcher:
         # Off the loop: trimming a fragmented heap takes milliseconds.
         with contextlib.suppress(RuntimeError):  # the pool is shut down: the process is stopping
             self.pool.submit(malloc_trim)
+
+    def close_watches(self) -> None:
+        """On the loop, when the server stops: every open Watch answers UNAVAILABLE now."""
+        self.stopping = True
+        for waker in list(self._wakers):
+            waker.set(_CLOSING)
 
     def watch_ended(self) -> None:
         self.watches -= 1
@@ -351,6 +358,46 @@ def _dispatch(name: str, fn: Callable[..., Any], dispatcher: Dispatcher) -> Call
     return call
 
 
+_CHANGED, _DEADLINE, _CLOSING = "changed", "deadline", "closing"
+
+
+class _Waker:
+    """What an open Watch waits on: one future per wait, resolved by the core's callback (from any
+    thread), by its deadline, or by the server's stop. A wait costs this object, one future and a
+    timer: no task, no event (it was two tasks and an event per wait)."""
+
+    __slots__ = ("future", "loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.future: asyncio.Future[str] | None = None
+
+    def arm(self) -> None:
+        self.future = self.loop.create_future()
+
+    def set(self, reason: str) -> None:
+        """On the loop: end the current wait (a wait already ended, or cancelled, is left alone)."""
+        future = self.future
+        if future is not None and not future.done():
+            future.set_result(reason)
+
+    def threadsafe(self) -> None:
+        """The core's callback: its container changed or a GPU's health did."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the server has stopped
+            self.loop.call_soon_threadsafe(self.set, _CHANGED)
+
+    async def wait(self, timeout: float | None) -> str:
+        future = self.future
+        assert future is not None, "arm() first"
+        if timeout is None:
+            return await future
+        timer = self.loop.call_later(timeout, self.set, _DEADLINE)
+        try:
+            return await future
+        finally:
+            timer.cancel()
+
+
 def watch_handler(
     servicer: Any,
     subscribe: Callable[[Callable[[], None], Any], Callable[[], None]],
@@ -369,38 +416,28 @@ def watch_handler(
             container = container_of(request)
         except Exception:
             container = None  # a malformed ID: the check below answers INVALID_ARGUMENT
-        changed = asyncio.Event()
-
-        def wake() -> None:
-            loop.call_soon_threadsafe(changed.set)
-
-        unsubscribe = subscribe(wake, container)
+        waker = _Waker(loop)
+        unsubscribe = subscribe(waker.threadsafe, container)
         dispatcher.watches += 1
         dispatcher.watch_burst = max(dispatcher.watch_burst, dispatcher.watches)
+        dispatcher._wakers.add(waker)
         try:
             remaining = _remaining(context)
             # Answer "no limitation yet" a little before the caller's deadline rather than racing it.
             deadline = None if remaining is None else loop.time() + max(0.0, remaining - min(0.25, remaining / 2))
-            closing = dispatcher.closing
             while True:
-                changed.clear()
+                if dispatcher.stopping:  # a Watch that began as the server stopped
+                    await context.abort(*status_of(Unavailable("the sidecar is stopping; watch again"), "Watch"))
+                waker.arm()  # a change from here on, even during the check, ends the wait below at once
                 response = await dispatcher.check(servicer.Watch, request, context)
                 if response.HasField("limitation"):
                     return response
                 wait = None if deadline is None else deadline - loop.time()
                 if wait is not None and wait <= 0:
                     return empty()
-                waiters = [asyncio.ensure_future(changed.wait())]
-                if closing is not None:
-                    waiters.append(asyncio.ensure_future(closing.wait()))
-                try:
-                    await asyncio.wait(waiters, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    for w in waiters:
-                        w.cancel()
-                if closing is not None and closing.is_set():
-                    await context.abort(*status_of(Unavailable("the sidecar is stopping; watch again"), "Watch"))
+                await waker.wait(wait)
         finally:
+            dispatcher._wakers.discard(waker)
             unsubscribe()
             dispatcher.watch_ended()
 

@@ -140,3 +140,40 @@ def test_thousands_of_mixed_calls_from_several_submitters_all_complete():
         assert pool.threads() <= 4
     finally:
         pool.shutdown()
+
+
+# ---- the Watch's waker -------------------------------------------------------------------------
+
+
+def test_a_change_during_the_check_ends_the_next_wait_at_once_and_a_stale_one_does_not():
+    import asyncio
+
+    from isolator.serving import _Waker
+
+    async def scenario() -> list[str]:
+        loop = asyncio.get_running_loop()
+        waker = _Waker(loop)
+        seen = []
+        waker.arm()
+        await loop.run_in_executor(None, waker.threadsafe)  # the core's callback, from another thread
+        seen.append(await asyncio.wait_for(waker.wait(None), 30))  # set while "checking": no wait
+        waker.arm()  # the next round: the change above is spent
+        waker.set("deadline")
+        seen.append(await waker.wait(3600))
+        waker.arm()
+        seen.append(await waker.wait(0.001))  # its own timer ends it
+        waker.set("changed")  # after the wait ended: ignored, nothing raised
+        return seen
+
+    assert asyncio.run(scenario()) == ["changed", "deadline", "deadline"]
+
+
+def test_a_waker_whose_loop_is_closed_ignores_the_cores_callback():
+    import asyncio
+
+    from isolator.serving import _Waker
+
+    loop = asyncio.new_event_loop()
+    waker = _Waker(loop)
+    loop.close()
+    waker.threadsafe()  # the server stopped; the core may still call back once: no error

@@ -140,3 +140,109 @@ def test_thousands_of_mixed_calls_from_several_submitters_all_complete():
         assert pool.threads() <= 4
     finally:
         pool.shutdown()
+
+
+# ---- adversarial review: failure paths, cancellation, what a worker keeps ---------------------
+
+
+class Payload:
+    """Stands in for a request: something a queued or finished call must not keep alive."""
+
+
+def test_a_base_exception_reaches_the_caller_and_the_worker_goes_on():
+    pool = HookPool(workers=1, lane=0)
+    try:
+
+        def exit_() -> None:
+            raise SystemExit(3)
+
+        with pytest.raises(SystemExit):
+            pool.submit(exit_).result(WAIT)
+        assert pool.submit(lambda: 8).result(WAIT) == 8
+        assert pool.threads() == 1
+    finally:
+        pool.shutdown()
+
+
+def test_shutdown_ends_idle_threads_and_a_running_call_s_thread_once_it_finishes():
+    name = "hookpool-shutdown-test"
+    pool = HookPool(workers=2, lane=1, name=name)
+    gate = Gate()
+    running = pool.submit(gate, "running")
+    assert gate.started.wait(WAIT)
+    assert pool.submit(lambda: "idle-later").result(WAIT) == "idle-later"
+    mine = [t for t in threading.enumerate() if t.name.startswith(name)]
+    assert len(mine) == 2
+    pool.shutdown()
+    gate.release.set()
+    assert running.result(WAIT) == "running"
+    for t in mine:
+        t.join(WAIT)
+        assert not t.is_alive()
+
+
+def test_cleanups_from_many_submitters_all_run_while_every_worker_is_stuck():
+    # Lane threads only: their idle accounting is exercised by concurrent urgent submitters.
+    pool = HookPool(workers=2, lane=2)
+    gates = [Gate(), Gate()]
+    results: list[list[object]] = [[] for _ in range(4)]
+
+    def submitter(k: int) -> None:
+        futures = [pool.submit(lambda i=i: (k, i), urgent=True) for i in range(500)]
+        results[k] = [f.result(WAIT) for f in futures]
+
+    try:
+        stuck = [pool.submit(g, f"stuck-{i}") for i, g in enumerate(gates)]
+        for g in gates:
+            assert g.started.wait(WAIT)
+        threads = [threading.Thread(target=submitter, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT)
+        assert all(r == [(k, i) for i in range(500)] for k, r in enumerate(results))
+        assert pool.threads() == 4
+        for g in gates:
+            g.release.set()
+        assert [f.result(WAIT) for f in stuck] == ["stuck-0", "stuck-1"]
+    finally:
+        for g in gates:
+            g.release.set()
+        pool.shutdown()
+
+
+def test_a_cleanup_stuck_on_a_worker_does_not_hold_back_the_next_cleanup():
+    # The only worker takes a Cleanup that hangs; the next Cleanup must go to the lane.
+    pool = HookPool(workers=1, lane=1)
+    gate = Gate()
+    try:
+        hung = pool.submit(gate, "hung", urgent=True)
+        assert gate.started.wait(WAIT)
+        assert pool.submit(lambda: "next", urgent=True).result(WAIT) == "next"
+        gate.release.set()
+        assert hung.result(WAIT) == "hung"
+    finally:
+        gate.release.set()
+        pool.shutdown()
+
+
+def test_cancelled_calls_are_swept_and_the_live_ones_keep_their_order():
+    pool = HookPool(workers=1, lane=0)
+    gate = Gate()
+    order: list[int] = []
+    try:
+        stuck = pool.submit(gate, "stuck")
+        assert gate.started.wait(WAIT)
+        queued = [pool.submit(order.append, i) for i in range(200)]
+        for i, f in enumerate(queued):
+            if i % 3:
+                assert f.cancel()
+        gate.release.set()
+        assert stuck.result(WAIT) == "stuck"
+        for f in queued[::3]:
+            f.result(WAIT)
+        assert pool.submit(lambda: None).result(WAIT) is None  # FIFO: every queued call is past
+        assert order == list(range(0, 200, 3))
+    finally:
+        gate.release.set()
+        pool.shutdown()

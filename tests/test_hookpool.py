@@ -149,6 +149,57 @@ class Payload:
     """Stands in for a request: something a queued or finished call must not keep alive."""
 
 
+def test_a_thread_that_fails_to_start_neither_runs_the_call_later_nor_holds_a_slot(monkeypatch):
+    # Under a pids limit (TasksMax) Thread.start raises. The caller is told its call failed, so the
+    # call must not run later; and the slot must stay free, or the pool is left with no thread.
+    pool = HookPool(workers=1, lane=0)
+    ran: list[str] = []
+    real_start = threading.Thread.start
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    try:
+        monkeypatch.setattr(threading.Thread, "start", refuse)
+        with pytest.raises(RuntimeError, match="start new thread"):
+            pool.submit(ran.append, "refused")
+        monkeypatch.setattr(threading.Thread, "start", real_start)
+        assert pool.threads() == 0
+        assert pool.submit(ran.append, "next").result(WAIT) is None
+        assert ran == ["next"]  # one worker, FIFO: a still-queued "refused" would have run first
+    finally:
+        monkeypatch.setattr(threading.Thread, "start", real_start)
+        pool.shutdown()
+
+
+def test_a_lane_thread_that_fails_to_start_leaves_the_lane_slot_free(monkeypatch):
+    pool = HookPool(workers=1, lane=1)
+    gate = Gate()
+    real_start = threading.Thread.start
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    try:
+        stuck = pool.submit(gate, "stuck")
+        assert gate.started.wait(WAIT)
+        monkeypatch.setattr(threading.Thread, "start", refuse)
+        # No lane thread could start, but the (stuck) worker will take it: queued, not refused.
+        first = pool.submit(lambda: "cleanup-1", urgent=True)
+        monkeypatch.setattr(threading.Thread, "start", real_start)
+        assert pool.threads() == 1
+        # The worker is still stuck: only a lane thread, started now, can run these.
+        assert pool.submit(lambda: "cleanup-2", urgent=True).result(WAIT) == "cleanup-2"
+        assert first.result(WAIT) == "cleanup-1"
+        assert not stuck.done()
+        gate.release.set()
+        assert stuck.result(WAIT) == "stuck"
+    finally:
+        monkeypatch.setattr(threading.Thread, "start", real_start)
+        gate.release.set()
+        pool.shutdown()
+
+
 def test_a_base_exception_reaches_the_caller_and_the_worker_goes_on():
     pool = HookPool(workers=1, lane=0)
     try:

@@ -151,6 +151,7 @@ class HookPool:
         # Condition has no spurious wake-ups), so whoever wakes one counts it off here.
         self._idle = [0, 0]
         self._closed = False
+        self._cancelled = 0  # calls cancelled since the queues were last swept of them
 
     def submit(self, fn: Callable[..., T], *args: Any, urgent: bool = False) -> futures.Future[T]:
         future: futures.Future[T] = futures.Future()
@@ -165,6 +166,9 @@ class HookPool:
                 # is held throughout, so it is still the last one queued.
                 queue.pop()
                 raise RuntimeError(f"no thread to run the call: {failed}") from failed
+        # A caller that gives up on a queued call (its deadline passed) cancels it: drop it now, with
+        # its request, rather than when a worker is next free. (A bound method: no cycle through the call.)
+        future.add_done_callback(self._drop_cancelled)
         return future
 
     def _wake(self, urgent: bool) -> BaseException | None:
@@ -202,6 +206,22 @@ class HookPool:
             return exc
         self._started[lane] += 1
         return None
+
+    def _drop_cancelled(self, future: futures.Future[Any]) -> None:
+        # Called on the canceller's thread once the future is done. The queues are swept once the
+        # cancelled calls in them could be half of them: amortised O(1) a call, and the queues hold
+        # at most twice the live calls (each with its request).
+        if not future.cancelled():
+            return
+        with self._for_workers:
+            self._cancelled += 1
+            if 2 * self._cancelled < len(self._urgent) + len(self._normal):
+                return
+            for queue in (self._urgent, self._normal):
+                live = [item for item in queue if not item[0].cancelled()]
+                queue.clear()
+                queue.extend(live)
+            self._cancelled = 0
 
     def _next(self, lane: int) -> _Item | None:
         wait = self._for_lane if lane else self._for_workers

@@ -200,6 +200,34 @@ def test_a_lane_thread_that_fails_to_start_leaves_the_lane_slot_free(monkeypatch
         pool.shutdown()
 
 
+def test_a_cancelled_queued_call_is_dropped_not_kept_until_a_worker_is_free():
+    # A caller whose deadline passes cancels its queued call; the Dispatcher then stops counting its
+    # request bytes. If the pool kept the call queued, callers timing out while every worker is stuck
+    # would pile up requests without bound.
+    import gc
+    import weakref
+
+    pool = HookPool(workers=1, lane=0)
+    gate = Gate()
+    try:
+        stuck = pool.submit(gate, "stuck")
+        assert gate.started.wait(WAIT)
+        payload = Payload()
+        ref = weakref.ref(payload)
+        queued = pool.submit(lambda p: "never", payload)
+        del payload
+        assert queued.cancel()
+        del queued
+        gc.collect()
+        assert ref() is None, "the pool still holds a cancelled call's request"
+        gate.release.set()
+        assert stuck.result(WAIT) == "stuck"
+        assert pool.submit(lambda: "after").result(WAIT) == "after"
+    finally:
+        gate.release.set()
+        pool.shutdown()
+
+
 def test_a_base_exception_reaches_the_caller_and_the_worker_goes_on():
     pool = HookPool(workers=1, lane=0)
     try:
@@ -297,3 +325,61 @@ def test_cancelled_calls_are_swept_and_the_live_ones_keep_their_order():
     finally:
         gate.release.set()
         pool.shutdown()
+
+
+def test_a_caller_cancelled_while_its_call_is_queued_leaves_the_dispatcher_and_the_pool_empty():
+    import asyncio
+    import gc
+    import weakref
+
+    from isolator.serving import Dispatcher
+
+    class Context:
+        def peer(self) -> str:
+            return "test"
+
+        def time_remaining(self) -> None:
+            return None
+
+    class Request:
+        def ByteSize(self) -> int:  # noqa: N802 (protobuf's name)
+            return 1000
+
+    dispatcher = Dispatcher(workers=1, max_calls=4)
+    gate = Gate()
+    ran: list[str] = []
+
+    async def scenario() -> None:
+        stuck = dispatcher.pool.submit(gate, "stuck")
+        assert await asyncio.wrap_future(asyncio.get_running_loop().run_in_executor(None, gate.started.wait, WAIT))
+        request = Request()
+        ref = weakref.ref(request)
+        task = asyncio.ensure_future(dispatcher.run("Prepare", lambda r, c: ran.append("ran"), request, Context()))
+        del request
+        while dispatcher.calls == 0:
+            await asyncio.sleep(0)  # a turn of the loop, not a timed wait
+        assert (dispatcher.calls, dispatcher.bytes) == (1, 1000)
+        task.cancel()
+        cancelled = False
+        try:
+            await task
+        except asyncio.CancelledError:  # not pytest.raises: its traceback would hold the request
+            cancelled = True
+        assert cancelled
+        del task
+        assert (dispatcher.calls, dispatcher.bytes) == (0, 0)
+        for _ in range(3):
+            await asyncio.sleep(0)  # asyncio's own callbacks of the cancellation run and let go
+        gc.collect()
+        # The Dispatcher no longer counts it, so nothing may hold it while the worker is stuck.
+        assert ref() is None, "a cancelled call's request is still held"
+        gate.release.set()
+        assert await asyncio.wrap_future(stuck) == "stuck"
+
+    try:
+        asyncio.run(scenario())
+        assert dispatcher.pool.submit(lambda: "after").result(WAIT) == "after"
+        assert ran == []
+    finally:
+        gate.release.set()
+        dispatcher.shutdown()

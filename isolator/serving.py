@@ -246,6 +246,7 @@ class HookPool:
                     future.set_exception(exc)
                 else:
                     future.set_result(result)
+                    del result
             del item, future, fn, args  # nothing of a finished call stays alive while waiting
 
     def threads(self) -> int:

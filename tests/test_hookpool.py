@@ -228,6 +228,28 @@ def test_a_cancelled_queued_call_is_dropped_not_kept_until_a_worker_is_free():
         pool.shutdown()
 
 
+def test_a_worker_keeps_nothing_of_a_finished_call_while_it_runs_the_next():
+    import gc
+    import weakref
+
+    pool = HookPool(workers=1, lane=0)
+    gate = Gate()
+    try:
+        done = pool.submit(Payload)
+        result = done.result(WAIT)
+        ref = weakref.ref(result)
+        del result, done
+        nxt = pool.submit(gate, "next")  # the same (only) worker, now past the first call
+        assert gate.started.wait(WAIT)
+        gc.collect()
+        assert ref() is None, "the worker still holds the previous call's result"
+        gate.release.set()
+        assert nxt.result(WAIT) == "next"
+    finally:
+        gate.release.set()
+        pool.shutdown()
+
+
 def test_a_base_exception_reaches_the_caller_and_the_worker_goes_on():
     pool = HookPool(workers=1, lane=0)
     try:

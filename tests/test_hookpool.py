@@ -364,7 +364,7 @@ def test_a_caller_cancelled_while_its_call_is_queued_leaves_the_dispatcher_and_t
             return None
 
     class Request:
-        def ByteSize(self) -> int:  # noqa: N802 (protobuf's name)
+        def ByteSize(self) -> int:
             return 1000
 
     dispatcher = Dispatcher(workers=1, max_calls=4)

@@ -151,31 +151,77 @@ class HookPool:
         # Condition has no spurious wake-ups), so whoever wakes one counts it off here.
         self._idle = [0, 0]
         self._closed = False
+        self._cancelled = 0  # calls cancelled since the queues were last swept of them
 
     def submit(self, fn: Callable[..., T], *args: Any, urgent: bool = False) -> futures.Future[T]:
         future: futures.Future[T] = futures.Future()
+        queue = self._urgent if urgent else self._normal
         with self._for_workers:
             if self._closed:
                 raise RuntimeError("the worker pool is shut down")
-            (self._urgent if urgent else self._normal).append((future, fn, args))
-            # Each call wakes one waiting thread, or starts one; else a busy worker takes it next.
-            if self._idle[0]:
-                self._idle[0] -= 1
-                self._for_workers.notify()
-            elif self._started[0] < self.workers:
-                self._start(0)
-            elif urgent and self._idle[1]:
-                self._idle[1] -= 1
-                self._for_lane.notify()
-            elif urgent and self._started[1] < self.lane:
-                self._start(1)
+            queue.append((future, fn, args))
+            failed = self._wake(urgent)
+            if failed is not None:
+                # No thread can ever take it: the caller is told, and the call never runs. The lock
+                # is held throughout, so it is still the last one queued.
+                queue.pop()
+                raise RuntimeError(f"no thread to run the call: {failed}") from failed
+        # A caller that gives up on a queued call (its deadline passed) cancels it: drop it now, with
+        # its request, rather than when a worker is next free. (A bound method: no cycle through the call.)
+        future.add_done_callback(self._drop_cancelled)
         return future
 
-    def _start(self, lane: int) -> None:
+    def _wake(self, urgent: bool) -> BaseException | None:
+        """Wake or start a thread for the call just queued; else a busy one takes it next. Answers
+        the error of a thread that failed to start when no thread at all could take the call."""
+        failed: BaseException | None = None
+        if self._idle[0]:
+            self._idle[0] -= 1
+            self._for_workers.notify()
+            return None
+        if self._started[0] < self.workers:
+            failed = self._start(0)
+            if failed is None:
+                return None
+        if urgent and self._idle[1]:
+            self._idle[1] -= 1
+            self._for_lane.notify()
+            return None
+        if urgent and self._started[1] < self.lane:
+            lane_failed = self._start(1)
+            if lane_failed is None:
+                return None
+            failed = failed or lane_failed
+        if self._started[0] or (urgent and self._started[1]):
+            return None
+        return failed or RuntimeError("the pool has no threads")
+
+    def _start(self, lane: int) -> BaseException | None:
         n = self._started[lane]
-        self._started[lane] += 1
         name = f"{self._name}-cleanup_{n}" if lane else f"{self._name}_{n}"
-        threading.Thread(target=self._run, args=(lane,), name=name, daemon=True).start()
+        try:
+            threading.Thread(target=self._run, args=(lane,), name=name, daemon=True).start()
+        except RuntimeError as exc:  # "can't start new thread": a pids limit, or memory
+            LOG.warning("could not start pool thread %s: %s", name, exc)
+            return exc
+        self._started[lane] += 1
+        return None
+
+    def _drop_cancelled(self, future: futures.Future[Any]) -> None:
+        # Called on the canceller's thread once the future is done. The queues are swept once the
+        # cancelled calls in them could be half of them: amortised O(1) a call, and the queues hold
+        # at most twice the live calls (each with its request).
+        if not future.cancelled():
+            return
+        with self._for_workers:
+            self._cancelled += 1
+            if 2 * self._cancelled < len(self._urgent) + len(self._normal):
+                return
+            for queue in (self._urgent, self._normal):
+                live = [item for item in queue if not item[0].cancelled()]
+                queue.clear()
+                queue.extend(live)
+            self._cancelled = 0
 
     def _next(self, lane: int) -> _Item | None:
         wait = self._for_lane if lane else self._for_workers
@@ -200,6 +246,7 @@ class HookPool:
                     future.set_exception(exc)
                 else:
                     future.set_result(result)
+                    del result
             del item, future, fn, args  # nothing of a finished call stays alive while waiting
 
     def threads(self) -> int:

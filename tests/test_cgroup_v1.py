@@ -216,3 +216,86 @@ def test_nested_container_maps_to_mesos_nested_cgroup_path(hierarchy: str, cgrou
     assert ctl.current(child) == ()
     ctl.cleanup(parent)
     assert not os.path.exists(ctl.cgroup_path(parent))
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_no_descriptor_is_left_open_by_a_refused_write_its_rollback_or_a_vanished_cgroup(
+    hierarchy: str, cgroups_root: str, host: HostDevices, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import isolator.cgroups.v1 as v1
+
+    control = host.control_devices()
+    parent = os.path.join(hierarchy, cgroups_root)
+    with open(os.path.join(parent, "devices.deny"), "w") as fh:
+        fh.write("a")
+    for rule in container_rules(control, [0, 1, 2]):
+        with open(os.path.join(parent, "devices.allow"), "w") as fh:
+            fh.write(str(rule))
+    cid = ContainerId.parse("fd-count")
+    path = simulate_mesos_agent(hierarchy, cgroups_root, cid)
+    ctl = V1DeviceController(hierarchy, cgroups_root)
+    ctl.apply(cid, container_rules(control, [1]))
+    before_rules = ctl.current(cid)
+    fds = _open_fds()
+
+    # EPERM midway (the parent lacks GPU 3); the rollback opens devices.deny too.
+    with pytest.raises(CgroupError):
+        ctl.apply(cid, container_rules(control, [0, 3]))
+    assert ctl.current(cid) == before_rules
+    assert _open_fds() == fds
+
+    # The cgroup removed between two writes of one run: vanished, and nothing left open.
+    calls = {"n": 0}
+
+    def remove_after_first_write(name: str) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            os.rmdir(path)
+
+    monkeypatch.setattr(v1, "crashpoint", remove_after_first_write)
+    with pytest.raises(CgroupVanished):
+        ctl.apply(cid, container_rules(control, [0, 2]))
+    assert calls["n"] == 1
+    assert _open_fds() == fds
+    ctl.cleanup(cid)  # a vanished cgroup: nothing to do
+    assert _open_fds() == fds
+
+
+def test_a_rollback_restores_bits_stripped_from_an_entry_that_stays(
+    hierarchy: str, cgroups_root: str, host: HostDevices, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A run of allow + deny writes failing on its last write: every earlier write, allows and the
+    # denies that stripped bits from an entry that stays, is undone through the same open files.
+    import isolator.cgroups.v1 as v1
+
+    cid = ContainerId.parse("rollback-bits")
+    simulate_mesos_agent(hierarchy, cgroups_root, cid)
+    ctl = V1DeviceController(hierarchy, cgroups_root, mode="standalone")
+    control = host.control_devices()
+    ctl.apply(cid, container_rules(control, [0, 1]))
+    before = set(ctl.current(cid))
+    desired = [r for r in container_rules(control, [0, 2]) if r.type != "a"]
+    desired = [DeviceRule(r.type, r.major, r.minor, "r") if r.minor == 0 and r.major == 195 else r for r in desired]
+    writes = v1.whitelist_diff(ctl.current(cid), desired)
+    assert any(not w.allow for w in writes) and any(w.allow for w in writes)
+    seen = {"n": 0}
+
+    def fail_on_last(name: str) -> None:
+        seen["n"] += 1
+        if seen["n"] == len(writes) - 1:
+            real = v1._Files.write
+
+            def refuse(self: v1._Files, write: v1.Write) -> None:
+                if write == writes[-1]:
+                    raise CgroupError(op="write", path=self.cgroup, cause="injected")
+                real(self, write)
+
+            monkeypatch.setattr(v1._Files, "write", refuse)
+
+    monkeypatch.setattr(v1, "crashpoint", fail_on_last)
+    with pytest.raises(CgroupError, match="injected"):
+        ctl.apply(cid, desired)
+    assert set(ctl.current(cid)) == before

@@ -177,3 +177,268 @@ def test_a_waker_whose_loop_is_closed_ignores_the_cores_callback():
     waker = _Waker(loop)
     loop.close()
     waker.threadsafe()  # the server stopped; the core may still call back once: no error
+
+
+# ---- adversarial review: failure paths, cancellation, what a worker keeps ---------------------
+
+
+class Payload:
+    """Stands in for a request: something a queued or finished call must not keep alive."""
+
+
+def test_a_thread_that_fails_to_start_neither_runs_the_call_later_nor_holds_a_slot(monkeypatch):
+    # Under a pids limit (TasksMax) Thread.start raises. The caller is told its call failed, so the
+    # call must not run later; and the slot must stay free, or the pool is left with no thread.
+    pool = HookPool(workers=1, lane=0)
+    ran: list[str] = []
+    real_start = threading.Thread.start
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    try:
+        monkeypatch.setattr(threading.Thread, "start", refuse)
+        with pytest.raises(RuntimeError, match="start new thread"):
+            pool.submit(ran.append, "refused")
+        monkeypatch.setattr(threading.Thread, "start", real_start)
+        assert pool.threads() == 0
+        assert pool.submit(ran.append, "next").result(WAIT) is None
+        assert ran == ["next"]  # one worker, FIFO: a still-queued "refused" would have run first
+    finally:
+        monkeypatch.setattr(threading.Thread, "start", real_start)
+        pool.shutdown()
+
+
+def test_a_lane_thread_that_fails_to_start_leaves_the_lane_slot_free(monkeypatch):
+    pool = HookPool(workers=1, lane=1)
+    gate = Gate()
+    real_start = threading.Thread.start
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    try:
+        stuck = pool.submit(gate, "stuck")
+        assert gate.started.wait(WAIT)
+        monkeypatch.setattr(threading.Thread, "start", refuse)
+        # No lane thread could start, but the (stuck) worker will take it: queued, not refused.
+        first = pool.submit(lambda: "cleanup-1", urgent=True)
+        monkeypatch.setattr(threading.Thread, "start", real_start)
+        assert pool.threads() == 1
+        # The worker is still stuck: only a lane thread, started now, can run these.
+        assert pool.submit(lambda: "cleanup-2", urgent=True).result(WAIT) == "cleanup-2"
+        assert first.result(WAIT) == "cleanup-1"
+        assert not stuck.done()
+        gate.release.set()
+        assert stuck.result(WAIT) == "stuck"
+    finally:
+        monkeypatch.setattr(threading.Thread, "start", real_start)
+        gate.release.set()
+        pool.shutdown()
+
+
+def test_a_cancelled_queued_call_is_dropped_not_kept_until_a_worker_is_free():
+    # A caller whose deadline passes cancels its queued call; the Dispatcher then stops counting its
+    # request bytes. If the pool kept the call queued, callers timing out while every worker is stuck
+    # would pile up requests without bound.
+    import gc
+    import weakref
+
+    pool = HookPool(workers=1, lane=0)
+    gate = Gate()
+    try:
+        stuck = pool.submit(gate, "stuck")
+        assert gate.started.wait(WAIT)
+        payload = Payload()
+        ref = weakref.ref(payload)
+        queued = pool.submit(lambda p: "never", payload)
+        del payload
+        assert queued.cancel()
+        del queued
+        gc.collect()
+        assert ref() is None, "the pool still holds a cancelled call's request"
+        gate.release.set()
+        assert stuck.result(WAIT) == "stuck"
+        assert pool.submit(lambda: "after").result(WAIT) == "after"
+    finally:
+        gate.release.set()
+        pool.shutdown()
+
+
+def test_a_worker_keeps_nothing_of_a_finished_call_while_it_runs_the_next():
+    import gc
+    import weakref
+
+    pool = HookPool(workers=1, lane=0)
+    gate = Gate()
+    try:
+        done = pool.submit(Payload)
+        result = done.result(WAIT)
+        ref = weakref.ref(result)
+        del result, done
+        nxt = pool.submit(gate, "next")  # the same (only) worker, now past the first call
+        assert gate.started.wait(WAIT)
+        gc.collect()
+        assert ref() is None, "the worker still holds the previous call's result"
+        gate.release.set()
+        assert nxt.result(WAIT) == "next"
+    finally:
+        gate.release.set()
+        pool.shutdown()
+
+
+def test_a_base_exception_reaches_the_caller_and_the_worker_goes_on():
+    pool = HookPool(workers=1, lane=0)
+    try:
+
+        def exit_() -> None:
+            raise SystemExit(3)
+
+        with pytest.raises(SystemExit):
+            pool.submit(exit_).result(WAIT)
+        assert pool.submit(lambda: 8).result(WAIT) == 8
+        assert pool.threads() == 1
+    finally:
+        pool.shutdown()
+
+
+def test_shutdown_ends_idle_threads_and_a_running_call_s_thread_once_it_finishes():
+    name = "hookpool-shutdown-test"
+    pool = HookPool(workers=2, lane=1, name=name)
+    gate = Gate()
+    running = pool.submit(gate, "running")
+    assert gate.started.wait(WAIT)
+    assert pool.submit(lambda: "idle-later").result(WAIT) == "idle-later"
+    mine = [t for t in threading.enumerate() if t.name.startswith(name)]
+    assert len(mine) == 2
+    pool.shutdown()
+    gate.release.set()
+    assert running.result(WAIT) == "running"
+    for t in mine:
+        t.join(WAIT)
+        assert not t.is_alive()
+
+
+def test_cleanups_from_many_submitters_all_run_while_every_worker_is_stuck():
+    # Lane threads only: their idle accounting is exercised by concurrent urgent submitters.
+    pool = HookPool(workers=2, lane=2)
+    gates = [Gate(), Gate()]
+    results: list[list[object]] = [[] for _ in range(4)]
+
+    def submitter(k: int) -> None:
+        futures = [pool.submit(lambda i=i: (k, i), urgent=True) for i in range(500)]
+        results[k] = [f.result(WAIT) for f in futures]
+
+    try:
+        stuck = [pool.submit(g, f"stuck-{i}") for i, g in enumerate(gates)]
+        for g in gates:
+            assert g.started.wait(WAIT)
+        threads = [threading.Thread(target=submitter, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT)
+        assert all(r == [(k, i) for i in range(500)] for k, r in enumerate(results))
+        assert pool.threads() == 4
+        for g in gates:
+            g.release.set()
+        assert [f.result(WAIT) for f in stuck] == ["stuck-0", "stuck-1"]
+    finally:
+        for g in gates:
+            g.release.set()
+        pool.shutdown()
+
+
+def test_a_cleanup_stuck_on_a_worker_does_not_hold_back_the_next_cleanup():
+    # The only worker takes a Cleanup that hangs; the next Cleanup must go to the lane.
+    pool = HookPool(workers=1, lane=1)
+    gate = Gate()
+    try:
+        hung = pool.submit(gate, "hung", urgent=True)
+        assert gate.started.wait(WAIT)
+        assert pool.submit(lambda: "next", urgent=True).result(WAIT) == "next"
+        gate.release.set()
+        assert hung.result(WAIT) == "hung"
+    finally:
+        gate.release.set()
+        pool.shutdown()
+
+
+def test_cancelled_calls_are_swept_and_the_live_ones_keep_their_order():
+    pool = HookPool(workers=1, lane=0)
+    gate = Gate()
+    order: list[int] = []
+    try:
+        stuck = pool.submit(gate, "stuck")
+        assert gate.started.wait(WAIT)
+        queued = [pool.submit(order.append, i) for i in range(200)]
+        for i, f in enumerate(queued):
+            if i % 3:
+                assert f.cancel()
+        gate.release.set()
+        assert stuck.result(WAIT) == "stuck"
+        for f in queued[::3]:
+            f.result(WAIT)
+        assert pool.submit(lambda: None).result(WAIT) is None  # FIFO: every queued call is past
+        assert order == list(range(0, 200, 3))
+    finally:
+        gate.release.set()
+        pool.shutdown()
+
+
+def test_a_caller_cancelled_while_its_call_is_queued_leaves_the_dispatcher_and_the_pool_empty():
+    import asyncio
+    import gc
+    import weakref
+
+    from isolator.serving import Dispatcher
+
+    class Context:
+        def peer(self) -> str:
+            return "test"
+
+        def time_remaining(self) -> None:
+            return None
+
+    class Request:
+        def ByteSize(self) -> int:
+            return 1000
+
+    dispatcher = Dispatcher(workers=1, max_calls=4)
+    gate = Gate()
+    ran: list[str] = []
+
+    async def scenario() -> None:
+        stuck = dispatcher.pool.submit(gate, "stuck")
+        assert await asyncio.wrap_future(asyncio.get_running_loop().run_in_executor(None, gate.started.wait, WAIT))
+        request = Request()
+        ref = weakref.ref(request)
+        task = asyncio.ensure_future(dispatcher.run("Prepare", lambda r, c: ran.append("ran"), request, Context()))
+        del request
+        while dispatcher.calls == 0:
+            await asyncio.sleep(0)  # a turn of the loop, not a timed wait
+        assert (dispatcher.calls, dispatcher.bytes) == (1, 1000)
+        task.cancel()
+        cancelled = False
+        try:
+            await task
+        except asyncio.CancelledError:  # not pytest.raises: its traceback would hold the request
+            cancelled = True
+        assert cancelled
+        del task
+        assert (dispatcher.calls, dispatcher.bytes) == (0, 0)
+        for _ in range(3):
+            await asyncio.sleep(0)  # asyncio's own callbacks of the cancellation run and let go
+        gc.collect()
+        # The Dispatcher no longer counts it, so nothing may hold it while the worker is stuck.
+        assert ref() is None, "a cancelled call's request is still held"
+        gate.release.set()
+        assert await asyncio.wrap_future(stuck) == "stuck"
+
+    try:
+        asyncio.run(scenario())
+        assert dispatcher.pool.submit(lambda: "after").result(WAIT) == "after"
+        assert ran == []
+    finally:
+        gate.release.set()
+        dispatcher.shutdown()

@@ -446,7 +446,7 @@ class SidecarServer:
         )
 
     def _serve_aio(self, isolator_servicer: IsolatorServicer) -> grpc.aio.Server:
-        """The aio server (isolator/serving.py): Watch waits on an event, the rest runs on the pool."""
+        """The aio server (isolator/serving.py): Watch waits on a future, the rest runs on the pool."""
         cfg = self.config
         dispatcher = self._dispatcher = serving.Dispatcher(cfg.max_workers, cfg.max_concurrent_rpcs)
         service = self.service

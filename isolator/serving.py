@@ -9,7 +9,7 @@ event loop runs on one thread of its own:
 * Cleanup, which frees GPUs, is never refused for load and never waits behind other calls: a free
   worker takes a queued Cleanup before any other queued call, and a lane of its own (threads that
   take nothing else) runs it even when every worker is stuck (``HookPool``);
-* Watch is a coroutine waiting on an event: the core calls back (``IsolatorApi.subscribe``) when
+* Watch is a coroutine waiting on a future: the core calls back (``IsolatorApi.subscribe``) when
   its container goes away or a GPU's health changes, and the Watch re-checks on the pool. An open
   Watch costs a subscription and a coroutine, no thread. It works with no deadline, ends at once
   when its caller cancels, and answers UNAVAILABLE when the server stops;
@@ -452,7 +452,7 @@ def watch_handler(
     empty: Callable[[], Any],
     dispatcher: Dispatcher,
 ) -> Callable[[Any, grpc.aio.ServicerContext], Coroutine[Any, Any, Any]]:
-    """Watch as a wait on an event: subscribe, re-check on each change, answer on a limitation,
+    """Watch as a wait on a future: subscribe, re-check on each change, answer on a limitation,
     an error (the container went away: NOT_FOUND), the caller's deadline or the server's stop."""
 
     async def watch(request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -442,3 +442,51 @@ def test_a_caller_cancelled_while_its_call_is_queued_leaves_the_dispatcher_and_t
     finally:
         gate.release.set()
         dispatcher.shutdown()
+
+
+def test_with_every_worker_and_admission_slot_taken_other_calls_are_refused_but_cleanup_runs():
+    # The Dispatcher's wiring of the pool: Cleanup skips admission and is urgent, so with the one
+    # worker stuck in a Prepare and the one admission slot held by it, a Status is refused at once
+    # (RESOURCE_EXHAUSTED) while a Cleanup runs to completion on the lane.
+    import asyncio
+
+    import grpc
+
+    from isolator.serving import Dispatcher
+
+    class Refused(Exception):
+        pass
+
+    class Context:
+        def peer(self) -> str:
+            return "test"
+
+        def time_remaining(self) -> None:
+            return None
+
+        async def abort(self, code: grpc.StatusCode, details: str) -> None:
+            raise Refused(code, details)
+
+    dispatcher = Dispatcher(workers=1, max_calls=1)
+    gate = Gate()
+
+    async def scenario() -> tuple[object, ...]:
+        loop = asyncio.get_running_loop()
+        prepare = asyncio.ensure_future(dispatcher.run("Prepare", lambda r, c: gate("prepared"), None, Context()))
+        assert await loop.run_in_executor(None, gate.started.wait, WAIT)
+        try:
+            await dispatcher.run("Status", lambda r, c: "status", None, Context())
+            refused: object = None
+        except Refused as exc:
+            refused = exc.args[0]
+        cleaned = await asyncio.wait_for(dispatcher.run("Cleanup", lambda r, c: "cleaned", None, Context()), WAIT)
+        still_stuck = not prepare.done()
+        gate.release.set()
+        return refused, cleaned, still_stuck, await prepare
+
+    try:
+        assert asyncio.run(scenario()) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "cleaned", True, "prepared")
+        assert (dispatcher.calls, dispatcher.bytes) == (0, 0)
+    finally:
+        gate.release.set()
+        dispatcher.shutdown()

@@ -9,7 +9,7 @@ import pytest
 from cgroup_helpers import Prober, hierarchy_mounts, scratch_cgroups_root
 
 from isolator.cgroups.v1 import V1DeviceController
-from isolator.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, HostDevices, container_rules
+from isolator.devices import MESOS_DEFAULT_WHITELIST, ControlDevices, DeviceRule, HostDevices, container_rules
 from isolator.errors import CgroupBusy, CgroupError, CgroupVanished
 from isolator.model import ContainerId
 from isolator.simhost.devnodes import make_device_nodes
@@ -56,6 +56,17 @@ def simulate_mesos_agent(hierarchy: str, cgroups_root: str, container: Container
         with open(os.path.join(path, "devices.allow"), "w") as fh:
             fh.write(str(rule))
     return path
+
+
+def parent_allows_only(hierarchy: str, cgroups_root: str, control: ControlDevices, gpus: list[int]) -> None:
+    """Whitelist the scratch parent cgroup for ``gpus`` only: the kernel then refuses (EPERM) any other
+    GPU in a child, which is how the tests make a write fail midway."""
+    parent = os.path.join(hierarchy, cgroups_root)
+    with open(os.path.join(parent, "devices.deny"), "w") as fh:
+        fh.write("a")
+    for rule in container_rules(control, gpus):
+        with open(os.path.join(parent, "devices.allow"), "w") as fh:
+            fh.write(str(rule))
 
 
 def gpu_access(prober: Prober, host: HostDevices) -> dict[str, str]:
@@ -142,12 +153,7 @@ def test_failed_apply_rolls_back_to_the_previous_rules(
 ) -> None:
     # A parent whose whitelist lacks GPU 3 makes the kernel refuse 'c 195:3' in the child (EPERM).
     control = host.control_devices()
-    parent = os.path.join(hierarchy, cgroups_root)
-    with open(os.path.join(parent, "devices.deny"), "w") as fh:
-        fh.write("a")
-    for rule in container_rules(control, [0, 1, 2]):
-        with open(os.path.join(parent, "devices.allow"), "w") as fh:
-            fh.write(str(rule))
+    parent_allows_only(hierarchy, cgroups_root, control, [0, 1, 2])
     cid = ContainerId.parse("executor-3")
     simulate_mesos_agent(hierarchy, cgroups_root, cid)
     ctl = V1DeviceController(hierarchy, cgroups_root)
@@ -228,12 +234,7 @@ def test_no_descriptor_is_left_open_by_a_refused_write_its_rollback_or_a_vanishe
     import isolator.cgroups.v1 as v1
 
     control = host.control_devices()
-    parent = os.path.join(hierarchy, cgroups_root)
-    with open(os.path.join(parent, "devices.deny"), "w") as fh:
-        fh.write("a")
-    for rule in container_rules(control, [0, 1, 2]):
-        with open(os.path.join(parent, "devices.allow"), "w") as fh:
-            fh.write(str(rule))
+    parent_allows_only(hierarchy, cgroups_root, control, [0, 1, 2])
     cid = ContainerId.parse("fd-count")
     path = simulate_mesos_agent(hierarchy, cgroups_root, cid)
     ctl = V1DeviceController(hierarchy, cgroups_root)

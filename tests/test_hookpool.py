@@ -16,6 +16,23 @@ from isolator.serving import HookPool
 WAIT = 30.0
 
 
+class Refused(Exception):
+    """What ``FakeContext.abort`` raises: (code, details)."""
+
+
+class FakeContext:
+    """The part of ``grpc.aio.ServicerContext`` the Dispatcher uses."""
+
+    def peer(self) -> str:
+        return "test"
+
+    def time_remaining(self) -> None:
+        return None
+
+    async def abort(self, code: object, details: str) -> None:
+        raise Refused(code, details)
+
+
 class Gate:
     """A call that blocks until released, and says when it started."""
 
@@ -393,13 +410,6 @@ def test_a_caller_cancelled_while_its_call_is_queued_leaves_the_dispatcher_and_t
 
     from isolator.serving import Dispatcher
 
-    class Context:
-        def peer(self) -> str:
-            return "test"
-
-        def time_remaining(self) -> None:
-            return None
-
     class Request:
         def ByteSize(self) -> int:
             return 1000
@@ -413,7 +423,7 @@ def test_a_caller_cancelled_while_its_call_is_queued_leaves_the_dispatcher_and_t
         assert await asyncio.wrap_future(asyncio.get_running_loop().run_in_executor(None, gate.started.wait, WAIT))
         request = Request()
         ref = weakref.ref(request)
-        task = asyncio.ensure_future(dispatcher.run("Prepare", lambda r, c: ran.append("ran"), request, Context()))
+        task = asyncio.ensure_future(dispatcher.run("Prepare", lambda r, c: ran.append("ran"), request, FakeContext()))
         del request
         while dispatcher.calls == 0:
             await asyncio.sleep(0)  # a turn of the loop, not a timed wait
@@ -454,32 +464,19 @@ def test_with_every_worker_and_admission_slot_taken_other_calls_are_refused_but_
 
     from isolator.serving import Dispatcher
 
-    class Refused(Exception):
-        pass
-
-    class Context:
-        def peer(self) -> str:
-            return "test"
-
-        def time_remaining(self) -> None:
-            return None
-
-        async def abort(self, code: grpc.StatusCode, details: str) -> None:
-            raise Refused(code, details)
-
     dispatcher = Dispatcher(workers=1, max_calls=1)
     gate = Gate()
 
     async def scenario() -> tuple[object, ...]:
         loop = asyncio.get_running_loop()
-        prepare = asyncio.ensure_future(dispatcher.run("Prepare", lambda r, c: gate("prepared"), None, Context()))
+        prepare = asyncio.ensure_future(dispatcher.run("Prepare", lambda r, c: gate("prepared"), None, FakeContext()))
         assert await loop.run_in_executor(None, gate.started.wait, WAIT)
         try:
-            await dispatcher.run("Status", lambda r, c: "status", None, Context())
+            await dispatcher.run("Status", lambda r, c: "status", None, FakeContext())
             refused: object = None
         except Refused as exc:
             refused = exc.args[0]
-        cleaned = await asyncio.wait_for(dispatcher.run("Cleanup", lambda r, c: "cleaned", None, Context()), WAIT)
+        cleaned = await asyncio.wait_for(dispatcher.run("Cleanup", lambda r, c: "cleaned", None, FakeContext()), WAIT)
         still_stuck = not prepare.done()
         gate.release.set()
         return refused, cleaned, still_stuck, await prepare

@@ -613,9 +613,7 @@ class _Search:
         # A member of such a set pairs at t or better with k-1 others of the pool: drop those that
         # cannot, until none is left to drop (then too few left means no such set).
         while True:
-            inpool = 0
-            for c in pool:
-                inpool |= 1 << c
+            inpool = _bits(pool)
             partners = [self._partners(c, t, inpool) for c in pool]
             keep = [c for i, c in enumerate(pool) if partners[i] >= self.k - 1]
             if len(keep) < self.k:
@@ -676,9 +674,7 @@ class _Search:
             return
         # Potential of each candidate: twice its gain plus its best left-1 tiers into the pool
         # (each pair among later picks is shared by two picks, hence the halving below).
-        inpool = 0
-        for c in pool:
-            inpool |= 1 << c
+        inpool = _bits(pool)
         potential = {}
         for c in pool:
             top, want = 0, left - 1
@@ -932,11 +928,12 @@ def _mirrors(
     return tuple(out)
 
 
-def _interchangeable(fabric: Fabric, cands: list[int]) -> dict[int, frozenset[int]]:
-    """The symmetry rule's classes among ``cands``: for each, the lower candidates it can be
-    swapped with (Fabric.twins restricted to the candidates)."""
-    among = frozenset(cands)
-    return {c: fabric.twins[c] & among for c in cands}
+def _bits(positions: Iterable[int]) -> int:
+    """A set of positions as a bit mask (bit ``c`` set for each position ``c``)."""
+    mask = 0
+    for c in positions:
+        mask |= 1 << c
+    return mask
 
 
 def _greedy(score: tuple[tuple[int, ...], ...], fixed: list[int], cands: list[int], k: int) -> tuple[int, ...]:

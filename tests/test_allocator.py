@@ -35,7 +35,6 @@ from isolator.allocator import (
     Choice,
     Fabric,
     SearchLimits,
-    _interchangeable,
     choose,
     pair_points,
     pair_tier,
@@ -680,7 +679,9 @@ def test_minors_need_not_equal_indices():
 
 
 def interchangeable_classes(fabric: Fabric, cands) -> set[frozenset[int]]:
-    lower = _interchangeable(fabric, sorted(cands))
+    # Fabric.twins: for each GPU, the lower ones it can be swapped with; restricted to the candidates.
+    among = frozenset(cands)
+    lower = {c: fabric.twins[c] & among for c in sorted(among)}
     return {frozenset({c, *lower[c]}) for c in lower if not any(c in lower[d] for d in lower)}
 
 

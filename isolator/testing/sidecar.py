@@ -92,15 +92,21 @@ class Sidecar:
         self.proc = subprocess.Popen(self.argv(), stderr=log, stdout=log, text=True)
         deadline = time.monotonic() + timeout
         with grpc.insecure_channel(self.address) as ch:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"the sidecar exited {self.proc.returncode}: {self.log()}")
-                try:
-                    grpc.channel_ready_future(ch).result(timeout=0.5)
-                    break
-                except grpc.FutureTimeoutError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"the sidecar did not start: {self.log()}") from None
+            # One readiness future for the whole wait, cancelled before the channel closes: an
+            # abandoned one keeps a thread polling the channel, which then fails on the closed channel.
+            ready = grpc.channel_ready_future(ch)
+            try:
+                while True:
+                    if self.proc.poll() is not None:
+                        raise RuntimeError(f"the sidecar exited {self.proc.returncode}: {self.log()}")
+                    try:
+                        ready.result(timeout=0.5)
+                        break
+                    except grpc.FutureTimeoutError:
+                        if time.monotonic() > deadline:
+                            raise RuntimeError(f"the sidecar did not start: {self.log()}") from None
+            finally:
+                ready.cancel()
         return self
 
     def log(self) -> str:

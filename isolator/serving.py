@@ -273,14 +273,12 @@ class Dispatcher:
     """
 
     def __init__(self, workers: int, max_calls: int, max_bytes: int = MAX_BYTES_IN_FLIGHT) -> None:
-        self.workers = workers
         self.max_calls = max_calls
         self.max_bytes = max_bytes
         self.pool = HookPool(workers, CLEANUP_LANE)
         self.calls = 0  # admitted, running or waiting for a worker
         self.bytes = 0
         self._burst = 0  # the most bytes held since memory was last given back
-        self.watches = 0
         self.watch_burst = 0  # the most Watch calls open since memory was last given back
         self.stopping = False  # set on the loop when the server stops: open Watches answer UNAVAILABLE
         self._wakers: set[_Waker] = set()  # those of the open Watch calls
@@ -320,9 +318,18 @@ class Dispatcher:
         for waker in list(self._wakers):
             waker.set(_CLOSING)
 
-    def watch_ended(self) -> None:
-        self.watches -= 1
-        if self.watches == 0 and self.watch_burst >= TRIM_AFTER_WATCHES:
+    @property
+    def watches(self) -> int:
+        """Watch calls open now."""
+        return len(self._wakers)
+
+    def watch_started(self, waker: _Waker) -> None:
+        self._wakers.add(waker)
+        self.watch_burst = max(self.watch_burst, self.watches)
+
+    def watch_ended(self, waker: _Waker) -> None:
+        self._wakers.discard(waker)
+        if not self._wakers and self.watch_burst >= TRIM_AFTER_WATCHES:
             self.watch_burst = 0
             self._trim()
 
@@ -465,9 +472,7 @@ def watch_handler(
             container = None  # a malformed ID: the check below answers INVALID_ARGUMENT
         waker = _Waker(loop)
         unsubscribe = subscribe(waker.threadsafe, container)
-        dispatcher.watches += 1
-        dispatcher.watch_burst = max(dispatcher.watch_burst, dispatcher.watches)
-        dispatcher._wakers.add(waker)
+        dispatcher.watch_started(waker)
         try:
             remaining = _remaining(context)
             # Answer "no limitation yet" a little before the caller's deadline rather than racing it.
@@ -484,9 +489,8 @@ def watch_handler(
                     return empty()
                 await waker.wait(wait)
         finally:
-            dispatcher._wakers.discard(waker)
             unsubscribe()
-            dispatcher.watch_ended()
+            dispatcher.watch_ended(waker)
 
     return watch
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from isolator.errors import (
@@ -164,9 +164,11 @@ class Fabric:
             LOG.warning("topology: %s", line)
         tier_rows = tuple(tuple(row) for row in tiers)
         groups = host_groups(tier_rows)
+        numa = tuple(g.numa_node for g in gpus)
+        members = tuple(tuple(p for p in range(n) if g >> p & 1) for g in groups)
         return cls(
             minors=minors,
-            numa=tuple(g.numa_node for g in gpus),
+            numa=numa,
             score=tuple(tuple(row) for row in matrix),
             repairs=tuple(repairs),
             position={m: p for p, m in enumerate(minors)},
@@ -175,9 +177,9 @@ class Fabric:
             ancestors=tuple(tuple(i for i, g in enumerate(groups) if g >> p & 1) for p in range(n)),
             by_tier=tuple(_by_tier(tier_rows[c], c) for c in range(n)),
             max_gap=max((matrix[a][b] - tiers[a][b] for a in range(n) for b in range(a)), default=0),
-            members=tuple(tuple(p for p in range(n) if g >> p & 1) for g in groups),
-            twins=_twins(matrix, tiers, [g.numa_node for g in gpus], groups),
-            mirrors=_mirrors(matrix, tiers, [g.numa_node for g in gpus], groups),
+            members=members,
+            twins=_twins(matrix, tiers, numa, groups),
+            mirrors=_mirrors(matrix, tiers, numa, groups, members),
             row_sum=tuple(sum(row) for row in matrix),
         )
 
@@ -864,7 +866,7 @@ class _Search:
 
 
 def _twins(
-    score: list[list[int]], tier: list[list[int]], numa: list[int | None], groups: tuple[int, ...]
+    score: list[list[int]], tier: list[list[int]], numa: Sequence[int | None], groups: tuple[int, ...]
 ) -> tuple[frozenset[int], ...]:
     """For each position, the lower positions interchangeable with it: the same tier and exact score
     to every other GPU, the same NUMA node and the same groups. Swapping two such GPUs in a set
@@ -895,7 +897,11 @@ def _twins(
 
 
 def _mirrors(
-    score: list[list[int]], tier: list[list[int]], numa: list[int | None], groups: tuple[int, ...]
+    score: list[list[int]],
+    tier: list[list[int]],
+    numa: Sequence[int | None],
+    groups: tuple[int, ...],
+    members: tuple[tuple[int, ...], ...],
 ) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Sibling groups that the host maps onto each other: for a group whose parts are exactly two of
     the same size, the swap of the parts in minor order (i-th onto i-th), kept when it preserves
@@ -903,7 +909,6 @@ def _mirrors(
     swap changes no rule's value of a set whose free and held GPUs it maps onto themselves, so the
     best set is never above its image in rule 7's order."""
     n = len(score)
-    members = [[p for p in range(n) if g >> p & 1] for g in groups]
     out = []
     for whole in members:
         parts = [m for m in members if set(m) < set(whole) and not any(set(m) < set(o) < set(whole) for o in members)]
@@ -921,7 +926,7 @@ def _mirrors(
             for y in range(n)
         ):
             continue
-        if {sum(1 << image[p] for p in m) for m in members} != set(groups):
+        if {_bits(image[p] for p in m) for m in members} != set(groups):
             continue
         pairs = sorted({(min(p, image[p]), max(p, image[p])) for p in range(n) if image[p] != p})
         out.append(tuple(pairs))

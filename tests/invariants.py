@@ -46,6 +46,15 @@ print(json.dumps(out))
 """
 
 
+def proc_status(pid: int, key: str) -> int:
+    """A number from /proc/<pid>/status: ``Threads``, or a size in KiB such as ``VmRSS``, ``VmHWM``."""
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise AssertionError(f"no {key} in /proc/{pid}/status")
+
+
 def probe_grants(cgroup: str, dev_root: str, minors: range) -> frozenset[int]:
     """GPU minors a process in ``cgroup`` may open, by trying each node."""
     names = [f"nvidia{m}" for m in minors]

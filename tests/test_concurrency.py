@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from invariants import Observer, probe_grants, quick_sidecar
+from invariants import Observer, probe_grants, proc_status, quick_sidecar
 
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
@@ -130,14 +130,6 @@ def gpu_resource(n: int) -> dict[str, object]:
     return {"name": "gpus", "type": "SCALAR", "scalar": {"value": n}, "role": "*"}
 
 
-def rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmRSS")
-
-
 @pytest.mark.cgroup_v1
 def test_a_flood_of_calls_beyond_the_in_flight_limit_gets_resource_exhausted_and_memory_stays_bounded():
     limit = 4
@@ -163,7 +155,7 @@ def test_a_flood_of_calls_beyond_the_in_flight_limit_gets_resource_exhausted_and
 
         with grpc.insecure_channel(sidecar.address) as ch:
             first = wave(ch, status, 64, 10)
-            before = rss_kib(sidecar.proc.pid)
+            before = proc_status(sidecar.proc.pid, "VmRSS")
             refused = 0
             for _ in range(3):
                 # One worker, four calls admitted at once: the rest are refused at once, not queued.
@@ -176,7 +168,7 @@ def test_a_flood_of_calls_beyond_the_in_flight_limit_gets_resource_exhausted_and
             # four slots could have held open at once).
             watched = wave(ch, watch, 600, 2)
             assert set(watched) <= {"OK", "DEADLINE_EXCEEDED"} and watched.count("OK") > 2 * limit, watched
-            after = rss_kib(sidecar.proc.pid)
+            after = proc_status(sidecar.proc.pid, "VmRSS")
         assert refused > 0 and first.count("OK") >= limit, (refused, first)
         # 1800 calls over the limit later, the daemon has not grown with them (a queue would hold them all).
         assert after - before < 32 * 1024, (before, after)

@@ -16,6 +16,7 @@ import time
 
 import grpc
 import pytest
+from invariants import proc_status
 
 from isolator import bridge, bridge_server, peergate
 from isolator.config import Config
@@ -33,16 +34,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def gpus(n: int) -> dict[str, object]:
     return {"resources": [{"name": "gpus", "type": "SCALAR", "scalar": {"value": n}, "role": "*"}]}
-
-
-def threads_of(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        return int(next(line for line in fh if line.startswith("Threads:")).split()[1])
-
-
-def status_kib(pid: int, key: str) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        return int(next(line for line in fh if line.startswith(key + ":")).split()[1])
 
 
 def until(predicate, timeout: float = 60.0) -> None:
@@ -101,7 +92,7 @@ def test_open_watches_take_no_worker_so_health_and_hooks_answer_and_cancelling_t
         try:
             isolator.prepare(container_id("watched"), gpus(1))
             admin.Health(pb.HealthRequest(), timeout=10)
-            threads = threads_of(sidecar.proc.pid)
+            threads = proc_status(sidecar.proc.pid, "Threads")
             request = pb.WatchRequest(container_id=pb.ContainerID(value="watched"))
             watches = [stub.Watch.future(request) for _ in range(64)]
             time.sleep(1.0)
@@ -111,11 +102,11 @@ def test_open_watches_take_no_worker_so_health_and_hooks_answer_and_cancelling_t
             isolator.prepare(container_id("other"), gpus(1))
             isolator.cleanup(container_id("other"))
             # No thread per open Watch: at most the four workers (started on demand) and a couple more.
-            assert threads_of(sidecar.proc.pid) <= threads + 4 + 2
+            assert proc_status(sidecar.proc.pid, "Threads") <= threads + 4 + 2
             for w in watches:
                 w.cancel()
             assert all(w.cancelled() for w in watches)
-            until(lambda: threads_of(sidecar.proc.pid) <= threads + 4 + 2)
+            until(lambda: proc_status(sidecar.proc.pid, "Threads") <= threads + 4 + 2)
             admin.Health(pb.HealthRequest(), timeout=10)
         finally:
             isolator.cleanup(container_id("watched"))
@@ -378,7 +369,7 @@ def test_concurrent_requests_of_the_largest_allowed_size_do_not_balloon_memory()
                 )
             assert too_big.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             pb_grpc.AdminStub(channel).Health(pb.HealthRequest(), timeout=10)
-            rest = status_kib(pid, "VmRSS")
+            rest = proc_status(pid, "VmRSS")
             for wave in range(3):
                 futures = [
                     stub.Prepare.future(
@@ -399,9 +390,9 @@ def test_concurrent_requests_of_the_largest_allowed_size_do_not_balloon_memory()
                 for i, code in enumerate(codes):
                     if code == "OK":
                         stub.Cleanup(pb.CleanupRequest(container_id=pb.ContainerID(value=f"m{wave}-{i}")), timeout=20)
-            peak = status_kib(pid, "VmHWM")
+            peak = proc_status(pid, "VmHWM")
             # 100 requests of 256 KiB are 25 MiB; today's daemon peaked at 2.5 GiB with 4 MiB ones.
             assert peak - rest < 200 * 1024, (rest, peak)
-            until(lambda: status_kib(pid, "VmRSS") - rest < 64 * 1024)
+            until(lambda: proc_status(pid, "VmRSS") - rest < 64 * 1024)
         finally:
             channel.close()

@@ -1,5 +1,5 @@
 import sys
 
-from isolator.cli import main
+from isolator.cli.main import main
 
 sys.exit(main())

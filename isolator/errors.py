@@ -159,7 +159,7 @@ class DeviceProgramConflict(FailedPrecondition):
     )
 
 
-# ---- Allocation and allocation state (isolator/allocator.py, isolator/state.py) ----------------
+# ---- Allocation and allocation state (isolator/policy/allocator.py, isolator/host/state.py) ----------------
 
 
 class InvalidGpuCount(InvalidArgument, ValueError):

@@ -4,7 +4,7 @@
 Policies: `first-fit` (Mesos), a go-gpuallocator-style partition baseline written here from the
 description in reference/k8s-topology.md §1.4 (a baseline only, not a product feature), and
 `topology`. Hosts come from isolator/simhost/hosts/*.toml through the real inventory path (the
-simulated host's fake NVML read by isolator.nvml.Inventory). Part of `make bench` (scripts/bench.py).
+simulated host's fake NVML read by isolator.gpu.nvml.Inventory). Part of `make bench` (scripts/bench.py).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from dataclasses import replace
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-from isolator.allocator import FIRST_FIT, TOPOLOGY, Fabric, choose  # noqa: E402
 from isolator.model import Link, Topology  # noqa: E402
+from isolator.policy.allocator import FIRST_FIT, TOPOLOGY, Fabric, choose  # noqa: E402
 from isolator.simhost.host import HostSpec  # noqa: E402
 
 SIZES = (1, 2, 4, 8)
@@ -146,9 +146,9 @@ def shipped_topologies(work: str | None = None) -> tuple[dict[str, Topology], di
     """Every shipped simulated host as the sidecar sees it, and as the partition baseline sees it.
 
     The topology comes through the real inventory path: the host's fake NVML (built from its TOML)
-    loaded by pynvml and read by isolator.nvml.Inventory, exactly as the daemon reads it.
+    loaded by pynvml and read by isolator.gpu.nvml.Inventory, exactly as the daemon reads it.
     """
-    from isolator.nvml import Inventory
+    from isolator.gpu.nvml import Inventory
     from isolator.simhost.host import shipped_hosts
     from isolator.simhost.sim import SimulatedHost
 
@@ -574,8 +574,8 @@ def decision_times(patterns: int = 40, seed: int = 11) -> dict:
 
 def state_recovery_seconds(count: int = 10_000) -> float:
     """Seconds to open the store and load `count` recorded containers (written beforehand)."""
+    from isolator.host.state import ContainerRecord, StateStore
     from isolator.model import ContainerId
-    from isolator.state import ContainerRecord, StateStore
 
     with tempfile.TemporaryDirectory(prefix="gi-bench-") as directory:
         with StateStore(directory, durable=False) as store:

@@ -18,11 +18,11 @@ import tempfile
 import time
 from typing import Any
 
-from isolator import bridge
-from isolator.config import Config
+from isolator.bridge.command import command as bridge
+from isolator.daemon.config import Config
 from isolator.model import ContainerConfig, ContainerId, LaunchInfo
-from isolator.server import SidecarServer
 from isolator.testing import StubService
+from isolator.transport.server import SidecarServer
 
 PREPARE_INPUT = {
     "container_id": {"value": "bench"},
@@ -37,7 +37,7 @@ PREPARE_INPUT = {
 CONSOLE_SCRIPT = """\
 #!{python}
 import sys
-from isolator.bridge import main
+from isolator.bridge.command import main
 sys.exit(main(socket_path={socket!r}))
 """
 

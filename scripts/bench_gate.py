@@ -22,14 +22,14 @@ import time
 
 import grpc
 
-from isolator import peergate
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
+from isolator.transport import peergate
 
 SERVER = """
 import signal, sys, threading
-from isolator.config import Config
-from isolator.server import SidecarServer
+from isolator.daemon.config import Config
+from isolator.transport.server import SidecarServer
 from isolator.testing import StubService
 class Quick(StubService):
     def cleanup(self, container_id):

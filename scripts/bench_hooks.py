@@ -32,7 +32,7 @@ if ROOT not in sys.path:
 
 from isolator.cgroups import bpf, bpfprog  # noqa: E402
 from isolator.cgroups.detect import read_mounts  # noqa: E402
-from isolator.devices import DeviceRule, HostDevices, container_rules  # noqa: E402
+from isolator.policy.devices import DeviceRule, HostDevices, container_rules  # noqa: E402
 from isolator.testing.cgroupfs import TEST_PARENT, cgroup_mount  # noqa: E402
 
 HOST_GPUS = 64  # one GPU per client even at 64 clients; the fake NVML's limit (fakenvml.c MAX_GPUS)
@@ -205,8 +205,8 @@ def raw_cycles(version: str, cycles: int, dev_root: str) -> dict[str, float]:
 @contextlib.contextmanager
 def in_process_service(version: str, host_file: str, relative_root: str, work: str) -> Iterator[Any]:
     """IsolatorService from the composition root, logging at info to a file as the daemon does."""
-    from isolator.config import Config
-    from isolator.main import build_service
+    from isolator.daemon.config import Config
+    from isolator.daemon.main import build_service
 
     config = Config(
         socket=os.path.join(work, "s.sock"),
@@ -283,8 +283,8 @@ def in_process_cycles(version: str, cycles: int, host_file: str, work: str, warm
 def durable_commit_ms(directory: str, commits: int = 100) -> float:
     """Median milliseconds of one durable state-store transaction (WAL, synchronous=FULL: an
     fsync), on the filesystem the daemon's state lives on. A cycle makes three."""
+    from isolator.host.state import ContainerRecord, StateStore
     from isolator.model import ContainerId
-    from isolator.state import ContainerRecord, StateStore
 
     samples = []
     with StateStore(tempfile.mkdtemp(prefix="state-", dir=directory)) as store:

@@ -218,7 +218,7 @@ def throughput_part(side: Any, sleepers: Any, cycles: dict[int, int]) -> dict[st
 
 
 def _bridge_cleanup(work: str, bridge_path: str, value: str) -> tuple[int, float, str]:
-    from isolator import bridge
+    from isolator.bridge.command import command as bridge
 
     directory = os.path.join(work, "bin")
     if not os.path.exists(os.path.join(directory, bridge.LAUNCHER)):
@@ -304,7 +304,7 @@ def hog_part(side: Any, idle: int, trickling: int) -> dict[str, Any]:
 
 
 def load(version: str, sizes: dict[str, Any], log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    from isolator.config import Config
+    from isolator.daemon.config import Config
     from isolator.testing.sidecar import running_sidecar
 
     max_bytes = Config().max_message_bytes

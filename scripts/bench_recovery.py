@@ -2,7 +2,7 @@
 """Recovery: time from the daemon's process start to SERVING with N recorded containers, and the
 Recover call Mesos makes after an agent restart, on a simulated host in mesos mode.
 
-The state store is filled beforehand through isolator.state.StateStore with records whose cgroups do
+The state store is filled beforehand through isolator.host.state.StateStore with records whose cgroups do
 not exist (the containers are gone with the old agent): a few hold one GPU each, the rest none, so
 the records agree with the host's GPU count. At start the daemon loads the store and books every
 recorded GPU (isolator.core.recovery.Recovery.restore) before it serves; its fixed start cost (imports, simulated
@@ -29,10 +29,10 @@ if ROOT not in sys.path:
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
+from isolator.host.state import ContainerRecord, StateStore  # noqa: E402
 from isolator.model import ContainerId  # noqa: E402
 from isolator.rpc import isolator_pb2 as pb  # noqa: E402
 from isolator.rpc import isolator_pb2_grpc as pb_grpc  # noqa: E402
-from isolator.state import ContainerRecord, StateStore  # noqa: E402
 
 HOST = "dgx-1"
 HOST_GPUS = 8
@@ -52,7 +52,7 @@ def populate(state_dir: str, count: int, cgroups_root: str) -> list[ContainerId]
     from isolator.testing.cgroupfs import cgroup_mount
 
     ids = [ContainerId.parse(f"recovered-{i:05d}") for i in range(count)]
-    from isolator.devices import MESOS_DEFAULT_WHITELIST
+    from isolator.policy.devices import MESOS_DEFAULT_WHITELIST
 
     parent = os.path.join(cgroup_mount("v1"), cgroups_root)
     whitelist = [str(rule) for rule in MESOS_DEFAULT_WHITELIST]

@@ -42,9 +42,9 @@ MODULES = (
     Module("bpfprog", "isolator/cgroups/bpfprog.py", ("tests/test_bpfprog.py",)),
     Module("inject", "volumes/inject.py", ("tests/test_volume_inject.py",)),
     Module("plan", "volumes/plan.py", ("tests/test_volume_plan.py",)),
-    Module("gpuflags", "isolator/gpuflags.py", ("tests/test_gpuflags.py",)),
-    Module("devices", "isolator/devices.py", ("tests/test_devices.py",)),
-    Module("allocator", "isolator/allocator.py", ("tests/test_allocator.py",)),
+    Module("gpuflags", "isolator/policy/gpuflags.py", ("tests/test_gpuflags.py",)),
+    Module("devices", "isolator/policy/devices.py", ("tests/test_devices.py",)),
+    Module("allocator", "isolator/policy/allocator.py", ("tests/test_allocator.py",)),
 )
 
 # Verdicts that count as "the tests noticed": a failing test, or a hang the timeout caught (a mutant
@@ -135,7 +135,7 @@ def changed_lines(diff: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def function_of(mutant: str) -> str:
-    """`isolator.gpuflags.x_parse__mutmut_3` -> `parse`; methods: `xǁClassǁmethod__mutmut_3` -> `Class.method`."""
+    """`policy.gpuflags.x_parse__mutmut_3` -> `parse`; methods: `xǁClassǁmethod__mutmut_3` -> `Class.method`."""
     mangled = mutant.rsplit("__mutmut_", 1)[0].rsplit(".", 1)[1]
     if mangled.startswith("xǁ"):
         return ".".join(mangled[2:].split("ǁ"))

@@ -27,8 +27,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from isolator.cgroups import bpf
 from isolator.errors import BpfError
-from isolator.server import socket_is_live
 from isolator.testing.sidecar import TEST_PARENT, Sidecar
+from isolator.transport.server import socket_is_live
 
 PROBE = """
 import errno, json, os, sys

@@ -27,7 +27,17 @@ from topologies import (
     workstation,
 )
 
-from isolator.allocator import (
+from isolator.errors import (
+    GpusExhausted,
+    GpusNotAllocated,
+    GpusNotAvailable,
+    InvalidArgument,
+    InvalidGpuCount,
+    InvalidTopology,
+    UnknownGpus,
+)
+from isolator.model import Gpu, Link, PcieLevel, Resource, Topology, gpu_count
+from isolator.policy.allocator import (
     FIRST_FIT,
     NO_PAIRS,
     TOPOLOGY,
@@ -40,16 +50,6 @@ from isolator.allocator import (
     pair_tier,
     plan_update,
 )
-from isolator.errors import (
-    GpusExhausted,
-    GpusNotAllocated,
-    GpusNotAvailable,
-    InvalidArgument,
-    InvalidGpuCount,
-    InvalidTopology,
-    UnknownGpus,
-)
-from isolator.model import Gpu, Link, PcieLevel, Resource, Topology, gpu_count
 
 UNLIMITED = SearchLimits(max_candidates=10**9)
 # Tests that expect a particular set search without a budget (the default one is deterministic too,
@@ -1073,7 +1073,7 @@ def test_repairs_are_listed_and_logged_one_line_each(caplog):
         (1, 9): Link(PcieLevel.SINGLE, 4),
         (2, 2): Link(PcieLevel.SINGLE),
     }
-    with caplog.at_level("WARNING", logger="isolator.allocator"):
+    with caplog.at_level("WARNING", logger="isolator.policy.allocator"):
         fabric = Fabric.of(Topology(gpus=gpus, links=links))
     assert fabric.repairs == (
         "link (1, 0) differs by direction (250 vs 150); using the weaker",

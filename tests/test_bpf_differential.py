@@ -52,8 +52,8 @@ from isolator.cgroups.bpfprog import (
     Request,
     UnsupportedProgram,
 )
-from isolator.devices import DeviceRule
 from isolator.errors import BpfError
+from isolator.policy.devices import DeviceRule
 
 pytestmark = [pytest.mark.root, pytest.mark.cgroup_v2]
 

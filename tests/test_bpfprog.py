@@ -20,7 +20,7 @@ from isolator.cgroups.bpfprog import (
     disassemble,
     evaluate,
 )
-from isolator.devices import DeviceRule, parse_rules, permits
+from isolator.policy.devices import DeviceRule, parse_rules, permits
 
 # Each line is one struct bpf_insn, written out by hand from bpf.h: code, src<<4|dst, off (le16),
 # imm (le32). The comments are what `bpftool prog dump xlated` prints for them.

@@ -24,12 +24,13 @@ from typing import Any
 
 import pytest
 
-from isolator import bridge, config
-from isolator.config import Config
+from isolator.bridge.command import command as bridge
+from isolator.daemon import config
+from isolator.daemon.config import Config
 from isolator.errors import AlreadyExists, Internal, NotFound, SocketError
 from isolator.model import ContainerConfig, ContainerId, GpuUsage, LaunchInfo, Limitation, Mount, Usage, gpu_count
-from isolator.server import SidecarServer
 from isolator.testing import StubService
+from isolator.transport.server import SidecarServer
 
 MS_RDONLY, MS_BIND, MS_REC = 1, 4096, 16384
 
@@ -670,13 +671,13 @@ def _call_as(uid: int, gid: int, path: str, data: bytes) -> bytes:
 
 def test_bridge_client_loads_no_json_grpc_or_protobuf(bin_dir):
     probe = (
-        "import sys; sys.path.append(sys.argv[1]); import isolator.bridge;"
+        "import sys; sys.path.append(sys.argv[1]); import isolator.bridge.command;"
         " sys.stderr.write(' '.join(sorted(sys.modules)))"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(bridge.__file__)))
     result = subprocess.run([sys.executable, "-I", "-S", "-c", probe, root], capture_output=True, text=True)
     loaded = set(result.stderr.split())
-    assert "isolator.bridge" in loaded
+    assert "isolator.bridge.command" in loaded
     assert loaded.isdisjoint({"json", "grpc", "google", "google.protobuf", "socket", "os", "enum", "re"})
 
 
@@ -718,7 +719,7 @@ def test_install_writes_a_launcher_that_skips_site_and_one_link_per_method(short
     ],
 )
 def test_the_bridge_refuses_a_boolean_where_mesos_writes_a_number(request_type: str, payload: str, where: str) -> None:
-    from isolator.bridge_server import decode_input
+    from isolator.bridge.listener import decode_input
     from isolator.errors import InvalidArgument
     from isolator.rpc import isolator_pb2
 

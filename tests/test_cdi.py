@@ -16,11 +16,11 @@ from jsonschema import Draft7Validator
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT7
 
-from isolator import cdi
-from isolator.config import Config
+from isolator.daemon.config import Config
+from isolator.daemon.main import CdiKeeper, generate_cdi
 from isolator.errors import FailedPrecondition, InvalidArgument
-from isolator.main import CdiKeeper, generate_cdi
-from isolator.nvml import Inventory
+from isolator.exporters import cdi
+from isolator.gpu.nvml import Inventory
 from isolator.simhost.sim import SimulatedHost
 from volumes.manager import VolumeManager
 
@@ -241,7 +241,7 @@ def test_cdi_dir_keeps_the_spec_current_when_a_gpu_turns_unhealthy(short_tmp, a1
 
 
 def test_resources_command_prints_the_agent_entries(short_tmp, capsys):
-    from isolator.cli import main
+    from isolator.cli.main import main
 
     args = ["resources", "--simulate", "dgx-a100", "--work-dir", os.path.join(short_tmp, "w")]
     assert main(args) == 0

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from hostexpect import topology_json
 
-from isolator import cli
+from isolator.cli.main import main as cli
 from isolator.simhost.host import load_host
 from isolator.testing.mesos import Containerizer, GrpcIsolator, container_id
 from isolator.testing.sidecar import Sidecar, running_sidecar
@@ -105,9 +105,8 @@ def _table(text: str, first: str) -> list[dict[str, str]]:
 
 def _subprocess(argv: list[str], user: int | None = None, **kw: Any) -> subprocess.CompletedProcess[str]:
     """The CLI as its own process; as ``user`` it runs the system interpreter (root's is not readable)."""
-    code = (
-        f"import sys; sys.path[:0] = [{WORKTREE!r}, {SITE!r}]; from isolator.cli import main; sys.exit(main({argv!r}))"
-    )
+    entry = "from isolator.cli.main import main"
+    code = f"import sys; sys.path[:0] = [{WORKTREE!r}, {SITE!r}]; {entry}; sys.exit(main({argv!r}))"
     python = sys.executable if user is None else "/usr/bin/python3.11"
     prefix = [] if user is None else ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"]
     return subprocess.run([*prefix, python, "-c", code], text=True, timeout=60, cwd="/", **kw)
@@ -491,7 +490,7 @@ def test_on_cgroup_v2_describe_names_the_attached_device_program_and_health_agre
 
 
 def test_containers_table_says_how_many_gpus_and_which_and_why_none():
-    from isolator.cli import render
+    from isolator.cli.main import render
 
     data = {
         "containers": [

@@ -4,8 +4,8 @@ import re
 
 import pytest
 
-from isolator import config as configmod
-from isolator.cli import build_parser
+from isolator.cli.main import build_parser
+from isolator.daemon import config as configmod
 from isolator.errors import ConfigError
 
 

@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 
-from isolator.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, container_rules
 from isolator.errors import (
     CgroupBusy,
     CgroupError,
@@ -28,8 +27,9 @@ from isolator.errors import (
     GpuAlreadyHeld,
     InvalidArgument,
 )
+from isolator.host.system import LocalFilesystem, ProcProcesses, SystemClock
 from isolator.model import ContainerId, ContainerRecord, Topology
-from isolator.system import LocalFilesystem, ProcProcesses, SystemClock
+from isolator.policy.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, container_rules
 from isolator.testing import (
     FakeCgroups,
     FakeDeviceNodes,
@@ -326,7 +326,7 @@ def store(request, tmp_path) -> Iterator[FakeStore]:
     if request.param == "fake":
         yield FakeStore()
         return
-    from isolator.state import StateStore
+    from isolator.host.state import StateStore
 
     real = StateStore(str(tmp_path / "state"))
     try:
@@ -497,7 +497,7 @@ def test_clock_sleep_moves_monotonic_time_forward(kind: str) -> None:
 
 @pytest.mark.parametrize("name", ["dgx-1", "dgx-a100", "workstation-4"])
 def test_fake_inventory_of_a_host_agrees_with_nvml_on_the_simulated_host(name: str, short_tmp: str) -> None:
-    from isolator.nvml import Inventory
+    from isolator.gpu.nvml import Inventory
     from isolator.simhost.sim import SimulatedHost
 
     host = SimulatedHost(name, os.path.join(short_tmp, name)).setup(make_devices=False)
@@ -530,7 +530,7 @@ def test_fake_inventory_reports_an_xid_to_subscribers() -> None:
 
 @pytest.mark.root
 def test_fake_device_nodes_agree_with_the_nodes_a_driver_makes(short_tmp: str) -> None:
-    from isolator.devices import HostDevices
+    from isolator.policy.devices import HostDevices
     from isolator.simhost import devnodes
 
     dev = os.path.join(short_tmp, "dev")

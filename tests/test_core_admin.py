@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from isolator.devices import NVIDIA_MAJOR, DeviceRule, permits
 from isolator.errors import FailedPrecondition, NotFound
+from isolator.host.system import EmptyInventory
 from isolator.model import ContainerConfig, ContainerId, Resource, Topology
-from isolator.system import EmptyInventory
+from isolator.policy.devices import NVIDIA_MAJOR, DeviceRule, permits
 from isolator.testing import FakeInventory, Rig, fake_service
 
 

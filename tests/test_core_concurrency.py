@@ -14,9 +14,9 @@ from collections.abc import Callable
 import pytest
 
 from isolator.core.locks import ContainerLocks
-from isolator.devices import NVIDIA_MAJOR, DeviceRule, permits
 from isolator.errors import AlreadyExists, GpusExhausted
 from isolator.model import ContainerConfig, ContainerId, Resource
+from isolator.policy.devices import NVIDIA_MAJOR, DeviceRule, permits
 from isolator.testing import Rig, fake_service
 
 WAIT = 30.0  # seconds a thread may take before the test calls it stuck (a loaded machine is slow)

@@ -10,7 +10,6 @@ import threading
 
 import pytest
 
-from isolator.devices import NVIDIA_MAJOR, DeviceRule, permits
 from isolator.errors import (
     AlreadyExists,
     CgroupBusy,
@@ -25,8 +24,9 @@ from isolator.errors import (
     NvmlError,
     StateError,
 )
+from isolator.host.system import EmptyInventory
 from isolator.model import ContainerConfig, ContainerId, Resource, Topology
-from isolator.system import EmptyInventory
+from isolator.policy.devices import NVIDIA_MAJOR, DeviceRule, permits
 from isolator.testing import FakeInventory, Rig, fake_service
 
 

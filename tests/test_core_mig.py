@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from isolator.devices import MESOS_DEFAULT_WHITELIST, own_rules
 from isolator.errors import FailedPrecondition, ResourceExhausted
 from isolator.model import ContainerConfig, ContainerId, Resource
+from isolator.policy.devices import MESOS_DEFAULT_WHITELIST, own_rules
 from isolator.simhost.host import load_host, mig_caps_minors
 from isolator.testing.rig import fake_service
 

@@ -1,6 +1,6 @@
 """Recovery in-process over the fakes: start-up booking, every Recover decision, and the reaper.
 
-Each decision of isolator.reconcile (revoke, reapply, release, mark orphan, keep) is driven through
+Each decision of isolator.policy.reconcile (revoke, reapply, release, mark orphan, keep) is driven through
 the service with the fake kernel and store set up the way a crash or a restart leaves them.
 """
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from isolator.devices import NVIDIA_MAJOR, DeviceRule, container_rules, permits
 from isolator.errors import CgroupError, FailedPrecondition, GpusExhausted
 from isolator.model import ContainerConfig, ContainerId, ContainerRecord, ContainerState, Resource
+from isolator.policy.devices import NVIDIA_MAJOR, DeviceRule, container_rules, permits
 from isolator.testing import Rig, fake_service
 
 

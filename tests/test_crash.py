@@ -1,6 +1,6 @@
 """Crash consistency: a container workload while the sidecar is SIGKILLed inside its hooks, again and again.
 
-The daemon kills itself at the n-th pass of a named crash point (isolator/crashpoints.py): each
+The daemon kills itself at the n-th pass of a named crash point (isolator/daemon/crashpoints.py): each
 restart aims at the next point in turn (n drawn from a seeded stream), so kills land between every
 pair of steps that matter — after the record and before the cgroup, between v1 writes, between a
 v2 checkpoint and its attach, inside Recover itself, just before a state COMMIT. After every
@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 from invariants import CrashableSidecar, Observer, read_records
 
-from isolator.crashpoints import ENV, POINTS
+from isolator.daemon.crashpoints import ENV, POINTS
 from isolator.testing.mesos import GrpcIsolator, HookFailed, container_id, gpu_resource
 from isolator.testing.sidecar import TEST_PARENT
 

@@ -9,7 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from isolator.devices import (
+from isolator.errors import DeviceNodeError, InvalidArgument, RuleParseError, UvmLoadError
+from isolator.model import MigDevice
+from isolator.policy.devices import (
     MESOS_DEFAULT_WHITELIST,
     ControlDevices,
     DeviceNumber,
@@ -22,8 +24,6 @@ from isolator.devices import (
     owned_majors,
     permits,
 )
-from isolator.errors import DeviceNodeError, InvalidArgument, RuleParseError, UvmLoadError
-from isolator.model import MigDevice
 from isolator.simhost.devnodes import DeviceNumbers, make_device_nodes
 
 
@@ -304,7 +304,7 @@ def test_encompasses_each_field(outer: str, inner: str, expected: bool) -> None:
 
 
 def test_parse_rules_skips_blank_lines() -> None:
-    from isolator.devices import parse_rules
+    from isolator.policy.devices import parse_rules
 
     assert parse_rules(["c 1:3 r", "", "   ", "b 8:0 m"]) == (DeviceRule("c", 1, 3, "r"), DeviceRule("b", 8, 0, "m"))
 
@@ -462,11 +462,11 @@ def test_caps_nodes_that_disagree_name_the_directory(short_tmp: str) -> None:
 
 
 def test_load_uvm_logs_the_missing_node_and_the_command(short_tmp: str, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level("INFO", logger="isolator.devices")
+    caplog.set_level("INFO", logger="isolator.policy.devices")
     with pytest.raises(UvmLoadError):
         HostDevices(short_tmp, ["true", "-u"]).load_uvm()
     node = os.path.join(short_tmp, "nvidia-uvm")
-    assert [r.getMessage() for r in caplog.records if r.name == "isolator.devices"] == [
+    assert [r.getMessage() for r in caplog.records if r.name == "isolator.policy.devices"] == [
         f"'{node}' is missing; running true -u"
     ]
 

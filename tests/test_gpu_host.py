@@ -45,7 +45,7 @@ def normalise_bus(bus: str) -> str:
 
 @pytest.fixture(scope="module")
 def inventory():
-    from isolator.nvml import Inventory
+    from isolator.gpu.nvml import Inventory
 
     inv = Inventory().open()
     inv.read()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from isolator.errors import ConfigError
-from isolator.gpuflags import GpuFlags, decide, parse_gpus, wants_nvml
+from isolator.policy.gpuflags import GpuFlags, decide, parse_gpus, wants_nvml
 
 COUNT = 4  # the machine's GPUs as NVML reports them
 

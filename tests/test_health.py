@@ -18,8 +18,8 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from isolator import uevents
-from isolator.nvml import HEALTH_ABSENT, HEALTH_ECC, HEALTH_NVML, HealthEvent, Inventory
+from isolator.gpu import uevents
+from isolator.gpu.nvml import HEALTH_ABSENT, HEALTH_ECC, HEALTH_NVML, HealthEvent, Inventory
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
 from isolator.simhost.sim import NVML_ERROR_GPU_IS_LOST, NVML_ERROR_UNKNOWN, SimulatedHost
@@ -197,7 +197,7 @@ def test_the_real_netlink_socket_delivers_kernel_uevents():
     script = textwrap.dedent(
         """
         import subprocess, threading
-        from isolator.uevents import NetlinkSource
+        from isolator.gpu.uevents import NetlinkSource
         stop = threading.Event()
         source = NetlinkSource(poll_s=0.1).open()
         subprocess.run(["ip", "link", "add", "gi-test0", "type", "veth", "peer", "name", "gi-test1"], check=True)

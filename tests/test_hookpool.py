@@ -1,4 +1,4 @@
-"""The servicers' worker pool (isolator.serving.HookPool): Cleanup is taken before queued calls and
+"""The servicers' worker pool (isolator.transport.serving.HookPool): Cleanup is taken before queued calls and
 has threads of its own, so it never waits behind Prepares or for workers stuck in long calls.
 
 In-process: the pool is plain threads; each test blocks workers on events it controls, so nothing
@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from isolator.serving import HookPool
+from isolator.transport.serving import HookPool
 
 WAIT = 30.0
 
@@ -165,7 +165,7 @@ def test_thousands_of_mixed_calls_from_several_submitters_all_complete():
 def test_a_change_during_the_check_ends_the_next_wait_at_once_and_a_stale_one_does_not():
     import asyncio
 
-    from isolator.serving import _Waker
+    from isolator.transport.serving import _Waker
 
     async def scenario() -> list[str]:
         loop = asyncio.get_running_loop()
@@ -188,7 +188,7 @@ def test_a_change_during_the_check_ends_the_next_wait_at_once_and_a_stale_one_do
 def test_a_waker_whose_loop_is_closed_ignores_the_cores_callback():
     import asyncio
 
-    from isolator.serving import _Waker
+    from isolator.transport.serving import _Waker
 
     loop = asyncio.new_event_loop()
     waker = _Waker(loop)
@@ -408,7 +408,7 @@ def test_a_caller_cancelled_while_its_call_is_queued_leaves_the_dispatcher_and_t
     import gc
     import weakref
 
-    from isolator.serving import Dispatcher
+    from isolator.transport.serving import Dispatcher
 
     class Request:
         def ByteSize(self) -> int:
@@ -462,7 +462,7 @@ def test_with_every_worker_and_admission_slot_taken_other_calls_are_refused_but_
 
     import grpc
 
-    from isolator.serving import Dispatcher
+    from isolator.transport.serving import Dispatcher
 
     dispatcher = Dispatcher(workers=1, max_calls=1)
     gate = Gate()

@@ -218,7 +218,7 @@ def test_launch_info_is_stout_compatible_json(agent):
 def test_mesos_mode_adds_only_our_rules_and_releases_containers_whose_cgroup_vanished(short_tmp):
     import os
 
-    from isolator.devices import MESOS_DEFAULT_WHITELIST
+    from isolator.policy.devices import MESOS_DEFAULT_WHITELIST
 
     with running_sidecar("dgx-1", "v1", extra=("--mode", "mesos", "--reap-interval", "0.2")) as sidecar:
         # Play the agent's cgroups/devices isolator: it makes the cgroup and its default whitelist

@@ -14,13 +14,13 @@ import grpc
 import pytest
 from invariants import quick_sidecar
 
-from isolator.bridge_server import PROTOCOL, decode_input
-from isolator.config import Config
+from isolator.bridge.listener import PROTOCOL, decode_input
+from isolator.daemon.config import Config
 from isolator.errors import InvalidArgument, SocketError
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
-from isolator.server import SidecarServer
 from isolator.testing import StubService
+from isolator.transport.server import SidecarServer
 
 
 def gpus(value: float) -> pb.Resource:

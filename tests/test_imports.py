@@ -91,7 +91,7 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_sees_known_edges():
     edges = graph()
-    assert "isolator.bridge_server" in edges["isolator.server"]
+    assert "isolator.bridge.listener" in edges["isolator.transport.server"]
     assert "isolator.core.context" in edges["isolator.core.hooks"]
     assert "volumes.inject" in edges["isolator.core.hooks"]
 
@@ -114,15 +114,15 @@ FORBIDDEN_IN_CORE = {
     "ctypes",
     "grpc",
     "isolator.rpc",
-    "isolator.server",
-    "isolator.bridge_server",
+    "isolator.transport.server",
+    "isolator.bridge.listener",
     "isolator.cgroups",
-    "isolator.nvml",
-    "isolator.state",
-    "isolator.system",
-    "isolator.rootfs",
+    "isolator.gpu.nvml",
+    "isolator.host.state",
+    "isolator.host.system",
+    "isolator.host.rootfs",
     "isolator.simhost",
-    "isolator.main",
+    "isolator.daemon.main",
     "volumes.manager",
     "volumes.build",
 }

@@ -18,15 +18,17 @@ import grpc
 import pytest
 from invariants import proc_status
 
-from isolator import bridge, bridge_server, peergate
-from isolator.config import Config
+from isolator.bridge.command import command as bridge
+from isolator.bridge.command import listener as bridge_server
+from isolator.daemon.config import Config
 from isolator.model import ContainerId
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
-from isolator.server import SidecarServer
 from isolator.testing import StubService
 from isolator.testing.mesos import GrpcIsolator, container_id
 from isolator.testing.sidecar import running_sidecar
+from isolator.transport import peergate
+from isolator.transport.server import SidecarServer
 
 NOBODY = 65534
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -13,9 +13,9 @@ import pytest
 from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 
-from isolator.convert import config_from_proto
 from isolator.rpc import isolator_pb2 as pb
 from isolator.testing.mesos_json import container_config
+from isolator.transport.convert import config_from_proto
 
 F = FieldDescriptor
 # (our message, Mesos's message): {field: (number, type, repeated)}; maps are repeated entries.

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from isolator.logfmt import KEYS
-from isolator.metrics import parse_address
+from isolator.daemon.logfmt import KEYS
+from isolator.exporters.metrics import parse_address
 from isolator.testing.mesos import Containerizer, GrpcIsolator, HookFailed, container_id
 from isolator.testing.sidecar import running_sidecar
 
@@ -202,7 +202,7 @@ def test_serve_refuses_a_bad_metrics_address_with_one_line(short_tmp):
 
 
 def test_calls_over_the_command_module_bridge_are_measured_and_mapped_too(short_tmp):
-    from isolator.bridge import install
+    from isolator.bridge.command import install
     from isolator.testing.mesos import BridgeIsolator
 
     path = os.path.join(short_tmp, "metrics.sock")
@@ -223,7 +223,7 @@ def test_calls_over_the_command_module_bridge_are_measured_and_mapped_too(short_
 
 
 def _bridge_call(path: str, method: bytes, payload: bytes) -> bytes:
-    from isolator.bridge_server import PROTOCOL
+    from isolator.bridge.listener import PROTOCOL
 
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(30)
@@ -301,7 +301,7 @@ def test_counters_with_known_labels_are_exported_as_zero_before_anything_happens
     rate() and alerts on it blind until then. Both reconciliation kinds are known in advance."""
     from prometheus_client import generate_latest
 
-    from isolator.metrics import Metrics
+    from isolator.exporters.metrics import Metrics
 
     text = generate_latest(Metrics().registry).decode()
     assert 'gpu_isolator_reconciliation_repairs_total{kind="recover"} 0.0' in text
@@ -314,7 +314,7 @@ def test_idle_metrics_connections_are_bounded_and_time_out(short_tmp, monkeypatc
     send nothing must neither pile up a thread each without bound nor be held forever."""
     import threading
 
-    from isolator import metrics as metrics_mod
+    from isolator.exporters import metrics as metrics_mod
 
     # Long enough that no held connection times out while the others are still being turned away
     # (on a loaded machine that can take a while), short enough for the test to wait for it.

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from isolator import mig
-from isolator.devices import MESOS_DEFAULT_WHITELIST, ControlDevices, DeviceNumber, container_rules, own_rules
-from isolator.mig import InvalidMigRequest, MigExhausted
 from isolator.model import MigDevice, Resource
+from isolator.policy import mig
+from isolator.policy.devices import MESOS_DEFAULT_WHITELIST, ControlDevices, DeviceNumber, container_rules, own_rules
+from isolator.policy.mig import InvalidMigRequest, MigExhausted
 from isolator.simhost.host import load_host, mig_caps_minors
 
 CONTROL = ControlDevices(nvidiactl=DeviceNumber(195, 255), uvm=DeviceNumber(510, 0), uvm_tools=DeviceNumber(510, 1))

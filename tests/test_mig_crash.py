@@ -12,7 +12,7 @@ import grpc
 import pytest
 from invariants import quick_sidecar
 
-from isolator.crashpoints import ENV
+from isolator.daemon.crashpoints import ENV
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
 from isolator.testing.mesos import Containerizer, GrpcIsolator, HookFailed, container_id

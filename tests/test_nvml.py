@@ -9,7 +9,7 @@ import pytest
 from hostexpect import kind, lanes
 
 from isolator.errors import GpuNotFound, NvmlNotFound
-from isolator.nvml import HealthEvent, Inventory, profile_slices
+from isolator.gpu.nvml import HealthEvent, Inventory, profile_slices
 from isolator.simhost.host import format_cpu_list, mig_caps_minors, shipped_hosts
 from isolator.simhost.sim import NVML_ERROR_UNKNOWN, SimulatedHost
 

@@ -33,7 +33,7 @@ def test_the_wheel_holds_license_unit_hosts_and_bridge_executables(tmp_path):
     assert "isolator/data/gpu-isolator.service" in names
     assert "isolator/simhost/hosts/dgx-1.toml" in names and "isolator/simhost/fakenvml.c" in names
     for method in ("bridge", "prepare", "isolate", "watch", "usage", "cleanup"):
-        assert f"gpu-isolator-{method} = isolator.bridge:main" in entry_points
+        assert f"gpu-isolator-{method} = isolator.bridge.command:main" in entry_points
     assert not any("__pycache__" in n or n.startswith("tests/") for n in names)
 
 

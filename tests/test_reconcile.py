@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from isolator.model import ContainerId
-from isolator.reconcile import Kind, reconcile
+from isolator.policy.reconcile import Kind, reconcile
 
 A = ContainerId.parse("a")
 B = ContainerId.parse("b")
@@ -154,7 +154,7 @@ def test_nothing_unrecorded_is_ever_granted():
 
 
 def test_a_disagreement_is_logged_with_both_sides(caplog):
-    with caplog.at_level(logging.WARNING, logger="isolator.reconcile"):
+    with caplog.at_level(logging.WARNING, logger="isolator.policy.reconcile"):
         actions = reconcile({A: g(0)}, {A: g(0, 1)}, [A], [])
     assert "state records {0}, kernel grants {0, 1}, mesos says running" in actions[0].reason
     assert any("revoke-kernel-entries for container a, GPUs {1}" in r.getMessage() for r in caplog.records)

@@ -1,7 +1,7 @@
 """Issue 16 item 6: paths inside an image rootfs resolve as if the rootfs were '/'.
 
 Hostile images are built on disk (``usr -> /X``, ``usr/local -> ../../../../tmp/x``, ``dev -> /dev``,
-loops, a file where a directory is expected) and handed to the real sidecar and to isolator/rootfs.py
+loops, a file where a directory is expected) and handed to the real sidecar and to isolator/host/rootfs.py
 directly, through openat2 and through the fallback walk. Nothing outside the rootfs may be created,
 and every mount target handed back must lie inside it.
 """
@@ -17,7 +17,7 @@ import pytest
 from invariants import quick_sidecar
 
 from isolator.errors import InvalidArgument
-from isolator.rootfs import ImageRoot, make_dirs_in, mount_target_in
+from isolator.host.rootfs import ImageRoot, make_dirs_in, mount_target_in
 from isolator.testing.mesos import GrpcIsolator, HookFailed, container_id
 from isolator.testing.mesos_json import container_config
 

@@ -18,15 +18,15 @@ import textwrap
 import grpc
 import pytest
 
-from isolator import config as configmod
-from isolator import peergate
-from isolator.config import Config
+from isolator.daemon import config as configmod
+from isolator.daemon.config import Config
 from isolator.errors import ConfigError, SocketError
 from isolator.model import ContainerId
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
-from isolator.server import SidecarServer
 from isolator.testing import StubService
+from isolator.transport import peergate
+from isolator.transport.server import SidecarServer
 
 NOBODY = 65534
 

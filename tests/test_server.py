@@ -11,12 +11,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from isolator.config import Config
+from isolator.daemon.config import Config
 from isolator.errors import SocketError
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
-from isolator.server import SidecarServer
 from isolator.testing import StubService
+from isolator.transport.server import SidecarServer
 
 
 @pytest.fixture

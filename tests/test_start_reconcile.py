@@ -16,7 +16,7 @@ import grpc
 import pytest
 from invariants import Observer, quick_sidecar, read_records
 
-from isolator.crashpoints import ENV
+from isolator.daemon.crashpoints import ENV
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
 from isolator.testing.mesos import GrpcIsolator, HookFailed, container_id

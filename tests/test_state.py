@@ -25,8 +25,8 @@ from isolator.errors import (
     StateReadOnly,
     StateStorageFull,
 )
+from isolator.host.state import DB_FILE, ContainerRecord, StateStore
 from isolator.model import ContainerId
-from isolator.state import DB_FILE, ContainerRecord, StateStore
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -162,7 +162,7 @@ _WRITER = textwrap.dedent(
     """
     import sys
     from isolator.model import ContainerId
-    from isolator.state import ContainerRecord, StateStore
+    from isolator.host.state import ContainerRecord, StateStore
     store = StateStore(sys.argv[1])
     i = int(sys.argv[2])
     while True:

@@ -8,8 +8,8 @@ import sqlite3
 import pytest
 
 from isolator.errors import GpuAlreadyHeld
+from isolator.host.state import DB_FILE, SCHEMA_VERSION, StateStore
 from isolator.model import ContainerId, ContainerRecord
-from isolator.state import DB_FILE, SCHEMA_VERSION, StateStore
 
 A, B = ContainerId("a"), ContainerId("b")
 

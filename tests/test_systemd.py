@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import pytest
 
-from isolator.cli import unit_text
-from isolator.sdnotify import Notifier
+from isolator.cli.main import unit_text
+from isolator.daemon.sdnotify import Notifier
 
 
 def _messages(sock: socket.socket, until: float, enough: Callable[[list[str]], bool]) -> list[str]:
@@ -120,7 +120,7 @@ def test_ready_comes_after_the_first_reconciliation_in_mesos_mode(short_tmp, mon
 
     import grpc
 
-    from isolator.devices import MESOS_DEFAULT_WHITELIST
+    from isolator.policy.devices import MESOS_DEFAULT_WHITELIST
     from isolator.rpc import isolator_pb2 as pb
     from isolator.rpc import isolator_pb2_grpc as pb_grpc
     from isolator.testing.cgroupfs import TEST_PARENT
@@ -228,7 +228,7 @@ def test_every_default_path_the_daemon_writes_is_writable_in_the_sandbox_after_a
     Models systemd's rules: a path is writable when under a RuntimeDirectory/StateDirectory, or under
     a ReadWritePaths entry that is mandatory or created before the namespace is set up (a privileged
     ExecStartPre=+ on /run, which is empty at boot)."""
-    from isolator.config import DEFAULT_SOCKET, DEFAULT_VOLUME_ROOT, DEFAULT_WORK_DIR
+    from isolator.daemon.config import DEFAULT_SOCKET, DEFAULT_VOLUME_ROOT, DEFAULT_WORK_DIR
 
     text = unit_text("/usr/bin/gpu-isolator", "/etc/gpu-isolator/config.toml")
     values: dict[str, list[str]] = {}

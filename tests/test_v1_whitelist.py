@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from isolator.cgroups.v1 import Write, _selector_order, _uncovered, whitelist_diff
-from isolator.devices import DeviceRule, permits
+from isolator.policy.devices import DeviceRule, permits
 
 ACCESS = ("r", "w", "m", "rw", "rm", "wm", "rwm")
 

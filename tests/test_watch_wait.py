@@ -1,4 +1,4 @@
-"""The open Watch's wait (isolator.serving.watch_handler): one future per wait, resolved by the
+"""The open Watch's wait (isolator.transport.serving.watch_handler): one future per wait, resolved by the
 core's callback, the deadline or the server's stop. In-process, with a fake core, servicer and
 context: each test holds the re-check on events it controls and learns that a Watch is waiting
 from the waker itself, so nothing here depends on timing.
@@ -15,15 +15,15 @@ from typing import Any
 import grpc
 import pytest
 
-from isolator import serving
-from isolator.config import Config
+from isolator.daemon.config import Config
 from isolator.errors import NotFound
 from isolator.model import ContainerId, Limitation
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
-from isolator.server import SidecarServer
-from isolator.serving import Aborted, Dispatcher
 from isolator.testing import StubService
+from isolator.transport import serving
+from isolator.transport.server import SidecarServer
+from isolator.transport.serving import Aborted, Dispatcher
 
 WAIT = 30.0
 

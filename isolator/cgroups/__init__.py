@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from isolator.cgroups.detect import Hierarchy
-from isolator.devices import MESOS_DEFAULT_WHITELIST, DeviceRule
+from isolator.policy.devices import MESOS_DEFAULT_WHITELIST, DeviceRule
 
 if TYPE_CHECKING:
     from isolator.cgroups.v1 import V1DeviceController

@@ -13,9 +13,9 @@ import logging
 import os
 from collections.abc import Callable, Iterable
 
-from isolator.devices import NVIDIA_MAJOR
 from isolator.errors import CgroupError, CgroupVanished, InvalidArgument, IsolatorError
 from isolator.model import ContainerId
+from isolator.policy.devices import NVIDIA_MAJOR
 
 LOG = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from isolator.devices import DeviceRule, normalize
+from isolator.policy.devices import DeviceRule, normalize
 
 # include/uapi/linux/bpf.h (values checked against the header on this kind of machine,
 # bridge-and-cgroup2.md B.2): bpf_cgroup_dev_ctx.access_type = (ACC_* << 16) | DEV_*.

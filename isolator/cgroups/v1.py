@@ -24,8 +24,10 @@ from isolator.cgroups.base import (
     top_level_ids,
     write_pid,
 )
-from isolator.crashpoints import crashpoint
-from isolator.devices import (
+from isolator.daemon.crashpoints import crashpoint
+from isolator.errors import CgroupBusy, CgroupError, CgroupVanished, InvalidArgument, RuleParseError
+from isolator.model import ContainerId
+from isolator.policy.devices import (
     ACCESS_ORDER,
     MESOS_DEFAULT_WHITELIST,
     DeviceRule,
@@ -35,8 +37,6 @@ from isolator.devices import (
     parse_rules,
     permits,
 )
-from isolator.errors import CgroupBusy, CgroupError, CgroupVanished, InvalidArgument, RuleParseError
-from isolator.model import ContainerId
 
 LOG = logging.getLogger(__name__)
 

@@ -28,8 +28,7 @@ from isolator.cgroups.base import (
     top_level_ids,
     write_pid,
 )
-from isolator.crashpoints import crashpoint
-from isolator.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, KernelRules, owned_majors, parse_rules
+from isolator.daemon.crashpoints import crashpoint
 from isolator.errors import (
     BpfError,
     CgroupBusy,
@@ -39,6 +38,7 @@ from isolator.errors import (
     RuleParseError,
 )
 from isolator.model import ContainerId
+from isolator.policy.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, KernelRules, owned_majors, parse_rules
 
 LOG = logging.getLogger(__name__)
 

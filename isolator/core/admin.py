@@ -12,8 +12,6 @@ import contextlib
 import logging
 from collections.abc import Iterable
 
-from isolator import devices as devrules
-from isolator import mig as migunits
 from isolator.core.context import Core
 from isolator.errors import CgroupVanished, FailedPrecondition, IsolatorError, NotFound
 from isolator.model import (
@@ -29,6 +27,8 @@ from isolator.model import (
     TopologyView,
     VolumeReport,
 )
+from isolator.policy import devices as devrules
+from isolator.policy import mig as migunits
 
 LOG = logging.getLogger(__name__)
 

@@ -18,9 +18,6 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from isolator import devices as devrules
-from isolator import mig as migunits
-from isolator.allocator import Allocator, Choice
 from isolator.core.locks import ContainerLocks
 from isolator.core.ports import (
     CgroupBackend,
@@ -33,10 +30,13 @@ from isolator.core.ports import (
     StateStore,
     VolumeBuilder,
 )
-from isolator.crashpoints import crashpoint
-from isolator.devices import NVIDIA_MAJOR
+from isolator.daemon.crashpoints import crashpoint
 from isolator.errors import CgroupVanished, IsolatorError, NotFound
 from isolator.model import ContainerId, ContainerRecord, Gpu, MigDevice, key_root
+from isolator.policy import devices as devrules
+from isolator.policy import mig as migunits
+from isolator.policy.allocator import Allocator, Choice
+from isolator.policy.devices import NVIDIA_MAJOR
 
 LOG = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class Settings:
 
 @dataclass(frozen=True)
 class Edges:
-    """The machine as the core sees it; ``isolator.main`` wires the real ones."""
+    """The machine as the core sees it; ``isolator.daemon.main`` wires the real ones."""
 
     inventory: Inventory
     cgroups: CgroupBackend

@@ -13,9 +13,8 @@ import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from isolator import mig as migunits
 from isolator.core.context import Core
-from isolator.crashpoints import crashpoint
+from isolator.daemon.crashpoints import crashpoint
 from isolator.errors import (
     AlreadyExists,
     CgroupVanished,
@@ -40,6 +39,7 @@ from isolator.model import (
     check_rootfs,
     gpu_count,
 )
+from isolator.policy import mig as migunits
 from volumes.errors import VolumeError
 from volumes.inject import DriverFacts, Image, check_cuda, plan_injection, should_inject
 

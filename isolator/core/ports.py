@@ -1,7 +1,7 @@
 """The edges the core reaches the machine through, one small ``typing.Protocol`` each.
 
 The core (``isolator.core``) imports nothing that touches the machine: it is handed one object per
-port. ``isolator.main`` wires the real ones (cgroup v1/v2 controllers, the SQLite store, the
+port. ``isolator.daemon.main`` wires the real ones (cgroup v1/v2 controllers, the SQLite store, the
 volume manager, NVML, ``/proc``, the system clock); ``isolator.testing`` ships in-memory fakes that
 pass the same contract tests (tests/test_contracts.py).
 
@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
-from isolator.devices import ControlDevices, DeviceRule, KernelRules
 from isolator.model import ContainerId, ContainerRecord, Gpu, MigDevice, Topology
+from isolator.policy.devices import ControlDevices, DeviceRule, KernelRules
 
 
 class CgroupBackend(Protocol):
@@ -154,7 +154,7 @@ class GpuHealth(Protocol):
 
 
 class GpuRecord(Protocol):
-    """One managed GPU as the inventory sees it (isolator.nvml.GpuRecord)."""
+    """One managed GPU as the inventory sees it (isolator.gpu.nvml.GpuRecord)."""
 
     @property
     def gpu(self) -> Gpu: ...
@@ -255,7 +255,7 @@ class Filesystem(Protocol):
 
     def make_dirs_in(self, rootfs: str, path: str) -> str:
         """Make directory ``path`` inside image ``rootfs`` resolved as if the rootfs were ``/``
-        (isolator/rootfs.py); the host path it resolved to."""
+        (isolator/host/rootfs.py); the host path it resolved to."""
         ...
 
     def mount_target(self, rootfs: str, path: str) -> str:

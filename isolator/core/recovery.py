@@ -1,6 +1,6 @@
 """Recovery: booking recorded GPUs at start-up, Mesos's Recover hook, and reaping vanished containers.
 
-Decisions come from the pure ``isolator.reconcile``; this module gathers its three views (our
+Decisions come from the pure ``isolator.policy.reconcile``; this module gathers its three views (our
 records, the kernel's grants, Mesos's list) and carries out the actions, revocations first.
 """
 
@@ -9,14 +9,14 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from isolator import devices as devrules
-from isolator.allocator import Allocator
 from isolator.core.context import Core
-from isolator.crashpoints import crashpoint
-from isolator.devices import NVIDIA_MAJOR, KernelRules
+from isolator.daemon.crashpoints import crashpoint
 from isolator.errors import CgroupVanished, FailedPrecondition
 from isolator.model import AuditReport, ContainerId, ContainerRecord, ContainerState, RecoverResult, key_root
-from isolator.reconcile import Kind, reconcile
+from isolator.policy import devices as devrules
+from isolator.policy.allocator import Allocator
+from isolator.policy.devices import NVIDIA_MAJOR, KernelRules
+from isolator.policy.reconcile import Kind, reconcile
 
 LOG = logging.getLogger(__name__)
 

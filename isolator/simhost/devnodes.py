@@ -12,7 +12,7 @@ import os
 import stat
 from dataclasses import dataclass
 
-from isolator.devices import NVIDIA_MAJOR
+from isolator.policy.devices import NVIDIA_MAJOR
 
 NVIDIACTL_MINOR = 255
 NVIDIA_MODESET_MINOR = 254

@@ -6,7 +6,7 @@ state back. The layout under ``root``:
     nvml/libnvidia-ml.so.1   a private copy of the fake NVML (each copy serves its own host)
     nvml/fakenvml.state      what the library reports (render_state)
     nvml/control/            fail, events, usage, absent: re-read by the library on every call;
-                             uevents: kernel device events for the daemon (isolator/uevents.py)
+                             uevents: kernel device events for the daemon (isolator/gpu/uevents.py)
     proc/driver/nvidia-caps/mig-minors
     dev/                     nvidia<minor>, nvidiactl, nvidia-uvm..., nvidia-caps/ (mknod, root only)
 """
@@ -20,8 +20,8 @@ import subprocess
 import tempfile
 from dataclasses import replace
 
-from isolator import uevents
 from isolator.errors import IsolatorError
+from isolator.gpu import uevents
 from isolator.simhost import devnodes
 from isolator.simhost.host import HostSpec, load_host, mig_minors_text, render_state
 

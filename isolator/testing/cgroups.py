@@ -13,9 +13,9 @@ import threading
 from collections.abc import Iterable
 
 from isolator.cgroups.base import check_mode, mesos_relative_path
-from isolator.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, KernelRules, permits
 from isolator.errors import CgroupBusy, CgroupError, CgroupVanished, InvalidArgument
 from isolator.model import ContainerId
+from isolator.policy.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, KernelRules, permits
 from isolator.testing.faults import Faults
 
 

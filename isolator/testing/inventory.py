@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from isolator.errors import GpuNotFound, NvmlError
+from isolator.gpu.nvml import GpuHealth, GpuRecord, GpuUsage, HealthEvent
 from isolator.model import Gpu, Link, MigDevice, Topology
-from isolator.nvml import GpuHealth, GpuRecord, GpuUsage, HealthEvent
 
 
 class FakeInventory:

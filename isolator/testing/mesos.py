@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import grpc
 from google.protobuf import json_format
 
-from isolator.devices import MESOS_DEFAULT_WHITELIST
+from isolator.policy.devices import MESOS_DEFAULT_WHITELIST
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
 from isolator.testing import mesos_json

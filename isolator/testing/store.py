@@ -21,8 +21,8 @@ from isolator.errors import (
     InvalidArgument,
     StateError,
 )
+from isolator.host.state import CGROUP_VERSIONS, STATES
 from isolator.model import ContainerId, ContainerRecord
-from isolator.state import CGROUP_VERSIONS, STATES
 from isolator.testing.faults import Faults
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import posixpath
 import threading
 
-from isolator.devices import ControlDevices, DeviceNumber
 from isolator.errors import InvalidArgument
 from isolator.model import check_rootfs
+from isolator.policy.devices import ControlDevices, DeviceNumber
 
 
 class _Pinned:

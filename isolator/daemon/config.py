@@ -17,14 +17,14 @@ from typing import Any
 
 from isolator.errors import ConfigError
 
-# Mirrors isolator.peergate.PRIVATE_EXTRA (".d/grpc"); a test keeps them equal. Not imported from
+# Mirrors isolator.transport.peergate.PRIVATE_EXTRA (".d/grpc"); a test keeps them equal. Not imported from
 # there so that reading the configuration does not import grpc.
 PRIVATE_SUFFIX = ".d"
 PRIVATE_EXTRA = 7
 
 DEFAULT_SOCKET = "/run/gpu-isolator/isolator.sock"
 # The command-module bridge listens next to the gRPC socket unless told otherwise
-# (isolator/bridge_server.py; the bridge executable's default in isolator/bridge.py must agree).
+# (isolator/bridge/listener.py; the bridge executable's default in isolator/bridge/command.py must agree).
 BRIDGE_SUFFIX = ".bridge"
 DEFAULT_WORK_DIR = "/var/lib/gpu-isolator"
 # Mesos keeps its driver volumes here (src/slave/containerizer/mesos/isolators/gpu/volume.cpp).
@@ -179,8 +179,8 @@ def _nvidia_gpu_devices(value: Any) -> tuple[int, ...]:
 
 
 def _cdi_kind(value: Any) -> str:
-    from isolator.cdi import check_kind
     from isolator.errors import InvalidArgument
+    from isolator.exporters.cdi import check_kind
 
     try:
         return check_kind(_text(value))
@@ -332,7 +332,7 @@ def _check_combinations(config: Config) -> None:
             f"--bridge-socket '{bridge}' is longer than a Unix socket path may be (107 bytes);"
             " choose a shorter --bridge-socket or --socket"
         )
-    # gRPC itself listens in '<socket>.d/' (isolator/peergate.py), whose names must fit too.
+    # gRPC itself listens in '<socket>.d/' (isolator/transport/peergate.py), whose names must fit too.
     limit = 107 - PRIVATE_EXTRA
     if len(os.fsencode(os.path.abspath(config.socket))) > limit:
         raise ConfigError(

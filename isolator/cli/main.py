@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from isolator import __version__
-from isolator import config as configmod
+from isolator.daemon import config as configmod
 from isolator.errors import GpusUnavailable, IsolatorError
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_GPUS = 0, 1, 2, 3, 4
@@ -129,8 +129,8 @@ ADMIN_CALLS: dict[str, tuple[str, str]] = {
 def _run_admin(args: argparse.Namespace) -> int:
     import grpc
 
-    from isolator.client import BadContainerId, Client, Unreachable, container_id, to_dict
     from isolator.rpc import isolator_pb2 as pb
+    from isolator.transport.client import BadContainerId, Client, Unreachable, container_id, to_dict
 
     method, request_name = ADMIN_CALLS[args.command]
     request = getattr(pb, request_name)()
@@ -522,7 +522,7 @@ def _topology_matrix(data: dict[str, Any]) -> str:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from isolator import main as daemon
+    from isolator.daemon import main as daemon
 
     config = configmod.resolve(args)
     try:
@@ -533,7 +533,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         # The daemon logs JSON: so is the line saying why it stops (one object, level critical).
         import logging
 
-        from isolator.logfmt import JsonFormatter
+        from isolator.daemon.logfmt import JsonFormatter
 
         record = logging.LogRecord("isolator", logging.CRITICAL, __file__, 0, "%s", (exc.message,), None)
         print(JsonFormatter().format(record), file=sys.stderr)
@@ -541,7 +541,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _run_resources(args: argparse.Namespace) -> int:
-    from isolator import main as daemon
+    from isolator.daemon import main as daemon
 
     flags = {k: v for k, v in vars(args).items() if k != "command"}
     _emit(daemon.agent_resources(configmod.resolve(flags)))
@@ -549,8 +549,8 @@ def _run_resources(args: argparse.Namespace) -> int:
 
 
 def _run_cdi(args: argparse.Namespace) -> int:
-    from isolator import cdi
-    from isolator import main as daemon
+    from isolator.daemon import main as daemon
+    from isolator.exporters import cdi
 
     output = args.output
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "cdi_command", "output")}

@@ -14,11 +14,11 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from isolator.convert import container_id_from_proto, container_id_to_proto
 from isolator.errors import IsolatorError
 from isolator.model import ContainerId
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
+from isolator.transport.convert import container_id_from_proto, container_id_to_proto
 
 
 class Unreachable(Exception):

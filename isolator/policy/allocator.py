@@ -975,7 +975,7 @@ def _greedy(score: tuple[tuple[int, ...], ...], fixed: list[int], cands: list[in
 class Allocator:
     """Which GPUs of a host are free, allocated and healthy, and a policy to choose among them.
 
-    In memory only: the durable record is isolator.state, and the service writes it before it
+    In memory only: the durable record is isolator.host.state, and the service writes it before it
     applies rules. Mirrors Mesos's NvidiaGpuAllocator (total/allocate/deallocate, all-or-nothing)
     so that Mesos's Allocator test steps apply.
     """

@@ -1,6 +1,6 @@
 """gRPC on an event loop: long waits cost no thread, short calls run on a bounded pool.
 
-The servicers (isolator/server.py) stay synchronous: they translate and map errors, and the core
+The servicers (isolator/transport/server.py) stay synchronous: they translate and map errors, and the core
 they call blocks on fsyncs and cgroup writes. This module hosts them on a ``grpc.aio`` server whose
 event loop runs on one thread of its own:
 
@@ -35,9 +35,9 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
+from isolator.daemon.logfmt import hook_context
 from isolator.errors import InvalidArgument, ResourceExhausted, Unavailable
-from isolator.logfmt import hook_context
-from isolator.status import status_of
+from isolator.transport.status import status_of
 
 LOG = logging.getLogger(__name__)
 
@@ -537,10 +537,10 @@ def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
 
 
 def add_reflection(reflection: Any, server: grpc.aio.Server) -> None:
-    """Reflection (isolator/reflection.py) answered on the loop: its lookups are in-memory."""
+    """Reflection (isolator/transport/reflection.py) answered on the loop: its lookups are in-memory."""
     from grpc_reflection.v1alpha import reflection_pb2
 
-    from isolator.reflection import V1, V1ALPHA
+    from isolator.transport.reflection import V1, V1ALPHA
 
     async def info(requests: Any, context: grpc.aio.ServicerContext) -> Any:
         async for request in requests:

@@ -56,7 +56,7 @@ class GpuEntry:
 
 
 def entries(records: Iterable[Any]) -> list[GpuEntry]:
-    """GpuEntry per inventory record (``isolator.nvml.GpuRecord``)."""
+    """GpuEntry per inventory record (``isolator.gpu.nvml.GpuRecord``)."""
     return [
         GpuEntry(
             index=r.gpu.index,

@@ -14,15 +14,15 @@ from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any, cast
 
-from isolator import gpuflags
-from isolator.config import Config
 from isolator.core.service import IsolatorService
+from isolator.daemon.config import Config
 from isolator.errors import ConfigError, FailedPrecondition, GpusUnavailable, NvmlNotFound
 from isolator.model import AuditReport
-from isolator.server import SidecarServer
+from isolator.policy import gpuflags
+from isolator.transport.server import SidecarServer
 
 if TYPE_CHECKING:
-    from isolator.nvml import Inventory
+    from isolator.gpu.nvml import Inventory
     from isolator.simhost.sim import SimulatedHost
     from volumes.manager import VolumeManager
 
@@ -32,7 +32,7 @@ NO_GPUS_HINT = "if this node has no GPUs, say so with --resources gpus:0"
 
 
 def configure_logging(level: str, fmt: str = "text") -> None:
-    from isolator.logfmt import JsonFormatter, TextFormatter
+    from isolator.daemon.logfmt import JsonFormatter, TextFormatter
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
@@ -68,7 +68,7 @@ def build_inventory(
         gpuflags.decide(config.resources, devices, available=None)  # refuses gpus:0 with devices
         notes.append("GPU discovery is off ('--resources' specifies 0 GPUs)")
         return None
-    from isolator.nvml import Inventory
+    from isolator.gpu.nvml import Inventory
 
     if config.simulate:
         host = host or simulated_host(config)
@@ -117,7 +117,7 @@ def watch_device_events(inventory: Inventory, host: SimulatedHost | None) -> Non
     """Kernel device events (GPU bind/unbind, nvidia module load/unload) make the inventory read
     the GPUs again. A simulated host's events come from its control file, a real host's from the
     kernel's netlink socket (pyroute2, imported on the watch thread, off the start-up path)."""
-    from isolator import uevents
+    from isolator.gpu import uevents
 
     if host is not None:
         source = uevents.FileSource(host.uevents_path)  # now: what is written after start counts
@@ -141,9 +141,9 @@ def build_service(
     from isolator.cgroups import controller_for
     from isolator.cgroups.detect import detect
     from isolator.core.context import Settings
-    from isolator.devices import HostDevices
-    from isolator.state import StateStore
-    from isolator.system import EmptyInventory, LocalFilesystem, ProcProcesses, SystemClock
+    from isolator.host.state import StateStore
+    from isolator.host.system import EmptyInventory, LocalFilesystem, ProcProcesses, SystemClock
+    from isolator.policy.devices import HostDevices
 
     host = simulated_host(config) if config.simulate else None
     inventory = build_inventory(config, notes, host)
@@ -210,8 +210,8 @@ def _dev_root_and_volumes(
 
 def cdi_spec_of(inventory: Any, dev_root: str, volumes: Any, kind: str) -> dict[str, Any]:
     """The CDI spec of what ``inventory`` manages; builds the current driver's volume if needed."""
-    from isolator import cdi
-    from isolator.devices import HostDevices
+    from isolator.exporters import cdi
+    from isolator.policy.devices import HostDevices
     from volumes.inject import Image, volume_env
 
     control = HostDevices(dev_root).control_devices()
@@ -245,7 +245,7 @@ def agent_resources(config: Config) -> str:
 
     ``gpus`` counts the managed GPUs that are not in MIG mode (docs/mig.md, "Configuring the agent").
     """
-    from isolator import mig
+    from isolator.policy import mig
 
     host = simulated_host(config) if config.simulate else None
     inventory = build_inventory(config, host=host, watch=False)
@@ -276,7 +276,7 @@ class CdiKeeper:
         self._lock = threading.Lock()
 
     def update(self) -> str | None:
-        from isolator import cdi
+        from isolator.exporters import cdi
 
         with self._lock:
             try:
@@ -323,7 +323,7 @@ def _audit_loop(
 
 def _nvml_of(service: IsolatorService) -> Inventory | None:
     """The service's NVML inventory, or None on a node without GPUs (``--resources gpus:0``)."""
-    from isolator.system import EmptyInventory
+    from isolator.host.system import EmptyInventory
 
     inventory = service.core.inventory
     return None if isinstance(inventory, EmptyInventory) else cast("Inventory", inventory)
@@ -337,14 +337,14 @@ def serve(config: Config) -> int:
     Mesos's cgroups has released containers destroyed while it was down; WATCHDOG=1 from this serving loop at half the
     watchdog interval, and STOPPING=1 when told to stop.
     """
-    from isolator.sdnotify import Notifier
+    from isolator.daemon.sdnotify import Notifier
 
     configure_logging(config.log_level, config.log_format)
     notifier = Notifier()
     notes: list[str] = []
     metrics = None
     if config.metrics_address:
-        from isolator.metrics import Metrics, parse_address
+        from isolator.exporters.metrics import Metrics, parse_address
 
         parse_address(config.metrics_address)  # a bad address stops the start before anything is built
         metrics = Metrics()
@@ -354,13 +354,13 @@ def serve(config: Config) -> int:
     extras: list[Callable[[], None]] = []  # stopped after the server
     try:
         if config.job_mapping_dir:
-            from isolator.jobmap import JobMapping
+            from isolator.exporters.jobmap import JobMapping
 
             jobmap = JobMapping(config.job_mapping_dir, service, service.core.inventory)
             jobmap.sync()  # exact from the recorded state, whatever a crash left there
             observers.append(jobmap.observe)
         if metrics is not None:
-            from isolator.metrics import MetricsServer
+            from isolator.exporters.metrics import MetricsServer
 
             metrics.service = service
             observers.append(metrics.observe)

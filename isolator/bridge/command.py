@@ -1,6 +1,6 @@
 """The executable a Mesos agent runs through criteo/mesos-command-modules: ``<command> IN OUT ERR``.
 
-It forwards IN's bytes to the sidecar's bridge socket (isolator/bridge_server.py) and writes the
+It forwards IN's bytes to the sidecar's bridge socket (isolator/bridge/listener.py) and writes the
 answer to OUT, or one line to ERR with a non-zero exit. The agent starts one per call, so it imports
 only what the interpreter has already loaded or builds in (``_socket``, ``_signal``, ``time``): no
 json, no grpc, nothing else of this package. It must never write to stdout (the agent's log).
@@ -17,7 +17,7 @@ import time
 # The methods the module forwards (reference: bridge-and-cgroup2.md §A.1.3).
 METHODS = ("prepare", "isolate", "watch", "usage", "cleanup")
 PROTOCOL = b"gpu-isolator-bridge/1"
-# isolator.config.DEFAULT_SOCKET + BRIDGE_SUFFIX; not imported, to keep the start cheap (a test
+# isolator.daemon.config.DEFAULT_SOCKET + BRIDGE_SUFFIX; not imported, to keep the start cheap (a test
 # keeps the two in step).
 DEFAULT_SOCKET = "/run/gpu-isolator/isolator.sock.bridge"
 # The module SIGTERMs a command after `isolator_<method>_timeout` seconds (default 30). Giving up a
@@ -206,7 +206,7 @@ sidecar's bridge socket: reads the request from IN, writes the answer to OUT, or
 and a non-zero exit status (1 refused, 2 usage, 3 unreachable, 4 deadline, 5 signal, 6 bug).
 
 Install it for an agent with
-    python -m isolator.bridge install /usr/libexec/gpu-isolator [--socket PATH] [--timeout S]
+    python -m isolator.bridge.command install /usr/libexec/gpu-isolator [--socket PATH] [--timeout S]
 which writes this launcher and one gpu-isolator-<method> link per method; name those paths in the
 agent's modules.json (README "Configuring a Mesos agent", docs/mesos-agent.md).
 
@@ -283,11 +283,11 @@ def main(argv: list[str] | None = None, socket_path: str | None = None, timeout:
 LAUNCHER_TEMPLATE = """\
 #!{python} -IS
 # The gpu-isolator bridge for criteo/mesos-command-modules, written by
-# `python -m isolator.bridge install`. -I -S: no site-packages scan at start (one is forked per call).
+# `python -m isolator.bridge.command install`. -I -S: no site-packages scan at start (one is forked per call).
 import sys
 
 sys.path.append({package_root!r})
-from isolator.bridge import main
+from isolator.bridge.command import main
 
 sys.exit(main(socket_path={socket!r}, timeout={timeout!r}))
 """
@@ -330,7 +330,7 @@ def _install_main(argv: list[str]) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="python -m isolator.bridge install",
+        prog="python -m isolator.bridge.command install",
         description="Write the bridge launcher and its gpu-isolator-<method> symlinks into DIR.",
     )
     parser.add_argument("directory", metavar="DIR")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import grpc
 
 from isolator.errors import PermissionDenied, ResourceExhausted, SocketError
-from isolator.status import status_of
+from isolator.transport.status import status_of
 
 LOG = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ class PeerGate:
     holds at most UID_SHARE of them. A connection over a cap is spliced to the refusing server,
     which answers RESOURCE_EXHAUSTED (MAX_BUSY_CONNECTIONS at once; beyond, closed). Denied
     callers get at most MAX_DENIED_CONNECTIONS. The gRPC server closes connections that stay
-    idle or never finish their handshake (isolator/serving.py), which frees their slots here.
+    idle or never finish their handshake (isolator/transport/serving.py), which frees their slots here.
     """
 
     def __init__(

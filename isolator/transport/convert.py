@@ -1,7 +1,7 @@
 """Translation between the generated proto messages and the domain model, in both directions.
 
-The one home of each conversion: the gRPC servicers (isolator.server) and the client
-(isolator.client) use these; the core never sees a proto message.
+The one home of each conversion: the gRPC servicers (isolator.transport.server) and the client
+(isolator.transport.client) use these; the core never sees a proto message.
 """
 
 from __future__ import annotations

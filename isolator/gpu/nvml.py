@@ -1,7 +1,7 @@
 """The only module that imports pynvml: GPU inventory, topology, MIG devices and health.
 
 Health follows the hardware both ways: XID and double-bit ECC events mark a GPU unhealthy; a
-rescan (``request_rescan``: kernel device events from isolator/uevents.py, a failed event wait, or
+rescan (``request_rescan``: kernel device events from isolator/gpu/uevents.py, a failed event wait, or
 the periodic probe noticing a lost GPU or a MIG mode change) re-initialises NVML, reads the GPUs
 again by UUID and marks them unhealthy (gone) or healthy again (back, or reset since their XID).
 
@@ -23,7 +23,7 @@ from typing import Any
 
 import pynvml
 
-from isolator.config import DEFAULT_IGNORED_XIDS
+from isolator.daemon.config import DEFAULT_IGNORED_XIDS
 from isolator.errors import GpuNotFound, NvmlError, NvmlNotFound
 from isolator.model import Gpu, Link, MigDevice, PcieLevel, Topology
 
@@ -701,7 +701,7 @@ class Inventory:
         self._rescan.set()
 
     def device_changed(self, change: Any) -> None:
-        """An isolator.uevents.Change: the uevent watch's callback."""
+        """An isolator.gpu.uevents.Change: the uevent watch's callback."""
         self.request_rescan(change.reason, change.reset_bus, change.reset_all)
 
     def start_health_watch(self) -> None:

@@ -34,6 +34,7 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
+from isolator.daemon.logfmt import hook_context
 from isolator.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -43,7 +44,6 @@ from isolator.errors import (
     Unimplemented,
     from_code,
 )
-from isolator.logfmt import hook_context
 from isolator.rpc import isolator_pb2 as pb
 
 LOG = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ MAX_MESSAGE_CHARS = 2000
 MAX_DRAIN_BYTES = 64 * 1024 * 1024
 
 
-# The gRPC Isolator servicer (isolator.server.IsolatorServicer, passed in by the server, which this
+# The gRPC Isolator servicer (isolator.transport.server.IsolatorServicer, passed in by the server, which this
 # module does not import): the bridge calls its methods by name with a request message and a
 # context, so that translation and error mapping are shared.
 Servicer = object
@@ -258,7 +258,7 @@ class _Context:
         self._deadline = time.monotonic() + timeout
 
     def abort(self, code: grpc.StatusCode, details: str) -> None:
-        # The servicer has already mapped its error to a status (isolator.status.status_of).
+        # The servicer has already mapped its error to a status (isolator.transport.status.status_of).
         raise from_code(code.name, details)
 
     def time_remaining(self) -> float:

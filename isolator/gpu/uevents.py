@@ -2,7 +2,7 @@
 
 A GPU's PCI function bound to or unbound from its driver, a GPU hot-removed or added, the nvidia
 kernel modules loaded or unloaded (a driver reload): each means the inventory must be read again
-through NVML, after which GPUs are marked unhealthy or healthy again (isolator/nvml.py, ``rescan``).
+through NVML, after which GPUs are marked unhealthy or healthy again (isolator/gpu/nvml.py, ``rescan``).
 
 ``relevant`` is pure: a uevent's properties in, a ``Change`` (why to rescan, and whether it reset
 a GPU) or None out. A ``Source`` yields uevents as property dicts; the real one reads the kernel's

@@ -1,4 +1,4 @@
-"""The gRPC server: servicers that translate proto <-> model (isolator.convert), and the Unix socket's lifecycle.
+"""The gRPC server: servicers that translate proto <-> model (transport.convert), and the Unix socket's lifecycle.
 
 Servicers only translate and map typed errors to status codes; they hold no logic. The socket is
 bound under a lock file so that two sidecars never share one path: a stale socket left by a crash
@@ -24,10 +24,16 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from isolator import model, peergate, serving
-from isolator.bridge_server import BridgeListener
-from isolator.config import Config
-from isolator.convert import (
+from isolator import model
+from isolator.bridge.listener import BridgeListener
+from isolator.core.api import IsolatorApi
+from isolator.daemon.config import Config
+from isolator.daemon.logfmt import hook_context
+from isolator.errors import IsolatorError, SocketError
+from isolator.rpc import isolator_pb2 as pb
+from isolator.rpc import isolator_pb2_grpc as pb_grpc
+from isolator.transport import peergate, serving
+from isolator.transport.convert import (
     config_from_proto,
     container_id_from_proto,
     container_info_to_proto,
@@ -41,13 +47,8 @@ from isolator.convert import (
     usage_to_proto,
     volume_to_proto,
 )
-from isolator.core.api import IsolatorApi
-from isolator.errors import IsolatorError, SocketError
-from isolator.logfmt import hook_context
-from isolator.reflection import Reflection
-from isolator.rpc import isolator_pb2 as pb
-from isolator.rpc import isolator_pb2_grpc as pb_grpc
-from isolator.status import status_of
+from isolator.transport.reflection import Reflection
+from isolator.transport.status import status_of
 
 LOG = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ ADMIN_SERVICE = pb.DESCRIPTOR.services_by_name["Admin"].full_name
 T = TypeVar("T")
 
 
-# ---- error mapping (isolator/status.py is the one place typed errors become statuses) -----------
+# ---- error mapping (isolator/transport/status.py is the one place typed errors become statuses) -----------
 
 
 # Told of every call once it is answered: (hook, status code name, seconds, response or None).
@@ -111,7 +112,7 @@ def _translate_errors(method: Callable[..., T]) -> Callable[..., T]:
 
 
 # Bytes that are not the method's request message are INVALID_ARGUMENT, not gRPC's INTERNAL
-# "Exception deserializing request!": isolator/serving.py parses leniently.
+# "Exception deserializing request!": isolator/transport/serving.py parses leniently.
 
 
 # ---- servicers --------------------------------------------------------------------------------
@@ -373,7 +374,7 @@ class SidecarServer:
     """A gRPC server on a Unix socket serving Isolator, Admin, health and reflection.
 
     Beside it, unless disabled, the command-module bridge listens on ``config.bridge_path`` and
-    calls the same Isolator servicer (isolator/bridge_server.py).
+    calls the same Isolator servicer (isolator/bridge/listener.py).
     """
 
     def __init__(self, config: Config, service: IsolatorApi, observer: Observer | None = None) -> None:
@@ -446,7 +447,7 @@ class SidecarServer:
         )
 
     def _serve_aio(self, isolator_servicer: IsolatorServicer) -> grpc.aio.Server:
-        """The aio server (isolator/serving.py): Watch waits on a future, the rest runs on the pool."""
+        """The aio server (isolator/transport/serving.py): Watch waits on a future, the rest runs on the pool."""
         cfg = self.config
         dispatcher = self._dispatcher = serving.Dispatcher(cfg.max_workers, cfg.max_concurrent_rpcs)
         service = self.service

@@ -1,5 +1,5 @@
 """The small real edges of the core: the process table, the filesystem, the clock, and the
-inventory of a host with no GPUs to manage. ``isolator.main`` hands them to the core."""
+inventory of a host with no GPUs to manage. ``isolator.daemon.main`` hands them to the core."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from isolator import rootfs as rootfs_paths
 from isolator.errors import NotFound
+from isolator.host import rootfs as rootfs_paths
 from isolator.model import Topology
 
 

@@ -1,0 +1,9 @@
+"""``python -m isolator.bridge.command install DIR`` (and the executable itself, run as a module)."""
+
+import sys
+
+from isolator.bridge.command.command import _install_main, main
+
+if sys.argv[1:2] == ["install"]:
+    sys.exit(_install_main(sys.argv[2:]))
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""The admin CLI and its renderers: the only code that prints."""

@@ -1,0 +1,1 @@
+"""The daemon: composition root (main), configuration, sd_notify, log formats, crash points."""

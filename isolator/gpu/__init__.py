@@ -1,0 +1,1 @@
+"""The GPU side: the only pynvml user (nvml: inventory, topology, health) and kernel device events."""

@@ -18,7 +18,7 @@ import tempfile
 import time
 from typing import Any
 
-from isolator.bridge.command import command as bridge
+from isolator.bridge import command as bridge
 from isolator.daemon.config import Config
 from isolator.model import ContainerConfig, ContainerId, LaunchInfo
 from isolator.testing import StubService

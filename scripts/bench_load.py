@@ -218,7 +218,7 @@ def throughput_part(side: Any, sleepers: Any, cycles: dict[int, int]) -> dict[st
 
 
 def _bridge_cleanup(work: str, bridge_path: str, value: str) -> tuple[int, float, str]:
-    from isolator.bridge.command import command as bridge
+    from isolator.bridge import command as bridge
 
     directory = os.path.join(work, "bin")
     if not os.path.exists(os.path.join(directory, bridge.LAUNCHER)):

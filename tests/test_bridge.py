@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from isolator.bridge.command import command as bridge
+from isolator.bridge import command as bridge
 from isolator.daemon import config
 from isolator.daemon.config import Config
 from isolator.errors import AlreadyExists, Internal, NotFound, SocketError

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from hostexpect import topology_json
 
-from isolator.cli.main import main as cli
+from isolator.cli import main as cli
 from isolator.simhost.host import load_host
 from isolator.testing.mesos import Containerizer, GrpcIsolator, container_id
 from isolator.testing.sidecar import Sidecar, running_sidecar

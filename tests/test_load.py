@@ -18,7 +18,7 @@ import grpc
 import pytest
 from invariants import proc_status
 
-from isolator.bridge.command import command as bridge
+from isolator.bridge import command as bridge
 from isolator.bridge.command import listener as bridge_server
 from isolator.daemon.config import Config
 from isolator.model import ContainerId

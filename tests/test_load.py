@@ -19,7 +19,7 @@ import pytest
 from invariants import proc_status
 
 from isolator.bridge import command as bridge
-from isolator.bridge.command import listener as bridge_server
+from isolator.bridge import listener as bridge_server
 from isolator.daemon.config import Config
 from isolator.model import ContainerId
 from isolator.rpc import isolator_pb2 as pb

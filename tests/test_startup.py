@@ -75,7 +75,7 @@ def test_the_explicit_opt_out_starts_without_nvml(short_tmp):
     "argv",
     [
         [sys.executable, "-m", "isolator", "--version"],
-        [sys.executable, "-m", "isolator.bridge.command", "--version"],
+        [sys.executable, "-m", "isolator.bridge", "--version"],
     ],
 )
 def test_version_on_the_daemon_and_the_bridge(argv):
@@ -85,7 +85,7 @@ def test_version_on_the_daemon_and_the_bridge(argv):
 
 
 def test_installed_bridge_executables_answer_version_and_help(tmp_path):
-    from isolator.bridge.command import install
+    from isolator.bridge import install
 
     paths = install(str(tmp_path / "bin"))
     for path in paths:
@@ -93,7 +93,7 @@ def test_installed_bridge_executables_answer_version_and_help(tmp_path):
         assert result.returncode == 0 and result.stdout == f"gpu-isolator-bridge {__version__}\n", result
     helped = subprocess.run([paths[1], "--help"], capture_output=True, text=True, timeout=30)
     assert helped.returncode == 0
-    assert "python -m isolator.bridge.command install" in helped.stdout and "modules.json" in helped.stdout
+    assert "python -m isolator.bridge install" in helped.stdout and "modules.json" in helped.stdout
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,8 @@
-"""``python -m isolator.bridge.command install DIR`` (and the executable itself, run as a module)."""
+"""``python -m isolator.bridge install DIR`` (and the executable itself, run as a module)."""
 
 import sys
 
-from isolator.bridge.command import _install_main, main
+from isolator.bridge import _install_main, main
 
 if sys.argv[1:2] == ["install"]:
     sys.exit(_install_main(sys.argv[2:]))

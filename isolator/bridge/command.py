@@ -206,7 +206,7 @@ sidecar's bridge socket: reads the request from IN, writes the answer to OUT, or
 and a non-zero exit status (1 refused, 2 usage, 3 unreachable, 4 deadline, 5 signal, 6 bug).
 
 Install it for an agent with
-    python -m isolator.bridge.command install /usr/libexec/gpu-isolator [--socket PATH] [--timeout S]
+    python -m isolator.bridge install /usr/libexec/gpu-isolator [--socket PATH] [--timeout S]
 which writes this launcher and one gpu-isolator-<method> link per method; name those paths in the
 agent's modules.json (README "Configuring a Mesos agent", docs/mesos-agent.md).
 
@@ -283,11 +283,11 @@ def main(argv: list[str] | None = None, socket_path: str | None = None, timeout:
 LAUNCHER_TEMPLATE = """\
 #!{python} -IS
 # The gpu-isolator bridge for criteo/mesos-command-modules, written by
-# `python -m isolator.bridge.command install`. -I -S: no site-packages scan at start (one is forked per call).
+# `python -m isolator.bridge install`. -I -S: no site-packages scan at start (one is forked per call).
 import sys
 
 sys.path.append({package_root!r})
-from isolator.bridge.command import main
+from isolator.bridge import main
 
 sys.exit(main(socket_path={socket!r}, timeout={timeout!r}))
 """
@@ -330,7 +330,7 @@ def _install_main(argv: list[str]) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="python -m isolator.bridge.command install",
+        prog="python -m isolator.bridge install",
         description="Write the bridge launcher and its gpu-isolator-<method> symlinks into DIR.",
     )
     parser.add_argument("directory", metavar="DIR")

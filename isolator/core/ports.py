@@ -10,7 +10,7 @@ pass the same contract tests (tests/test_contracts.py).
     StateStore      state.StateStore (SQLite)                   FakeStore
     VolumeBuilder   volumes.manager.VolumeManager               FakeVolumes
     Inventory       nvml.Inventory, core.EmptyInventory         FakeInventory
-    DeviceNodes     devices.HostDevices                         FakeDeviceNodes
+    DeviceNodes     host.devices.HostDevices                         FakeDeviceNodes
     Processes       core.system.ProcProcesses (/proc)           FakeProcesses
     Filesystem      core.system.LocalFilesystem                 FakeFilesystem
     Clock           core.system.SystemClock                     ManualClock

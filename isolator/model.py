@@ -142,10 +142,6 @@ class Gpu:
     numa_node: int | None = None
     cpu_affinity: str = ""
 
-    @property
-    def device_path_name(self) -> str:
-        return f"nvidia{self.minor}"
-
 
 class PcieLevel(IntEnum):
     """NVML's nvmlGpuTopologyLevel_t; ``nvidia-smi topo -m`` prints the names on the right."""
@@ -213,10 +209,6 @@ class MigDevice:
     compute_slices: int = 0  # compute slices of its compute instance, 0: unknown
     placement: tuple[int, int] | None = None  # its GPU instance's (start, size) in memory slices
     slot: int = -1  # its index among the parent's MIG devices (nvmlDeviceGetMigDeviceHandleByIndex)
-
-    @property
-    def gi_ci(self) -> tuple[int, int]:
-        return (self.gpu_instance_id, self.compute_instance_id)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from isolator.cgroups.base import (
     top_level_ids,
     write_pid,
 )
-from isolator.daemon.crashpoints import crashpoint
+from isolator.crashpoints import crashpoint
 from isolator.errors import (
     BpfError,
     CgroupBusy,

@@ -337,8 +337,10 @@ def serve(config: Config) -> int:
     Mesos's cgroups has released containers destroyed while it was down; WATCHDOG=1 from this serving loop at half the
     watchdog interval, and STOPPING=1 when told to stop.
     """
+    from isolator.daemon.crashpoints import arm_from_environment
     from isolator.daemon.sdnotify import Notifier
 
+    arm_from_environment()
     configure_logging(config.log_level, config.log_format)
     notifier = Notifier()
     notes: list[str] = []

@@ -142,10 +142,6 @@ class Gpu:
     numa_node: int | None = None
     cpu_affinity: str = ""
 
-    @property
-    def device_path_name(self) -> str:
-        return f"nvidia{self.minor}"
-
 
 class PcieLevel(IntEnum):
     """NVML's nvmlGpuTopologyLevel_t; ``nvidia-smi topo -m`` prints the names on the right."""
@@ -213,10 +209,6 @@ class MigDevice:
     compute_slices: int = 0  # compute slices of its compute instance, 0: unknown
     placement: tuple[int, int] | None = None  # its GPU instance's (start, size) in memory slices
     slot: int = -1  # its index among the parent's MIG devices (nvmlDeviceGetMigDeviceHandleByIndex)
-
-    @property
-    def gi_ci(self) -> tuple[int, int]:
-        return (self.gpu_instance_id, self.compute_instance_id)
 
 
 @dataclass(frozen=True)
@@ -518,3 +510,75 @@ class HealthCheck:
     name: str
     ok: bool
     detail: str
+
+
+# ---- The inventory's view of a GPU: what isolator.gpu.nvml reports and the core reads ---------
+
+
+@dataclass(frozen=True)
+class GpuHealth:
+    healthy: bool = True
+    reason: str = ""
+    last_xid: int = 0
+    last_xid_time: float = 0.0
+    source: str = ""  # one of HEALTH_*, when unhealthy
+
+
+@dataclass(frozen=True)
+class GpuRecord:
+    """Everything known about one GPU. ``errors`` lists the queries that failed (then: degraded)."""
+
+    gpu: Gpu
+    mig_capable: bool = False
+    mig_enabled: bool = False
+    mig_devices: tuple[MigDevice, ...] = ()
+    errors: tuple[str, ...] = ()
+    health: GpuHealth = GpuHealth()
+
+    @property
+    def index(self) -> int:
+        return self.gpu.index
+
+    @property
+    def identified(self) -> bool:
+        """Minor and UUID are known, so the GPU can be named and whitelisted at all."""
+        return self.gpu.minor >= 0 and bool(self.gpu.uuid)
+
+    @property
+    def degraded(self) -> bool:
+        return bool(self.errors)
+
+    @property
+    def usable(self) -> bool:
+        """Healthy, fully read and identified: the allocator may hand it out."""
+        return self.health.healthy and not self.errors and self.identified
+
+    @property
+    def status(self) -> str:
+        """Why the GPU is not usable, or "" when it is."""
+        if self.errors:
+            return "degraded: " + "; ".join(self.errors)
+        return self.health.reason
+
+
+@dataclass(frozen=True)
+class HealthEvent:
+    """A GPU's health changed: what the service subscribes to (``Inventory.on_health_change``)."""
+
+    index: int
+    uuid: str
+    healthy: bool
+    reason: str
+    xid: int = 0
+    time: float = 0.0
+
+
+@dataclass(frozen=True)
+class GpuUsageSample:
+    """One GPU's usage as NVML reports it now (``nvidia-smi --query-gpu=memory.used,utilization.gpu``)."""
+
+    index: int
+    memory_total: int
+    memory_used: int
+    gpu_utilization: int  # percent
+    memory_utilization: int  # percent

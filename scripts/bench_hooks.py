@@ -32,7 +32,8 @@ if ROOT not in sys.path:
 
 from isolator.cgroups import bpf, bpfprog  # noqa: E402
 from isolator.cgroups.detect import read_mounts  # noqa: E402
-from isolator.policy.devices import DeviceRule, HostDevices, container_rules  # noqa: E402
+from isolator.host.devices import HostDevices  # noqa: E402
+from isolator.policy.devices import DeviceRule, container_rules  # noqa: E402
 from isolator.testing.cgroupfs import TEST_PARENT, cgroup_mount  # noqa: E402
 
 HOST_GPUS = 64  # one GPU per client even at 64 clients; the fake NVML's limit (fakenvml.c MAX_GPUS)

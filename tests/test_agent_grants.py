@@ -17,8 +17,9 @@ from cgroup_helpers import Prober, hierarchy_mounts, scratch_cgroups_root
 from isolator.cgroups import bpf, bpfprog
 from isolator.cgroups.v1 import V1DeviceController
 from isolator.cgroups.v2 import V2DeviceController
+from isolator.host.devices import HostDevices
 from isolator.model import ContainerId
-from isolator.policy.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, HostDevices, container_rules
+from isolator.policy.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, container_rules
 from isolator.simhost.devnodes import make_device_nodes
 
 GPUS = (0, 1, 2, 3)

@@ -10,8 +10,9 @@ from cgroup_helpers import Prober, hierarchy_mounts, scratch_cgroups_root
 
 from isolator.cgroups.v1 import V1DeviceController
 from isolator.errors import CgroupBusy, CgroupError, CgroupVanished
+from isolator.host.devices import HostDevices
 from isolator.model import ContainerId
-from isolator.policy.devices import MESOS_DEFAULT_WHITELIST, ControlDevices, DeviceRule, HostDevices, container_rules
+from isolator.policy.devices import MESOS_DEFAULT_WHITELIST, ControlDevices, DeviceRule, container_rules
 from isolator.simhost.devnodes import make_device_nodes
 
 pytestmark = [pytest.mark.root, pytest.mark.cgroup_v1]

@@ -14,8 +14,9 @@ from cgroup_helpers import Prober, hierarchy_mounts, scratch_cgroups_root
 from isolator.cgroups import bpf, bpfprog
 from isolator.cgroups.v2 import PROG_NAME, V2DeviceController
 from isolator.errors import BpfError, CgroupBusy, CgroupError, CgroupVanished, DeviceProgramConflict
+from isolator.host.devices import HostDevices
 from isolator.model import ContainerId
-from isolator.policy.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, HostDevices, container_rules
+from isolator.policy.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, container_rules
 from isolator.simhost.devnodes import make_device_nodes
 
 pytestmark = [pytest.mark.root, pytest.mark.cgroup_v2]

@@ -530,7 +530,7 @@ def test_fake_inventory_reports_an_xid_to_subscribers() -> None:
 
 @pytest.mark.root
 def test_fake_device_nodes_agree_with_the_nodes_a_driver_makes(short_tmp: str) -> None:
-    from isolator.policy.devices import HostDevices
+    from isolator.host.devices import HostDevices
     from isolator.simhost import devnodes
 
     dev = os.path.join(short_tmp, "dev")

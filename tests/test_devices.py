@@ -10,17 +10,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from isolator.errors import DeviceNodeError, InvalidArgument, RuleParseError, UvmLoadError
+from isolator.host.devices import HostDevices
 from isolator.model import MigDevice
 from isolator.policy.devices import (
     MESOS_DEFAULT_WHITELIST,
     ControlDevices,
     DeviceNumber,
     DeviceRule,
-    HostDevices,
     container_rules,
     is_owned,
     normalize,
-    own_rules,
     owned_majors,
     permits,
 )
@@ -303,6 +302,12 @@ def test_encompasses_each_field(outer: str, inner: str, expected: bool) -> None:
     assert DeviceRule.parse(outer).encompasses(DeviceRule.parse(inner)) is expected
 
 
+def own_rules(rules, base):
+    """The rules beyond ``base``, in order: what the sidecar adds on top of Mesos's whitelist."""
+    base_set = set(base)
+    return tuple(r for r in rules if r not in base_set)
+
+
 def test_parse_rules_skips_blank_lines() -> None:
     from isolator.policy.devices import parse_rules
 
@@ -361,11 +366,6 @@ def test_missing_caps_major_message() -> None:
     with pytest.raises(InvalidArgument) as info:
         container_rules(CONTROL, [0], [mig])
     assert info.value.message == "MIG devices need the nvidia-caps major, and none was given"
-
-
-def test_own_rules_keep_order_and_drop_only_base_rules() -> None:
-    rules = [DeviceRule.parse(t) for t in ("c 195:0 rwm", "c 1:3 rwm", "c 195:1 rwm")]
-    assert own_rules(rules, [DeviceRule.parse("c 1:3 rwm")]) == (rules[0], rules[2])
 
 
 def test_device_number_rule_and_control_device_order() -> None:
@@ -462,11 +462,11 @@ def test_caps_nodes_that_disagree_name_the_directory(short_tmp: str) -> None:
 
 
 def test_load_uvm_logs_the_missing_node_and_the_command(short_tmp: str, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level("INFO", logger="isolator.policy.devices")
+    caplog.set_level("INFO", logger="isolator.host.devices")
     with pytest.raises(UvmLoadError):
         HostDevices(short_tmp, ["true", "-u"]).load_uvm()
     node = os.path.join(short_tmp, "nvidia-uvm")
-    assert [r.getMessage() for r in caplog.records if r.name == "isolator.policy.devices"] == [
+    assert [r.getMessage() for r in caplog.records if r.name == "isolator.host.devices"] == [
         f"'{node}' is missing; running true -u"
     ]
 

@@ -104,6 +104,110 @@ def test_no_import_cycles_in_isolator_or_volumes():
     assert cycles(graph()) == []
 
 
+# ---- The layers ---------------------------------------------------------------------------------
+# Each layer is a package; what it may import from the project is written here once (docs/architecture.md
+# draws the same picture). The vocabulary is isolator/__init__, model, errors and crashpoints.
+#
+#   policy and the core decide; they import only the vocabulary (the core also policy and the volume
+#   package's pure decision, volumes.inject); the edges (cgroups, gpu, host) import the vocabulary,
+#   policy and the core's Protocols; transport and bridge translate for the core's API; the daemon
+#   and the CLI compose everything; testing and simhost stand in for the machine.
+VOCABULARY = {"isolator", "isolator.model", "isolator.errors", "isolator.crashpoints"}
+MAY_IMPORT: dict[str, set[str]] = {
+    "vocabulary": set(),
+    "policy": {"policy"},
+    "core": {"policy", "core", "volumes.inject", "volumes.errors"},
+    "cgroups": {"policy", "core.ports", "cgroups"},
+    "gpu": {"policy", "core.ports", "gpu"},
+    "host": {"policy", "core.ports", "host"},
+    # The server reads its settings from the daemon's Config, a plain dataclass.
+    "transport": {"core.api", "rpc", "transport", "bridge", "daemon.config"},
+    "bridge": {"rpc", "transport", "bridge"},
+    "exporters": {"policy", "core.api", "exporters"},
+    "simhost": {"policy", "gpu", "simhost"},
+    "rpc": {"rpc"},
+    "volumes": {"volumes"},
+}
+# Below these layers nothing may reach the machine, all the way down through the project's imports.
+PURE_LAYERS = ("vocabulary", "policy", "core")
+MACHINE = {
+    "os",
+    "subprocess",
+    "signal",
+    "socket",
+    "sqlite3",
+    "ctypes",
+    "fcntl",
+    "select",
+    "shutil",
+    "grpc",
+    "pynvml",
+    "google",
+}
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    if module in VOCABULARY:
+        return "vocabulary"
+    if parts[0] == "volumes":
+        return "volumes"
+    return parts[1]
+
+
+def allowed(importer: str, imported: str) -> bool:
+    if imported in VOCABULARY:
+        return True
+    rules = MAY_IMPORT.get(layer_of(importer))
+    if rules is None:  # daemon, cli, testing, the package's __main__: the composition roots
+        return True
+    names = {imported.split(".", 1)[1] if imported.startswith("isolator.") else imported}
+    name = names.pop()
+    return any(name == r or name.startswith(r + ".") for r in rules)
+
+
+def test_every_module_imports_only_what_its_layer_may():
+    bad = sorted(f"{m} -> {i}" for m, edges in graph().items() for i in edges if not allowed(m, i))
+    assert bad == []
+
+
+def test_the_layer_rule_refuses_a_core_module_that_imports_an_edge():
+    assert not allowed("isolator.core.hooks", "isolator.host.state")
+    assert not allowed("isolator.policy.allocator", "isolator.core.context")
+    assert not allowed("isolator.gpu.nvml", "isolator.daemon.config")
+    assert allowed("isolator.cgroups.v1", "isolator.core.ports") and allowed(
+        "isolator.daemon.main", "isolator.gpu.nvml"
+    )
+
+
+def closure(start: set[str], edges: dict[str, set[str]]) -> set[str]:
+    seen: set[str] = set()
+    todo = list(start)
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(edges[module])
+    return seen
+
+
+def test_nothing_below_the_edges_reaches_the_machine_however_deep_the_imports_go():
+    known, edges = modules(), graph()
+    start = {m for m in known if layer_of(m) in PURE_LAYERS}
+    reached = []
+    for module in sorted(closure(start, edges)):
+        for name in imports(known[module], module, known):
+            top = name.split(".")[0]
+            if name not in known and top in MACHINE:
+                reached.append(f"{module} imports {name}")
+    assert reached == []
+
+
+def test_the_deep_check_follows_a_chain():
+    edges = {"a": {"b"}, "b": {"c"}, "c": set(), "d": set()}
+    assert closure({"a"}, edges) == {"a", "b", "c"}
+
+
 # The core reaches the machine only through its ports (isolator/core/ports.py): no os, no
 # subprocess, no sockets, no grpc or generated code, no concrete edge module.
 FORBIDDEN_IN_CORE = {

@@ -34,7 +34,6 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from isolator.daemon.logfmt import hook_context
 from isolator.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -45,6 +44,7 @@ from isolator.errors import (
     from_code,
 )
 from isolator.rpc import isolator_pb2 as pb
+from isolator.transport.logcontext import hook_context
 
 LOG = logging.getLogger(__name__)
 

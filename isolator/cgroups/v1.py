@@ -24,7 +24,7 @@ from isolator.cgroups.base import (
     top_level_ids,
     write_pid,
 )
-from isolator.daemon.crashpoints import crashpoint
+from isolator.crashpoints import crashpoint
 from isolator.errors import CgroupBusy, CgroupError, CgroupVanished, InvalidArgument, RuleParseError
 from isolator.model import ContainerId
 from isolator.policy.devices import (

@@ -28,7 +28,7 @@ from isolator.cgroups.base import (
     top_level_ids,
     write_pid,
 )
-from isolator.daemon.crashpoints import crashpoint
+from isolator.crashpoints import crashpoint
 from isolator.errors import (
     BpfError,
     CgroupBusy,
@@ -262,10 +262,6 @@ class V2DeviceController:
 
     def _ours(self, progs: list[Attached]) -> list[Attached]:
         return [p for p in progs if p.fd >= 0 and p.name == self.prog_name]
-
-    def attached_ids(self, container: ContainerId) -> tuple[int, ...]:
-        """Ids of our programs on the container's cgroup (empty when the cgroup is gone)."""
-        return tuple(i for i, _tag in self._our_programs(container))
 
     def _ancestors(self, path: str) -> list[str]:
         out: list[str] = []

@@ -30,7 +30,7 @@ from isolator.core.ports import (
     StateStore,
     VolumeBuilder,
 )
-from isolator.daemon.crashpoints import crashpoint
+from isolator.crashpoints import crashpoint
 from isolator.errors import CgroupVanished, IsolatorError, NotFound
 from isolator.model import ContainerId, ContainerRecord, Gpu, MigDevice, key_root
 from isolator.policy import devices as devrules

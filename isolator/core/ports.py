@@ -10,7 +10,7 @@ pass the same contract tests (tests/test_contracts.py).
     StateStore      state.StateStore (SQLite)                   FakeStore
     VolumeBuilder   volumes.manager.VolumeManager               FakeVolumes
     Inventory       nvml.Inventory, core.EmptyInventory         FakeInventory
-    DeviceNodes     devices.HostDevices                         FakeDeviceNodes
+    DeviceNodes     host.devices.HostDevices                         FakeDeviceNodes
     Processes       core.system.ProcProcesses (/proc)           FakeProcesses
     Filesystem      core.system.LocalFilesystem                 FakeFilesystem
     Clock           core.system.SystemClock                     ManualClock
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
-from isolator.model import ContainerId, ContainerRecord, Gpu, MigDevice, Topology
+from isolator.model import ContainerId, ContainerRecord, GpuRecord, GpuUsageSample, HealthEvent, Topology
 from isolator.policy.devices import ControlDevices, DeviceRule, KernelRules
 
 
@@ -143,55 +143,6 @@ class VolumeBuilder(Protocol):
     def reconcile(self, live: Iterable[str]) -> tuple[str, ...]: ...
 
     def volumes(self) -> list[dict[str, Any]]: ...
-
-
-class GpuHealth(Protocol):
-    @property
-    def last_xid(self) -> int: ...
-
-    @property
-    def last_xid_time(self) -> float: ...
-
-
-class GpuRecord(Protocol):
-    """One managed GPU as the inventory sees it (isolator.gpu.nvml.GpuRecord)."""
-
-    @property
-    def gpu(self) -> Gpu: ...
-
-    @property
-    def health(self) -> GpuHealth: ...
-
-    @property
-    def mig_enabled(self) -> bool: ...
-
-    @property
-    def mig_devices(self) -> tuple[MigDevice, ...]: ...
-
-    @property
-    def usable(self) -> bool: ...
-
-    @property
-    def status(self) -> str: ...
-
-
-class GpuUsageSample(Protocol):
-    @property
-    def memory_used(self) -> int: ...
-
-    @property
-    def memory_total(self) -> int: ...
-
-    @property
-    def gpu_utilization(self) -> int: ...
-
-
-class HealthEvent(Protocol):
-    @property
-    def index(self) -> int: ...
-
-    @property
-    def healthy(self) -> bool: ...
 
 
 class Inventory(Protocol):

@@ -10,7 +10,7 @@ import contextlib
 import logging
 
 from isolator.core.context import Core
-from isolator.daemon.crashpoints import crashpoint
+from isolator.crashpoints import crashpoint
 from isolator.errors import CgroupVanished, FailedPrecondition
 from isolator.model import AuditReport, ContainerId, ContainerRecord, ContainerState, RecoverResult, key_root
 from isolator.policy import devices as devrules

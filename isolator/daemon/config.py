@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from isolator.errors import ConfigError
+from isolator.gpu.xids import DEFAULT_IGNORED_XIDS
 
 # Mirrors isolator.transport.peergate.PRIVATE_EXTRA (".d/grpc"); a test keeps them equal. Not imported from
 # there so that reading the configuration does not import grpc.
@@ -38,11 +39,6 @@ CGROUP_VERSIONS = ("auto", "v1", "v2")
 POLICIES = ("topology", "first-fit")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
-
-# XIDs caused by the application rather than the GPU: 13 graphics engine exception, 31 GPU memory
-# page fault, 43 GPU stopped processing, 45 preemptive cleanup, 68 video processor exception, 109
-# context switch timeout. k8s-device-plugin ignores the same list (k8s-topology.md §2.4).
-DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)
 
 
 @dataclass(frozen=True)

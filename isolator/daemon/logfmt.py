@@ -9,26 +9,15 @@ none). The server's error mapping sets the hook and container for the duration o
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import json
 import logging
 import time
-from collections.abc import Iterator
 
-CONTAINER: contextvars.ContextVar[str] = contextvars.ContextVar("container_id", default="")
-HOOK: contextvars.ContextVar[str] = contextvars.ContextVar("hook", default="")
+from isolator.transport.logcontext import CONTAINER, HOOK, hook_context
+
+__all__ = ["KEYS", "JsonFormatter", "TextFormatter", "hook_context"]
+
 KEYS = ("time", "level", "logger", "message", "container_id", "hook", "thread", "exception")
-
-
-@contextlib.contextmanager
-def hook_context(hook: str, container_id: str) -> Iterator[None]:
-    tokens = (HOOK.set(hook), CONTAINER.set(container_id))
-    try:
-        yield
-    finally:
-        HOOK.reset(tokens[0])
-        CONTAINER.reset(tokens[1])
 
 
 class JsonFormatter(logging.Formatter):

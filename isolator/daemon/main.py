@@ -141,9 +141,9 @@ def build_service(
     from isolator.cgroups import controller_for
     from isolator.cgroups.detect import detect
     from isolator.core.context import Settings
+    from isolator.host.devices import HostDevices
     from isolator.host.state import StateStore
     from isolator.host.system import EmptyInventory, LocalFilesystem, ProcProcesses, SystemClock
-    from isolator.policy.devices import HostDevices
 
     host = simulated_host(config) if config.simulate else None
     inventory = build_inventory(config, notes, host)
@@ -211,7 +211,7 @@ def _dev_root_and_volumes(
 def cdi_spec_of(inventory: Any, dev_root: str, volumes: Any, kind: str) -> dict[str, Any]:
     """The CDI spec of what ``inventory`` manages; builds the current driver's volume if needed."""
     from isolator.exporters import cdi
-    from isolator.policy.devices import HostDevices
+    from isolator.host.devices import HostDevices
     from volumes.inject import Image, volume_env
 
     control = HostDevices(dev_root).control_devices()
@@ -337,8 +337,10 @@ def serve(config: Config) -> int:
     Mesos's cgroups has released containers destroyed while it was down; WATCHDOG=1 from this serving loop at half the
     watchdog interval, and STOPPING=1 when told to stop.
     """
+    from isolator.daemon.crashpoints import arm_from_environment
     from isolator.daemon.sdnotify import Notifier
 
+    arm_from_environment()
     configure_logging(config.log_level, config.log_format)
     notifier = Notifier()
     notes: list[str] = []

@@ -18,14 +18,14 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import pynvml
 
-from isolator.daemon.config import DEFAULT_IGNORED_XIDS
 from isolator.errors import GpuNotFound, NvmlError, NvmlNotFound
-from isolator.model import Gpu, Link, MigDevice, PcieLevel, Topology
+from isolator.gpu.xids import DEFAULT_IGNORED_XIDS
+from isolator.model import Gpu, GpuHealth, GpuRecord, GpuUsageSample, HealthEvent, Link, MigDevice, PcieLevel, Topology
 
 LOG = logging.getLogger(__name__)
 
@@ -47,73 +47,6 @@ HEALTH_ABSENT = "absent"  # NVML no longer enumerates it: healthy when it is bac
 HEALTH_NVML = "nvml"  # NVML failed (event wait, init): unknown until an event wait works again
 HEALTH_REGISTER = "register"  # could not be registered for events: retried by the next rescan
 RESET_CLEARS = (HEALTH_XID, HEALTH_ECC)
-
-
-@dataclass(frozen=True)
-class GpuHealth:
-    healthy: bool = True
-    reason: str = ""
-    last_xid: int = 0
-    last_xid_time: float = 0.0
-    source: str = ""  # one of HEALTH_*, when unhealthy
-
-
-@dataclass(frozen=True)
-class GpuRecord:
-    """Everything known about one GPU. ``errors`` lists the queries that failed (then: degraded)."""
-
-    gpu: Gpu
-    mig_capable: bool = False
-    mig_enabled: bool = False
-    mig_devices: tuple[MigDevice, ...] = ()
-    errors: tuple[str, ...] = ()
-    health: GpuHealth = GpuHealth()
-
-    @property
-    def index(self) -> int:
-        return self.gpu.index
-
-    @property
-    def identified(self) -> bool:
-        """Minor and UUID are known, so the GPU can be named and whitelisted at all."""
-        return self.gpu.minor >= 0 and bool(self.gpu.uuid)
-
-    @property
-    def degraded(self) -> bool:
-        return bool(self.errors)
-
-    @property
-    def usable(self) -> bool:
-        """Healthy, fully read and identified: the allocator may hand it out."""
-        return self.health.healthy and not self.errors and self.identified
-
-    @property
-    def status(self) -> str:
-        """Why the GPU is not usable, or "" when it is."""
-        if self.errors:
-            return "degraded: " + "; ".join(self.errors)
-        return self.health.reason
-
-
-@dataclass(frozen=True)
-class HealthEvent:
-    """A GPU's health changed: what the service subscribes to (``Inventory.on_health_change``)."""
-
-    index: int
-    uuid: str
-    healthy: bool
-    reason: str
-    xid: int = 0
-    time: float = 0.0
-
-
-@dataclass(frozen=True)
-class GpuUsage:
-    index: int
-    memory_total: int
-    memory_used: int
-    gpu_utilization: int  # percent
-    memory_utilization: int  # percent
 
 
 # ---- loading --------------------------------------------------------------------------------
@@ -600,7 +533,7 @@ class Inventory:
         with self._lock:
             return frozenset(i for i, r in self._records.items() if r.usable)
 
-    def usage(self, index: int) -> GpuUsage:
+    def usage(self, index: int) -> GpuUsageSample:
         """nvidia-smi --query-gpu=memory.used,memory.total,utilization.gpu,utilization.memory."""
         with self._lock:
             handle = self._handles.get(index)
@@ -609,7 +542,7 @@ class Inventory:
         target = f"GPU {index}"
         memory = self._call("query memory", target, pynvml.nvmlDeviceGetMemoryInfo, handle)
         util = self._call("query utilization", target, pynvml.nvmlDeviceGetUtilizationRates, handle)
-        return GpuUsage(
+        return GpuUsageSample(
             index=index,
             memory_total=int(memory.total),
             memory_used=int(memory.used),

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from isolator.daemon.crashpoints import crashpoint
+from isolator.crashpoints import crashpoint
 from isolator.errors import (
     ContainerAlreadyRecorded,
     ContainerNotRecorded,

@@ -1,31 +1,22 @@
-"""Device rules as data and the rule set a container gets; everything but ``HostDevices`` is pure.
+"""Device rules as data and the rule set a container gets: pure, no I/O.
 
-``HostDevices`` is the one edge: it stats nodes under a dev root passed in (the uvm and caps majors
-are dynamic) and, when asked, loads nvidia-uvm the way Mesos does. It never writes a cgroup.
+The device numbers come from ``isolator.host.devices.HostDevices`` (the edge that stats a dev root).
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import re
-import shutil
-import stat
-import subprocess
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from isolator.errors import DeviceNodeError, InvalidArgument, RuleParseError, UvmLoadError
+from isolator.errors import InvalidArgument, RuleParseError
 from isolator.model import MigDevice
-
-LOG = logging.getLogger(__name__)
 
 # Linux dev_t limits (include/linux/kdev_t.h: MINORBITS 20; majors are 12 bits).
 MAX_MAJOR = (1 << 12) - 1
 MAX_MINOR = (1 << 20) - 1
 NVIDIA_MAJOR = 195
 ACCESS_ORDER = "rwm"
-TYPES = "abc"
 
 _RULE_RE = re.compile(r"([abc]) (\*|[0-9]{1,7}):(\*|[0-9]{1,7}) ([rwm]{1,3})")
 
@@ -241,12 +232,6 @@ def is_owned(rule: DeviceRule, majors: frozenset[int]) -> bool:
     return rule.type == "c" and rule.major is not None and rule.major in majors
 
 
-def own_rules(rules: Iterable[DeviceRule], base: Iterable[DeviceRule]) -> tuple[DeviceRule, ...]:
-    """The rules of a set that are not in ``base``: what the sidecar adds on top of Mesos."""
-    base_set = set(base)
-    return tuple(r for r in rules if r not in base_set)
-
-
 @dataclass(frozen=True)
 class KernelRules:
     """The rules a cgroup backend says are in force on a cgroup, and where it read them.
@@ -258,94 +243,3 @@ class KernelRules:
     rules: tuple[DeviceRule, ...]
     source: str
     present: bool = True
-
-
-# ---- The edge: device numbers from a dev root ---------------------------------------------------
-
-UVM_LOAD_COMMAND = ("nvidia-modprobe", "-u", "-c", "0")
-
-
-class HostDevices:
-    """Reads NVIDIA device numbers under ``dev_root`` and loads nvidia-uvm on request.
-
-    ``uvm_load_command`` is what ``load_uvm`` runs when ``<dev_root>/nvidia-uvm`` is missing: Mesos
-    runs ``nvidia-modprobe -u -c 0`` (MESOS-7232), which loads nvidia_uvm and creates the node.
-    """
-
-    def __init__(self, dev_root: str, uvm_load_command: Sequence[str] = UVM_LOAD_COMMAND) -> None:
-        self.dev_root = dev_root
-        self.uvm_load_command = tuple(uvm_load_command)
-
-    def path(self, name: str) -> str:
-        return os.path.join(self.dev_root, name)
-
-    def stat_char(self, path: str) -> DeviceNumber:
-        try:
-            st = os.stat(path)
-        except OSError as exc:
-            raise DeviceNodeError(path=path, cause=exc.strerror or str(exc)) from exc
-        if not stat.S_ISCHR(st.st_mode):
-            raise DeviceNodeError(path=path, cause="not a character device")
-        return DeviceNumber(os.major(st.st_rdev), os.minor(st.st_rdev), path)
-
-    def control_devices(self, modeset: bool = False) -> ControlDevices:
-        """nvidiactl and nvidia-uvm must exist (call ``load_uvm`` first on a real host)."""
-        tools_path = self.path("nvidia-uvm-tools")
-        tools = self.stat_char(tools_path) if os.path.lexists(tools_path) else None
-        return ControlDevices(
-            nvidiactl=self.stat_char(self.path("nvidiactl")),
-            uvm=self.stat_char(self.path("nvidia-uvm")),
-            uvm_tools=tools,
-            modeset=self.stat_char(self.path("nvidia-modeset")) if modeset else None,
-        )
-
-    def caps_major(self) -> int | None:
-        """The major of ``<dev_root>/nvidia-caps/nvidia-cap*`` (dynamic), or None without MIG nodes."""
-        caps_dir = self.path("nvidia-caps")
-        try:
-            names = sorted(n for n in os.listdir(caps_dir) if n.startswith("nvidia-cap"))
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise DeviceNodeError(path=caps_dir, cause=exc.strerror or str(exc)) from exc
-        majors = {self.stat_char(os.path.join(caps_dir, n)).major for n in names}
-        if len(majors) > 1:
-            raise DeviceNodeError(path=caps_dir, cause=f"nodes disagree on the major: {sorted(majors)}")
-        return majors.pop() if majors else None
-
-    def nvidia_majors(self) -> tuple[int, ...]:
-        """Every NVIDIA character major on this host: 195, nvidia-uvm's and nvidia-caps' (dynamic).
-        In mesos mode these are the devices the sidecar decides for; the rest are the agent's."""
-        majors = {NVIDIA_MAJOR, *(d.major for d in self.control_devices().numbers())}
-        caps = self.caps_major()
-        if caps is not None:
-            majors.add(caps)
-        return tuple(sorted(majors))
-
-    def load_uvm(self) -> bool:
-        """Make sure ``<dev_root>/nvidia-uvm`` exists; returns True when the command had to run."""
-        node = self.path("nvidia-uvm")
-        if os.path.lexists(node):
-            return False
-        LOG.info("'%s' is missing; running %s", node, " ".join(self.uvm_load_command))
-        program = self.uvm_load_command[0]
-        if os.sep not in program and shutil.which(program) is None:
-            # Looked up first: exec through a PATH with a directory this user may not search fails
-            # with EACCES rather than ENOENT, which would hide that the program is simply absent.
-            raise UvmLoadError(path=node, cause=f"{program} is not installed (it ships with the NVIDIA driver)")
-        try:
-            proc = subprocess.run(self.uvm_load_command, capture_output=True, text=True, timeout=60, check=False)
-        except FileNotFoundError as exc:
-            raise UvmLoadError(
-                path=node, cause=f"{self.uvm_load_command[0]} is not installed (it ships with the NVIDIA driver)"
-            ) from exc
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise UvmLoadError(path=node, cause=f"{' '.join(self.uvm_load_command)}: {exc}") from exc
-        if proc.returncode != 0:
-            out = (proc.stderr or proc.stdout).strip()[-400:]
-            raise UvmLoadError(
-                path=node, cause=f"{' '.join(self.uvm_load_command)} exited with {proc.returncode}: {out}"
-            )
-        if not os.path.lexists(node):
-            raise UvmLoadError(path=node, cause=f"{' '.join(self.uvm_load_command)} succeeded but the node is absent")
-        return True

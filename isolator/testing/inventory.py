@@ -13,8 +13,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from isolator.errors import GpuNotFound, NvmlError
-from isolator.gpu.nvml import GpuHealth, GpuRecord, GpuUsage, HealthEvent
-from isolator.model import Gpu, Link, MigDevice, Topology
+from isolator.model import Gpu, GpuHealth, GpuRecord, GpuUsageSample, HealthEvent, Link, MigDevice, Topology
 
 
 class FakeInventory:
@@ -38,7 +37,7 @@ class FakeInventory:
             )
             for g in topology.gpus
         }
-        self._usage: dict[int, GpuUsage] = {}
+        self._usage: dict[int, GpuUsageSample] = {}
         self._callbacks: list[Callable[[HealthEvent], None]] = []
         self.nvml_lost = False
         self.closed = False
@@ -111,13 +110,13 @@ class FakeInventory:
         with self._lock:
             return frozenset(i for i, r in self._records.items() if r.usable)
 
-    def usage(self, index: int) -> GpuUsage:
+    def usage(self, index: int) -> GpuUsageSample:
         self._live("query utilization", index)
         with self._lock:
             if index not in self._records:
                 raise GpuNotFound(op="find GPU", target=str(index), cause="not managed by this sidecar")
             total = self._records[index].gpu.memory_total
-            return self._usage.get(index, GpuUsage(index, total, 0, 0, 0))
+            return self._usage.get(index, GpuUsageSample(index, total, 0, 0, 0))
 
     def device_count(self) -> int:
         self._live("count devices", None)
@@ -145,7 +144,7 @@ class FakeInventory:
     def set_usage(self, index: int, memory_used: int, utilization: int) -> None:
         with self._lock:
             total = self._records[index].gpu.memory_total
-            self._usage[index] = GpuUsage(index, total, memory_used, utilization, 0)
+            self._usage[index] = GpuUsageSample(index, total, memory_used, utilization, 0)
 
     def lose_nvml(self) -> None:
         self.nvml_lost = True

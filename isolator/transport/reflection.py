@@ -10,7 +10,7 @@ to the pool so that the v1 service describes itself too.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import grpc
@@ -53,24 +53,9 @@ class Reflection:
         _add_v1_descriptor(self._pool)
         self._services = tuple(sorted({*service_names, V1, V1ALPHA}))
 
-    def add_to_server(self, server: grpc.Server) -> None:
-        for name in (V1, V1ALPHA):
-            handler = grpc.stream_stream_rpc_method_handler(
-                self.info,
-                request_deserializer=pb.ServerReflectionRequest.FromString,
-                response_serializer=pb.ServerReflectionResponse.SerializeToString,
-            )
-            server.add_generic_rpc_handlers(
-                (grpc.method_handlers_generic_handler(name, {"ServerReflectionInfo": handler}),)
-            )
-
     @property
     def services(self) -> tuple[str, ...]:
         return self._services
-
-    def info(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-        for request in requests:
-            yield self.answer(request)
 
     def answer(self, request: Any) -> Any:
         kind = request.WhichOneof("message_request")

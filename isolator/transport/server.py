@@ -28,7 +28,6 @@ from isolator import model
 from isolator.bridge.listener import BridgeListener
 from isolator.core.api import IsolatorApi
 from isolator.daemon.config import Config
-from isolator.daemon.logfmt import hook_context
 from isolator.errors import IsolatorError, SocketError
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
@@ -47,6 +46,7 @@ from isolator.transport.convert import (
     usage_to_proto,
     volume_to_proto,
 )
+from isolator.transport.logcontext import hook_context
 from isolator.transport.reflection import Reflection
 from isolator.transport.status import status_of
 
@@ -85,7 +85,7 @@ def _translate_errors(method: Callable[..., T]) -> Callable[..., T]:
 
     @functools.wraps(method)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> T:
-        observer: Observer | None = getattr(self, "observer", None)
+        observer: Observer | None = self.observer  # every servicer has one (None: not observed)
         started = time.perf_counter()
         code, response = "OK", None
         with hook_context(hook, _container_text(request)):

@@ -35,8 +35,8 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
-from isolator.daemon.logfmt import hook_context
 from isolator.errors import InvalidArgument, ResourceExhausted, Unavailable
+from isolator.transport.logcontext import hook_context
 from isolator.transport.status import status_of
 
 LOG = logging.getLogger(__name__)

@@ -38,6 +38,7 @@ CGROUP_VERSIONS = ("auto", "v1", "v2")
 POLICIES = ("topology", "first-fit")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
+CPU_AFFINITY = ("off", "hint", "enforce")
 
 # XIDs caused by the application rather than the GPU: 13 graphics engine exception, 31 GPU memory
 # page fault, 43 GPU stopped processing, 45 preemptive cleanup, 68 video processor exception, 109
@@ -82,6 +83,7 @@ class Config:
     allowed_gids: tuple[int, ...] = ()
     cdi_dir: str = ""
     cdi_kind: str = "nvidia.com/gpu"
+    cpu_affinity: str = "hint"  # docs/affinity.md
     config_file: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -222,6 +224,7 @@ PARSERS: dict[str, Any] = {
     "allowed_gids": _int_list,
     "cdi_dir": _text,
     "cdi_kind": _cdi_kind,
+    "cpu_affinity": _choice(CPU_AFFINITY),
 }
 
 HELP = {
@@ -259,6 +262,8 @@ HELP = {
     "allowed_gids": "gids allowed to call the socket (default none)",
     "cdi_dir": "keep a CDI spec of the managed GPUs in this directory, e.g. /var/run/cdi (default: none)",
     "cdi_kind": "the CDI spec's kind (default nvidia.com/gpu)",
+    "cpu_affinity": "off, hint (default: the GPUs' local CPUs and NUMA nodes in the container's environment) or"
+    " enforce (also a cpuset holding the container to them); docs/affinity.md",
 }
 
 

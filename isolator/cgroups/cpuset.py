@@ -169,6 +169,11 @@ class CpusetController:
             walk = os.path.dirname(walk)
         if self.version == "v2":
             self._enable_v2(path)
+        else:
+            # Directories made by someone else (mkdir -p of the cgroups root) are empty cpusets too.
+            above = [d for d in self._ancestors(path) if d not in missing and os.path.isdir(d)]
+            for directory in above:
+                self._inherit_v1(directory)
         for directory in reversed(missing):
             try:
                 os.mkdir(directory)
@@ -180,6 +185,16 @@ class CpusetController:
                 self._inherit_v1(directory)
             elif self.version == "v2" and directory != path:
                 self._subtree_cpuset(directory)
+
+    def _ancestors(self, path: str) -> list[str]:
+        """The directories strictly between the mount and ``path``, top first."""
+        out = []
+        directory = os.path.dirname(path)
+        below = self.mount.rstrip("/") + "/"
+        while directory.startswith(below):
+            out.append(directory)
+            directory = os.path.dirname(directory)
+        return out[::-1]
 
     def _inherit_v1(self, directory: str) -> None:
         # What cgroup.clone_children=1 would do: the parent's CPUs and memory nodes.

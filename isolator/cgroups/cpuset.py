@@ -18,6 +18,10 @@ from isolator.policy.affinity import Affinity, format_list, parse_list
 
 LOG = logging.getLogger(__name__)
 
+# Mesos mode: our cpusets live under ``<cgroups_root>-gpu-isolator``, beside the agent's root, never
+# in a cgroup Mesos made (it manages no cpuset; if it did, the names would not collide).
+MESOS_CPUSET_SUFFIX = "-gpu-isolator"
+
 # File names differ between the versions (Documentation/admin-guide/cgroup-v1/cpusets.rst, cgroup-v2.rst).
 EFFECTIVE = {
     "v1": ("cpuset.effective_cpus", "cpuset.effective_mems"),

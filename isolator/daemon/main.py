@@ -190,10 +190,6 @@ def build_service(
         raise
 
 
-# Mesos mode: our cpusets live beside the agent's cgroups root, never in a cgroup Mesos made.
-MESOS_CPUSET_SUFFIX = "-gpu-isolator"
-
-
 def cpu_edges(config: Config) -> tuple[SysCpus | None, CpusetController | None]:
     """What the machine's CPUs are, and the cpuset hierarchy (docs/affinity.md).
 
@@ -201,7 +197,7 @@ def cpu_edges(config: Config) -> tuple[SysCpus | None, CpusetController | None]:
     says, so that containers held to a cpuset under ``enforce`` keep it, and lose it at Cleanup,
     after a restart with another mode. ``enforce`` without a usable one stops the start.
     """
-    from isolator.cgroups.cpuset import CpusetController, find_cpuset
+    from isolator.cgroups.cpuset import MESOS_CPUSET_SUFFIX, CpusetController, find_cpuset
     from isolator.host.cpus import SysCpus
 
     cpus = SysCpus() if config.cpu_affinity != "off" else None

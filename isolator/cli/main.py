@@ -404,7 +404,7 @@ def _describe_text(data: dict[str, Any], now: float) -> str:
         ("Cgroup", c.get("cgroup", "")),
         ("Volume", c.get("volume_version") or "-"),
         ("Processes", _list(data.get("pids", []))),
-        ("CPU affinity", _affinity_text(data)),
+        ("Affinity", _affinity_text(data)),  # --cpu-affinity (docs/affinity.md)
     ]
     width = max(len(k) for k, _ in fields) + 2
     lines = [f"{k + ':':<{width}}{v}" for k, v in fields]

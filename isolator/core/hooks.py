@@ -40,7 +40,7 @@ from isolator.model import (
     gpu_count,
 )
 from isolator.policy import mig as migunits
-from isolator.policy.affinity import Affinity
+from isolator.policy.affinity import Affinity, format_list
 from volumes.errors import VolumeError
 from volumes.inject import DriverFacts, Image, check_cuda, plan_injection, should_inject
 
@@ -403,7 +403,7 @@ class Hooks:
                 "pid %d of container %s could run on CPUs %s; its GPUs' cpuset '%s' holds it to %s",
                 pid,
                 cid,
-                ",".join(map(str, sorted(before or ()))),
+                format_list(before or ()),
                 core.cpusets.path(cid),
                 aff.cpu_list,
             )

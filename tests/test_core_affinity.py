@@ -217,3 +217,19 @@ def test_describe_shows_the_locality_and_the_cpuset_recorded_and_in_force() -> N
     assert (d.cpu_affinity, d.local_cpus, d.local_numa_nodes) == ("enforce", "0-1", "0")
     assert (d.cpuset_recorded_cpus, d.cpuset_cpus, d.cpuset_mems) == ("0-1", "0-1", "0")
     assert d.cpuset_cgroup == rig.cpusets.path(a)
+
+
+def test_a_forced_release_in_mesos_mode_leaves_the_cpuset_to_the_processes_still_running() -> None:
+    rig = enforcing("mesos")
+    a = cid("a")
+    rig.cgroups.mesos_creates(a)
+    rig.service.prepare(a, gpus(1))
+    pid = rig.processes.spawn()
+    rig.cgroups.add_pid(a, pid)
+    rig.service.isolate(a, pid)
+    released = rig.service.release(a, force=True)
+    assert released.pids == (pid,) and rig.store.get(a) is None
+    assert rig.cpusets.pids(a) == (pid,), "its processes keep their CPUs"
+    rig.cpusets.exit(pid)
+    rig.restart()  # the start-up reconciliation removes it once empty
+    assert not rig.cpusets.exists(a)

@@ -251,7 +251,7 @@ class Admin:
                 action = "revoked-kept-cgroup"
                 did = f"revoked their GPU access in '{cgroup}' and kept the cgroup for its processes {list(pids)}"
             else:
-                core.cleanup_cgroups(container_id)
+                core.cleanup_cgroups(container_id, keep_busy_cpuset=bool(pids))
                 action = "removed-cgroup"
                 did = (
                     f"removed our device rules from '{cgroup}'"

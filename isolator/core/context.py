@@ -33,7 +33,7 @@ from isolator.core.ports import (
     VolumeBuilder,
 )
 from isolator.daemon.crashpoints import crashpoint
-from isolator.errors import AffinityEmpty, AffinityUnknown, CgroupVanished, IsolatorError, NotFound
+from isolator.errors import AffinityEmpty, AffinityUnknown, CgroupBusy, CgroupVanished, IsolatorError, NotFound
 from isolator.model import ContainerId, ContainerRecord, Gpu, MigDevice, key_root
 from isolator.policy import affinity as affinities
 from isolator.policy import devices as devrules
@@ -349,7 +349,7 @@ class Core:
         """Apply ``rules`` to a nested container's own cgroup (on v1 through the ``mesos`` one above it)."""
         self.cgroups.apply_nested(child, rules)
 
-    def cleanup_cgroups(self, cid: ContainerId) -> None:
+    def cleanup_cgroups(self, cid: ContainerId, keep_busy_cpuset: bool = False) -> None:
         """Remove our rules from a top-level container's cgroup, and in mesos mode first from the
         cgroups of its own of its nested containers: Mesos cleans those up first, but when it did not
         (an orphan, a forced release) they must not keep granting the GPUs freed next (v2: their
@@ -360,7 +360,14 @@ class Core:
                 self.cgroups.cleanup(child)
         self.cgroups.cleanup(cid)
         if self.cpusets is not None and not cid.nested:
-            self.cpusets.remove(cid)  # ours in both modes (docs/affinity.md); after the GPUs' rules
+            try:
+                self.cpusets.remove(cid)  # ours in both modes (docs/affinity.md); after the GPUs' rules
+            except CgroupBusy as exc:
+                if not keep_busy_cpuset:
+                    raise
+                # A forced release of a container whose processes run on: they keep their CPUs; the
+                # start-up reconciliation removes the cpuset once it is empty.
+                LOG.warning("container %s: its cpuset stays for its processes: %s", cid, exc.message)
 
     def drop(self, cid: ContainerId, rec: ContainerRecord) -> None:
         """Forget a container whose rules are already gone: its record, then its GPUs; wake watchers."""

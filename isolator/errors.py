@@ -270,3 +270,22 @@ class HostFileError(ConfigError):
     """A simulated host description that is malformed or inconsistent."""
 
     msg_fmt = "failed to load host file '{path}': {where}{reason}"
+
+
+class AffinityEmpty(FailedPrecondition):
+    """The CPUs or memory nodes local to a container's GPUs are none of this machine's: refused, never "all"."""
+
+    msg_fmt = (
+        "failed to place GPUs {gpus} on their local {what}: they are local to {local}, this machine has "
+        "{machine} online; nothing is left, and a container is never given every CPU instead "
+        "(docs/affinity.md; --cpu-affinity hint or off does not enforce)"
+    )
+
+
+class AffinityUnknown(FailedPrecondition):
+    """NVML did not report a GPU's CPU affinity, so its locality cannot be enforced."""
+
+    msg_fmt = (
+        "failed to place GPUs {gpus} on their local CPUs: NVML reports no CPU affinity for them "
+        "(nvidia-smi topo -m, 'CPU Affinity'); --cpu-affinity enforce cannot honour it (docs/affinity.md)"
+    )

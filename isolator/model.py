@@ -324,6 +324,10 @@ class ContainerRecord:
     created: float = field(default_factory=time.time)  # the core passes its clock's time
     rules: str = ""
     mig: frozenset[tuple[str, int]] = frozenset()  # held MIG devices: (MIG UUID, parent GPU minor)
+    # --cpu-affinity enforce: the CPUs and memory nodes its cpuset is held to (cpulist syntax);
+    # "" when none is enforced (docs/affinity.md). Recorded before the cpuset is written.
+    cpus: str = ""
+    mems: str = ""
 
     @property
     def mig_uuids(self) -> frozenset[str]:
@@ -472,6 +476,16 @@ class Description:
     pids: tuple[int, ...]
     gpus: tuple[GpuInfo, ...]
     nested: tuple[ContainerInfo, ...]
+    # --cpu-affinity (docs/affinity.md): the mode, the GPUs' local CPUs and nodes here, the recorded
+    # cpuset and the kernel's ("" where there is none).
+    cpu_affinity: str = "off"
+    local_cpus: str = ""
+    local_numa_nodes: str = ""
+    cpuset_recorded_cpus: str = ""
+    cpuset_recorded_mems: str = ""
+    cpuset_cpus: str = ""
+    cpuset_mems: str = ""
+    cpuset_cgroup: str = ""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Markers that need something of the machine, and the loud skips when it lacks it.
 
 ``root``: euid 0. ``cgroup_v1``: a writable v1 devices hierarchy. ``cgroup_v2``: a writable cgroup2
-mount. ``gpu``: an NVIDIA driver with at least one GPU. Each skip prints its reason (``-ra``).
+mount. ``gpu``: an NVIDIA driver with at least one GPU. ``cpuset_v1``/``cpuset_v2``: a writable v1
+cpuset hierarchy / the cpuset controller on cgroup2. Each skip prints its reason (``-ra``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,27 @@ def capability(name: str) -> str | None:
         if not mounts:
             return "no cgroup2 hierarchy is mounted"
         return None if os.access(mounts[0][0], os.W_OK) else f"cgroup2 at {mounts[0][0]} is not writable"
+    if name == "cpuset_v1":
+        if os.geteuid() != 0:
+            return "needs root to create cpuset cgroups"
+        for mnt, opts in _mount_points("cgroup"):
+            if "cpuset" in opts.split(","):
+                return None if os.access(mnt, os.W_OK) else f"v1 cpuset hierarchy at {mnt} is not writable"
+        return "no cgroup v1 cpuset hierarchy is mounted"
+    if name == "cpuset_v2":
+        if os.geteuid() != 0:
+            return "needs root to create cpuset cgroups"
+        mounts = _mount_points("cgroup2")
+        if not mounts:
+            return "no cgroup2 hierarchy is mounted"
+        try:
+            with open(os.path.join(mounts[0][0], "cgroup.controllers")) as fh:
+                offered = fh.read().split()
+        except OSError as exc:
+            return f"cannot read {mounts[0][0]}/cgroup.controllers: {exc}"
+        if "cpuset" not in offered:
+            return f"the cpuset controller is not available on cgroup2 at {mounts[0][0]} (offered: {offered})"
+        return None
     if name == "gpu":
         if not ctypes.util.find_library("nvidia-ml") and not os.path.exists("/dev/nvidiactl"):
             return "no NVIDIA driver on this machine (libnvidia-ml not found, no /dev/nvidiactl)"
@@ -52,7 +74,7 @@ def capability(name: str) -> str | None:
     raise KeyError(name)
 
 
-CAPABILITY_MARKERS = ("root", "cgroup_v1", "cgroup_v2", "gpu")
+CAPABILITY_MARKERS = ("root", "cgroup_v1", "cgroup_v2", "gpu", "cpuset_v1", "cpuset_v2")
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -10,7 +10,14 @@ import os
 
 import pytest
 
-from isolator.testing.mesos import BridgeIsolator, Containerizer, GrpcIsolator, HookFailed, container_id
+from isolator.testing.mesos import (
+    BridgeIsolator,
+    Containerizer,
+    GrpcIsolator,
+    HookFailed,
+    affinity_hint_only,
+    container_id,
+)
 from isolator.testing.sidecar import running_sidecar
 
 pytestmark = [pytest.mark.root]
@@ -76,7 +83,7 @@ def test_host_filesystem_container_is_gated_by_the_cgroup_alone(agent):
     opens = launched.report["opens"]
     assert sorted(opens.values()).count("ENXIO") == 1, opens
     assert sorted(opens.values()).count("EPERM") == 7, opens
-    assert launched.launch_info is None
+    assert affinity_hint_only(launched.launch_info)  # no image: nothing but the CPU affinity hint
     assert launched.report["nvidia_dir"] is None
 
 
@@ -172,7 +179,7 @@ def test_nested_container_runs_with_exactly_its_top_level_containers_gpus(agent,
         child = container_id([f"group-{kind}", "child"])
         nested = containerizer.start(child, containerizer.config(gpus=None, kind=kind, image=False))
         try:
-            assert nested.launch_info is None
+            assert affinity_hint_only(nested.launch_info)
             containerizer.run(nested, nested.config, nodes)
             assert nested.exit_code == 0, nested.stderr
             opens = nested.report["opens"]
@@ -181,4 +188,4 @@ def test_nested_container_runs_with_exactly_its_top_level_containers_gpus(agent,
             containerizer.destroy(child)
     finally:
         containerizer.destroy(parent)
-    assert launched.launch_info is None
+    assert affinity_hint_only(launched.launch_info)  # no image: nothing but the CPU affinity hint

@@ -32,6 +32,7 @@ from isolator.model import ContainerId, ContainerRecord, Topology
 from isolator.policy.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, container_rules
 from isolator.testing import (
     FakeCgroups,
+    FakeCpusets,
     FakeDeviceNodes,
     FakeFilesystem,
     FakeInventory,
@@ -575,3 +576,148 @@ def test_volumes_count_their_users_and_go_when_the_last_one_leaves(volumes: Any)
     assert volumes.release("a", "535.104.05") == (), "the running driver's volume stays"
     assert volumes.release("never-used", None) == ()
     assert volumes.volume_root.endswith("volumes")
+
+
+# ---- Cpusets and CpuTopology (--cpu-affinity, docs/affinity.md) -----------------------------------
+
+CPUSETS = [
+    pytest.param("fake", id="fake"),
+    pytest.param("v1", id="real-v1", marks=[pytest.mark.root, pytest.mark.cpuset_v1]),
+    pytest.param("v2", id="real-v2", marks=[pytest.mark.root, pytest.mark.cpuset_v2]),
+]
+
+
+def _online() -> tuple[frozenset[int], frozenset[int]]:
+    from isolator.host.cpus import SysCpus
+
+    machine = SysCpus().machine()
+    return machine.cpus, machine.mems
+
+
+@pytest.fixture(params=CPUSETS)
+def cpusets(request) -> Iterator[Any]:
+    if request.param == "fake":
+        from isolator.policy.affinity import Machine
+
+        cpus, mems = _online()
+        yield FakeCpusets(Machine(cpus, mems))
+        return
+    from isolator.cgroups.cpuset import CpusetController, find_cpuset
+    from isolator.testing.cgroupfs import scratch_cgroups_root
+
+    found = find_cpuset()
+    assert found is not None and found[0] == request.param
+    with scratch_cgroups_root(found[1], "contract-cpuset") as root:
+        yield CpusetController(found[1], root, found[0])
+
+
+def test_cpuset_apply_creates_sets_and_reads_back_exactly(cpusets: Any) -> None:
+    cpus, mems = _online()
+    a = cid("contract-a")
+    assert not cpusets.exists(a) and cpusets.current(a) is None
+    assert cpusets.allowed(a) in (cpus, frozenset())
+    first = frozenset({min(cpus)})
+    cpusets.apply(a, first, mems)
+    assert cpusets.exists(a) and a in cpusets.containers()
+    got = cpusets.current(a)
+    assert got is not None and (got.cpus, got.mems) == (first, mems)
+    cpusets.apply(a, cpus, mems)
+    assert cpusets.current(a).cpus == cpus  # widened again
+    assert cpusets.path(a).endswith("contract-a")
+    assert cpusets.version in ("v1", "v2")
+
+
+def test_cpuset_refuses_empty_and_cpus_the_machine_does_not_have(cpusets: Any) -> None:
+    _cpus, mems = _online()
+    a = cid("contract-a")
+    with pytest.raises(CgroupError):
+        cpusets.apply(a, frozenset(), mems)
+    with pytest.raises(CgroupError):
+        cpusets.apply(a, frozenset({4000}), mems)
+
+
+def test_cpuset_holds_a_joined_process_and_is_removed_only_when_empty(cpusets: Any) -> None:
+    cpus, mems = _online()
+    a = cid("contract-a")
+    one = frozenset({max(cpus)})
+    with pytest.raises(CgroupVanished):
+        cpusets.join(a, 1)
+    cpusets.apply(a, one, mems)
+    proc = _sleeper()
+    try:
+        cpusets.join(a, proc.pid)
+        assert cpusets.pids(a) == (proc.pid,)
+        from isolator.host.cpus import SysCpus
+
+        topology = cpusets if isinstance(cpusets, FakeCpusets) else SysCpus()
+        assert topology.allowed_of(proc.pid) == one, "the process is held to the cpuset"
+        with pytest.raises(CgroupBusy):
+            cpusets.remove(a)
+        assert cpusets.exists(a)
+    finally:
+        proc.kill()
+        proc.wait()
+        if isinstance(cpusets, FakeCpusets):
+            cpusets.exit(proc.pid)
+    _wait_empty(cpusets, a)
+    cpusets.remove(a)
+    assert not cpusets.exists(a)
+    cpusets.remove(a)  # idempotent
+
+
+def _wait_empty(cpusets: Any, c: ContainerId) -> None:
+    import time
+
+    deadline = time.monotonic() + 30
+    while cpusets.pids(c) and time.monotonic() < deadline:
+        time.sleep(0.01)  # a killed process leaves its cgroup asynchronously
+
+
+@pytest.mark.parametrize("kind", ["fake", "sys"])
+def test_cpu_topology_reports_online_cpus_nodes_and_a_processes_allowed_cpus(kind: str) -> None:
+    from isolator.host.cpus import SysCpus
+
+    real = SysCpus().machine()
+    topo: Any = SysCpus() if kind == "sys" else FakeCpusets(real)
+    machine = topo.machine()
+    assert machine.cpus == real.cpus and machine.mems == real.mems and machine.cpus
+    assert topo.allowed_of(os.getpid()) <= machine.cpus
+    if kind == "sys":
+        assert topo.allowed_of(2**22 + 1) is None
+
+
+def test_sys_cpus_reads_a_temp_tree(tmp_path) -> None:
+    from isolator.host.cpus import SysCpus
+
+    system = tmp_path / "devices" / "system"
+    (system / "cpu").mkdir(parents=True)
+    (system / "cpu" / "online").write_text("0-7\n")
+    for n, cpus in ((0, "0-3"), (1, "4-7")):
+        (system / "node" / f"node{n}").mkdir(parents=True)
+        (system / "node" / f"node{n}" / "cpulist").write_text(cpus + "\n")
+    (system / "node" / "online").write_text("0-1\n")
+    (system / "node" / "has_memory").write_text("1\n")
+    machine = SysCpus(str(tmp_path)).machine()
+    assert machine.cpus == frozenset(range(8)) and machine.mems == frozenset({1})
+    assert machine.node_cpus == {0: frozenset(range(4)), 1: frozenset(range(4, 8))}
+    os.unlink(system / "node" / "has_memory")
+    assert SysCpus(str(tmp_path)).machine().mems == frozenset({0, 1})
+    (proc := tmp_path / "proc" / "42").mkdir(parents=True)
+    (proc / "status").write_text("Name:\tx\nCpus_allowed_list:\t0-1,5\n")
+    assert SysCpus(str(tmp_path), str(tmp_path / "proc")).allowed_of(42) == frozenset({0, 1, 5})
+
+
+def test_store_records_a_cpuset_and_forgets_it(store: FakeStore) -> None:
+    store.record(record("a", 0, cpus="0-3", mems="0"))
+    assert (store.get(cid("a")).cpus, store.get(cid("a")).mems) == ("0-3", "0")  # type: ignore[union-attr]
+    rec = store.set_cpuset(cid("a"), "4-7", "1")
+    assert (rec.cpus, rec.mems) == ("4-7", "1") and store.load()[cid("a")].cpus == "4-7"
+    store.set_cpuset(cid("a"), "", "")
+    assert store.get(cid("a")).cpus == ""  # type: ignore[union-attr]
+    with pytest.raises(InvalidArgument):
+        store.set_cpuset(cid("a"), "0", "")
+    with pytest.raises(ContainerNotRecorded):
+        store.set_cpuset(cid("nobody"), "0", "0")
+    store.record(record("b", cpus="1", mems="0"))
+    store.remove(cid("b"))
+    assert store.get(cid("b")) is None

@@ -29,6 +29,7 @@ CORE_TESTS = (
     "test_core_concurrency.py",
     "test_core_mig.py",
     "test_core_volume_users.py",
+    "test_core_affinity.py",
 )
 CONTRACT_TESTS = ("test_contracts.py",)
 
@@ -69,6 +70,9 @@ INDIRECT = {
     "mig_of": "watch",
     "hold_mig": "restart",
     "free_mig": "cleanup",
+    "affinity": "prepare",  # --cpu-affinity (tests/test_core_affinity.py)
+    "locality": "describe_container",
+    "apply_cpuset": "update",
 }
 
 

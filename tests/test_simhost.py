@@ -50,9 +50,12 @@ nvlink = { 0 = 2 }
 
 
 def test_shipped_hosts_are_the_six_the_issue_asks_for_and_all_load():
-    assert shipped_hosts() == ["dgx-1", "dgx-2", "dgx-a100", "hgx-h100", "single", "workstation-4"]
+    # numa-2 (issue 28): two GPUs local to CPU 0 and CPU 1, for --cpu-affinity tests on a 2-CPU machine.
+    assert shipped_hosts() == ["dgx-1", "dgx-2", "dgx-a100", "hgx-h100", "numa-2", "single", "workstation-4"]
     sizes = {name: len(load_host(name).gpus) for name in shipped_hosts()}
-    assert sizes == {"dgx-1": 8, "dgx-2": 16, "dgx-a100": 8, "hgx-h100": 8, "single": 1, "workstation-4": 4}
+    assert sizes == {
+        "dgx-1": 8, "dgx-2": 16, "dgx-a100": 8, "hgx-h100": 8, "numa-2": 2, "single": 1, "workstation-4": 4,
+    }  # fmt: skip
 
 
 def test_dgx1_is_the_hybrid_cube_mesh_of_the_f3_fixture():

@@ -68,5 +68,18 @@ def test_a_version_1_store_is_upgraded_in_place(tmp_path):
         with pytest.raises(GpuAlreadyHeld):
             store.record(ContainerRecord(ContainerId("c"), mig=frozenset({("MIG-2", 2)})))
     db = sqlite3.connect(path)
-    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3  # 3: the cpuset table
     db.close()
+
+
+def test_a_version_2_store_gains_the_cpuset_table_and_keeps_everything(tmp_path):
+    with StateStore(str(tmp_path)) as store:
+        store.record(ContainerRecord(A, frozenset({2}), created=1.0, mig=frozenset({("MIG-1", 0)})))
+    db = sqlite3.connect(os.path.join(tmp_path, DB_FILE))
+    db.executescript("DROP TABLE cpuset; PRAGMA user_version=2;")  # as a version-2 sidecar left it
+    db.close()
+    with StateStore(str(tmp_path)) as store:
+        rec = store.get(A)
+        assert rec is not None and rec.gpus == frozenset({2}) and rec.mig == frozenset({("MIG-1", 0)})
+        assert (rec.cpus, rec.mems) == ("", "")
+        assert store.set_cpuset(A, "0-3", "0").cpus == "0-3"

@@ -404,6 +404,7 @@ def _describe_text(data: dict[str, Any], now: float) -> str:
         ("Cgroup", c.get("cgroup", "")),
         ("Volume", c.get("volume_version") or "-"),
         ("Processes", _list(data.get("pids", []))),
+        ("Affinity", _affinity_text(data)),  # --cpu-affinity (docs/affinity.md)
     ]
     width = max(len(k) for k, _ in fields) + 2
     lines = [f"{k + ':':<{width}}{v}" for k, v in fields]
@@ -433,6 +434,23 @@ def _describe_text(data: dict[str, Any], now: float) -> str:
             )
         )
     return "\n".join(lines)
+
+
+def _affinity_text(data: dict[str, Any]) -> str:
+    """``hint: CPUs 0-19,40-59, NUMA nodes 0``, then the cpuset recorded and in force (docs/affinity.md)."""
+    mode = data.get("cpu_affinity") or "off"
+    local = data.get("local_cpus", "")
+    text = f"{mode}: " + (f"CPUs {local}, NUMA nodes {data.get('local_numa_nodes', '')}" if local else "none local")
+    recorded = data.get("cpuset_recorded_cpus", "")
+    kernel = data.get("cpuset_cpus", "")
+    if recorded or kernel:
+        rec = f"CPUs {recorded}, nodes {data.get('cpuset_recorded_mems', '')}" if recorded else "none"
+        now = f"CPUs {kernel}, nodes {data.get('cpuset_mems', '')}" if kernel else "no cpuset"
+        agree = (
+            "agree" if (recorded, data.get("cpuset_recorded_mems")) == (kernel, data.get("cpuset_mems")) else "DIFFER"
+        )
+        text += f"; cpuset recorded {rec}, in force {now} ({agree}) in '{data.get('cpuset_cgroup', '')}'"
+    return text
 
 
 def _rules_text(data: dict[str, Any]) -> list[str]:

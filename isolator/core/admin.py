@@ -29,6 +29,7 @@ from isolator.model import (
 )
 from isolator.policy import devices as devrules
 from isolator.policy import mig as migunits
+from isolator.policy.affinity import Affinity
 
 LOG = logging.getLogger(__name__)
 
@@ -188,6 +189,7 @@ class Admin:
                 pids = ()
             volume_of = self._volume_users()
             nested = [] if container_id.nested else self._nested_ids(container_id, volume_of)
+            local, current = self._affinity(rec)
         listed = {g.minor: g for g in self.list_gpus().gpus if g.uuid}
         only_recorded = tuple(str(r) for r in recorded if not devrules.permits(kernel, r))
         only_kernel = tuple(str(r) for r in kernel if not devrules.permits(recorded, r))
@@ -204,7 +206,25 @@ class Admin:
             pids=pids,
             gpus=tuple(listed[m] for m in sorted(rec.gpus) if m in listed),
             nested=tuple(self._nested_info(c, rec, volume_of) for c in nested),
+            cpu_affinity=core.settings.cpu_affinity,
+            local_cpus=local.cpu_list if local is not None else "",
+            local_numa_nodes=local.mem_list if local is not None else "",
+            cpuset_recorded_cpus=rec.cpus,
+            cpuset_recorded_mems=rec.mems,
+            cpuset_cpus=current.cpu_list if current is not None else "",
+            cpuset_mems=current.mem_list if current is not None else "",
+            cpuset_cgroup=core.cpusets.path(container_id) if current is not None and core.cpusets else "",
         )
+
+    def _affinity(self, rec: ContainerRecord) -> tuple[Affinity | None, Affinity | None]:
+        """The GPUs' locality on this machine (None: none, or nothing left) and the cpuset in force."""
+        core = self.core
+        try:
+            local = core.locality(rec.gpus, core.mig_of(rec))
+        except IsolatorError:
+            local = None
+        current = core.cpusets.current(rec.container_id) if core.cpusets is not None else None
+        return local, current
 
     def release(self, container_id: ContainerId, force: bool) -> Released:
         core = self.core
@@ -231,7 +251,7 @@ class Admin:
                 action = "revoked-kept-cgroup"
                 did = f"revoked their GPU access in '{cgroup}' and kept the cgroup for its processes {list(pids)}"
             else:
-                core.cleanup_cgroups(container_id)
+                core.cleanup_cgroups(container_id, keep_busy_cpuset=bool(pids))
                 action = "removed-cgroup"
                 did = (
                     f"removed our device rules from '{cgroup}'"

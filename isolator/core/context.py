@@ -22,6 +22,8 @@ from isolator.core.locks import ContainerLocks
 from isolator.core.ports import (
     CgroupBackend,
     Clock,
+    Cpusets,
+    CpuTopology,
     DeviceNodes,
     Filesystem,
     HealthEvent,
@@ -31,8 +33,9 @@ from isolator.core.ports import (
     VolumeBuilder,
 )
 from isolator.crashpoints import crashpoint
-from isolator.errors import CgroupVanished, IsolatorError, NotFound
+from isolator.errors import AffinityEmpty, AffinityUnknown, CgroupBusy, CgroupVanished, IsolatorError, NotFound
 from isolator.model import ContainerId, ContainerRecord, Gpu, MigDevice, key_root
+from isolator.policy import affinity as affinities
 from isolator.policy import devices as devrules
 from isolator.policy import mig as migunits
 from isolator.policy.allocator import Allocator, Choice
@@ -51,6 +54,9 @@ class Settings:
     # (isolate runs on every isolator in parallel), so mesos mode waits a little before declaring
     # the pid misplaced.
     isolate_settle_s: float = 2.0
+    # --cpu-affinity (docs/affinity.md): off, hint (the environment) or enforce (also a cpuset).
+    # The daemon's default is hint (isolator/daemon/config.py); in-process cores default to off.
+    cpu_affinity: str = "off"
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,8 @@ class Edges:
     processes: Processes
     filesystem: Filesystem
     clock: Clock
+    cpus: CpuTopology | None = None  # what the machine has online; None: no affinity at all
+    cpusets: Cpusets | None = None  # the cpuset hierarchy, when one is bound
 
 
 class Core:
@@ -76,6 +84,7 @@ class Core:
         self.store = edges.store
         self.volumes = edges.volumes
         self.clock = edges.clock
+        self.cpusets = edges.cpusets
         self.locks = ContainerLocks()
         self.rebuilt: list[ContainerId] = []  # records rebuilt from the kernel at start (lost state)
         self.repairs = 0  # kernel rules re-applied by the drift audit since start
@@ -340,15 +349,25 @@ class Core:
         """Apply ``rules`` to a nested container's own cgroup (on v1 through the ``mesos`` one above it)."""
         self.cgroups.apply_nested(child, rules)
 
-    def cleanup_cgroups(self, cid: ContainerId) -> None:
+    def cleanup_cgroups(self, cid: ContainerId, keep_busy_cpuset: bool = False) -> None:
         """Remove our rules from a top-level container's cgroup, and in mesos mode first from the
         cgroups of its own of its nested containers: Mesos cleans those up first, but when it did not
         (an orphan, a forced release) they must not keep granting the GPUs freed next (v2: their
-        programs are not below the parent's leaf, so nothing else would revoke them)."""
+        programs are not below the parent's leaf, so nothing else would revoke them). Then the
+        container's cpuset, if it has one."""
         if self.settings.mode == "mesos":
             for child in reversed(self.nested_cgroups(cid)):
                 self.cgroups.cleanup(child)
         self.cgroups.cleanup(cid)
+        if self.cpusets is not None and not cid.nested:
+            try:
+                self.cpusets.remove(cid)  # ours in both modes (docs/affinity.md); after the GPUs' rules
+            except CgroupBusy as exc:
+                if not keep_busy_cpuset:
+                    raise
+                # A forced release of a container whose processes run on: they keep their CPUs; the
+                # start-up reconciliation removes the cpuset once it is empty.
+                LOG.warning("container %s: its cpuset stays for its processes: %s", cid, exc.message)
 
     def drop(self, cid: ContainerId, rec: ContainerRecord) -> None:
         """Forget a container whose rules are already gone: its record, then its GPUs; wake watchers."""
@@ -380,3 +399,64 @@ class Core:
                 for user in vol.get("users", ()):
                     out[str(user)] = str(vol.get("driver_version", ""))
         return out
+
+    # ---- CPU affinity (docs/affinity.md) ---------------------------------------------------------
+
+    @property
+    def enforcing(self) -> bool:
+        """Whether containers are held to their GPUs' CPUs with a cpuset (``--cpu-affinity enforce``)."""
+        return self.settings.cpu_affinity == "enforce" and self.cpusets is not None
+
+    def affinity(
+        self, cid: ContainerId, minors: frozenset[int], units: Iterable[MigDevice] = ()
+    ) -> affinities.Affinity | None:
+        """The CPUs and memory nodes local to ``minors`` (and MIG ``units``' parents) on this machine.
+
+        None when affinity is off or the container has no GPUs. Enforcing, a locality that leaves
+        nothing or is unknown is refused (``AffinityEmpty``/``AffinityUnknown``); hinting, it is
+        logged and no hint is given.
+        """
+        if self.settings.cpu_affinity == "off" or self.edges.cpus is None:
+            return None
+        try:
+            return self.locality(minors, units)
+        except (AffinityEmpty, AffinityUnknown) as exc:
+            if self.enforcing:
+                LOG.error("container %s: refused: %s", cid, exc.message)
+                raise
+            LOG.warning("container %s: no CPU affinity hint: %s", cid, exc.message)
+            return None
+
+    def locality(self, minors: frozenset[int], units: Iterable[MigDevice] = ()) -> affinities.Affinity | None:
+        """``affinity.decide`` for these GPUs on this machine, whatever the mode (the admin views)."""
+        if self.edges.cpus is None:
+            return None
+        held = sorted(minors | migunits.parents(tuple(units)))
+        gpus = [
+            affinities.GpuLocality(m, self.gpus[m].numa_node, self.gpus[m].cpu_affinity) for m in held if m in self.gpus
+        ]
+        return affinities.decide(gpus, self.edges.cpus.machine())
+
+    def apply_cpuset(self, cid: ContainerId, aff: affinities.Affinity, before: frozenset[int] | None = None) -> None:
+        """Hold ``cid``'s cpuset to ``aff`` (recorded first by the caller), saying so when it narrows
+        the CPUs the container could use before (``before``: the cpuset's parent's when None)."""
+        assert self.cpusets is not None
+        if before is None:
+            before = self.cpusets.allowed(cid) or (self.edges.cpus.machine().cpus if self.edges.cpus else frozenset())
+        self.cpusets.apply(cid.root, aff.cpus, aff.mems)
+        lost = affinities.narrowed(before, aff.cpus)
+        if lost:
+            LOG.info(
+                "container %s: cpuset '%s' narrows it from CPUs %s to %s, memory nodes %s (local to its GPUs)",
+                cid,
+                self.cpusets.path(cid),
+                affinities.format_list(before),
+                aff.cpu_list,
+                aff.mem_list,
+            )
+
+    @staticmethod
+    def recorded_affinity(rec: ContainerRecord | None) -> affinities.Affinity | None:
+        if rec is None or not rec.cpus:
+            return None
+        return affinities.Affinity(affinities.parse_list(rec.cpus), affinities.parse_list(rec.mems))

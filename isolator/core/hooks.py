@@ -40,6 +40,7 @@ from isolator.model import (
     gpu_count,
 )
 from isolator.policy import mig as migunits
+from isolator.policy.affinity import Affinity, format_list
 from volumes.errors import VolumeError
 from volumes.inject import DriverFacts, Image, check_cuda, plan_injection, should_inject
 
@@ -95,6 +96,8 @@ class Hooks:
             minors = frozenset(choice.gpus)
             undo: Undo = [lambda: self._deallocate(minors, units)]
             try:
+                aff = core.affinity(container_id, minors, units)
+                held = aff if core.enforcing else None  # recorded with the GPUs, applied after their rules
                 rules = core.rules(minors, units)
                 core.store.record(
                     ContainerRecord(
@@ -107,6 +110,8 @@ class Hooks:
                         created=core.clock.time(),
                         rules="\n".join(map(str, rules)),
                         mig=frozenset((d.uuid, d.parent_minor) for d in units),
+                        cpus=held.cpu_list if held is not None else "",
+                        mems=held.mem_list if held is not None else "",
                     )
                 )
                 undo.append(lambda: self._forget(container_id))
@@ -116,7 +121,12 @@ class Hooks:
                 crashpoint("prepare.cgroup")
                 core.cgroups.apply(container_id, rules)
                 crashpoint("prepare.applied")
-                info = self._launch_info(container_id, config, minors, image_plan, undo, units)
+                if held is not None and core.cpusets is not None:
+                    cpusets = core.cpusets
+                    undo.append(lambda: cpusets.remove(container_id))
+                    crashpoint("cpuset.recorded")
+                    core.apply_cpuset(container_id, held)
+                info = self._launch_info(container_id, config, minors, image_plan, undo, units, aff)
             except BaseException:
                 self._undo(container_id, undo)
                 raise
@@ -158,7 +168,9 @@ class Hooks:
             try:
                 if self._rules_for_nested(cid, config):
                     undo.append(lambda: core.cgroups.cleanup(cid))
-                info = self._launch_info(cid, config, minors, image_plan, undo, core.mig_of(root))
+                units = core.mig_of(root)
+                aff = core.affinity(cid, minors, units) if core.settings.cpu_affinity != "off" else None
+                info = self._launch_info(cid, config, minors, image_plan, undo, units, aff)
             except BaseException:
                 self._undo(cid, undo)
                 raise
@@ -228,18 +240,24 @@ class Hooks:
         image_plan: ImagePlan | None,
         undo: Undo,
         units: tuple[MigDevice, ...] = (),
+        aff: Affinity | None = None,
     ) -> LaunchInfo | None:
         # MIG holders are told which devices are theirs (docs/mig.md), with or without an image.
         visible = (("NVIDIA_VISIBLE_DEVICES", migunits.visible_devices(units)),) if units else ()
+        # --cpu-affinity hint/enforce: the GPUs' local CPUs and NUMA nodes (docs/affinity.md); to a
+        # command task through task_environment, like the volume's PATH (its executor's is not its own).
+        local = aff.environment() if aff is not None else ()
         if not config.has_image:
             # The host's /dev and libraries, access gated by the cgroup (Mesos).
-            return LaunchInfo(environment=visible) if visible else None
+            if config.command_task and local:
+                return LaunchInfo(environment=visible, task_environment=local)
+            return LaunchInfo(environment=visible + local) if visible or local else None
         mounts = self._device_mounts(config.rootfs, minors, units)
         env: tuple[tuple[str, str], ...] = ()
         if image_plan is not None:
             mounts_v, env = self._volume(cid, config, image_plan, undo)
             mounts = mounts_v + mounts
-        env = tuple((k, v) for k, v in env if k != "NVIDIA_VISIBLE_DEVICES") + visible
+        env = tuple((k, v) for k, v in env if k != "NVIDIA_VISIBLE_DEVICES") + visible + local
         if config.command_task:
             # Mesos's isolator: a command task's environment goes in task_environment, which the
             # command executor applies over the image's own (docker/runtime puts the image's PATH
@@ -328,6 +346,7 @@ class Hooks:
                 crashpoint("isolate.placed")
             else:
                 self._wait_for_pid(target, pid)
+            self._join_cpuset(container_id, rec, pid)
             if not container_id.nested and rec.state == "prepared":
                 core.store.update(container_id, state="isolated")
         LOG.info("isolated pid %d in %s", pid, core.describe(container_id, rec.gpus))
@@ -365,6 +384,30 @@ class Hooks:
         finally:
             pinned.close()
 
+    def _join_cpuset(self, cid: ContainerId, rec: ContainerRecord, pid: int) -> None:
+        """Put the pid in its top-level container's cpuset (mesos mode: ours, beside Mesos's cgroups;
+        a nested container's pid comes from the agent, not from its parent, so it is placed too).
+        A cpuset lost to a crash is made again from the record first."""
+        core = self.core
+        aff = core.recorded_affinity(rec)
+        if aff is None or core.cpusets is None:
+            return
+        before = core.edges.cpus.allowed_of(pid) if core.edges.cpus is not None else None
+        current = core.cpusets.current(cid.root)
+        if current is None or current != aff:
+            core.apply_cpuset(cid.root, aff)
+        core.cpusets.join(cid.root, pid)
+        lost = (before or frozenset()) - aff.cpus
+        if lost:
+            LOG.info(
+                "pid %d of container %s could run on CPUs %s; its GPUs' cpuset '%s' holds it to %s",
+                pid,
+                cid,
+                format_list(before or ()),
+                core.cpusets.path(cid),
+                aff.cpu_list,
+            )
+
     def _wait_for_pid(self, cid: ContainerId, pid: int) -> None:
         clock = self.core.clock
         deadline = clock.monotonic() + self.core.settings.isolate_settle_s
@@ -401,6 +444,13 @@ class Hooks:
                 add, release = frozenset(plan.add), frozenset(plan.release)
                 if add:
                     core.allocator.allocate_set(add)
+            try:
+                # Decided before anything changes: an enforced locality that leaves nothing refuses the update.
+                moved = core.affinity(container_id, (rec.gpus | add) - release) if core.enforcing else None
+            except BaseException:
+                if add:
+                    self._deallocate(add)
+                raise
             if add:
                 # Grow: book, record, then grant (never grant what is not recorded).
                 recorded = False
@@ -419,7 +469,32 @@ class Hooks:
                 core.store.remove_gpus(container_id, release)
                 self._deallocate(release)
             final = (rec.gpus | add) - release
+            if core.enforcing and (add or release):
+                self._move_cpuset(container_id, rec, moved)
         LOG.info("updated %s to %d GPUs", core.describe(container_id, frozenset(final)), target)
+
+    def _move_cpuset(self, cid: ContainerId, rec: ContainerRecord, held: Affinity | None) -> None:
+        """After an update: record the cpuset of the GPUs now held, then write it. A container left
+        with no GPUs is let go back to what its parent allows (it is left alone, as without GPUs)."""
+        core = self.core
+        assert core.cpusets is not None
+        old = core.recorded_affinity(rec)
+        if held is None:
+            if old is None or core.edges.cpus is None:
+                return
+            machine = core.edges.cpus.machine()
+            held = Affinity(core.cpusets.allowed(cid) or machine.cpus, machine.mems)
+        if old == held:
+            return
+        core.store.set_cpuset(cid, held.cpu_list, held.mem_list)
+        crashpoint("cpuset.recorded")
+        core.apply_cpuset(cid, held, before=old.cpus if old is not None else None)
+        if old is None:
+            # It had no GPUs, so no cpuset: its processes join the one just made.
+            for member in [cid, *core.nested_cgroups(cid)] if core.cgroups.exists(cid) else []:
+                with contextlib.suppress(CgroupVanished):
+                    for pid in core.cgroups.pids(member):
+                        core.cpusets.join(cid, pid)
 
     def _undo_grow(self, cid: ContainerId, kept: frozenset[int], add: frozenset[int], recorded: bool) -> None:
         """Take back a grow that failed half-way: revoke in the kernel, then forget, then free.

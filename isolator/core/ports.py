@@ -14,6 +14,8 @@ pass the same contract tests (tests/test_contracts.py).
     Processes       core.system.ProcProcesses (/proc)           FakeProcesses
     Filesystem      core.system.LocalFilesystem                 FakeFilesystem
     Clock           core.system.SystemClock                     ManualClock
+    Cpusets         cgroups.cpuset.CpusetController             FakeCpusets
+    CpuTopology     host.cpus.SysCpus                           FakeCpusets (the same object)
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from isolator.model import ContainerId, ContainerRecord, GpuRecord, GpuUsageSample, HealthEvent, Topology
+from isolator.policy.affinity import Affinity, Machine
 from isolator.policy.devices import ControlDevices, DeviceRule, KernelRules
 
 
@@ -84,6 +87,48 @@ class CgroupBackend(Protocol):
     def cleanup(self, container: ContainerId) -> None: ...
 
 
+class CpuTopology(Protocol):
+    """What this machine really has (``/sys/devices/system``) and what a process may use (``/proc``)."""
+
+    def machine(self) -> Machine: ...
+
+    def allowed_of(self, pid: int) -> frozenset[int] | None: ...  # None: the process is gone
+
+
+class Cpusets(Protocol):
+    """A top-level container's cpuset cgroup (``--cpu-affinity enforce``, docs/affinity.md).
+
+    * ``allowed(c)``: the CPUs a process in ``c``'s cpuset could use without us (its parent's;
+      empty when nothing says).
+    * ``apply(c, cpus, mems)``: create the cpuset if missing and make it exactly that, verified;
+      an empty set is refused (``CgroupError``), never written.
+    * ``current(c)``: what it is set to, None without a cgroup. ``exists``, ``containers()``,
+      ``pids`` as for ``CgroupBackend``.
+    * ``join(c, pid)``: place a process; ``CgroupVanished`` without a cgroup.
+    * ``remove(c)``: a missing cgroup is success; one with processes is ``CgroupBusy``. Idempotent.
+    """
+
+    version: str  # "v1" or "v2"
+
+    def path(self, container: ContainerId) -> str: ...
+
+    def exists(self, container: ContainerId) -> bool: ...
+
+    def containers(self) -> tuple[ContainerId, ...]: ...
+
+    def current(self, container: ContainerId) -> Affinity | None: ...
+
+    def allowed(self, container: ContainerId) -> frozenset[int]: ...
+
+    def pids(self, container: ContainerId) -> tuple[int, ...]: ...
+
+    def apply(self, container: ContainerId, cpus: frozenset[int], mems: frozenset[int]) -> None: ...
+
+    def join(self, container: ContainerId, pid: int) -> None: ...
+
+    def remove(self, container: ContainerId) -> None: ...
+
+
 class StateStore(Protocol):
     """Container -> GPUs and metadata, durable once a call returns; each call one transaction.
 
@@ -107,6 +152,8 @@ class StateStore(Protocol):
         volume_version: str | None = None,
         rules: str | None = None,
     ) -> ContainerRecord: ...
+
+    def set_cpuset(self, cid: ContainerId, cpus: str, mems: str) -> ContainerRecord: ...
 
     def remove(self, cid: ContainerId) -> ContainerRecord: ...
 

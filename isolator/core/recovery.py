@@ -11,7 +11,7 @@ import logging
 
 from isolator.core.context import Core
 from isolator.crashpoints import crashpoint
-from isolator.errors import CgroupVanished, FailedPrecondition
+from isolator.errors import CgroupVanished, FailedPrecondition, IsolatorError
 from isolator.model import AuditReport, ContainerId, ContainerRecord, ContainerState, RecoverResult, key_root
 from isolator.policy import devices as devrules
 from isolator.policy.allocator import Allocator
@@ -44,6 +44,7 @@ class Recovery:
                 self._enforce_record(cid, rec.gpus, rec.mig_parents)
             unrecorded = [c for c in core.cgroups.containers() if c not in records]
             self._adopt_or_deny(unrecorded, records)
+            self._reconcile_cpusets(core.store.load())  # records rebuilt from the kernel included
             self.book()
 
     def book(self) -> None:
@@ -65,6 +66,44 @@ class Recovery:
                     )
                 core.allocator.restore(known)
                 core.hold_mig(rec.mig, restore=True)
+
+    def _reconcile_cpusets(self, records: dict[ContainerId, ContainerRecord]) -> None:
+        """Each recorded cpuset as recorded (a kill between recording and writing it, or a cpuset
+        changed while we were down); our cpusets with no record and no process are removed."""
+        core = self.core
+        if core.cpusets is None:
+            return
+        for cid, rec in sorted(records.items(), key=lambda kv: kv[0].chain()):
+            drift = self._cpuset_drift(cid, rec)
+            if drift is not None:
+                LOG.warning("start: %s: %s; applying the record", core.describe(cid, rec.gpus), drift)
+                aff = core.recorded_affinity(rec)
+                assert aff is not None
+                core.apply_cpuset(cid, aff)
+        for cid in core.cpusets.containers():
+            if cid in records or core.cpusets.path(cid) == core.cgroups.cgroup_path(cid):
+                continue  # recorded, or a v2 devices cgroup that is also the cpuset (standalone): not ours here
+            try:
+                core.cpusets.remove(cid)
+                LOG.warning("start: removed the cpuset '%s', which has no record", core.cpusets.path(cid))
+            except IsolatorError as exc:
+                LOG.warning("start: the cpuset '%s' has no record and stays: %s", core.cpusets.path(cid), exc)
+
+    def _cpuset_drift(self, cid: ContainerId, rec: ContainerRecord) -> str | None:
+        """How the kernel's cpuset differs from the recorded one; None when it agrees or none is recorded."""
+        core = self.core
+        aff = core.recorded_affinity(rec)
+        if aff is None or core.cpusets is None:
+            return None
+        current = core.cpusets.current(cid)
+        if current is None:
+            return f"its cpuset '{core.cpusets.path(cid)}' is gone (recorded CPUs {aff.cpu_list}, nodes {aff.mem_list})"
+        if current != aff:
+            return (
+                f"its cpuset holds CPUs {current.cpu_list or '(none)'}, memory nodes {current.mem_list or '(none)'} "
+                f"(recorded CPUs {aff.cpu_list}, nodes {aff.mem_list})"
+            )
+        return None
 
     def _enforce_record(
         self, cid: ContainerId, gpus: frozenset[int], mig_parents: frozenset[int] = frozenset()
@@ -255,15 +294,22 @@ class Recovery:
                 if rec is None:
                     continue
                 checked += 1
+                lines = []
                 drift = self._drift(cid, rec)
-                if drift is None:
-                    continue
-                if not core.cgroups.exists(cid):
-                    core.cgroups.prepare(cid)
-                core.apply(cid, rec.gpus)
-            line = f"container {cid}: {drift}; re-applied the recorded rules"
-            LOG.warning("audit: %s", line)
-            repaired.append(line)
+                if drift is not None:
+                    if not core.cgroups.exists(cid):
+                        core.cgroups.prepare(cid)
+                    core.apply(cid, rec.gpus)
+                    lines.append(f"container {cid}: {drift}; re-applied the recorded rules")
+                cpuset_drift = self._cpuset_drift(cid, rec)
+                if cpuset_drift is not None:
+                    aff = core.recorded_affinity(rec)
+                    assert aff is not None
+                    core.apply_cpuset(cid, aff)
+                    lines.append(f"container {cid}: {cpuset_drift}; re-applied the recorded cpuset")
+            for line in lines:
+                LOG.warning("audit: %s", line)
+                repaired.append(line)
         with core.alloc:
             core.repairs += len(repaired)
             total = core.repairs
@@ -313,6 +359,8 @@ class Recovery:
                     continue
                 with contextlib.suppress(CgroupVanished):
                     core.cgroups.cleanup(cid)
+                if core.cpusets is not None:
+                    core.cpusets.remove(cid)  # its processes died with its Mesos cgroups
                 core.drop(cid, rec)
             reaped.append(cid)
             LOG.warning("released %s: its cgroup is gone (destroyed without a cleanup)", core.describe(cid, rec.gpus))

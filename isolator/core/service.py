@@ -21,6 +21,8 @@ from isolator.core.hooks import Hooks
 from isolator.core.ports import (
     CgroupBackend,
     Clock,
+    Cpusets,
+    CpuTopology,
     DeviceNodes,
     Filesystem,
     Inventory,
@@ -63,8 +65,10 @@ class IsolatorService:
         filesystem: Filesystem,
         clock: Clock,
         settings: Settings | None = None,
+        cpus: CpuTopology | None = None,
+        cpusets: Cpusets | None = None,
     ) -> None:
-        edges = Edges(inventory, cgroups, devices, store, volumes, processes, filesystem, clock)
+        edges = Edges(inventory, cgroups, devices, store, volumes, processes, filesystem, clock, cpus, cpusets)
         self.core = Core(edges, settings or Settings())
         self.hooks = Hooks(self.core)
         self.recovery = Recovery(self.core)

@@ -39,6 +39,7 @@ CGROUP_VERSIONS = ("auto", "v1", "v2")
 POLICIES = ("topology", "first-fit")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
+CPU_AFFINITY = ("off", "hint", "enforce")
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class Config:
     allowed_gids: tuple[int, ...] = ()
     cdi_dir: str = ""
     cdi_kind: str = "nvidia.com/gpu"
+    cpu_affinity: str = "hint"  # docs/affinity.md
     config_file: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -218,6 +220,7 @@ PARSERS: dict[str, Any] = {
     "allowed_gids": _int_list,
     "cdi_dir": _text,
     "cdi_kind": _cdi_kind,
+    "cpu_affinity": _choice(CPU_AFFINITY),
 }
 
 HELP = {
@@ -255,6 +258,8 @@ HELP = {
     "allowed_gids": "gids allowed to call the socket (default none)",
     "cdi_dir": "keep a CDI spec of the managed GPUs in this directory, e.g. /var/run/cdi (default: none)",
     "cdi_kind": "the CDI spec's kind (default nvidia.com/gpu)",
+    "cpu_affinity": "off, hint (default: the GPUs' local CPUs and NUMA nodes in the container's environment) or"
+    " enforce (also a cpuset holding the container to them); docs/affinity.md",
 }
 
 

@@ -22,7 +22,9 @@ from isolator.policy import gpuflags
 from isolator.transport.server import SidecarServer
 
 if TYPE_CHECKING:
+    from isolator.cgroups.cpuset import CpusetController
     from isolator.gpu.nvml import Inventory
+    from isolator.host.cpus import SysCpus
     from isolator.simhost.sim import SimulatedHost
     from volumes.manager import VolumeManager
 
@@ -165,6 +167,7 @@ def build_service(
     )
     if inventory is not None and host is None:
         host_devices.load_uvm()  # Mesos loads nvidia-uvm at start when it is missing
+    cpus, cpusets = cpu_edges(config)
     store = StateStore(config.state_dir)
     try:
         return IsolatorService(
@@ -176,13 +179,45 @@ def build_service(
             processes=ProcProcesses(),
             filesystem=LocalFilesystem(),
             clock=SystemClock(),
-            settings=Settings(mode=config.mode, policy=config.allocation_policy),
+            settings=Settings(mode=config.mode, policy=config.allocation_policy, cpu_affinity=config.cpu_affinity),
+            cpus=cpus,
+            cpusets=cpusets,
         )
     except BaseException:
         store.close()
         if inventory is not None:
             inventory.close()
         raise
+
+
+def cpu_edges(config: Config) -> tuple[SysCpus | None, CpusetController | None]:
+    """What the machine's CPUs are, and the cpuset hierarchy (docs/affinity.md).
+
+    The cpuset edge is built whenever a cpuset hierarchy is bound, whatever ``--cpu-affinity``
+    says, so that containers held to a cpuset under ``enforce`` keep it, and lose it at Cleanup,
+    after a restart with another mode. ``enforce`` without a usable one stops the start.
+    """
+    from isolator.cgroups.cpuset import MESOS_CPUSET_SUFFIX, CpusetController, find_cpuset
+    from isolator.host.cpus import SysCpus
+
+    cpus = SysCpus() if config.cpu_affinity != "off" else None
+    found = find_cpuset()
+    problem = ""
+    if found is None:
+        problem = "no cpuset controller is bound (neither a cgroup v1 'cpuset' hierarchy nor cgroup2's 'cpuset')"
+    elif found[0] == "v2" and config.mode == "mesos":
+        # One cgroup per process on v2, and the container's is Mesos's: none of our own can hold it.
+        problem = (
+            "in mesos mode it needs a cgroup v1 'cpuset' hierarchy (on cgroup v2 the container's cgroup is Mesos's)"
+        )
+        found = None
+    if found is None:
+        if config.cpu_affinity == "enforce":
+            raise ConfigError(f"--cpu-affinity enforce: {problem}; use hint or off")
+        return cpus, None
+    version, mount = found
+    root = config.cgroups_root if config.mode == "standalone" else config.cgroups_root.rstrip("/") + MESOS_CPUSET_SUFFIX
+    return cpus, CpusetController(mount, root, version)
 
 
 def _dev_root_and_volumes(

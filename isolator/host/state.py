@@ -39,7 +39,7 @@ LOG = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DB_FILE = "allocations.sqlite3"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 STATES = ("prepared", "isolated", "orphan")
 CGROUP_VERSIONS = (1, 2)
 
@@ -85,6 +85,15 @@ BEGIN SELECT RAISE(ABORT, 'mig-conflict: GPU has MIG devices held'); END;
 CREATE TRIGGER mig_not_while_whole_gpu_held BEFORE INSERT ON mig_allocation
 WHEN EXISTS (SELECT 1 FROM allocation WHERE minor = NEW.parent_minor)
 BEGIN SELECT RAISE(ABORT, 'mig-conflict: parent GPU is held whole'); END;
+"""
+# Version 3: the cpuset a container is held to under --cpu-affinity enforce (docs/affinity.md);
+# no row when none is enforced. Written before the cpuset is, like the GPUs before their rules.
+_SCHEMA_V3 = """
+CREATE TABLE cpuset (
+    container TEXT PRIMARY KEY REFERENCES container (key) ON DELETE CASCADE,
+    cpus      TEXT NOT NULL CHECK (cpus != ''),
+    mems      TEXT NOT NULL CHECK (mems != '')
+) WITHOUT ROWID;
 """
 
 
@@ -148,7 +157,7 @@ class StateStore:
         version = self._db.execute("PRAGMA user_version").fetchone()[0]
         if version == SCHEMA_VERSION:
             return
-        if version not in (0, 1):
+        if version not in (0, 1, 2):
             raise StateCorrupt(
                 op="open", path=self.path, cause=f"schema version {version}; this sidecar knows {SCHEMA_VERSION}"
             )
@@ -158,7 +167,10 @@ class StateStore:
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
                         self._db.execute(statement)
-            for statement in _split_sql(_SCHEMA_V2):
+            if version < 2:
+                for statement in _split_sql(_SCHEMA_V2):
+                    self._db.execute(statement)
+            for statement in _split_sql(_SCHEMA_V3):
                 self._db.execute(statement)
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             self._db.execute("COMMIT")
@@ -191,8 +203,20 @@ class StateStore:
                 raise ContainerAlreadyRecorded(container=str(rec.container_id)) from exc
             self._insert_gpus(db, rec.container_id, rec.gpus)
             self._insert_mig(db, rec.container_id, rec.mig)
+            self._put_cpuset(db, rec.container_id, rec.cpus, rec.mems)
 
         self._write("record container", write)
+
+    def set_cpuset(self, cid: ContainerId, cpus: str, mems: str) -> ContainerRecord:
+        """Record the cpuset the container is held to ("" and "": none is enforced)."""
+
+        def write(db: sqlite3.Connection) -> ContainerRecord:
+            self._require(db, cid)
+            db.execute("DELETE FROM cpuset WHERE container = ?", (_key(cid),))
+            self._put_cpuset(db, cid, cpus, mems)
+            return self._read(db, cid)
+
+        return self._write("record cpuset", write)
 
     def add_gpus(self, cid: ContainerId, minors: Iterable[int]) -> ContainerRecord:
         """Grow: add GPUs to what the container holds (never replace them)."""
@@ -277,10 +301,12 @@ class StateStore:
             migs: dict[str, set[tuple[str, int]]] = {}
             for uuid, parent, key in db.execute("SELECT uuid, parent_minor, container FROM mig_allocation"):
                 migs.setdefault(key, set()).add((uuid, parent))
+            cpusets = {k: (c, m) for k, c, m in db.execute("SELECT container, cpus, mems FROM cpuset")}
             out: dict[ContainerId, ContainerRecord] = {}
             for row in db.execute("SELECT * FROM container"):
                 rec = self._row(row, frozenset(held.get(row[0], ())), frozenset(migs.get(row[0], ())))
-                out[rec.container_id] = rec
+                cpus, mems = cpusets.get(row[0], ("", ""))
+                out[rec.container_id] = replace(rec, cpus=cpus, mems=mems) if cpus else rec
             return out
 
     def holders(self) -> dict[int, ContainerId]:
@@ -431,7 +457,15 @@ class StateStore:
         mig = frozenset(
             (u, m) for u, m in db.execute("SELECT uuid, parent_minor FROM mig_allocation WHERE container = ?", (key,))
         )
-        return self._row(row, gpus, mig)
+        cpuset = db.execute("SELECT cpus, mems FROM cpuset WHERE container = ?", (key,)).fetchone()
+        rec = self._row(row, gpus, mig)
+        return replace(rec, cpus=cpuset[0], mems=cpuset[1]) if cpuset else rec
+
+    def _put_cpuset(self, db: sqlite3.Connection, cid: ContainerId, cpus: str, mems: str) -> None:
+        if bool(cpus) != bool(mems):
+            raise InvalidArgument(f"container {cid}: a cpuset needs both CPUs ({cpus!r}) and memory nodes ({mems!r})")
+        if cpus:
+            db.execute("INSERT INTO cpuset VALUES (?, ?, ?)", (_key(cid), cpus, mems))
 
     def _row(self, row: tuple, gpus: frozenset[int], mig: frozenset[tuple[str, int]] = frozenset()) -> ContainerRecord:
         key, mode, cgroup, version, volume, state, created, rules = row

@@ -544,7 +544,7 @@ class DescribeContainerRequest(_message.Message):
     def __init__(self, container_id: _Optional[_Union[ContainerID, _Mapping]] = ...) -> None: ...
 
 class DescribeContainerResponse(_message.Message):
-    __slots__ = ("container", "recorded_rules", "kernel_rules", "rules_agree", "pids", "kernel_source", "only_recorded", "only_kernel", "kernel_gpu_minors", "gpus", "nested", "rules_cgroup")
+    __slots__ = ("container", "recorded_rules", "kernel_rules", "rules_agree", "pids", "kernel_source", "only_recorded", "only_kernel", "kernel_gpu_minors", "gpus", "nested", "rules_cgroup", "cpu_affinity", "local_cpus", "local_numa_nodes", "cpuset_recorded_cpus", "cpuset_recorded_mems", "cpuset_cpus", "cpuset_mems", "cpuset_cgroup")
     CONTAINER_FIELD_NUMBER: _ClassVar[int]
     RECORDED_RULES_FIELD_NUMBER: _ClassVar[int]
     KERNEL_RULES_FIELD_NUMBER: _ClassVar[int]
@@ -557,6 +557,14 @@ class DescribeContainerResponse(_message.Message):
     GPUS_FIELD_NUMBER: _ClassVar[int]
     NESTED_FIELD_NUMBER: _ClassVar[int]
     RULES_CGROUP_FIELD_NUMBER: _ClassVar[int]
+    CPU_AFFINITY_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_CPUS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_NUMA_NODES_FIELD_NUMBER: _ClassVar[int]
+    CPUSET_RECORDED_CPUS_FIELD_NUMBER: _ClassVar[int]
+    CPUSET_RECORDED_MEMS_FIELD_NUMBER: _ClassVar[int]
+    CPUSET_CPUS_FIELD_NUMBER: _ClassVar[int]
+    CPUSET_MEMS_FIELD_NUMBER: _ClassVar[int]
+    CPUSET_CGROUP_FIELD_NUMBER: _ClassVar[int]
     container: ContainerInfo
     recorded_rules: _containers.RepeatedScalarFieldContainer[str]
     kernel_rules: _containers.RepeatedScalarFieldContainer[str]
@@ -569,7 +577,15 @@ class DescribeContainerResponse(_message.Message):
     gpus: _containers.RepeatedCompositeFieldContainer[GpuInfo]
     nested: _containers.RepeatedCompositeFieldContainer[ContainerInfo]
     rules_cgroup: str
-    def __init__(self, container: _Optional[_Union[ContainerInfo, _Mapping]] = ..., recorded_rules: _Optional[_Iterable[str]] = ..., kernel_rules: _Optional[_Iterable[str]] = ..., rules_agree: _Optional[bool] = ..., pids: _Optional[_Iterable[int]] = ..., kernel_source: _Optional[str] = ..., only_recorded: _Optional[_Iterable[str]] = ..., only_kernel: _Optional[_Iterable[str]] = ..., kernel_gpu_minors: _Optional[_Iterable[int]] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., nested: _Optional[_Iterable[_Union[ContainerInfo, _Mapping]]] = ..., rules_cgroup: _Optional[str] = ...) -> None: ...
+    cpu_affinity: str
+    local_cpus: str
+    local_numa_nodes: str
+    cpuset_recorded_cpus: str
+    cpuset_recorded_mems: str
+    cpuset_cpus: str
+    cpuset_mems: str
+    cpuset_cgroup: str
+    def __init__(self, container: _Optional[_Union[ContainerInfo, _Mapping]] = ..., recorded_rules: _Optional[_Iterable[str]] = ..., kernel_rules: _Optional[_Iterable[str]] = ..., rules_agree: _Optional[bool] = ..., pids: _Optional[_Iterable[int]] = ..., kernel_source: _Optional[str] = ..., only_recorded: _Optional[_Iterable[str]] = ..., only_kernel: _Optional[_Iterable[str]] = ..., kernel_gpu_minors: _Optional[_Iterable[int]] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., nested: _Optional[_Iterable[_Union[ContainerInfo, _Mapping]]] = ..., rules_cgroup: _Optional[str] = ..., cpu_affinity: _Optional[str] = ..., local_cpus: _Optional[str] = ..., local_numa_nodes: _Optional[str] = ..., cpuset_recorded_cpus: _Optional[str] = ..., cpuset_recorded_mems: _Optional[str] = ..., cpuset_cpus: _Optional[str] = ..., cpuset_mems: _Optional[str] = ..., cpuset_cgroup: _Optional[str] = ...) -> None: ...
 
 class VolumeRequest(_message.Message):
     __slots__ = ()

@@ -4,6 +4,7 @@ Each fake implements one port of the core (isolator/core/ports.py) and passes th
 tests as the real edge (tests/test_contracts.py); ``fake_service`` wires them all to the real core.
 
     FakeCgroups      CgroupBackend   rules and membership in memory, fault points
+    FakeCpusets      Cpusets         cpusets in memory, and the machine's CPUs (CpuTopology)
     FakeStore        StateStore      records in memory, the same refusals, fault points
     FakeVolumes      VolumeBuilder   volumes and their users in memory, fault points
     FakeInventory    Inventory       GPUs of a shipped simulated host, XIDs and usage on demand
@@ -20,6 +21,7 @@ makes throwaway cgroups under ``gpu-isolator-test/``.
 """
 
 from isolator.testing.cgroups import FakeCgroups
+from isolator.testing.cpusets import FakeCpusets
 from isolator.testing.faults import Faults
 from isolator.testing.inventory import FakeInventory
 from isolator.testing.rig import Rig, fake_service
@@ -30,6 +32,7 @@ from isolator.testing.volumes import FakeVolumes
 
 __all__ = [
     "FakeCgroups",
+    "FakeCpusets",
     "FakeDeviceNodes",
     "FakeFilesystem",
     "FakeInventory",

@@ -61,6 +61,19 @@ def container_id(chain: str | list[str]) -> dict[str, Any]:
     return node
 
 
+def affinity_hint_only(info: dict[str, Any] | None) -> bool:
+    """Whether a launch info carries nothing but the --cpu-affinity hint (docs/affinity.md): what a
+    container without an image is given by default (``hint``)."""
+    from isolator.policy.affinity import ENV_CPUS, ENV_NUMA_NODES
+
+    if info is None:
+        return True
+    if set(info) - {"environment", "task_environment"}:
+        return False
+    names = {v["name"] for key in ("environment", "task_environment") for v in info.get(key, {}).get("variables", [])}
+    return names <= {ENV_CPUS, ENV_NUMA_NODES}
+
+
 def chain_of(cid: dict[str, Any]) -> list[str]:
     """A ContainerID's values from the top-level container down."""
     out = []

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from isolator.core.context import Settings
 from isolator.core.service import IsolatorService
 from isolator.testing.cgroups import FakeCgroups
+from isolator.testing.cpusets import FakeCpusets
 from isolator.testing.inventory import FakeInventory
 from isolator.testing.store import FakeStore
 from isolator.testing.system import FakeDeviceNodes, FakeFilesystem, FakeProcesses, ManualClock
@@ -30,6 +31,7 @@ class Rig:
     clock: ManualClock
     devices: FakeDeviceNodes
     settings: Settings
+    cpusets: FakeCpusets = field(default_factory=FakeCpusets)  # also the machine's CPUs (CpuTopology)
     service: IsolatorService = field(init=False)
 
     def __post_init__(self) -> None:
@@ -46,6 +48,8 @@ class Rig:
             filesystem=self.filesystem,
             clock=self.clock,
             settings=self.settings,
+            cpus=self.cpusets,
+            cpusets=self.cpusets,
         )
 
     def restart(self) -> IsolatorService:
@@ -61,6 +65,8 @@ def fake_service(
     version: str = "v1",
     policy: str = "topology",
     inventory: FakeInventory | None = None,
+    cpu_affinity: str = "off",
+    cpusets: FakeCpusets | None = None,
 ) -> Rig:
     return Rig(
         inventory=inventory if inventory is not None else FakeInventory.of_host(host),
@@ -71,5 +77,6 @@ def fake_service(
         filesystem=FakeFilesystem(),
         clock=ManualClock(),
         devices=FakeDeviceNodes(),
-        settings=Settings(mode=mode, policy=policy, isolate_settle_s=2.0),
+        settings=Settings(mode=mode, policy=policy, isolate_settle_s=2.0, cpu_affinity=cpu_affinity),
+        cpusets=cpusets if cpusets is not None else FakeCpusets(),
     )

@@ -131,11 +131,26 @@ class Sidecar:
                 self.proc.wait()
         return self.proc.returncode
 
+    @property
+    def cpuset_parents(self) -> list[str]:
+        """Where the daemon's cpusets go (--cpu-affinity, docs/affinity.md): its root in the cpuset
+        hierarchy (standalone) and the root beside it (mesos mode); none without a cpuset hierarchy."""
+        from isolator.cgroups.cpuset import MESOS_CPUSET_SUFFIX, find_cpuset
+
+        found = find_cpuset()
+        if found is None:
+            return []
+        base = os.path.join(found[1], self.cgroups_root)
+        return [base, base.rstrip("/") + MESOS_CPUSET_SUFFIX]
+
     def stop(self) -> None:
         self.terminate()
         if self._log is not None:
             self._log.close()  # type: ignore[attr-defined]
         remove_cgroup_tree(self.cgroup_parent)
+        for parent in self.cpuset_parents:
+            if parent != self.cgroup_parent and f"/{TEST_PARENT}/" in parent:
+                remove_cgroup_tree(parent)
 
 
 @contextlib.contextmanager

@@ -43,6 +43,8 @@ class FakeStore:
             raise InvalidArgument(f"unknown container state {rec.state!r} (known: {', '.join(STATES)})")
         if rec.cgroup_version not in CGROUP_VERSIONS:
             raise InvalidArgument(f"cgroup version must be 1 or 2, not {rec.cgroup_version!r}")
+        if bool(rec.cpus) != bool(rec.mems):
+            raise InvalidArgument(f"container {rec.container_id}: a cpuset needs both CPUs and memory nodes")
         with self._lock:
             if rec.container_id in self._records:
                 raise ContainerAlreadyRecorded(container=str(rec.container_id))
@@ -89,6 +91,16 @@ class FakeStore:
         with self._lock:
             rec = self._require(cid)
             rec = self._records[cid] = replace(rec, **{k: v for k, v in changes.items() if v is not None})
+            self.commits += 1
+            return rec
+
+    def set_cpuset(self, cid: ContainerId, cpus: str, mems: str) -> ContainerRecord:
+        self.faults.check("set_cpuset", cid)
+        if bool(cpus) != bool(mems):
+            raise InvalidArgument(f"container {cid}: a cpuset needs both CPUs ({cpus!r}) and memory nodes ({mems!r})")
+        with self._lock:
+            rec = self._require(cid)
+            rec = self._records[cid] = replace(rec, cpus=cpus, mems=mems)
             self.commits += 1
             return rec
 

@@ -166,6 +166,14 @@ def description_to_proto(d: model.Description) -> pb.DescribeContainerResponse:
         pids=d.pids,
         gpus=[gpu_info_to_proto(g) for g in d.gpus],
         nested=[container_info_to_proto(c) for c in d.nested],
+        cpu_affinity=d.cpu_affinity,
+        local_cpus=d.local_cpus,
+        local_numa_nodes=d.local_numa_nodes,
+        cpuset_recorded_cpus=d.cpuset_recorded_cpus,
+        cpuset_recorded_mems=d.cpuset_recorded_mems,
+        cpuset_cpus=d.cpuset_cpus,
+        cpuset_mems=d.cpuset_mems,
+        cpuset_cgroup=d.cpuset_cgroup,
     )
 
 

@@ -52,11 +52,10 @@ def test_an_older_sidecar_opens_and_writes_a_newer_store_whose_changes_were_addi
         PRAGMA user_version={newer};
         """,
     )
-    with caplog.at_level(logging.WARNING, logger="isolator.host.state"):
-        with StateStore(directory) as store:
-            assert store.get(A).gpus == {1}
-            store.record(ContainerRecord(B, gpus=frozenset({2})))
-            store.remove(A)  # the newer table's rows go with it (ON DELETE CASCADE)
+    with caplog.at_level(logging.WARNING, logger="isolator.host.state"), StateStore(directory) as store:
+        assert store.get(A).gpus == {1}
+        store.record(ContainerRecord(B, gpus=frozenset({2})))
+        store.remove(A)  # the newer table's rows go with it (ON DELETE CASCADE)
     assert f"schema {newer}" in caplog.text and "newer sidecar" in caplog.text
     assert f"needs schema {MIN_SCHEMA} or later" in caplog.text
     assert _user_version(directory) == newer, "an older sidecar must not relabel a newer store"

@@ -214,16 +214,17 @@ class StateStore:
             kept = [n[len(prefix) : -len(suffix)] for n in os.listdir(self.directory) if n.startswith(prefix)]
             readable = [int(v) for v in kept if v.isdigit() and int(v) <= SCHEMA_VERSION]
             restore = (
-                f"restore '{backup_path(self.directory, max(readable))}' over '{self.path}'"
+                f"restore '{backup_path(self.directory, max(readable))}' over '{self.path}' (the copy the"
+                " upgrade kept"
                 if readable
-                else f"restore a backup of '{self.path}' taken before the upgrade"
+                else f"restore a backup of '{self.path}' taken before the upgrade (none is kept here"
             )
             raise StateIncompatible(
                 op="open",
                 path=self.path,
                 cause=f"schema {version} was written by a newer sidecar and needs a sidecar that knows schema"
                 f" {needed} or later (this one knows {SCHEMA_VERSION}): run that version, or, with the sidecar"
-                f" stopped, {restore} (the copy the upgrade kept; containers started since are not in it)",
+                f" stopped, {restore}; containers started since are not in it, the next start rebuilds their records)",
             )
         LOG.warning(
             "state '%s' has schema %d, written by a newer sidecar; this one knows %d and the store needs"

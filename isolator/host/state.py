@@ -214,8 +214,7 @@ class StateStore:
             kept = [n[len(prefix) : -len(suffix)] for n in os.listdir(self.directory) if n.startswith(prefix)]
             readable = [int(v) for v in kept if v.isdigit() and int(v) <= SCHEMA_VERSION]
             restore = (
-                f"restore '{backup_path(self.directory, max(readable))}' over '{self.path}' (the copy the"
-                " upgrade kept"
+                f"restore '{backup_path(self.directory, max(readable))}' over '{self.path}' (the copy the upgrade kept"
                 if readable
                 else f"restore a backup of '{self.path}' taken before the upgrade (none is kept here"
             )

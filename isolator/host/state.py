@@ -50,9 +50,11 @@ DB_FILE = "allocations.sqlite3"
 SCHEMA_VERSION = 3
 # The oldest schema whose sidecar reads and writes a store of SCHEMA_VERSION correctly. An additive
 # migration (new tables or columns that an older sidecar may ignore: rows tied to a container by
-# ON DELETE CASCADE, columns with defaults) leaves it alone, so a rollback past it still starts;
-# a migration that changes what existing rows mean, or that older writes would break, raises it to
-# its own SCHEMA_VERSION. 2: MIG devices as units (a schema-1 sidecar would not see their holders).
+# ON DELETE CASCADE, columns with defaults; and newer code that copes with rows an older sidecar
+# wrote without them, as after a rollback and a new upgrade) leaves it alone, so a rollback past it
+# still starts; a migration that changes what existing rows mean, or that older writes would break,
+# raises it to its own SCHEMA_VERSION. 2: MIG devices as units (a schema-1 sidecar would not see
+# their holders). A new migration: bump SCHEMA_VERSION, add an `if version <= <previous>:` step.
 MIN_SCHEMA = 2
 STATES = ("prepared", "isolated", "orphan")
 CGROUP_VERSIONS = (1, 2)
@@ -176,7 +178,7 @@ class StateStore:
         if version > SCHEMA_VERSION:
             self._check_newer(version)
             return
-        if version not in (0, 1, 2):
+        if version < 0:
             raise StateCorrupt(
                 op="open", path=self.path, cause=f"schema version {version}; this sidecar knows {SCHEMA_VERSION}"
             )

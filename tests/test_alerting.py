@@ -81,6 +81,25 @@ def test_rules_and_dashboard_name_metrics_at_all():
     assert "gpu_isolator_reconciliation_repairs_total" in names and "process_start_time_seconds" in names
 
 
+def test_dashboard_is_a_grafana_dashboard_grafana_can_lay_out():
+    with open(DASHBOARD) as fh:
+        dashboard = json.load(fh)
+    assert dashboard["uid"] == "gpu-isolator" and isinstance(dashboard["schemaVersion"], int)
+    panels = dashboard["panels"]
+    assert len({p["id"] for p in panels}) == len(panels), "panel ids must be unique"
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    assert variables == {"datasource", "instance"}
+    for p in panels:
+        pos = p["gridPos"]
+        assert pos["x"] >= 0 and pos["x"] + pos["w"] <= 24 and pos["h"] > 0, p["title"]
+        assert p["datasource"]["uid"] == "${datasource}" and p["targets"], p["title"]
+        refs = [t["refId"] for t in p["targets"]]
+        assert len(refs) == len(set(refs)), p["title"]
+        for t in p["targets"]:
+            # Every query follows the sidecar picker, so one node can be looked at alone.
+            assert 'instance=~"$instance"' in t["expr"], t["expr"]
+
+
 def test_promtool_accepts_the_rules():
     result = subprocess.run([_promtool(), "check", "rules", RULES], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -208,6 +208,12 @@ class StateCorrupt(StateError):
     code = "DATA_LOSS"
 
 
+class StateIncompatible(StateError):
+    """The store was written by a newer sidecar with changes this one cannot read or write safely."""
+
+    code = "FAILED_PRECONDITION"
+
+
 class ContainerAlreadyRecorded(AlreadyExists):
     msg_fmt = "container {container} is already recorded"
 

@@ -107,7 +107,7 @@ def test_generated_spec_validates_and_lists_every_gpu_mig_device_and_all(short_t
     spec = generate_cdi(config)
     check_spec(spec)
     host = SimulatedHost("dgx-a100", os.path.join(config.work_dir, "simhost"))
-    assert spec["cdiVersion"] == "1.1.0" and spec["kind"] == "nvidia.com/gpu"
+    assert spec["cdiVersion"] == "0.5.0" and spec["kind"] == "nvidia.com/gpu"
     devices = {d["name"]: d["containerEdits"] for d in spec["devices"]}
     expected = {"all"}
     for g in host.spec.gpus:
@@ -249,3 +249,78 @@ def test_resources_command_prints_the_agent_entries(short_tmp, capsys):
     assert line == "gpus:3;mig-1g.10gb:1;mig-1g.5gb:8;mig-2g.10gb:2;mig-3g.20gb:3;mig-4g.20gb:1"
     assert main(["resources", "--simulate", "dgx-1", "--work-dir", os.path.join(short_tmp, "w1")]) == 0
     assert capsys.readouterr().out.strip() == "gpus:8"
+
+
+# ---- cdiVersion: the lowest version the content needs (as nvidia-ctk writes) -------------------------
+# The CDI spec's version table (SPEC.md "Released versions", specs-go/version.go requiresV0x0 at spec
+# 1.1.0): a runtime on an older CDI library refuses any version it does not know, and every library
+# refuses a spec whose declared version is below what its fields need.
+
+_NODE = {"path": "/dev/nvidia0"}
+_BASE_EDITS = {"deviceNodes": [_NODE]}
+
+
+def _spec(devices=None, edits=None, kind="nvidia.com/gpu", **top):
+    devices = devices if devices is not None else [{"name": "gpu", "containerEdits": _BASE_EDITS}]
+    spec = {"cdiVersion": "0.3.0", "kind": kind, "devices": devices, "containerEdits": edits or {}}
+    return {**spec, **top}
+
+
+def _dev(name="gpu", **edits):
+    return {"name": name, "containerEdits": {**_BASE_EDITS, **edits}}
+
+
+@pytest.mark.parametrize(
+    ("feature", "spec", "minimum"),
+    [
+        ("nothing newer than the first tagged release", _spec(), "0.3.0"),
+        ("mount type", _spec(edits={"mounts": [{"hostPath": "/a", "containerPath": "/a", "type": "bind"}]}), "0.4.0"),
+        (
+            "mount type on a device",
+            _spec([_dev(mounts=[{"hostPath": "/a", "containerPath": "/a", "type": "b"}])]),
+            "0.4.0",
+        ),
+        ("a mount without type", _spec(edits={"mounts": [{"hostPath": "/a", "containerPath": "/a"}]}), "0.3.0"),
+        ("device node hostPath", _spec(edits={"deviceNodes": [{"path": "/dev/x", "hostPath": "/h/x"}]}), "0.5.0"),
+        ("hostPath on a device", _spec([_dev(deviceNodes=[{"path": "/dev/x", "hostPath": "/h/x"}])]), "0.5.0"),
+        ("device name starting with a digit", _spec([_dev("0")]), "0.5.0"),
+        ("device name with a digit inside", _spec([_dev("gpu0:1")]), "0.3.0"),
+        ("spec annotations", _spec(annotations={"a": "b"}), "0.6.0"),
+        ("device annotations", _spec([{**_dev(), "annotations": {"a": "b"}}]), "0.6.0"),
+        ("empty annotations", _spec([{**_dev(), "annotations": {}}], annotations={}), "0.3.0"),
+        ("a dot in the kind's class", _spec(kind="nvidia.com/gpu.mig"), "0.6.0"),
+        ("dots only in the kind's vendor", _spec(kind="a.b.c/gpu"), "0.3.0"),
+        ("intelRdt", _spec(edits={"intelRdt": {"closID": "c"}}), "0.7.0"),
+        ("intelRdt on a device", _spec([_dev(intelRdt={"closID": "c"})]), "0.7.0"),
+        ("additionalGids", _spec(edits={"additionalGids": [5]}), "0.7.0"),
+        ("additionalGids on a device", _spec([_dev(additionalGids=[5])]), "0.7.0"),
+        ("intelRdt schemata", _spec(edits={"intelRdt": {"schemata": ["L3:0=f"]}}), "1.1.0"),
+        ("intelRdt enableMonitoring", _spec([_dev(intelRdt={"enableMonitoring": True})]), "1.1.0"),
+        ("netDevices", _spec(edits={"netDevices": [{"hostInterfaceName": "e", "name": "e"}]}), "1.1.0"),
+        ("netDevices on a device", _spec([_dev(netDevices=[{"hostInterfaceName": "e", "name": "e"}])]), "1.1.0"),
+        ("the highest feature wins", _spec([_dev("0")], annotations={"a": "b"}, kind="v.com/c.d"), "0.6.0"),
+    ],
+)
+def test_minimum_version_follows_the_cdi_version_table(feature, spec, minimum):
+    assert cdi.minimum_version(spec) == minimum, feature
+
+
+def test_known_versions_are_the_released_ones_and_none_needs_08_or_10():
+    # 0.8.0 and 1.0.0 changed only the Go API (SPEC.md): no spec content requires them.
+    assert cdi.VERSIONS == ("0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0")
+
+
+def test_built_spec_declares_the_minimum_its_content_needs():
+    spec = _build(_entries())
+    assert spec["cdiVersion"] == cdi.minimum_version(spec) == "0.5.0"  # digit-first names
+    dotted = _build(_entries(), kind="example.com/gpu.v2")
+    assert dotted["cdiVersion"] == "0.6.0"
+
+
+@pytest.mark.parametrize("host", ["dgx-1", "dgx-2", "dgx-a100", "hgx-h100", "single", "workstation-4"])
+def test_every_shipped_host_gets_cdi_version_050(short_tmp, host):
+    config = Config(simulate=host, work_dir=os.path.join(short_tmp, "w"), volume_root=os.path.join(short_tmp, "v"))
+    spec = generate_cdi(config)
+    check_spec(spec)
+    # GPU index names start with a digit and the device nodes carry hostPath: both need 0.5.0, nothing more.
+    assert spec["cdiVersion"] == cdi.minimum_version(spec) == "0.5.0"

@@ -258,14 +258,17 @@ def test_audit_reapplies_the_rules_the_kernel_lost_and_says_so(world):
         (minor,) = _minors_of(world, "audited")
         with open(os.path.join(world.sidecar.cgroup_parent, "audited", "devices.deny"), "w") as fh:
             fh.write(f"c 195:{minor} rwm")  # a daemon-reload rewrote the device rules
-        report = _json(world.socket, "audit")
+        first_rc, first_out, _ = _cli(world.socket, "audit", "--json")
         rc, out, _ = _cli(world.socket, "audit")
         after = _json(world.socket, "describe", "audited")
     finally:
         world.iso.cleanup(cid)
+    report = json.loads(first_out)
     assert report["checked"] >= 3 and report["repairs_total"] >= 1
     (line,) = report["repaired"]
     assert line.startswith(f"container audited: kernel grants GPUs [] (recorded [{minor}])")
+    # As diff(1): 0 nothing differed, 1 drift was found (and repaired), 2 and above trouble.
+    assert first_rc == cli.EXIT_DRIFT == 1, "drift found and repaired must not exit 0"
     assert rc == 0 and "kernel rules agree with the records" in out, "the first audit repaired it"
     assert after["rules_agree"] is True and after["kernel_gpu_minors"] == [minor]
 
@@ -389,6 +392,42 @@ def test_health_in_both_forms_checks_nvml_cgroups_state_consistency_and_socket(w
     assert [(r["CHECK"], r["STATE"]) for r in rows] == [(name, "ok") for name in checks]
 
 
+# ---- the socket from the environment (as KUBECONFIG) ------------------------------------------------
+
+
+def _cli_env(env: dict[str, str], *argv: str) -> tuple[int, str, str]:
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    saved = os.environ.get(cli.SOCKET_ENV)
+    os.environ.update(env)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = cli.main(list(argv))
+    finally:
+        if saved is None:
+            os.environ.pop(cli.SOCKET_ENV, None)
+        else:
+            os.environ[cli.SOCKET_ENV] = saved
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_the_socket_comes_from_gpu_isolator_socket_when_no_flag_names_one(world):
+    assert cli.SOCKET_ENV == "GPU_ISOLATOR_SOCKET"
+    rc, out, err = _cli_env({cli.SOCKET_ENV: world.socket}, "gpus", "--json")
+    assert rc == 0, err
+    assert len(json.loads(out)["gpus"]) == 8
+
+
+def test_the_socket_flag_wins_over_the_environment(world, short_tmp):
+    absent = os.path.join(short_tmp, "absent.sock")
+    rc, _, err = _cli_env({cli.SOCKET_ENV: absent}, "gpus", "--json", "--socket", world.socket)
+    assert rc == 0, err
+    rc, _, err = _cli_env({cli.SOCKET_ENV: absent}, "gpus")
+    assert rc == cli.EXIT_UNREACHABLE and f"'{absent}'" in err and cli.SOCKET_ENV in err
+
+
 # ---- bad input ------------------------------------------------------------------------------------
 
 
@@ -500,3 +539,45 @@ def test_containers_table_says_how_many_gpus_and_which_and_why_none():
     }
     rows = _table(render("containers", data, now=1.0), "CONTAINER")
     assert [r["GPUS"] for r in rows] == ["0 (none asked)", "1 [0]"]
+
+
+# ---- offline commands: their own flags only, and JSON ------------------------------------------------
+
+SERVE_ONLY = ("--socket-mode", "--metrics-address", "--allowed-uids", "--reap-interval", "--max-workers", "--mode")
+
+
+@pytest.mark.parametrize(
+    ("argv", "wanted"),
+    [
+        (["resources", "--help"], ("--simulate", "--resources", "--nvidia-gpu-devices", "--config", "--json")),
+        (["cdi", "generate", "--help"], ("--simulate", "--volume-root", "--cdi-kind", "--dev-root", "--output")),
+    ],
+)
+def test_offline_commands_list_only_the_flags_they_use(argv, wanted):
+    result = _subprocess(argv, capture_output=True)
+    assert result.returncode == 0, result.stderr
+    for flag in wanted:
+        assert flag in result.stdout, flag
+    for flag in SERVE_ONLY:
+        assert f"{flag} " not in result.stdout, f"{flag} is serve's, not {argv[0]}'s"
+
+
+def test_a_serve_only_flag_on_resources_is_a_usage_error():
+    result = _subprocess(["resources", "--metrics-address", "9400"], capture_output=True)
+    assert result.returncode == cli.EXIT_USAGE
+    assert "unrecognized arguments: --metrics-address" in _one_line_error(result)
+
+
+def test_resources_json_gives_the_string_and_each_entry(short_tmp, capsys):
+    args = ["resources", "--simulate", "dgx-a100", "--work-dir", os.path.join(short_tmp, "w"), "--json"]
+    assert cli.main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["resources"] == "gpus:3;mig-1g.10gb:1;mig-1g.5gb:8;mig-2g.10gb:2;mig-3g.20gb:3;mig-4g.20gb:1"
+    assert data["entries"] == {
+        "gpus": 3,
+        "mig-1g.10gb": 1,
+        "mig-1g.5gb": 8,
+        "mig-2g.10gb": 2,
+        "mig-3g.20gb": 3,
+        "mig-4g.20gb": 1,
+    }

@@ -76,11 +76,44 @@ def test_metrics_on_a_unix_socket_count_gpus_holdings_hooks_errors_and_volume_bu
             sidecar.sim.inject_xid(0, 79)
             _until(lambda: scrape(_UnixHTTP(path))["gpu_isolator_gpus_healthy"] == 7)
             uuid = sidecar.sim.spec.gpus[0].uuid
-            assert scrape(_UnixHTTP(path))[f'gpu_isolator_gpu_healthy{{gpu="0",minor="0",uuid="{uuid}"}}'] == 0
+            assert scrape(_UnixHTTP(path))[f'gpu_isolator_gpu_healthy{{UUID="{uuid}",gpu="0",minor="0"}}'] == 0
         finally:
             isolator.cleanup(container_id("m1"))
             isolator.close()
     assert not os.path.exists(path), "the metrics socket is removed at stop"
+
+
+def series(conn: http.client.HTTPConnection) -> list[tuple[str, dict[str, str], float]]:
+    """Every sample as (name, labels, value), labels parsed whatever their order."""
+    out = []
+    for key, value in scrape(conn).items():
+        name, _, rest = key.partition("{")
+        labels = dict(re.findall(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"', rest))
+        out.append((name, labels, value))
+    return out
+
+
+def test_build_info_process_metrics_health_checks_and_the_dcgm_uuid_label(short_tmp):
+    from isolator import __version__
+
+    path = os.path.join(short_tmp, "metrics.sock")
+    with running_sidecar("dgx-1", "v1", extra=("--metrics-address", f"unix:{path}")) as sidecar:
+        samples = series(_UnixHTTP(path))
+    values = {(n, tuple(sorted(lbl.items()))): v for n, lbl, v in samples}
+    assert values[("gpu_isolator_build_info", (("version", __version__),))] == 1
+    # prometheus-client's ProcessCollector on the daemon's own registry: restarts show as a new start time.
+    names = {n for n, _, _ in samples}
+    for name in ("process_start_time_seconds", "process_resident_memory_bytes", "process_open_fds"):
+        assert name in names, name
+    start = values[("process_start_time_seconds", ())]
+    assert time.time() - 600 < start <= time.time()
+    # dcgm-exporter names the GPU UUID label "UUID": the same name lets PromQL join without label_replace.
+    healthy = [lbl for n, lbl, _ in samples if n == "gpu_isolator_gpu_healthy"]
+    assert len(healthy) == 8 and all(set(lbl) == {"gpu", "UUID", "minor"} for lbl in healthy)
+    assert {lbl["UUID"] for lbl in healthy} == {g.uuid for g in sidecar.sim.spec.gpus}
+    # The sidecar's own health checks (as `gpu-isolator health`), one series per check.
+    checks = {lbl["check"]: v for n, lbl, v in samples if n == "gpu_isolator_health_check"}
+    assert checks == {"nvml": 1, "cgroups": 1, "state": 1, "consistency": 1}
 
 
 def test_metrics_count_mig_devices_per_resource_and_their_holders(short_tmp):
@@ -372,3 +405,62 @@ def test_drift_repaired_by_the_audit_is_counted(short_tmp):
         finally:
             isolator.cleanup(container_id("drifty"))
             isolator.close()
+
+
+# ---- what dcgm-exporter reads from the job mapping (NVIDIA/dcgm-exporter transformation/hpc.go) -----
+# Up to 4.5.2-4.8.1 it keeps file names that strconv.Atoi parses and labels every metric, a MIG
+# device's included, by its GPU's file. From 4.5.3-4.8.2 (PR #602) it keeps names matching
+# ^\d+(\.\d+)?$ (Go: ASCII digits) and labels a MIG device's metrics from <gpu>.<NVML GPU instance ID>
+# only, whole-GPU metrics from <gpu>. One line per job; an empty file adds no label.
+
+
+def _dcgm_hpc_jobs(directory: str, gpu: int, gpu_instance: int | None = None, *, mig_files: bool = True) -> list[str]:
+    """The hpc_job values dcgm-exporter gives one metric: a GPU's, or a MIG device's (gpu_instance)."""
+    keep = re.compile(r"^[0-9]+(\.[0-9]+)?$" if mig_files else r"^[+-]?[0-9]+$")
+    files = {n for n in os.listdir(directory) if keep.match(n) and os.path.isfile(os.path.join(directory, n))}
+    key = f"{gpu}.{gpu_instance}" if mig_files and gpu_instance is not None else str(gpu)
+    if key not in files:
+        return []
+    with open(os.path.join(directory, key)) as fh:
+        return fh.read().splitlines()
+
+
+def test_dcgm_exporter_labels_each_mig_device_and_gpu_with_its_holders_from_our_files(short_tmp):
+    jobs = os.path.join(short_tmp, "jobs")
+    with running_sidecar("dgx-a100", "v1", extra=("--job-mapping-dir", jobs)) as sidecar:
+        isolator = GrpcIsolator(sidecar.socket)
+        containerizer = Containerizer(isolator, sidecar.work)
+        try:
+            isolator.prepare(container_id("whole"), containerizer.config(gpus=1, image=False))
+            config = containerizer.config(gpus=None, image=False)
+            config["resources"].append({"name": "mig-1g.5gb", "type": "SCALAR", "scalar": {"value": 1}, "role": "*"})
+            isolator.prepare(container_id("unit"), config)
+            (whole,) = [int(n) for n in os.listdir(jobs) if "." not in n and _mapping(jobs)[n] == ["whole"]]
+            (held,) = [n for n in os.listdir(jobs) if "." in n and _mapping(jobs)[n] == ["unit"]]
+            gpu, gi = (int(x) for x in held.split("."))
+            others = [m.gpu_instance for g in sidecar.sim.spec.gpus if g.index == gpu for m in g.mig_devices]
+            others = [i for i in others if i != gi]
+            # dcgm-exporter from 4.5.3-4.8.2: each MIG device's metrics carry its own holder only.
+            assert _dcgm_hpc_jobs(jobs, gpu, gi) == ["unit"]
+            assert others and all(_dcgm_hpc_jobs(jobs, gpu, i) == [] for i in others)
+            assert _dcgm_hpc_jobs(jobs, gpu) == ["unit"], "the GPU's own metrics: everyone with work on it"
+            assert _dcgm_hpc_jobs(jobs, whole) == ["whole"]
+            # Older dcgm-exporter: MIG devices are labelled by their GPU's file, so all of GPU 1's.
+            assert all(_dcgm_hpc_jobs(jobs, gpu, i, mig_files=False) == ["unit"] for i in [gi, *others])
+        finally:
+            for name in ("unit", "whole"):
+                isolator.cleanup(container_id(name))
+            isolator.close()
+
+
+def test_job_mapping_leaves_files_alone_whose_names_are_not_ascii_numbers(short_tmp):
+    """dcgm-exporter (Go's \\d) reads ASCII digits only: a file named with other digits is not a
+    mapping file, so it is somebody else's and stays."""
+    jobs = os.path.join(short_tmp, "jobs")
+    os.makedirs(jobs)
+    for name in ("\u0663", "1.\u0664", "\uff15"):  # Arabic-Indic 3, "1.<Arabic-Indic 4>", fullwidth 5
+        with open(os.path.join(jobs, name), "w") as fh:
+            fh.write("theirs\n")
+    with running_sidecar("single", "v1", extra=("--job-mapping-dir", jobs)):
+        left = sorted(os.listdir(jobs))
+    assert left == sorted(["0", "\u0663", "1.\u0664", "\uff15"])

@@ -1,5 +1,5 @@
-"""Packaging: the wheel `make dist` builds carries the license, the systemd unit, the simulated hosts
-and the bridge executables, and building it warns about no package data."""
+"""Packaging: the wheel `make dist` builds carries the license, the systemd unit, the alert rules and
+dashboard, the simulated hosts and the bridge executables, and building it warns about no package data."""
 
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ def test_the_wheel_holds_license_unit_hosts_and_bridge_executables(tmp_path):
     assert f"{info}/licenses/LICENSE" in names
     assert "License: Apache-2.0" in metadata or "License-Expression: Apache-2.0" in metadata
     assert "isolator/data/gpu-isolator.service" in names
+    # The operator's alert rules and dashboard (docs/operations.md) ship with the package.
+    assert {"isolator/data/prometheus-rules.yml", "isolator/data/grafana-dashboard.json"} <= names
     assert "isolator/simhost/hosts/dgx-1.toml" in names and "isolator/simhost/fakenvml.c" in names
     for method in ("bridge", "prepare", "isolate", "watch", "usage", "cleanup"):
         assert f"gpu-isolator-{method} = isolator.bridge.command:main" in entry_points

@@ -22,6 +22,7 @@ from isolator.errors import (
     GpuAlreadyHeld,
     InvalidArgument,
     StateCorrupt,
+    StateIncompatible,
     StateReadOnly,
     StateStorageFull,
 )
@@ -147,12 +148,14 @@ def test_a_file_that_is_not_a_database_is_reported_as_corrupt(tmp_path):
         StateStore(str(tmp_path))
 
 
-def test_a_newer_schema_is_refused_rather_than_misread(tmp_path):
+def test_a_newer_schema_that_needs_a_newer_sidecar_is_refused_rather_than_misread(tmp_path):
     StateStore(str(tmp_path)).close()
     raw = sqlite3.connect(str(tmp_path / DB_FILE))
+    raw.execute("UPDATE schema_meta SET value = 99 WHERE key = 'min_schema'")
     raw.execute("PRAGMA user_version=99")
+    raw.commit()
     raw.close()
-    with pytest.raises(StateCorrupt, match="schema version 99"):
+    with pytest.raises(StateIncompatible, match="schema 99 was written by a newer sidecar"):
         StateStore(str(tmp_path))
 
 

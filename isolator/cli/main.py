@@ -2,7 +2,9 @@
 
 Exit codes: 0 ok, 1 error, 2 usage, 3 the sidecar cannot be reached (the message names the socket);
 ``serve`` exits 4 when the node's GPUs are unavailable (no usable NVML, fewer GPUs than configured).
-Errors are one line on stderr, never a traceback.
+``audit`` follows diff(1): 0 no drift, 1 drift found and repaired, 2 and above trouble.
+Errors are one line on stderr, never a traceback. The admin commands' socket is ``--socket``, else
+``$GPU_ISOLATOR_SOCKET``, else the default (as kubectl's ``--kubeconfig`` over ``$KUBECONFIG``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from isolator.daemon import config as configmod
 from isolator.errors import GpusUnavailable, IsolatorError
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_GPUS = 0, 1, 2, 3, 4
+# audit only, as diff(1): 1 says "drift was found (and repaired)", so an error answered is 2 there.
+EXIT_DRIFT = 1
+SOCKET_ENV = "GPU_ISOLATOR_SOCKET"
 
 
 class UsageError(Exception):
@@ -73,7 +78,11 @@ def build_parser() -> Parser:
 
     def admin(name: str, help_text: str) -> Parser:
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("--socket", default=configmod.DEFAULT_SOCKET, help="the sidecar's socket")
+        p.add_argument(
+            "--socket",
+            default=None,
+            help=f"the sidecar's socket (default: ${SOCKET_ENV}, else {configmod.DEFAULT_SOCKET})",
+        )
         p.add_argument("--json", action="store_true", help="print JSON (a stable shape) instead of a table")
         p.add_argument("--timeout", type=_seconds, default=10.0, help="seconds to wait for an answer (default 10)")
         return p
@@ -84,13 +93,14 @@ def build_parser() -> Parser:
     generate = cdi_sub.add_parser(
         "generate", help="write the CDI spec (offline: reads NVML and builds the driver volume; no sidecar needed)"
     )
-    configmod.add_serve_arguments(generate)
+    configmod.add_serve_arguments(generate, configmod.CDI_FLAGS)
     generate.add_argument("--output", default="-", help="file to write (default: stdout); mode 0644")
 
     resources = sub.add_parser(
         "resources", help="the agent's --resources entries for the GPUs and MIG devices (offline: reads NVML)"
     )
-    configmod.add_serve_arguments(resources)
+    configmod.add_serve_arguments(resources, configmod.INVENTORY_FLAGS)
+    resources.add_argument("--json", action="store_true", help="print JSON: the string and each entry's count")
 
     admin("gpus", help_text="every GPU, its health and its holder")
     admin("topology", help_text="the interconnect matrix, as nvidia-smi topo -m")
@@ -102,7 +112,11 @@ def build_parser() -> Parser:
     release = admin("release", help_text="release a stuck allocation")
     release.add_argument("container", help="container ID, nested as parent.child")
     release.add_argument("--force", action="store_true", help="release even while processes remain")
-    admin("audit", help_text="compare every container's kernel rules with its record now, re-apply drift")
+    admin(
+        "audit",
+        help_text="compare every container's kernel rules with its record now, re-apply drift"
+        " (exit 0: none, 1: drift repaired, 2 or more: trouble)",
+    )
     return parser
 
 
@@ -132,6 +146,12 @@ def _run_admin(args: argparse.Namespace) -> int:
     from isolator.rpc import isolator_pb2 as pb
     from isolator.transport.client import BadContainerId, Client, Unreachable, container_id, to_dict
 
+    if args.socket is None:
+        from_env = os.environ.get(SOCKET_ENV, "")
+        args.socket = from_env or configmod.DEFAULT_SOCKET
+        args.socket_from = f" (from ${SOCKET_ENV})" if from_env else ""
+    else:
+        args.socket_from = ""
     method, request_name = ADMIN_CALLS[args.command]
     request = getattr(pb, request_name)()
     if hasattr(args, "container"):
@@ -146,20 +166,22 @@ def _run_admin(args: argparse.Namespace) -> int:
             client.check_reachable()
             reply = client.call(client.admin, method, request)
         except Unreachable as exc:
-            _fail(str(exc))
+            _fail(str(exc) + args.socket_from)
             return EXIT_UNREACHABLE
         except grpc.RpcError as exc:
             code = exc.code()
             if code == grpc.StatusCode.UNAVAILABLE:
-                _fail(f"cannot reach the sidecar at '{args.socket}': {exc.details()}")
+                _fail(f"cannot reach the sidecar at '{args.socket}'{args.socket_from}: {exc.details()}")
                 return EXIT_UNREACHABLE
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 _fail(f"the sidecar at '{args.socket}' did not answer within {args.timeout:g} s (see --timeout)")
                 return EXIT_UNREACHABLE
             _fail(f"{args.command}: {exc.details()} ({code.name})")
-            return EXIT_ERROR
+            return EXIT_USAGE if args.command == "audit" else EXIT_ERROR
     data = to_dict(reply)
     status = EXIT_OK
+    if args.command == "audit" and data.get("repaired"):
+        status = EXIT_DRIFT
     if args.command == "volume":
         data = json.loads(data.get("manifest_json") or "{}")
     elif args.command == "health":
@@ -561,8 +583,13 @@ def _run_serve(args: argparse.Namespace) -> int:
 def _run_resources(args: argparse.Namespace) -> int:
     from isolator.daemon import main as daemon
 
-    flags = {k: v for k, v in vars(args).items() if k != "command"}
-    _emit(daemon.agent_resources(configmod.resolve(flags)))
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "json")}
+    line = daemon.agent_resources(configmod.resolve(flags))
+    if args.json:
+        entries = {name: int(count) for name, _, count in (e.rpartition(":") for e in line.split(";"))}
+        _emit(json.dumps({"resources": line, "entries": entries}, indent=2))
+    else:
+        _emit(line)
     return EXIT_OK
 
 

@@ -263,10 +263,17 @@ HELP = {
 }
 
 
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``gpu-isolator serve``. Every default is None so the file can fill it in."""
+# The flags the offline commands read (``resources``, ``cdi generate``): they find and read the GPUs
+# (and, for CDI, the device nodes and the driver volume) but serve nothing.
+INVENTORY_FLAGS = ("work_dir", "simulate", "nvml_library", "nvidia_gpu_devices", "resources")
+CDI_FLAGS = (*INVENTORY_FLAGS, "dev_root", "driver_root", "volume_root", "cdi_kind")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser, names: tuple[str, ...] | None = None) -> None:
+    """Flags of ``gpu-isolator serve`` (or only ``names`` of them). Every default is None so the file
+    can fill it in."""
     parser.add_argument("--config", dest="config_file", metavar="FILE", help="TOML config file")
-    for name in PARSERS:
+    for name in PARSERS if names is None else names:
         flag = "--" + name.replace("_", "-")
         parser.add_argument(flag, dest=name, default=None, help=HELP[name], metavar=name.upper())
 

@@ -12,7 +12,10 @@ shared/reference/nvidia-volume-cdi.md §3):
   ``=GPU-<uuid>``, ``=0:1`` (GPU 0's MIG device 1) and ``=all`` are NVIDIA's names (nvidia-ctk);
 * device nodes without ``major``/``minor`` are stat'ed by the runtime when it injects them, so the
   dynamic nvidia-uvm and nvidia-caps majors are left out; the runtime writes the cgroup rules;
-* ``env`` entries replace the image's variable of the same key.
+* ``env`` entries replace the image's variable of the same key;
+* ``cdiVersion`` is the lowest version that knows every field the spec uses (``minimum_version``), as
+  nvidia-ctk writes it: a runtime on an older CDI library refuses a version it does not know, and
+  every library refuses a spec that declares less than its fields need.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from typing import Any
 from isolator.errors import FailedPrecondition, InvalidArgument
 from isolator.model import MigDevice
 
-CDI_VERSION = "1.1.0"  # specs-go/version.go CurrentVersion
+# Released spec versions (SPEC.md "Released versions"); 0.3.0 is the earliest a library still loads.
+VERSIONS = ("0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0")
 DEFAULT_KIND = "nvidia.com/gpu"
 SPEC_FILE = "gpu-isolator.json"
 CONTAINER_DEV = "/dev"
@@ -131,8 +135,8 @@ def build_spec(
         raise FailedPrecondition("no usable GPU to describe: a CDI spec needs at least one device")
     add(["all"], list(every))
     env = [VOID_VISIBLE_DEVICES] + [f"{k}={v}" for k, v in volume_env]
-    return {
-        "cdiVersion": CDI_VERSION,
+    spec: dict[str, Any] = {
+        "cdiVersion": "",
         "kind": kind,
         "devices": devices,
         "containerEdits": {
@@ -141,6 +145,36 @@ def build_spec(
             "mounts": [{"hostPath": volume_path, "containerPath": VOLUME_TARGET, "options": list(VOLUME_OPTIONS)}],
         },
     }
+    spec["cdiVersion"] = minimum_version(spec)
+    return spec
+
+
+def minimum_version(spec: dict[str, Any]) -> str:
+    """The lowest CDI spec version whose fields cover ``spec``'s (the rules of the spec's version table,
+    SPEC.md, as specs-go/version.go's ``MinimumRequiredVersion`` applies them):
+
+    * 0.4.0: a mount with a ``type``;
+    * 0.5.0: a device node with a ``hostPath``, or a device name starting with a digit;
+    * 0.6.0: ``annotations`` (spec or device), or a dot in the kind's class (after the ``/``);
+    * 0.7.0: ``intelRdt`` or ``additionalGids`` (spec or device edits);
+    * 0.8.0, 1.0.0: changed the Go API only; no content needs them;
+    * 1.1.0: ``netDevices``, or ``intelRdt`` with ``schemata`` or ``enableMonitoring``.
+    """
+    edits = [spec.get("containerEdits") or {}] + [d.get("containerEdits") or {} for d in spec.get("devices", [])]
+    rdt = [e["intelRdt"] for e in edits if e.get("intelRdt") is not None]
+    if any(e.get("netDevices") for e in edits) or any(r.get("schemata") or r.get("enableMonitoring") for r in rdt):
+        return "1.1.0"
+    if rdt or any(e.get("additionalGids") for e in edits):
+        return "0.7.0"
+    cls = str(spec.get("kind", "")).partition("/")[2]
+    if spec.get("annotations") or any(d.get("annotations") for d in spec.get("devices", [])) or "." in cls:
+        return "0.6.0"
+    digit_first = any(str(d.get("name", ""))[:1] in tuple("0123456789") for d in spec.get("devices", []))
+    if digit_first or any(n.get("hostPath") for e in edits for n in e.get("deviceNodes", [])):
+        return "0.5.0"
+    if any(m.get("type") for e in edits for m in e.get("mounts", [])):
+        return "0.4.0"
+    return VERSIONS[0]
 
 
 def render(spec: dict[str, Any]) -> str:

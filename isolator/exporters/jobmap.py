@@ -1,10 +1,19 @@
 """dcgm-exporter's HPC job mapping: one file per GPU, named by its NVML index (a MIG device as
 ``<index>.<gpu instance>``), listing the IDs of the containers that hold it, one per line.
 
-dcgm-exporter (``--hpc-job-mapping-dir``) reads these files at each scrape and adds the IDs to the
-GPU's metrics as the ``hpc_job`` label. ``sync`` rewrites every file from the service's state
-(each one atomically), so the directory is exact after any crash: the daemon calls it at start and
-after every call that may change who holds what.
+dcgm-exporter (``--hpc-job-mapping-dir``) reads these files at each scrape and adds each line as an
+``hpc_job`` label value (NVIDIA/dcgm-exporter ``internal/pkg/transformation/hpc.go``):
+
+* from 4.5.3-4.8.2 (PR #602) it keeps names ``<digits>`` or ``<digits>.<digits>`` (ASCII) and labels a
+  MIG device's metrics from ``<gpu>.<gpu instance>`` only (the NVML GPU instance ID, its
+  ``GPU_I_ID`` label), a GPU's own metrics from ``<gpu>``;
+* before, it kept only names ``strconv.Atoi`` parses, so ``<gpu>.<gpu instance>`` files are skipped
+  and a MIG device's metrics are labelled from its GPU's ``<gpu>`` file.
+
+Hence the ``<gpu>`` file lists everyone with work on the GPU and each instance file its own holders
+plus a whole-GPU holder: right for both. ``sync`` rewrites every file from the service's state (each
+one atomically), so the directory is exact after any crash: the daemon calls it at start and after
+every call that may change who holds what.
 """
 
 from __future__ import annotations
@@ -21,8 +30,9 @@ from isolator.errors import ConfigError
 
 LOG = logging.getLogger(__name__)
 
-# Names this module writes; other files in the directory are left alone.
-OURS = re.compile(r"^\d+(\.\d+)?$")
+# Names this module writes (dcgm-exporter's own pattern; ASCII digits, as Go's \d); other files in the
+# directory are left alone.
+OURS = re.compile(r"^[0-9]+(\.[0-9]+)?$")
 # Its temporary files (written, then renamed over a name above); one is left only by a crash mid-write.
 TMP_PREFIX = ".tmp-"
 # Hooks after which holdings may have changed.

@@ -5,7 +5,10 @@ Names follow Prometheus conventions and the Mesos agent's GPU metrics (``slave/g
 ``slave/gpus_used``): gauges read from the service at scrape time (nothing to keep in step), and
 counters/histograms updated by ``observe`` (called once per hook by the server's error mapping) and
 by the daemon loop (reconciliation repairs) and the volume manager (builds). docs/metrics.md lists
-them. The registry is this object's own, not prometheus-client's global one.
+them. The registry is this object's own, not prometheus-client's global one; it also carries
+prometheus-client's standard ``process_*`` metrics (a restart shows as a new ``process_start_time_seconds``)
+and ``gpu_isolator_build_info``. The GPU UUID label is ``UUID``, as dcgm-exporter names it, so that
+PromQL joins the two exporters' series without ``label_replace``.
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ from collections.abc import Iterator
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from isolator import __version__
 from isolator.errors import ConfigError, SocketError
 
 LOG = logging.getLogger(__name__)
@@ -68,6 +72,7 @@ class Metrics:
         self.volume_builds = Counter(
             f"{PREFIX}_volume_builds", "Driver volumes built (not reused)", registry=self.registry
         )
+        ProcessCollector(registry=self.registry)  # process_*: CPU, memory, fds, start time (Linux /proc)
         self.registry.register(_ServiceCollector(self))
 
     def observe(self, hook: str, code: str, seconds: float, response: Any = None) -> None:
@@ -96,6 +101,9 @@ class _ServiceCollector(Collector):
         self._metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
+        build = GaugeMetricFamily(f"{PREFIX}_build_info", "Always 1; the running daemon's version", labels=("version",))
+        build.add_metric([__version__], 1)
+        yield build
         service = self._metrics.service
         if service is None:
             return
@@ -108,7 +116,7 @@ class _ServiceCollector(Collector):
         healthy = GaugeMetricFamily(f"{PREFIX}_gpus_healthy", "GPUs healthy and usable")
         healthy.add_metric([], sum(1 for g in gpus if g.healthy))
         per_gpu = GaugeMetricFamily(
-            f"{PREFIX}_gpu_healthy", "1 when the GPU is healthy and usable, else 0", labels=("gpu", "uuid", "minor")
+            f"{PREFIX}_gpu_healthy", "1 when the GPU is healthy and usable, else 0", labels=("gpu", "UUID", "minor")
         )
         for g in gpus:
             per_gpu.add_metric([str(g.index), g.uuid, str(g.minor)], 1 if g.healthy else 0)
@@ -139,6 +147,23 @@ class _ServiceCollector(Collector):
         for c in containers:
             mig_held.add_metric([str(c.container_id)], len(c.mig_uuids))
         yield from (mig_total, mig_used, mig_held)
+        yield self._health_checks(service)
+
+    def _health_checks(self, service: Any) -> Metric:
+        """`gpu-isolator health`'s checks (nvml, cgroups, state, consistency): 1 passing, 0 failing."""
+        family = GaugeMetricFamily(
+            f"{PREFIX}_health_check",
+            "1 when the sidecar's health check passes, else 0 (gpu-isolator health says why)",
+            labels=("check",),
+        )
+        try:
+            checks = [(c.name, c.ok) for c in service.health()]
+        except Exception:
+            LOG.exception("metrics: the health checks failed")
+            checks = [("health", False)]
+        for name, ok in checks:
+            family.add_metric([name], 1 if ok else 0)
+        return family
 
 
 # ---- serving ----------------------------------------------------------------------------------------

@@ -6,10 +6,17 @@ being fsynced are committed together (group commit): one transaction, one fsync,
 savepoint of its own so that one refused write fails alone. Reads use a second connection and never
 wait for a commit. It refuses to record a GPU twice (a primary key on the GPU minor), so a bug above
 cannot double-allocate. It decides nothing: allocation and reconciliation live elsewhere.
+
+Schema versions (``PRAGMA user_version``) only move forward, and each store also records the oldest
+schema a sidecar must know to read and write it (``schema_meta.min_schema``), so that a rollback can
+start: an older sidecar opens a newer store whose changes were additive (and logs that it does), and
+refuses one that needs more, naming the version and the backup an upgrade keeps of the store as it was
+(``<file>.schema-<old>.bak``). docs/operations.md, "Rolling back".
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -29,6 +36,7 @@ from isolator.errors import (
     InvalidArgument,
     StateCorrupt,
     StateError,
+    StateIncompatible,
     StateReadOnly,
     StateStorageFull,
 )
@@ -39,7 +47,15 @@ LOG = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DB_FILE = "allocations.sqlite3"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
+# The oldest schema whose sidecar reads and writes a store of SCHEMA_VERSION correctly. An additive
+# migration (new tables or columns that an older sidecar may ignore: rows tied to a container by
+# ON DELETE CASCADE, columns with defaults; and newer code that copes with rows an older sidecar
+# wrote without them, as after a rollback and a new upgrade) leaves it alone, so a rollback past it
+# still starts; a migration that changes what existing rows mean, or that older writes would break,
+# raises it to its own SCHEMA_VERSION. 2: MIG devices as units (a schema-1 sidecar would not see
+# their holders). A new migration: bump SCHEMA_VERSION, add an `if version <= <previous>:` step.
+MIN_SCHEMA = 2
 STATES = ("prepared", "isolated", "orphan")
 CGROUP_VERSIONS = (1, 2)
 
@@ -86,15 +102,26 @@ CREATE TRIGGER mig_not_while_whole_gpu_held BEFORE INSERT ON mig_allocation
 WHEN EXISTS (SELECT 1 FROM allocation WHERE minor = NEW.parent_minor)
 BEGIN SELECT RAISE(ABORT, 'mig-conflict: parent GPU is held whole'); END;
 """
-# Version 3: the cpuset a container is held to under --cpu-affinity enforce (docs/affinity.md);
-# no row when none is enforced. Written before the cpuset is, like the GPUs before their rules.
-_SCHEMA_V3 = """
+# Version 4: the cpuset a container is held to under --cpu-affinity enforce (docs/affinity.md);
+# no row when none is enforced. Written before the cpuset is, like the GPUs before their rules. Additive.
+_SCHEMA_V4 = """
 CREATE TABLE cpuset (
     container TEXT PRIMARY KEY REFERENCES container (key) ON DELETE CASCADE,
     cpus      TEXT NOT NULL CHECK (cpus != ''),
     mems      TEXT NOT NULL CHECK (mems != '')
 ) WITHOUT ROWID;
 """
+
+
+# Version 3: the compatibility record above (rollback, docs/operations.md). Additive.
+_SCHEMA_V3 = """
+CREATE TABLE schema_meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL) WITHOUT ROWID;
+"""
+
+
+def backup_path(directory: str, version: int) -> str:
+    """Where an upgrade keeps the store as it was at schema ``version`` before migrating it."""
+    return os.path.join(directory, f"{DB_FILE}.schema-{version}.bak")
 
 
 def _key(cid: ContainerId) -> str:
@@ -157,26 +184,92 @@ class StateStore:
         version = self._db.execute("PRAGMA user_version").fetchone()[0]
         if version == SCHEMA_VERSION:
             return
-        if version not in (0, 1, 2):
+        if version > SCHEMA_VERSION:
+            self._check_newer(version)
+            return
+        if version < 0:
             raise StateCorrupt(
                 op="open", path=self.path, cause=f"schema version {version}; this sidecar knows {SCHEMA_VERSION}"
             )
+        if version:
+            self._backup(version)
         self._db.execute("BEGIN IMMEDIATE")
         try:
             if version == 0:
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
                         self._db.execute(statement)
-            if version < 2:
+            if version <= 1:
                 for statement in _split_sql(_SCHEMA_V2):
                     self._db.execute(statement)
-            for statement in _split_sql(_SCHEMA_V3):
-                self._db.execute(statement)
+            if version <= 2:
+                self._db.execute(_SCHEMA_V3)
+            if version <= 3:
+                for statement in _split_sql(_SCHEMA_V4):
+                    self._db.execute(statement)
+            self._db.execute("INSERT OR REPLACE INTO schema_meta VALUES ('min_schema', ?)", (MIN_SCHEMA,))
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             self._db.execute("COMMIT")
         except BaseException:
             self._db.execute("ROLLBACK")
             raise
+        if version:
+            LOG.info("state '%s': schema %d migrated to %d", self.path, version, SCHEMA_VERSION)
+
+    def _check_newer(self, version: int) -> None:
+        """A store a newer sidecar wrote: used as it is when its changes were additive, else refused."""
+        try:
+            row = self._db.execute("SELECT value FROM schema_meta WHERE key = 'min_schema'").fetchone()
+        except sqlite3.OperationalError:
+            row = None  # no compatibility record: nothing says this sidecar may write it
+        needed = int(row[0]) if row else version
+        if needed > SCHEMA_VERSION:
+            prefix, suffix = DB_FILE + ".schema-", ".bak"
+            kept = [n[len(prefix) : -len(suffix)] for n in os.listdir(self.directory) if n.startswith(prefix)]
+            readable = [int(v) for v in kept if v.isdigit() and int(v) <= SCHEMA_VERSION]
+            restore = (
+                f"restore '{backup_path(self.directory, max(readable))}' over '{self.path}' (the copy the upgrade kept"
+                if readable
+                else f"restore a backup of '{self.path}' taken before the upgrade (none is kept here"
+            )
+            raise StateIncompatible(
+                op="open",
+                path=self.path,
+                cause=f"schema {version} was written by a newer sidecar and needs a sidecar that knows schema"
+                f" {needed} or later (this one knows {SCHEMA_VERSION}): run that version, or, with the sidecar"
+                f" stopped, {restore}; containers started since are not in it, the next start rebuilds their records)",
+            )
+        LOG.warning(
+            "state '%s' has schema %d, written by a newer sidecar; this one knows %d and the store needs"
+            " schema %d or later: using it as it is (its additions are kept and not used)",
+            self.path,
+            version,
+            SCHEMA_VERSION,
+            needed,
+        )
+
+    def _backup(self, version: int) -> None:
+        """Copy the store (consistent, through SQLite's backup API) before a migration changes it."""
+        path = backup_path(self.directory, version)
+        tmp = path + ".tmp"
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            copy = sqlite3.connect(tmp)
+            try:
+                self._db.backup(copy)
+            finally:
+                copy.close()
+            os.chmod(tmp, 0o600)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise _os_error("back up the state before migrating it to", path, exc) from exc
+        LOG.info("state '%s': kept a copy at schema %d in '%s' before migrating", self.path, version, path)
 
     # ---- writes -------------------------------------------------------------------------------
 

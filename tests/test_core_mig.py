@@ -101,7 +101,7 @@ def test_mig_holdings_are_booked_again_after_a_restart_and_fixed_in_update():
     svc.update(cid("a"), [Resource("gpus", 1.0), Resource("mig-1g.10gb", 1.0)])  # grows whole GPUs only
     assert len(rig.store.get(cid("a")).gpus) == 1
     svc.recover([], [])
-    assert [c for c in svc.admin.inconsistencies()] == []
+    assert [c for c in svc.inconsistencies()] == []
     svc.cleanup(cid("a"))
     svc.prepare(cid("b"), config(**{"1g_10gb": 1}))
 

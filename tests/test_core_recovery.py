@@ -160,7 +160,7 @@ def test_a_recover_action_that_fails_is_reported_and_recover_can_run_again(mesos
 
 
 def test_kernel_grants_reads_the_kernel_or_says_there_is_no_cgroup(mesos: Rig) -> None:
-    recovery = mesos.service.recovery
+    recovery = mesos.service
     assert recovery.kernel_grants(cid("a")) == frozenset(held(mesos, cid("a")))
     assert recovery.kernel_grants(cid("nobody")) is None
 

@@ -35,8 +35,9 @@ LOG = logging.getLogger(__name__)
 
 
 class Admin:
-    def __init__(self, core: Core) -> None:
-        self.core = core
+    """The admin views: gpus, topology, containers, describe, release, volume, health (part of IsolatorService)."""
+
+    core: Core  # set by IsolatorService, which composes the three parts over one Core
 
     # ---- GPUs -------------------------------------------------------------------------------------
 

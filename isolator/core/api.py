@@ -1,7 +1,10 @@
-"""What the edge servers (gRPC servicers, the command-module bridge) may call on the core.
+"""What the edge servers (gRPC servicers, the command-module bridge) may call on the core: the one
+declaration of the hook API.
 
-``isolator.core.service.IsolatorService`` implements it; so does ``isolator.testing.StubService``,
-a base for test doubles of the whole service. Only domain types (isolator.model) cross it.
+``isolator.core.service.IsolatorService`` implements it (each method in its part: hooks, recovery,
+admin). A method's body here is what a service that does not implement it answers: UNIMPLEMENTED,
+never a fake success; ``isolator.testing.StubService`` inherits exactly that. Only domain types
+(isolator.model) cross it.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+from isolator.errors import Unimplemented
 from isolator.model import (
     AuditReport,
     ContainerConfig,
@@ -32,41 +36,59 @@ from isolator.model import (
 
 class IsolatorApi(Protocol):
     # Isolator hooks (include/mesos/slave/isolator.hpp)
-    def recover(self, states: list[ContainerState], orphans: list[ContainerId]) -> RecoverResult: ...
+    def recover(self, states: list[ContainerState], orphans: list[ContainerId]) -> RecoverResult:
+        raise Unimplemented(hook="Recover")
 
-    def prepare(self, container_id: ContainerId, config: ContainerConfig) -> LaunchInfo | None: ...
+    def prepare(self, container_id: ContainerId, config: ContainerConfig) -> LaunchInfo | None:
+        raise Unimplemented(hook="Prepare")
 
-    def isolate(self, container_id: ContainerId, pid: int) -> None: ...
+    def isolate(self, container_id: ContainerId, pid: int) -> None:
+        raise Unimplemented(hook="Isolate")
 
-    def watch(self, container_id: ContainerId, timeout: float | None) -> Limitation | None: ...
+    def watch(self, container_id: ContainerId, timeout: float | None) -> Limitation | None:
+        raise Unimplemented(hook="Watch")
 
     # Without a thread: ``callback`` (which must not block) runs on each change that may end a
     # Watch of ``container``; the returned function unsubscribes. Re-check with watch(cid, 0).
-    def subscribe(self, callback: Callable[[], None], container: ContainerId | None = None) -> Callable[[], None]: ...
+    def subscribe(self, callback: Callable[[], None], container: ContainerId | None = None) -> Callable[[], None]:
+        return lambda: None  # nothing here ever changes
 
-    def update(self, container_id: ContainerId, resources: list[Resource]) -> None: ...
+    def update(self, container_id: ContainerId, resources: list[Resource]) -> None:
+        raise Unimplemented(hook="Update")
 
-    def usage(self, container_id: ContainerId) -> Usage: ...
+    def usage(self, container_id: ContainerId) -> Usage:
+        raise Unimplemented(hook="Usage")
 
-    def status(self, container_id: ContainerId) -> ContainerStatus: ...
+    def status(self, container_id: ContainerId) -> ContainerStatus:
+        raise Unimplemented(hook="Status")
 
-    def cleanup(self, container_id: ContainerId) -> None: ...
+    def cleanup(self, container_id: ContainerId) -> None:
+        raise Unimplemented(hook="Cleanup")
 
     # Admin views (docs/cli.md)
-    def list_gpus(self) -> GpuList: ...
+    def list_gpus(self) -> GpuList:
+        raise Unimplemented(hook="ListGpus")
 
-    def topology(self) -> TopologyView: ...
+    def topology(self) -> TopologyView:
+        raise Unimplemented(hook="Topology")
 
-    def list_containers(self) -> list[ContainerInfo]: ...
+    def list_containers(self) -> list[ContainerInfo]:
+        raise Unimplemented(hook="ListContainers")
 
-    def describe_container(self, container_id: ContainerId) -> Description: ...
+    def describe_container(self, container_id: ContainerId) -> Description:
+        raise Unimplemented(hook="DescribeContainer")
 
-    def release(self, container_id: ContainerId, force: bool) -> Released: ...
+    def release(self, container_id: ContainerId, force: bool) -> Released:
+        raise Unimplemented(hook="Release")
 
-    def volume(self) -> VolumeReport: ...
+    def volume(self) -> VolumeReport:
+        raise Unimplemented(hook="Volume")
 
-    def health(self) -> list[HealthCheck]: ...
+    def health(self) -> list[HealthCheck]:
+        raise Unimplemented(hook="Health")
 
-    def audit(self) -> AuditReport: ...
+    def audit(self) -> AuditReport:
+        raise Unimplemented(hook="Audit")
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        return None

@@ -70,8 +70,9 @@ def _volume_error(exc: VolumeError) -> IsolatorError:
 
 
 class Hooks:
-    def __init__(self, core: Core) -> None:
-        self.core = core
+    """A container's lifecycle: prepare, isolate, update, watch, usage, status, cleanup (part of IsolatorService)."""
+
+    core: Core  # set by IsolatorService, which composes the three parts over one Core
 
     # ---- prepare ----------------------------------------------------------------------------------
 

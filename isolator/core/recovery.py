@@ -22,8 +22,9 @@ LOG = logging.getLogger(__name__)
 
 
 class Recovery:
-    def __init__(self, core: Core) -> None:
-        self.core = core
+    """Start-up reconciliation, Recover, reaping and the drift audit (part of IsolatorService)."""
+
+    core: Core  # set by IsolatorService, which composes the three parts over one Core
 
     def start(self) -> None:
         """Before the first request, whether or not Recover is ever called (the bridge route never

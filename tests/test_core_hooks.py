@@ -372,7 +372,7 @@ def test_subscribers_hear_of_their_containers_going_away_and_of_every_health_cha
     heard: list[str] = []
     stop_a = rig.service.subscribe(lambda: heard.append("a"), cid("a.child"))  # by its top-level container
     stop_all = rig.service.subscribe(lambda: heard.append("all"))
-    assert rig.service.core.listeners() == 2
+    assert rig.service.core.changes.listeners() == 2
     rig.service.cleanup(b)
     assert heard == ["all"], "b going away is not a's business"
     rig.inventory.xid(held(rig, a)[0], 79)
@@ -383,7 +383,7 @@ def test_subscribers_hear_of_their_containers_going_away_and_of_every_health_cha
     stop_a()
     stop_all()
     stop_a()  # idempotent
-    assert rig.service.core.listeners() == 0
+    assert rig.service.core.changes.listeners() == 0
     rig.inventory.xid(0, 79)
     assert len(heard) == 5
 

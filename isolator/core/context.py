@@ -12,12 +12,12 @@ I/O; recovery holds ``locks.exclusive()``. Ordering rules that keep the sidecar 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+from isolator.core.changes import Changes
 from isolator.core.locks import ContainerLocks
 from isolator.core.ports import (
     CgroupBackend,
@@ -89,12 +89,7 @@ class Core:
         self.rebuilt: list[ContainerId] = []  # records rebuilt from the kernel at start (lost state)
         self.repairs = 0  # kernel rules re-applied by the drift audit since start
         self.alloc = threading.Lock()  # the allocator and health: short sections, no I/O inside
-        self._changed = threading.Condition(threading.Lock())
-        self._generation = 0
-        # Callbacks told of changes without a thread waiting (the server's Watch): by top-level
-        # container, or under None for every change.
-        self._listeners: dict[ContainerId | None, dict[int, Callable[[], None]]] = {}
-        self._tokens = itertools.count()
+        self.changes = Changes()  # what a Watch waits on: health changes, containers gone
         topology = edges.inventory.topology()
         self.gpus: dict[int, Gpu] = {g.minor: g for g in topology.gpus}
         self.allocator = Allocator(topology, settings.policy)
@@ -108,7 +103,7 @@ class Core:
             self.sync_health()
         edges.inventory.on_health_change(self._on_health_change)
 
-    # ---- health and change notification -----------------------------------------------------------
+    # ---- health -----------------------------------------------------------
 
     def sync_health(self) -> None:
         """Copy the inventory's health into the allocator. Call with ``alloc`` held."""
@@ -121,58 +116,7 @@ class Core:
             for gpu in self.gpus.values():
                 if gpu.index == event.index:
                     self.allocator.set_healthy(gpu.minor, bool(event.healthy))
-        self.notify()
-
-    def notify(self, container: ContainerId | None = None) -> None:
-        """Wake the Watches: of ``container`` when only it changed (it went away), else all of them
-        (a GPU's health changed, recovery)."""
-        with self._changed:
-            self._generation += 1
-            self._changed.notify_all()
-            if container is None:
-                told = [cb for group in self._listeners.values() for cb in group.values()]
-            else:
-                told = [*self._listeners.get(container.root, {}).values(), *self._listeners.get(None, {}).values()]
-        for callback in told:
-            try:
-                callback()
-            except Exception:  # a listener's bug must not stop a hook
-                LOG.exception("change listener failed")
-
-    def subscribe(self, callback: Callable[[], None], container: ContainerId | None = None) -> Callable[[], None]:
-        """Call ``callback`` (from the notifying thread; it must not block) on each change that may
-        concern ``container`` (every change when None) until the returned function is called.
-
-        The non-blocking twin of ``wait_for_change``: a waiter costs an entry here, not a thread.
-        """
-        key = None if container is None else container.root
-        token = next(self._tokens)
-        with self._changed:
-            self._listeners.setdefault(key, {})[token] = callback
-
-        def unsubscribe() -> None:
-            with self._changed:
-                group = self._listeners.get(key)
-                if group is not None:
-                    group.pop(token, None)
-                    if not group:
-                        del self._listeners[key]
-
-        return unsubscribe
-
-    def listeners(self) -> int:
-        """How many subscriptions are open (tests and the load bench)."""
-        with self._changed:
-            return sum(len(group) for group in self._listeners.values())
-
-    def generation(self) -> int:
-        with self._changed:
-            return self._generation
-
-    def wait_for_change(self, seen: int, timeout: float) -> None:
-        """Return once something changed after generation ``seen``, or after ``timeout`` seconds."""
-        with self._changed:
-            self._changed.wait_for(lambda: self._generation != seen, timeout=timeout)
+        self.changes.notify()
 
     # ---- MIG units (call with ``alloc`` held) ------------------------------------------------------
 
@@ -375,7 +319,7 @@ class Core:
         with self.alloc:
             self.allocator.deallocate(rec.gpus & self.allocator.allocated)
             self.free_mig(rec.mig_uuids)
-        self.notify(cid)
+        self.changes.notify(cid)
 
     def release_volume(self, cid: ContainerId) -> None:
         """Forget ``cid`` as a user of the driver volume; a top-level container takes the records of

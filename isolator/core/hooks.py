@@ -534,7 +534,7 @@ class Hooks:
         core = self.core
         deadline = None if timeout is None else core.clock.monotonic() + max(timeout, 0.0)
         while True:
-            seen = core.generation()
+            seen = core.changes.generation()
             rec = core.store.get(container_id.root)
             if rec is None:
                 if container_id.nested:
@@ -547,7 +547,7 @@ class Hooks:
             remaining = None if deadline is None else deadline - core.clock.monotonic()
             if remaining is not None and remaining <= 0:
                 return None
-            core.wait_for_change(seen, remaining if remaining is not None else WATCH_POLL_S)
+            core.changes.wait_for_change(seen, remaining if remaining is not None else WATCH_POLL_S)
 
     def _limitation(self, cid: ContainerId, sick: list[int], rec: ContainerRecord) -> Limitation:
         """An XID on a GPU limits every container on it: holders of the GPU and of its MIG devices."""

@@ -273,7 +273,7 @@ class Recovery:
                 roots = {c.key() for c in live}
                 keep = roots | {u for u in core.volume_users() if key_root(u) in roots}
                 core.volumes.reconcile(keep)
-        core.notify()
+        core.changes.notify()
         LOG.info("recovered %d containers, released %d", result.recovered, result.released)
         return result
 

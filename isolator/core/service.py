@@ -60,7 +60,7 @@ class IsolatorService(Hooks, Recovery, Admin):
     def subscribe(self, callback: Callable[[], None], container: ContainerId | None = None) -> Callable[[], None]:
         """Call ``callback`` on each change that may end a Watch of ``container``; returns the
         unsubscribe function. A Watch re-checks with ``watch(cid, 0)`` when called back."""
-        return self.core.subscribe(callback, container)
+        return self.core.changes.subscribe(callback, container)
 
     def close(self) -> None:
         """Stop the inventory's event thread and close the state store."""

@@ -1,0 +1,79 @@
+"""Change notification: what a Watch waits on. One job, one lock of its own.
+
+A change is a GPU's health changing, a container going away or recovery. Waiters either block
+(``wait_for_change``) or subscribe a callback (the server's Watch: an entry here, not a thread).
+Lock contract: ``_lock`` guards the generation and the subscriptions only; callbacks run after it is
+released, on the notifying thread, and must not block. Nothing else is ever taken while holding it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Callable
+
+from isolator.model import ContainerId
+
+LOG = logging.getLogger(__name__)
+
+
+class Changes:
+    def __init__(self) -> None:
+        self._lock = threading.Condition(threading.Lock())
+        self._generation = 0
+        # Callbacks told of changes without a thread waiting: by top-level container, or under None
+        # for every change.
+        self._listeners: dict[ContainerId | None, dict[int, Callable[[], None]]] = {}
+        self._tokens = itertools.count()
+
+    def notify(self, container: ContainerId | None = None) -> None:
+        """Wake the Watches: of ``container`` when only it changed (it went away), else all of them
+        (a GPU's health changed, recovery)."""
+        with self._lock:
+            self._generation += 1
+            self._lock.notify_all()
+            if container is None:
+                told = [cb for group in self._listeners.values() for cb in group.values()]
+            else:
+                told = [*self._listeners.get(container.root, {}).values(), *self._listeners.get(None, {}).values()]
+        for callback in told:
+            try:
+                callback()
+            except Exception:  # a listener's bug must not stop a hook
+                LOG.exception("change listener failed")
+
+    def subscribe(self, callback: Callable[[], None], container: ContainerId | None = None) -> Callable[[], None]:
+        """Call ``callback`` (from the notifying thread; it must not block) on each change that may
+        concern ``container`` (every change when None) until the returned function is called.
+
+        The non-blocking twin of ``wait_for_change``: a waiter costs an entry here, not a thread.
+        """
+        key = None if container is None else container.root
+        token = next(self._tokens)
+        with self._lock:
+            self._listeners.setdefault(key, {})[token] = callback
+
+        def unsubscribe() -> None:
+            with self._lock:
+                group = self._listeners.get(key)
+                if group is not None:
+                    group.pop(token, None)
+                    if not group:
+                        del self._listeners[key]
+
+        return unsubscribe
+
+    def listeners(self) -> int:
+        """How many subscriptions are open (tests and the load bench)."""
+        with self._lock:
+            return sum(len(group) for group in self._listeners.values())
+
+    def generation(self) -> int:
+        with self._lock:
+            return self._generation
+
+    def wait_for_change(self, seen: int, timeout: float) -> None:
+        """Return once something changed after generation ``seen``, or after ``timeout`` seconds."""
+        with self._lock:
+            self._lock.wait_for(lambda: self._generation != seen, timeout=timeout)

@@ -100,7 +100,7 @@ def test_installed_bridge_executables_answer_version_and_help(tmp_path):
     ("flags", "code", "expected"),
     [
         (("--nvml-library", "/nonexistent/libnvidia-ml.so.1"), 4, "no usable NVML"),
-        (("--simulate", "single", "--metrics-address", "localhost:http"), 1, "--metrics-address"),
+        (("--simulate", "single", "--metrics-address", "localhost:http"), 78, "--metrics-address"),
     ],
     ids=["no-nvml", "bad-metrics-address"],
 )

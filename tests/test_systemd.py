@@ -259,3 +259,29 @@ def test_every_default_path_the_daemon_writes_is_writable_in_the_sandbox_after_a
                 writable.append(path)
     for path in (os.path.dirname(DEFAULT_SOCKET), DEFAULT_WORK_DIR, DEFAULT_VOLUME_ROOT):
         assert any(under(canonical(path), w) for w in writable), f"{path} is read-only in the sandbox after a boot"
+
+
+def _unit_values(text: str) -> dict[str, list[str]]:
+    values: dict[str, list[str]] = {}
+    section = ""
+    for line in text.splitlines():
+        if line.startswith("["):
+            section = line.strip("[]")
+        key, sep, value = line.partition("=")
+        if sep and not line.startswith("#"):
+            values.setdefault(f"{section}.{key}", []).append(value)
+    return values
+
+
+def test_the_unit_does_not_restart_after_a_config_error_and_has_a_start_limit():
+    """A config typo exits 78 (EX_CONFIG): restarting cannot help, and before issue 26 the unit
+    restarted it every 5 s without end. Every other failure is retried, a bounded number of times."""
+    from isolator.cli.main import EXIT_CONFIG, EXIT_USAGE
+
+    values = _unit_values(unit_text("/usr/bin/gpu-isolator", "/etc/gpu-isolator/config.toml"))
+    prevent = {int(w) for v in values.get("Service.RestartPreventExitStatus", []) for w in v.split()}
+    assert {EXIT_USAGE, EXIT_CONFIG} <= prevent
+    assert values["Service.Restart"] == ["on-failure"]
+    # StartLimit* belong in [Unit] (systemd.unit(5)); in [Service] systemd ignores them.
+    assert values.get("Unit.StartLimitIntervalSec") and values.get("Unit.StartLimitBurst")
+    assert int(values["Unit.StartLimitBurst"][0]) >= 2

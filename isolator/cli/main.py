@@ -1,7 +1,8 @@
 """``gpu-isolator``: the daemon (``serve``) and the admin commands. The only module that prints.
 
 Exit codes: 0 ok, 1 error, 2 usage, 3 the sidecar cannot be reached (the message names the socket);
-``serve`` exits 4 when the node's GPUs are unavailable (no usable NVML, fewer GPUs than configured).
+``serve`` exits 4 when the node's GPUs are unavailable (no usable NVML, fewer GPUs than configured);
+78 (EX_CONFIG) for a configuration error: a flag, a config file or a combination that cannot work.
 Errors are one line on stderr, never a traceback.
 """
 
@@ -20,9 +21,21 @@ from typing import Any, NoReturn
 
 from isolator import __version__
 from isolator.daemon import config as configmod
-from isolator.errors import GpusUnavailable, IsolatorError
+from isolator.errors import ConfigError, GpusUnavailable, IsolatorError
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_GPUS = 0, 1, 2, 3, 4
+# sysexits.h's EX_CONFIG: a configuration error does not heal by itself, so it has its own code,
+# which the systemd unit lists in RestartPreventExitStatus (1 stays "a runtime failure: retry").
+EXIT_CONFIG = 78
+
+
+def exit_code_of(exc: IsolatorError) -> int:
+    """The exit code an error that stops a command (``serve`` above all) stands for."""
+    if isinstance(exc, GpusUnavailable):
+        return EXIT_NO_GPUS
+    if isinstance(exc, ConfigError):
+        return EXIT_CONFIG
+    return EXIT_ERROR
 
 
 class UsageError(Exception):
@@ -537,7 +550,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
         record = logging.LogRecord("isolator", logging.CRITICAL, __file__, 0, "%s", (exc.message,), None)
         print(JsonFormatter().format(record), file=sys.stderr)
-        return EXIT_NO_GPUS if isinstance(exc, GpusUnavailable) else EXIT_ERROR
+        return exit_code_of(exc)
 
 
 def _run_resources(args: argparse.Namespace) -> int:
@@ -682,12 +695,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as exc:  # a bug here must still be one line for the operator, not a traceback
             _fail(f"{args.command}: unexpected {type(exc).__name__}: {exc}")
             return EXIT_ERROR
-    except GpusUnavailable as exc:
-        print(f"gpu-isolator: {exc.message}", file=sys.stderr)
-        return EXIT_NO_GPUS
     except IsolatorError as exc:
         print(f"gpu-isolator: {exc.message}", file=sys.stderr)
-        return EXIT_ERROR
+        return exit_code_of(exc)
     except KeyboardInterrupt:
         return 130
     except UsageError as exc:

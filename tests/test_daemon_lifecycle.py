@@ -6,10 +6,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import uuid
 
 import pytest
 
-from isolator.cli.main import EXIT_CONFIG
+from isolator.cli.main import EXIT_CONFIG, EXIT_WORK_DIR_HELD
+from isolator.testing.cgroupfs import TEST_PARENT
+from isolator.testing.sidecar import Sidecar
 
 
 def _serve(work: str, *flags: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -49,3 +52,75 @@ def test_a_runtime_failure_is_not_a_config_error(short_tmp):
     open(taken, "w").close()
     result = _serve(short_tmp, "--resources", "gpus:0", "--socket", taken)
     assert result.returncode == 1, result.stderr
+
+
+def _sidecar(work: str, *extra: str) -> Sidecar:
+    root = f"{TEST_PARENT}/{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return Sidecar(work=work, host="single", cgroup_version="v1", cgroups_root=root, extra=extra)
+
+
+def _health(socket_path: str) -> int:
+    import grpc
+
+    from isolator.rpc import isolator_pb2 as pb
+    from isolator.rpc import isolator_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel("unix:" + socket_path) as channel:
+        return len(pb_grpc.AdminStub(channel).Health(pb.HealthRequest(), timeout=30).checks)
+
+
+@pytest.mark.root
+@pytest.mark.cgroup_v1
+def test_a_second_daemon_on_the_same_work_dir_refuses_naming_the_holder_and_a_killed_one_holds_nothing(short_tmp):
+    """Before issue 26 a second serve on the same --work-dir (another socket) started and served the
+    same SQLite state: two reapers, two auditors, GPUs booked under each other."""
+    first = _sidecar(short_tmp).start()
+    try:
+        assert first.proc is not None
+        other = os.path.join(short_tmp, "other.sock")
+        argv = [*first.argv(), "--socket", other]
+        second = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert second.returncode == EXIT_WORK_DIR_HELD, second.stderr
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in second.stderr, second.stderr
+        assert f"work directory '{short_tmp}'" in lines[0] and f"gpu-isolator pid {first.proc.pid} holds it" in lines[0]
+        assert not os.path.exists(other) and not os.path.exists(other + ".bridge")
+        assert _health(first.socket) > 0  # the first one goes on serving, its sockets untouched
+
+        first.kill()  # SIGKILL: the kernel drops the flock with the process, no stale lock
+        third = _sidecar(short_tmp).start()
+        try:
+            assert _health(third.socket) > 0
+        finally:
+            third.stop()
+    finally:
+        first.stop()
+
+
+@pytest.mark.root
+@pytest.mark.cgroup_v1
+def test_a_gpu_taken_under_the_sidecar_is_failed_precondition_naming_the_holder(short_tmp):
+    """Another writer of the state (here: the store opened beside the daemon) books the GPU the
+    allocator counts free. Before issue 26 Prepare said ALREADY_EXISTS, as if the caller had asked
+    for something that exists."""
+    from isolator.host.state import StateStore
+    from isolator.model import ContainerId, ContainerRecord
+    from isolator.testing.mesos import Containerizer, GrpcIsolator, HookFailed, container_id
+
+    sidecar = _sidecar(short_tmp).start()
+    try:
+        store = StateStore(os.path.join(short_tmp, "state"))
+        try:
+            store.record(ContainerRecord(ContainerId.from_chain(["x2"]), gpus=frozenset({0}), mode="standalone"))
+        finally:
+            store.close()
+        isolator = GrpcIsolator(sidecar.socket)
+        try:
+            with pytest.raises(HookFailed) as failed:
+                isolator.prepare(container_id("x1"), Containerizer(isolator, short_tmp).config(gpus=1, image=False))
+        finally:
+            isolator.close()
+        assert failed.value.code == "FAILED_PRECONDITION", failed.value
+        assert "GPU 0 for container x1: it is already held by x2" in failed.value.message
+    finally:
+        sidecar.stop()

@@ -2,7 +2,8 @@
 
 Exit codes: 0 ok, 1 error, 2 usage, 3 the sidecar cannot be reached (the message names the socket);
 ``serve`` exits 4 when the node's GPUs are unavailable (no usable NVML, fewer GPUs than configured);
-78 (EX_CONFIG) for a configuration error: a flag, a config file or a combination that cannot work.
+78 (EX_CONFIG) for a configuration error: a flag, a config file or a combination that cannot work;
+75 (EX_TEMPFAIL) when another live sidecar holds the work directory.
 Errors are one line on stderr, never a traceback.
 """
 
@@ -21,12 +22,15 @@ from typing import Any, NoReturn
 
 from isolator import __version__
 from isolator.daemon import config as configmod
-from isolator.errors import ConfigError, GpusUnavailable, IsolatorError
+from isolator.errors import ConfigError, GpusUnavailable, IsolatorError, WorkDirHeld
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_GPUS = 0, 1, 2, 3, 4
 # sysexits.h's EX_CONFIG: a configuration error does not heal by itself, so it has its own code,
 # which the systemd unit lists in RestartPreventExitStatus (1 stays "a runtime failure: retry").
 EXIT_CONFIG = 78
+# sysexits.h's EX_TEMPFAIL: another live sidecar holds the work directory; the conflict ends when it
+# stops, so systemd may retry (within the unit's start limit).
+EXIT_WORK_DIR_HELD = 75
 
 
 def exit_code_of(exc: IsolatorError) -> int:
@@ -35,6 +39,8 @@ def exit_code_of(exc: IsolatorError) -> int:
         return EXIT_NO_GPUS
     if isinstance(exc, ConfigError):
         return EXIT_CONFIG
+    if isinstance(exc, WorkDirHeld):
+        return EXIT_WORK_DIR_HELD
     return EXIT_ERROR
 
 

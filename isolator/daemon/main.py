@@ -337,9 +337,21 @@ def serve(config: Config) -> int:
     Mesos's cgroups has released containers destroyed while it was down; WATCHDOG=1 from this serving loop at half the
     watchdog interval, and STOPPING=1 when told to stop.
     """
-    from isolator.daemon.sdnotify import Notifier
+    from isolator.daemon.workdir import WorkDirLock
 
     configure_logging(config.log_level, config.log_format)
+    # First of all: one daemon per state directory (two would run two reapers and auditors over
+    # one SQLite state and book each other's GPUs). Held until this process ends.
+    lock = WorkDirLock.acquire(config.work_dir)
+    try:
+        return _serve(config)
+    finally:
+        lock.release()
+
+
+def _serve(config: Config) -> int:
+    from isolator.daemon.sdnotify import Notifier
+
     notifier = Notifier()
     notes: list[str] = []
     metrics = None

@@ -124,3 +124,60 @@ def test_a_gpu_taken_under_the_sidecar_is_failed_precondition_naming_the_holder(
         assert "GPU 0 for container x1: it is already held by x2" in failed.value.message
     finally:
         sidecar.stop()
+
+
+@pytest.mark.root
+@pytest.mark.cgroup_v1
+def test_the_running_version_is_in_the_start_up_log_health_and_gpus(short_tmp):
+    """Before issue 26 the running daemon's version was visible nowhere."""
+    import socket
+
+    import grpc
+
+    from isolator import __version__
+    from isolator.rpc import isolator_pb2 as pb
+    from isolator.rpc import isolator_pb2_grpc as pb_grpc
+
+    sidecar = _sidecar(short_tmp).start()
+    try:
+        with grpc.insecure_channel(sidecar.address) as channel:
+            admin = pb_grpc.AdminStub(channel)
+            health = admin.Health(pb.HealthRequest(), timeout=30)
+            gpus = admin.ListGpus(pb.ListGpusRequest(), timeout=30)
+        assert (health.version, health.mode, health.hostname) == (__version__, "standalone", socket.gethostname())
+        assert gpus.sidecar_version == __version__
+        expected = (
+            f"gpu-isolator {__version__} started on host {socket.gethostname()}: mode standalone,"
+            f" cgroup v1, 1 GPU(s) [0], work dir {short_tmp}"
+        )
+        assert expected in sidecar.log(), sidecar.log()
+    finally:
+        sidecar.stop()
+
+
+@pytest.mark.root
+@pytest.mark.cgroup_v1
+def test_a_restart_does_not_claim_to_create_cgroups_that_already_existed(short_tmp):
+    """Before issue 26 every restart logged "devices cgroup ... created with everything denied" for
+    each recorded container, whose cgroup existed and was not written."""
+    from isolator.testing.mesos import Containerizer, GrpcIsolator, container_id
+
+    sidecar = _sidecar(short_tmp).start()
+    try:
+        isolator = GrpcIsolator(sidecar.socket)
+        try:
+            isolator.prepare(container_id("kept"), Containerizer(isolator, short_tmp).config(gpus=1, image=False))
+        finally:
+            isolator.close()
+        assert sidecar.terminate() == 0
+        first = sidecar.log()
+        assert "container kept: devices cgroup" in first and "created with everything denied" in first
+        with open(sidecar.log_path) as fh:
+            offset = len(fh.read())
+        sidecar.start()
+        with open(sidecar.log_path) as fh:
+            second = fh.read()[offset:]
+        assert "serving on" in second, second
+        assert "created with everything denied" not in second and "now denies everything" not in second, second
+    finally:
+        sidecar.stop()

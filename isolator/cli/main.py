@@ -206,7 +206,8 @@ def _with_socket_check(data: dict[str, Any], path: str) -> dict[str, Any]:
         checks.append({"name": "socket", "ok": True, "detail": detail})
     except OSError as exc:
         checks.append({"name": "socket", "ok": False, "detail": f"'{path}': {exc.strerror}"})
-    return {"healthy": all(c.get("ok") for c in checks), "checks": checks}
+    about: dict[str, Any] = {k: data[k] for k in ("version", "mode", "hostname") if k in data}
+    return {"healthy": all(c.get("ok") for c in checks), "checks": checks, **about}
 
 
 def _name(lookup: Callable[[int], Any], ident: int) -> str:
@@ -354,6 +355,8 @@ def _gpu_rows(gpus: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _gpus_table(data: dict[str, Any]) -> str:
     header = f"Driver {data.get('driver_version') or 'N/A'}, CUDA {data.get('cuda_driver_version') or 'N/A'}"
+    if data.get("sidecar_version"):
+        header += f"; gpu-isolator {data['sidecar_version']}"
     if not data.get("gpus"):
         return header + "\nNo GPUs managed."
     table = _table(
@@ -501,7 +504,17 @@ def _volume_text(data: dict[str, Any]) -> str:
 def _health_table(data: dict[str, Any]) -> str:
     rows = [dict(c, state="ok" if c.get("ok") else "FAIL") for c in data.get("checks", [])]
     verdict = "healthy" if data.get("healthy") else "UNHEALTHY"
-    return f"Sidecar {verdict}\n" + _table(rows, [("name", "CHECK"), ("state", "STATE"), ("detail", "DETAIL")])
+    about = f"gpu-isolator {data['version']}" if data.get("version") else ""
+    if about and data.get("hostname"):
+        about += f" on {data['hostname']}"
+    if about and data.get("mode"):
+        about += f", {data['mode']} mode"
+    return (
+        f"Sidecar {verdict}"
+        + (f" ({about})" if about else "")
+        + "\n"
+        + _table(rows, [("name", "CHECK"), ("state", "STATE"), ("detail", "DETAIL")])
+    )
 
 
 def _topology_matrix(data: dict[str, Any]) -> str:

@@ -349,6 +349,22 @@ def serve(config: Config) -> int:
         lock.release()
 
 
+def startup_line(config: Config, core: Any) -> str:
+    """The one line that says which sidecar this is: version, host, mode, devices cgroup and GPUs."""
+    import socket
+
+    from isolator import __version__
+
+    gpus = sorted(core.gpus.values(), key=lambda g: g.index)
+    indices = ",".join(str(g.index) for g in gpus)
+    return (
+        f"gpu-isolator {__version__} started on host {socket.gethostname()}: mode {config.mode},"
+        f" cgroup {core.cgroups.version}, {len(gpus)} GPU(s)"
+        + (f" [{indices}]" if gpus else "")
+        + f", work dir {config.work_dir}"
+    )
+
+
 def _serve(config: Config) -> int:
     from isolator.daemon.sdnotify import Notifier
 
@@ -436,6 +452,7 @@ def _serve(config: Config) -> int:
         audit = (service.audit, stop, config.audit_interval, metrics.audited if metrics is not None else _ignore)
         threading.Thread(target=_audit_loop, args=audit, name="audit", daemon=True).start()
     serving = f"serving on {config.socket}"
+    LOG.info("%s", startup_line(config, core))
     notifier.ready(serving)
     nvml = _nvml_of(service)
     answering = True

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from isolator import model
+from isolator import __version__, model
 from isolator.bridge.listener import BridgeListener
 from isolator.core.api import IsolatorApi
 from isolator.daemon.config import Config
@@ -179,8 +179,9 @@ class IsolatorServicer(pb_grpc.IsolatorServicer):
 
 
 class AdminServicer(pb_grpc.AdminServicer):
-    def __init__(self, service: IsolatorApi, observer: Observer | None = None) -> None:
+    def __init__(self, service: IsolatorApi, observer: Observer | None = None, mode: str = "") -> None:
         self._service = service
+        self._mode = mode  # for Health: which mode the answering sidecar runs in
         self.observer = observer
 
     @_translate_errors
@@ -190,6 +191,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             driver_version=gpus.driver_version,
             cuda_driver_version=gpus.cuda_driver_version,
             gpus=[gpu_info_to_proto(g) for g in gpus.gpus],
+            sidecar_version=__version__,
         )
 
     @_translate_errors
@@ -217,7 +219,10 @@ class AdminServicer(pb_grpc.AdminServicer):
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
         checks = self._service.health()
         return pb.HealthResponse(
-            checks=[pb.HealthResponse.Check(name=c.name, ok=c.ok, detail=c.detail) for c in checks]
+            checks=[pb.HealthResponse.Check(name=c.name, ok=c.ok, detail=c.detail) for c in checks],
+            version=__version__,
+            mode=self._mode,
+            hostname=socket.gethostname(),
         )
 
     @_translate_errors
@@ -476,7 +481,7 @@ class SidecarServer:
                     serving.unary_handlers(
                         ADMIN_SERVICE,
                         pb.DESCRIPTOR.services_by_name["Admin"],
-                        AdminServicer(self.service, self.observer),
+                        AdminServicer(self.service, self.observer, self.config.mode),
                         dispatcher,
                         {},
                         self.observer,

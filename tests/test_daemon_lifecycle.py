@@ -181,3 +181,79 @@ def test_a_restart_does_not_claim_to_create_cgroups_that_already_existed(short_t
         assert "created with everything denied" not in second and "now denies everything" not in second, second
     finally:
         sidecar.stop()
+
+
+def _wait_for_log(sidecar: Sidecar, text: str, offset: int = 0, budget: float = 60) -> str:
+    """The log after ``offset`` once it holds ``text``; fails if the daemon exits or the budget runs out."""
+    import time
+
+    deadline = time.monotonic() + budget
+    while True:
+        with open(sidecar.log_path) as fh:
+            log = fh.read()[offset:]
+        if text in log:
+            return log
+        assert sidecar.proc is not None and sidecar.proc.poll() is None, f"the daemon exited: {log}"
+        assert time.monotonic() < deadline, f"no {text!r} in the log within {budget} s: {log}"
+        time.sleep(0.05)
+
+
+def _log_size(sidecar: Sidecar) -> int:
+    with open(sidecar.log_path) as fh:
+        return len(fh.read())
+
+
+@pytest.mark.root
+@pytest.mark.cgroup_v1
+def test_sighup_reloads_the_reloadable_settings_logs_the_rest_and_keeps_serving(short_tmp):
+    """Before issue 26 SIGHUP killed the daemon (exit 129, no log line, sockets left behind)."""
+    import signal
+
+    from test_security import NOBODY, call_as, nogroup
+
+    os.chmod(short_tmp, 0o755)  # nobody may reach the socket; the gate decides
+    config = os.path.join(short_tmp, "config.toml")
+    with open(config, "w") as fh:
+        fh.write('allowed_uids = [0]\nlog_level = "info"\n')
+    sidecar = _sidecar(short_tmp, "--config", config, "--socket-mode", "0660", "--socket-group", "nogroup")
+    sidecar.start()
+    try:
+        assert sidecar.proc is not None
+        assert call_as(NOBODY, nogroup(), sidecar.socket)["code"] == "PERMISSION_DENIED"
+
+        with open(config, "w") as fh:
+            fh.write(f'allowed_uids = [0, {NOBODY}]\nlog_level = "debug"\naudit_interval = 60\nmax_workers = 8\n')
+        offset = _log_size(sidecar)
+        sidecar.proc.send_signal(signal.SIGHUP)
+        log = _wait_for_log(sidecar, "SIGHUP: reloaded", offset)
+        log = _wait_for_log(sidecar, "cannot change while serving", offset)
+        for change in ("log_level info -> debug", "audit_interval 300 -> 60", f"allowed_uids 0 -> 0,{NOBODY}"):
+            assert change in log, log
+        assert "max_workers changed but cannot change while serving" in log, log
+        assert call_as(NOBODY, nogroup(), sidecar.socket)["code"] == "OK"  # the new allow-list holds
+
+        with open(config, "w") as fh:
+            fh.write("[[[\n")
+        offset = _log_size(sidecar)
+        sidecar.proc.send_signal(signal.SIGHUP)
+        log = _wait_for_log(sidecar, "SIGHUP: failed to reload", offset)
+        assert "failed to parse config file" in log and "keeping every current setting" in log, log
+        assert call_as(NOBODY, nogroup(), sidecar.socket)["code"] == "OK"  # still the last good settings
+        assert sidecar.terminate() == 0
+    finally:
+        sidecar.stop()
+
+
+def test_reload_difference_splits_what_can_change_while_serving_from_what_needs_a_restart():
+    from dataclasses import replace
+
+    from isolator.daemon.config import Config
+    from isolator.daemon.reload import RELOADABLE, difference
+
+    old = Config()
+    new = replace(old, log_level="debug", ignored_xids=(13,), mode="standalone", socket="/x", config_file="/c")
+    changed, restart = difference(old, new)
+    assert changed == {"log_level": ("info", "debug"), "ignored_xids": (old.ignored_xids, (13,))}
+    assert restart == ["mode", "socket"]  # config_file is where the settings come from, not one of them
+    assert set(RELOADABLE) <= {f for f in Config.__dataclass_fields__}
+    assert difference(old, replace(old)) == ({}, [])

@@ -285,3 +285,8 @@ def test_the_unit_does_not_restart_after_a_config_error_and_has_a_start_limit():
     # StartLimit* belong in [Unit] (systemd.unit(5)); in [Service] systemd ignores them.
     assert values.get("Unit.StartLimitIntervalSec") and values.get("Unit.StartLimitBurst")
     assert int(values["Unit.StartLimitBurst"][0]) >= 2
+
+
+def test_systemctl_reload_sends_sighup():
+    values = _unit_values(unit_text("/usr/bin/gpu-isolator", "/etc/gpu-isolator/config.toml"))
+    assert values["Service.ExecReload"] == ["/bin/kill -HUP $MAINPID"]

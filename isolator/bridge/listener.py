@@ -367,14 +367,18 @@ class BridgeListener:
         }
         self._taken = {"main": 0, "reserve": 0, "refusal": 0}
         self._per_uid: dict[tuple[str, int], int] = {}
-        self._allowed_uids = set(allowed_uids) | {os.geteuid()}
-        self._allowed_gids = set(allowed_gids)
+        self.set_allowed(allowed_uids, allowed_gids)
         self._io_timeout = io_timeout
         self._closing = threading.Event()
         self._idle = threading.Condition()
         self._in_flight = 0
         self._thread: threading.Thread | None = None
         self._warned = False
+
+    def set_allowed(self, allowed_uids: tuple[int, ...], allowed_gids: tuple[int, ...]) -> None:
+        """Who may call, checked per connection from the next one on (set again on SIGHUP)."""
+        self._allowed_uids = frozenset(allowed_uids) | {os.geteuid()}
+        self._allowed_gids = frozenset(allowed_gids)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._accept_loop, name="bridge-accept", daemon=True)

@@ -558,7 +558,8 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     config = configmod.resolve(args)
     try:
-        return daemon.serve(config)
+        # SIGHUP reads the same flags and file again (flags still win over the file).
+        return daemon.serve(config, reread=lambda: configmod.resolve(args))
     except IsolatorError as exc:
         if config.log_format != "json":
             raise

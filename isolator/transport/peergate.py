@@ -272,6 +272,11 @@ class PeerGate:
         for conn in live:
             conn.abort()
 
+    def set_allowlist(self, allowlist: Allowlist) -> None:
+        """Callers allowed from the next connection on (SIGHUP); connections already admitted keep
+        their verdict until they close, as a file descriptor keeps the permission it was opened with."""
+        self._allowlist = allowlist
+
     def connections(self) -> tuple[int, int]:
         """(allowed, denied) connections open now."""
         with self._lock:

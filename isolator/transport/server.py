@@ -514,6 +514,13 @@ class SidecarServer:
             self._dispatcher = None
         self._loop.close()
 
+    def set_allowed(self, uids: tuple[int, ...], gids: tuple[int, ...]) -> None:
+        """Who may call both sockets, from each one's next connection on (a reload on SIGHUP)."""
+        if self._gate is not None:
+            self._gate.set_allowlist(peergate.Allowlist.of(uids, gids))
+        if self._bridge is not None:
+            self._bridge.set_allowed(uids, gids)
+
     def set_serving(self, serving: bool) -> None:
         """The standard health service's answer for the whole server and the Isolator service
         (NOT_SERVING while no GPU can be handed out); Admin stays SERVING, to say why."""

@@ -79,8 +79,8 @@ class IsolatorService:
     def prepare(self, container_id: ContainerId, config: ContainerConfig) -> LaunchInfo | None:
         return self.hooks.prepare(container_id, config)
 
-    def isolate(self, container_id: ContainerId, pid: int) -> None:
-        self.hooks.isolate(container_id, pid)
+    def isolate(self, container_id: ContainerId, pid: int, caller: int | None = None) -> None:
+        self.hooks.isolate(container_id, pid, caller)
 
     def watch(self, container_id: ContainerId, timeout: float | None) -> Limitation | None:
         return self.hooks.watch(container_id, timeout)

@@ -37,7 +37,7 @@ class StubService:
     def prepare(self, container_id: ContainerId, config: ContainerConfig) -> LaunchInfo | None:
         raise Unimplemented(hook="Prepare")
 
-    def isolate(self, container_id: ContainerId, pid: int) -> None:
+    def isolate(self, container_id: ContainerId, pid: int, caller: int | None = None) -> None:
         raise Unimplemented(hook="Isolate")
 
     def watch(self, container_id: ContainerId, timeout: float | None) -> Limitation | None:

@@ -143,7 +143,8 @@ class IsolatorServicer(pb_grpc.IsolatorServicer):
 
     @_translate_errors
     def Isolate(self, request: pb.IsolateRequest, context: grpc.ServicerContext) -> pb.IsolateResponse:
-        self._service.isolate(container_id_from_proto(request.container_id), request.pid)
+        caller = peergate.caller_pid(context.peer())  # the gate's SO_PEERCRED: whose pid may be moved
+        self._service.isolate(container_id_from_proto(request.container_id), request.pid, caller)
         return pb.IsolateResponse()
 
     @_translate_errors

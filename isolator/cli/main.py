@@ -635,15 +635,46 @@ def _unit_word(word: str, command: bool = False) -> str:
     return word
 
 
-def unit_text(executable: str, config_path: str, read_only: Sequence[str] = ()) -> str:
+def docs_url() -> str:
+    """Where this installation's documentation is, as a ``file:`` URL for the unit's Documentation=:
+    the README beside the package (a clone, an editable install), else the wheel's metadata, which
+    carries the README as its long description. The project has no public URL."""
+    from importlib import metadata
+    from urllib.parse import quote
+
+    import isolator
+
+    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(isolator.__file__))), "README.md")
+    if not os.path.isfile(readme):
+        try:
+            found = metadata.distribution("gpu-isolator").locate_file("")
+            candidates = [p for p in (metadata.distribution("gpu-isolator").files or ()) if p.name == "METADATA"]
+            readme = str(candidates[0].locate()) if candidates else os.path.join(str(found), "README.md")
+        except metadata.PackageNotFoundError:
+            pass
+    return "file://" + quote(os.path.abspath(readme))
+
+
+def unit_text(executable: str, config_path: str, read_only: Sequence[str] = (), docs: str | None = None) -> str:
     """The shipped unit with its placeholders filled in; ``read_only``: directories the service
-    must read that its sandbox hides (``hidden_by_sandbox``)."""
+    must read that its sandbox hides (``hidden_by_sandbox``); ``docs``: the Documentation= URL
+    (default ``docs_url()``). Only the settings are filled in: comments stay as shipped."""
     from importlib.resources import files
 
     template = files("isolator").joinpath("data/gpu-isolator.service").read_text()
     exec_words = executable.split(" ") if executable.startswith(sys.executable + " ") else [executable]
-    text = template.replace("@EXEC@", " ".join(_unit_word(w, command=True) for w in exec_words))
-    text = text.replace("@CONFIG@", _unit_word(config_path, command=True))
+    fills = {
+        "@EXEC@": " ".join(_unit_word(w, command=True) for w in exec_words),
+        "@CONFIG@": _unit_word(config_path, command=True),
+        "@DOCS@": _unit_word(docs if docs is not None else docs_url()),
+    }
+    lines = template.splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        if not line.startswith(("#", ";")):
+            for placeholder, value in fills.items():
+                line = line.replace(placeholder, value)
+            lines[i] = line
+    text = "".join(lines)
     if read_only:
         lines = text.splitlines(keepends=True)
         at = next(i for i, line in enumerate(lines) if line.startswith("ProtectHome="))

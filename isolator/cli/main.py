@@ -647,9 +647,8 @@ def docs_url() -> str:
     readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(isolator.__file__))), "README.md")
     if not os.path.isfile(readme):
         try:
-            found = metadata.distribution("gpu-isolator").locate_file("")
-            candidates = [p for p in (metadata.distribution("gpu-isolator").files or ()) if p.name == "METADATA"]
-            readme = str(candidates[0].locate()) if candidates else os.path.join(str(found), "README.md")
+            files = metadata.distribution("gpu-isolator").files or ()
+            readme = next((str(f.locate()) for f in files if f.name == "METADATA"), readme)
         except metadata.PackageNotFoundError:
             pass
     return "file://" + quote(os.path.abspath(readme))

@@ -222,12 +222,21 @@ def test_sighup_reloads_the_reloadable_settings_logs_the_rest_and_keeps_serving(
         assert call_as(NOBODY, nogroup(), sidecar.socket)["code"] == "PERMISSION_DENIED"
 
         with open(config, "w") as fh:
-            fh.write(f'allowed_uids = [0, {NOBODY}]\nlog_level = "debug"\naudit_interval = 60\nmax_workers = 8\n')
+            # uids and gids change together: both reach the gate (the gid is one nobody does not have).
+            fh.write(
+                f'allowed_uids = [0, {NOBODY}]\nallowed_gids = [4242]\nlog_level = "debug"\naudit_interval = 60\n'
+                "max_workers = 8\n"
+            )
         offset = _log_size(sidecar)
         sidecar.proc.send_signal(signal.SIGHUP)
         log = _wait_for_log(sidecar, "SIGHUP: reloaded", offset)
         log = _wait_for_log(sidecar, "cannot change while serving", offset)
-        for change in ("log_level info -> debug", "audit_interval 300 -> 60", f"allowed_uids 0 -> 0,{NOBODY}"):
+        for change in (
+            "log_level info -> debug",
+            "audit_interval 300 -> 60",
+            f"allowed_uids 0 -> 0,{NOBODY}",
+            "allowed_gids none -> 4242",
+        ):
             assert change in log, log
         assert "max_workers changed but cannot change while serving" in log, log
         assert call_as(NOBODY, nogroup(), sidecar.socket)["code"] == "OK"  # the new allow-list holds

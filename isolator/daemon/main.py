@@ -375,13 +375,13 @@ class Reloader:
             LOG.error("SIGHUP: failed to reload: %s; keeping every current setting", exc.message)
             return False
         changed, restart = policy.difference(self.config, new)
-        for name, (_, value) in changed.items():
-            self._apply(name, value)
+        # The whole new state first: allowed uids and gids go to the gate together.
         self.config = replace(self.config, **{name: value for name, (_, value) in changed.items()})
+        for name in changed:
+            self._apply(name)
         if changed:
             what = "; ".join(
-                f"{name} {policy.describe(name, old)} -> {policy.describe(name, value)}"
-                for name, (old, value) in changed.items()
+                f"{name} {policy.describe(old)} -> {policy.describe(value)}" for name, (old, value) in changed.items()
             )
             LOG.warning("SIGHUP: reloaded %s: %s", source, what)
         else:
@@ -395,19 +395,18 @@ class Reloader:
             )
         return True
 
-    def _apply(self, name: str, value: Any) -> None:
+    def _apply(self, name: str) -> None:
+        config = self.config
         if name == "log_level":
-            logging.getLogger().setLevel(str(value).upper())
+            logging.getLogger().setLevel(config.log_level.upper())
         elif name == "audit_interval":
-            self._audit.start(float(value))
+            self._audit.start(config.audit_interval)
         elif name == "gpu_probe_interval" and self._nvml is not None:
-            self._nvml.probe_s = float(value)  # from the probe after the next
+            self._nvml.probe_s = config.gpu_probe_interval  # from the probe after the next
         elif name == "ignored_xids" and self._nvml is not None:
-            self._nvml.ignored_xids = frozenset(value)
+            self._nvml.ignored_xids = frozenset(config.ignored_xids)
         elif name in ("allowed_uids", "allowed_gids"):
-            uids = value if name == "allowed_uids" else self.config.allowed_uids
-            gids = value if name == "allowed_gids" else self.config.allowed_gids
-            self._server.set_allowed(uids, gids)
+            self._server.set_allowed(config.allowed_uids, config.allowed_gids)
 
 
 def _nvml_of(service: IsolatorService) -> Inventory | None:

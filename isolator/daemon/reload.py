@@ -31,7 +31,8 @@ def difference(old: Config, new: Config) -> tuple[dict[str, tuple[Any, Any]], li
     return reloadable, sorted(name for name in changed if name not in RELOADABLE)
 
 
-def describe(name: str, value: Any) -> str:
+def describe(value: Any) -> str:
+    """A setting's value as the reload log line shows it (lists comma-separated, ``none`` if empty)."""
     if isinstance(value, tuple):
         return ",".join(str(v) for v in value) or "none"
     return f"{value:g}" if isinstance(value, float) else str(value)

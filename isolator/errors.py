@@ -89,6 +89,15 @@ class GpusUnavailable(ConfigError):
     code = "FAILED_PRECONDITION"
 
 
+class WorkDirHeld(Unavailable):
+    """Another live process holds the work directory's lock: one sidecar per state directory."""
+
+    msg_fmt = (
+        "failed to lock work directory '{path}': {holder} holds it; one sidecar per state directory"
+        " (stop that one, or give this one another --work-dir)"
+    )
+
+
 class SocketError(IsolatorError):
     """The Unix socket cannot be created or is held by a live sidecar."""
 
@@ -222,10 +231,18 @@ class ContainerNotRecorded(NotFound):
     msg_fmt = "container {container} is not recorded"
 
 
-class GpuAlreadyHeld(AlreadyExists):
-    """The store refused to record a GPU twice: the last line of defence against double allocation."""
+class GpuAlreadyHeld(FailedPrecondition):
+    """The store refused to record a GPU twice: the last line of defence against double allocation.
 
-    msg_fmt = "failed to record GPU {gpu} for container {container}: it is already held by {holder}"
+    The allocator had the GPU free, so someone else wrote the state: the caller did not ask to
+    create something that exists (ALREADY_EXISTS), and retrying picks the same GPU again (so not
+    ABORTED) until the sidecar re-reads its state. FAILED_PRECONDITION, naming the holder
+    (docs/reliability.md, "One daemon per state directory")."""
+
+    msg_fmt = (
+        "failed to record GPU {gpu} for container {container}: it is already held by {holder}"
+        " in the state store, though this sidecar counted it free (another writer shares its state?)"
+    )
 
 
 # ---- Mapping foreign errors by code name ---------------------------------------------------------

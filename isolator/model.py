@@ -20,6 +20,9 @@ from isolator.errors import InvalidArgument, InvalidGpuCount
 # accepts is accepted here, and nothing that could escape a cgroup or state path is.
 NAME_MAX = 255
 MAX_NESTING = 32
+# Isolate's caller: a remote caller whose pid could not be told (no pid is 0). None means an
+# in-process call, which has no peer to check (docs/security.md, "Who can call").
+UNKNOWN_CALLER = 0
 
 
 @dataclass(frozen=True, order=True)

@@ -93,6 +93,7 @@ class RecordingService(StubService):
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[str, str, Any]] = []
+        self.callers: list[int | None] = []  # Isolate's caller pid as the server passed it
         self.prepared: set[str] = set()
         self.limitations: dict[str, Limitation] = {}
         self.timestamp = 1700000000.25
@@ -122,8 +123,9 @@ class RecordingService(StubService):
             ),
         )
 
-    def isolate(self, container_id: ContainerId, pid: int) -> None:
+    def isolate(self, container_id: ContainerId, pid: int, caller: int | None = None) -> None:
         self.calls.append(("isolate", str(container_id), pid))
+        self.callers.append(caller)
 
     def watch(self, container_id: ContainerId, timeout: float | None) -> Limitation | None:
         self.calls.append(("watch", str(container_id), timeout))
@@ -269,6 +271,8 @@ def test_isolate_passes_the_pid_given_as_a_number_or_a_numeric_string(bin_dir, s
     run = call(bin_dir, "isolate", {"container_id": {"value": "c1"}, "pid": pid, "container_config": {}})
     assert (run.returncode, run.out) == (0, "")
     assert service.calls == [("isolate", "c1", 4242)]
+    # The caller is the bridge executable: its pid (SO_PEERCRED), a child of this test, now gone.
+    assert len(service.callers) == 1 and service.callers[0] not in (None, 0, os.getpid())
 
 
 def test_cleanup_of_a_container_the_sidecar_never_knew_exits_0(bin_dir, service):

@@ -202,7 +202,7 @@ def test_cdi_generate_command_writes_the_file(short_tmp):
     with open(out) as fh:
         check_spec(json.load(fh))
     bad = subprocess.run([*cmd, "--cdi-kind", "nvidia"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 1 and "invalid CDI kind 'nvidia'" in bad.stderr and not bad.stdout
+    assert bad.returncode == 78 and "invalid CDI kind 'nvidia'" in bad.stderr and not bad.stdout
 
 
 @pytest.mark.root

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from hostexpect import topology_json
 
+from isolator import __version__
 from isolator.cli import main as cli
 from isolator.simhost.host import load_host
 from isolator.testing.mesos import Containerizer, GrpcIsolator, container_id
@@ -144,7 +145,7 @@ def test_gpus_table_is_aligned_with_holder_health_and_memory(world):
     assert rc == 0
     spec = load_host(HOST)
     cuda = f"{spec.cuda_driver_version // 1000}.{spec.cuda_driver_version % 1000 // 10}"
-    assert out.splitlines()[0] == f"Driver {spec.driver_version}, CUDA {cuda}"
+    assert out.splitlines()[0] == f"Driver {spec.driver_version}, CUDA {cuda}; gpu-isolator {__version__}"
     rows = _table(out, "INDEX")
     by_minor = {g["minor"]: g for g in _json(world.socket, "gpus")["gpus"]}
     assert [r["INDEX"] for r in rows] == [str(i) for i in range(8)]
@@ -388,7 +389,8 @@ def test_health_in_both_forms_checks_nvml_cgroups_state_consistency_and_socket(w
     assert checks["socket"]["detail"] == f"'{world.socket}' answers; srw------- root:root"
     rc, out, _ = _cli(world.socket, "health")
     rows = _table(out, "CHECK")
-    assert rc == 0 and out.startswith("Sidecar healthy")
+    assert rc == 0 and out.startswith(f"Sidecar healthy (gpu-isolator {__version__} on {socket.gethostname()}, ")
+    assert data["version"] == __version__ and data["mode"] == "standalone" and data["hostname"]
     assert [(r["CHECK"], r["STATE"]) for r in rows] == [(name, "ok") for name in checks]
 
 

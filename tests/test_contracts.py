@@ -453,6 +453,24 @@ def test_the_sidecars_own_pids_are_itself_and_its_ancestors() -> None:
     assert 1 in fake.sidecar_pids() and not fake.sidecar_pids() & {fake.spawn()}
 
 
+def test_ancestors_are_the_parent_chain_up_to_init_and_nothing_for_a_pid_that_is_gone() -> None:
+    fake = FakeProcesses()
+    child = fake.spawn(parent=fake.spawn(parent=601))
+    assert fake.ancestors(child)[1:] == (601, 600, 1) and fake.ancestors(fake.spawn()) == (1,)
+    fake.exit(child)
+    assert fake.ancestors(child) == ()
+
+    real = ProcProcesses()
+    proc = _sleeper()
+    try:
+        chain = real.ancestors(proc.pid)
+        assert chain[:2] == (os.getpid(), os.getppid()) and chain[-1] == 1
+    finally:
+        proc.kill()
+        proc.wait()
+    assert real.ancestors(proc.pid) == ()
+
+
 @pytest.mark.parametrize("kind", ["fake", "local"])
 def test_filesystem_makes_and_sees_directories(kind: str, tmp_path) -> None:
     fs: FakeFilesystem | LocalFilesystem = FakeFilesystem() if kind == "fake" else LocalFilesystem()

@@ -22,6 +22,7 @@ from isolator.errors import (
     InvalidGpuCount,
     NotFound,
     NvmlError,
+    PermissionDenied,
     StateError,
 )
 from isolator.host.system import EmptyInventory
@@ -675,6 +676,42 @@ def test_isolate_never_moves_a_process_of_a_foreign_cgroup_under_our_root(rig: R
     rig.cgroups.add_pid(cid("not-ours"), stranger)
     with pytest.raises(FailedPrecondition, match="not-ours"):
         rig.service.isolate(cid("a"), stranger)
+
+
+def test_isolate_refuses_a_process_that_is_not_the_callers(rig: Rig) -> None:
+    """Issue 26: a process someone placed in a cgroup of its own, outside our root, was moved."""
+    rig.service.prepare(cid("a"), gpus(1))
+    caller = rig.processes.spawn()
+    stranger = rig.processes.spawn()  # a child of pid 1: nobody's descendant
+    rig.cgroups.place(stranger, "/fake/cgroup/devices/elsewhere")
+    with pytest.raises(PermissionDenied, match=f"pid {stranger} .*'/fake/cgroup/devices/elsewhere'.* not the caller's"):
+        rig.service.isolate(cid("a"), stranger, caller)
+    assert rig.cgroups.pids(cid("a")) == () and rig.cgroups.cgroup_of(stranger) == "/fake/cgroup/devices/elsewhere"
+
+
+def test_isolate_moves_the_callers_own_descendant_or_a_process_of_its_cgroup(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), gpus(1))
+    caller = rig.processes.spawn()
+    rig.cgroups.place(caller, "/fake/cgroup/devices/agent.service")
+    grandchild = rig.processes.spawn(parent=rig.processes.spawn(parent=caller))
+    rig.cgroups.place(grandchild, "/fake/cgroup/devices/elsewhere")
+    rig.service.isolate(cid("a"), grandchild, caller)
+    sibling = rig.processes.spawn()  # the launcher's sibling, in the caller's cgroup
+    rig.cgroups.place(sibling, "/fake/cgroup/devices/agent.service")
+    rig.service.isolate(cid("a"), sibling, caller)
+    assert rig.cgroups.pids(cid("a")) == tuple(sorted((grandchild, sibling)))
+
+
+def test_isolate_by_an_unknown_remote_caller_moves_nothing_from_outside(rig: Rig) -> None:
+    from isolator.model import UNKNOWN_CALLER
+
+    rig.service.prepare(cid("a"), gpus(1))
+    pid = rig.processes.spawn()
+    with pytest.raises(PermissionDenied, match="the caller's own pid is unknown"):
+        rig.service.isolate(cid("a"), pid, UNKNOWN_CALLER)
+    rig.cgroups.add_pid(cid("a"), pid)  # already in the container: a retry, whoever asks
+    rig.service.isolate(cid("a"), pid, UNKNOWN_CALLER)
+    assert rig.cgroups.pids(cid("a")) == (pid,)
 
 
 def test_isolate_never_moves_the_sidecar_or_its_ancestors(rig: Rig) -> None:

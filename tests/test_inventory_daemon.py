@@ -176,6 +176,6 @@ def test_daemon_refuses_a_malformed_host_file_naming_line_and_reason(short_tmp):
     with open(bad, "w") as fh:
         fh.write(text)
     result = _cli("serve", "--socket", os.path.join(short_tmp, "s.sock"), "--work-dir", short_tmp, "--simulate", bad)
-    assert result.returncode == 1
+    assert result.returncode == 78  # EX_CONFIG: a host file is configuration
     assert f"failed to load host file '{bad}': line " in result.stderr
     assert "(gpu[1].nvlink): asymmetric link: GPU 1 has 1 lane(s) to GPU 5, but GPU 5 has 2 back" in result.stderr

@@ -230,12 +230,12 @@ def test_serve_refuses_a_bad_metrics_address_with_one_line(short_tmp):
     argv = [sys.executable, "-m", "isolator", "serve", "--socket", os.path.join(short_tmp, "s.sock")]
     argv += ["--work-dir", short_tmp, "--simulate", "single", "--metrics-address", "localhost:http"]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 1
+    assert result.returncode == 78  # EX_CONFIG
     assert "--metrics-address 'localhost:http'" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_calls_over_the_command_module_bridge_are_measured_and_mapped_too(short_tmp):
-    from isolator.bridge import install
+    from isolator.bridge.command import install
     from isolator.testing.mesos import BridgeIsolator
 
     path = os.path.join(short_tmp, "metrics.sock")

@@ -44,7 +44,7 @@ def test_the_installed_bridge_console_scripts_run():
     prepare = os.path.join(bindir, "gpu-isolator-prepare")
     assert os.access(prepare, os.X_OK), "reinstall the package (make install) to get the console scripts"
     result = subprocess.run([prepare, "--version"], capture_output=True, text=True, timeout=30)
-    assert result.returncode == 0 and result.stdout.startswith("gpu-isolator-bridge ")
+    assert result.returncode == 0 and result.stdout.startswith("gpu-isolator-prepare ")  # names itself (issue 26)
     wrong = subprocess.run([prepare, "only-one-argument"], capture_output=True, text=True, timeout=30)
     assert wrong.returncode == 2 and "usage: gpu-isolator-<method> IN OUT ERR" in wrong.stderr
 

@@ -230,21 +230,23 @@ def test_usage_errors_exit_2_with_one_line(argv, expected):
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-def test_serve_errors_exit_1_with_one_line(short_tmp):
+def test_serve_errors_exit_1_or_78_with_one_line(short_tmp):
+    """A runtime failure exits 1; a configuration error 78 (EX_CONFIG), which systemd does not retry."""
     bad = os.path.join(short_tmp, "bad.toml")
     with open(bad, "w") as fh:
         fh.write("[[[")
-    for argv, expected in [
-        (("serve", "--config", bad), "failed to parse config file"),
+    for argv, expected, code in [
+        (("serve", "--config", bad), "failed to parse config file", 78),
         # --work-dir: the machine's default state dir is not this test's to open (nor to create).
         (
             ("serve", "--resources", "gpus:0", "--work-dir", short_tmp, "--socket", "/proc/version/s.sock"),
             "is not a directory",
+            1,
         ),
-        (("serve", "--simulate", "x", "--nvml-library", "y"), "contradict"),
+        (("serve", "--simulate", "x", "--nvml-library", "y"), "contradict", 78),
     ]:
         result = _cli(*argv)
-        assert result.returncode == 1, (argv, result.stderr)
+        assert result.returncode == code, (argv, result.stderr)
         assert expected in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert "Traceback" not in result.stderr

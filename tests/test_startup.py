@@ -85,12 +85,13 @@ def test_version_on_the_daemon_and_the_bridge(argv):
 
 
 def test_installed_bridge_executables_answer_version_and_help(tmp_path):
-    from isolator.bridge import install
+    from isolator.bridge.command import install
 
     paths = install(str(tmp_path / "bin"))
     for path in paths:
         result = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
-        assert result.returncode == 0 and result.stdout == f"gpu-isolator-bridge {__version__}\n", result
+        # Each names itself: `gpu-isolator-prepare 0.1.0`, the launcher `gpu-isolator-bridge 0.1.0`.
+        assert result.returncode == 0 and result.stdout == f"{os.path.basename(path)} {__version__}\n", result
     helped = subprocess.run([paths[1], "--help"], capture_output=True, text=True, timeout=30)
     assert helped.returncode == 0
     assert "python -m isolator.bridge install" in helped.stdout and "modules.json" in helped.stdout
@@ -100,7 +101,7 @@ def test_installed_bridge_executables_answer_version_and_help(tmp_path):
     ("flags", "code", "expected"),
     [
         (("--nvml-library", "/nonexistent/libnvidia-ml.so.1"), 4, "no usable NVML"),
-        (("--simulate", "single", "--metrics-address", "localhost:http"), 1, "--metrics-address"),
+        (("--simulate", "single", "--metrics-address", "localhost:http"), 78, "--metrics-address"),
     ],
     ids=["no-nvml", "bad-metrics-address"],
 )

@@ -237,7 +237,11 @@ def main(argv: list[str] | None = None, socket_path: str | None = None, timeout:
     if argv[1:] == ["--version"]:
         from isolator import __version__  # the package's __init__: already imported by the launcher
 
-        sys.stdout.write(f"gpu-isolator-bridge {__version__}\n")
+        # As every tool: its own name (``gpu-isolator-prepare``, the symlink it was run as), then
+        # the version. Any other name (``__main__.py`` under ``python -m``) is the launcher's.
+        name = argv[0].rsplit("/", 1)[-1] if argv else ""
+        name = name if name.startswith("gpu-isolator-") and name.rsplit("-", 1)[-1] in METHODS else LAUNCHER
+        sys.stdout.write(f"{name} {__version__}\n")
         return EXIT_OK
     if argv[1:] in (["--help"], ["-h"]):
         sys.stdout.write(HELP)
@@ -287,7 +291,7 @@ LAUNCHER_TEMPLATE = """\
 import sys
 
 sys.path.append({package_root!r})
-from isolator.bridge import main
+from isolator.bridge.command import main
 
 sys.exit(main(socket_path={socket!r}, timeout={timeout!r}))
 """

@@ -44,6 +44,7 @@ from isolator.errors import (
     from_code,
 )
 from isolator.rpc import isolator_pb2 as pb
+from isolator.transport import peergate
 from isolator.transport.logcontext import hook_context
 
 LOG = logging.getLogger(__name__)
@@ -253,9 +254,15 @@ def error_reply(code: str, message: str) -> bytes:
 class _Context:
     """The part of grpc.ServicerContext the servicers use, for calls that arrive over the bridge."""
 
-    def __init__(self, method: str, timeout: float) -> None:
+    def __init__(self, method: str, timeout: float, peer: str = "") -> None:
         self._method = method
         self._deadline = time.monotonic() + timeout
+        self._peer = peer
+
+    def peer(self) -> str:
+        """The caller as the gRPC gate names it (isolator/transport/peergate.py), from this
+        connection's SO_PEERCRED: Isolate moves only the caller's processes."""
+        return self._peer
 
     def abort(self, code: grpc.StatusCode, details: str) -> None:
         # The servicer has already mapped its error to a status (isolator.transport.status.status_of).
@@ -283,8 +290,8 @@ def _container_hint(payload: bytes) -> str:
         return ""
 
 
-def handle(servicer: Servicer, data: bytes) -> bytes:
-    """One request's bytes -> the reply's bytes. Never raises."""
+def handle(servicer: Servicer, data: bytes, peer: str = "") -> bytes:
+    """One request's bytes -> the reply's bytes (``peer``: the caller, as ``_Context.peer``). Never raises."""
     method = "?"
     try:
         method, timeout, payload = parse_frame(data)
@@ -304,7 +311,7 @@ def handle(servicer: Servicer, data: bytes) -> bytes:
                     except Exception:
                         LOG.exception("observer of %s failed", call.rpc)
             return error_reply(exc.code, exc.message)
-        context = cast(grpc.ServicerContext, _Context(method, timeout))
+        context = cast(grpc.ServicerContext, _Context(method, timeout, peer))
         response = getattr(servicer, call.rpc)(request, context)
         return b"OK\n" + call.output(response)
     except IsolatorError as exc:
@@ -367,14 +374,18 @@ class BridgeListener:
         }
         self._taken = {"main": 0, "reserve": 0, "refusal": 0}
         self._per_uid: dict[tuple[str, int], int] = {}
-        self._allowed_uids = set(allowed_uids) | {os.geteuid()}
-        self._allowed_gids = set(allowed_gids)
+        self.set_allowed(allowed_uids, allowed_gids)
         self._io_timeout = io_timeout
         self._closing = threading.Event()
         self._idle = threading.Condition()
         self._in_flight = 0
         self._thread: threading.Thread | None = None
         self._warned = False
+
+    def set_allowed(self, allowed_uids: tuple[int, ...], allowed_gids: tuple[int, ...]) -> None:
+        """Who may call, checked per connection from the next one on (set again on SIGHUP)."""
+        self._allowed_uids = frozenset(allowed_uids) | {os.geteuid()}
+        self._allowed_gids = frozenset(allowed_gids)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._accept_loop, name="bridge-accept", daemon=True)
@@ -496,7 +507,8 @@ class BridgeListener:
                         )
                         reply = error_reply(busy.code, busy.message)
                     else:
-                        reply = handle(self._servicer, data)
+                        caller = peergate.peer_credentials(conn)
+                        reply = handle(self._servicer, data, "bridge:" + peergate.peer_name(caller, "bridge")[1:])
                     self._send(conn, reply, time.monotonic() + self._io_timeout)
                 except OSError as exc:
                     # The caller gave up (its deadline, SIGTERM from the module), or trickled its

@@ -283,11 +283,23 @@ class V1DeviceController:
             created = False
         except OSError as exc:
             raise CgroupError(op="create", path=cgroup, cause=exc.strerror or str(exc)) from exc
-        if created or any(r.type == "a" for r in self._read_list(cgroup)):
+        allowed_all = not created and any(r.type == "a" for r in self._read_list(cgroup))
+        if created or allowed_all:
             # Writing 'a' to devices.deny switches the cgroup to default-deny and drops every
             # exception (security/device_cgroup.c, DEVCG_DENY with DEVCG_DEV_ALL).
             self._write(cgroup, Write(False, DeviceRule("a", None, None, "rwm")))
-        LOG.info("container %s: devices cgroup '%s' created with everything denied", container, cgroup)
+        # Say what was done, and only that: a restart prepares every recorded container's existing
+        # cgroup again, and must not claim to have created or emptied it (issue 26).
+        if created:
+            LOG.info("container %s: devices cgroup '%s' created with everything denied", container, cgroup)
+        elif allowed_all:
+            LOG.warning(
+                "container %s: devices cgroup '%s' existed and allowed every device; now denies everything",
+                container,
+                cgroup,
+            )
+        else:
+            LOG.debug("container %s: devices cgroup '%s' exists with a whitelist; left as it is", container, cgroup)
 
     def apply(self, container: ContainerId, rules: Iterable[DeviceRule]) -> None:
         self.apply_path(self.cgroup_path(container), rules, str(container))

@@ -1,10 +1,13 @@
 """``gpu-isolator``: the daemon (``serve``) and the admin commands. The only module that prints.
 
 Exit codes: 0 ok, 1 error, 2 usage, 3 the sidecar cannot be reached (the message names the socket);
-``serve`` exits 4 when the node's GPUs are unavailable (no usable NVML, fewer GPUs than configured).
+``serve`` exits 4 when the node's GPUs are unavailable (no usable NVML, fewer GPUs than configured);
+78 (EX_CONFIG) for a configuration error: a flag, a config file or a combination that cannot work;
+75 (EX_TEMPFAIL) when another live sidecar holds the work directory.
+Errors are one line on stderr, never a traceback.
 ``audit`` follows diff(1): 0 no drift, 1 drift found and repaired, 2 and above trouble.
-Errors are one line on stderr, never a traceback. The admin commands' socket is ``--socket``, else
-``$GPU_ISOLATOR_SOCKET``, else the default (as kubectl's ``--kubeconfig`` over ``$KUBECONFIG``).
+The admin commands' socket is ``--socket``, else ``$GPU_ISOLATOR_SOCKET``, else the default (as
+kubectl's ``--kubeconfig`` over ``$KUBECONFIG``).
 """
 
 from __future__ import annotations
@@ -22,12 +25,29 @@ from typing import Any, NoReturn
 
 from isolator import __version__
 from isolator.daemon import config as configmod
-from isolator.errors import GpusUnavailable, IsolatorError
+from isolator.errors import ConfigError, GpusUnavailable, IsolatorError, WorkDirHeld
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_GPUS = 0, 1, 2, 3, 4
 # audit only, as diff(1): 1 says "drift was found (and repaired)", so an error answered is 2 there.
 EXIT_DRIFT = 1
 SOCKET_ENV = "GPU_ISOLATOR_SOCKET"
+# sysexits.h's EX_CONFIG: a configuration error does not heal by itself, so it has its own code,
+# which the systemd unit lists in RestartPreventExitStatus (1 stays "a runtime failure: retry").
+EXIT_CONFIG = 78
+# sysexits.h's EX_TEMPFAIL: another live sidecar holds the work directory; the conflict ends when it
+# stops, so systemd may retry (within the unit's start limit).
+EXIT_WORK_DIR_HELD = 75
+
+
+def exit_code_of(exc: IsolatorError) -> int:
+    """The exit code an error that stops a command (``serve`` above all) stands for."""
+    if isinstance(exc, GpusUnavailable):
+        return EXIT_NO_GPUS
+    if isinstance(exc, ConfigError):
+        return EXIT_CONFIG
+    if isinstance(exc, WorkDirHeld):
+        return EXIT_WORK_DIR_HELD
+    return EXIT_ERROR
 
 
 class UsageError(Exception):
@@ -209,7 +229,8 @@ def _with_socket_check(data: dict[str, Any], path: str) -> dict[str, Any]:
         checks.append({"name": "socket", "ok": True, "detail": detail})
     except OSError as exc:
         checks.append({"name": "socket", "ok": False, "detail": f"'{path}': {exc.strerror}"})
-    return {"healthy": all(c.get("ok") for c in checks), "checks": checks}
+    about: dict[str, Any] = {k: data[k] for k in ("version", "mode", "hostname") if k in data}
+    return {"healthy": all(c.get("ok") for c in checks), "checks": checks, **about}
 
 
 def _name(lookup: Callable[[int], Any], ident: int) -> str:
@@ -357,6 +378,8 @@ def _gpu_rows(gpus: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _gpus_table(data: dict[str, Any]) -> str:
     header = f"Driver {data.get('driver_version') or 'N/A'}, CUDA {data.get('cuda_driver_version') or 'N/A'}"
+    if data.get("sidecar_version"):
+        header += f"; gpu-isolator {data['sidecar_version']}"
     if not data.get("gpus"):
         return header + "\nNo GPUs managed."
     table = _table(
@@ -522,7 +545,17 @@ def _volume_text(data: dict[str, Any]) -> str:
 def _health_table(data: dict[str, Any]) -> str:
     rows = [dict(c, state="ok" if c.get("ok") else "FAIL") for c in data.get("checks", [])]
     verdict = "healthy" if data.get("healthy") else "UNHEALTHY"
-    return f"Sidecar {verdict}\n" + _table(rows, [("name", "CHECK"), ("state", "STATE"), ("detail", "DETAIL")])
+    about = f"gpu-isolator {data['version']}" if data.get("version") else ""
+    if about and data.get("hostname"):
+        about += f" on {data['hostname']}"
+    if about and data.get("mode"):
+        about += f", {data['mode']} mode"
+    return (
+        f"Sidecar {verdict}"
+        + (f" ({about})" if about else "")
+        + "\n"
+        + _table(rows, [("name", "CHECK"), ("state", "STATE"), ("detail", "DETAIL")])
+    )
 
 
 def _topology_matrix(data: dict[str, Any]) -> str:
@@ -566,7 +599,8 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     config = configmod.resolve(args)
     try:
-        return daemon.serve(config)
+        # SIGHUP reads the same flags and file again (flags still win over the file).
+        return daemon.serve(config, reread=lambda: configmod.resolve(args))
     except IsolatorError as exc:
         if config.log_format != "json":
             raise
@@ -577,7 +611,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
         record = logging.LogRecord("isolator", logging.CRITICAL, __file__, 0, "%s", (exc.message,), None)
         print(JsonFormatter().format(record), file=sys.stderr)
-        return EXIT_NO_GPUS if isinstance(exc, GpusUnavailable) else EXIT_ERROR
+        return exit_code_of(exc)
 
 
 def _run_resources(args: argparse.Namespace) -> int:
@@ -647,15 +681,45 @@ def _unit_word(word: str, command: bool = False) -> str:
     return word
 
 
-def unit_text(executable: str, config_path: str, read_only: Sequence[str] = ()) -> str:
+def docs_url() -> str:
+    """Where this installation's documentation is, as a ``file:`` URL for the unit's Documentation=:
+    the README beside the package (a clone, an editable install), else the wheel's metadata, which
+    carries the README as its long description. The project has no public URL."""
+    from importlib import metadata
+    from urllib.parse import quote
+
+    import isolator
+
+    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(isolator.__file__))), "README.md")
+    if not os.path.isfile(readme):
+        try:
+            files = metadata.distribution("gpu-isolator").files or ()
+            readme = next((str(f.locate()) for f in files if f.name == "METADATA"), readme)
+        except metadata.PackageNotFoundError:
+            pass
+    return "file://" + quote(os.path.abspath(readme))
+
+
+def unit_text(executable: str, config_path: str, read_only: Sequence[str] = (), docs: str | None = None) -> str:
     """The shipped unit with its placeholders filled in; ``read_only``: directories the service
-    must read that its sandbox hides (``hidden_by_sandbox``)."""
+    must read that its sandbox hides (``hidden_by_sandbox``); ``docs``: the Documentation= URL
+    (default ``docs_url()``). Only the settings are filled in: comments stay as shipped."""
     from importlib.resources import files
 
     template = files("isolator").joinpath("data/gpu-isolator.service").read_text()
     exec_words = executable.split(" ") if executable.startswith(sys.executable + " ") else [executable]
-    text = template.replace("@EXEC@", " ".join(_unit_word(w, command=True) for w in exec_words))
-    text = text.replace("@CONFIG@", _unit_word(config_path, command=True))
+    fills = {
+        "@EXEC@": " ".join(_unit_word(w, command=True) for w in exec_words),
+        "@CONFIG@": _unit_word(config_path, command=True),
+        "@DOCS@": _unit_word(docs if docs is not None else docs_url()),
+    }
+    lines = template.splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        if not line.startswith(("#", ";")):
+            for placeholder, value in fills.items():
+                line = line.replace(placeholder, value)
+            lines[i] = line
+    text = "".join(lines)
     if read_only:
         lines = text.splitlines(keepends=True)
         at = next(i for i, line in enumerate(lines) if line.startswith("ProtectHome="))
@@ -727,12 +791,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as exc:  # a bug here must still be one line for the operator, not a traceback
             _fail(f"{args.command}: unexpected {type(exc).__name__}: {exc}")
             return EXIT_ERROR
-    except GpusUnavailable as exc:
-        print(f"gpu-isolator: {exc.message}", file=sys.stderr)
-        return EXIT_NO_GPUS
     except IsolatorError as exc:
         print(f"gpu-isolator: {exc.message}", file=sys.stderr)
-        return EXIT_ERROR
+        return exit_code_of(exc)
     except KeyboardInterrupt:
         return 130
     except UsageError as exc:

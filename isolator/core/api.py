@@ -42,7 +42,9 @@ class IsolatorApi(Protocol):
     def prepare(self, container_id: ContainerId, config: ContainerConfig) -> LaunchInfo | None:
         raise Unimplemented(hook="Prepare")
 
-    def isolate(self, container_id: ContainerId, pid: int) -> None:
+    # ``caller``: the calling process's pid as the kernel gave it (SO_PEERCRED), UNKNOWN_CALLER
+    # when a remote caller's pid cannot be told, None for an in-process call (no peer to check).
+    def isolate(self, container_id: ContainerId, pid: int, caller: int | None = None) -> None:
         raise Unimplemented(hook="Isolate")
 
     def watch(self, container_id: ContainerId, timeout: float | None) -> Limitation | None:

@@ -22,9 +22,11 @@ from isolator.errors import (
     InvalidArgument,
     IsolatorError,
     NotFound,
+    PermissionDenied,
     from_code,
 )
 from isolator.model import (
+    UNKNOWN_CALLER,
     ContainerConfig,
     ContainerId,
     ContainerRecord,
@@ -331,7 +333,7 @@ class Hooks:
 
     # ---- isolate ----------------------------------------------------------------------------------
 
-    def isolate(self, container_id: ContainerId, pid: int) -> None:
+    def isolate(self, container_id: ContainerId, pid: int, caller: int | None = None) -> None:
         core = self.core
         if pid <= 1 or pid >= MAX_PID:
             raise InvalidArgument(f"pid {pid} is not a valid container pid")
@@ -343,7 +345,7 @@ class Hooks:
             rec = core.require(container_id.root)
             target = core.governing(container_id)
             if core.settings.mode == "standalone":
-                self._move(container_id, target, pid)
+                self._move(container_id, target, pid, caller)
                 crashpoint("isolate.placed")
             else:
                 self._wait_for_pid(target, pid)
@@ -352,12 +354,13 @@ class Hooks:
                 core.store.update(container_id, state="isolated")
         LOG.info("isolated pid %d in %s", pid, core.describe(container_id, rec.gpus))
 
-    def _move(self, cid: ContainerId, target: ContainerId, pid: int) -> None:
+    def _move(self, cid: ContainerId, target: ContainerId, pid: int, caller: int | None) -> None:
         """Standalone mode places the container's init itself. The pid rule: never the sidecar or an
         ancestor of it, never a process in another cgroup under our root (another container's, or
-        one we do not know); a process from outside our root, or already in this container, may be
-        moved. The process is held by a pidfd from the check to after the move, so the pid that was
-        written named the process that was checked (if it exited meanwhile, the move is refused)."""
+        one we do not know); a process already in this container may be moved; any other must be
+        the caller's (``_check_caller``). The process is held by a pidfd from the check to after the
+        move, so the pid that was written named the process that was checked (if it exited
+        meanwhile, the move is refused)."""
         core = self.core
         procs = core.edges.processes
         if pid in procs.sidecar_pids():
@@ -372,11 +375,14 @@ class Hooks:
             if where is None:
                 version = core.cgroups.version
                 raise FailedPrecondition(f"pid {pid} is gone, or its {version} devices cgroup cannot be read")
-            if _below(where, root) and not (where == own or _below(where, own)):
+            in_container = where == own or _below(where, own)
+            if _below(where, root) and not in_container:
                 raise FailedPrecondition(
                     f"pid {pid} is in the cgroup '{where}' under our root, not in container {cid}'s; "
                     "a process of another container or of a cgroup we do not know is never moved"
                 )
+            if not in_container and caller is not None:
+                self._check_caller(cid, pid, where, caller)
             core.cgroups.add_pid(target, pid)
             if not pinned.alive():
                 raise FailedPrecondition(
@@ -408,6 +414,28 @@ class Hooks:
                 core.cpusets.path(cid),
                 aff.cpu_list,
             )
+
+    def _check_caller(self, cid: ContainerId, pid: int, where: str, caller: int) -> None:
+        """A process from outside the container is moved only if it is the caller's: the caller
+        itself, one of its descendants, or a process in the caller's own cgroup (a launcher's
+        sibling, e.g. the container a Mesos launcher forked beside the bridge executable). Anything
+        else (a process someone placed in a cgroup of its own) is refused (issue 26)."""
+        core = self.core
+        if caller == UNKNOWN_CALLER:
+            raise PermissionDenied(
+                f"pid {pid} is not in container {cid}'s cgroup and the caller's own pid is unknown (a"
+                " connection that did not pass the socket's gate); only a caller's own processes are moved"
+            )
+        if pid == caller or caller in core.edges.processes.ancestors(pid):
+            return
+        mine = core.cgroups.cgroup_of(caller)
+        if mine is not None and mine == where:
+            return
+        raise PermissionDenied(
+            f"pid {pid} (cgroup '{where}') is not the caller's: neither the caller (pid {caller}, cgroup"
+            f" '{mine or 'unknown'}') nor one of its descendants, nor in its cgroup, nor in container {cid}'s"
+            " cgroup; a process of someone else is never moved into a container"
+        )
 
     def _wait_for_pid(self, cid: ContainerId, pid: int) -> None:
         clock = self.core.clock

@@ -243,6 +243,8 @@ class Processes(Protocol):
 
     def kernel_thread(self, pid: int) -> bool: ...  # kthreadd and its children (no cgroup of a container)
 
+    def ancestors(self, pid: int) -> tuple[int, ...]: ...  # parent, grandparent, ... up to pid 1; () when gone
+
 
 class Filesystem(Protocol):
     """The few filesystem questions the core asks about a container's rootfs."""

@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from types import FrameType
 from typing import TYPE_CHECKING, Any, cast
 
@@ -356,6 +357,93 @@ def _audit_loop(
             LOG.exception("periodic drift audit failed; retrying in %s s", interval)
 
 
+class AuditLoop:
+    """The periodic drift audit, restartable with another period (SIGHUP); 0 turns it off."""
+
+    def __init__(self, audit: Callable[[], AuditReport], audited: Callable[[int], None]) -> None:
+        self._audit = audit
+        self._audited = audited
+        self._cancel: threading.Event | None = None
+
+    def start(self, interval: float) -> None:
+        self.cancel()
+        if interval > 0:
+            cancel = self._cancel = threading.Event()
+            args = (self._audit, cancel, interval, self._audited)
+            threading.Thread(target=_audit_loop, args=args, name="audit", daemon=True).start()
+
+    def cancel(self) -> None:
+        """The running loop ends at its next wake-up (at once while it waits; after an audit in progress)."""
+        if self._cancel is not None:
+            self._cancel.set()
+            self._cancel = None
+
+
+class Reloader:
+    """SIGHUP: read the configuration again (same flags, same file) and take over what can change
+    while serving (isolator/daemon/reload.py); log what changed and what needs a restart. A file
+    that fails to load leaves every setting as it was."""
+
+    def __init__(
+        self,
+        config: Config,
+        read: Callable[[], Config],
+        server: SidecarServer,
+        nvml: Inventory | None,
+        audit: AuditLoop,
+    ) -> None:
+        self.config = config
+        self._read = read
+        self._server = server
+        self._nvml = nvml
+        self._audit = audit
+
+    def reload(self) -> bool:
+        """True when the file loaded (whether or not anything changed)."""
+        from isolator.daemon import reload as policy
+        from isolator.errors import IsolatorError
+
+        source = f"config file '{self.config.config_file}'" if self.config.config_file else "flags (no --config)"
+        try:
+            new = self._read()
+        except IsolatorError as exc:
+            LOG.error("SIGHUP: failed to reload: %s; keeping every current setting", exc.message)
+            return False
+        changed, restart = policy.difference(self.config, new)
+        # The whole new state first: allowed uids and gids go to the gate together.
+        self.config = replace(self.config, **{name: value for name, (_, value) in changed.items()})
+        for name in changed:
+            self._apply(name)
+        if changed:
+            what = "; ".join(
+                f"{name} {policy.describe(old)} -> {policy.describe(value)}" for name, (old, value) in changed.items()
+            )
+            LOG.warning("SIGHUP: reloaded %s: %s", source, what)
+        else:
+            LOG.info("SIGHUP: reloaded %s: no reloadable setting changed", source)
+        if restart:
+            LOG.warning(
+                "SIGHUP: %s changed but cannot change while serving; still running with the old values until a"
+                " restart (reloadable: %s)",
+                ", ".join(restart),
+                ", ".join(policy.RELOADABLE),
+            )
+        return True
+
+    def _apply(self, name: str) -> None:
+        config = self.config
+        if name == "log_level":
+            logging.getLogger().setLevel(config.log_level.upper())
+        elif name == "audit_interval":
+            self._audit.start(config.audit_interval)
+        elif name == "gpu_probe_interval" and self._nvml is not None:
+            self._nvml.probe_s = config.gpu_probe_interval  # from the probe after the next
+        elif name == "ignored_xids" and self._nvml is not None:
+            self._nvml.ignored_xids = frozenset(config.ignored_xids)
+        elif name in ("allowed_uids", "allowed_gids"):
+            self._server.set_allowed(config.allowed_uids, config.allowed_gids)
+
+
 def _nvml_of(service: IsolatorService) -> Inventory | None:
     """The service's NVML inventory, or None on a node without GPUs (``--resources gpus:0``)."""
     from isolator.host.system import EmptyInventory
@@ -364,7 +452,7 @@ def _nvml_of(service: IsolatorService) -> Inventory | None:
     return None if isinstance(inventory, EmptyInventory) else cast("Inventory", inventory)
 
 
-def serve(config: Config) -> int:
+def serve(config: Config, reread: Callable[[], Config] | None = None) -> int:
     """Run the sidecar until SIGTERM or SIGINT. Raises IsolatorError if it cannot start.
 
     Under systemd (``Type=notify``) it sends READY=1 once the state is restored (every recorded
@@ -373,10 +461,43 @@ def serve(config: Config) -> int:
     watchdog interval, and STOPPING=1 when told to stop.
     """
     from isolator.daemon.crashpoints import arm_from_environment
-    from isolator.daemon.sdnotify import Notifier
+    from isolator.daemon.workdir import WorkDirLock
 
     arm_from_environment()
+
+    # SIGHUP from the first moment: its default action kills the daemon (exit 129) and leaves its
+    # sockets and lock files behind. Before serving it is remembered, then handled as a reload.
+    hup = threading.Event()
+    signal.signal(signal.SIGHUP, lambda _signum, _frame: hup.set())
     configure_logging(config.log_level, config.log_format)
+    # First of all: one daemon per state directory (two would run two reapers and auditors over
+    # one SQLite state and book each other's GPUs). Held until this process ends.
+    lock = WorkDirLock.acquire(config.work_dir)
+    try:
+        return _serve(config, hup, reread or (lambda: config))
+    finally:
+        lock.release()
+
+
+def startup_line(config: Config, core: Any) -> str:
+    """The one line that says which sidecar this is: version, host, mode, devices cgroup and GPUs."""
+    import socket
+
+    from isolator import __version__
+
+    gpus = sorted(core.gpus.values(), key=lambda g: g.index)
+    indices = ",".join(str(g.index) for g in gpus)
+    return (
+        f"gpu-isolator {__version__} started on host {socket.gethostname()}: mode {config.mode},"
+        f" cgroup {core.cgroups.version}, {len(gpus)} GPU(s)"
+        + (f" [{indices}]" if gpus else "")
+        + f", work dir {config.work_dir}"
+    )
+
+
+def _serve(config: Config, hup: threading.Event, reread: Callable[[], Config]) -> int:
+    from isolator.daemon.sdnotify import Notifier
+
     notifier = Notifier()
     notes: list[str] = []
     metrics = None
@@ -457,12 +578,13 @@ def serve(config: Config) -> int:
             reaped(len(service.reap_vanished()))
         except Exception:
             LOG.exception("the first reconciliation failed; the reaper retries in %s s", config.reap_interval)
-    if config.audit_interval > 0:
-        audit = (service.audit, stop, config.audit_interval, metrics.audited if metrics is not None else _ignore)
-        threading.Thread(target=_audit_loop, args=audit, name="audit", daemon=True).start()
+    audit = AuditLoop(service.audit, metrics.audited if metrics is not None else _ignore)
+    audit.start(config.audit_interval)
     serving = f"serving on {config.socket}"
+    LOG.info("%s", startup_line(config, core))
     notifier.ready(serving)
     nvml = _nvml_of(service)
+    reloader = Reloader(config, reread, server, nvml, audit)
     answering = True
     rescans = nvml.rescans if nvml is not None else 0
     tick = 0.5 if notifier.watchdog_s is None else min(0.5, notifier.watchdog_s / 2)
@@ -471,6 +593,9 @@ def serve(config: Config) -> int:
     while not stop.wait(tick):
         if notifier.watchdog_s is not None:
             notifier.watchdog()
+        if hup.is_set():
+            hup.clear()
+            reloader.reload()
         if nvml is not None and nvml.nvml_answering != answering:
             # Health that follows NVML: grpc_health_probe says NOT_SERVING while no GPU can be handed out.
             answering = not answering
@@ -491,6 +616,7 @@ def serve(config: Config) -> int:
             if keeper is not None:
                 keeper.update()  # logs its own failures
     notifier.stopping()
+    audit.cancel()
     for stop_extra in extras:
         stop_extra()
     server.stop()

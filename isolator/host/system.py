@@ -59,6 +59,20 @@ class ProcProcesses:
             return False
         return bool(flags & PF_KTHREAD)
 
+    def ancestors(self, pid: int) -> tuple[int, ...]:
+        """The parent chain of ``pid`` (``ps -o ppid`` repeated) up to pid 1; () when it is gone."""
+        out: list[int] = []
+        while pid > 1 and len(out) < 4096:
+            try:
+                with open(os.path.join(self.proc_root, str(pid), "stat")) as fh:
+                    pid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                break
+            if pid <= 0 or pid in out:
+                break
+            out.append(pid)
+        return tuple(out)
+
     def sidecar_pids(self) -> frozenset[int]:
         out = set()
         pid = os.getpid()

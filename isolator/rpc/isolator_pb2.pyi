@@ -463,14 +463,16 @@ class ListGpusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListGpusResponse(_message.Message):
-    __slots__ = ("driver_version", "cuda_driver_version", "gpus")
+    __slots__ = ("driver_version", "cuda_driver_version", "gpus", "sidecar_version")
     DRIVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     CUDA_DRIVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
+    SIDECAR_VERSION_FIELD_NUMBER: _ClassVar[int]
     driver_version: str
     cuda_driver_version: str
     gpus: _containers.RepeatedCompositeFieldContainer[GpuInfo]
-    def __init__(self, driver_version: _Optional[str] = ..., cuda_driver_version: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ...) -> None: ...
+    sidecar_version: str
+    def __init__(self, driver_version: _Optional[str] = ..., cuda_driver_version: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., sidecar_version: _Optional[str] = ...) -> None: ...
 
 class TopologyRequest(_message.Message):
     __slots__ = ()
@@ -602,7 +604,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("checks",)
+    __slots__ = ("checks", "version", "mode", "hostname")
     class Check(_message.Message):
         __slots__ = ("name", "ok", "detail")
         NAME_FIELD_NUMBER: _ClassVar[int]
@@ -613,8 +615,14 @@ class HealthResponse(_message.Message):
         detail: str
         def __init__(self, name: _Optional[str] = ..., ok: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
     CHECKS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     checks: _containers.RepeatedCompositeFieldContainer[HealthResponse.Check]
-    def __init__(self, checks: _Optional[_Iterable[_Union[HealthResponse.Check, _Mapping]]] = ...) -> None: ...
+    version: str
+    mode: str
+    hostname: str
+    def __init__(self, checks: _Optional[_Iterable[_Union[HealthResponse.Check, _Mapping]]] = ..., version: _Optional[str] = ..., mode: _Optional[str] = ..., hostname: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("container_id", "force")

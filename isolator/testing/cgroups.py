@@ -36,6 +36,7 @@ class FakeCgroups:
         self._lock = threading.Lock()
         self.cgroups: dict[ContainerId, tuple[DeviceRule, ...] | None] = {}  # None: exists, no rules of ours
         self.members: dict[int, ContainerId] = {}  # pid -> the cgroup it is in
+        self.outside: dict[int, str] = {}  # pid -> a cgroup outside our root (``place``)
         self.applied: list[tuple[ContainerId, tuple[DeviceRule, ...]]] = []  # every successful apply
         # v1: the list of each ``<parent>/mesos`` cgroup between a container and its nested ones; the
         # kernel copies the parent's list into it when it is made, and a grant below may never exceed it.
@@ -210,14 +211,23 @@ class FakeCgroups:
             if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
                 raise CgroupError(op="write", path=self.cgroup_path(container), cause=f"{pid!r} is not a process id")
             self.members[pid] = container
+            self.outside.pop(pid, None)
 
     def root_path(self) -> str:
         return self.root
 
+    def place(self, pid: int, cgroup: str) -> None:
+        """Put ``pid`` in a cgroup outside our root, as another program would (default: user.slice)."""
+        with self._lock:
+            self.members.pop(pid, None)
+            self.outside[pid] = cgroup
+
     def cgroup_of(self, pid: int) -> str | None:
         with self._lock:
             where = self.members.get(pid)
-        return self.cgroup_path(where) if where is not None else "/fake/cgroup/devices/user.slice"
+            if where is None:
+                return self.outside.get(pid, "/fake/cgroup/devices/user.slice")
+        return self.cgroup_path(where)
 
     def pids(self, container: ContainerId) -> tuple[int, ...]:
         self.faults.check("pids", container)

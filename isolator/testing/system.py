@@ -31,6 +31,7 @@ class FakeProcesses:
         self.own: set[int] = {1, 600, 601}
         self.kernel: set[int] = {2}  # kthreadd
         self.alive: set[int] = self.own | self.kernel
+        self.parents: dict[int, int] = {601: 600, 600: 1}
 
     def pin(self, pid: int) -> _Pinned | None:
         return _Pinned(self, pid) if self.exists(pid) else None
@@ -42,12 +43,24 @@ class FakeProcesses:
         with self._lock:
             return pid in self.kernel and pid in self.alive
 
-    def spawn(self) -> int:
+    def spawn(self, parent: int = 1) -> int:
+        """A new process, child of ``parent`` (pid 1 by default: nobody's descendant)."""
         with self._lock:
             pid = self._next
             self._next += 1
             self.alive.add(pid)
+            self.parents[pid] = parent
             return pid
+
+    def ancestors(self, pid: int) -> tuple[int, ...]:
+        with self._lock:
+            if pid not in self.alive:
+                return ()
+            out: list[int] = []
+            while pid in self.parents and pid != 1:
+                pid = self.parents[pid]
+                out.append(pid)
+            return tuple(out)
 
     def exit(self, pid: int) -> None:
         with self._lock:

@@ -141,15 +141,35 @@ def busy_message(uid: int, why: str) -> str:
     return "the sidecar holds --max-connections connections; retry shortly"
 
 
+PEER_PREFIX = "gpu-isolator-peer/"
+
+
+def peer_name(cred: PeerCredentials, serial: str, why: str = "") -> str:
+    """The abstract address the gate binds its side of each connection to, so that the server it
+    splices to learns the caller from ``context.peer()``: NUL + "gpu-isolator-peer/<uid>/<gid>/<n>/<pid>[/<why>]";
+    gRPC reports it as "unix-abstract:gpu-isolator-peer/...". Only the gate (root, in the private
+    0700 directory) connects there, so the name is the gate's word, not the caller's."""
+    return f"\0{PEER_PREFIX}{cred.uid}/{cred.gid}/{serial}/{cred.pid}" + (f"/{why}" if why else "")
+
+
 def _credentials_from_peer(peer: str) -> tuple[int, int, str]:
-    # The gate binds its side of a refused connection to "\0gpu-isolator-peer/<uid>/<gid>/<n>[/<why>]";
-    # gRPC reports it as "unix-abstract:gpu-isolator-peer/<uid>/<gid>/<n>[/<why>]".
     try:
-        _, _, rest = peer.partition("gpu-isolator-peer/")
-        uid, gid, _n, *why = rest.split("/")
+        _, _, rest = peer.partition(PEER_PREFIX)
+        uid, gid, _n, _pid, *why = rest.split("/")
         return int(uid), int(gid), why[0] if why else ""
     except ValueError:
         return -1, -1, ""
+
+
+def caller_pid(peer: str) -> int:
+    """The calling process's pid (SO_PEERCRED at connect) from a peer the gate named; 0 (the
+    model's UNKNOWN_CALLER) for any other peer, e.g. a connection made straight to the private socket."""
+    if PEER_PREFIX not in peer:
+        return 0
+    try:
+        return int(peer.partition(PEER_PREFIX)[2].split("/")[3])
+    except (IndexError, ValueError):
+        return 0
 
 
 def deny_server(path: str) -> grpc.Server:
@@ -272,6 +292,11 @@ class PeerGate:
         for conn in live:
             conn.abort()
 
+    def set_allowlist(self, allowlist: Allowlist) -> None:
+        """Callers allowed from the next connection on (SIGHUP); connections already admitted keep
+        their verdict until they close, as a file descriptor keeps the permission it was opened with."""
+        self._allowlist = allowlist
+
     def connections(self) -> tuple[int, int]:
         """(allowed, denied) connections open now."""
         with self._lock:
@@ -316,9 +341,8 @@ class PeerGate:
             return
         upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
-            if kind != "allowed":
-                suffix = f"/{why}" if why else ""
-                upstream.bind(f"\0gpu-isolator-peer/{cred.uid}/{cred.gid}/{os.getpid()}.{next(self._serial)}{suffix}")
+            # Every connection, allowed ones too: Isolate needs the caller's pid (docs/security.md).
+            upstream.bind(peer_name(cred, f"{os.getpid()}.{next(self._serial)}", why if kind != "allowed" else ""))
             upstream.connect(self._allowed_path if kind == "allowed" else self._denied_path)
         except OSError:
             upstream.close()

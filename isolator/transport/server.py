@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from isolator import model
+from isolator import __version__, model
 from isolator.bridge.listener import BridgeListener
 from isolator.core.api import IsolatorApi
 from isolator.daemon.config import Config
@@ -143,7 +143,8 @@ class IsolatorServicer(pb_grpc.IsolatorServicer):
 
     @_translate_errors
     def Isolate(self, request: pb.IsolateRequest, context: grpc.ServicerContext) -> pb.IsolateResponse:
-        self._service.isolate(container_id_from_proto(request.container_id), request.pid)
+        caller = peergate.caller_pid(context.peer())  # the gate's SO_PEERCRED: whose pid may be moved
+        self._service.isolate(container_id_from_proto(request.container_id), request.pid, caller)
         return pb.IsolateResponse()
 
     @_translate_errors
@@ -179,8 +180,9 @@ class IsolatorServicer(pb_grpc.IsolatorServicer):
 
 
 class AdminServicer(pb_grpc.AdminServicer):
-    def __init__(self, service: IsolatorApi, observer: Observer | None = None) -> None:
+    def __init__(self, service: IsolatorApi, observer: Observer | None = None, mode: str = "") -> None:
         self._service = service
+        self._mode = mode  # for Health: which mode the answering sidecar runs in
         self.observer = observer
 
     @_translate_errors
@@ -190,6 +192,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             driver_version=gpus.driver_version,
             cuda_driver_version=gpus.cuda_driver_version,
             gpus=[gpu_info_to_proto(g) for g in gpus.gpus],
+            sidecar_version=__version__,
         )
 
     @_translate_errors
@@ -217,7 +220,10 @@ class AdminServicer(pb_grpc.AdminServicer):
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
         checks = self._service.health()
         return pb.HealthResponse(
-            checks=[pb.HealthResponse.Check(name=c.name, ok=c.ok, detail=c.detail) for c in checks]
+            checks=[pb.HealthResponse.Check(name=c.name, ok=c.ok, detail=c.detail) for c in checks],
+            version=__version__,
+            mode=self._mode,
+            hostname=socket.gethostname(),
         )
 
     @_translate_errors
@@ -476,7 +482,7 @@ class SidecarServer:
                     serving.unary_handlers(
                         ADMIN_SERVICE,
                         pb.DESCRIPTOR.services_by_name["Admin"],
-                        AdminServicer(self.service, self.observer),
+                        AdminServicer(self.service, self.observer, self.config.mode),
                         dispatcher,
                         {},
                         self.observer,
@@ -508,6 +514,13 @@ class SidecarServer:
             dispatcher.shutdown()
             self._dispatcher = None
         self._loop.close()
+
+    def set_allowed(self, uids: tuple[int, ...], gids: tuple[int, ...]) -> None:
+        """Who may call both sockets, from each one's next connection on (a reload on SIGHUP)."""
+        if self._gate is not None:
+            self._gate.set_allowlist(peergate.Allowlist.of(uids, gids))
+        if self._bridge is not None:
+            self._bridge.set_allowed(uids, gids)
 
     def set_serving(self, serving: bool) -> None:
         """The standard health service's answer for the whole server and the Isolator service

@@ -1,0 +1,38 @@
+"""What a SIGHUP may change: the settings the running daemon can take over without a restart, and
+the difference between the configuration it runs with and the one it re-read. Pure: applying the
+change is the composition root's (isolator/daemon/main.py)."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from isolator.daemon.config import Config
+
+# Each is read afresh where it is used, so a new value takes effect at once or at the next pass:
+# the log level (the root logger's), the audit period (the audit loop is restarted), the GPU probe
+# period and the ignored XIDs (read by the health watch on each probe and event), the allow-lists
+# (checked per new connection by the gate and the bridge). Everything else is wired into objects
+# built once at start (sockets, cgroup hierarchy and mode, state and volume paths, the NVML
+# library, GPU selection, server bounds, the log format, the metrics and job-mapping exporters,
+# the reaper's and the CDI keeper's period), so a change there needs a restart.
+RELOADABLE = ("log_level", "audit_interval", "gpu_probe_interval", "ignored_xids", "allowed_uids", "allowed_gids")
+_NOT_SETTINGS = ("config_file", "extra")
+
+
+def difference(old: Config, new: Config) -> tuple[dict[str, tuple[Any, Any]], list[str]]:
+    """(reloadable settings that changed, as name -> (old, new); names of other settings that changed)."""
+    changed = {
+        f.name: (getattr(old, f.name), getattr(new, f.name))
+        for f in fields(Config)
+        if f.name not in _NOT_SETTINGS and getattr(old, f.name) != getattr(new, f.name)
+    }
+    reloadable = {name: values for name, values in changed.items() if name in RELOADABLE}
+    return reloadable, sorted(name for name in changed if name not in RELOADABLE)
+
+
+def describe(value: Any) -> str:
+    """A setting's value as the reload log line shows it (lists comma-separated, ``none`` if empty)."""
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value) or "none"
+    return f"{value:g}" if isinstance(value, float) else str(value)

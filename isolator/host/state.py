@@ -32,14 +32,14 @@ from isolator.errors import (
     StateReadOnly,
     StateStorageFull,
 )
-from isolator.model import ContainerId, ContainerRecord
+from isolator.model import ContainerId, ContainerRecord, DrainRecord
 
 LOG = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 DB_FILE = "allocations.sqlite3"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 STATES = ("prepared", "isolated", "orphan")
 CGROUP_VERSIONS = (1, 2)
 
@@ -85,6 +85,19 @@ BEGIN SELECT RAISE(ABORT, 'mig-conflict: GPU has MIG devices held'); END;
 CREATE TRIGGER mig_not_while_whole_gpu_held BEFORE INSERT ON mig_allocation
 WHEN EXISTS (SELECT 1 FROM allocation WHERE minor = NEW.parent_minor)
 BEGIN SELECT RAISE(ABORT, 'mig-conflict: parent GPU is held whole'); END;
+"""
+# Version 3: GPUs kept out by the handover check (docs/handover.md), so a restart keeps them out
+# and keeps their drain clock. Not tied to a container: the container is gone when a GPU drains.
+_SCHEMA_V3 = """
+CREATE TABLE drain (
+    minor       INTEGER PRIMARY KEY CHECK (minor >= 0),
+    since       REAL NOT NULL,
+    since_mono  REAL NOT NULL,
+    reason      TEXT NOT NULL,
+    pids        TEXT NOT NULL,  -- JSON list
+    memory_used INTEGER NOT NULL,
+    timed_out   INTEGER NOT NULL CHECK (timed_out IN (0, 1))
+) WITHOUT ROWID;
 """
 
 
@@ -148,7 +161,7 @@ class StateStore:
         version = self._db.execute("PRAGMA user_version").fetchone()[0]
         if version == SCHEMA_VERSION:
             return
-        if version not in (0, 1):
+        if version not in (0, 1, 2):
             raise StateCorrupt(
                 op="open", path=self.path, cause=f"schema version {version}; this sidecar knows {SCHEMA_VERSION}"
             )
@@ -158,7 +171,10 @@ class StateStore:
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
                         self._db.execute(statement)
-            for statement in _split_sql(_SCHEMA_V2):
+            if version < 2:
+                for statement in _split_sql(_SCHEMA_V2):
+                    self._db.execute(statement)
+            for statement in _split_sql(_SCHEMA_V3):
                 self._db.execute(statement)
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             self._db.execute("COMMIT")
@@ -253,7 +269,40 @@ class StateStore:
 
         return self._write("remove container", write)
 
+    def set_drain(self, rec: DrainRecord) -> None:
+        """Record (or replace) GPU ``rec.minor``'s drain row."""
+        if isinstance(rec.minor, bool) or not isinstance(rec.minor, int) or rec.minor < 0:
+            raise InvalidArgument(f"GPU minor {rec.minor!r} is not a non-negative integer")
+        row = (
+            rec.minor,
+            rec.since,
+            rec.since_mono,
+            rec.reason,
+            json.dumps(list(rec.pids)),
+            rec.memory_used,
+            int(rec.timed_out),
+        )
+
+        def write(db: sqlite3.Connection) -> None:
+            db.execute("INSERT OR REPLACE INTO drain VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+
+        self._write("record drain", write)
+
+    def clear_drain(self, minor: int) -> None:
+        def write(db: sqlite3.Connection) -> None:
+            db.execute("DELETE FROM drain WHERE minor = ?", (minor,))
+
+        self._write("clear drain", write)
+
     # ---- reads ----------------------------------------------------------------------------------
+
+    def drains(self) -> dict[int, DrainRecord]:
+        with self._reading("read drains") as db:
+            rows = db.execute("SELECT minor, since, since_mono, reason, pids, memory_used, timed_out FROM drain")
+            return {
+                m: DrainRecord(m, since, mono, reason, tuple(json.loads(pids)), used, bool(timed_out))
+                for m, since, mono, reason, pids, used, timed_out in rows
+            }
 
     def mig_holders(self) -> dict[str, tuple[ContainerId, int]]:
         """MIG UUID -> (the container that holds it, its parent GPU's minor)."""

@@ -29,6 +29,7 @@ CORE_TESTS = (
     "test_core_concurrency.py",
     "test_core_mig.py",
     "test_core_volume_users.py",
+    "test_core_handover.py",
 )
 CONTRACT_TESTS = ("test_contracts.py",)
 

@@ -25,6 +25,7 @@ from isolator.model import (
     Released,
     Resource,
     TopologyView,
+    Undrained,
     Usage,
     VolumeReport,
 )
@@ -68,5 +69,7 @@ class IsolatorApi(Protocol):
     def health(self) -> list[HealthCheck]: ...
 
     def audit(self) -> AuditReport: ...
+
+    def undrain(self, gpu: str) -> Undrained: ...
 
     def close(self) -> None: ...

@@ -45,6 +45,7 @@ class Recovery:
             unrecorded = [c for c in core.cgroups.containers() if c not in records]
             self._adopt_or_deny(unrecorded, records)
             self.book()
+            core.handover.start()  # every free GPU passes the handover check before it is handed out
 
     def book(self) -> None:
         """Rebuild the allocator from what the store says. Call with the table exclusive."""

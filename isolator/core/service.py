@@ -45,6 +45,7 @@ from isolator.model import (
     Released,
     Resource,
     TopologyView,
+    Undrained,
     Usage,
     VolumeReport,
 )
@@ -132,6 +133,13 @@ class IsolatorService:
 
     def health(self) -> list[HealthCheck]:
         return self.admin.health()
+
+    def undrain(self, gpu: str) -> Undrained:
+        return self.admin.undrain(gpu)
+
+    def recheck_draining(self) -> None:
+        """Check the draining GPUs again (the daemon's probe loop, docs/handover.md)."""
+        self.core.handover.recheck()
 
     def close(self) -> None:
         """Stop the inventory's event thread and close the state store."""

@@ -25,6 +25,7 @@ from isolator.model import (
     Released,
     Resource,
     TopologyView,
+    Undrained,
     Usage,
     VolumeReport,
 )
@@ -81,6 +82,9 @@ class StubService:
 
     def audit(self) -> AuditReport:
         raise Unimplemented(hook="Audit")
+
+    def undrain(self, gpu: str) -> Undrained:
+        raise Unimplemented(hook="Undrain")
 
     def close(self) -> None:
         pass

@@ -300,14 +300,15 @@ class Admin:
             checks.append(HealthCheck("state", result == "ok", detail))
         except IsolatorError as exc:
             checks.append(HealthCheck("state", False, exc.message))
-        marks = core.handover.view()
-        checks.append(HealthCheck("handover", not any(r.timed_out for r in marks.values()), core.handover.describe()))
         try:
             pending = self.inconsistencies()
             agree = "records and kernel agree"
             checks.append(HealthCheck("consistency", not pending, "; ".join(pending) if pending else agree))
         except IsolatorError as exc:
             checks.append(HealthCheck("consistency", False, exc.message))
+        # The handover check (docs/handover.md): not ok once a GPU drained past --drain-timeout.
+        marks = core.handover.view()
+        checks.append(HealthCheck("handover", not any(r.timed_out for r in marks.values()), core.handover.describe()))
         return checks
 
     def _nvml_check(self) -> HealthCheck:

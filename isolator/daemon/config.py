@@ -38,6 +38,9 @@ CGROUP_VERSIONS = ("auto", "v1", "v2")
 POLICIES = ("topology", "first-fit")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
+ON_OFF = ("on", "off")
+# nvmlComputeMode_t names (isolator.model.COMPUTE_MODES); EXCLUSIVE_THREAD is gone since CUDA 8.
+COMPUTE_MODE_NAMES = ("DEFAULT", "EXCLUSIVE_PROCESS", "PROHIBITED")
 
 # XIDs caused by the application rather than the GPU: 13 graphics engine exception, 31 GPU memory
 # page fault, 43 GPU stopped processing, 45 preemptive cleanup, 68 video processor exception, 109
@@ -82,6 +85,11 @@ class Config:
     allowed_gids: tuple[int, ...] = ()
     cdi_dir: str = ""
     cdi_kind: str = "nvidia.com/gpu"
+    # The handover check of released GPUs (docs/handover.md).
+    drain_check: str = "on"
+    drain_memory_mib: int = 256
+    drain_timeout: float = 600.0  # 0: a draining GPU is never reported unhealthy
+    default_compute_mode: str = "DEFAULT"
     config_file: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -144,6 +152,16 @@ def _positive_float(value: Any) -> float:
     if not x > 0 or x != x or x == float("inf"):
         raise ValueError(f"{value!r} must be a positive number of seconds")
     return x
+
+
+def _mib(value: Any) -> int:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{value!r} is not a whole number of MiB") from None
+    if n < 0:
+        raise ValueError(f"{n} must not be negative")
+    return n
 
 
 def _seconds_or_off(value: Any) -> float:
@@ -222,6 +240,10 @@ PARSERS: dict[str, Any] = {
     "allowed_gids": _int_list,
     "cdi_dir": _text,
     "cdi_kind": _cdi_kind,
+    "drain_check": _choice(ON_OFF),
+    "drain_memory_mib": _mib,
+    "drain_timeout": _seconds_or_off,
+    "default_compute_mode": _choice(COMPUTE_MODE_NAMES),
 }
 
 HELP = {
@@ -259,6 +281,12 @@ HELP = {
     "allowed_gids": "gids allowed to call the socket (default none)",
     "cdi_dir": "keep a CDI spec of the managed GPUs in this directory, e.g. /var/run/cdi (default: none)",
     "cdi_kind": "the CDI spec's kind (default nvidia.com/gpu)",
+    "drain_check": "on (default): a released GPU is handed out again only when NVML shows no process on it"
+    " and little memory in use, after its clocks and compute mode are reset; off: at once (docs/handover.md)",
+    "drain_memory_mib": "memory in use, in MiB, from which a released GPU counts as busy (default 256)",
+    "drain_timeout": "seconds after which a GPU still draining is reported unhealthy (default 600; 0: never)",
+    "default_compute_mode": "compute mode a released GPU is set back to: DEFAULT (default), EXCLUSIVE_PROCESS"
+    " or PROHIBITED",
 }
 
 

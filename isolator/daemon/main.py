@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 from isolator.core.service import IsolatorService
 from isolator.daemon.config import Config
 from isolator.errors import ConfigError, FailedPrecondition, GpusUnavailable, NvmlNotFound
-from isolator.model import AuditReport
+from isolator.model import COMPUTE_MODES, AuditReport
 from isolator.policy import gpuflags
 from isolator.transport.server import SidecarServer
 
@@ -176,7 +176,14 @@ def build_service(
             processes=ProcProcesses(),
             filesystem=LocalFilesystem(),
             clock=SystemClock(),
-            settings=Settings(mode=config.mode, policy=config.allocation_policy),
+            settings=Settings(
+                mode=config.mode,
+                policy=config.allocation_policy,
+                drain_check=config.drain_check == "on",
+                drain_memory_bytes=config.drain_memory_mib << 20,
+                drain_timeout_s=config.drain_timeout,
+                default_compute_mode=COMPUTE_MODES[config.default_compute_mode],
+            ),
         )
     except BaseException:
         store.close()
@@ -420,6 +427,10 @@ def serve(config: Config) -> int:
             reaped(len(service.reap_vanished()))
         except Exception:
             LOG.exception("the first reconciliation failed; the reaper retries in %s s", config.reap_interval)
+    if core.gpus and config.drain_check == "on":
+        # Draining GPUs are looked at again as often as the GPUs are probed (docs/handover.md).
+        recheck = (service.recheck_draining, stop, config.gpu_probe_interval, _ignore)
+        threading.Thread(target=_reap_loop, args=recheck, name="drain", daemon=True).start()
     if config.audit_interval > 0:
         audit = (service.audit, stop, config.audit_interval, metrics.audited if metrics is not None else _ignore)
         threading.Thread(target=_audit_loop, args=audit, name="audit", daemon=True).start()

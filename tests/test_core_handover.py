@@ -241,3 +241,15 @@ def test_a_forced_release_drains_like_a_cleanup(rig: Rig) -> None:
     rig.inventory.start_process(first, 31337)
     rig.service.release(cid("a"), force=False)
     assert gpu(rig, first).drain_state == "draining" and gpu(rig, first).drain_pids == (31337,)
+
+
+def test_a_gpu_given_back_by_a_shrinking_update_is_checked_too(rig: Rig) -> None:
+    # The devices cgroup checks at open(2): a process that opened the GPU before the revocation keeps it.
+    rig.service.prepare(cid("a"), gpus(8))
+    rig.inventory.start_process(6, 66)
+    rig.inventory.start_process(1, 11)
+    rig.service.update(cid("a"), [Resource("gpus", 2.0)])
+    kept = held(rig, "a")
+    draining = {g.index for g in rig.service.list_gpus().gpus if g.drain_state}
+    assert draining == {1, 6} - kept and draining
+    assert all(gpu(rig, i).drain_state == "" for i in kept), "held GPUs are never marked"

@@ -374,6 +374,15 @@ class Core:
         self.notify(cid)
         self.handover.check(released)
 
+    def release_gpus(self, minors: frozenset[int]) -> None:
+        """Give back GPUs a running container no longer holds (a shrinking Update): through the
+        handover check too, since a process that opened one before the revocation keeps using it
+        (the devices cgroup checks at open(2) only)."""
+        with self.alloc:
+            self.allocator.deallocate(minors)
+            self.handover.mark_pending(minors)
+        self.handover.check(minors)
+
     def release_volume(self, cid: ContainerId) -> None:
         """Forget ``cid`` as a user of the driver volume; a top-level container takes the records of
         its nested containers with it (they cannot outlive it, and may have died unseen)."""

@@ -421,7 +421,7 @@ class Hooks:
                 core.apply(container_id, rec.gpus - release)
                 crashpoint("update.revoked")
                 core.store.remove_gpus(container_id, release)
-                self._deallocate(release)
+                core.release_gpus(release)
             final = (rec.gpus | add) - release
         LOG.info("updated %s to %d GPUs", core.describe(container_id, frozenset(final)), target)
 

@@ -328,6 +328,14 @@ def _audit_loop(
             LOG.exception("periodic drift audit failed; retrying in %s s", interval)
 
 
+def _drain_loop(recheck: Callable[[], None], stop: threading.Event, interval: float) -> None:
+    while not stop.wait(interval):
+        try:
+            recheck()
+        except Exception:
+            LOG.exception("re-checking the draining GPUs failed; retrying in %s s", interval)
+
+
 def _nvml_of(service: IsolatorService) -> Inventory | None:
     """The service's NVML inventory, or None on a node without GPUs (``--resources gpus:0``)."""
     from isolator.host.system import EmptyInventory
@@ -429,8 +437,8 @@ def serve(config: Config) -> int:
             LOG.exception("the first reconciliation failed; the reaper retries in %s s", config.reap_interval)
     if core.gpus and config.drain_check == "on":
         # Draining GPUs are looked at again as often as the GPUs are probed (docs/handover.md).
-        recheck = (service.recheck_draining, stop, config.gpu_probe_interval, _ignore)
-        threading.Thread(target=_reap_loop, args=recheck, name="drain", daemon=True).start()
+        recheck = (service.recheck_draining, stop, config.gpu_probe_interval)
+        threading.Thread(target=_drain_loop, args=recheck, name="drain", daemon=True).start()
     if config.audit_interval > 0:
         audit = (service.audit, stop, config.audit_interval, metrics.audited if metrics is not None else _ignore)
         threading.Thread(target=_audit_loop, args=audit, name="audit", daemon=True).start()

@@ -681,7 +681,8 @@ class Inventory:
     def reset_settings(self, index: int, compute_mode: int) -> tuple[ResetStep, ...]:
         """Set GPU ``index``'s application clocks back to their defaults and its compute mode to
         ``compute_mode`` where they differ (nvidia-smi -rac, nvidia-smi -c). Each step says what it
-        found and did; a failure is reported in its step, never raised."""
+        found and did; an NVML failure is reported in its step (GpuNotFound only for a GPU without a
+        handle: lost, or not managed)."""
         handle = self._live_handle(index)
         return (self._reset_clocks(handle), self._reset_compute_mode(handle, compute_mode))
 

@@ -160,3 +160,23 @@ def test_undrain_restart_durability_and_the_timeout_on_a_real_daemon():
         assert _gpus(sidecar)[1].healthy
         rc, _out, err = _cli(sidecar.socket, "undrain", "99")
         assert rc == 1 and "no managed GPU '99'" in err and "NOT_FOUND" in err
+
+
+@pytest.mark.cgroup_v1
+def test_a_crash_between_a_release_and_its_check_leaves_the_busy_gpu_out_after_the_restart(monkeypatch):
+    from isolator.daemon.crashpoints import ENV
+
+    monkeypatch.setenv(ENV, "handover.pending:1")  # SIGKILL once the record is gone, before the check
+    with running_sidecar("dgx-1", "v1") as sidecar:
+        containerizer = Containerizer(GrpcIsolator(sidecar.socket), sidecar.work)
+        cid = container_id("crashes-in-cleanup")
+        containerizer.start(cid, containerizer.config(gpus=8, image=False))
+        sidecar.sim.start_process(4, 4444)
+        with pytest.raises(HookFailed):
+            containerizer.destroy(cid)
+        assert sidecar.proc is not None and sidecar.proc.wait(timeout=30) == -9
+        monkeypatch.delenv(ENV)
+        sidecar.start()  # nothing was written about GPU 4: the check at start finds the process
+        gpus = _gpus(sidecar)
+        assert (gpus[4].drain_state, list(gpus[4].drain_pids)) == ("draining", [4444])
+        assert all(g.drain_state == "" and not g.holder for i, g in gpus.items() if i != 4)

@@ -372,6 +372,8 @@ class Core:
             self.free_mig(rec.mig_uuids)
             self.handover.mark_pending(released)
         self.notify(cid)
+        if released:
+            crashpoint("handover.pending")
         self.handover.check(released)
 
     def release_gpus(self, minors: frozenset[int]) -> None:

@@ -1,14 +1,10 @@
-"""The pure decisions of the handover check (isolator/policy/handover.py) and the allocator's draining set."""
+"""The pure decisions of the handover check (isolator/policy/handover.py); the allocator's draining set is
+tested with the allocator (tests/test_allocator.py)."""
 
 from __future__ import annotations
 
-import pytest
-
-from isolator.errors import GpusExhausted, GpusNotAvailable
 from isolator.model import GpuProcess, Occupancy, ResetStep
-from isolator.policy.allocator import Allocator
 from isolator.policy.handover import busy_reason, reset_reason, timed_out
-from isolator.testing import FakeInventory
 
 MIB = 1 << 20
 
@@ -23,6 +19,10 @@ def test_a_gpu_is_busy_with_any_process_or_memory_at_the_threshold() -> None:
     assert busy_reason(idle_process, 256 * MIB) == (
         "processes still run on it: 3 (compute, 2 MiB), 9 (graphics, 0 MiB)"
     ), "a process holding no memory still holds the GPU"
+    both = Occupancy((GpuProcess(7, 300 * MIB, "compute"),), 300 * MIB, 16 << 30)
+    assert busy_reason(both, 256 * MIB) == (
+        "processes still run on it: 7 (compute, 300 MiB); 300 MiB of memory in use (the threshold is 256 MiB)"
+    )
 
 
 def test_only_a_failed_compute_mode_reset_keeps_a_gpu_out() -> None:
@@ -37,16 +37,4 @@ def test_the_drain_timeout_counts_from_since_and_zero_is_never() -> None:
     assert not timed_out(100.0, 159.9, 60.0)
     assert timed_out(100.0, 160.0, 60.0)
     assert not timed_out(100.0, 1e9, 0.0)
-
-
-def test_the_allocator_never_hands_out_a_draining_gpu() -> None:
-    alloc = Allocator(FakeInventory.of_host("dgx-1").topology())
-    alloc.set_draining(2, True)
-    assert alloc.draining == {2} and 2 not in alloc.available
-    with pytest.raises(GpusNotAvailable, match="draining"):
-        alloc.allocate_set({2})
-    with pytest.raises(GpusExhausted, match=r"1 more are draining: \[2\]"):
-        alloc.allocate(8)
-    assert 2 not in alloc.allocate(7).gpus
-    alloc.set_draining(2, False)
-    assert alloc.allocate(1).gpus == (2,)
+    assert timed_out(100.0, 100.5, 0.5), "sub-second timeouts count too"

@@ -253,3 +253,13 @@ def test_a_gpu_given_back_by_a_shrinking_update_is_checked_too(rig: Rig) -> None
     draining = {g.index for g in rig.service.list_gpus().gpus if g.drain_state}
     assert draining == {1, 6} - kept and draining
     assert all(gpu(rig, i).drain_state == "" for i in kept), "held GPUs are never marked"
+
+
+def test_describe_shows_what_the_last_handover_reset_on_the_containers_gpus(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), gpus(8))
+    rig.inventory.set_compute_mode(4, 2)
+    rig.service.cleanup(cid("a"))
+    rig.service.prepare(cid("b"), gpus(8))
+    described = {g.index: g for g in rig.service.describe_container(cid("b")).gpus}
+    assert described[4].last_reset == ("compute mode: reset from PROHIBITED to DEFAULT",)
+    assert described[4].drain_state == "" and described[3].last_reset == ()

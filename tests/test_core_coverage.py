@@ -60,6 +60,7 @@ INDIRECT = {
     "apply": "update",
     "apply_nested": "prepare",  # of a nested container with a cgroup of its own (mesos mode)
     "drop": "cleanup",
+    "release_gpus": "update",  # a shrinking Update (tests/test_core_handover.py)
     "cleanup_cgroups": "cleanup",
     "release_volume": "cleanup",
     "start": "restart",

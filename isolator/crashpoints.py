@@ -27,6 +27,7 @@ POINTS = (
     "v1.write",  # one devices.allow/deny write of a diff done, the next not yet
     "v2.checkpoint",  # v2 rules checkpointed, program not yet attached
     "v2.attach",  # v2 program attached, the one it replaced not yet detached
+    "handover.pending",  # released GPUs out of the pool, their handover check not yet run (docs/handover.md)
     "cpuset.recorded",  # a cpuset recorded (prepare, update), not yet written (--cpu-affinity enforce)
 )
 

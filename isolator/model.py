@@ -401,6 +401,15 @@ class GpuInfo:
     holder: str = ""
     mig_enabled: bool = False
     mig_devices: tuple[MigDeviceInfo, ...] = ()
+    # The handover check (docs/handover.md): "" when the GPU may be handed out as far as it goes,
+    # else "draining" or "unhealthy" (drained past --drain-timeout), with what was found and when.
+    drain_state: str = ""
+    drain_since: float = 0.0
+    drain_pids: tuple[int, ...] = ()
+    drain_reason: str = ""
+    drain_memory_used_bytes: int = 0
+    # What the last handover reset (or failed to reset), one line each.
+    last_reset: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -599,3 +608,83 @@ class GpuUsageSample:
     memory_used: int
     gpu_utilization: int  # percent
     memory_utilization: int  # percent
+
+
+# ---- handover: what a released GPU still runs, and what was reset (docs/handover.md) ------------
+
+# nvmlComputeMode_t values the node's default may take (EXCLUSIVE_THREAD is gone since CUDA 8).
+COMPUTE_MODES = {"DEFAULT": 0, "PROHIBITED": 2, "EXCLUSIVE_PROCESS": 3}
+
+
+def compute_mode_name(mode: int) -> str:
+    names = {v: k for k, v in COMPUTE_MODES.items()}
+    return names.get(mode, "EXCLUSIVE_THREAD" if mode == 1 else f"mode {mode}")
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    """A process NVML sees on a GPU (nvidia-smi's "Processes" table)."""
+
+    pid: int
+    used_memory: int  # bytes; 0 when NVML cannot tell
+    kind: str  # "compute" or "graphics"
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """What runs on a GPU now: its processes and the memory in use."""
+
+    processes: tuple[GpuProcess, ...]
+    memory_used: int
+    memory_total: int
+
+
+@dataclass(frozen=True)
+class ResetStep:
+    """One setting brought back to its default after a container (or why it could not be)."""
+
+    setting: str  # "application clocks" or "compute mode"
+    before: str
+    after: str
+    changed: bool  # it differed and was set back
+    error: str = ""  # why the reset failed; "" when it worked or was not needed
+    code: str = ""  # NVML's error name (NO_PERMISSION, NOT_SUPPORTED...) when it failed
+
+    def __str__(self) -> str:
+        if self.error:
+            return f"{self.setting}: {self.before}, failed to reset: {self.error}"
+        if self.changed:
+            return f"{self.setting}: reset from {self.before} to {self.after}"
+        return f"{self.setting}: {self.before} (unchanged)"
+
+
+@dataclass(frozen=True)
+class DrainRecord:
+    """A GPU kept out of allocation by the handover check (persisted in the state store).
+
+    ``since`` is wall time, for people; ``since_mono`` the clock's monotonic time, for the timeout
+    (never used to choose GPUs)."""
+
+    minor: int
+    since: float
+    since_mono: float
+    reason: str
+    pids: tuple[int, ...] = ()
+    memory_used: int = 0
+    timed_out: bool = False
+
+    @property
+    def state(self) -> str:
+        return "unhealthy" if self.timed_out else "draining"
+
+
+@dataclass(frozen=True)
+class Undrained:
+    """What ``gpu-isolator undrain GPU`` did."""
+
+    index: int
+    minor: int
+    uuid: str
+    was: str  # the drain state it left ("draining", "unhealthy"), or "" when it was not draining
+    detail: str
+    reset: tuple[str, ...] = ()

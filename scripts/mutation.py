@@ -45,6 +45,7 @@ MODULES = (
     Module("gpuflags", "isolator/policy/gpuflags.py", ("tests/test_gpuflags.py",)),
     Module("devices", "isolator/policy/devices.py", ("tests/test_devices.py",)),
     Module("allocator", "isolator/policy/allocator.py", ("tests/test_allocator.py",)),
+    Module("handover", "isolator/policy/handover.py", ("tests/test_handover_policy.py",)),
 )
 
 # Verdicts that count as "the tests noticed": a failing test, or a hang the timeout caught (a mutant

@@ -60,6 +60,13 @@ def gpus_json(spec: HostSpec) -> list[dict[str, Any]]:
                 ]
                 if g.mig
                 else [],
+                # The handover check (docs/handover.md): nothing runs on a fresh host's GPUs.
+                "drain_state": "",
+                "drain_since": 0.0,
+                "drain_pids": [],
+                "drain_reason": "",
+                "drain_memory_used_bytes": "0",
+                "last_reset": [],
             }
         )
     return out

@@ -1346,3 +1346,24 @@ def test_unknown_gpus_are_named_with_the_known_ones():
 def test_a_stopped_search_says_exact_false():
     choice = choose(Fabric.of(joined_dgx1(2)), range(16), 6, limits=SearchLimits(max_candidates=1))
     assert choice.exact is False
+
+
+def test_the_allocator_never_hands_out_a_draining_gpu() -> None:
+    alloc = Allocator(dgx1_volta())
+    alloc.set_draining(2, True)
+    assert alloc.draining == {2} and 2 not in alloc.available
+    with pytest.raises(GpusNotAvailable, match="draining"):
+        alloc.allocate_set({2})
+    with pytest.raises(GpusExhausted, match=r"only 7 available \(1 more are draining: \[2\]\)$"):
+        alloc.allocate(8)
+    alloc.set_healthy(5, False)
+    with pytest.raises(
+        GpusExhausted, match=r"only 6 available \(1 more are unhealthy\) \(1 more are draining: \[2\]\)$"
+    ):
+        alloc.allocate(8)
+    alloc.set_healthy(5, True)
+    assert 2 not in alloc.allocate(7).gpus
+    alloc.set_draining(2, False)
+    assert alloc.draining == frozenset() and alloc.allocate(1).gpus == (2,)
+    with pytest.raises(UnknownGpus):
+        alloc.set_draining(99, True)

@@ -26,9 +26,10 @@ from isolator.errors import (
     ContainerNotRecorded,
     GpuAlreadyHeld,
     InvalidArgument,
+    NvmlError,
 )
 from isolator.host.system import LocalFilesystem, ProcProcesses, SystemClock
-from isolator.model import ContainerId, ContainerRecord, Topology
+from isolator.model import ContainerId, ContainerRecord, DrainRecord, Topology
 from isolator.policy.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, container_rules
 from isolator.testing import (
     FakeCgroups,
@@ -336,6 +337,22 @@ def store(request, tmp_path) -> Iterator[FakeStore]:
         real.close()
 
 
+def test_store_keeps_drain_rows_by_gpu_apart_from_containers(store: FakeStore) -> None:
+    assert store.drains() == {}
+    first = DrainRecord(3, since=1.5, since_mono=10.0, reason="processes [42] still run", pids=(42, 43), memory_used=7)
+    store.set_drain(first)
+    store.record(record("a", 3))  # a drain row does not hold the GPU: that is the allocator's job
+    assert store.drains() == {3: first}
+    later = DrainRecord(3, since=1.5, since_mono=10.0, reason="still busy", pids=(43,), timed_out=True)
+    store.set_drain(later)
+    assert store.drains() == {3: later}
+    store.clear_drain(3)
+    store.clear_drain(3)  # no row is success
+    assert store.drains() == {}
+    with pytest.raises(InvalidArgument):
+        store.set_drain(DrainRecord(-1, 0.0, 0.0, ""))
+
+
 def record(name: str, *gpus: int, **kwargs: object) -> ContainerRecord:
     return ContainerRecord(cid(name), gpus=frozenset(gpus), created=1.0, **kwargs)
 
@@ -545,6 +562,78 @@ def test_fake_inventory_reports_an_xid_to_subscribers() -> None:
     assert [(e.index, e.healthy, e.xid) for e in events] == [(0, False, 79)]
     assert fake.healthy() == frozenset()
     assert fake.records[0].status == "XID 79"
+
+
+@contextlib.contextmanager
+def _handover_inventory(kind: str, short_tmp: str) -> Iterator[tuple[Any, Any]]:
+    """(inventory, steering) for the handover contract: the fake steers itself; the real NVML edge
+    runs on a simulated host, steered through its control files."""
+    if kind == "fake":
+        fake = FakeInventory.of_host("dgx-1")
+        yield fake, fake
+        return
+    from isolator.gpu.nvml import Inventory
+    from isolator.simhost.sim import SimulatedHost
+
+    host = SimulatedHost("dgx-1", os.path.join(short_tmp, "handover")).setup(make_devices=False)
+    real = Inventory(library=host.library_path, proc_root=host.proc_root, sys_root=os.path.join(host.root, "sys"))
+    real.open()
+    try:
+        real.read()
+        yield real, host
+    finally:
+        real.close()
+
+
+@pytest.mark.parametrize("kind", ["fake", "nvml"])
+def test_inventory_reports_processes_and_memory_left_on_a_gpu(kind: str, short_tmp: str) -> None:
+    with _handover_inventory(kind, short_tmp) as (inv, steer):
+        idle = inv.occupancy(3)
+        assert idle.processes == () and idle.memory_used == 0 and idle.memory_total == 16160 << 20
+        steer.start_process(3, 4242, 1 << 30)
+        steer.start_process(3, 4343, 2 << 20, "graphics")
+        busy = inv.occupancy(3)
+        assert sorted((p.pid, p.used_memory, p.kind) for p in busy.processes) == [
+            (4242, 1 << 30, "compute"),
+            (4343, 2 << 20, "graphics"),
+        ]
+        assert busy.memory_used == (1 << 30) + (2 << 20)
+        assert inv.occupancy(2).processes == (), "only the GPU the process runs on"
+        steer.stop_process(3, 4242)
+        assert [p.pid for p in inv.occupancy(3).processes] == [4343]
+        steer.stop_process(3)
+        assert inv.occupancy(3) == idle
+        steer.fail_gpu(3, "nvmlDeviceGetComputeRunningProcesses", 999)
+        with pytest.raises(NvmlError, match="GPU 3"):
+            inv.occupancy(3)
+
+
+@pytest.mark.parametrize("kind", ["fake", "nvml"])
+def test_inventory_resets_application_clocks_and_compute_mode_and_reports_each_step(kind: str, short_tmp: str) -> None:
+    with _handover_inventory(kind, short_tmp) as (inv, steer):
+        default = steer.settings(1)
+        assert default[0] == 0
+        assert [s.changed for s in inv.reset_settings(1, 0)] == [False, False], "nothing changed, nothing reset"
+        steer.set_application_clocks(1, 900, 700)
+        steer.set_compute_mode(1, 3)  # EXCLUSIVE_PROCESS
+        clocks, mode = inv.reset_settings(1, 0)
+        assert (clocks.setting, clocks.changed, clocks.error) == ("application clocks", True, "")
+        assert clocks.before == "graphics 900 MHz, memory 700 MHz"
+        assert (mode.setting, mode.before, mode.after, mode.changed) == (
+            "compute mode",
+            "EXCLUSIVE_PROCESS",
+            "DEFAULT",
+            True,
+        )
+        assert steer.settings(1) == default
+        steer.set_compute_mode(1, 2)
+        steer.set_application_clocks(1, 900, 700)
+        steer.fail_gpu(1, "nvmlDeviceResetApplicationsClocks", 4)  # NO_PERMISSION
+        steer.fail_gpu(1, "nvmlDeviceSetComputeMode", 3)  # NOT_SUPPORTED
+        clocks, mode = inv.reset_settings(1, 0)
+        assert (clocks.changed, clocks.code) == (False, "NO_PERMISSION") and "Insufficient Permissions" in clocks.error
+        assert (mode.changed, mode.code, mode.before) == (False, "NOT_SUPPORTED", "PROHIBITED")
+        assert steer.settings(1) == (2, 900, 700), "a failed reset changes nothing"
 
 
 @pytest.mark.root

@@ -30,6 +30,7 @@ CORE_TESTS = (
     "test_core_mig.py",
     "test_core_volume_users.py",
     "test_core_affinity.py",
+    "test_core_handover.py",
 )
 CONTRACT_TESTS = ("test_contracts.py",)
 
@@ -60,6 +61,7 @@ INDIRECT = {
     "apply": "update",
     "apply_nested": "prepare",  # of a nested container with a cgroup of its own (mesos mode)
     "drop": "cleanup",
+    "release_gpus": "update",  # a shrinking Update (tests/test_core_handover.py)
     "cleanup_cgroups": "cleanup",
     "release_volume": "cleanup",
     "start": "restart",

@@ -464,3 +464,23 @@ def test_job_mapping_leaves_files_alone_whose_names_are_not_ascii_numbers(short_
     with running_sidecar("single", "v1", extra=("--job-mapping-dir", jobs)):
         left = sorted(os.listdir(jobs))
     assert left == sorted(["0", "\u0663", "1.\u0664", "\uff15"])
+
+
+def test_draining_gpus_are_exported_with_their_state_and_age():
+    from prometheus_client import generate_latest
+
+    from isolator.exporters.metrics import Metrics
+    from isolator.model import ContainerConfig, ContainerId, Resource
+    from isolator.testing import fake_service
+
+    rig = fake_service("dgx-1")
+    rig.service.prepare(ContainerId("a"), ContainerConfig(resources=(Resource("gpus", 8.0),)))
+    rig.inventory.start_process(3, 33)
+    rig.service.cleanup(ContainerId("a"))
+    text = generate_latest(Metrics(rig.service).registry).decode()
+    uuid = rig.service.list_gpus().gpus[3].uuid
+    assert "gpu_isolator_gpus_draining 1.0" in text
+    assert f'gpu_isolator_gpu_draining{{gpu="3",minor="3",state="draining",UUID="{uuid}"}} 1.0' in text
+    assert 'gpu_isolator_gpu_draining{gpu="2",minor="2",state="free"' in text
+    assert f'gpu_isolator_gpu_drain_seconds{{gpu="3",minor="3",UUID="{uuid}"}}' in text
+    assert 'gpu_isolator_gpu_drain_seconds{gpu="2"' not in text

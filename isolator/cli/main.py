@@ -137,6 +137,8 @@ def build_parser() -> Parser:
         help_text="compare every container's kernel rules with its record now, re-apply drift"
         " (exit 0: none, 1: drift repaired, 2 or more: trouble)",
     )
+    undrain = admin("undrain", help_text="return a draining GPU to the pool now, whatever still runs on it")
+    undrain.add_argument("gpu", help="the GPU's NVML index, its UUID, or minor:<N>")
     return parser
 
 
@@ -157,6 +159,7 @@ ADMIN_CALLS: dict[str, tuple[str, str]] = {
     "health": ("Health", "HealthRequest"),
     "release": ("Release", "ReleaseRequest"),
     "audit": ("Audit", "AuditRequest"),
+    "undrain": ("Undrain", "UndrainRequest"),
 }
 
 
@@ -181,6 +184,8 @@ def _run_admin(args: argparse.Namespace) -> int:
             raise UsageError(f"gpu-isolator {args.command}: {exc}") from None
     if args.command == "release":
         request.force = args.force
+    if args.command == "undrain":
+        request.gpu = args.gpu
     with Client(args.socket, timeout=args.timeout) as client:
         try:
             client.check_reachable()
@@ -254,6 +259,7 @@ def render(command: str, data: dict[str, Any], now: float) -> str:
         "health": lambda d, _now: _health_table(d),
         "release": lambda d, _now: str(d.get("detail", "")),
         "audit": lambda d, _now: _audit_text(d),
+        "undrain": lambda d, _now: "\n".join([str(d.get("detail", "")), *(f"  reset {r}" for r in d.get("reset", []))]),
     }
     return renderers[command](data, now)
 
@@ -371,9 +377,34 @@ def _gpu_rows(gpus: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 health=_health_text(g),
                 mig="on" if g.get("mig_enabled") else "-",
                 holder=g.get("holder") or "-",
+                handover=_handover_text(g),
             )
         )
     return rows
+
+
+def _handover_text(g: dict[str, Any]) -> str:
+    state = g.get("drain_state") or ""
+    if not state:
+        return "-"
+    pids = g.get("drain_pids") or []
+    return state.upper() + (f" (pids {_list(pids)})" if pids else "")
+
+
+def _handover_lines(gpus: list[dict[str, Any]]) -> list[str]:
+    """Why each draining GPU is kept out and since when, and what the last handovers reset."""
+    lines = []
+    draining = [g for g in gpus if g.get("drain_state")]
+    if draining:
+        lines += ["", "Draining (handed out again once nothing runs on them; `gpu-isolator undrain GPU` forces it)"]
+        for g in draining:
+            since = _when(float(g.get("drain_since") or 0))
+            lines.append(f"  GPU {g.get('index', 0)}: {g['drain_state']} since {since}: {g.get('drain_reason', '')}")
+    reset = [g for g in gpus if g.get("last_reset")]
+    if reset:
+        lines += ["", "Reset at the last handover"]
+        lines += [f"  GPU {g.get('index', 0)}: {line}" for g in reset for line in g["last_reset"]]
+    return lines
 
 
 def _gpus_table(data: dict[str, Any]) -> str:
@@ -394,9 +425,11 @@ def _gpus_table(data: dict[str, Any]) -> str:
             ("pci_bus_id", "BUS-ID"),
             ("mig", "MIG"),
             ("health", "HEALTH"),
+            ("handover", "HANDOVER"),
             ("holder", "HOLDER"),
         ],
     )
+    table += "\n".join(["", *_handover_lines(data.get("gpus", []))]) if _handover_lines(data.get("gpus", [])) else ""
     migs = _mig_rows(data.get("gpus", []))
     if migs:
         table += "\n\nMIG devices\n" + _table(
@@ -463,6 +496,7 @@ def _describe_text(data: dict[str, Any], now: float) -> str:
                 indent="  ",
             )
         )
+        lines += _handover_lines(data["gpus"])
     else:
         lines.append("GPUs: none")
     lines.append("")

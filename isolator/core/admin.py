@@ -25,6 +25,7 @@ from isolator.model import (
     Released,
     TopologyLink,
     TopologyView,
+    Undrained,
     VolumeReport,
 )
 from isolator.policy import devices as devrules
@@ -45,10 +46,15 @@ class Admin:
         inv = self.core.inventory
         holders = self.core.store.holders()
         mig_holders = {u: str(c) for u, (c, _m) in self.core.store.mig_holders().items()}
+        marks = self.core.handover.view()
+        resets = dict(self.core.handover.resets)
         gpus = []
         for r in inv.records:
             g = r.gpu
             holder = holders.get(g.minor) if g.uuid else None
+            drain = marks.get(g.minor) if g.uuid else None
+            # Drained past --drain-timeout: unhealthy, with the drain's reason when NVML gives none.
+            sick = drain is not None and drain.timed_out
             gpus.append(
                 GpuInfo(
                     index=g.index,
@@ -60,13 +66,19 @@ class Admin:
                     memory_total_bytes=g.memory_total,
                     numa_node=-1 if g.numa_node is None else g.numa_node,
                     cpu_affinity=g.cpu_affinity,
-                    healthy=r.usable,
+                    healthy=r.usable and not sick,
                     last_xid=r.health.last_xid,
                     last_xid_time=r.health.last_xid_time,
-                    health_reason=r.status,
+                    health_reason=r.status or (f"drain timed out: {drain.reason}" if sick and drain else ""),
                     holder=str(holder) if holder is not None else "",
                     mig_enabled=r.mig_enabled,
                     mig_devices=migunits.device_views(r.mig_devices, mig_holders) if r.mig_enabled else (),
+                    drain_state=drain.state if drain is not None else "",
+                    drain_since=drain.since if drain is not None else 0.0,
+                    drain_pids=drain.pids if drain is not None else (),
+                    drain_reason=drain.reason if drain is not None else "",
+                    drain_memory_used_bytes=drain.memory_used if drain is not None else 0,
+                    last_reset=resets.get(g.minor, ()) if g.uuid else (),
                 )
             )
         return GpuList(inv.driver_version, inv.cuda_driver_version, tuple(gpus))
@@ -276,6 +288,15 @@ class Admin:
             detail=detail,
         )
 
+    def undrain(self, gpu: str) -> Undrained:
+        """Return a draining GPU to the pool now (``gpu-isolator undrain GPU``): by index, UUID or minor:N."""
+        core = self.core
+        found = core.handover.find(gpu)
+        holders = core.store.holders()
+        if found.minor in holders:
+            raise FailedPrecondition(f"GPU {gpu} is held by container {holders[found.minor]}; it is not draining")
+        return core.handover.undrain(found)
+
     # ---- volume and health ------------------------------------------------------------------------
 
     def volume(self) -> VolumeReport:
@@ -306,6 +327,9 @@ class Admin:
             checks.append(HealthCheck("consistency", not pending, "; ".join(pending) if pending else agree))
         except IsolatorError as exc:
             checks.append(HealthCheck("consistency", False, exc.message))
+        # The handover check (docs/handover.md): not ok once a GPU drained past --drain-timeout.
+        marks = core.handover.view()
+        checks.append(HealthCheck("handover", not any(r.timed_out for r in marks.values()), core.handover.describe()))
         return checks
 
     def _nvml_check(self) -> HealthCheck:

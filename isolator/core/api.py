@@ -29,6 +29,7 @@ from isolator.model import (
     Released,
     Resource,
     TopologyView,
+    Undrained,
     Usage,
     VolumeReport,
 )
@@ -91,6 +92,9 @@ class IsolatorApi(Protocol):
 
     def audit(self) -> AuditReport:
         raise Unimplemented(hook="Audit")
+
+    def undrain(self, gpu: str) -> Undrained:
+        raise Unimplemented(hook="Undrain")
 
     def close(self) -> None:
         return None

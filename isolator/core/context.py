@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from isolator.core.changes import Changes
+from isolator.core.handover import Handover
 from isolator.core.locks import ContainerLocks
 from isolator.core.ports import (
     CgroupBackend,
@@ -57,6 +58,13 @@ class Settings:
     # --cpu-affinity (docs/affinity.md): off, hint (the environment) or enforce (also a cpuset).
     # The daemon's default is hint (isolator/daemon/config.py); in-process cores default to off.
     cpu_affinity: str = "off"
+    # The handover check (docs/handover.md): released GPUs are handed out again only when NVML shows
+    # no process on them and less memory in use than the threshold; after the timeout a GPU still
+    # draining is reported unhealthy (0: never). Compute mode is set back to this nvmlComputeMode_t.
+    drain_check: bool = True
+    drain_memory_bytes: int = 256 << 20
+    drain_timeout_s: float = 600.0
+    default_compute_mode: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,6 +107,7 @@ class Core:
         # a GPU read again after a device event offers what NVML reports now.
         self.mig_held: dict[str, int] = {}
         self.mig_booked: set[int] = set()
+        self.handover = Handover(self)
         with self.alloc:
             self.sync_health()
         edges.inventory.on_health_change(self._on_health_change)
@@ -106,10 +115,11 @@ class Core:
     # ---- health -----------------------------------------------------------
 
     def sync_health(self) -> None:
-        """Copy the inventory's health into the allocator. Call with ``alloc`` held."""
+        """Copy the inventory's health and the drain marks into the allocator. Call with ``alloc`` held."""
         healthy_indices = self.inventory.healthy()
         for gpu in self.gpus.values():
             self.allocator.set_healthy(gpu.minor, gpu.index in healthy_indices)
+        self.handover.apply_marks()
 
     def _on_health_change(self, event: HealthEvent) -> None:
         with self.alloc:
@@ -160,7 +170,7 @@ class Core:
         usable = self.inventory.healthy()
         blocked = {d.parent_minor for d in devices if d.parent_minor in whole}
         blocked |= {d.parent_minor for d in devices if d.parent_index not in usable}
-        blocked |= set(self.allocator.unhealthy)
+        blocked |= set(self.allocator.unhealthy) | set(self.allocator.draining)
         units = migunits.choose(request, devices, set(self.mig_held), blocked).devices
         self.hold_mig((d.uuid, d.parent_minor) for d in units)
         return units
@@ -314,12 +324,29 @@ class Core:
                 LOG.warning("container %s: its cpuset stays for its processes: %s", cid, exc.message)
 
     def drop(self, cid: ContainerId, rec: ContainerRecord) -> None:
-        """Forget a container whose rules are already gone: its record, then its GPUs; wake watchers."""
+        """Forget a container whose rules are already gone: its record, then its GPUs; wake watchers.
+
+        Its whole GPUs go back to the pool only through the handover check (docs/handover.md): out
+        of it in the same section that frees them, back once NVML shows nothing left on them."""
         self.store.remove(cid)
         with self.alloc:
-            self.allocator.deallocate(rec.gpus & self.allocator.allocated)
+            released = rec.gpus & self.allocator.allocated
+            self.allocator.deallocate(released)
             self.free_mig(rec.mig_uuids)
+            self.handover.mark_pending(released)
         self.changes.notify(cid)
+        if released:
+            crashpoint("handover.pending")
+        self.handover.check(released)
+
+    def release_gpus(self, minors: frozenset[int]) -> None:
+        """Give back GPUs a running container no longer holds (a shrinking Update): through the
+        handover check too, since a process that opened one before the revocation keeps using it
+        (the devices cgroup checks at open(2) only)."""
+        with self.alloc:
+            self.allocator.deallocate(minors)
+            self.handover.mark_pending(minors)
+        self.handover.check(minors)
 
     def release_volume(self, cid: ContainerId) -> None:
         """Forget ``cid`` as a user of the driver volume; a top-level container takes the records of

@@ -89,6 +89,8 @@ class Hooks:
             if core.store.get(container_id) is not None:
                 raise AlreadyExists(f"container {container_id} has already been prepared")
             self._refuse_populated(container_id)
+            if count or mig_request:
+                core.handover.recheck()  # a draining GPU that is clear now may be chosen (docs/handover.md)
             with core.alloc:
                 choice = core.allocate_whole(count)
                 try:
@@ -468,6 +470,8 @@ class Hooks:
                     f"container {container_id} holds MIG devices {held or '{}'}; MIG holdings are fixed at "
                     f"launch (update asks for {wanted or '{}'})"
                 )
+            if target > len(rec.gpus):
+                core.handover.recheck()
             with core.alloc:
                 plan = core.allocator.plan_update(rec.gpus, target)
                 add, release = frozenset(plan.add), frozenset(plan.release)
@@ -496,7 +500,7 @@ class Hooks:
                 core.apply(container_id, rec.gpus - release)
                 crashpoint("update.revoked")
                 core.store.remove_gpus(container_id, release)
-                self._deallocate(release)
+                core.release_gpus(release)
             final = (rec.gpus | add) - release
             if core.enforcing and (add or release):
                 self._move_cpuset(container_id, rec, moved)

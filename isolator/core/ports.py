@@ -23,7 +23,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
-from isolator.model import ContainerId, ContainerRecord, GpuRecord, GpuUsageSample, HealthEvent, Topology
+from isolator.model import (
+    ContainerId,
+    ContainerRecord,
+    DrainRecord,
+    GpuRecord,
+    GpuUsageSample,
+    HealthEvent,
+    Occupancy,
+    ResetStep,
+    Topology,
+)
 from isolator.policy.affinity import Affinity, Machine
 from isolator.policy.devices import ControlDevices, DeviceRule, KernelRules
 
@@ -165,6 +175,13 @@ class StateStore(Protocol):
 
     def mig_holders(self) -> dict[str, tuple[ContainerId, int]]: ...
 
+    # GPUs kept out by the handover check (docs/handover.md), by minor; one row each.
+    def drains(self) -> dict[int, DrainRecord]: ...
+
+    def set_drain(self, rec: DrainRecord) -> None: ...
+
+    def clear_drain(self, minor: int) -> None: ...  # no row is success
+
     def check(self) -> str: ...
 
     def close(self) -> None: ...
@@ -210,6 +227,12 @@ class Inventory(Protocol):
     def device_count(self) -> int: ...
 
     def on_health_change(self, callback: Callable[[HealthEvent], None]) -> None: ...
+
+    # The handover (docs/handover.md): what runs on a GPU now (NvmlError when NVML cannot say), and
+    # application clocks and compute mode set back to defaults, each step reporting its own failure.
+    def occupancy(self, index: int) -> Occupancy: ...
+
+    def reset_settings(self, index: int, compute_mode: int) -> tuple[ResetStep, ...]: ...
 
     def close(self) -> None: ...
 

@@ -47,6 +47,7 @@ class Recovery:
             self._adopt_or_deny(unrecorded, records)
             self._reconcile_cpusets(core.store.load())  # records rebuilt from the kernel included
             self.book()
+            core.handover.start()  # every free GPU passes the handover check before it is handed out
 
     def book(self) -> None:
         """Rebuild the allocator from what the store says. Call with the table exclusive."""

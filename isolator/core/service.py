@@ -62,6 +62,10 @@ class IsolatorService(Hooks, Recovery, Admin):
         unsubscribe function. A Watch re-checks with ``watch(cid, 0)`` when called back."""
         return self.core.changes.subscribe(callback, container)
 
+    def recheck_draining(self) -> None:
+        """Check the draining GPUs again (the daemon's probe loop, docs/handover.md)."""
+        self.core.handover.recheck()
+
     def close(self) -> None:
         """Stop the inventory's event thread and close the state store."""
         with contextlib.suppress(Exception):

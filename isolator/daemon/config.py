@@ -40,6 +40,9 @@ POLICIES = ("topology", "first-fit")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
 CPU_AFFINITY = ("off", "hint", "enforce")
+ON_OFF = ("on", "off")
+# nvmlComputeMode_t names (isolator.model.COMPUTE_MODES); EXCLUSIVE_THREAD is gone since CUDA 8.
+COMPUTE_MODE_NAMES = ("DEFAULT", "EXCLUSIVE_PROCESS", "PROHIBITED")
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,11 @@ class Config:
     cdi_dir: str = ""
     cdi_kind: str = "nvidia.com/gpu"
     cpu_affinity: str = "hint"  # docs/affinity.md
+    # The handover check of released GPUs (docs/handover.md).
+    drain_check: str = "on"
+    drain_memory_mib: int = 256
+    drain_timeout: float = 600.0  # 0: a draining GPU is never reported unhealthy
+    default_compute_mode: str = "DEFAULT"
     config_file: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -142,6 +150,16 @@ def _positive_float(value: Any) -> float:
     if not x > 0 or x != x or x == float("inf"):
         raise ValueError(f"{value!r} must be a positive number of seconds")
     return x
+
+
+def _mib(value: Any) -> int:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{value!r} is not a whole number of MiB") from None
+    if n < 0:
+        raise ValueError(f"{n} must not be negative")
+    return n
 
 
 def _seconds_or_off(value: Any) -> float:
@@ -221,6 +239,10 @@ PARSERS: dict[str, Any] = {
     "cdi_dir": _text,
     "cdi_kind": _cdi_kind,
     "cpu_affinity": _choice(CPU_AFFINITY),
+    "drain_check": _choice(ON_OFF),
+    "drain_memory_mib": _mib,
+    "drain_timeout": _seconds_or_off,
+    "default_compute_mode": _choice(COMPUTE_MODE_NAMES),
 }
 
 HELP = {
@@ -260,6 +282,12 @@ HELP = {
     "cdi_kind": "the CDI spec's kind (default nvidia.com/gpu)",
     "cpu_affinity": "off, hint (default: the GPUs' local CPUs and NUMA nodes in the container's environment) or"
     " enforce (also a cpuset holding the container to them); docs/affinity.md",
+    "drain_check": "on (default): a released GPU is handed out again only when NVML shows no process on it"
+    " and little memory in use, after its clocks and compute mode are reset; off: at once (docs/handover.md)",
+    "drain_memory_mib": "memory in use, in MiB, from which a released GPU counts as busy (default 256)",
+    "drain_timeout": "seconds after which a GPU still draining is reported unhealthy (default 600; 0: never)",
+    "default_compute_mode": "compute mode a released GPU is set back to: DEFAULT (default), EXCLUSIVE_PROCESS"
+    " or PROHIBITED",
 }
 
 

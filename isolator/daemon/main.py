@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 from isolator.core.service import IsolatorService
 from isolator.daemon.config import Config
 from isolator.errors import ConfigError, FailedPrecondition, GpusUnavailable, NvmlNotFound
-from isolator.model import AuditReport
+from isolator.model import COMPUTE_MODES, AuditReport
 from isolator.policy import gpuflags
 from isolator.transport.server import SidecarServer
 
@@ -180,7 +180,15 @@ def build_service(
             processes=ProcProcesses(),
             filesystem=LocalFilesystem(),
             clock=SystemClock(),
-            settings=Settings(mode=config.mode, policy=config.allocation_policy, cpu_affinity=config.cpu_affinity),
+            settings=Settings(
+                mode=config.mode,
+                policy=config.allocation_policy,
+                cpu_affinity=config.cpu_affinity,
+                drain_check=config.drain_check == "on",
+                drain_memory_bytes=config.drain_memory_mib << 20,
+                drain_timeout_s=config.drain_timeout,
+                default_compute_mode=COMPUTE_MODES[config.default_compute_mode],
+            ),
             cpus=cpus,
             cpusets=cpusets,
         )
@@ -444,6 +452,14 @@ class Reloader:
             self._server.set_allowed(config.allowed_uids, config.allowed_gids)
 
 
+def _drain_loop(recheck: Callable[[], None], stop: threading.Event, interval: float) -> None:
+    while not stop.wait(interval):
+        try:
+            recheck()
+        except Exception:
+            LOG.exception("re-checking the draining GPUs failed; retrying in %s s", interval)
+
+
 def _nvml_of(service: IsolatorService) -> Inventory | None:
     """The service's NVML inventory, or None on a node without GPUs (``--resources gpus:0``)."""
     from isolator.host.system import EmptyInventory
@@ -578,6 +594,10 @@ def _serve(config: Config, hup: threading.Event, reread: Callable[[], Config]) -
             reaped(len(service.reap_vanished()))
         except Exception:
             LOG.exception("the first reconciliation failed; the reaper retries in %s s", config.reap_interval)
+    if core.gpus and config.drain_check == "on":
+        # Draining GPUs are looked at again as often as the GPUs are probed (docs/handover.md).
+        recheck = (service.recheck_draining, stop, config.gpu_probe_interval)
+        threading.Thread(target=_drain_loop, args=recheck, name="drain", daemon=True).start()
     audit = AuditLoop(service.audit, metrics.audited if metrics is not None else _ignore)
     audit.start(config.audit_interval)
     serving = f"serving on {config.socket}"

@@ -19,6 +19,7 @@ import socket
 import socketserver
 import stat
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
@@ -124,6 +125,30 @@ class _ServiceCollector(Collector):
         for c in containers:
             held.add_metric([str(c.container_id)], len(c.gpu_minors))
         yield from (total, used, healthy, per_gpu, held)
+        # The handover check (docs/handover.md): free GPUs kept out because something still runs on them.
+        draining = GaugeMetricFamily(
+            f"{PREFIX}_gpus_draining",
+            "Free GPUs kept out by the handover check (draining, or drained past --drain-timeout)",
+        )
+        draining.add_metric([], sum(1 for g in gpus if g.drain_state))
+        per_drain = GaugeMetricFamily(
+            f"{PREFIX}_gpu_draining",
+            "1 while the GPU is kept out by the handover check; state: draining, or unhealthy past --drain-timeout",
+            labels=("gpu", "UUID", "minor", "state"),
+        )
+        drain_age = GaugeMetricFamily(
+            f"{PREFIX}_gpu_drain_seconds",
+            "How long the GPU has been draining (only GPUs that are)",
+            labels=("gpu", "UUID", "minor"),
+        )
+        now = time.time()
+        for g in gpus:
+            per_drain.add_metric(
+                [str(g.index), g.uuid, str(g.minor), g.drain_state or "free"], 1 if g.drain_state else 0
+            )
+            if g.drain_state:
+                drain_age.add_metric([str(g.index), g.uuid, str(g.minor)], max(0.0, now - g.drain_since))
+        yield from (draining, per_drain, drain_age)
         # MIG devices as units (docs/mig.md), per Mesos resource name (mig-<profile>).
         offered: dict[str, list[int]] = {}
         for g in gpus:

@@ -25,7 +25,21 @@ import pynvml
 
 from isolator.errors import GpuNotFound, NvmlError, NvmlNotFound
 from isolator.gpu.xids import DEFAULT_IGNORED_XIDS
-from isolator.model import Gpu, GpuHealth, GpuRecord, GpuUsageSample, HealthEvent, Link, MigDevice, PcieLevel, Topology
+from isolator.model import (
+    Gpu,
+    GpuHealth,
+    GpuProcess,
+    GpuRecord,
+    GpuUsageSample,
+    HealthEvent,
+    Link,
+    MigDevice,
+    Occupancy,
+    PcieLevel,
+    ResetStep,
+    Topology,
+    compute_mode_name,
+)
 
 LOG = logging.getLogger(__name__)
 
@@ -549,6 +563,115 @@ class Inventory:
             gpu_utilization=int(util.gpu),
             memory_utilization=int(util.memory),
         )
+
+    # ---- handover: what runs on a GPU, and resetting what a container changed --------------------
+
+    def _live_handle(self, index: int) -> object:
+        with self._lock:
+            handle = self._handles.get(index)
+        if handle is None:
+            raise GpuNotFound(op="find GPU", target=str(index), cause="not managed by this sidecar or lost")
+        return handle
+
+    def occupancy(self, index: int) -> Occupancy:
+        """nvidia-smi's "Processes" table and memory.used for GPU ``index``. Raises NvmlError when
+        NVML cannot say (the caller fails closed)."""
+        handle = self._live_handle(index)
+        target = f"GPU {index}"
+        procs: list[GpuProcess] = []
+        for kind, v3, v2 in (
+            ("compute", pynvml.nvmlDeviceGetComputeRunningProcesses_v3, pynvml.nvmlDeviceGetComputeRunningProcesses_v2),
+            (
+                "graphics",
+                pynvml.nvmlDeviceGetGraphicsRunningProcesses_v3,
+                pynvml.nvmlDeviceGetGraphicsRunningProcesses_v2,
+            ),
+        ):
+            try:
+                try:
+                    found = v3(handle)
+                except pynvml.NVMLError_FunctionNotFound:
+                    found = v2(handle)  # drivers before R510 have no _v3 (same struct)
+            except pynvml.NVMLError_NotSupported:
+                if kind == "compute":
+                    raise NvmlError(
+                        op="list compute processes", target=target, cause="not supported", call=v3.__name__
+                    ) from None
+                found = []  # a GPU without graphics (some datacenter boards) runs no graphics process
+            except pynvml.NVMLError as exc:
+                raise NvmlError(
+                    op=f"list {kind} processes", target=target, cause=str(exc), nvml_code=exc.value, call=v3.__name__
+                ) from exc
+            procs += [GpuProcess(int(p.pid), int(p.usedGpuMemory or 0), kind) for p in found]
+        try:
+            # v2 reports memory the driver reserves apart from "used" (nvidia-smi shows v2's used);
+            # v1's used includes it, hundreds of MiB on recent GPUs with nothing running.
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+        except pynvml.NVMLError_FunctionNotFound:
+            memory = self._call("query memory", target, pynvml.nvmlDeviceGetMemoryInfo, handle)
+        except pynvml.NVMLError as exc:
+            raise NvmlError(
+                op="query memory", target=target, cause=str(exc), nvml_code=exc.value, call="nvmlDeviceGetMemoryInfo_v2"
+            ) from exc
+        return Occupancy(tuple(procs), int(memory.used), int(memory.total))
+
+    def reset_settings(self, index: int, compute_mode: int) -> tuple[ResetStep, ...]:
+        """Set GPU ``index``'s application clocks back to their defaults and its compute mode to
+        ``compute_mode`` where they differ (nvidia-smi -rac, nvidia-smi -c). Each step says what it
+        found and did; an NVML failure is reported in its step (GpuNotFound only for a GPU without a
+        handle: lost, or not managed)."""
+        handle = self._live_handle(index)
+        return (self._reset_clocks(handle), self._reset_compute_mode(handle, compute_mode))
+
+    @staticmethod
+    def _error_name(exc: pynvml.NVMLError) -> str:
+        return {
+            pynvml.NVML_ERROR_NO_PERMISSION: "NO_PERMISSION",
+            pynvml.NVML_ERROR_NOT_SUPPORTED: "NOT_SUPPORTED",
+            pynvml.NVML_ERROR_FUNCTION_NOT_FOUND: "FUNCTION_NOT_FOUND",
+            pynvml.NVML_ERROR_GPU_IS_LOST: "GPU_IS_LOST",
+        }.get(exc.value, f"NVML error {exc.value}")
+
+    def _reset_clocks(self, handle: object) -> ResetStep:
+        what = "application clocks"
+        try:
+            now = (
+                pynvml.nvmlDeviceGetApplicationsClock(handle, pynvml.NVML_CLOCK_GRAPHICS),
+                pynvml.nvmlDeviceGetApplicationsClock(handle, pynvml.NVML_CLOCK_MEM),
+            )
+            default = (
+                pynvml.nvmlDeviceGetDefaultApplicationsClock(handle, pynvml.NVML_CLOCK_GRAPHICS),
+                pynvml.nvmlDeviceGetDefaultApplicationsClock(handle, pynvml.NVML_CLOCK_MEM),
+            )
+        except pynvml.NVMLError as exc:
+            if exc.value in (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
+                # No application clocks on this GPU: nothing a container could have changed.
+                return ResetStep(what, "not supported", "not supported", False)
+            return ResetStep(what, "unknown", "", False, f"failed to read them: {exc}", self._error_name(exc))
+        before = f"graphics {now[0]} MHz, memory {now[1]} MHz"
+        if now == default:
+            return ResetStep(what, before, before, False)
+        try:
+            pynvml.nvmlDeviceResetApplicationsClocks(handle)
+        except pynvml.NVMLError as exc:
+            return ResetStep(what, before, "", False, str(exc), self._error_name(exc))
+        return ResetStep(what, before, f"graphics {default[0]} MHz, memory {default[1]} MHz", True)
+
+    def _reset_compute_mode(self, handle: object, mode: int) -> ResetStep:
+        what = "compute mode"
+        try:
+            now = int(pynvml.nvmlDeviceGetComputeMode(handle))
+        except pynvml.NVMLError as exc:
+            if exc.value in (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
+                return ResetStep(what, "not supported", "not supported", False)
+            return ResetStep(what, "unknown", "", False, f"failed to read it: {exc}", self._error_name(exc))
+        if now == mode:
+            return ResetStep(what, compute_mode_name(now), compute_mode_name(now), False)
+        try:
+            pynvml.nvmlDeviceSetComputeMode(handle, mode)
+        except pynvml.NVMLError as exc:
+            return ResetStep(what, compute_mode_name(now), "", False, str(exc), self._error_name(exc))
+        return ResetStep(what, compute_mode_name(now), compute_mode_name(mode), True)
 
     # ---- health ----------------------------------------------------------------------------
 

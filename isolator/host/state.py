@@ -40,14 +40,14 @@ from isolator.errors import (
     StateReadOnly,
     StateStorageFull,
 )
-from isolator.model import ContainerId, ContainerRecord
+from isolator.model import ContainerId, ContainerRecord, DrainRecord
 
 LOG = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 DB_FILE = "allocations.sqlite3"
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 # The oldest schema whose sidecar reads and writes a store of SCHEMA_VERSION correctly. An additive
 # migration (new tables or columns that an older sidecar may ignore: rows tied to a container by
 # ON DELETE CASCADE, columns with defaults; and newer code that copes with rows an older sidecar
@@ -122,6 +122,21 @@ CREATE TABLE schema_meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL) WITHOUT 
 def backup_path(directory: str, version: int) -> str:
     """Where an upgrade keeps the store as it was at schema ``version`` before migrating it."""
     return os.path.join(directory, f"{DB_FILE}.schema-{version}.bak")
+
+
+# Version 5: GPUs kept out by the handover check (docs/handover.md), so a restart keeps them out
+# and keeps their drain clock. Not tied to a container: the container is gone when a GPU drains. Additive.
+_SCHEMA_V5 = """
+CREATE TABLE drain (
+    minor       INTEGER PRIMARY KEY CHECK (minor >= 0),
+    since       REAL NOT NULL,
+    since_mono  REAL NOT NULL,
+    reason      TEXT NOT NULL,
+    pids        TEXT NOT NULL,  -- JSON list
+    memory_used INTEGER NOT NULL,
+    timed_out   INTEGER NOT NULL CHECK (timed_out IN (0, 1))
+) WITHOUT ROWID;
+"""
 
 
 def _key(cid: ContainerId) -> str:
@@ -206,6 +221,9 @@ class StateStore:
                 self._db.execute(_SCHEMA_V3)
             if version <= 3:
                 for statement in _split_sql(_SCHEMA_V4):
+                    self._db.execute(statement)
+            if version <= 4:
+                for statement in _split_sql(_SCHEMA_V5):
                     self._db.execute(statement)
             self._db.execute("INSERT OR REPLACE INTO schema_meta VALUES ('min_schema', ?)", (MIN_SCHEMA,))
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
@@ -370,7 +388,40 @@ class StateStore:
 
         return self._write("remove container", write)
 
+    def set_drain(self, rec: DrainRecord) -> None:
+        """Record (or replace) GPU ``rec.minor``'s drain row."""
+        if isinstance(rec.minor, bool) or not isinstance(rec.minor, int) or rec.minor < 0:
+            raise InvalidArgument(f"GPU minor {rec.minor!r} is not a non-negative integer")
+        row = (
+            rec.minor,
+            rec.since,
+            rec.since_mono,
+            rec.reason,
+            json.dumps(list(rec.pids)),
+            rec.memory_used,
+            int(rec.timed_out),
+        )
+
+        def write(db: sqlite3.Connection) -> None:
+            db.execute("INSERT OR REPLACE INTO drain VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+
+        self._write("record drain", write)
+
+    def clear_drain(self, minor: int) -> None:
+        def write(db: sqlite3.Connection) -> None:
+            db.execute("DELETE FROM drain WHERE minor = ?", (minor,))
+
+        self._write("clear drain", write)
+
     # ---- reads ----------------------------------------------------------------------------------
+
+    def drains(self) -> dict[int, DrainRecord]:
+        with self._reading("read drains") as db:
+            rows = db.execute("SELECT minor, since, since_mono, reason, pids, memory_used, timed_out FROM drain")
+            return {
+                m: DrainRecord(m, since, mono, reason, tuple(json.loads(pids)), used, bool(timed_out))
+                for m, since, mono, reason, pids, used, timed_out in rows
+            }
 
     def mig_holders(self) -> dict[str, tuple[ContainerId, int]]:
         """MIG UUID -> (the container that holds it, its parent GPU's minor)."""

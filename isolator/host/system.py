@@ -135,5 +135,11 @@ class EmptyInventory:
     def on_health_change(self, callback: Callable[[Any], None]) -> None:
         pass
 
+    def occupancy(self, index: int) -> Any:
+        raise NotFound(f"GPU {index} is not managed by this sidecar")
+
+    def reset_settings(self, index: int, compute_mode: int) -> tuple[Any, ...]:
+        return ()
+
     def close(self) -> None:
         pass

@@ -988,6 +988,7 @@ class Allocator:
         self.limits = limits or SearchLimits()
         self._allocated: set[int] = set()
         self._unhealthy: set[int] = set()
+        self._draining: set[int] = set()  # free but failing the handover check (docs/handover.md)
 
     @property
     def total(self) -> frozenset[int]:
@@ -1002,13 +1003,22 @@ class Allocator:
         return frozenset(self._unhealthy)
 
     @property
+    def draining(self) -> frozenset[int]:
+        return frozenset(self._draining)
+
+    @property
     def available(self) -> frozenset[int]:
-        """Free and healthy: what a new request may get."""
-        return self.total - self._allocated - self._unhealthy
+        """Free, healthy and not draining: what a new request may get."""
+        return self.total - self._allocated - self._unhealthy - self._draining
 
     def set_healthy(self, minor: int, healthy: bool) -> None:
         _known(self.fabric, (minor,))
         (self._unhealthy.discard if healthy else self._unhealthy.add)(minor)
+
+    def set_draining(self, minor: int, draining: bool) -> None:
+        """A GPU something still runs on after its container (docs/handover.md) is not handed out."""
+        _known(self.fabric, (minor,))
+        (self._draining.add if draining else self._draining.discard)(minor)
 
     def allocate(self, count: object, *, holding: Iterable[int] = ()) -> Choice:
         """Choose and book ``count`` GPUs. ``holding``: the GPUs the container already has (a grow);
@@ -1020,9 +1030,11 @@ class Allocator:
             raise GpusNotAvailable(gpus=sorted(self._unhealthy & held), reason="unhealthy")
         free = self.available
         if n > len(free):
+            draining = self._draining - self._allocated - self._unhealthy
             raise GpusExhausted(
                 f"Requested {n} gpus but only {len(free)} available"
-                + (f" ({len(self._unhealthy - self._allocated)} more are unhealthy)" if self._unhealthy else ""),
+                + (f" ({len(self._unhealthy - self._allocated)} more are unhealthy)" if self._unhealthy else "")
+                + (f" ({len(draining)} more are draining: {sorted(draining)})" if draining else ""),
                 requested=n,
                 available=len(free),
             )
@@ -1046,6 +1058,9 @@ class Allocator:
         sick = sorted(want & self._unhealthy)
         if sick:
             raise GpusNotAvailable(gpus=sick, reason="unhealthy")
+        busy = sorted(want & self._draining)
+        if busy:
+            raise GpusNotAvailable(gpus=busy, reason="draining")
         self._allocated |= want
         return want
 

@@ -403,7 +403,7 @@ class CleanupResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GpuInfo(_message.Message):
-    __slots__ = ("index", "minor", "uuid", "name", "pci_bus_id", "memory_total_bytes", "numa_node", "cpu_affinity", "healthy", "last_xid", "last_xid_time", "health_reason", "holder", "mig_enabled", "mig_devices")
+    __slots__ = ("index", "minor", "uuid", "name", "pci_bus_id", "memory_total_bytes", "numa_node", "cpu_affinity", "healthy", "last_xid", "last_xid_time", "health_reason", "holder", "mig_enabled", "mig_devices", "drain_state", "drain_since", "drain_pids", "drain_reason", "drain_memory_used_bytes", "last_reset")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     MINOR_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
@@ -419,6 +419,12 @@ class GpuInfo(_message.Message):
     HOLDER_FIELD_NUMBER: _ClassVar[int]
     MIG_ENABLED_FIELD_NUMBER: _ClassVar[int]
     MIG_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_STATE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_SINCE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_PIDS_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_REASON_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAST_RESET_FIELD_NUMBER: _ClassVar[int]
     index: int
     minor: int
     uuid: str
@@ -434,7 +440,13 @@ class GpuInfo(_message.Message):
     holder: str
     mig_enabled: bool
     mig_devices: _containers.RepeatedCompositeFieldContainer[MigDeviceInfo]
-    def __init__(self, index: _Optional[int] = ..., minor: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., pci_bus_id: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., numa_node: _Optional[int] = ..., cpu_affinity: _Optional[str] = ..., healthy: _Optional[bool] = ..., last_xid: _Optional[int] = ..., last_xid_time: _Optional[float] = ..., health_reason: _Optional[str] = ..., holder: _Optional[str] = ..., mig_enabled: _Optional[bool] = ..., mig_devices: _Optional[_Iterable[_Union[MigDeviceInfo, _Mapping]]] = ...) -> None: ...
+    drain_state: str
+    drain_since: float
+    drain_pids: _containers.RepeatedScalarFieldContainer[int]
+    drain_reason: str
+    drain_memory_used_bytes: int
+    last_reset: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, index: _Optional[int] = ..., minor: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., pci_bus_id: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., numa_node: _Optional[int] = ..., cpu_affinity: _Optional[str] = ..., healthy: _Optional[bool] = ..., last_xid: _Optional[int] = ..., last_xid_time: _Optional[float] = ..., health_reason: _Optional[str] = ..., holder: _Optional[str] = ..., mig_enabled: _Optional[bool] = ..., mig_devices: _Optional[_Iterable[_Union[MigDeviceInfo, _Mapping]]] = ..., drain_state: _Optional[str] = ..., drain_since: _Optional[float] = ..., drain_pids: _Optional[_Iterable[int]] = ..., drain_reason: _Optional[str] = ..., drain_memory_used_bytes: _Optional[int] = ..., last_reset: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class MigDeviceInfo(_message.Message):
     __slots__ = ("uuid", "profile", "resource", "gpu_instance_id", "compute_instance_id", "memory_total_bytes", "caps_minors", "slot", "holder")
@@ -663,3 +675,25 @@ class AuditResponse(_message.Message):
     repaired: _containers.RepeatedScalarFieldContainer[str]
     repairs_total: int
     def __init__(self, checked: _Optional[int] = ..., repaired: _Optional[_Iterable[str]] = ..., repairs_total: _Optional[int] = ...) -> None: ...
+
+class UndrainRequest(_message.Message):
+    __slots__ = ("gpu",)
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    gpu: str
+    def __init__(self, gpu: _Optional[str] = ...) -> None: ...
+
+class UndrainResponse(_message.Message):
+    __slots__ = ("index", "minor", "uuid", "was", "detail", "reset")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    MINOR_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    WAS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    minor: int
+    uuid: str
+    was: str
+    detail: str
+    reset: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, index: _Optional[int] = ..., minor: _Optional[int] = ..., uuid: _Optional[str] = ..., was: _Optional[str] = ..., detail: _Optional[str] = ..., reset: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -449,6 +449,11 @@ class AdminStub:
                 request_serializer=gpuisolator_dot_v1_dot_isolator__pb2.AuditRequest.SerializeToString,
                 response_deserializer=gpuisolator_dot_v1_dot_isolator__pb2.AuditResponse.FromString,
                 _registered_method=True)
+        self.Undrain = channel.unary_unary(
+                '/gpuisolator.v1.Admin/Undrain',
+                request_serializer=gpuisolator_dot_v1_dot_isolator__pb2.UndrainRequest.SerializeToString,
+                response_deserializer=gpuisolator_dot_v1_dot_isolator__pb2.UndrainResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -502,6 +507,12 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Undrain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -544,6 +555,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Audit,
                     request_deserializer=gpuisolator_dot_v1_dot_isolator__pb2.AuditRequest.FromString,
                     response_serializer=gpuisolator_dot_v1_dot_isolator__pb2.AuditResponse.SerializeToString,
+            ),
+            'Undrain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Undrain,
+                    request_deserializer=gpuisolator_dot_v1_dot_isolator__pb2.UndrainRequest.FromString,
+                    response_serializer=gpuisolator_dot_v1_dot_isolator__pb2.UndrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -762,6 +778,33 @@ class Admin:
             '/gpuisolator.v1.Admin/Audit',
             gpuisolator_dot_v1_dot_isolator__pb2.AuditRequest.SerializeToString,
             gpuisolator_dot_v1_dot_isolator__pb2.AuditResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Undrain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuisolator.v1.Admin/Undrain',
+            gpuisolator_dot_v1_dot_isolator__pb2.UndrainRequest.SerializeToString,
+            gpuisolator_dot_v1_dot_isolator__pb2.UndrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -18,6 +18,12 @@
  *   absent  lines "<index>": GPUs unbound from the driver. NVML no longer enumerates them (the
  *           others are renumbered, as NVML does) and calls on their old handles fail GPU_IS_LOST.
  *   usage   lines "<index> <memory-used-bytes> <gpu-util-%> <memory-util-%>".
+ *   processes  lines "<index> <pid> <used-bytes> <compute|graphics>": processes running on a GPU
+ *           (nvmlDeviceGet{Compute,Graphics}RunningProcesses); their memory adds to memory used.
+ *   settings   lines "<index> <compute-mode> <app-graphics-MHz> <app-memory-MHz>": what a
+ *           container (or the sidecar, through the setters here) changed; absent: the defaults
+ *           (compute mode DEFAULT, DEFAULT_APP_GRAPHICS_MHZ / DEFAULT_APP_MEMORY_MHZ). The setters
+ *           rewrite this file (atomically), so the test that reads it sees what the sidecar did.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -29,6 +35,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #define EXPORT __attribute__((visibility("default")))
 
@@ -38,6 +45,7 @@ enum {
     NVML_ERROR_UNINITIALIZED = 1,
     NVML_ERROR_INVALID_ARGUMENT = 2,
     NVML_ERROR_NOT_SUPPORTED = 3,
+    NVML_ERROR_NO_PERMISSION = 4,
     NVML_ERROR_NOT_FOUND = 6,
     NVML_ERROR_INSUFFICIENT_SIZE = 7,
     NVML_ERROR_DRIVER_NOT_LOADED = 9,
@@ -53,6 +61,13 @@ enum {
 #define NVML_EVENT_SBE 0x1ULL
 #define NVML_EVENT_DBE 0x2ULL
 #define NO_INSTANCE 0xFFFFFFFFu
+#define MAX_PROCS 64
+/* Application clocks a GPU boots with (V100-SXM2's defaults; nvidia-smi -q -d CLOCK "Default Applications Clocks"). */
+#define DEFAULT_APP_GRAPHICS_MHZ 1312u
+#define DEFAULT_APP_MEMORY_MHZ 877u
+/* nvmlComputeMode_t, nvmlClockType_t (nvml.h). */
+enum { COMPUTEMODE_DEFAULT = 0, COMPUTEMODE_EXCLUSIVE_THREAD = 1, COMPUTEMODE_PROHIBITED = 2, COMPUTEMODE_EXCLUSIVE_PROCESS = 3 };
+enum { CLOCK_GRAPHICS = 0, CLOCK_SM = 1, CLOCK_MEM = 2, CLOCK_VIDEO = 3 };
 
 /* Struct layouts exactly as nvml.h (and pynvml's ctypes mirrors). */
 typedef struct {
@@ -83,6 +98,21 @@ typedef struct {
     unsigned int gpu;
     unsigned int memory;
 } nvmlUtilization_t;
+
+/* nvmlProcessInfo_v1_t: what the unversioned nvmlDevice*RunningProcesses fill. */
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+} nvmlProcessInfo_v1_t;
+
+/* nvmlProcessInfo_v2_t, which nvml.h also names nvmlProcessInfo_t for the _v2 and _v3 calls
+ * (pynvml's c_nvmlProcessInfo_v3_t is the same layout: 24 bytes, usedGpuMemory at offset 8). */
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlProcessInfo_v2_t;
 
 struct device;
 typedef struct device *nvmlDevice_t;
@@ -345,6 +375,87 @@ static int is_absent(int index) {
     return found;
 }
 
+/* Processes on GPU `index` of `kind` ("compute", "graphics", or NULL for both): up to `max` of them
+ * into pids/mem; returns how many there are in all. */
+static int processes_of(int index, const char *kind, unsigned int *pids, unsigned long long *mem, int max) {
+    FILE *fh = control_file("processes");
+    if (!fh) return 0;
+    char line[256], what[16];
+    int idx, n = 0;
+    unsigned int pid;
+    unsigned long long used;
+    while (fgets(line, sizeof line, fh)) {
+        if (sscanf(line, "%d %u %llu %15s", &idx, &pid, &used, what) != 4 || idx != index) continue;
+        if (kind && strcmp(kind, what) != 0) continue;
+        if (n < max) {
+            pids[n] = pid;
+            mem[n] = used;
+        }
+        n++;
+    }
+    fclose(fh);
+    return n;
+}
+
+static unsigned long long process_memory(int index) {
+    unsigned int pids[MAX_PROCS];
+    unsigned long long mem[MAX_PROCS], total = 0;
+    int n = processes_of(index, NULL, pids, mem, MAX_PROCS);
+    for (int i = 0; i < n && i < MAX_PROCS; i++) total += mem[i];
+    return total;
+}
+
+/* What GPU `index` runs with now: compute mode and application clocks (control/settings). */
+struct settings {
+    unsigned int compute_mode, graphics, memory;
+};
+
+static struct settings settings_of(int index) {
+    struct settings out = {COMPUTEMODE_DEFAULT, DEFAULT_APP_GRAPHICS_MHZ, DEFAULT_APP_MEMORY_MHZ};
+    FILE *fh = control_file("settings");
+    if (!fh) return out;
+    char line[256];
+    int idx;
+    unsigned int mode, g, m;
+    while (fgets(line, sizeof line, fh)) {
+        if (sscanf(line, "%d %u %u %u", &idx, &mode, &g, &m) == 4 && idx == index) {
+            out.compute_mode = mode;
+            out.graphics = g;
+            out.memory = m;
+        }
+    }
+    fclose(fh);
+    return out;
+}
+
+/* Replace GPU `index`'s line in control/settings (tmp file + rename: a reader never sees half). */
+static int store_settings(int index, struct settings value) {
+    char path[PATH_MAX + 16], tmp[PATH_MAX + 32];
+    if (!st || !st->control[0]) return NVML_ERROR_UNKNOWN;
+    snprintf(path, sizeof path, "%s/settings", st->control);
+    snprintf(tmp, sizeof tmp, "%s/.settings.%d", st->control, (int)getpid());
+    pthread_mutex_lock(&lock);
+    FILE *out = fopen(tmp, "w");
+    if (!out) {
+        pthread_mutex_unlock(&lock);
+        return NVML_ERROR_UNKNOWN;
+    }
+    FILE *in = fopen(path, "r");
+    if (in) {
+        char line[256];
+        int idx;
+        while (fgets(line, sizeof line, in)) {
+            if (sscanf(line, "%d", &idx) == 1 && idx == index) continue;
+            fputs(line, out);
+        }
+        fclose(in);
+    }
+    fprintf(out, "%d %u %u %u\n", index, value.compute_mode, value.graphics, value.memory);
+    int rc = fclose(out) == 0 && rename(tmp, path) == 0 ? NVML_SUCCESS : NVML_ERROR_UNKNOWN;
+    pthread_mutex_unlock(&lock);
+    return rc;
+}
+
 /* The host index of the `visible`-th GPU NVML enumerates, or -1. */
 static int host_index(unsigned int visible) {
     unsigned int seen = 0;
@@ -430,6 +541,7 @@ EXPORT const char *nvmlErrorString(int result) {
     case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
     case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
     case NVML_ERROR_NOT_SUPPORTED: return "Not Supported";
+    case NVML_ERROR_NO_PERMISSION: return "Insufficient Permissions";
     case NVML_ERROR_NOT_FOUND: return "Not Found";
     case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
     case NVML_ERROR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
@@ -566,6 +678,7 @@ EXPORT int nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
     unsigned long long used;
     unsigned int gpu, mem;
     usage_of(device->is_mig ? -1 : device->index, &used, &gpu, &mem);
+    if (!device->is_mig) used += process_memory(device->index);
     if (used > device->memory_total) used = device->memory_total;
     memory->total = device->memory_total;
     memory->used = used;
@@ -662,6 +775,126 @@ EXPORT int nvmlDeviceGetNvLinkRemoteDeviceType(nvmlDevice_t device, unsigned int
     if (!type) return NVML_ERROR_INVALID_ARGUMENT;
     *type = l->remote_type;
     return NVML_SUCCESS;
+}
+
+/* ---- running processes, compute mode, application clocks ---------------------------------- */
+
+/* nvml.h's contract: with too small a buffer (or none), *count is set to the number needed and
+ * INSUFFICIENT_SIZE returned, unless there are none (SUCCESS, *count 0). */
+static int running_processes(nvmlDevice_t device, const char *kind, const char *call, unsigned int *count, void *infos,
+                             int version) {
+    DEVICE_CALL(device, call);
+    if (!count) return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned int pids[MAX_PROCS];
+    unsigned long long mem[MAX_PROCS];
+    int n = device->is_mig ? 0 : processes_of(device->index, kind, pids, mem, MAX_PROCS);
+    if (n > MAX_PROCS) n = MAX_PROCS;
+    if (!infos || *count < (unsigned int)n) {
+        int need = n > 0;
+        *count = (unsigned int)n;
+        return need ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_SUCCESS;
+    }
+    for (int i = 0; i < n; i++) {
+        if (version == 1) {
+            nvmlProcessInfo_v1_t *p = (nvmlProcessInfo_v1_t *)infos + i;
+            p->pid = pids[i];
+            p->usedGpuMemory = mem[i];
+        } else {
+            nvmlProcessInfo_v2_t *p = (nvmlProcessInfo_v2_t *)infos + i;
+            p->pid = pids[i];
+            p->usedGpuMemory = mem[i];
+            p->gpuInstanceId = NO_INSTANCE;
+            p->computeInstanceId = NO_INSTANCE;
+        }
+    }
+    *count = (unsigned int)n;
+    return NVML_SUCCESS;
+}
+
+EXPORT int nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *count, nvmlProcessInfo_v2_t *infos) {
+    return running_processes(device, "compute", "nvmlDeviceGetComputeRunningProcesses", count, infos, 3);
+}
+
+EXPORT int nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t device, unsigned int *count, nvmlProcessInfo_v2_t *infos) {
+    return running_processes(device, "compute", "nvmlDeviceGetComputeRunningProcesses", count, infos, 2);
+}
+
+EXPORT int nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t device, unsigned int *count, nvmlProcessInfo_v1_t *infos) {
+    return running_processes(device, "compute", "nvmlDeviceGetComputeRunningProcesses", count, infos, 1);
+}
+
+EXPORT int nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t device, unsigned int *count, nvmlProcessInfo_v2_t *infos) {
+    return running_processes(device, "graphics", "nvmlDeviceGetGraphicsRunningProcesses", count, infos, 3);
+}
+
+EXPORT int nvmlDeviceGetGraphicsRunningProcesses_v2(nvmlDevice_t device, unsigned int *count, nvmlProcessInfo_v2_t *infos) {
+    return running_processes(device, "graphics", "nvmlDeviceGetGraphicsRunningProcesses", count, infos, 2);
+}
+
+EXPORT int nvmlDeviceGetGraphicsRunningProcesses(nvmlDevice_t device, unsigned int *count, nvmlProcessInfo_v1_t *infos) {
+    return running_processes(device, "graphics", "nvmlDeviceGetGraphicsRunningProcesses", count, infos, 1);
+}
+
+EXPORT int nvmlDeviceGetComputeMode(nvmlDevice_t device, unsigned int *mode) {
+    DEVICE_CALL(device, "nvmlDeviceGetComputeMode");
+    if (!mode) return NVML_ERROR_INVALID_ARGUMENT;
+    if (device->is_mig) return NVML_ERROR_NOT_SUPPORTED;
+    *mode = settings_of(device->index).compute_mode;
+    return NVML_SUCCESS;
+}
+
+EXPORT int nvmlDeviceSetComputeMode(nvmlDevice_t device, unsigned int mode) {
+    DEVICE_CALL(device, "nvmlDeviceSetComputeMode");
+    if (device->is_mig) return NVML_ERROR_NOT_SUPPORTED;
+    if (mode == COMPUTEMODE_EXCLUSIVE_THREAD) return NVML_ERROR_NOT_SUPPORTED; /* removed since CUDA 8 */
+    if (mode != COMPUTEMODE_DEFAULT && mode != COMPUTEMODE_PROHIBITED && mode != COMPUTEMODE_EXCLUSIVE_PROCESS)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    struct settings now = settings_of(device->index);
+    now.compute_mode = mode;
+    return store_settings(device->index, now);
+}
+
+static int app_clock(nvmlDevice_t device, unsigned int type, unsigned int *mhz, int defaults, const char *call) {
+    DEVICE_CALL(device, call);
+    if (!mhz) return NVML_ERROR_INVALID_ARGUMENT;
+    if (device->is_mig) return NVML_ERROR_NOT_SUPPORTED;
+    struct settings now = settings_of(device->index);
+    unsigned int graphics = defaults ? DEFAULT_APP_GRAPHICS_MHZ : now.graphics;
+    unsigned int memory = defaults ? DEFAULT_APP_MEMORY_MHZ : now.memory;
+    switch (type) {
+    case CLOCK_GRAPHICS:
+    case CLOCK_SM: *mhz = graphics; return NVML_SUCCESS;
+    case CLOCK_MEM: *mhz = memory; return NVML_SUCCESS;
+    case CLOCK_VIDEO: return NVML_ERROR_NOT_SUPPORTED;
+    default: return NVML_ERROR_INVALID_ARGUMENT;
+    }
+}
+
+EXPORT int nvmlDeviceGetApplicationsClock(nvmlDevice_t device, unsigned int type, unsigned int *mhz) {
+    return app_clock(device, type, mhz, 0, "nvmlDeviceGetApplicationsClock");
+}
+
+EXPORT int nvmlDeviceGetDefaultApplicationsClock(nvmlDevice_t device, unsigned int type, unsigned int *mhz) {
+    return app_clock(device, type, mhz, 1, "nvmlDeviceGetDefaultApplicationsClock");
+}
+
+EXPORT int nvmlDeviceSetApplicationsClocks(nvmlDevice_t device, unsigned int memory, unsigned int graphics) {
+    DEVICE_CALL(device, "nvmlDeviceSetApplicationsClocks");
+    if (device->is_mig) return NVML_ERROR_NOT_SUPPORTED;
+    if (memory == 0 || graphics == 0) return NVML_ERROR_INVALID_ARGUMENT;
+    struct settings now = settings_of(device->index);
+    now.graphics = graphics;
+    now.memory = memory;
+    return store_settings(device->index, now);
+}
+
+EXPORT int nvmlDeviceResetApplicationsClocks(nvmlDevice_t device) {
+    DEVICE_CALL(device, "nvmlDeviceResetApplicationsClocks");
+    if (device->is_mig) return NVML_ERROR_NOT_SUPPORTED;
+    struct settings now = settings_of(device->index);
+    now.graphics = DEFAULT_APP_GRAPHICS_MHZ;
+    now.memory = DEFAULT_APP_MEMORY_MHZ;
+    return store_settings(device->index, now);
 }
 
 /* ---- MIG ------------------------------------------------------------------------------------- */

@@ -1,11 +1,13 @@
 """A simulated GPU host under one root directory: the fake NVML, its state, /proc and /dev.
 
-It lays the host out and steers it at run time (XIDs, failing calls, usage); it never reads the
-state back. The layout under ``root``:
+It lays the host out and steers it at run time (XIDs, failing calls, usage, processes, clocks and
+compute mode); it reads back only what the sidecar may change through NVML (``settings``). The
+layout under ``root``:
 
     nvml/libnvidia-ml.so.1   a private copy of the fake NVML (each copy serves its own host)
     nvml/fakenvml.state      what the library reports (render_state)
-    nvml/control/            fail, events, usage, absent: re-read by the library on every call;
+    nvml/control/            fail, events, usage, absent, processes, settings: re-read by the library
+                             on every call (the library rewrites ``settings`` when told to set);
                              uevents: kernel device events for the daemon (isolator/gpu/uevents.py)
     proc/driver/nvidia-caps/mig-minors
     dev/                     nvidia<minor>, nvidiactl, nvidia-uvm..., nvidia-caps/ (mknod, root only)
@@ -27,6 +29,10 @@ from isolator.simhost.host import HostSpec, load_host, mig_minors_text, render_s
 
 LOG = logging.getLogger(__name__)
 
+# The application clocks every simulated GPU boots with (fakenvml.c DEFAULT_APP_*_MHZ).
+DEFAULT_APP_GRAPHICS_MHZ = 1312
+DEFAULT_APP_MEMORY_MHZ = 877
+
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fakenvml.c")
 # `make build` puts the library here (the Makefile's FAKENVML).
 REPO_BUILD = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "build")
@@ -35,6 +41,7 @@ GCC_FLAGS = ["-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-fvisibility=hidden
 
 # nvmlReturn_t values a test may inject (nvml.h).
 NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_NO_PERMISSION = 4
 NVML_ERROR_DRIVER_NOT_LOADED = 9
 NVML_ERROR_GPU_IS_LOST = 15
 NVML_ERROR_UNKNOWN = 999
@@ -93,7 +100,7 @@ class SimulatedHost:
         os.makedirs(self.control_dir, exist_ok=True)
         self._install_library()
         self._write(self.state_path, render_state(self.spec, self.control_dir))
-        for name in ("fail", "usage", "absent", "uevents"):
+        for name in ("fail", "usage", "absent", "uevents", "processes"):
             if not os.path.exists(os.path.join(self.control_dir, name)):
                 self._write(os.path.join(self.control_dir, name), "")
         caps_dir = os.path.join(self.proc_root, "driver", "nvidia-caps")
@@ -166,6 +173,63 @@ class SimulatedHost:
         """What nvmlDeviceGetMemoryInfo (used) and nvmlDeviceGetUtilizationRates report for GPU ``index``."""
         self._check_index(index)
         self._append("usage", f"{index} {memory_used} {gpu_util} {memory_util}")
+
+    # ---- what a container leaves behind (docs/handover.md) ---------------------------------------
+
+    def start_process(self, index: int, pid: int, memory_used: int = 0, kind: str = "compute") -> None:
+        """A process appears on GPU ``index`` (nvmlDeviceGet{Compute,Graphics}RunningProcesses);
+        its ``memory_used`` bytes add to what nvmlDeviceGetMemoryInfo reports as used."""
+        self._check_index(index)
+        if kind not in ("compute", "graphics"):
+            raise SimHostError(f"unknown process kind {kind!r} (compute or graphics)")
+        self._append("processes", f"{index} {pid} {memory_used} {kind}")
+
+    def stop_process(self, index: int, pid: int | None = None) -> None:
+        """Process ``pid`` (every process when None) is gone from GPU ``index``; its memory is freed."""
+        self._check_index(index)
+        path = os.path.join(self.control_dir, "processes")
+        with open(path) as fh:
+            lines = fh.readlines()
+        kept = [
+            line
+            for line in lines
+            if not (line.split()[:1] == [str(index)] and (pid is None or line.split()[1:2] == [str(pid)]))
+        ]
+        self._write(path, "".join(kept))
+
+    def set_compute_mode(self, index: int, mode: int) -> None:
+        """A container ran ``nvidia-smi -c MODE`` (nvmlComputeMode_t: 0 DEFAULT, 2 PROHIBITED, 3 EXCLUSIVE_PROCESS)."""
+        current = self.settings(index)
+        self._set_settings(index, mode, current[1], current[2])
+
+    def set_application_clocks(self, index: int, graphics_mhz: int, memory_mhz: int) -> None:
+        """A container ran ``nvidia-smi -ac MEM,GRAPHICS``."""
+        current = self.settings(index)
+        self._set_settings(index, current[0], graphics_mhz, memory_mhz)
+
+    def settings(self, index: int) -> tuple[int, int, int]:
+        """GPU ``index``'s (compute mode, application graphics clock, application memory clock) now,
+        as the library reports them: what a test reads back after the sidecar reset them."""
+        self._check_index(index)
+        out = (0, DEFAULT_APP_GRAPHICS_MHZ, DEFAULT_APP_MEMORY_MHZ)
+        try:
+            with open(os.path.join(self.control_dir, "settings")) as fh:
+                for line in fh:
+                    parts = line.split()
+                    if len(parts) == 4 and parts[0] == str(index):
+                        out = (int(parts[1]), int(parts[2]), int(parts[3]))
+        except FileNotFoundError:
+            pass
+        return out
+
+    def _set_settings(self, index: int, mode: int, graphics: int, memory: int) -> None:
+        path = os.path.join(self.control_dir, "settings")
+        try:
+            with open(path) as fh:
+                lines = [line for line in fh if line.split()[:1] != [str(index)]]
+        except FileNotFoundError:
+            lines = []
+        self._write(path, "".join(lines) + f"{index} {mode} {graphics} {memory}\n")
 
     def inject_ecc(self, index: int, double_bit: bool = True) -> None:
         """Raise a double-bit (or single-bit) ECC error event on GPU ``index``."""
@@ -240,6 +304,7 @@ class SimulatedHost:
         self._pci_uevent(index, "change", driver=True)
 
     def clear(self) -> None:
-        """Drop injected failures and usage; events already delivered stay delivered."""
+        """Drop injected failures, usage and processes; events already delivered stay delivered."""
         self._write(os.path.join(self.control_dir, "fail"), "")
         self._write(os.path.join(self.control_dir, "usage"), "")
+        self._write(os.path.join(self.control_dir, "processes"), "")

@@ -7,7 +7,7 @@ tests as the real edge (tests/test_contracts.py); ``fake_service`` wires them al
     FakeCpusets      Cpusets         cpusets in memory, and the machine's CPUs (CpuTopology)
     FakeStore        StateStore      records in memory, the same refusals, fault points
     FakeVolumes      VolumeBuilder   volumes and their users in memory, fault points
-    FakeInventory    Inventory       GPUs of a shipped simulated host, XIDs and usage on demand
+    FakeInventory    Inventory       a shipped host's GPUs; XIDs, usage, processes, clocks, compute mode on demand
     FakeDeviceNodes  DeviceNodes     nvidiactl, nvidia-uvm(-tools), nvidia-caps numbers
     FakeProcesses    Processes       a pid table
     FakeFilesystem   Filesystem      directories by path

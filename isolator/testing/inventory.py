@@ -3,7 +3,9 @@
 Built from a ``Topology`` or from one of the simulated hosts shipped in isolator/simhost/hosts/
 (``FakeInventory.of_host("dgx-1")``), parsed only: no fake library, no device nodes, no root.
 Tests steer it as they steer the simulated host: ``xid(index, 79)`` makes a GPU unhealthy and
-tells subscribers, ``set_usage`` sets what ``usage`` answers, ``lose_nvml`` makes live calls fail.
+tells subscribers, ``set_usage`` sets what ``usage`` answers, ``lose_nvml`` makes live calls fail;
+``start_process``/``stop_process``, ``set_compute_mode``/``set_application_clocks``/``settings`` and
+``fail`` have the simulated host's names and meanings (what a container leaves behind on a GPU).
 """
 
 from __future__ import annotations
@@ -13,7 +15,32 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from isolator.errors import GpuNotFound, NvmlError
-from isolator.model import Gpu, GpuHealth, GpuRecord, GpuUsageSample, HealthEvent, Link, MigDevice, Topology
+from isolator.model import (
+    Gpu,
+    GpuHealth,
+    GpuProcess,
+    GpuRecord,
+    GpuUsageSample,
+    HealthEvent,
+    Link,
+    MigDevice,
+    Occupancy,
+    ResetStep,
+    Topology,
+    compute_mode_name,
+)
+
+# As isolator/simhost/fakenvml.c: the application clocks every GPU boots with.
+DEFAULT_APP_GRAPHICS_MHZ = 1312
+DEFAULT_APP_MEMORY_MHZ = 877
+_CODES = {3: "NOT_SUPPORTED", 4: "NO_PERMISSION", 9: "DRIVER_NOT_LOADED", 15: "GPU_IS_LOST", 999: "UNKNOWN"}
+_ERRORS = {  # nvmlErrorString
+    "NOT_SUPPORTED": "Not Supported",
+    "NO_PERMISSION": "Insufficient Permissions",
+    "DRIVER_NOT_LOADED": "Driver Not Loaded",
+    "GPU_IS_LOST": "GPU is lost",
+    "UNKNOWN": "Unknown Error",
+}
 
 
 class FakeInventory:
@@ -38,6 +65,9 @@ class FakeInventory:
             for g in topology.gpus
         }
         self._usage: dict[int, GpuUsageSample] = {}
+        self._processes: dict[int, list[GpuProcess]] = {}
+        self._settings: dict[int, tuple[int, int, int]] = {}  # compute mode, app graphics/memory MHz
+        self._fail: dict[tuple[int, str], str] = {}  # (index, NVML call) -> NVML error name
         self._callbacks: list[Callable[[HealthEvent], None]] = []
         self.nvml_lost = False
         self.closed = False
@@ -126,6 +156,44 @@ class FakeInventory:
         with self._lock:
             self._callbacks.append(callback)
 
+    def occupancy(self, index: int) -> Occupancy:
+        self._live("list compute processes", index)
+        self._injected(index, "nvmlDeviceGetComputeRunningProcesses", "list compute processes")
+        with self._lock:
+            if index not in self._records:
+                raise GpuNotFound(op="find GPU", target=str(index), cause="not managed by this sidecar")
+            procs = tuple(self._processes.get(index, ()))
+            total = self._records[index].gpu.memory_total
+            base = self._usage[index].memory_used if index in self._usage else 0
+        used = min(total, base + sum(p.used_memory for p in procs))
+        return Occupancy(procs, used, total)
+
+    def reset_settings(self, index: int, compute_mode: int) -> tuple[ResetStep, ...]:
+        self._live("reset settings", index)
+        with self._lock:
+            mode, graphics, memory = self._settings.get(index, (0, DEFAULT_APP_GRAPHICS_MHZ, DEFAULT_APP_MEMORY_MHZ))
+            clocks_failure = self._fail.get((index, "nvmlDeviceResetApplicationsClocks"))
+            mode_failure = self._fail.get((index, "nvmlDeviceSetComputeMode"))
+        steps = []
+        before = f"graphics {graphics} MHz, memory {memory} MHz"
+        default = f"graphics {DEFAULT_APP_GRAPHICS_MHZ} MHz, memory {DEFAULT_APP_MEMORY_MHZ} MHz"
+        if (graphics, memory) == (DEFAULT_APP_GRAPHICS_MHZ, DEFAULT_APP_MEMORY_MHZ):
+            steps.append(ResetStep("application clocks", before, before, False))
+        elif clocks_failure:
+            steps.append(ResetStep("application clocks", before, "", False, _ERRORS[clocks_failure], clocks_failure))
+        else:
+            self.set_application_clocks(index, DEFAULT_APP_GRAPHICS_MHZ, DEFAULT_APP_MEMORY_MHZ)
+            steps.append(ResetStep("application clocks", before, default, True))
+        name = compute_mode_name(mode)
+        if mode == compute_mode:
+            steps.append(ResetStep("compute mode", name, name, False))
+        elif mode_failure:
+            steps.append(ResetStep("compute mode", name, "", False, _ERRORS[mode_failure], mode_failure))
+        else:
+            self.set_compute_mode(index, compute_mode)
+            steps.append(ResetStep("compute mode", name, compute_mode_name(compute_mode), True))
+        return tuple(steps)
+
     def close(self) -> None:
         self.closed = True
 
@@ -148,6 +216,49 @@ class FakeInventory:
 
     def lose_nvml(self) -> None:
         self.nvml_lost = True
+
+    # ---- what a container leaves behind (the simulated host's steering, same names) ------------------
+
+    def start_process(self, index: int, pid: int, memory_used: int = 0, kind: str = "compute") -> None:
+        with self._lock:
+            self._processes.setdefault(index, []).append(GpuProcess(pid, memory_used, kind))
+
+    def stop_process(self, index: int, pid: int | None = None) -> None:
+        with self._lock:
+            self._processes[index] = [p for p in self._processes.get(index, []) if pid is not None and p.pid != pid]
+
+    def set_compute_mode(self, index: int, mode: int) -> None:
+        with self._lock:
+            _m, g, m = self._settings.get(index, (0, DEFAULT_APP_GRAPHICS_MHZ, DEFAULT_APP_MEMORY_MHZ))
+            self._settings[index] = (mode, g, m)
+
+    def set_application_clocks(self, index: int, graphics_mhz: int, memory_mhz: int) -> None:
+        with self._lock:
+            mode, _g, _m = self._settings.get(index, (0, DEFAULT_APP_GRAPHICS_MHZ, DEFAULT_APP_MEMORY_MHZ))
+            self._settings[index] = (mode, graphics_mhz, memory_mhz)
+
+    def settings(self, index: int) -> tuple[int, int, int]:
+        with self._lock:
+            return self._settings.get(index, (0, DEFAULT_APP_GRAPHICS_MHZ, DEFAULT_APP_MEMORY_MHZ))
+
+    def fail_gpu(self, index: int | None, call: str = "*", code: int = 15) -> None:
+        """As the simulated host's: ``call`` fails with nvmlReturn_t ``code`` for GPU ``index``
+        (the fake knows the handover calls: nvmlDeviceGetComputeRunningProcesses,
+        nvmlDeviceResetApplicationsClocks, nvmlDeviceSetComputeMode)."""
+        with self._lock:
+            self._fail[(-1 if index is None else index, call)] = _CODES.get(code, f"NVML error {code}")
+
+    def clear(self) -> None:
+        with self._lock:
+            self._fail.clear()
+            self._usage.clear()
+            self._processes.clear()
+
+    def _injected(self, index: int, call: str, op: str) -> None:
+        with self._lock:
+            name = self._fail.get((index, call)) or self._fail.get((index, "*"))
+        if name:
+            raise NvmlError(op=op, target=f"GPU {index}", cause=_ERRORS.get(name, name))
 
     def _live(self, op: str, index: int | None) -> None:
         if self.nvml_lost:

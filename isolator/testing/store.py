@@ -22,7 +22,7 @@ from isolator.errors import (
     StateError,
 )
 from isolator.host.state import CGROUP_VERSIONS, STATES
-from isolator.model import ContainerId, ContainerRecord
+from isolator.model import ContainerId, ContainerRecord, DrainRecord
 from isolator.testing.faults import Faults
 
 
@@ -31,6 +31,7 @@ class FakeStore:
         self.path = path
         self._lock = threading.Lock()
         self._records: dict[ContainerId, ContainerRecord] = {}
+        self._drains: dict[int, DrainRecord] = {}
         self.closed = False
         self.commits = 0  # successful writes: what the real store would fsync
         self.faults = Faults(lambda step, cid: StateError(op=step, path=self.path, cause="injected fault"))
@@ -112,7 +113,26 @@ class FakeStore:
             self.commits += 1
             return rec
 
+    def set_drain(self, rec: DrainRecord) -> None:
+        self.faults.check("set_drain")
+        if isinstance(rec.minor, bool) or not isinstance(rec.minor, int) or rec.minor < 0:
+            raise InvalidArgument(f"GPU minor {rec.minor!r} is not a non-negative integer")
+        with self._lock:
+            self._drains[rec.minor] = replace(rec, pids=tuple(rec.pids))
+            self.commits += 1
+
+    def clear_drain(self, minor: int) -> None:
+        self.faults.check("clear_drain")
+        with self._lock:
+            self._drains.pop(minor, None)
+            self.commits += 1
+
     # ---- reads --------------------------------------------------------------------------------------
+
+    def drains(self) -> dict[int, DrainRecord]:
+        self.faults.check("drains")
+        with self._lock:
+            return dict(self._drains)
 
     def get(self, cid: ContainerId) -> ContainerRecord | None:
         self.faults.check("get", cid)
@@ -146,6 +166,7 @@ class FakeStore:
     def lose_everything(self) -> None:
         with self._lock:
             self._records.clear()
+            self._drains.clear()
 
     # ---- internals ----------------------------------------------------------------------------------
 

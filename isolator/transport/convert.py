@@ -132,6 +132,18 @@ def gpu_info_to_proto(g: model.GpuInfo) -> pb.GpuInfo:
             )
             for m in g.mig_devices
         ],
+        drain_state=g.drain_state,
+        drain_since=g.drain_since,
+        drain_pids=g.drain_pids,
+        drain_reason=g.drain_reason,
+        drain_memory_used_bytes=g.drain_memory_used_bytes,
+        last_reset=g.last_reset,
+    )
+
+
+def undrained_to_proto(u: model.Undrained) -> pb.UndrainResponse:
+    return pb.UndrainResponse(
+        index=u.index, minor=u.minor, uuid=u.uuid, was=u.was, detail=u.detail, reset=list(u.reset)
     )
 
 

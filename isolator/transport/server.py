@@ -43,6 +43,7 @@ from isolator.transport.convert import (
     released_to_proto,
     resources_from_proto,
     topology_to_proto,
+    undrained_to_proto,
     usage_to_proto,
     volume_to_proto,
 )
@@ -235,6 +236,10 @@ class AdminServicer(pb_grpc.AdminServicer):
     def Audit(self, request: pb.AuditRequest, context: grpc.ServicerContext) -> pb.AuditResponse:
         report = self._service.audit()
         return pb.AuditResponse(checked=report.checked, repaired=report.repaired, repairs_total=report.repairs_total)
+
+    @_translate_errors
+    def Undrain(self, request: pb.UndrainRequest, context: grpc.ServicerContext) -> pb.UndrainResponse:
+        return undrained_to_proto(self._service.undrain(request.gpu))
 
 
 # ---- the Unix socket ----------------------------------------------------------------------------

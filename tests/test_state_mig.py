@@ -8,7 +8,7 @@ import sqlite3
 import pytest
 
 from isolator.errors import GpuAlreadyHeld
-from isolator.host.state import DB_FILE, SCHEMA_VERSION, StateStore
+from isolator.host.state import DB_FILE, SCHEMA_VERSION, TABLES_AFTER_2, StateStore
 from isolator.model import ContainerId, ContainerRecord
 
 A, B = ContainerId("a"), ContainerId("b")
@@ -76,7 +76,7 @@ def test_a_version_2_store_gains_the_cpuset_table_and_keeps_everything(tmp_path)
     with StateStore(str(tmp_path)) as store:
         store.record(ContainerRecord(A, frozenset({2}), created=1.0, mig=frozenset({("MIG-1", 0)})))
     db = sqlite3.connect(os.path.join(tmp_path, DB_FILE))
-    db.executescript("DROP TABLE cpuset; DROP TABLE schema_meta; PRAGMA user_version=2;")  # as version 2 left it
+    db.executescript("".join(f"DROP TABLE {t};" for t in TABLES_AFTER_2) + "PRAGMA user_version=2;")  # as 2 left it
     db.close()
     with StateStore(str(tmp_path)) as store:
         rec = store.get(A)

@@ -12,7 +12,7 @@ import sqlite3
 import pytest
 
 from isolator.errors import StateError, StateIncompatible
-from isolator.host.state import DB_FILE, MIN_SCHEMA, SCHEMA_VERSION, StateStore, backup_path
+from isolator.host.state import DB_FILE, MIN_SCHEMA, SCHEMA_VERSION, TABLES_AFTER_2, StateStore, backup_path
 from isolator.model import ContainerId, ContainerRecord
 
 A, B = ContainerId("a"), ContainerId("b")
@@ -96,7 +96,7 @@ def test_an_upgrade_keeps_a_copy_of_the_store_as_it_was_before_migrating(tmp_pat
     directory = str(tmp_path)
     _store_with_a(directory)
     old = MIN_SCHEMA  # a store as the previous schema left it: no compatibility record
-    _raw(directory, f"DROP TABLE schema_meta; DROP TABLE cpuset; PRAGMA user_version={old};")
+    _raw(directory, "".join(f"DROP TABLE {t};" for t in TABLES_AFTER_2) + f"PRAGMA user_version={old};")
     with StateStore(directory) as store:
         assert store.get(A).gpus == {1}
         store.record(ContainerRecord(B, gpus=frozenset({2})))

@@ -56,6 +56,8 @@ SCHEMA_VERSION = 5
 # raises it to its own SCHEMA_VERSION. 2: MIG devices as units (a schema-1 sidecar would not see
 # their holders). A new migration: bump SCHEMA_VERSION, add an `if version <= <previous>:` step.
 MIN_SCHEMA = 2
+# The tables schemas after 2 added, newest last (tests rewind a store to schema 2 by dropping them).
+TABLES_AFTER_2 = ("schema_meta", "cpuset", "drain")
 STATES = ("prepared", "isolated", "orphan")
 CGROUP_VERSIONS = (1, 2)
 

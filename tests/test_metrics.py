@@ -480,7 +480,8 @@ def test_draining_gpus_are_exported_with_their_state_and_age():
     text = generate_latest(Metrics(rig.service).registry).decode()
     uuid = rig.service.list_gpus().gpus[3].uuid
     assert "gpu_isolator_gpus_draining 1.0" in text
-    assert f'gpu_isolator_gpu_draining{{gpu="3",minor="3",state="draining",UUID="{uuid}"}} 1.0' in text
-    assert 'gpu_isolator_gpu_draining{gpu="2",minor="2",state="free"' in text
-    assert f'gpu_isolator_gpu_drain_seconds{{gpu="3",minor="3",UUID="{uuid}"}}' in text
-    assert 'gpu_isolator_gpu_drain_seconds{gpu="2"' not in text
+    assert f'gpu_isolator_gpu_draining{{UUID="{uuid}",gpu="3",minor="3",state="draining"}} 1.0' in text
+    assert 'gpu="2",minor="2",state="free"' in text
+    assert f'gpu_isolator_gpu_drain_seconds{{UUID="{uuid}",gpu="3",minor="3"}}' in text
+    ages = [line for line in text.splitlines() if line.startswith("gpu_isolator_gpu_drain_seconds{")]
+    assert len(ages) == 1 and 'gpu="3"' in ages[0], "only the draining GPU has an age"

@@ -29,11 +29,23 @@ proto-check: $(STAMP)
 FAKENVML := build/libnvidia-ml.so.1
 CFLAGS_FAKENVML := -shared -fPIC -O2 -g -Wall -Wextra -Werror -fvisibility=hidden -Wl,-soname,libnvidia-ml.so.1
 
-build: $(STAMP) $(FAKENVML)
+# The compiled bridge executable (isolator/bridge/bridge.c), a drop-in for the Python one that
+# `python -m isolator.bridge install DIR --compiled` installs; the version is the package's.
+BRIDGE := build/gpu-isolator-bridge
+BRIDGE_VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"$$/\1/p' isolator/__init__.py)
+CFLAGS_BRIDGE := -std=c11 -O2 -g -Wall -Wextra -Werror -Wpedantic -Wshadow -Wconversion -Wformat=2 \
+	-Wstrict-prototypes -Wmissing-prototypes -Wundef -Wcast-qual -Wwrite-strings -fstack-protector-strong \
+	-D_FORTIFY_SOURCE=2 -DBRIDGE_VERSION='"$(BRIDGE_VERSION)"'
+
+build: $(STAMP) $(FAKENVML) $(BRIDGE)
 
 $(FAKENVML): isolator/simhost/fakenvml.c
 	@mkdir -p build
 	gcc $(CFLAGS_FAKENVML) -o $@ $< -lpthread -ldl
+
+$(BRIDGE): isolator/bridge/bridge.c isolator/__init__.py
+	@mkdir -p build
+	gcc $(CFLAGS_BRIDGE) -o $@ $<
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check isolator volumes tests scripts

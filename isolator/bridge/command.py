@@ -206,7 +206,7 @@ sidecar's bridge socket: reads the request from IN, writes the answer to OUT, or
 and a non-zero exit status (1 refused, 2 usage, 3 unreachable, 4 deadline, 5 signal, 6 bug).
 
 Install it for an agent with
-    python -m isolator.bridge install /usr/libexec/gpu-isolator [--socket PATH] [--timeout S]
+    python -m isolator.bridge install /usr/libexec/gpu-isolator [--socket PATH] [--timeout S] [--compiled]
 which writes this launcher and one gpu-isolator-<method> link per method; name those paths in the
 agent's modules.json (README "Configuring a Mesos agent", docs/mesos-agent.md).
 
@@ -293,35 +293,80 @@ sys.exit(main(socket_path={socket!r}, timeout={timeout!r}))
 """
 
 
-def install(directory: str, socket_path: str = DEFAULT_SOCKET, timeout: float = DEFAULT_TIMEOUT) -> list[str]:
+# The compiled bridge (isolator/bridge/bridge.c) reads its settings from this file beside it; the
+# environment still wins over them, as over the Python launcher's.
+CONF_NAME = "gpu-isolator-bridge.conf"
+CONF_TEMPLATE = """\
+# Settings of the compiled gpu-isolator bridge beside this file, written by
+# `python -m isolator.bridge install --compiled`. GPU_ISOLATOR_BRIDGE_SOCKET and
+# GPU_ISOLATOR_BRIDGE_TIMEOUT override them.
+socket={socket}
+timeout={timeout!r}
+"""
+
+
+def compiled_bridge() -> str | None:
+    """The compiled bridge executable `make build` left in build/ beside the package, or None
+    (a wheel, or a checkout where no compiler ran)."""
+    import os
+
+    import isolator
+
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(isolator.__file__)))
+    path = os.path.join(package_root, "build", LAUNCHER)
+    return path if os.access(path, os.X_OK) else None
+
+
+def install(
+    directory: str,
+    socket_path: str = DEFAULT_SOCKET,
+    timeout: float = DEFAULT_TIMEOUT,
+    compiled: str | None = None,
+) -> list[str]:
     """Write the launcher and one ``gpu-isolator-<method>`` symlink per method into ``directory``.
 
-    The launcher runs this interpreter with -I -S and finds this package by absolute path.
-    Returns the paths an agent's modules.json names, launcher first.
+    The launcher is either a Python script that runs this interpreter with -I -S and finds this
+    package by absolute path, or, with ``compiled`` (the path of a built bridge.c, e.g.
+    ``compiled_bridge()``), a copy of that executable with ``gpu-isolator-bridge.conf`` beside it
+    holding the socket and the timeout. Returns the paths an agent's modules.json names, launcher first.
     """
     import os
+    import shutil
 
     import isolator
 
     if not 0 < timeout < 86400:
         raise ValueError(f"timeout {timeout} s must be above 0 and below a day")
+    if "\n" in socket_path or "\0" in socket_path:
+        raise ValueError(f"socket path {socket_path!r} holds a newline or a NUL")
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(isolator.__file__)))
     os.makedirs(directory, exist_ok=True)
     launcher = os.path.join(os.path.abspath(directory), LAUNCHER)
-    text = LAUNCHER_TEMPLATE.format(
-        python=sys.executable, package_root=package_root, socket=socket_path, timeout=float(timeout)
-    )
-    tmp = f"{launcher}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        fh.write(text)
-    os.chmod(tmp, 0o755)
-    os.replace(tmp, launcher)
+    conf = os.path.join(os.path.dirname(launcher), CONF_NAME)
+    pid = os.getpid()
+    if compiled is not None:
+        # The settings first: the binary without them would talk to the default socket.
+        with open(f"{conf}.tmp{pid}", "w") as fh:
+            fh.write(CONF_TEMPLATE.format(socket=socket_path, timeout=float(timeout)))
+        os.chmod(f"{conf}.tmp{pid}", 0o644)
+        os.replace(f"{conf}.tmp{pid}", conf)
+        shutil.copyfile(compiled, f"{launcher}.tmp{pid}")
+    else:
+        with open(f"{launcher}.tmp{pid}", "w") as fh:
+            fh.write(
+                LAUNCHER_TEMPLATE.format(
+                    python=sys.executable, package_root=package_root, socket=socket_path, timeout=float(timeout)
+                )
+            )
+        if os.path.lexists(conf):
+            os.unlink(conf)  # left by a compiled install; the Python launcher never reads it
+    os.chmod(f"{launcher}.tmp{pid}", 0o755)
+    os.replace(f"{launcher}.tmp{pid}", launcher)
     paths = [launcher]
     for method in METHODS:
         link = os.path.join(os.path.dirname(launcher), f"gpu-isolator-{method}")
-        tmp = f"{link}.tmp{os.getpid()}"
-        os.symlink(LAUNCHER, tmp)
-        os.replace(tmp, link)
+        os.symlink(LAUNCHER, f"{link}.tmp{pid}")
+        os.replace(f"{link}.tmp{pid}", link)
         paths.append(link)
     return paths
 
@@ -341,9 +386,21 @@ def _install_main(argv: list[str]) -> int:
         default=DEFAULT_TIMEOUT,
         help=f"seconds to wait for the sidecar; keep it below every isolator_<m>_timeout (default {DEFAULT_TIMEOUT:g})",
     )
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="install the compiled bridge (build/gpu-isolator-bridge, from `make build`) instead of the Python"
+        " launcher; where none was built, the Python launcher is installed and a line on stderr says so",
+    )
     args = parser.parse_args(argv)
+    binary = compiled_bridge() if args.compiled else None
+    if args.compiled and binary is None:
+        sys.stderr.write(
+            "gpu-isolator bridge install: no compiled bridge was built (`make build` needs gcc);"
+            " installing the Python launcher instead\n"
+        )
     try:
-        paths = install(args.directory, args.socket, args.timeout)
+        paths = install(args.directory, args.socket, args.timeout, compiled=binary)
     except (OSError, ValueError) as exc:
         sys.stderr.write(f"gpu-isolator bridge install: {exc}\n")
         return 1

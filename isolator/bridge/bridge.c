@@ -785,6 +785,10 @@ struct reply {
 static int call_once(const char *path, const char *method, const struct buf *payload, double deadline,
 		     double total, struct reply *reply, struct failure *f)
 {
+	if (deadline - monotonic() <= 0) {
+		late(f, path, total);
+		return CALL_FAILED;
+	}
 	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
 	if (fd < 0) {
 		fail(f, EXIT_INTERNAL, 0);

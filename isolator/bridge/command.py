@@ -115,27 +115,42 @@ def _write(path: str, data: bytes) -> None:
         raise Failure(EXIT_USAGE, f"failed to write output file '{path}': {exc.strerror}") from None
 
 
+class Shed(Failure):
+    """A RETRY reply: the sidecar shed the call without running it; ask again after ``pause`` s."""
+
+    def __init__(self, message: str, harmless_for_cleanup: bool, pause: float) -> None:
+        super().__init__(EXIT_REFUSED, message, harmless_for_cleanup)
+        self.pause = pause
+
+
+MAX_PAUSE = 0.5
+
+
 def call(path: str, method: str, payload: bytes, timeout: float) -> bytes:
     """Send one request to the bridge socket; the bytes for OUT, or Failure.
 
-    A RESOURCE_EXHAUSTED answer (the sidecar is at its bounds and did not run the call) is retried
-    with a growing pause until the deadline, so that load delays a call instead of failing it.
+    An ``ERROR`` reply is final. A ``RETRY <pause_ms>`` reply (the sidecar shed the call for load
+    and did not run it) is retried after a pause: the larger of the one asked for and twice the
+    last, at least 1 ms and at most MAX_PAUSE, until a pause would leave less than itself before
+    the deadline; then the call fails with the reply's code and message.
     """
     deadline = time.monotonic() + timeout
-    pause = 0.02
+    pause = 0.0
     while True:
         try:
             return _call_once(path, method, payload, deadline - time.monotonic(), timeout)
-        except Failure as failure:
-            if not failure.message.startswith("RESOURCE_EXHAUSTED:") or deadline - time.monotonic() < pause * 2:
-                raise
+        except Shed as shed:
+            pause = min(max(shed.pause, pause * 2, 0.001), MAX_PAUSE)
+            if deadline - time.monotonic() < pause * 2:
+                raise Failure(shed.status, shed.message, shed.harmless_for_cleanup) from None
         time.sleep(pause)
-        pause = min(pause * 2, 0.5)
 
 
 def _call_once(path: str, method: str, payload: bytes, timeout: float, total: float) -> bytes:
     deadline = time.monotonic() + timeout
     late = Failure(EXIT_DEADLINE, f"no answer from the sidecar at '{path}' within {total:g} s")
+    if timeout <= 0:
+        raise late  # a deadline too short to reach the sidecar at all (socket timeouts must be positive)
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
@@ -178,6 +193,12 @@ def _call_once(path: str, method: str, payload: bytes, timeout: float, total: fl
     if status.startswith(b"ERROR "):
         code, _, message = status[6:].decode("utf-8", "replace").partition(" ")
         raise Failure(EXIT_REFUSED, f"{code}: {message}", code in ("NOT_FOUND", "INVALID_ARGUMENT"))
+    if status.startswith(b"RETRY "):
+        pause_ms, _, rest = status[6:].partition(b" ")
+        code, space, message = rest.decode("utf-8", "replace").partition(" ")
+        if 0 < len(pause_ms) <= 9 and pause_ms.isdigit() and code and space:
+            harmless = code in ("NOT_FOUND", "INVALID_ARGUMENT")
+            raise Shed(f"{code}: {message}", harmless, int(pause_ms) / 1000)
     if not reply:
         raise Failure(EXIT_UNREACHABLE, f"the sidecar at '{path}' closed the connection without an answer")
     raise Failure(EXIT_UNREACHABLE, f"the sidecar at '{path}' answered something unintelligible: {status[:60]!r}")

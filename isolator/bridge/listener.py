@@ -9,7 +9,13 @@ server answers and closes.
 
     request  b"gpu-isolator-bridge/1 <method> <timeout_ms>\\n" + <the IN file's bytes, untouched>
     reply    b"OK\\n" + <the bytes for OUT, possibly empty>
-             b"ERROR <gRPC code name> <one-line message>\\n"
+             b"ERROR <gRPC code name> <one-line message>\\n"            final: never retried
+             b"RETRY <pause_ms> <gRPC code name> <one-line message>\\n" load shed, the call did not run
+
+A RETRY is asked again after pause_ms, the pause doubling up to 500 ms, until the client's deadline;
+then the client reports "<code>: <message>" as for an ERROR. Only load shedding answers RETRY (every
+slot taken); a RESOURCE_EXHAUSTED from the isolator itself ("no GPUs left") is an ERROR, since asking
+again cannot help and, with the module running one hook at a time, would stall the whole agent.
 
 The client forwards IN's bytes without parsing them and copies the reply into OUT verbatim, so it
 needs no ``json`` import (measured: ``json`` alone adds about as much as the bare interpreter's start)
@@ -250,6 +256,16 @@ def error_reply(code: str, message: str) -> bytes:
     return b"ERROR " + code.encode() + b" " + line.encode("utf-8", "replace") + b"\n"
 
 
+# The pause a shed call is asked to wait before trying again (the client doubles it up to 500 ms).
+RETRY_PAUSE_MS = 20
+
+
+def retry_reply(code: str, message: str, pause_ms: int = RETRY_PAUSE_MS) -> bytes:
+    """The call was shed for load and did not run: the client asks again after ``pause_ms``."""
+    line = " ".join(message.split())[:MAX_MESSAGE_CHARS]
+    return b"RETRY %d " % pause_ms + code.encode() + b" " + line.encode("utf-8", "replace") + b"\n"
+
+
 class _Context:
     """The part of grpc.ServicerContext the servicers use, for calls that arrive over the bridge."""
 
@@ -375,6 +391,7 @@ class BridgeListener:
         self._in_flight = 0
         self._thread: threading.Thread | None = None
         self._warned = False
+        self.shed = 0  # RETRY replies sent (calls turned away for load, never run)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._accept_loop, name="bridge-accept", daemon=True)
@@ -457,6 +474,10 @@ class BridgeListener:
             self._in_flight += 1
             return True
 
+    def _count_shed(self) -> None:
+        with self._idle:
+            self.shed += 1
+
     def _give_back(self, kind: str, uid: int) -> None:
         with self._idle:
             self._taken[kind] -= 1
@@ -475,7 +496,11 @@ class BridgeListener:
             with conn:
                 try:
                     self._drain(conn, deadline)
-                    self._send(conn, error_reply(error.code, error.message), deadline)
+                    if isinstance(error, PermissionDenied):
+                        self._send(conn, error_reply(error.code, error.message), deadline)
+                    else:
+                        self._count_shed()
+                        self._send(conn, retry_reply(error.code, error.message), deadline)
                 except OSError as exc:
                     LOG.debug("bridge refusal not delivered: %s", exc)
         finally:
@@ -494,7 +519,8 @@ class BridgeListener:
                         busy = ResourceExhausted(
                             "too many bridge calls in flight; only cleanup is taken now; try again"
                         )
-                        reply = error_reply(busy.code, busy.message)
+                        reply = retry_reply(busy.code, busy.message)
+                        self._count_shed()
                     else:
                         reply = handle(self._servicer, data)
                     self._send(conn, reply, time.monotonic() + self._io_timeout)

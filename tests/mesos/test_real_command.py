@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from conftest import assert_sees_exactly, gpu_rules, opened_gpus, probe, seen
 
 from isolator.testing.agent import Cluster

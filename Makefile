@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: all install proto proto-check build check lint typecheck test test-unit test-gpu demo bench soak mutation clean dist
+.PHONY: all install proto proto-check build check lint typecheck test test-unit test-gpu test-mesos demo bench soak mutation clean dist
 
 all: install build
 
@@ -80,6 +80,17 @@ ALLOW_NO_GPU ?=
 test-gpu: install build
 	@$(PY) scripts/gpu_present.py || [ "$(ALLOW_NO_GPU)" = 1 ]
 	$(PY) -m pytest -m gpu -rs $(PYTEST_ARGS)
+
+# A real Mesos master and agents on loopback (tests/mesos/, never collected by `make test`), Mesos
+# found through MESOS_HOME, else ../shared/mesos/setup.sh prints one. Without Mesos it fails (every
+# test would skip, and CI would stay green) unless ALLOW_NO_MESOS=1. Needs root and cgroup v1.
+ALLOW_NO_MESOS ?=
+test-mesos: install build
+	@home="$(MESOS_HOME)"; \
+	if [ -z "$$home" ] && [ -d ../shared/mesos ]; then home=$$(../shared/mesos/setup.sh) || exit 1; fi; \
+	if [ -z "$$home" ] && [ "$(ALLOW_NO_MESOS)" != 1 ]; then \
+		echo "make test-mesos: no Mesos (set MESOS_HOME, provide ../shared/mesos, or ALLOW_NO_MESOS=1 to skip)" >&2; exit 1; fi; \
+	MESOS_HOME="$$home" ALLOW_NO_MESOS="$(ALLOW_NO_MESOS)" $(PY) -m pytest -m mesos -rs tests/mesos $(PYTEST_ARGS)
 
 demo: install build
 	$(PY) scripts/demo.py

@@ -198,8 +198,9 @@ class Task:
         except TimeoutError as exc:
             raise TimeoutError(f"{exc}; mesos-execute said:\n{self.log()[-3000:]}") from None
 
-    def kill(self) -> None:
-        """Kill the task: tear down its framework (one per mesos-execute) at the master."""
+    def teardown(self) -> None:
+        """Tear down the task's framework (one per mesos-execute) at the master: the agent kills its
+        executor; mesos-execute exits without a last update (use ``kill_after`` for TASK_KILLED)."""
         framework = self.executor()["framework_id"]
         req = urllib.request.Request(
             f"http://{self.cluster.master_address}/master/teardown",
@@ -207,6 +208,15 @@ class Task:
             method="POST",
         )
         urllib.request.urlopen(req, timeout=10).close()
+
+    def wait_gone(self, timeout: float = 60) -> dict[str, Any]:
+        """Wait until the agent lists the task's executor as completed (its container destroyed)."""
+
+        def gone() -> dict[str, Any] | None:
+            ex = self.cluster.find_executor(self.name)
+            return ex if ex is not None and ex.get("completed") else None
+
+        return _wait(f"the executor of {self.name} to complete", gone, timeout)
 
     def executor(self) -> dict[str, Any]:
         """The agent's record of this task's executor: ``container`` (ID), ``directory``, ``framework_id``."""
@@ -316,6 +326,23 @@ class Agent:
         ]
         lib = os.path.join(self.cluster.mesos_home, "lib", "libmesos_command_modules.so")
         return {"libraries": [{"file": lib, "modules": [{"name": MODULE, "parameters": params}]}]}
+
+    def sidecar_json(self, *args: str) -> Any:
+        """``gpu-isolator <args> --json`` against this agent's sidecar, parsed."""
+        assert self.sidecar is not None
+        out = subprocess.run(
+            [sys.executable, "-m", "isolator", *args, "--json", "--socket", self.sidecar.socket],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"gpu-isolator {' '.join(args)} exited {out.returncode}: {out.stderr}")
+        return json.loads(out.stdout)
+
+    def holders(self) -> dict[int, str]:
+        """GPU index -> the container the sidecar says holds it ("" when free)."""
+        return {int(g["index"]): str(g.get("holder") or "") for g in self.sidecar_json("gpus")["gpus"]}
 
     def start_sidecar(self) -> None:
         if self.hooks in (None, "noop"):
@@ -577,6 +604,7 @@ class Cluster:
         cpus: float = 0.1,
         mem: int = 32,
         env: dict[str, str] | None = None,
+        kill_after: str | None = None,
         extra: Iterable[str] = (),
     ) -> Task:
         """Launch a command task through mesos-execute (a framework of its own with GPU_RESOURCES,
@@ -586,6 +614,8 @@ class Cluster:
         args = [f"--name={name}", f"--command={command}", f"--resources={resources}", *extra]
         if env:
             args.append("--env=" + json.dumps(env))
+        if kill_after:
+            args.append(f"--kill_after={kill_after}")
         return self._execute(name, args, (name,))
 
     def submit_group(self, tasks: list[dict[str, Any]], executor_resources: str = "cpus:0.1;mem:32") -> Task:
@@ -637,10 +667,11 @@ class Cluster:
             except (OSError, ValueError):
                 continue
             for fw in state.get("frameworks", []) + state.get("completed_frameworks", []):
-                for ex in fw.get("executors", []) + fw.get("completed_executors", []):
+                running = [(ex, False) for ex in fw.get("executors", [])]
+                for ex, completed in running + [(ex, True) for ex in fw.get("completed_executors", [])]:
                     ids = [t["id"] for key in ("tasks", "queued_tasks", "completed_tasks") for t in ex.get(key, [])]
                     if task in ids or ex.get("id") == task:
-                        return dict(ex, framework_id=fw["id"], agent_id=agent.agent_id)
+                        return dict(ex, framework_id=fw["id"], agent_id=agent.agent_id, completed=completed)
         return None
 
 

@@ -87,7 +87,9 @@ test-gpu: install build
 ALLOW_NO_MESOS ?=
 test-mesos: install build
 	@home="$(MESOS_HOME)"; \
-	if [ -z "$$home" ] && [ -d ../shared/mesos ]; then home=$$(../shared/mesos/setup.sh) || exit 1; fi; \
+	if [ -z "$$home" ] && [ -d ../shared/mesos ]; then home=$$(../shared/mesos/setup.sh --dev) || exit 1; fi; \
+	if [ -n "$$home" ] && ! dpkg -s rapidjson-dev >/dev/null 2>&1; then \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends rapidjson-dev >&2 || exit 1; fi; \
 	if [ -z "$$home" ] && [ "$(ALLOW_NO_MESOS)" != 1 ]; then \
 		echo "make test-mesos: no Mesos (set MESOS_HOME, provide ../shared/mesos, or ALLOW_NO_MESOS=1 to skip)" >&2; exit 1; fi; \
 	MESOS_HOME="$$home" ALLOW_NO_MESOS="$(ALLOW_NO_MESOS)" $(PY) -m pytest -m mesos -rs tests/mesos $(PYTEST_ARGS)

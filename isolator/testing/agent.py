@@ -322,7 +322,7 @@ class Agent:
                 params.append({"key": f"isolator_{hook}_timeout", "value": "30"})
         params += [
             {"key": "isolator_watch_frequence", "value": str(self.cluster.watch_frequence)},
-            {"key": "debug", "value": "false"},
+            {"key": "debug", "value": "true" if self.cluster.module_debug else "false"},
         ]
         lib = os.path.join(self.cluster.mesos_home, "lib", "libmesos_command_modules.so")
         return {"libraries": [{"file": lib, "modules": [{"name": MODULE, "parameters": params}]}]}
@@ -475,6 +475,9 @@ def _unmount_below(path: str) -> None:
 
 class Cluster:
     """One master and ``agents`` agents. ``start()``/``stop()``, or use it as a context manager."""
+
+    # The module's `debug` parameter: it then logs each hook call's start and end (the agent bench).
+    module_debug = False
 
     def __init__(
         self,

@@ -401,7 +401,11 @@ def render_bridge(b: dict[str, Any]) -> list[str]:
         f"   {b['console_script_prepare_s'] / b['bare_interpreter_s']:.2f}x bare (for comparison)",
         f"   goal: within {GOAL_BRIDGE_OVER_BARE:g}x of the bare interpreter:"
         f" {_verdict(ratio <= GOAL_BRIDGE_OVER_BARE)}",
-    ]
+    ] + (
+        [f"   compiled bridge prepare  {b['compiled_prepare_s'] * 1000:8.2f} ms   (isolator/bridge/bridge.c)"]
+        if "compiled_prepare_s" in b
+        else []
+    )
 
 
 def render_allocator(a: dict[str, Any]) -> list[str]:

@@ -45,11 +45,15 @@ class Failure(Exception):
     DESTROYING for the rest of the agent's run; reference §A.1.8 pitfall 3).
     """
 
-    def __init__(self, status: int, message: str, harmless_for_cleanup: bool = False) -> None:
+    def __init__(
+        self, status: int, message: str, harmless_for_cleanup: bool = False, retry_ms: int | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.harmless_for_cleanup = harmless_for_cleanup
+        # Set on a RETRY answer (load shedding): the call did not run; send it again after this pause.
+        self.retry_ms = retry_ms
 
 
 class Terminated(BaseException):
@@ -118,19 +122,23 @@ def _write(path: str, data: bytes) -> None:
 def call(path: str, method: str, payload: bytes, timeout: float) -> bytes:
     """Send one request to the bridge socket; the bytes for OUT, or Failure.
 
-    A RESOURCE_EXHAUSTED answer (the sidecar is at its bounds and did not run the call) is retried
-    with a growing pause until the deadline, so that load delays a call instead of failing it.
+    Only a ``RETRY <pause_ms> <CODE> <message>`` answer (load shedding: the sidecar did not run the
+    call) is sent again, after pause_ms and then doubling up to 500 ms, until the deadline; then the
+    last answer is reported as ``<CODE>: <message>``. ``ERROR`` answers are final (no free GPU is
+    permanent: retrying it would hold the agent's one hook at a time for the whole deadline).
     """
     deadline = time.monotonic() + timeout
-    pause = 0.02
+    pause: float | None = None
     while True:
         try:
             return _call_once(path, method, payload, deadline - time.monotonic(), timeout)
         except Failure as failure:
-            if not failure.message.startswith("RESOURCE_EXHAUSTED:") or deadline - time.monotonic() < pause * 2:
+            if failure.retry_ms is None:
+                raise
+            pause = failure.retry_ms / 1000.0 if pause is None else min(max(pause * 2, failure.retry_ms / 1000.0), 0.5)
+            if deadline - time.monotonic() < pause * 2:
                 raise
         time.sleep(pause)
-        pause = min(pause * 2, 0.5)
 
 
 def _call_once(path: str, method: str, payload: bytes, timeout: float, total: float) -> bytes:
@@ -178,6 +186,11 @@ def _call_once(path: str, method: str, payload: bytes, timeout: float, total: fl
     if status.startswith(b"ERROR "):
         code, _, message = status[6:].decode("utf-8", "replace").partition(" ")
         raise Failure(EXIT_REFUSED, f"{code}: {message}", code in ("NOT_FOUND", "INVALID_ARGUMENT"))
+    if status.startswith(b"RETRY "):
+        pause_ms, _, coded = status[6:].decode("utf-8", "replace").partition(" ")
+        code, _, message = coded.partition(" ")
+        if pause_ms.isdigit() and code:
+            raise Failure(EXIT_REFUSED, f"{code}: {message}", retry_ms=min(int(pause_ms), 500))
     if not reply:
         raise Failure(EXIT_UNREACHABLE, f"the sidecar at '{path}' closed the connection without an answer")
     raise Failure(EXIT_UNREACHABLE, f"the sidecar at '{path}' answered something unintelligible: {status[:60]!r}")

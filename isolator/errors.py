@@ -51,6 +51,15 @@ class ResourceExhausted(IsolatorError):
     code = "RESOURCE_EXHAUSTED"
 
 
+class Overloaded(ResourceExhausted):
+    """Load shedding: the sidecar did not run the call and it may be sent again after
+    ``retry_after_ms``. Still RESOURCE_EXHAUSTED, but marked as retryable on the wire: ``RETRY`` on the
+    bridge socket, trailing metadata ``grpc-retry-pushback-ms`` on gRPC (docs/reliability.md). Every
+    other RESOURCE_EXHAUSTED (no free GPU, a full disk) is final: retrying cannot help."""
+
+    retry_after_ms: ClassVar[int] = 20
+
+
 class PermissionDenied(IsolatorError):
     code = "PERMISSION_DENIED"
 

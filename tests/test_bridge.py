@@ -35,9 +35,9 @@ import pytest
 from isolator.bridge import command as bridge
 from isolator.daemon import config
 from isolator.daemon.config import Config
-from isolator.errors import AlreadyExists, Internal, NotFound, ResourceExhausted, SocketError
+from isolator.errors import AlreadyExists, GpusExhausted, Internal, NotFound, SocketError
 from isolator.model import ContainerConfig, ContainerId, GpuUsage, LaunchInfo, Limitation, Mount, Usage, gpu_count
-from isolator.testing import StubService
+from isolator.testing import StubService, mesos_json
 from isolator.transport.server import SidecarServer
 
 MS_RDONLY, MS_BIND, MS_REC = 1, 4096, 16384
@@ -334,7 +334,10 @@ def test_watch_writes_the_limitation_with_the_fields_mesos_requires(bin_dir, ser
     assert limitation["message"] == "GPU-5c3f (minor 1) became unhealthy: XID 79"
     assert limitation["reason"] == "REASON_CONTAINER_LIMITATION"
     # Resource.type is `required` in Mesos; proto3 would drop SCALAR, its zero value.
-    assert limitation["resources"] == [{"name": "gpus", "type": "SCALAR", "scalar": {"value": 1.0}, "role": "*"}]
+    # No deprecated `role`: a real agent aborts on it (CHECK(!resource.has_role()) in
+    # Slave::sendExecutorTerminatedStatusUpdate), killing every task on the node.
+    assert limitation["resources"] == [{"name": "gpus", "type": "SCALAR", "scalar": {"value": 1.0}}]
+    mesos_json.check_limitation(limitation)
 
 
 def test_usage_writes_resource_statistics_with_its_timestamp(bin_dir, service):
@@ -840,7 +843,7 @@ def _run_both(short_tmp: str, socket_path: str, argv_tail: list[str], env: dict[
         "2__5",
         "_1",
         "0x10",
-        "1e-7",
+        "1e-300",
         "86400",
         "1.e3",
         ".5e",
@@ -982,29 +985,6 @@ def _wait_for(predicate: Callable[[], bool], budget: float = 30.0) -> None:
         time.sleep(0.01)
 
 
-class NoGpusLeft(RecordingService):
-    def prepare(self, container_id: ContainerId, config: ContainerConfig) -> LaunchInfo | None:
-        self.calls.append(("prepare", str(container_id), config))
-        raise ResourceExhausted("Requested 4 gpus but only 2 available")
-
-
-def test_no_gpus_left_is_final_one_call_at_once_not_retried_until_the_deadline(short_tmp, install_bridge):
-    # Before RETRY existed, the bridge retried every RESOURCE_EXHAUSTED until its deadline (~25 s
-    # under the agent, which runs one hook at a time: every other container's hooks waited).
-    service = NoGpusLeft()
-    srv = SidecarServer(Config(socket=os.path.join(short_tmp, "run", "s.sock")), service)
-    srv.start()
-    try:
-        directory = os.path.join(short_tmp, "bin")
-        install_bridge(directory, socket_path=srv.config.bridge_path)
-        run = call(directory, "prepare", MESOS_PREPARE_INPUT, env={bridge.TIMEOUT_ENV: "20"})
-    finally:
-        srv.stop(grace=0)
-    assert run.returncode == bridge.EXIT_REFUSED
-    assert one_line(run.err) == "gpu-isolator prepare: RESOURCE_EXHAUSTED: Requested 4 gpus but only 2 available"
-    assert [c[0] for c in service.calls] == ["prepare"]
-
-
 @pytest.fixture
 def one_slot(short_tmp, service):
     """A sidecar whose bridge has one slot, so that a second call while a first one runs is shed."""
@@ -1065,3 +1045,148 @@ def test_a_shed_call_is_asked_again_and_succeeds_once_a_slot_is_free(one_slot, s
     with open(paths[1]) as fh:
         assert json.loads(fh.read())["environment"]["variables"][0]["name"] == "NVIDIA_VISIBLE_DEVICES"
     assert [c[1] for c in service.calls] == ["first", MESOS_PREPARE_INPUT["container_id"]["value"]]
+
+
+# ---- final errors and load shedding on the wire (docs/mesos-agent.md section 6) -------------------
+
+
+class GpusGone(RecordingService):
+    def prepare(self, container_id: ContainerId, config: ContainerConfig) -> LaunchInfo | None:
+        self.calls.append(("prepare", str(container_id), config))
+        raise GpusExhausted(requested=9, available=8)
+
+
+def test_no_free_gpu_is_final_the_bridge_fails_at_once_without_retrying(short_tmp, install_bridge):
+    gone = GpusGone()
+    srv = SidecarServer(Config(socket=os.path.join(short_tmp, "run", "s.sock")), gone)
+    srv.start()
+    try:
+        directory = os.path.join(short_tmp, "bin")
+        install_bridge(directory, socket_path=srv.config.bridge_path, timeout=20)
+        assert raw_call(
+            srv.config.bridge_path, b"gpu-isolator-bridge/1 prepare 1000\n" + json.dumps(MESOS_PREPARE_INPUT).encode()
+        ) == (b"ERROR RESOURCE_EXHAUSTED Requested 9 gpus but only 8 available\n")
+        gone.calls.clear()
+        run = call(directory, "prepare", MESOS_PREPARE_INPUT)
+    finally:
+        srv.stop(grace=0)
+    assert (run.returncode, run.err) == (
+        1,
+        "gpu-isolator prepare: RESOURCE_EXHAUSTED: Requested 9 gpus but only 8 available",
+    )
+    # One call: the old bridge retried every RESOURCE_EXHAUSTED until its deadline (here 20 s),
+    # holding the agent's one-hook-at-a-time for everyone, including the cleanup that frees GPUs.
+    assert [c[0] for c in gone.calls] == ["prepare"]
+
+
+class ScriptedListener:
+    """A bridge socket that answers each connection with the next scripted reply (then the last)."""
+
+    def __init__(self, path: str, replies: list[bytes]) -> None:
+        self.replies = replies
+        self.requests: list[bytes] = []
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(path)
+        self.sock.listen(16)
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while chunk := conn.recv(65536):
+                    data += chunk
+                self.requests.append(data)
+                conn.sendall(self.replies[min(len(self.requests), len(self.replies)) - 1])
+
+    def close(self) -> None:
+        self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+@pytest.mark.parametrize(
+    ("replies", "calls", "code", "err"),
+    [
+        # load shedding twice, then the answer: the call goes through
+        ([b"RETRY 10 RESOURCE_EXHAUSTED busy\n", b"RETRY 10 RESOURCE_EXHAUSTED busy\n", b"OK\n{}"], 3, 0, ""),
+        # a final answer is never retried, whatever its code
+        (
+            [b"ERROR RESOURCE_EXHAUSTED Requested 2 gpus but only 1 available\n", b"OK\n{}"],
+            1,
+            1,
+            "gpu-isolator prepare: RESOURCE_EXHAUSTED: Requested 2 gpus but only 1 available",
+        ),
+        (
+            [b"ERROR UNAVAILABLE the store is read-only\n", b"OK\n{}"],
+            1,
+            1,
+            "gpu-isolator prepare: UNAVAILABLE: the store is read-only",
+        ),
+        # a malformed RETRY is not a retry
+        ([b"RETRY soon RESOURCE_EXHAUSTED busy\n", b"OK\n{}"], 1, 3, None),
+    ],
+)
+def test_the_bridge_retries_only_retry_answers(short_tmp, install_bridge, replies, calls, code, err):
+    path = os.path.join(short_tmp, "b.sock")
+    listener = ScriptedListener(path, replies)
+    try:
+        directory = os.path.join(short_tmp, "bin")
+        install_bridge(directory, socket_path=path, timeout=10)
+        run = call(directory, "prepare", MESOS_PREPARE_INPUT)
+    finally:
+        listener.close()
+    assert len(listener.requests) == calls, listener.requests
+    assert run.returncode == code, run
+    if err is not None:
+        assert run.err == err
+
+
+def test_load_shedding_until_the_deadline_reports_the_code_and_message(short_tmp, install_bridge):
+    path = os.path.join(short_tmp, "b.sock")
+    listener = ScriptedListener(path, [b"RETRY 50 RESOURCE_EXHAUSTED too many bridge calls in flight; try again\n"])
+    try:
+        directory = os.path.join(short_tmp, "bin")
+        install_bridge(directory, socket_path=path, timeout=1.5)
+        run = call(directory, "prepare", MESOS_PREPARE_INPUT)
+    finally:
+        listener.close()
+    assert (run.returncode, run.err) == (
+        1,
+        "gpu-isolator prepare: RESOURCE_EXHAUSTED: too many bridge calls in flight; try again",
+    )
+    # 50 ms, then doubling up to 500 ms, within 1.5 s: a handful of tries, not one, not hundreds.
+    assert 3 <= len(listener.requests) <= 8, len(listener.requests)
+
+
+def test_a_bridge_call_turned_away_for_load_is_answered_retry_and_a_final_refusal_error(short_tmp):
+    service = RecordingService()
+    service.gate = threading.Event()
+    srv = SidecarServer(Config(socket=os.path.join(short_tmp, "run", "s.sock"), max_concurrent_rpcs=2), service)
+    srv.start()
+    try:
+        path = srv.config.bridge_path
+        request = b"gpu-isolator-bridge/1 prepare 5000\n" + json.dumps(MESOS_PREPARE_INPUT).encode()
+        held = threading.Thread(target=raw_call, args=(path, request), daemon=True)
+        held.start()
+        assert service.entered.wait(30)
+        # root's share of the 2 slots is taken: load shedding, retryable, the call did not run.
+        reply = raw_call(path, request)
+        assert reply.startswith(b"RETRY 20 RESOURCE_EXHAUSTED too many bridge calls in flight"), reply
+        assert len(service.calls) == 1
+        service.gate.set()
+        held.join(30)
+        assert srv._bridge is not None
+        deadline = time.monotonic() + 30
+        while srv._bridge.slots()["main"]:  # the slot is given back just after the answer leaves
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        # A refusal that is not load stays final.
+        assert raw_call(path, b"gpu-isolator-bridge/1 update 1\n").startswith(b"ERROR UNIMPLEMENTED")
+    finally:
+        service.gate.set()
+        srv.stop(grace=0)

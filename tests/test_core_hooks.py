@@ -419,6 +419,27 @@ def test_watch_of_an_unknown_container(rig: Rig) -> None:
     assert rig.service.watch(cid("nobody.child"), 0) is None
 
 
+def test_the_modules_watch_poll_after_cleanup_is_answered_quietly(rig: Rig) -> None:
+    # criteo's module polls Watch once more after each Cleanup: "no limitation", not NOT_FOUND (which
+    # the bridge logs on the agent and the servicer in the sidecar, once per container).
+    a, failed = cid("a"), cid("failed")
+    rig.service.prepare(a, gpus(1))
+    rig.service.cleanup(a)
+    assert rig.service.watch(a, 0) is None
+    assert rig.service.watch(a, 3600) is None, "a container that is gone is not waited on"
+    # Also after a cleanup of a container that was never prepared (its prepare failed).
+    with pytest.raises(GpusExhausted):
+        rig.service.prepare(failed, gpus(9))
+    rig.service.cleanup(failed)
+    assert rig.service.watch(failed, 0) is None
+    # A container never seen is still refused, and one prepared again is watched again.
+    with pytest.raises(NotFound):
+        rig.service.watch(cid("nobody"), 0)
+    rig.service.prepare(a, gpus(1))
+    rig.inventory.xid(held(rig, a)[0], 79)
+    assert rig.service.watch(a, 0) is not None
+
+
 def test_usage_and_status_report_the_held_gpus(rig: Rig) -> None:
     a = cid("a")
     rig.service.prepare(a, gpus(2))

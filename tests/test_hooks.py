@@ -102,6 +102,8 @@ def test_watch_completes_with_a_limitation_naming_the_gpu_that_became_unhealthy(
         assert reply.limitation.reason == pb.REASON_CONTAINER_LIMITATION
         assert f"GPU {minors[0]}" in reply.limitation.message
         assert reply.limitation.resources[0].name == "gpus"
+        # No deprecated role on any resource: a real agent aborts on one (CHECK(!resource.has_role())).
+        assert [r.role for r in reply.limitation.resources] == [""]
         # The unhealthy GPU is never handed out again.
         other = container_id("after-xid")
         isolator.prepare(other, containerizer.config(gpus=6, image=False))

@@ -68,5 +68,5 @@ def test_a_version_1_store_is_upgraded_in_place(tmp_path):
         with pytest.raises(GpuAlreadyHeld):
             store.record(ContainerRecord(ContainerId("c"), mig=frozenset({("MIG-2", 2)})))
     db = sqlite3.connect(path)
-    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
     db.close()

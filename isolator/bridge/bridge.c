@@ -907,12 +907,16 @@ static int parse_reply(struct reply *r, const char *path, struct failure *f)
 		r->kind = "ERROR";
 		body = data + 6;
 	} else if (status_len >= 6 && memcmp(data, "RETRY ", 6) == 0) {
+		/* "RETRY <digits> <CODE>[ <message>]"; a pause above MAX_PAUSE_MS counts as that. */
 		const char *p = data + 6, *end = data + status_len;
 		const char *sp1 = memchr(p, ' ', (size_t)(end - p));
-		const char *sp2 = sp1 ? memchr(sp1 + 1, ' ', (size_t)(end - sp1 - 1)) : NULL;
-		if (sp1 && sp2 && all_digits(p, (size_t)(sp1 - p)) && sp1 - p <= 9 && sp2 > sp1 + 1) {
+		if (sp1 && all_digits(p, (size_t)(sp1 - p)) && sp1 + 1 < end && sp1[1] != ' ') {
 			r->kind = "RETRY";
-			r->pause_ms = strtol(p, NULL, 10);
+			r->pause_ms = 0;
+			for (const char *d = p; d < sp1 && r->pause_ms <= MAX_PAUSE_MS; d++)
+				r->pause_ms = r->pause_ms * 10 + (*d - '0');
+			if (r->pause_ms > MAX_PAUSE_MS)
+				r->pause_ms = MAX_PAUSE_MS;
 			body = sp1 + 1;
 		}
 	}
@@ -941,7 +945,9 @@ static int parse_reply(struct reply *r, const char *path, struct failure *f)
 
 static void refused(const struct reply *r, struct failure *f)
 {
-	int harmless = strcmp(r->code.data, "NOT_FOUND") == 0 || strcmp(r->code.data, "INVALID_ARGUMENT") == 0;
+	/* A shed call never ran, so it is never harmless, whatever its code. */
+	int harmless = strcmp(r->kind, "ERROR") == 0 &&
+		       (strcmp(r->code.data, "NOT_FOUND") == 0 || strcmp(r->code.data, "INVALID_ARGUMENT") == 0);
 	fail(f, EXIT_REFUSED, harmless);
 	buf_printf(&f->message, "%s: %s", r->code.data, r->message.data);
 }
@@ -985,7 +991,7 @@ static int call(const char *path, const char *method, const struct buf *payload,
 		long asked = r.pause_ms;
 		wait_ms = asked > 2 * wait_ms ? asked : 2 * wait_ms;
 		if (wait_ms < 1)
-			wait_ms = 1;
+			wait_ms = 1; /* never a busy loop on "RETRY 0" */
 		if (wait_ms > MAX_PAUSE_MS)
 			wait_ms = MAX_PAUSE_MS;
 		if (deadline - monotonic() < 2 * (double)wait_ms / 1000) {

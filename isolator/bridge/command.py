@@ -45,11 +45,15 @@ class Failure(Exception):
     DESTROYING for the rest of the agent's run; reference §A.1.8 pitfall 3).
     """
 
-    def __init__(self, status: int, message: str, harmless_for_cleanup: bool = False) -> None:
+    def __init__(
+        self, status: int, message: str, harmless_for_cleanup: bool = False, retry_ms: int | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.harmless_for_cleanup = harmless_for_cleanup
+        # Set on a RETRY answer (load shedding): the call did not run; send it again after this pause.
+        self.retry_ms = retry_ms
 
 
 class Terminated(BaseException):
@@ -115,34 +119,26 @@ def _write(path: str, data: bytes) -> None:
         raise Failure(EXIT_USAGE, f"failed to write output file '{path}': {exc.strerror}") from None
 
 
-class Shed(Failure):
-    """A RETRY reply: the sidecar shed the call without running it; ask again after ``pause`` s."""
-
-    def __init__(self, message: str, harmless_for_cleanup: bool, pause: float) -> None:
-        super().__init__(EXIT_REFUSED, message, harmless_for_cleanup)
-        self.pause = pause
-
-
-MAX_PAUSE = 0.5
-
-
 def call(path: str, method: str, payload: bytes, timeout: float) -> bytes:
     """Send one request to the bridge socket; the bytes for OUT, or Failure.
 
-    An ``ERROR`` reply is final. A ``RETRY <pause_ms>`` reply (the sidecar shed the call for load
-    and did not run it) is retried after a pause: the larger of the one asked for and twice the
-    last, at least 1 ms and at most MAX_PAUSE, until a pause would leave less than itself before
-    the deadline; then the call fails with the reply's code and message.
+    Only a ``RETRY <pause_ms> <CODE> <message>`` answer (load shedding: the sidecar did not run the
+    call) is sent again, after pause_ms and then doubling up to 500 ms, until the deadline; then the
+    last answer is reported as ``<CODE>: <message>``. ``ERROR`` answers are final (no free GPU is
+    permanent: retrying it would hold the agent's one hook at a time for the whole deadline).
     """
     deadline = time.monotonic() + timeout
-    pause = 0.0
+    pause: float | None = None
     while True:
         try:
             return _call_once(path, method, payload, deadline - time.monotonic(), timeout)
-        except Shed as shed:
-            pause = min(max(shed.pause, pause * 2, 0.001), MAX_PAUSE)
+        except Failure as failure:
+            if failure.retry_ms is None:
+                raise
+            pause = failure.retry_ms / 1000.0 if pause is None else min(max(pause * 2, failure.retry_ms / 1000.0), 0.5)
+            pause = max(pause, 0.001)  # "RETRY 0 ...": never a busy loop against a shedding sidecar
             if deadline - time.monotonic() < pause * 2:
-                raise Failure(shed.status, shed.message, shed.harmless_for_cleanup) from None
+                raise
         time.sleep(pause)
 
 
@@ -194,11 +190,10 @@ def _call_once(path: str, method: str, payload: bytes, timeout: float, total: fl
         code, _, message = status[6:].decode("utf-8", "replace").partition(" ")
         raise Failure(EXIT_REFUSED, f"{code}: {message}", code in ("NOT_FOUND", "INVALID_ARGUMENT"))
     if status.startswith(b"RETRY "):
-        pause_ms, _, rest = status[6:].partition(b" ")
-        code, space, message = rest.decode("utf-8", "replace").partition(" ")
-        if 0 < len(pause_ms) <= 9 and pause_ms.isdigit() and code and space:
-            harmless = code in ("NOT_FOUND", "INVALID_ARGUMENT")
-            raise Shed(f"{code}: {message}", harmless, int(pause_ms) / 1000)
+        pause_ms, _, coded = status[6:].decode("utf-8", "replace").partition(" ")
+        code, _, message = coded.partition(" ")
+        if pause_ms.isascii() and pause_ms.isdigit() and code:
+            raise Failure(EXIT_REFUSED, f"{code}: {message}", retry_ms=min(int(pause_ms), 500))
     if not reply:
         raise Failure(EXIT_UNREACHABLE, f"the sidecar at '{path}' closed the connection without an answer")
     raise Failure(EXIT_UNREACHABLE, f"the sidecar at '{path}' answered something unintelligible: {status[:60]!r}")

@@ -45,12 +45,13 @@ from isolator.errors import (
     FailedPrecondition,
     InvalidArgument,
     IsolatorError,
+    Overloaded,
     PermissionDenied,
-    ResourceExhausted,
     Unimplemented,
     from_code,
 )
 from isolator.rpc import isolator_pb2 as pb
+from isolator.transport.status import RETRY_PUSHBACK
 
 LOG = logging.getLogger(__name__)
 
@@ -92,6 +93,8 @@ def _with_values(environment: dict[str, Any]) -> None:
 
 
 def _mesos_resource(resource: dict[str, Any]) -> dict[str, Any]:
+    # Never the deprecated `role`: the agent aborts on a limitation's resource that has one.
+    resource.pop("role", None)
     resource.setdefault("type", "SCALAR")
     if resource["type"] == "SCALAR":
         resource.setdefault("scalar", {}).setdefault("value", 0.0)
@@ -251,19 +254,18 @@ def parse_frame(data: bytes) -> tuple[str, float, bytes]:
     return method, int(parts[2]) / 1000.0, payload
 
 
-def error_reply(code: str, message: str) -> bytes:
+def error_reply(code: str, message: str, retry_ms: int | None = None) -> bytes:
+    """``ERROR <CODE> <message>`` (final: the bridge never retries it), or with ``retry_ms``
+    ``RETRY <pause_ms> <CODE> <message>`` (load shedding: the call did not run; the bridge may send
+    it again after pause_ms, doubling up to 500 ms, until its deadline)."""
     line = " ".join(message.split())[:MAX_MESSAGE_CHARS]
-    return b"ERROR " + code.encode() + b" " + line.encode("utf-8", "replace") + b"\n"
+    head = b"ERROR " if retry_ms is None else b"RETRY %d " % max(0, retry_ms)
+    return head + code.encode() + b" " + line.encode("utf-8", "replace") + b"\n"
 
 
-# The pause a shed call is asked to wait before trying again (the client doubles it up to 500 ms).
-RETRY_PAUSE_MS = 20
-
-
-def retry_reply(code: str, message: str, pause_ms: int = RETRY_PAUSE_MS) -> bytes:
-    """The call was shed for load and did not run: the client asks again after ``pause_ms``."""
-    line = " ".join(message.split())[:MAX_MESSAGE_CHARS]
-    return b"RETRY %d " % pause_ms + code.encode() + b" " + line.encode("utf-8", "replace") + b"\n"
+def refusal_reply(exc: IsolatorError) -> bytes:
+    """The reply for an error: RETRY for load shedding (errors.Overloaded), ERROR for the rest."""
+    return error_reply(exc.code, exc.message, exc.retry_after_ms if isinstance(exc, Overloaded) else None)
 
 
 class _Context:
@@ -272,9 +274,20 @@ class _Context:
     def __init__(self, method: str, timeout: float) -> None:
         self._method = method
         self._deadline = time.monotonic() + timeout
+        self._pushback_ms: int | None = None
+
+    def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        # Only the retry pushback of a load-shedding refusal (isolator.transport.status.retry_metadata).
+        for key, value in metadata:
+            if key == RETRY_PUSHBACK and value.isdigit():
+                self._pushback_ms = int(value)
 
     def abort(self, code: grpc.StatusCode, details: str) -> None:
         # The servicer has already mapped its error to a status (isolator.transport.status.status_of).
+        if self._pushback_ms is not None and code.name == Overloaded.code:
+            busy = Overloaded(details)
+            busy.retry_after_ms = self._pushback_ms  # type: ignore[misc]
+            raise busy
         raise from_code(code.name, details)
 
     def time_remaining(self) -> float:
@@ -319,14 +332,14 @@ def handle(servicer: Servicer, data: bytes) -> bytes:
                         observer(call.rpc, exc.code, time.perf_counter() - started, None)
                     except Exception:
                         LOG.exception("observer of %s failed", call.rpc)
-            return error_reply(exc.code, exc.message)
+            return refusal_reply(exc)
         context = cast(grpc.ServicerContext, _Context(method, timeout))
         response = getattr(servicer, call.rpc)(request, context)
         return b"OK\n" + call.output(response)
     except IsolatorError as exc:
         if isinstance(exc, InvalidArgument):
             LOG.info("bridge %s refused: %s", method, exc.message)
-        return error_reply(exc.code, exc.message)
+        return refusal_reply(exc)
     except Exception as exc:  # a bug here must answer the caller, not kill the listener
         LOG.exception("bridge %s failed with an unexpected error", method)
         return error_reply("INTERNAL", f"internal error in bridge {method}: {exc}")  # as status_of does
@@ -447,7 +460,7 @@ class BridgeListener:
         else:
             kind = next((k for k in ("main", "reserve") if self._take(k, uid)), "")
             if not kind:
-                refusal = ResourceExhausted(
+                refusal = Overloaded(
                     f"too many bridge calls in flight (uid {uid} holds its share, or all"
                     f" {self._caps['main']} slots are taken); try again"
                 )
@@ -496,11 +509,9 @@ class BridgeListener:
             with conn:
                 try:
                     self._drain(conn, deadline)
-                    if isinstance(error, PermissionDenied):
-                        self._send(conn, error_reply(error.code, error.message), deadline)
-                    else:
+                    if isinstance(error, Overloaded):
                         self._count_shed()
-                        self._send(conn, retry_reply(error.code, error.message), deadline)
+                    self._send(conn, refusal_reply(error), deadline)
                 except OSError as exc:
                     LOG.debug("bridge refusal not delivered: %s", exc)
         finally:
@@ -516,10 +527,8 @@ class BridgeListener:
                         too_big = InvalidArgument(f"request larger than {self._limit - MAX_HEADER_BYTES} bytes")
                         reply = error_reply(too_big.code, too_big.message)
                     elif kind == "reserve" and not data.startswith(PROTOCOL + b" cleanup "):
-                        busy = ResourceExhausted(
-                            "too many bridge calls in flight; only cleanup is taken now; try again"
-                        )
-                        reply = retry_reply(busy.code, busy.message)
+                        busy = Overloaded("too many bridge calls in flight; only cleanup is taken now; try again")
+                        reply = refusal_reply(busy)
                         self._count_shed()
                     else:
                         reply = handle(self._servicer, data)

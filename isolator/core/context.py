@@ -12,6 +12,7 @@ I/O; recovery holds ``locks.exclusive()``. Ordering rules that keep the sidecar 
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import threading
@@ -39,6 +40,10 @@ from isolator.policy.allocator import Allocator, Choice
 from isolator.policy.devices import NVIDIA_MAJOR
 
 LOG = logging.getLogger(__name__)
+
+# How many cleaned-up containers Watch still recognises (a few minutes of a busy agent's churn; the
+# module's one extra poll comes within a watch period of the cleanup).
+ENDED_KEPT = 4096
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,10 @@ class Core:
         # container, or under None for every change.
         self._listeners: dict[ContainerId | None, dict[int, Callable[[], None]]] = {}
         self._tokens = itertools.count()
+        # Top-level containers Mesos cleaned up lately, oldest first (bounded): the command module
+        # polls Watch once more after each Cleanup, which is answered "no limitation" quietly for
+        # these, and NOT_FOUND for a container never seen (docs/mesos-agent.md, section 4).
+        self._ended: collections.OrderedDict[ContainerId, None] = collections.OrderedDict()
         topology = edges.inventory.topology()
         self.gpus: dict[int, Gpu] = {g.minor: g for g in topology.gpus}
         self.allocator = Allocator(topology, settings.policy)
@@ -349,6 +358,22 @@ class Core:
             for child in reversed(self.nested_cgroups(cid)):
                 self.cgroups.cleanup(child)
         self.cgroups.cleanup(cid)
+
+    def mark_ended(self, cid: ContainerId) -> None:
+        """Remember that Mesos cleaned up ``cid`` (the last ENDED_KEPT of them)."""
+        with self._changed:
+            self._ended.pop(cid, None)
+            self._ended[cid] = None
+            while len(self._ended) > ENDED_KEPT:
+                self._ended.popitem(last=False)
+
+    def forget_ended(self, cid: ContainerId) -> None:
+        with self._changed:
+            self._ended.pop(cid, None)
+
+    def recently_ended(self, cid: ContainerId) -> bool:
+        with self._changed:
+            return cid in self._ended
 
     def drop(self, cid: ContainerId, rec: ContainerRecord) -> None:
         """Forget a container whose rules are already gone: its record, then its GPUs; wake watchers."""

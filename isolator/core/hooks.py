@@ -84,6 +84,7 @@ class Hooks:
         with core.locks.hold(container_id):
             if core.store.get(container_id) is not None:
                 raise AlreadyExists(f"container {container_id} has already been prepared")
+            core.forget_ended(container_id)
             self._refuse_populated(container_id)
             with core.alloc:
                 choice = core.allocate_whole(count)
@@ -461,7 +462,9 @@ class Hooks:
             seen = core.generation()
             rec = core.store.get(container_id.root)
             if rec is None:
-                if container_id.nested:
+                if container_id.nested or core.recently_ended(container_id):
+                    # The module polls Watch once more after each Cleanup: nothing more will happen
+                    # to a container that is gone, so no limitation, and no error to log.
                     return None
                 raise NotFound(f"unknown container {container_id}")
             with core.alloc:
@@ -526,6 +529,7 @@ class Hooks:
                 core.cleanup_cgroups(container_id)
                 crashpoint("cleanup.cgroup")
                 core.drop(container_id, rec)
+            core.mark_ended(container_id)
         if rec is None:
             # Mesos calls cleanup for containers it never prepared with us (MESOS-6059).
             LOG.info("ignoring cleanup of unknown container %s", container_id)

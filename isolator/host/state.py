@@ -39,7 +39,7 @@ LOG = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DB_FILE = "allocations.sqlite3"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 STATES = ("prepared", "isolated", "orphan")
 CGROUP_VERSIONS = (1, 2)
 
@@ -86,6 +86,28 @@ CREATE TRIGGER mig_not_while_whole_gpu_held BEFORE INSERT ON mig_allocation
 WHEN EXISTS (SELECT 1 FROM allocation WHERE minor = NEW.parent_minor)
 BEGIN SELECT RAISE(ABORT, 'mig-conflict: parent GPU is held whole'); END;
 """
+# Version 3: XID and double-bit ECC marks, by GPU UUID, so that a GPU taken out of service stays out
+# after a restart of the sidecar, until it is reset (isolator/gpu/nvml.py RESET_CLEARS).
+_SCHEMA_V3 = """
+CREATE TABLE gpu_health_mark (
+    uuid   TEXT PRIMARY KEY,
+    source TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    xid    INTEGER NOT NULL,
+    at     REAL NOT NULL
+) WITHOUT ROWID;
+"""
+
+
+@dataclass(frozen=True)
+class HealthMark:
+    """A GPU marked unhealthy by an XID or a double-bit ECC error (``source``: "xid" or "ecc")."""
+
+    uuid: str
+    source: str
+    reason: str
+    xid: int
+    at: float
 
 
 def _key(cid: ContainerId) -> str:
@@ -148,7 +170,7 @@ class StateStore:
         version = self._db.execute("PRAGMA user_version").fetchone()[0]
         if version == SCHEMA_VERSION:
             return
-        if version not in (0, 1):
+        if version not in (0, 1, 2):
             raise StateCorrupt(
                 op="open", path=self.path, cause=f"schema version {version}; this sidecar knows {SCHEMA_VERSION}"
             )
@@ -158,7 +180,10 @@ class StateStore:
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
                         self._db.execute(statement)
-            for statement in _split_sql(_SCHEMA_V2):
+            if version < 2:
+                for statement in _split_sql(_SCHEMA_V2):
+                    self._db.execute(statement)
+            for statement in _split_sql(_SCHEMA_V3):
                 self._db.execute(statement)
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             self._db.execute("COMMIT")
@@ -254,6 +279,25 @@ class StateStore:
         return self._write("remove container", write)
 
     # ---- reads ----------------------------------------------------------------------------------
+
+    def put_health_mark(self, mark: HealthMark) -> None:
+        """Remember (or replace) a GPU's XID/ECC mark."""
+
+        def write(db: sqlite3.Connection) -> None:
+            db.execute(
+                "INSERT OR REPLACE INTO gpu_health_mark VALUES (?, ?, ?, ?, ?)",
+                (mark.uuid, mark.source, mark.reason, int(mark.xid), float(mark.at)),
+            )
+
+        self._write("record GPU health", write)
+
+    def drop_health_mark(self, uuid: str) -> None:
+        """Forget a GPU's mark (it was reset and is healthy again); nothing if it had none."""
+        self._write("clear GPU health", lambda db: db.execute("DELETE FROM gpu_health_mark WHERE uuid = ?", (uuid,)))
+
+    def health_marks(self) -> list[HealthMark]:
+        with self._reading("read GPU health") as db:
+            return [HealthMark(*row) for row in db.execute("SELECT uuid, source, reason, xid, at FROM gpu_health_mark")]
 
     def mig_holders(self) -> dict[str, tuple[ContainerId, int]]:
         """MIG UUID -> (the container that holds it, its parent GPU's minor)."""

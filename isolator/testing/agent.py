@@ -186,6 +186,7 @@ class Task:
         """The first update in ``states``; AssertionError when a different terminal state comes first."""
 
         def seen() -> Update | None:
+            self.cluster.check_agents()
             for update in self.updates():
                 if update.state in states:
                     return update
@@ -283,6 +284,7 @@ class Agent:
     proc: subprocess.Popen[bytes] | None = None
     sidecar: Sidecar | None = None
     agent_id: str = ""
+    stopped: bool = False  # stopped on purpose (stop/restart/teardown), not died
     _log: Any = field(default=None, repr=False)
 
     @property
@@ -415,6 +417,7 @@ class Agent:
             if not self.port or attempt:
                 self.port = free_port()
             self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+            self.stopped = False
             self.proc = subprocess.Popen(self.argv(), stdout=self._log, stderr=subprocess.STDOUT, env=env)
             try:
                 self.agent_id = _wait(f"agent {self.index} to register", self._registered, timeout, 0.2)
@@ -439,6 +442,7 @@ class Agent:
 
     def stop(self) -> None:
         """SIGTERM the agent (its containers keep running, as after a crash of the agent)."""
+        self.stopped = True
         _terminate(self.proc)
         if self._log is not None:
             self._log.close()
@@ -653,6 +657,15 @@ class Cluster:
         return task
 
     # ---- the agents' view ----
+
+    def check_agents(self) -> None:
+        """AssertionError, with the agent's last words, when an agent died that nobody stopped
+        (a CHECK failure aborts the whole agent: every task on it is lost)."""
+        for agent in self.agents:
+            if agent.proc is not None and agent.proc.poll() is not None and not agent.stopped:
+                log = agent.log()
+                fatal = [line for line in log.splitlines() if line.startswith(("F2", "E2")) or "Check failed" in line]
+                raise AssertionError(f"agent {agent.index} died ({agent.proc.returncode}): " + "\n".join(fatal[-5:]))
 
     def agent_of(self, agent_id: str) -> Agent:
         for agent in self.agents:

@@ -48,7 +48,7 @@ from isolator.transport.convert import (
     volume_to_proto,
 )
 from isolator.transport.reflection import Reflection
-from isolator.transport.status import status_of
+from isolator.transport.status import mark_retryable, status_of
 
 LOG = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ def _translate_errors(method: Callable[..., T]) -> Callable[..., T]:
             except IsolatorError as exc:
                 code = exc.code
                 LOG.info("%s failed: %s", hook, exc.message)
+                mark_retryable(context, exc)
                 context.abort(*status_of(exc, hook))
             except Exception as exc:
                 code = "INTERNAL"

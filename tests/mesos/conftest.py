@@ -73,3 +73,16 @@ def assert_sees_exactly(stdout: str, minors: set[int]) -> None:
 def gpu_rules(devices_list: list[str]) -> set[int]:
     """GPU minors (major 195, below 255) that a v1 devices.list allows."""
     return {int(m) for m in re.findall(r"^c 195:(\d+) rwm$", "\n".join(devices_list), re.M) if int(m) < 255}
+
+
+def probe_command(cluster: Cluster, seconds: float = 0, agent: int = 0) -> str:
+    devdir = cluster.agents[agent].sidecar.dev_root  # type: ignore[union-attr]
+    return f"python3 {PROBE} {devdir} {seconds:g}"
+
+
+def devices_cgroup(stdout: str) -> str:
+    """The devices cgroup the probe ran in, as a path in the v1 devices hierarchy."""
+    from isolator.testing.agent import devices_hierarchy
+
+    (path,) = re.findall(r"^cgroup (\S+)$", stdout, re.M)
+    return os.path.join(devices_hierarchy(), path.lstrip("/"))

@@ -3,7 +3,7 @@
 ``python3 probe.py DEVDIR [SECONDS]`` prints one ``dev <name> <ok|EPERM|ENXIO|...>`` line per
 ``DEVDIR/nvidia*`` node (ENXIO: the device cgroup let the open through and the missing driver
 refused it; EPERM: the device cgroup refused it), one ``env NAME=VALUE`` line per NVIDIA_*/CUDA_*
-variable, ``probed``, then sleeps SECONDS (default 0) so that the task keeps its GPUs.
+variable, ``cgroup <path>`` (its devices cgroup), ``probed``, then sleeps SECONDS (default 0) so that the task keeps its GPUs.
 """
 
 import errno
@@ -27,5 +27,10 @@ for name in sorted(os.listdir(devdir)):
 for key, value in sorted(os.environ.items()):
     if key.startswith(("NVIDIA_", "CUDA_")):
         print(f"env {key}={value}")
+with open("/proc/self/cgroup") as fh:
+    for line in fh:
+        _, controllers, path = line.rstrip("\n").split(":", 2)
+        if "devices" in controllers.split(","):
+            print(f"cgroup {path}")
 print("probed", flush=True)
 time.sleep(float(sys.argv[2]) if len(sys.argv) > 2 else 0)

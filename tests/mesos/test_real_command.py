@@ -65,3 +65,63 @@ def test_concurrent_tasks_get_disjoint_nvlink_pairs_and_a_killed_tasks_gpus_are_
     a.teardown()
     a.wait_gone()
     assert all(h == "" for h in agent.holders().values())
+
+
+def test_agent_restart_with_gpu_tasks_running_keeps_every_grant(cluster: Cluster) -> None:
+    agent = cluster.agents[0]
+    a = probe(cluster, gpus=3, seconds=300)
+    b = probe(cluster, gpus=1, seconds=300)
+    for t in (a, b):
+        t.wait("TASK_RUNNING")
+        t.wait_stdout("probed")
+    before = agent.holders()
+    rules = {t.name: t.devices_list() for t in (a, b)}
+    agent.restart()  # recovery through the module: it reloads its contexts, the sidecar its records
+    assert agent.holders() == before
+    for t in (a, b):
+        assert t.devices_list() == rules[t.name]
+        assert t.state == "TASK_RUNNING", t.updates()
+    # The recovered containers are still watched and cleaned up through the module.
+    cid_a = a.container_id()
+    a.teardown()
+    a.wait_gone()
+    assert cid_a not in agent.holders().values()
+    assert b.container_id() in agent.holders().values()
+    b.teardown()
+    b.wait_gone()
+    assert all(h == "" for h in agent.holders().values())
+
+
+def test_sidecar_restart_keeps_every_grant(cluster: Cluster) -> None:
+    agent = cluster.agents[0]
+    assert agent.sidecar is not None
+    a = probe(cluster, gpus=2, seconds=300)
+    a.wait("TASK_RUNNING")
+    a.wait_stdout("probed")
+    before, rules = agent.holders(), a.devices_list()
+    agent.sidecar.terminate()
+    assert a.devices_list() == rules  # the kernel's rules do not depend on the sidecar running
+    agent.start_sidecar()
+    assert agent.holders() == before
+    # A new task gets other GPUs, the old one is cleaned up through the restarted sidecar.
+    b = probe(cluster, gpus=2)
+    b.wait("TASK_FINISHED")
+    assert not opened_gpus(b.stdout()) & {i for i, h in before.items() if h}
+    a.teardown()
+    a.wait_gone()
+    assert all(h == "" for h in agent.holders().values())
+
+
+def test_zz_no_watch_noise_for_containers_that_were_cleaned_up(cluster: Cluster) -> None:
+    """Runs last on the shared agent: every container so far was cleaned up, and the module polled
+    Watch once more after each cleanup; none of those polls may read as an error on either side."""
+    agent = cluster.agents[0]
+    assert agent.sidecar is not None
+    last = probe(cluster, gpus=1)
+    last.wait("TASK_FINISHED")
+    last.wait_gone()
+    # A further task spans several watch periods (1 s) after the last cleanup.
+    probe(cluster, gpus=0, seconds=3).wait("TASK_FINISHED")
+    assert "unknown container" not in agent.sidecar.log()
+    noise = [line for line in agent.log().splitlines() if "NOT_FOUND" in line]
+    assert not noise, noise[:3]

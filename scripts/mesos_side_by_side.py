@@ -89,7 +89,12 @@ def run_route(mesos_home: str, route: str, tasks: int) -> dict[str, Any]:
             os.environ["LD_PRELOAD"] = os.path.join(sim_root, "nvml", "libnvidia-ml.so.1")
             os.environ["GI_SIM_DEV"] = os.path.join(sim_root, "dev")
             del sim
-            cluster = Cluster(mesos_home, hooks=None, isolation=("cgroups/devices", "filesystem/linux", "gpu/nvidia"))
+            cluster = Cluster(
+                mesos_home,
+                hooks=None,
+                isolation=("cgroups/devices", "filesystem/linux", "gpu/nvidia"),
+                agent_flags=("--nvidia_gpu_devices=0,1,2,3,4,5,6,7",),
+            )
             for agent in cluster.agents:
                 agent.__class__ = NvidiaAgent
             devdir = "/dev"
@@ -115,7 +120,16 @@ def run_route(mesos_home: str, route: str, tasks: int) -> dict[str, Any]:
                 task = cluster.submit(f"python3 {PROBE} {devdir} 600", gpus=1, name=f"{route}-one-{i}")
                 out["running_s"].append(_wait_running(task))
                 task.wait_stdout("probed")
-                out["concurrent"].append(_opened(task.stdout()))
+                stdout = task.stdout()
+                out["concurrent"].append(_opened(stdout))
+                if i == 0:
+                    out["others"] = {
+                        name: result
+                        for name, result in re.findall(r"^dev (\S+) (\S+)$", stdout, re.M)
+                        if not name[6:].isdigit()
+                    }
+                    out["env"] = re.findall(r"^env (\S+)$", stdout, re.M)
+                    out["devices_list"] = [r for r in task.devices_list() if "195:" in r or r.startswith("a ")]
                 held.append(task)
             for task in held:
                 task.teardown()
@@ -144,18 +158,22 @@ def run_route(mesos_home: str, route: str, tasks: int) -> dict[str, Any]:
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
         "| route | gpus:1 tasks held at once: GPUs each opened | gpus:2 tasks one after another: GPUs opened"
-        " | submit -> TASK_RUNNING (median) |",
-        "| --- | --- | --- | --- |",
+        " | a gpus:1 task: other /dev/nvidia* nodes | its NVIDIA_* env | its devices.list (major 195) |"
+        " submit -> TASK_RUNNING (median) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         if "error" in r and not r["concurrent"]:
-            lines.append(f"| {r['route']} | could not run: `{r['error'].strip().splitlines()[-1][:300]}` | | |")
+            lines.append(f"| {r['route']} | could not run: `{r['error'].strip().splitlines()[-1][:300]}` | | | | | |")
             continue
         running = f"{statistics.median(r['running_s']) * 1000:.0f} ms" if r["running_s"] else "-"
+        others = ", ".join(f"{k} {v}" for k, v in sorted(r.get("others", {}).items()))
         lines.append(
             f"| {r['route']} | {' '.join(str(g) for g in r['concurrent'])} | {' '.join(str(p) for p in r['pairs'])}"
-            f" | {running} |"
+            f" | {others} | {' '.join(r.get('env', [])) or '-'} | {'; '.join(r.get('devices_list', []))} | {running} |"
         )
+        if "error" in r:
+            lines.append(f"| {r['route']} (then) | failed: `{r['error'].strip().splitlines()[-1][:300]}` | | | | | |")
     return "\n".join(lines)
 
 

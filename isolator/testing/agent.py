@@ -342,9 +342,9 @@ class Agent:
             raise RuntimeError(f"gpu-isolator {' '.join(args)} exited {out.returncode}: {out.stderr}")
         return json.loads(out.stdout)
 
-    def holders(self) -> dict[int, str]:
-        """GPU index -> the container the sidecar says holds it ("" when free)."""
-        return {int(g["index"]): str(g.get("holder") or "") for g in self.sidecar_json("gpus")["gpus"]}
+    def holders(self, by: str = "index") -> dict[int, str]:
+        """GPU index (or ``by="minor"``) -> the container the sidecar says holds it ("" when free)."""
+        return {int(g[by]): str(g.get("holder") or "") for g in self.sidecar_json("gpus")["gpus"]}
 
     def start_sidecar(self) -> None:
         if self.hooks in (None, "noop"):
@@ -387,6 +387,7 @@ class Agent:
             f"--launcher_dir={home}/libexec/mesos",
             "--executor_environment_variables=" + json.dumps({"LD_LIBRARY_PATH": f"{home}/lib", "PATH": PATH}),
             "--executor_registration_timeout=2mins",
+            "--executor_shutdown_grace_period=1secs",
             *self.extra_flags,
         ]
         if self.hooks is not None:
@@ -495,9 +496,11 @@ class Cluster:
         agent_flags: Iterable[str] = (),
         sidecar_flags: Iterable[str] = (),
         watch_frequence: int = 1,
+        resources: str | None = None,
         tmp: str | None = None,
     ) -> None:
-        """``gpus``: what each agent advertises (default: the simulated host's GPU count)."""
+        """``gpus``: what each agent advertises (default: the simulated host's GPU count);
+        ``resources``: the agents' other resources (default ``cpus:8;mem:4096;disk:4096``)."""
         self.mesos_home = mesos_home
         self.work = tempfile.mkdtemp(prefix="gi-mesos-", dir=tmp or "/tmp")
         self.run_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -518,7 +521,7 @@ class Cluster:
                 work=os.path.join(self.work, f"agent{i}"),
                 cgroups_root=f"{TEST_PARENT}/mesos-{self.run_id}-{i}",
                 module_name=f"gpu-isolator-test-{self.run_id}-{i}",
-                resources=f"cpus:8;mem:4096;disk:4096;gpus:{gpus}",
+                resources=f"{resources or 'cpus:8;mem:4096;disk:4096'};gpus:{gpus}",
                 isolation=tuple(isolation),
                 hooks=hooks,
                 host=host,

@@ -38,8 +38,10 @@ def mesos_home() -> str:
 
 @pytest.fixture(scope="session")
 def cluster(mesos_home: str) -> Iterator[Cluster]:
-    """One master and one agent on a simulated DGX-1, shared by the scenarios that leave it as found."""
-    with Cluster(mesos_home) as c:
+    """One master and one agent on a simulated DGX-1, shared by the scenarios that leave it as found
+    (test_real_health.py, last, does not: it marks GPUs unhealthy). The agent advertises 9 GPUs for
+    the 8 the sidecar has, so that a task can ask for more than are free."""
+    with Cluster(mesos_home, gpus=9) as c:
         yield c
 
 

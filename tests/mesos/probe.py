@@ -3,13 +3,17 @@
 ``python3 probe.py DEVDIR [SECONDS]`` prints one ``dev <name> <ok|EPERM|ENXIO|...>`` line per
 ``DEVDIR/nvidia*`` node (ENXIO: the device cgroup let the open through and the missing driver
 refused it; EPERM: the device cgroup refused it), one ``env NAME=VALUE`` line per NVIDIA_*/CUDA_*
-variable, ``cgroup <path>`` (its devices cgroup), ``probed``, then sleeps SECONDS (default 0) so that the task keeps its GPUs.
+variable, ``cgroup <path>`` (its devices cgroup), ``probed``, then sleeps SECONDS (default 0) so that
+the task keeps its GPUs; ``start``/``end``
+lines carry the wall-clock times around all that.
 """
 
 import errno
 import os
 import sys
 import time
+
+print(f"start {time.time():.3f}", flush=True)
 
 devdir = sys.argv[1]
 for name in sorted(os.listdir(devdir)):
@@ -34,3 +38,4 @@ with open("/proc/self/cgroup") as fh:
             print(f"cgroup {path}")
 print("probed", flush=True)
 time.sleep(float(sys.argv[2]) if len(sys.argv) > 2 else 0)
+print(f"end {time.time():.3f}", flush=True)

@@ -1,13 +1,13 @@
 """Failures under a real agent: GPU health events, requests beyond the free GPUs, restarts.
 
-Its own cluster: the agent advertises one GPU more than the simulated DGX-1 has (as an agent does
-whose GPU the sidecar took out of service), and the GPUs marked unhealthy here stay so.
+On the shared agent, which advertises one GPU more than the simulated DGX-1 has (as an agent does
+whose GPU the sidecar took out of service). The GPUs marked unhealthy here stay so: this module runs
+last (files run in name order).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 from conftest import assert_sees_exactly, opened_gpus, probe
@@ -15,10 +15,10 @@ from conftest import assert_sees_exactly, opened_gpus, probe
 from isolator.testing.agent import Cluster
 
 
-@pytest.fixture(scope="module")
-def sick(mesos_home: str) -> Iterator[Cluster]:
-    with Cluster(mesos_home, gpus=9) as c:
-        yield c
+@pytest.fixture
+def sick(cluster: Cluster) -> Cluster:
+    """The shared agent, which advertises one GPU more than the simulated DGX-1 has (conftest)."""
+    return cluster
 
 
 def test_more_gpus_than_free_fails_fast_with_a_message_an_operator_understands(sick: Cluster) -> None:

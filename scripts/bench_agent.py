@@ -34,7 +34,6 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from isolator.bridge import command as bridge  # noqa: E402
 from isolator.testing.agent import Cluster, find_mesos_home  # noqa: E402
 
 CONFIGS = ("none", "noop", "python", "c")
@@ -94,19 +93,11 @@ def _wait_state(path: str, state: str, name: str, timeout: float) -> float:
 
 
 def run_config(mesos_home: str, config: str, tasks: int, log: Any = print) -> dict[str, Any]:
-    hooks: Any = {"none": None, "noop": "noop", "python": "bridge", "c": "bridge"}[config]
+    hooks: Any = {"none": None, "noop": "noop", "python": "bridge", "c": "bridge-c"}[config]
+    if config == "python" and os.environ.get("GI_MESOS_BRIDGE") == "c":
+        raise RuntimeError("GI_MESOS_BRIDGE=c would run the compiled bridge in the python configuration: unset it")
     cluster = Cluster(mesos_home, hooks=hooks)
     cluster.module_debug = hooks is not None
-    if config == "c":
-        compiled = bridge.compiled_bridge()
-        if compiled is None:
-            raise RuntimeError("build/gpu-isolator-bridge is missing: run `make build` (it needs gcc)")
-        for agent in cluster.agents:
-            # The compiled bridge in the agent's bin dir; a dict of hook commands still starts the
-            # sidecar (isolator/testing/agent.py), whose bridge socket is <work>/sidecar/s.sock.bridge.
-            socket_path = os.path.join(agent.work, "sidecar", "s.sock.bridge")
-            bridge.install(agent.bin_dir, socket_path=socket_path, timeout=25, compiled=compiled)
-            agent.hooks = {hook: os.path.join(agent.bin_dir, f"gpu-isolator-{hook}") for hook in agent.hook_commands()}
     running: list[float] = []
     finished: list[float] = []
     with cluster:

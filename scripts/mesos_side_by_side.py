@@ -34,7 +34,6 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from isolator.bridge import command as bridge  # noqa: E402
 from isolator.simhost.sim import SimulatedHost  # noqa: E402
 from isolator.testing.agent import Agent, Cluster, find_mesos_home  # noqa: E402
 
@@ -99,13 +98,7 @@ def run_route(mesos_home: str, route: str, tasks: int) -> dict[str, Any]:
                 agent.__class__ = NvidiaAgent
             devdir = "/dev"
         else:
-            cluster = Cluster(mesos_home, hooks="bridge")
-            compiled = bridge.compiled_bridge()
-            for agent in cluster.agents:
-                if compiled is not None:
-                    sock = os.path.join(agent.work, "sidecar", "s.sock.bridge")
-                    bridge.install(agent.bin_dir, socket_path=sock, timeout=25, compiled=compiled)
-                    agent.hooks = {h: os.path.join(agent.bin_dir, f"gpu-isolator-{h}") for h in agent.hook_commands()}
+            cluster = Cluster(mesos_home, hooks="bridge-c")
             devdir = ""
         try:
             cluster.start()

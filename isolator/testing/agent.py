@@ -19,7 +19,9 @@ what is left in them), the module's state dir ``/var/run/mesos/isolators/command
 the temp dir.
 
 Hooks (``hooks=``): ``"bridge"`` (default) runs our bridge executables (``python -m isolator.bridge
-install``) against a sidecar per agent; ``"noop"`` runs ``/bin/true`` for every hook (the floor of
+install``) against a sidecar per agent, the compiled one (``install --compiled``, isolator/bridge/bridge.c)
+with ``"bridge-c"`` or when ``GI_MESOS_BRIDGE=c`` is set (``GI_MESOS_BRIDGE=c make test-mesos`` runs
+every scenario through it); ``"noop"`` runs ``/bin/true`` for every hook (the floor of
 the route: the module, a fork and an exec; no sidecar); ``None`` loads no module at all (no sidecar);
 a dict ``{hook: command}`` gives a command per hook (prepare, isolate, cleanup, watch, usage), a
 sidecar is still started.
@@ -309,7 +311,7 @@ class Agent:
         if self.hooks == "noop":
             true = shutil.which("true") or "/bin/true"
             return {hook: true for hook in ("prepare", "isolate", "cleanup", "watch")}
-        if self.hooks == "bridge":
+        if self.hooks in ("bridge", "bridge-c"):
             return {
                 hook: os.path.join(self.bin_dir, f"gpu-isolator-{hook}")
                 for hook in ("prepare", "isolate", "cleanup", "watch")
@@ -360,10 +362,15 @@ class Agent:
                 extra=self.cluster.sidecar_flags,
                 mode="mesos",
             )
-            if self.hooks == "bridge":
-                from isolator.bridge.command import install
+            if self.hooks in ("bridge", "bridge-c"):
+                from isolator.bridge.command import compiled_bridge, install
 
-                install(self.bin_dir, self.sidecar.bridge_socket, timeout=25)
+                compiled = None
+                if self.hooks == "bridge-c" or os.environ.get("GI_MESOS_BRIDGE") == "c":
+                    compiled = compiled_bridge()
+                    if compiled is None:
+                        raise RuntimeError("build/gpu-isolator-bridge is missing: run `make build` (it needs gcc)")
+                install(self.bin_dir, self.sidecar.bridge_socket, timeout=25, compiled=compiled)
         self.sidecar.start()
 
     def argv(self) -> list[str]:

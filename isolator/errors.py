@@ -221,6 +221,13 @@ class ContainerAlreadyRecorded(AlreadyExists):
     msg_fmt = "container {container} is already recorded"
 
 
+class ContainerGone(NotFound):
+    """Watch of a container Mesos cleaned up lately: NOT_FOUND on gRPC (an open Watch ends), "no
+    limitation" to the command module's poll after each Cleanup (docs/mesos-agent.md, section 4)."""
+
+    msg_fmt = "container {container} was cleaned up"
+
+
 class ContainerNotRecorded(NotFound):
     msg_fmt = "container {container} is not recorded"
 

@@ -30,13 +30,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import pytest
 
 from isolator.bridge import command as bridge
 from isolator.daemon import config
 from isolator.daemon.config import Config
-from isolator.errors import AlreadyExists, GpusExhausted, Internal, NotFound, SocketError
+from isolator.errors import AlreadyExists, ContainerGone, GpusExhausted, Internal, NotFound, SocketError
 from isolator.model import ContainerConfig, ContainerId, GpuUsage, LaunchInfo, Limitation, Mount, Usage, gpu_count
+from isolator.rpc import isolator_pb2 as pb
+from isolator.rpc import isolator_pb2_grpc as pb_grpc
 from isolator.testing import StubService, mesos_json
 from isolator.transport.server import SidecarServer
 
@@ -135,6 +138,10 @@ class RecordingService(StubService):
 
     def watch(self, container_id: ContainerId, timeout: float | None) -> Limitation | None:
         self.calls.append(("watch", str(container_id), timeout))
+        if str(container_id).startswith("gone"):
+            raise ContainerGone(container=str(container_id))
+        if str(container_id).startswith("unknown"):
+            raise NotFound(f"unknown container {container_id}")
         return self.limitations.get(str(container_id))
 
     def usage(self, container_id: ContainerId) -> Usage:
@@ -1190,3 +1197,17 @@ def test_a_bridge_call_turned_away_for_load_is_answered_retry_and_a_final_refusa
     finally:
         service.gate.set()
         srv.stop(grace=0)
+
+
+def test_the_modules_watch_poll_after_cleanup_is_quiet_and_an_unknown_container_is_not(bin_dir, service, sidecar):
+    # After each Cleanup criteo's module polls Watch once more: "no limitation", nothing in either log.
+    run = call(bin_dir, "watch", {"container_id": {"value": "gone-1"}, "container_config": {}})
+    assert (run.returncode, run.out, run.err, run.stderr) == (0, "", "", "")
+    # A container never seen: still exit 0 (watch never fails) but one line on the agent's log.
+    run = call(bin_dir, "watch", {"container_id": {"value": "unknown-1"}, "container_config": {}})
+    assert (run.returncode, run.out) == (0, "")
+    assert "NOT_FOUND: unknown container unknown-1" in run.stderr
+    # gRPC: an open Watch on a container that is gone ends NOT_FOUND.
+    with grpc.insecure_channel("unix:" + sidecar.config.socket) as channel, pytest.raises(grpc.RpcError) as gone:
+        pb_grpc.IsolatorStub(channel).Watch(pb.WatchRequest(container_id=pb.ContainerID(value="gone-2")), timeout=10)
+    assert gone.value.code() == grpc.StatusCode.NOT_FOUND

@@ -275,6 +275,8 @@ class _Context:
         self._method = method
         self._deadline = time.monotonic() + timeout
         self._pushback_ms: int | None = None
+        # The module polls watch (IsolatorServicer.Watch answers its poll after a Cleanup quietly).
+        self.module_poll = method == "watch"
 
     def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
         # Only the retry pushback of a load-shedding refusal (isolator.transport.status.retry_metadata).

@@ -18,6 +18,7 @@ from isolator.daemon.crashpoints import crashpoint
 from isolator.errors import (
     AlreadyExists,
     CgroupVanished,
+    ContainerGone,
     FailedPrecondition,
     InvalidArgument,
     IsolatorError,
@@ -462,10 +463,12 @@ class Hooks:
             seen = core.generation()
             rec = core.store.get(container_id.root)
             if rec is None:
-                if container_id.nested or core.recently_ended(container_id):
-                    # The module polls Watch once more after each Cleanup: nothing more will happen
-                    # to a container that is gone, so no limitation, and no error to log.
+                if container_id.nested:
                     return None
+                if core.recently_ended(container_id):
+                    # The module polls Watch once more after each Cleanup; the bridge answers that
+                    # poll "no limitation", an open gRPC Watch ends NOT_FOUND.
+                    raise ContainerGone(container=str(container_id))
                 raise NotFound(f"unknown container {container_id}")
             with core.alloc:
                 sick = sorted(m for m in rec.gpus | rec.mig_parents if m in core.allocator.unhealthy)

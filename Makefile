@@ -74,6 +74,9 @@ test-gpu: install build
 # test would skip, and CI would stay green) unless ALLOW_NO_MESOS=1. Needs root and cgroup v1.
 ALLOW_NO_MESOS ?=
 test-mesos: install build
+	@# The image scenarios build their images from Debian's busybox-static.
+	@[ -x /bin/busybox ] || [ -z "$$(command -v apt-get)" ] || \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends busybox-static >&2 || true
 	@home="$(MESOS_HOME)"; \
 	if [ -z "$$home" ] && [ -d ../shared/mesos ]; then home=$$(../shared/mesos/setup.sh) || exit 1; fi; \
 	if [ -z "$$home" ] && [ "$(ALLOW_NO_MESOS)" != 1 ]; then \

@@ -20,6 +20,9 @@ def test_gpus_1_opens_exactly_its_gpu_and_the_control_devices(cluster: Cluster) 
     assert "c 195:255 rwm" in task.devices_list()  # nvidiactl
     # A command task without an image gets no NVIDIA_* variables, as under Mesos's own isolator.
     assert "env NVIDIA_VISIBLE_DEVICES" not in out
+    # The master's record of the updates (what the agent benchmark times), in order.
+    times = task.status_times()
+    assert task.submitted_at <= times["TASK_STARTING"] <= times["TASK_RUNNING"], times
     task.teardown()
     task.wait_gone()
     assert cid not in agent.holders().values()

@@ -87,6 +87,9 @@ test-gpu: install build
 # GI_MESOS_BRIDGE=c runs every scenario through the compiled bridge (build/gpu-isolator-bridge).
 ALLOW_NO_MESOS ?=
 test-mesos: install build
+	@# The image scenarios build their images from Debian's busybox-static.
+	@[ -x /bin/busybox ] || [ -z "$$(command -v apt-get)" ] || \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends busybox-static >&2 || true
 	@home="$(MESOS_HOME)"; \
 	if [ -z "$$home" ] && [ -d ../shared/mesos ]; then home=$$(../shared/mesos/setup.sh --dev) || exit 1; fi; \
 	if [ -n "$$home" ] && ! dpkg -s rapidjson-dev >/dev/null 2>&1; then \

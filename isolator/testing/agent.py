@@ -156,6 +156,18 @@ class Task:
     proc: subprocess.Popen[str]
     log_path: str
     names: tuple[str, ...] = ()
+    submitted_at: float = 0.0  # time.time() when mesos-execute was started
+
+    def status_times(self) -> dict[str, float]:
+        """State -> the agent's timestamp (time.time() seconds) of this task's first update in that
+        state, from the master's /master/tasks: finer than polling mesos-execute's output."""
+        data = _get_json(f"http://{self.cluster.master_address}/master/tasks?limit=100000", 10)
+        out: dict[str, float] = {}
+        for task in data.get("tasks", []):
+            if task.get("id") == self.name:
+                for status in task.get("statuses", []):
+                    out.setdefault(str(status["state"]), float(status["timestamp"]))
+        return out
 
     def updates(self) -> list[Update]:
         """Every status update so far, in order, for this task (its first one for a group)."""
@@ -648,6 +660,7 @@ class Cluster:
     def _execute(self, name: str, args: list[str], names: tuple[str, ...]) -> Task:
         log_path = os.path.join(self.work, f"execute-{name}.log")
         env = dict(os.environ, LD_LIBRARY_PATH=f"{self.mesos_home}/lib")
+        started = time.time()
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
                 [
@@ -662,7 +675,7 @@ class Cluster:
                 env=env,
                 text=True,
             )
-        task = Task(self, name, proc, log_path, names)
+        task = Task(self, name, proc, log_path, names, submitted_at=started)
         self.tasks.append(task)
         return task
 

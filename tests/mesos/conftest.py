@@ -46,7 +46,11 @@ def cluster(mesos_home: str) -> Iterator[Cluster]:
 
 
 def probe(cluster: Cluster, gpus: int, seconds: float = 0, agent: int = 0, **kw: Any) -> Task:
-    """Submit the probe as a command task with ``gpus`` GPUs."""
+    """Submit the probe as a command task with ``gpus`` GPUs.
+
+    A test that needs GPUs a finished task held waits for that task's ``wait_gone()`` first: the
+    master re-offers a command task's GPUs on its terminal update, before the agent has destroyed
+    its container and run our cleanup (docs/mesos-agent.md, section 7)."""
     devdir = cluster.agents[agent].sidecar.dev_root  # type: ignore[union-attr]
     return cluster.submit(f"python3 {PROBE} {devdir} {seconds:g}", gpus=gpus, **kw)
 

@@ -20,6 +20,9 @@ def test_gpus_1_opens_exactly_its_gpu_and_the_control_devices(cluster: Cluster) 
     assert "c 195:255 rwm" in task.devices_list()  # nvidiactl
     # A command task without an image gets no NVIDIA_* variables, as under Mesos's own isolator.
     assert "env NVIDIA_VISIBLE_DEVICES" not in out
+    # The master's record of the updates (what the agent benchmark times), in order.
+    times = task.status_times()
+    assert task.submitted_at <= times["TASK_STARTING"] <= times["TASK_RUNNING"], times
     task.teardown()
     task.wait_gone()
     assert cid not in agent.holders().values()
@@ -28,6 +31,7 @@ def test_gpus_1_opens_exactly_its_gpu_and_the_control_devices(cluster: Cluster) 
 def test_gpus_0_opens_no_gpu(cluster: Cluster) -> None:
     task = probe(cluster, gpus=0)
     task.wait("TASK_FINISHED")
+    task.wait_gone()  # its GPUs are re-offered before the agent cleans up (docs)
     out = task.stdout()
     # No GPU; the control devices stay open, as Mesos's isolator grants them to every container
     # (nvidia-smi works in a 0-GPU container; isolator/policy/devices.py ControlDevices).
@@ -61,6 +65,7 @@ def test_concurrent_tasks_get_disjoint_nvlink_pairs_and_a_killed_tasks_gpus_are_
     # ... free enough that a new task gets them.
     c = probe(cluster, gpus=2, seconds=0)
     c.wait("TASK_FINISHED")
+    c.wait_gone()  # its GPUs are re-offered before the agent cleans up (docs)
     assert opened_gpus(c.stdout()) == sets[b.name]
     a.teardown()
     a.wait_gone()
@@ -106,6 +111,7 @@ def test_sidecar_restart_keeps_every_grant(cluster: Cluster) -> None:
     # A new task gets other GPUs, the old one is cleaned up through the restarted sidecar.
     b = probe(cluster, gpus=2)
     b.wait("TASK_FINISHED")
+    b.wait_gone()  # its GPUs are re-offered before the agent cleans up (docs)
     assert not opened_gpus(b.stdout()) & {i for i, h in before.items() if h}
     a.teardown()
     a.wait_gone()

@@ -35,6 +35,7 @@ def test_more_gpus_than_free_fails_fast_with_a_message_an_operator_understands(s
     # The agent is not stalled behind it: the next task runs at once.
     ok = probe(sick, gpus=8)
     ok.wait("TASK_FINISHED")
+    ok.wait_gone()  # its GPUs are re-offered before the agent cleans up (docs)
     assert_sees_exactly(ok.stdout(), set(range(8)))
 
 
@@ -58,6 +59,7 @@ def test_a_gpu_health_event_fails_the_task_naming_the_gpu_and_the_agent_stays_up
     # The agent still launches: the sick GPU is never handed out again.
     after = probe(sick, gpus=7)
     after.wait("TASK_FINISHED")
+    after.wait_gone()  # its GPUs are re-offered before the agent cleans up (docs)
     assert opened_gpus(after.stdout()) == set(range(8)) - {index}
 
 
@@ -78,4 +80,5 @@ def test_an_unhealthy_gpu_stays_out_of_service_after_a_sidecar_restart(sick: Clu
     assert {i for i, g in after.items() if g["healthy"]} == healthy - {index}, after
     task = probe(sick, gpus=len(healthy) - 1)
     task.wait("TASK_FINISHED")
+    task.wait_gone()  # its GPUs are re-offered before the agent cleans up (docs)
     assert opened_gpus(task.stdout()) == healthy - {index}

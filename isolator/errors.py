@@ -51,6 +51,15 @@ class ResourceExhausted(IsolatorError):
     code = "RESOURCE_EXHAUSTED"
 
 
+class Overloaded(ResourceExhausted):
+    """Load shedding: the sidecar did not run the call and it may be sent again after
+    ``retry_after_ms``. Still RESOURCE_EXHAUSTED, but marked as retryable on the wire: ``RETRY`` on the
+    bridge socket, trailing metadata ``grpc-retry-pushback-ms`` on gRPC (docs/reliability.md). Every
+    other RESOURCE_EXHAUSTED (no free GPU, a full disk) is final: retrying cannot help."""
+
+    retry_after_ms: ClassVar[int] = 20
+
+
 class PermissionDenied(IsolatorError):
     code = "PERMISSION_DENIED"
 
@@ -225,6 +234,13 @@ class StateIncompatible(StateError):
 
 class ContainerAlreadyRecorded(AlreadyExists):
     msg_fmt = "container {container} is already recorded"
+
+
+class ContainerGone(NotFound):
+    """Watch of a container Mesos cleaned up lately: NOT_FOUND on gRPC (an open Watch ends), "no
+    limitation" to the command module's poll after each Cleanup (docs/mesos-agent.md, section 4)."""
+
+    msg_fmt = "container {container} was cleaned up"
 
 
 class ContainerNotRecorded(NotFound):

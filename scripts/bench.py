@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """`make bench`: the figures that say how fast and how good the sidecar is, next to their floors.
 
-Runs the parts asked for (hooks, bridge, allocator, volume, recovery, footprint), prints one table
+Runs the parts asked for (hooks, bridge, allocator, volume, recovery, footprint, load, agent), prints one table
 with each figure beside its baseline and goal, and writes every figure and the machine it ran on to
 a JSON file. A report, not a test: a part that cannot run is reported and the exit status stays 0.
 """
@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [p for p in (ROOT, HERE, os.path.join(ROOT, "tests")) if p not in sys.path]
 
-PARTS = ("hooks", "bridge", "allocator", "volume", "recovery", "footprint", "load")
+PARTS = ("hooks", "bridge", "allocator", "volume", "recovery", "footprint", "load", "agent")
 DEFAULT_JSON = os.path.join(ROOT, "bench-results.json")
 
 # The goals the figures are read against (issue 10, and issue 6 for the allocator).
@@ -60,6 +60,7 @@ def sizes(quick: bool, repeats: int | None) -> dict[str, Any]:
             "in_process_cycles": 10,
             "grpc_cycles": {1: 5, 8: 1, 64: 1},
             "bridge_calls": 3,
+            "agent_tasks": 3,
             "allocator_requests": 40,
             "allocator_arrivals": 40,
             "allocator_patterns": 3,
@@ -82,6 +83,7 @@ def sizes(quick: bool, repeats: int | None) -> dict[str, Any]:
         "in_process_cycles": 300,
         "grpc_cycles": {1: 300, 8: 50, 64: 8},
         "bridge_calls": 50,
+        "agent_tasks": 20,
         "allocator_requests": 400,
         "allocator_arrivals": 1000,
         "allocator_patterns": 40,
@@ -250,6 +252,14 @@ def load_medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def part_agent(s: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
+    """Issue 25: a real Mesos agent with no module, no-op hooks, and our Python and compiled bridges
+    (scripts/bench_agent.py; needs root, cgroup v1 and Mesos from MESOS_HOME or ../shared/mesos)."""
+    import bench_agent
+
+    return bench_agent.measure(s["agent_tasks"], log=log)
+
+
 RUNNERS: dict[str, Callable[[dict[str, Any], Callable[[str], None]], dict[str, Any]]] = {
     "hooks": part_hooks,
     "bridge": part_bridge,
@@ -258,6 +268,7 @@ RUNNERS: dict[str, Callable[[dict[str, Any], Callable[[str], None]], dict[str, A
     "recovery": part_recovery,
     "footprint": part_footprint,
     "load": part_load,
+    "agent": part_agent,
 }
 
 
@@ -390,7 +401,11 @@ def render_bridge(b: dict[str, Any]) -> list[str]:
         f"   {b['console_script_prepare_s'] / b['bare_interpreter_s']:.2f}x bare (for comparison)",
         f"   goal: within {GOAL_BRIDGE_OVER_BARE:g}x of the bare interpreter:"
         f" {_verdict(ratio <= GOAL_BRIDGE_OVER_BARE)}",
-    ]
+    ] + (
+        [f"   compiled bridge prepare  {b['compiled_prepare_s'] * 1000:8.2f} ms   (isolator/bridge/bridge.c)"]
+        if "compiled_prepare_s" in b
+        else []
+    )
 
 
 def render_allocator(a: dict[str, Any]) -> list[str]:
@@ -641,6 +656,12 @@ def render_load(result: dict[str, Any]) -> list[str]:
     ]
 
 
+def render_agent(a: dict[str, Any]) -> list[str]:
+    import bench_agent
+
+    return bench_agent.render(a)
+
+
 RENDER: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "hooks": render_hooks,
     "bridge": render_bridge,
@@ -649,6 +670,7 @@ RENDER: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "recovery": render_recovery,
     "footprint": render_footprint,
     "load": render_load,
+    "agent": render_agent,
 }
 
 

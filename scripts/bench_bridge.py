@@ -79,6 +79,14 @@ def measure(calls: int = 50) -> dict[str, Any]:
         bare = _median_wall([sys.executable, "-I", "-S", "-c", "pass"], calls)
         bridged = _median_wall(bridge_argv, calls)
         console_s = _median_wall([console, *files], calls)
+        # The compiled bridge (isolator/bridge/bridge.c), where `make build` made one.
+        compiled = bridge.compiled_bridge()
+        compiled_s = None
+        if compiled is not None:
+            c_paths = bridge.install(
+                os.path.join(tmp, "bin-c"), socket_path=server.config.bridge_path, compiled=compiled
+            )
+            compiled_s = _median_wall([c_paths[1], *files], calls)
     finally:
         server.stop(grace=0)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -88,6 +96,7 @@ def measure(calls: int = 50) -> dict[str, Any]:
         "bridge_prepare_s": bridged,
         "bridge_over_bare": bridged / bare,
         "console_script_prepare_s": console_s,
+        **({"compiled_prepare_s": compiled_s} if compiled_s is not None else {}),
     }
 
 

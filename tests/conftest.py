@@ -77,6 +77,17 @@ def capability(name: str) -> str | None:
 CAPABILITY_MARKERS = ("root", "cgroup_v1", "cgroup_v2", "gpu", "cpuset_v1", "cpuset_v2")
 
 
+MESOS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mesos")
+
+
+def pytest_ignore_collect(collection_path, config):  # type: ignore[no-untyped-def]
+    """tests/mesos/ runs a real Mesos cluster: only under ``make test-mesos`` (``-m mesos``), never in
+    ``make test``."""
+    if str(collection_path) == MESOS_DIR and "mesos" not in (config.getoption("markexpr") or ""):
+        return True
+    return None
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     for name in CAPABILITY_MARKERS:

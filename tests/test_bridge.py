@@ -4,14 +4,20 @@ Each test runs the installed launcher (through its ``gpu-isolator-<method>`` sym
 subprocess with real IN/OUT/ERR files, against a real SidecarServer whose Service is a small
 recording implementation (the real hooks are built elsewhere). stdout must stay empty every time:
 it is the agent's log.
+
+Every test that runs an executable runs twice, against the Python bridge (isolator/bridge/command.py)
+and the compiled one (isolator/bridge/bridge.c, build/gpu-isolator-bridge from `make build`): one
+protocol suite holds both to the same behaviour, byte for byte in OUT, ERR and stderr.
 """
 
 from __future__ import annotations
 
+import functools
 import grp
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import stat
@@ -19,17 +25,22 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import pytest
 
 from isolator.bridge import command as bridge
 from isolator.daemon import config
 from isolator.daemon.config import Config
-from isolator.errors import AlreadyExists, Internal, NotFound, SocketError
+from isolator.errors import AlreadyExists, ContainerGone, GpusExhausted, Internal, NotFound, SocketError
 from isolator.model import ContainerConfig, ContainerId, GpuUsage, LaunchInfo, Limitation, Mount, Usage, gpu_count
-from isolator.testing import StubService
+from isolator.rpc import isolator_pb2 as pb
+from isolator.rpc import isolator_pb2_grpc as pb_grpc
+from isolator.testing import StubService, mesos_json
 from isolator.transport.server import SidecarServer
 
 MS_RDONLY, MS_BIND, MS_REC = 1, 4096, 16384
@@ -129,6 +140,10 @@ class RecordingService(StubService):
 
     def watch(self, container_id: ContainerId, timeout: float | None) -> Limitation | None:
         self.calls.append(("watch", str(container_id), timeout))
+        if str(container_id).startswith("gone"):
+            raise ContainerGone(container=str(container_id))
+        if str(container_id).startswith("unknown"):
+            raise NotFound(f"unknown container {container_id}")
         return self.limitations.get(str(container_id))
 
     def usage(self, container_id: ContainerId) -> Usage:
@@ -170,10 +185,21 @@ def sidecar(short_tmp, service):
         srv.stop(grace=0)
 
 
+@pytest.fixture(params=["python", "c"])
+def install_bridge(request) -> Callable[..., list[str]]:
+    """``bridge.install`` for the executable under test: the Python launcher or the compiled bridge."""
+    if request.param == "python":
+        return bridge.install
+    compiled = bridge.compiled_bridge()
+    if compiled is None:
+        pytest.fail("build/gpu-isolator-bridge is missing: run `make build` (it needs gcc)")
+    return functools.partial(bridge.install, compiled=compiled)
+
+
 @pytest.fixture
-def bin_dir(short_tmp, sidecar) -> str:
+def bin_dir(short_tmp, sidecar, install_bridge) -> str:
     directory = os.path.join(short_tmp, "bin")
-    bridge.install(directory, socket_path=sidecar.config.bridge_path)
+    install_bridge(directory, socket_path=sidecar.config.bridge_path)
     return directory
 
 
@@ -296,10 +322,10 @@ def test_cleanup_the_sidecar_cannot_complete_exits_non_zero(bin_dir, service):
     assert "INTERNAL: failed to detach device program" in one_line(run.err)
 
 
-def test_cleanup_while_the_sidecar_is_down_exits_0_and_says_so_in_the_agent_log(short_tmp):
+def test_cleanup_while_the_sidecar_is_down_exits_0_and_says_so_in_the_agent_log(short_tmp, install_bridge):
     directory = os.path.join(short_tmp, "bin")
     absent = os.path.join(short_tmp, "absent.sock.bridge")
-    bridge.install(directory, socket_path=absent)
+    install_bridge(directory, socket_path=absent)
     run = call(directory, "cleanup", {"container_id": {"value": "c1"}})
     assert run.returncode == 0
     assert absent in run.stderr
@@ -319,7 +345,10 @@ def test_watch_writes_the_limitation_with_the_fields_mesos_requires(bin_dir, ser
     assert limitation["message"] == "GPU-5c3f (minor 1) became unhealthy: XID 79"
     assert limitation["reason"] == "REASON_CONTAINER_LIMITATION"
     # Resource.type is `required` in Mesos; proto3 would drop SCALAR, its zero value.
-    assert limitation["resources"] == [{"name": "gpus", "type": "SCALAR", "scalar": {"value": 1.0}, "role": "*"}]
+    # No deprecated `role`: a real agent aborts on it (CHECK(!resource.has_role()) in
+    # Slave::sendExecutorTerminatedStatusUpdate), killing every task on the node.
+    assert limitation["resources"] == [{"name": "gpus", "type": "SCALAR", "scalar": {"value": 1.0}}]
+    mesos_json.check_limitation(limitation)
 
 
 def test_usage_writes_resource_statistics_with_its_timestamp(bin_dir, service):
@@ -458,10 +487,10 @@ def test_a_bad_timeout_setting_exits_2(bin_dir):
 # ---- the sidecar down, slow, or the module giving up --------------------------------------------
 
 
-def test_sidecar_down_fails_with_a_line_naming_the_socket(short_tmp):
+def test_sidecar_down_fails_with_a_line_naming_the_socket(short_tmp, install_bridge):
     directory = os.path.join(short_tmp, "bin")
     absent = os.path.join(short_tmp, "absent.sock.bridge")
-    bridge.install(directory, socket_path=absent)
+    install_bridge(directory, socket_path=absent)
     run = call(directory, "prepare", MESOS_PREPARE_INPUT)
     assert run.returncode == bridge.EXIT_UNREACHABLE
     assert one_line(run.err) == (
@@ -483,12 +512,14 @@ WATCH_INPUT: dict[str, Any] = {
 }
 
 
-def test_watch_while_the_sidecar_is_down_exits_0_with_no_limitation_and_one_line_in_the_agent_log(short_tmp):
+def test_watch_while_the_sidecar_is_down_exits_0_with_no_limitation_and_one_line_in_the_agent_log(
+    short_tmp, install_bridge
+):
     # The module returns before deleting IN/OUT/ERR on a non-zero watch exit, once per container
     # per poll: exit 0 with OUT empty ("keep waiting") lets it delete them and poll again.
     directory = os.path.join(short_tmp, "bin")
     absent = os.path.join(short_tmp, "absent.sock.bridge")
-    bridge.install(directory, socket_path=absent)
+    install_bridge(directory, socket_path=absent)
     run = call(directory, "watch", WATCH_INPUT)
     assert (run.returncode, run.out, run.err) == (0, "", "")
     line = run.stderr.removesuffix("\n")
@@ -729,3 +760,458 @@ def test_the_bridge_refuses_a_boolean_where_mesos_writes_a_number(request_type: 
 
     with pytest.raises(InvalidArgument, match=rf"{re.escape(where)} must be a number, not a boolean"):
         decode_input(payload.encode(), getattr(isolator_pb2, request_type))
+
+
+def test_install_compiled_copies_the_binary_with_its_settings_beside_it_and_python_removes_them(short_tmp):
+    compiled = bridge.compiled_bridge()
+    assert compiled is not None, "build/gpu-isolator-bridge is missing: run `make build`"
+    directory = os.path.join(short_tmp, "bin")
+    paths = bridge.install(directory, socket_path="/run/x.bridge", timeout=12, compiled=compiled)
+    with open(paths[0], "rb") as fh, open(compiled, "rb") as built:
+        assert fh.read() == built.read()
+    assert os.access(paths[0], os.X_OK)
+    assert all(os.readlink(p) == "gpu-isolator-bridge" for p in paths[1:])
+    with open(os.path.join(directory, bridge.CONF_NAME)) as fh:
+        settings = [line for line in fh.read().splitlines() if not line.startswith("#")]
+    assert settings == ["socket=/run/x.bridge", "timeout=12.0"]
+    # The Python launcher in its place takes the settings file away with the binary.
+    assert bridge.install(directory) == paths
+    assert not os.path.exists(os.path.join(directory, bridge.CONF_NAME))
+
+
+def test_install_compiled_where_no_compiler_ran_falls_back_to_python_and_says_so(short_tmp):
+    # A copy of the package without build/ beside it, as a wheel installs it.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(bridge.__file__))))
+    copy = os.path.join(short_tmp, "pkg")
+    shutil.copytree(os.path.join(root, "isolator"), os.path.join(copy, "isolator"))
+    directory = os.path.join(short_tmp, "bin")
+    result = subprocess.run(
+        [sys.executable, "-m", "isolator.bridge", "install", directory, "--compiled"],
+        capture_output=True,
+        text=True,
+        cwd=copy,
+        env={**os.environ, "PYTHONPATH": copy},
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "no compiled bridge was built" in result.stderr and "installing the Python launcher" in result.stderr
+    with open(os.path.join(directory, bridge.LAUNCHER)) as fh:
+        assert fh.read().startswith(f"#!{sys.executable} -IS\n")
+
+
+def test_a_malformed_settings_file_beside_the_compiled_bridge_fails_the_call(short_tmp, sidecar):
+    directory = os.path.join(short_tmp, "bin")
+    compiled = bridge.compiled_bridge()
+    assert compiled is not None
+    bridge.install(directory, socket_path=sidecar.config.bridge_path, compiled=compiled)
+    conf = os.path.join(directory, bridge.CONF_NAME)
+    with open(conf, "a") as fh:
+        fh.write("sockte=/elsewhere\n")
+    run = call(directory, "prepare", {"container_id": {"value": "c1"}})
+    assert run.returncode == bridge.EXIT_USAGE
+    assert one_line(run.err) == (
+        f"gpu-isolator prepare: bad bridge settings in '{conf}' line 6: expected 'socket=<path>' or 'timeout=<seconds>'"
+    )
+
+
+# ---- the two executables, byte for byte ---------------------------------------------------------
+
+
+def _run_both(short_tmp: str, socket_path: str, argv_tail: list[str], env: dict[str, str], payload: bytes) -> list:
+    """(returncode, OUT, ERR, stderr) of the Python and the compiled bridge for the same call."""
+    compiled = bridge.compiled_bridge()
+    assert compiled is not None, "build/gpu-isolator-bridge is missing: run `make build`"
+    results = []
+    for kind, binary in (("python", None), ("c", compiled)):
+        directory = os.path.join(short_tmp, kind)
+        bridge.install(directory, socket_path=socket_path, compiled=binary)
+        paths = [os.path.join(short_tmp, f"{kind}.{name}") for name in ("in", "out", "err")]
+        with open(paths[0], "wb") as fh:
+            fh.write(payload)
+        for p in paths[1:]:
+            open(p, "wb").close()
+        argv = [os.path.join(directory, argv_tail[0]), *[paths[int(a)] if a.isdigit() else a for a in argv_tail[1:]]]
+        result = subprocess.run(argv, capture_output=True, env={**os.environ, **env}, timeout=60)
+        with open(paths[1], "rb") as fh:
+            out = fh.read()
+        with open(paths[2], "rb") as fh:
+            err = fh.read().replace(paths[0].encode(), b"IN")
+        assert result.stdout == b""
+        results.append((result.returncode, out, err, result.stderr.replace(paths[0].encode(), b"IN")))
+    return results
+
+
+@pytest.mark.parametrize(
+    "timeout",
+    [
+        "1e20",
+        "'x",
+        '"',
+        "-0",
+        "nan",
+        "-inf",
+        " 2_5 ",
+        "2__5",
+        "_1",
+        "0x10",
+        "1e-300",
+        "86400",
+        "1.e3",
+        ".5e",
+        "",
+        "1e400",
+        "\tsoon\n",
+        "ünïcode",
+        "12345678901234567890",
+    ],
+)
+def test_both_executables_read_a_timeout_setting_alike(short_tmp, timeout):
+    absent = os.path.join(short_tmp, "absent.sock")
+    python, c = _run_both(
+        short_tmp, absent, ["gpu-isolator-prepare", "0", "1", "2"], {bridge.TIMEOUT_ENV: timeout}, b"{}"
+    )
+    assert python == c
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["gpu-isolator-bridge", "0", "1", "2"],
+        ["gpu-isolator-bridge", "prepare", "0", "1"],
+        ["gpu-isolator-prepare", "cleanup", "0", "1", "2"],
+        ["gpu-isolator-watch", "0", "1"],
+        ["gpu-isolator-bridge", "update", "0", "1", "2"],
+        ["gpu-isolator-prepare", "0", "/nonexistent/dir/out", "2"],
+        ["gpu-isolator-prepare", "/", "1", "2"],
+        ["gpu-isolator-watch", "/nonexistent", "1", "2"],
+        ["gpu-isolator-cleanup", "0", "1", "/nonexistent/err"],
+    ],
+)
+def test_both_executables_treat_arguments_and_files_alike(short_tmp, argv):
+    absent = os.path.join(short_tmp, "absent.sock")
+    python, c = _run_both(short_tmp, absent, argv, {}, b"{}")
+    assert python == c
+
+
+def test_both_executables_print_the_same_version_and_help():
+    compiled = bridge.compiled_bridge()
+    assert compiled is not None
+    for flag in ("--version", "--help"):
+        outputs = [
+            subprocess.run([*argv, flag], capture_output=True, timeout=60).stdout
+            for argv in ([sys.executable, "-I", "-m", "isolator.bridge"], [compiled])
+        ]
+        assert outputs[0] == outputs[1] and outputs[0], flag
+
+
+class ScriptedPeer:
+    """A Unix socket that answers every connection with the same bytes: how a sidecar of another
+    version, or a broken one, could answer; the executables must read it alike."""
+
+    def __init__(self, path: str, reply: bytes) -> None:
+        self.reply = reply
+        self.connections = 0
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(path)
+        self.sock.listen(16)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                self.connections += 1
+                conn.settimeout(10)
+                while conn.recv(65536):
+                    pass
+                conn.sendall(self.reply)
+
+    def close(self) -> None:
+        self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self.thread.join(10)
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"",
+        b"OK",
+        b"OK\n",
+        b'OK\n{"a": 1}\n\xff',
+        b"ok\n",
+        b"HELLO 'there' \x00\x7f\xff\t\r",
+        b"x" * 100,
+        b"ERROR",
+        b"ERROR X",
+        b"ERROR NOT_FOUND gone",
+        b"ERROR INVALID_ARGUMENT caf\xc3\xa9 \xe2\x80\x83wide\xa0\xff\xe2\x80 end\n",
+        b"ERROR RESOURCE_EXHAUSTED Requested 4 gpus but only 2 available\n",
+        b"RETRY abc RESOURCE_EXHAUSTED busy\n",
+        b"RETRY 5\n",
+        b"RETRY 5 X\n",
+        b"RETRY 1234567890 RESOURCE_EXHAUSTED busy\n",
+        b"RETRY 300 RESOURCE_EXHAUSTED too many bridge calls in flight; try again\n",
+        b"RETRY 1 NOT_FOUND shed\n",
+    ],
+)
+@pytest.mark.parametrize("method", ["prepare", "watch", "cleanup"])
+def test_both_executables_read_any_reply_alike(short_tmp, reply, method):
+    path = os.path.join(short_tmp, "peer.sock")
+    peer = ScriptedPeer(path, reply)
+    try:
+        python, c = _run_both(
+            short_tmp, path, [f"gpu-isolator-{method}", "0", "1", "2"], {bridge.TIMEOUT_ENV: "1"}, b"{}"
+        )
+    finally:
+        peer.close()
+    # A RETRY's elapsed time is not in any message; everything else must match byte for byte.
+    assert python == c
+
+
+# ---- RETRY (load shed, the call never ran) against ERROR (final) -----------------------------------
+
+
+def _popen(bin_dir: str, method: str, payload: Any, short_tmp: str, name: str, env: dict[str, str] | None = None):
+    paths = [os.path.join(short_tmp, f"{name}.{part}") for part in ("in", "out", "err")]
+    with open(paths[0], "w") as fh:
+        json.dump(payload, fh)
+    proc = subprocess.Popen(
+        [os.path.join(bin_dir, f"gpu-isolator-{method}"), *paths],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, **(env or {})},
+    )
+    return proc, paths
+
+
+def _wait_for(predicate: Callable[[], bool], budget: float = 30.0) -> None:
+    deadline = time.monotonic() + budget
+    while not predicate():
+        assert time.monotonic() < deadline, "the awaited event never happened"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def one_slot(short_tmp, service):
+    """A sidecar whose bridge has one slot, so that a second call while a first one runs is shed."""
+    cfg = Config(socket=os.path.join(short_tmp, "run", "s.sock"), max_concurrent_rpcs=1)
+    srv = SidecarServer(cfg, service)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        if service.gate is not None:
+            service.gate.set()
+        srv.stop(grace=0)
+
+
+def test_a_shed_call_is_answered_retry_and_never_reaches_the_service(one_slot, service, short_tmp, install_bridge):
+    service.gate = threading.Event()
+    directory = os.path.join(short_tmp, "bin")
+    install_bridge(directory, socket_path=one_slot.config.bridge_path)
+    first, _ = _popen(directory, "prepare", {"container_id": {"value": "first"}}, short_tmp, "first")
+    try:
+        assert service.entered.wait(30), "the first call never reached the service"
+        answer = raw_call(one_slot.config.bridge_path, b'gpu-isolator-bridge/1 prepare 1000\n{"container_id": {}}')
+        assert answer.startswith(b"RETRY 20 RESOURCE_EXHAUSTED too many bridge calls in flight"), answer
+        assert answer.count(b"\n") == 1
+        # Shed until the deadline: the reason comes back as for an ERROR, and the call never ran.
+        second = call(directory, "prepare", {"container_id": {"value": "second"}}, env={bridge.TIMEOUT_ENV: "0.3"})
+        assert second.returncode == bridge.EXIT_REFUSED
+        assert one_line(second.err).startswith("gpu-isolator prepare: RESOURCE_EXHAUSTED: too many bridge calls")
+        assert [c[1] for c in service.calls] == ["first"]
+    finally:
+        service.gate.set()
+        first.communicate(timeout=30)
+    assert first.returncode == 0
+
+
+def test_a_shed_call_is_asked_again_and_succeeds_once_a_slot_is_free(one_slot, service, short_tmp, install_bridge):
+    service.gate = threading.Event()
+    directory = os.path.join(short_tmp, "bin")
+    install_bridge(directory, socket_path=one_slot.config.bridge_path)
+    listener = one_slot._bridge
+    assert listener is not None
+    first, _ = _popen(directory, "prepare", {"container_id": {"value": "first"}}, short_tmp, "first")
+    second = None
+    try:
+        assert service.entered.wait(30), "the first call never reached the service"
+        second, paths = _popen(directory, "prepare", MESOS_PREPARE_INPUT, short_tmp, "second")
+        _wait_for(lambda: listener.shed >= 2)  # shed, asked again, shed again
+        assert [c[1] for c in service.calls] == ["first"]
+        service.gate.set()
+        stdout, _ = second.communicate(timeout=30)
+    finally:
+        service.gate.set()
+        first.communicate(timeout=30)
+        if second is not None and second.poll() is None:
+            second.kill()
+            second.wait()
+    assert (second.returncode, stdout) == (0, b"")
+    with open(paths[1]) as fh:
+        assert json.loads(fh.read())["environment"]["variables"][0]["name"] == "NVIDIA_VISIBLE_DEVICES"
+    assert [c[1] for c in service.calls] == ["first", MESOS_PREPARE_INPUT["container_id"]["value"]]
+
+
+# ---- final errors and load shedding on the wire (docs/mesos-agent.md section 6) -------------------
+
+
+class GpusGone(RecordingService):
+    def prepare(self, container_id: ContainerId, config: ContainerConfig) -> LaunchInfo | None:
+        self.calls.append(("prepare", str(container_id), config))
+        raise GpusExhausted(requested=9, available=8)
+
+
+def test_no_free_gpu_is_final_the_bridge_fails_at_once_without_retrying(short_tmp, install_bridge):
+    gone = GpusGone()
+    srv = SidecarServer(Config(socket=os.path.join(short_tmp, "run", "s.sock")), gone)
+    srv.start()
+    try:
+        directory = os.path.join(short_tmp, "bin")
+        install_bridge(directory, socket_path=srv.config.bridge_path, timeout=20)
+        assert raw_call(
+            srv.config.bridge_path, b"gpu-isolator-bridge/1 prepare 1000\n" + json.dumps(MESOS_PREPARE_INPUT).encode()
+        ) == (b"ERROR RESOURCE_EXHAUSTED Requested 9 gpus but only 8 available\n")
+        gone.calls.clear()
+        run = call(directory, "prepare", MESOS_PREPARE_INPUT)
+    finally:
+        srv.stop(grace=0)
+    assert (run.returncode, run.err) == (
+        1,
+        "gpu-isolator prepare: RESOURCE_EXHAUSTED: Requested 9 gpus but only 8 available",
+    )
+    # One call: the old bridge retried every RESOURCE_EXHAUSTED until its deadline (here 20 s),
+    # holding the agent's one-hook-at-a-time for everyone, including the cleanup that frees GPUs.
+    assert [c[0] for c in gone.calls] == ["prepare"]
+
+
+class ScriptedListener:
+    """A bridge socket that answers each connection with the next scripted reply (then the last)."""
+
+    def __init__(self, path: str, replies: list[bytes]) -> None:
+        self.replies = replies
+        self.requests: list[bytes] = []
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(path)
+        self.sock.listen(16)
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while chunk := conn.recv(65536):
+                    data += chunk
+                self.requests.append(data)
+                conn.sendall(self.replies[min(len(self.requests), len(self.replies)) - 1])
+
+    def close(self) -> None:
+        self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+@pytest.mark.parametrize(
+    ("replies", "calls", "code", "err"),
+    [
+        # load shedding twice, then the answer: the call goes through
+        ([b"RETRY 10 RESOURCE_EXHAUSTED busy\n", b"RETRY 10 RESOURCE_EXHAUSTED busy\n", b"OK\n{}"], 3, 0, ""),
+        # a final answer is never retried, whatever its code
+        (
+            [b"ERROR RESOURCE_EXHAUSTED Requested 2 gpus but only 1 available\n", b"OK\n{}"],
+            1,
+            1,
+            "gpu-isolator prepare: RESOURCE_EXHAUSTED: Requested 2 gpus but only 1 available",
+        ),
+        (
+            [b"ERROR UNAVAILABLE the store is read-only\n", b"OK\n{}"],
+            1,
+            1,
+            "gpu-isolator prepare: UNAVAILABLE: the store is read-only",
+        ),
+        # a malformed RETRY is not a retry
+        ([b"RETRY soon RESOURCE_EXHAUSTED busy\n", b"OK\n{}"], 1, 3, None),
+    ],
+)
+def test_the_bridge_retries_only_retry_answers(short_tmp, install_bridge, replies, calls, code, err):
+    path = os.path.join(short_tmp, "b.sock")
+    listener = ScriptedListener(path, replies)
+    try:
+        directory = os.path.join(short_tmp, "bin")
+        install_bridge(directory, socket_path=path, timeout=10)
+        run = call(directory, "prepare", MESOS_PREPARE_INPUT)
+    finally:
+        listener.close()
+    assert len(listener.requests) == calls, listener.requests
+    assert run.returncode == code, run
+    if err is not None:
+        assert run.err == err
+
+
+def test_load_shedding_until_the_deadline_reports_the_code_and_message(short_tmp, install_bridge):
+    path = os.path.join(short_tmp, "b.sock")
+    listener = ScriptedListener(path, [b"RETRY 50 RESOURCE_EXHAUSTED too many bridge calls in flight; try again\n"])
+    try:
+        directory = os.path.join(short_tmp, "bin")
+        install_bridge(directory, socket_path=path, timeout=1.5)
+        run = call(directory, "prepare", MESOS_PREPARE_INPUT)
+    finally:
+        listener.close()
+    assert (run.returncode, run.err) == (
+        1,
+        "gpu-isolator prepare: RESOURCE_EXHAUSTED: too many bridge calls in flight; try again",
+    )
+    # 50 ms, then doubling up to 500 ms, within 1.5 s: a handful of tries, not one, not hundreds.
+    assert 3 <= len(listener.requests) <= 8, len(listener.requests)
+
+
+def test_a_bridge_call_turned_away_for_load_is_answered_retry_and_a_final_refusal_error(short_tmp):
+    service = RecordingService()
+    service.gate = threading.Event()
+    srv = SidecarServer(Config(socket=os.path.join(short_tmp, "run", "s.sock"), max_concurrent_rpcs=2), service)
+    srv.start()
+    try:
+        path = srv.config.bridge_path
+        request = b"gpu-isolator-bridge/1 prepare 5000\n" + json.dumps(MESOS_PREPARE_INPUT).encode()
+        held = threading.Thread(target=raw_call, args=(path, request), daemon=True)
+        held.start()
+        assert service.entered.wait(30)
+        # root's share of the 2 slots is taken: load shedding, retryable, the call did not run.
+        reply = raw_call(path, request)
+        assert reply.startswith(b"RETRY 20 RESOURCE_EXHAUSTED too many bridge calls in flight"), reply
+        assert len(service.calls) == 1
+        service.gate.set()
+        held.join(30)
+        assert srv._bridge is not None
+        deadline = time.monotonic() + 30
+        while srv._bridge.slots()["main"]:  # the slot is given back just after the answer leaves
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        # A refusal that is not load stays final.
+        assert raw_call(path, b"gpu-isolator-bridge/1 update 1\n").startswith(b"ERROR UNIMPLEMENTED")
+    finally:
+        service.gate.set()
+        srv.stop(grace=0)
+
+
+def test_the_modules_watch_poll_after_cleanup_is_quiet_and_an_unknown_container_is_not(bin_dir, service, sidecar):
+    # After each Cleanup criteo's module polls Watch once more: "no limitation", nothing in either log.
+    run = call(bin_dir, "watch", {"container_id": {"value": "gone-1"}, "container_config": {}})
+    assert (run.returncode, run.out, run.err, run.stderr) == (0, "", "", "")
+    # A container never seen: still exit 0 (watch never fails) but one line on the agent's log.
+    run = call(bin_dir, "watch", {"container_id": {"value": "unknown-1"}, "container_config": {}})
+    assert (run.returncode, run.out) == (0, "")
+    assert "NOT_FOUND: unknown container unknown-1" in run.stderr
+    # gRPC: an open Watch on a container that is gone ends NOT_FOUND.
+    with grpc.insecure_channel("unix:" + sidecar.config.socket) as channel, pytest.raises(grpc.RpcError) as gone:
+        pb_grpc.IsolatorStub(channel).Watch(pb.WatchRequest(container_id=pb.ContainerID(value="gone-2")), timeout=10)
+    assert gone.value.code() == grpc.StatusCode.NOT_FOUND

@@ -25,7 +25,8 @@ pytestmark = [pytest.mark.root]
 VERSIONS = [pytest.param("v1", marks=pytest.mark.cgroup_v1), pytest.param("v2", marks=pytest.mark.cgroup_v2)]
 
 
-ROUTES = ["grpc", "bridge"]
+# "bridge-c": the compiled bridge executable (isolator/bridge/bridge.c) instead of the Python one.
+ROUTES = ["grpc", "bridge", "bridge-c"]
 
 
 @pytest.fixture(
@@ -38,10 +39,13 @@ def agent(request):
         if route == "grpc":
             isolator = GrpcIsolator(sidecar.socket)
         else:
-            from isolator.bridge.command import install
+            from isolator.bridge.command import compiled_bridge, install
 
+            compiled = compiled_bridge() if route == "bridge-c" else None
+            if route == "bridge-c" and compiled is None:
+                pytest.fail("build/gpu-isolator-bridge is missing: run `make build` (it needs gcc)")
             bridge_dir = os.path.join(sidecar.work, "bridge")
-            install(bridge_dir, sidecar.bridge_socket)
+            install(bridge_dir, sidecar.bridge_socket, compiled=compiled)
             isolator = BridgeIsolator(bridge_dir, sidecar.work)
         containerizer = Containerizer(isolator, sidecar.work)
         containerizer.recover()

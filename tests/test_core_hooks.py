@@ -15,6 +15,7 @@ from isolator.errors import (
     CgroupBusy,
     CgroupError,
     CgroupVanished,
+    ContainerGone,
     FailedPrecondition,
     GpusExhausted,
     Internal,
@@ -418,6 +419,31 @@ def test_watch_of_an_unknown_container(rig: Rig) -> None:
     with pytest.raises(NotFound):
         rig.service.watch(cid("nobody"), 0)
     assert rig.service.watch(cid("nobody.child"), 0) is None
+
+
+def test_watch_of_a_container_cleaned_up_lately_is_told_apart_from_an_unknown_one(rig: Rig) -> None:
+    # criteo's module polls Watch once more after each Cleanup; the servicer answers that poll "no
+    # limitation" when it sees ContainerGone (tests/test_bridge.py), and NOT_FOUND to gRPC.
+    a, failed = cid("a"), cid("failed")
+    rig.service.prepare(a, gpus(1))
+    rig.service.cleanup(a)
+    with pytest.raises(ContainerGone):
+        rig.service.watch(a, 0)
+    with pytest.raises(ContainerGone):
+        rig.service.watch(a, 3600)  # a container that is gone is not waited on
+    # Also after a cleanup of a container that was never prepared (its prepare failed).
+    with pytest.raises(GpusExhausted):
+        rig.service.prepare(failed, gpus(9))
+    rig.service.cleanup(failed)
+    with pytest.raises(ContainerGone):
+        rig.service.watch(failed, 0)
+    # A container never seen is plainly unknown, and one prepared again is watched again.
+    with pytest.raises(NotFound) as unknown:
+        rig.service.watch(cid("nobody"), 0)
+    assert not isinstance(unknown.value, ContainerGone)
+    rig.service.prepare(a, gpus(1))
+    rig.inventory.xid(held(rig, a)[0], 79)
+    assert rig.service.watch(a, 0) is not None
 
 
 def test_usage_and_status_report_the_held_gpus(rig: Rig) -> None:

@@ -26,8 +26,14 @@ class FakeContext:
     def peer(self) -> str:
         return "test"
 
+    def __init__(self) -> None:
+        self.trailing: tuple[tuple[str, str], ...] = ()
+
     def time_remaining(self) -> None:
         return None
+
+    def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.trailing = metadata
 
     async def abort(self, code: object, details: str) -> None:
         raise Refused(code, details)
@@ -471,11 +477,14 @@ def test_with_every_worker_and_admission_slot_taken_other_calls_are_refused_but_
         loop = asyncio.get_running_loop()
         prepare = asyncio.ensure_future(dispatcher.run("Prepare", lambda r, c: gate("prepared"), None, FakeContext()))
         assert await loop.run_in_executor(None, gate.started.wait, WAIT)
+        context = FakeContext()
         try:
-            await dispatcher.run("Status", lambda r, c: "status", None, FakeContext())
+            await dispatcher.run("Status", lambda r, c: "status", None, context)
             refused: object = None
         except Refused as exc:
             refused = exc.args[0]
+        # Turned away for load: retryable, in gRPC's standard trailer.
+        assert context.trailing == (("grpc-retry-pushback-ms", "20"),)
         cleaned = await asyncio.wait_for(dispatcher.run("Cleanup", lambda r, c: "cleaned", None, FakeContext()), WAIT)
         still_stuck = not prepare.done()
         gate.release.set()

@@ -179,3 +179,24 @@ def test_daemon_refuses_a_malformed_host_file_naming_line_and_reason(short_tmp):
     assert result.returncode == 78  # EX_CONFIG: a host file is configuration
     assert f"failed to load host file '{bad}': line " in result.stderr
     assert "(gpu[1].nvlink): asymmetric link: GPU 1 has 1 lane(s) to GPU 5, but GPU 5 has 2 back" in result.stderr
+
+
+def test_xid_and_ecc_marks_survive_a_restart_of_the_sidecar_until_the_gpu_is_reset(short_tmp):
+    """A GPU taken out of service stays out after a restart (the marks are in the state store);
+    the existing way back (a reset: unbind and bind) still brings it back, and that is kept too."""
+    with _daemon(short_tmp, "--simulate", "dgx-1") as sock:
+        host = _steer(short_tmp, "dgx-1")
+        host.inject_xid(1, 79)  # GPU has fallen off the bus
+        host.inject_ecc(4)  # a double-bit ECC error
+        _wait_for(lambda: [g["healthy"] for g in _json("gpus", sock)["gpus"]][1:5:3] == [False, False], "the marks")
+    with _daemon(short_tmp, "--simulate", "dgx-1") as sock:
+        listed = _json("gpus", sock)["gpus"]
+        assert [g["healthy"] for g in listed] == [True, False, True, True, False, True, True, True], listed
+        assert listed[1]["health_reason"] == "XID 79" and listed[1]["last_xid"] == "79"
+        # A reset of GPU 1 clears its mark, as without a restart; GPU 4's stays.
+        host = _steer(short_tmp, "dgx-1")
+        host.unbind(1)
+        host.bind(1)
+        _wait_for(lambda: _json("gpus", sock)["gpus"][1]["healthy"], "GPU 1 to be healthy after its reset")
+    with _daemon(short_tmp, "--simulate", "dgx-1") as sock:
+        assert [g["healthy"] for g in _json("gpus", sock)["gpus"]] == [True] * 4 + [False] + [True] * 3

@@ -280,6 +280,8 @@ def test_a_connection_over_a_uids_share_is_answered_resource_exhausted_not_dropp
             pb_grpc.IsolatorStub(extra).Cleanup(cleanup, timeout=10)
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
         assert "share" in refused.value.details()
+        # Load shedding says "retry" in gRPC's standard way (a final RESOURCE_EXHAUSTED does not).
+        assert dict(refused.value.trailing_metadata() or ()).get("grpc-retry-pushback-ms") == "20"
         assert service.calls == []
     finally:
         for ch in held:

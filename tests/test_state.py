@@ -337,3 +337,23 @@ def test_a_refused_write_in_a_shared_commit_fails_alone(tmp_path):
     assert store.holders() == {0: cid("a"), 2: cid("c"), 5: cid("old")}, "b's GPU 1 was rolled back with it"
     assert store.get(cid("b")) is None
     store.close()
+
+
+def test_a_version_2_store_gains_the_health_marks_and_keeps_its_records(tmp_path):
+    from isolator.host.state import HealthMark
+
+    with StateStore(str(tmp_path)) as store:
+        store.record(ContainerRecord(ContainerId("a"), frozenset({1})))
+    db = sqlite3.connect(os.path.join(str(tmp_path), "allocations.sqlite3"))
+    db.executescript("DROP TABLE gpu_health_mark; PRAGMA user_version=2;")
+    db.close()
+    with StateStore(str(tmp_path)) as store:
+        assert store.holders() == {1: ContainerId("a")}
+        assert store.health_marks() == []
+        store.put_health_mark(HealthMark("GPU-1", "xid", "XID 79", 79, 5.0))
+        store.put_health_mark(HealthMark("GPU-1", "ecc", "double-bit ECC error", 0, 6.0))
+        store.put_health_mark(HealthMark("GPU-2", "xid", "XID 48", 48, 7.0))
+        store.drop_health_mark("GPU-2")
+        store.drop_health_mark("GPU-9")
+    with StateStore(str(tmp_path)) as store:
+        assert store.health_marks() == [HealthMark("GPU-1", "ecc", "double-bit ECC error", 0, 6.0)]

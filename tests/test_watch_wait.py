@@ -43,14 +43,19 @@ class Request:
 
 
 class AbortError(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(code, details)
         self.code = code
+        self.trailing = trailing
 
 
 class Context:
     def __init__(self, remaining: float | None = None) -> None:
         self.remaining = remaining
+        self.trailing: tuple[tuple[str, str], ...] = ()
+
+    def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.trailing = metadata
 
     def time_remaining(self) -> float | None:
         return self.remaining
@@ -59,7 +64,7 @@ class Context:
         return "test"
 
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise AbortError(code, details)
+        raise AbortError(code, details, self.trailing)
 
 
 class Core:
@@ -444,6 +449,7 @@ def test_max_watches_refuses_the_one_over_and_counts_nothing_for_it(
             with pytest.raises(AbortError) as refused:
                 await rig.start()
             assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert refused.value.trailing == (("grpc-retry-pushback-ms", "20"),)  # load shedding: retryable
         assert rig.dispatcher.watches == 3 and rig.core.subscriptions() == 3
         tasks[0].cancel()
         await asyncio.gather(tasks[0], return_exceptions=True)

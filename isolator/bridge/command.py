@@ -45,11 +45,15 @@ class Failure(Exception):
     DESTROYING for the rest of the agent's run; reference §A.1.8 pitfall 3).
     """
 
-    def __init__(self, status: int, message: str, harmless_for_cleanup: bool = False) -> None:
+    def __init__(
+        self, status: int, message: str, harmless_for_cleanup: bool = False, retry_ms: int | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.harmless_for_cleanup = harmless_for_cleanup
+        # Set on a RETRY answer (load shedding): the call did not run; send it again after this pause.
+        self.retry_ms = retry_ms
 
 
 class Terminated(BaseException):
@@ -118,24 +122,31 @@ def _write(path: str, data: bytes) -> None:
 def call(path: str, method: str, payload: bytes, timeout: float) -> bytes:
     """Send one request to the bridge socket; the bytes for OUT, or Failure.
 
-    A RESOURCE_EXHAUSTED answer (the sidecar is at its bounds and did not run the call) is retried
-    with a growing pause until the deadline, so that load delays a call instead of failing it.
+    Only a ``RETRY <pause_ms> <CODE> <message>`` answer (load shedding: the sidecar did not run the
+    call) is sent again, after pause_ms and then doubling up to 500 ms, until the deadline; then the
+    last answer is reported as ``<CODE>: <message>``. ``ERROR`` answers are final (no free GPU is
+    permanent: retrying it would hold the agent's one hook at a time for the whole deadline).
     """
     deadline = time.monotonic() + timeout
-    pause = 0.02
+    pause: float | None = None
     while True:
         try:
             return _call_once(path, method, payload, deadline - time.monotonic(), timeout)
         except Failure as failure:
-            if not failure.message.startswith("RESOURCE_EXHAUSTED:") or deadline - time.monotonic() < pause * 2:
+            if failure.retry_ms is None:
+                raise
+            pause = failure.retry_ms / 1000.0 if pause is None else min(max(pause * 2, failure.retry_ms / 1000.0), 0.5)
+            pause = max(pause, 0.001)  # "RETRY 0 ...": never a busy loop against a shedding sidecar
+            if deadline - time.monotonic() < pause * 2:
                 raise
         time.sleep(pause)
-        pause = min(pause * 2, 0.5)
 
 
 def _call_once(path: str, method: str, payload: bytes, timeout: float, total: float) -> bytes:
     deadline = time.monotonic() + timeout
     late = Failure(EXIT_DEADLINE, f"no answer from the sidecar at '{path}' within {total:g} s")
+    if timeout <= 0:
+        raise late  # a deadline too short to reach the sidecar at all (socket timeouts must be positive)
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
@@ -178,6 +189,11 @@ def _call_once(path: str, method: str, payload: bytes, timeout: float, total: fl
     if status.startswith(b"ERROR "):
         code, _, message = status[6:].decode("utf-8", "replace").partition(" ")
         raise Failure(EXIT_REFUSED, f"{code}: {message}", code in ("NOT_FOUND", "INVALID_ARGUMENT"))
+    if status.startswith(b"RETRY "):
+        pause_ms, _, coded = status[6:].decode("utf-8", "replace").partition(" ")
+        code, _, message = coded.partition(" ")
+        if pause_ms.isascii() and pause_ms.isdigit() and code:
+            raise Failure(EXIT_REFUSED, f"{code}: {message}", retry_ms=min(int(pause_ms), 500))
     if not reply:
         raise Failure(EXIT_UNREACHABLE, f"the sidecar at '{path}' closed the connection without an answer")
     raise Failure(EXIT_UNREACHABLE, f"the sidecar at '{path}' answered something unintelligible: {status[:60]!r}")
@@ -206,7 +222,7 @@ sidecar's bridge socket: reads the request from IN, writes the answer to OUT, or
 and a non-zero exit status (1 refused, 2 usage, 3 unreachable, 4 deadline, 5 signal, 6 bug).
 
 Install it for an agent with
-    python -m isolator.bridge install /usr/libexec/gpu-isolator [--socket PATH] [--timeout S]
+    python -m isolator.bridge install /usr/libexec/gpu-isolator [--socket PATH] [--timeout S] [--compiled]
 which writes this launcher and one gpu-isolator-<method> link per method; name those paths in the
 agent's modules.json (README "Configuring a Mesos agent", docs/mesos-agent.md).
 
@@ -297,35 +313,80 @@ sys.exit(main(socket_path={socket!r}, timeout={timeout!r}))
 """
 
 
-def install(directory: str, socket_path: str = DEFAULT_SOCKET, timeout: float = DEFAULT_TIMEOUT) -> list[str]:
+# The compiled bridge (isolator/bridge/bridge.c) reads its settings from this file beside it; the
+# environment still wins over them, as over the Python launcher's.
+CONF_NAME = "gpu-isolator-bridge.conf"
+CONF_TEMPLATE = """\
+# Settings of the compiled gpu-isolator bridge beside this file, written by
+# `python -m isolator.bridge install --compiled`. GPU_ISOLATOR_BRIDGE_SOCKET and
+# GPU_ISOLATOR_BRIDGE_TIMEOUT override them.
+socket={socket}
+timeout={timeout!r}
+"""
+
+
+def compiled_bridge() -> str | None:
+    """The compiled bridge executable `make build` left in build/ beside the package, or None
+    (a wheel, or a checkout where no compiler ran)."""
+    import os
+
+    import isolator
+
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(isolator.__file__)))
+    path = os.path.join(package_root, "build", LAUNCHER)
+    return path if os.access(path, os.X_OK) else None
+
+
+def install(
+    directory: str,
+    socket_path: str = DEFAULT_SOCKET,
+    timeout: float = DEFAULT_TIMEOUT,
+    compiled: str | None = None,
+) -> list[str]:
     """Write the launcher and one ``gpu-isolator-<method>`` symlink per method into ``directory``.
 
-    The launcher runs this interpreter with -I -S and finds this package by absolute path.
-    Returns the paths an agent's modules.json names, launcher first.
+    The launcher is either a Python script that runs this interpreter with -I -S and finds this
+    package by absolute path, or, with ``compiled`` (the path of a built bridge.c, e.g.
+    ``compiled_bridge()``), a copy of that executable with ``gpu-isolator-bridge.conf`` beside it
+    holding the socket and the timeout. Returns the paths an agent's modules.json names, launcher first.
     """
     import os
+    import shutil
 
     import isolator
 
     if not 0 < timeout < 86400:
         raise ValueError(f"timeout {timeout} s must be above 0 and below a day")
+    if "\n" in socket_path or "\0" in socket_path:
+        raise ValueError(f"socket path {socket_path!r} holds a newline or a NUL")
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(isolator.__file__)))
     os.makedirs(directory, exist_ok=True)
     launcher = os.path.join(os.path.abspath(directory), LAUNCHER)
-    text = LAUNCHER_TEMPLATE.format(
-        python=sys.executable, package_root=package_root, socket=socket_path, timeout=float(timeout)
-    )
-    tmp = f"{launcher}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        fh.write(text)
-    os.chmod(tmp, 0o755)
-    os.replace(tmp, launcher)
+    conf = os.path.join(os.path.dirname(launcher), CONF_NAME)
+    pid = os.getpid()
+    if compiled is not None:
+        # The settings first: the binary without them would talk to the default socket.
+        with open(f"{conf}.tmp{pid}", "w") as fh:
+            fh.write(CONF_TEMPLATE.format(socket=socket_path, timeout=float(timeout)))
+        os.chmod(f"{conf}.tmp{pid}", 0o644)
+        os.replace(f"{conf}.tmp{pid}", conf)
+        shutil.copyfile(compiled, f"{launcher}.tmp{pid}")
+    else:
+        with open(f"{launcher}.tmp{pid}", "w") as fh:
+            fh.write(
+                LAUNCHER_TEMPLATE.format(
+                    python=sys.executable, package_root=package_root, socket=socket_path, timeout=float(timeout)
+                )
+            )
+        if os.path.lexists(conf):
+            os.unlink(conf)  # left by a compiled install; the Python launcher never reads it
+    os.chmod(f"{launcher}.tmp{pid}", 0o755)
+    os.replace(f"{launcher}.tmp{pid}", launcher)
     paths = [launcher]
     for method in METHODS:
         link = os.path.join(os.path.dirname(launcher), f"gpu-isolator-{method}")
-        tmp = f"{link}.tmp{os.getpid()}"
-        os.symlink(LAUNCHER, tmp)
-        os.replace(tmp, link)
+        os.symlink(LAUNCHER, f"{link}.tmp{pid}")
+        os.replace(f"{link}.tmp{pid}", link)
         paths.append(link)
     return paths
 
@@ -345,9 +406,21 @@ def _install_main(argv: list[str]) -> int:
         default=DEFAULT_TIMEOUT,
         help=f"seconds to wait for the sidecar; keep it below every isolator_<m>_timeout (default {DEFAULT_TIMEOUT:g})",
     )
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="install the compiled bridge (build/gpu-isolator-bridge, from `make build`) instead of the Python"
+        " launcher; where none was built, the Python launcher is installed and a line on stderr says so",
+    )
     args = parser.parse_args(argv)
+    binary = compiled_bridge() if args.compiled else None
+    if args.compiled and binary is None:
+        sys.stderr.write(
+            "gpu-isolator bridge install: no compiled bridge was built (`make build` needs gcc);"
+            " installing the Python launcher instead\n"
+        )
     try:
-        paths = install(args.directory, args.socket, args.timeout)
+        paths = install(args.directory, args.socket, args.timeout, compiled=binary)
     except (OSError, ValueError) as exc:
         sys.stderr.write(f"gpu-isolator bridge install: {exc}\n")
         return 1

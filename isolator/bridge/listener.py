@@ -9,7 +9,13 @@ server answers and closes.
 
     request  b"gpu-isolator-bridge/1 <method> <timeout_ms>\\n" + <the IN file's bytes, untouched>
     reply    b"OK\\n" + <the bytes for OUT, possibly empty>
-             b"ERROR <gRPC code name> <one-line message>\\n"
+             b"ERROR <gRPC code name> <one-line message>\\n"            final: never retried
+             b"RETRY <pause_ms> <gRPC code name> <one-line message>\\n" load shed, the call did not run
+
+A RETRY is asked again after pause_ms, the pause doubling up to 500 ms, until the client's deadline;
+then the client reports "<code>: <message>" as for an ERROR. Only load shedding answers RETRY (every
+slot taken); a RESOURCE_EXHAUSTED from the isolator itself ("no GPUs left") is an ERROR, since asking
+again cannot help and, with the module running one hook at a time, would stall the whole agent.
 
 The client forwards IN's bytes without parsing them and copies the reply into OUT verbatim, so it
 needs no ``json`` import (measured: ``json`` alone adds about as much as the bare interpreter's start)
@@ -38,14 +44,15 @@ from isolator.errors import (
     FailedPrecondition,
     InvalidArgument,
     IsolatorError,
+    Overloaded,
     PermissionDenied,
-    ResourceExhausted,
     Unimplemented,
     from_code,
 )
 from isolator.rpc import isolator_pb2 as pb
 from isolator.transport import peergate
 from isolator.transport.logcontext import hook_context
+from isolator.transport.status import RETRY_PUSHBACK
 
 LOG = logging.getLogger(__name__)
 
@@ -87,6 +94,8 @@ def _with_values(environment: dict[str, Any]) -> None:
 
 
 def _mesos_resource(resource: dict[str, Any]) -> dict[str, Any]:
+    # Never the deprecated `role`: the agent aborts on a limitation's resource that has one.
+    resource.pop("role", None)
     resource.setdefault("type", "SCALAR")
     if resource["type"] == "SCALAR":
         resource.setdefault("scalar", {}).setdefault("value", 0.0)
@@ -246,9 +255,18 @@ def parse_frame(data: bytes) -> tuple[str, float, bytes]:
     return method, int(parts[2]) / 1000.0, payload
 
 
-def error_reply(code: str, message: str) -> bytes:
+def error_reply(code: str, message: str, retry_ms: int | None = None) -> bytes:
+    """``ERROR <CODE> <message>`` (final: the bridge never retries it), or with ``retry_ms``
+    ``RETRY <pause_ms> <CODE> <message>`` (load shedding: the call did not run; the bridge may send
+    it again after pause_ms, doubling up to 500 ms, until its deadline)."""
     line = " ".join(message.split())[:MAX_MESSAGE_CHARS]
-    return b"ERROR " + code.encode() + b" " + line.encode("utf-8", "replace") + b"\n"
+    head = b"ERROR " if retry_ms is None else b"RETRY %d " % max(0, retry_ms)
+    return head + code.encode() + b" " + line.encode("utf-8", "replace") + b"\n"
+
+
+def refusal_reply(exc: IsolatorError) -> bytes:
+    """The reply for an error: RETRY for load shedding (errors.Overloaded), ERROR for the rest."""
+    return error_reply(exc.code, exc.message, exc.retry_after_ms if isinstance(exc, Overloaded) else None)
 
 
 class _Context:
@@ -258,14 +276,27 @@ class _Context:
         self._method = method
         self._deadline = time.monotonic() + timeout
         self._peer = peer
+        self._pushback_ms: int | None = None
+        # The module polls watch (IsolatorServicer.Watch answers its poll after a Cleanup quietly).
+        self.module_poll = method == "watch"
 
     def peer(self) -> str:
         """The caller as the gRPC gate names it (isolator/transport/peergate.py), from this
         connection's SO_PEERCRED: Isolate moves only the caller's processes."""
         return self._peer
 
+    def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        # Only the retry pushback of a load-shedding refusal (isolator.transport.status.retry_metadata).
+        for key, value in metadata:
+            if key == RETRY_PUSHBACK and value.isdigit():
+                self._pushback_ms = int(value)
+
     def abort(self, code: grpc.StatusCode, details: str) -> None:
         # The servicer has already mapped its error to a status (isolator.transport.status.status_of).
+        if self._pushback_ms is not None and code.name == Overloaded.code:
+            busy = Overloaded(details)
+            busy.retry_after_ms = self._pushback_ms  # type: ignore[misc]
+            raise busy
         raise from_code(code.name, details)
 
     def time_remaining(self) -> float:
@@ -310,14 +341,14 @@ def handle(servicer: Servicer, data: bytes, peer: str = "") -> bytes:
                         observer(call.rpc, exc.code, time.perf_counter() - started, None)
                     except Exception:
                         LOG.exception("observer of %s failed", call.rpc)
-            return error_reply(exc.code, exc.message)
+            return refusal_reply(exc)
         context = cast(grpc.ServicerContext, _Context(method, timeout, peer))
         response = getattr(servicer, call.rpc)(request, context)
         return b"OK\n" + call.output(response)
     except IsolatorError as exc:
         if isinstance(exc, InvalidArgument):
             LOG.info("bridge %s refused: %s", method, exc.message)
-        return error_reply(exc.code, exc.message)
+        return refusal_reply(exc)
     except Exception as exc:  # a bug here must answer the caller, not kill the listener
         LOG.exception("bridge %s failed with an unexpected error", method)
         return error_reply("INTERNAL", f"internal error in bridge {method}: {exc}")  # as status_of does
@@ -381,6 +412,7 @@ class BridgeListener:
         self._in_flight = 0
         self._thread: threading.Thread | None = None
         self._warned = False
+        self.shed = 0  # RETRY replies sent (calls turned away for load, never run)
 
     def set_allowed(self, allowed_uids: tuple[int, ...], allowed_gids: tuple[int, ...]) -> None:
         """Who may call, checked per connection from the next one on (set again on SIGHUP)."""
@@ -441,7 +473,7 @@ class BridgeListener:
         else:
             kind = next((k for k in ("main", "reserve") if self._take(k, uid)), "")
             if not kind:
-                refusal = ResourceExhausted(
+                refusal = Overloaded(
                     f"too many bridge calls in flight (uid {uid} holds its share, or all"
                     f" {self._caps['main']} slots are taken); try again"
                 )
@@ -468,6 +500,10 @@ class BridgeListener:
             self._in_flight += 1
             return True
 
+    def _count_shed(self) -> None:
+        with self._idle:
+            self.shed += 1
+
     def _give_back(self, kind: str, uid: int) -> None:
         with self._idle:
             self._taken[kind] -= 1
@@ -486,7 +522,9 @@ class BridgeListener:
             with conn:
                 try:
                     self._drain(conn, deadline)
-                    self._send(conn, error_reply(error.code, error.message), deadline)
+                    if isinstance(error, Overloaded):
+                        self._count_shed()
+                    self._send(conn, refusal_reply(error), deadline)
                 except OSError as exc:
                     LOG.debug("bridge refusal not delivered: %s", exc)
         finally:
@@ -502,10 +540,9 @@ class BridgeListener:
                         too_big = InvalidArgument(f"request larger than {self._limit - MAX_HEADER_BYTES} bytes")
                         reply = error_reply(too_big.code, too_big.message)
                     elif kind == "reserve" and not data.startswith(PROTOCOL + b" cleanup "):
-                        busy = ResourceExhausted(
-                            "too many bridge calls in flight; only cleanup is taken now; try again"
-                        )
-                        reply = error_reply(busy.code, busy.message)
+                        busy = Overloaded("too many bridge calls in flight; only cleanup is taken now; try again")
+                        reply = refusal_reply(busy)
+                        self._count_shed()
                     else:
                         caller = peergate.peer_credentials(conn)
                         reply = handle(self._servicer, data, "bridge:" + peergate.peer_name(caller, "bridge")[1:])

@@ -1,4 +1,4 @@
-"""Change notification: what a Watch waits on. One job, one lock of its own.
+"""Change notification: what a Watch waits on, and the containers it ended lately. One job, one lock.
 
 A change is a GPU's health changing, a container going away or recovery. Waiters either block
 (``wait_for_change``) or subscribe a callback (the server's Watch: an entry here, not a thread).
@@ -8,6 +8,7 @@ released, on the notifying thread, and must not block. Nothing else is ever take
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import threading
@@ -16,6 +17,10 @@ from collections.abc import Callable
 from isolator.model import ContainerId
 
 LOG = logging.getLogger(__name__)
+
+# How many cleaned-up containers Watch still recognises (a few minutes of a busy agent's churn; the
+# module's one extra poll comes within a watch period of the cleanup).
+ENDED_KEPT = 4096
 
 
 class Changes:
@@ -26,6 +31,10 @@ class Changes:
         # for every change.
         self._listeners: dict[ContainerId | None, dict[int, Callable[[], None]]] = {}
         self._tokens = itertools.count()
+        # Top-level containers Mesos cleaned up lately, oldest first (bounded): the command module
+        # polls Watch once more after each Cleanup, which is answered "no limitation" quietly for
+        # these, and NOT_FOUND for a container never seen (docs/mesos-agent.md, section 4).
+        self._ended: collections.OrderedDict[ContainerId, None] = collections.OrderedDict()
 
     def notify(self, container: ContainerId | None = None) -> None:
         """Wake the Watches: of ``container`` when only it changed (it went away), else all of them
@@ -77,3 +86,19 @@ class Changes:
         """Return once something changed after generation ``seen``, or after ``timeout`` seconds."""
         with self._lock:
             self._lock.wait_for(lambda: self._generation != seen, timeout=timeout)
+
+    def mark_ended(self, cid: ContainerId) -> None:
+        """Remember that Mesos cleaned up ``cid`` (the last ENDED_KEPT of them)."""
+        with self._lock:
+            self._ended.pop(cid, None)
+            self._ended[cid] = None
+            while len(self._ended) > ENDED_KEPT:
+                self._ended.popitem(last=False)
+
+    def forget_ended(self, cid: ContainerId) -> None:
+        with self._lock:
+            self._ended.pop(cid, None)
+
+    def recently_ended(self, cid: ContainerId) -> bool:
+        with self._lock:
+            return cid in self._ended

@@ -18,6 +18,7 @@ from isolator.crashpoints import crashpoint
 from isolator.errors import (
     AlreadyExists,
     CgroupVanished,
+    ContainerGone,
     FailedPrecondition,
     InvalidArgument,
     IsolatorError,
@@ -88,6 +89,7 @@ class Hooks:
         with core.locks.hold(container_id):
             if core.store.get(container_id) is not None:
                 raise AlreadyExists(f"container {container_id} has already been prepared")
+            core.changes.forget_ended(container_id)
             self._refuse_populated(container_id)
             if count or mig_request:
                 core.handover.recheck()  # a draining GPU that is clear now may be chosen (docs/handover.md)
@@ -571,6 +573,10 @@ class Hooks:
             if rec is None:
                 if container_id.nested:
                     return None
+                if core.changes.recently_ended(container_id):
+                    # The module polls Watch once more after each Cleanup; the bridge answers that
+                    # poll "no limitation", an open gRPC Watch ends NOT_FOUND.
+                    raise ContainerGone(container=str(container_id))
                 raise NotFound(f"unknown container {container_id}")
             with core.alloc:
                 sick = sorted(m for m in rec.gpus | rec.mig_parents if m in core.allocator.unhealthy)
@@ -634,6 +640,7 @@ class Hooks:
                 core.cleanup_cgroups(container_id)
                 crashpoint("cleanup.cgroup")
                 core.drop(container_id, rec)
+            core.changes.mark_ended(container_id)
         if rec is None:
             # Mesos calls cleanup for containers it never prepared with us (MESOS-6059).
             LOG.info("ignoring cleanup of unknown container %s", container_id)

@@ -171,6 +171,8 @@ def build_service(
     cpus, cpusets = cpu_edges(config)
     store = StateStore(config.state_dir)
     try:
+        if inventory is not None:
+            keep_health_marks(inventory, store)
         return IsolatorService(
             inventory=inventory if inventory is not None else EmptyInventory(),
             cgroups=controller,
@@ -227,6 +229,38 @@ def cpu_edges(config: Config) -> tuple[SysCpus | None, CpusetController | None]:
     version, mount = found
     root = config.cgroups_root if config.mode == "standalone" else config.cgroups_root.rstrip("/") + MESOS_CPUSET_SUFFIX
     return cpus, CpusetController(mount, root, version)
+
+
+def keep_health_marks(inventory: Inventory, store: Any) -> None:
+    """XID and double-bit ECC marks outlive the sidecar: the marks recorded in the state store are
+    applied to the GPUs again (before the core reads their health), and every later mark or reset
+    is recorded. A GPU so marked stays out of allocation after a restart until a reset (unbind/bind,
+    driver reload) makes it healthy again, as without a restart (isolator/gpu/nvml.py RESET_CLEARS).
+    """
+    from isolator.gpu.nvml import RESET_CLEARS
+    from isolator.host.state import HealthMark
+
+    by_uuid = {r.gpu.uuid: r.gpu.index for r in inventory.records if r.gpu.uuid}
+    for mark in store.health_marks():
+        index = by_uuid.get(mark.uuid)
+        if index is None:
+            continue  # not managed now (or not visible): the mark waits for it
+        LOG.warning("GPU %d (%s) stays unhealthy: %s, recorded before this start", index, mark.uuid, mark.reason)
+        inventory.mark_unhealthy(index, mark.reason, mark.xid, mark.at, mark.source)
+
+    def follow(event: Any) -> None:
+        try:
+            health = inventory.record(event.index).health
+            if not health.healthy and health.source in RESET_CLEARS:
+                store.put_health_mark(
+                    HealthMark(event.uuid, health.source, health.reason, health.last_xid, health.last_xid_time)
+                )
+            elif health.healthy:
+                store.drop_health_mark(event.uuid)
+        except Exception as exc:  # the mark stays in memory; only a restart would forget it
+            LOG.error("failed to record the health of GPU %d (%s): %s", event.index, event.uuid, exc)
+
+    inventory.on_health_change(follow)
 
 
 def _dev_root_and_volumes(

@@ -47,7 +47,7 @@ LOG = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DB_FILE = "allocations.sqlite3"
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 # The oldest schema whose sidecar reads and writes a store of SCHEMA_VERSION correctly. An additive
 # migration (new tables or columns that an older sidecar may ignore: rows tied to a container by
 # ON DELETE CASCADE, columns with defaults; and newer code that copes with rows an older sidecar
@@ -57,7 +57,7 @@ SCHEMA_VERSION = 5
 # their holders). A new migration: bump SCHEMA_VERSION, add an `if version <= <previous>:` step.
 MIN_SCHEMA = 2
 # The tables schemas after 2 added, newest last (tests rewind a store to schema 2 by dropping them).
-TABLES_AFTER_2 = ("schema_meta", "cpuset", "drain")
+TABLES_AFTER_2 = ("schema_meta", "cpuset", "drain", "gpu_health_mark")
 STATES = ("prepared", "isolated", "orphan")
 CGROUP_VERSIONS = (1, 2)
 
@@ -139,6 +139,30 @@ CREATE TABLE drain (
     timed_out   INTEGER NOT NULL CHECK (timed_out IN (0, 1))
 ) WITHOUT ROWID;
 """
+
+
+# Version 6: XID and double-bit ECC marks, by GPU UUID, so that a GPU taken out of service stays out
+# after a restart of the sidecar, until it is reset (isolator/gpu/nvml.py RESET_CLEARS). Additive.
+_SCHEMA_V6 = """
+CREATE TABLE gpu_health_mark (
+    uuid   TEXT PRIMARY KEY,
+    source TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    xid    INTEGER NOT NULL,
+    at     REAL NOT NULL
+) WITHOUT ROWID;
+"""
+
+
+@dataclass(frozen=True)
+class HealthMark:
+    """A GPU marked unhealthy by an XID or a double-bit ECC error (``source``: "xid" or "ecc")."""
+
+    uuid: str
+    source: str
+    reason: str
+    xid: int
+    at: float
 
 
 def _key(cid: ContainerId) -> str:
@@ -226,6 +250,9 @@ class StateStore:
                     self._db.execute(statement)
             if version <= 4:
                 for statement in _split_sql(_SCHEMA_V5):
+                    self._db.execute(statement)
+            if version <= 5:
+                for statement in _split_sql(_SCHEMA_V6):
                     self._db.execute(statement)
             self._db.execute("INSERT OR REPLACE INTO schema_meta VALUES ('min_schema', ?)", (MIN_SCHEMA,))
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
@@ -424,6 +451,25 @@ class StateStore:
                 m: DrainRecord(m, since, mono, reason, tuple(json.loads(pids)), used, bool(timed_out))
                 for m, since, mono, reason, pids, used, timed_out in rows
             }
+
+    def put_health_mark(self, mark: HealthMark) -> None:
+        """Remember (or replace) a GPU's XID/ECC mark."""
+
+        def write(db: sqlite3.Connection) -> None:
+            db.execute(
+                "INSERT OR REPLACE INTO gpu_health_mark VALUES (?, ?, ?, ?, ?)",
+                (mark.uuid, mark.source, mark.reason, int(mark.xid), float(mark.at)),
+            )
+
+        self._write("record GPU health", write)
+
+    def drop_health_mark(self, uuid: str) -> None:
+        """Forget a GPU's mark (it was reset and is healthy again); nothing if it had none."""
+        self._write("clear GPU health", lambda db: db.execute("DELETE FROM gpu_health_mark WHERE uuid = ?", (uuid,)))
+
+    def health_marks(self) -> list[HealthMark]:
+        with self._reading("read GPU health") as db:
+            return [HealthMark(*row) for row in db.execute("SELECT uuid, source, reason, xid, at FROM gpu_health_mark")]
 
     def mig_holders(self) -> dict[str, tuple[ContainerId, int]]:
         """MIG UUID -> (the container that holds it, its parent GPU's minor)."""

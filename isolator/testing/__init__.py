@@ -17,7 +17,8 @@ tests as the real edge (tests/test_contracts.py); ``fake_service`` wires them al
 For system tests, the demo and the benchmark (need root and cgroups; imported on their own):
 ``isolator.testing.mesos`` plays the Mesos containerizer over gRPC or the bridge executables,
 ``isolator.testing.sidecar`` runs a real daemon on a simulated host, ``isolator.testing.cgroupfs``
-makes throwaway cgroups under ``gpu-isolator-test/``.
+makes throwaway cgroups under ``gpu-isolator-test/``, ``isolator.testing.agent`` runs a real Mesos
+master and agents with the sidecar behind criteo's command module (``make test-mesos``).
 """
 
 from isolator.testing.cgroups import FakeCgroups

@@ -191,7 +191,9 @@ class BridgeIsolator:
         self._call("cleanup", _with_config({"container_id": cid}, config))
 
     def watch(self, cid: dict[str, Any], config: dict[str, Any] | None = None) -> dict[str, Any] | None:
-        return self._call("watch", _with_config({"container_id": cid}, config))
+        limitation = self._call("watch", _with_config({"container_id": cid}, config))
+        # What the agent does with it next: abort on a resource it refuses (as the real one does).
+        return None if limitation is None else mesos_json.check_limitation(limitation)
 
     def usage(self, cid: dict[str, Any], config: dict[str, Any] | None = None) -> dict[str, Any] | None:
         return self._call("usage", _with_config({"container_id": cid}, config))

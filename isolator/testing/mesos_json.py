@@ -228,3 +228,26 @@ def container_config(
         out["rootfs"] = rootfs
         out["docker"] = {"manifest": docker_manifest(env if env is not None else [], labels or {})}
     return out
+
+
+class AgentAbort(AssertionError):
+    """What the agent would die of (a CHECK failure in the slave process), read from our output."""
+
+
+def check_limitation(limitation: dict[str, Any]) -> dict[str, Any]:
+    """Check a ContainerLimitation as the agent uses it, or raise AgentAbort with the agent's words.
+
+    The agent puts the limitation's resources in the executor's terminal status update
+    (``Slave::sendExecutorTerminatedStatusUpdate``), whose resources must be in the
+    post-reservation-refinement format: ``CHECK(!resource.has_role())`` aborts the whole agent on a
+    resource that carries the deprecated ``role`` (even ``"*"``). Mesos also requires each
+    resource's ``name`` and ``type`` and, for SCALAR, ``scalar.value``.
+    """
+    for resource in limitation.get("resources", []):
+        if "role" in resource:
+            raise AgentAbort(f"Check failed: !resource.has_role() {resource.get('name')}: {resource}")
+        if "name" not in resource or "type" not in resource:
+            raise AgentAbort(f"a Resource without its required name/type: {resource}")
+        if resource["type"] == "SCALAR" and "value" not in resource.get("scalar", {}):
+            raise AgentAbort(f"a SCALAR Resource without scalar.value: {resource}")
+    return limitation

@@ -34,6 +34,7 @@ class Sidecar:
     cgroup_version: str
     cgroups_root: str
     extra: tuple[str, ...] = ()
+    mode: str = "standalone"
     proc: subprocess.Popen[str] | None = None
     log_path: str = ""
     _log: object = field(default=None, repr=False)
@@ -77,7 +78,7 @@ class Sidecar:
             os.path.join(self.work, "volumes"),
             *(("--simulate", self.host) if self.host else ()),
             "--mode",
-            "standalone",
+            self.mode,
             "--cgroup-version",
             self.cgroup_version,
             "--cgroups-root",

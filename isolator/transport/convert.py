@@ -81,11 +81,14 @@ def launch_info_to_proto(info: model.LaunchInfo) -> pb.ContainerLaunchInfo:
 
 
 def limitation_to_proto(lim: model.Limitation) -> pb.ContainerLimitation:
+    # No `role` on these resources: the agent puts them in the executor's terminal status update,
+    # whose resources must be in the post-refinement format, and aborts on the deprecated field
+    # (CHECK(!resource.has_role()) in Slave::sendExecutorTerminatedStatusUpdate), even on "*".
     msg = pb.ContainerLimitation(message=lim.message, reason=lim.reason)
     if lim.gpus or not lim.mig:
-        msg.resources.add(name="gpus", type=pb.Value.SCALAR, role="*").scalar.value = lim.gpus
+        msg.resources.add(name="gpus", type=pb.Value.SCALAR).scalar.value = lim.gpus
     for name, count in lim.mig:
-        msg.resources.add(name=name, type=pb.Value.SCALAR, role="*").scalar.value = count
+        msg.resources.add(name=name, type=pb.Value.SCALAR).scalar.value = count
     return msg
 
 

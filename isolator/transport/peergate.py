@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from isolator.errors import PermissionDenied, ResourceExhausted, SocketError
-from isolator.transport.status import status_of
+from isolator.errors import Overloaded, PermissionDenied, SocketError
+from isolator.transport.status import mark_retryable, status_of
 
 LOG = logging.getLogger(__name__)
 
@@ -129,9 +129,10 @@ class _DenyEverything(grpc.GenericRpcHandler):
     def _deny(request_iterator: object, context: grpc.ServicerContext) -> None:
         uid, gid, busy = _credentials_from_peer(context.peer())
         if busy:
-            error: Exception = ResourceExhausted(busy_message(uid, busy))
+            error: Exception = Overloaded(busy_message(uid, busy))
         else:
             error = PermissionDenied(denial_message(uid, gid))
+        mark_retryable(context, error)
         context.abort(*status_of(error, "the peer-credential gate"))
 
 

@@ -28,7 +28,7 @@ from isolator import __version__, model
 from isolator.bridge.listener import BridgeListener
 from isolator.core.api import IsolatorApi
 from isolator.daemon.config import Config
-from isolator.errors import IsolatorError, SocketError
+from isolator.errors import ContainerGone, IsolatorError, SocketError
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
 from isolator.transport import peergate, serving
@@ -49,7 +49,7 @@ from isolator.transport.convert import (
 )
 from isolator.transport.logcontext import hook_context
 from isolator.transport.reflection import Reflection
-from isolator.transport.status import status_of
+from isolator.transport.status import mark_retryable, status_of
 
 LOG = logging.getLogger(__name__)
 
@@ -95,7 +95,13 @@ def _translate_errors(method: Callable[..., T]) -> Callable[..., T]:
                 return response
             except IsolatorError as exc:
                 code = exc.code
-                LOG.info("%s failed: %s", hook, exc.message)
+                LOG.log(
+                    logging.DEBUG if isinstance(exc, ContainerGone) else logging.INFO,
+                    "%s failed: %s",
+                    hook,
+                    exc.message,
+                )
+                mark_retryable(context, exc)
                 context.abort(*status_of(exc, hook))
             except Exception as exc:
                 code = "INTERNAL"
@@ -154,7 +160,14 @@ class IsolatorServicer(pb_grpc.IsolatorServicer):
         # Answer "no limitation yet" a little before the caller's deadline rather than racing it.
         if remaining is not None:
             remaining = max(0.0, remaining - min(0.25, remaining / 2))
-        limitation = self._service.watch(container_id_from_proto(request.container_id), remaining)
+        try:
+            limitation = self._service.watch(container_id_from_proto(request.container_id), remaining)
+        except ContainerGone:
+            if getattr(context, "module_poll", False):
+                # criteo's module polls once more after each Cleanup: a gone container has no
+                # limitation, and an error here would be a line in both logs per container.
+                return pb.WatchResponse()
+            raise
         if limitation is None:
             return pb.WatchResponse()
         return pb.WatchResponse(limitation=limitation_to_proto(limitation))

@@ -35,9 +35,9 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
-from isolator.errors import InvalidArgument, ResourceExhausted, Unavailable
+from isolator.errors import InvalidArgument, Overloaded, Unavailable
 from isolator.transport.logcontext import hook_context
-from isolator.transport.status import status_of
+from isolator.transport.status import mark_retryable, status_of
 
 LOG = logging.getLogger(__name__)
 
@@ -343,7 +343,9 @@ class Dispatcher:
 
     @staticmethod
     async def _refuse(context: grpc.aio.ServicerContext, why: str) -> None:
-        await context.abort(*status_of(ResourceExhausted(f"the sidecar is busy: {why}; try again"), "?"))
+        busy = Overloaded(f"the sidecar is busy: {why}; try again")
+        mark_retryable(context, busy)
+        await context.abort(*status_of(busy, "?"))
 
     def shutdown(self) -> None:
         self.pool.shutdown()

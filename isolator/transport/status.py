@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import grpc
 
-from isolator.errors import IsolatorError
+from isolator.errors import IsolatorError, Overloaded
+
+# gRPC's standard trailing metadata for "retry after this many milliseconds" (gRFC A6). Only load
+# shedding carries it: a RESOURCE_EXHAUSTED without it (no free GPU) is final.
+RETRY_PUSHBACK = "grpc-retry-pushback-ms"
 
 
 def status_of(exc: BaseException, where: str) -> tuple[grpc.StatusCode, str]:
@@ -14,3 +18,17 @@ def status_of(exc: BaseException, where: str) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, IsolatorError):
         return grpc.StatusCode[exc.code], exc.message
     return grpc.StatusCode.INTERNAL, f"internal error in {where}: {exc}"
+
+
+def retry_metadata(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata for a refusal: ``grpc-retry-pushback-ms`` on load shedding, else none."""
+    if isinstance(exc, Overloaded):
+        return ((RETRY_PUSHBACK, str(exc.retry_after_ms)),)
+    return ()
+
+
+def mark_retryable(context: object, exc: BaseException) -> None:
+    """Set the pushback trailer on ``context`` (sync or aio) before it aborts with ``exc``."""
+    metadata = retry_metadata(exc)
+    if metadata:
+        context.set_trailing_metadata(metadata)  # type: ignore[attr-defined]

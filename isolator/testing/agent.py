@@ -1,0 +1,748 @@
+"""A real Mesos master and agents on loopback, with the sidecar behind criteo's command module.
+
+For ``make test-mesos`` (tests/mesos/) and the agent benchmark. Needs root, cgroup v1 and an installed
+Mesos 1.12 with ``lib/libmesos_command_modules.so`` (``../shared/mesos/setup.sh`` prints one).
+
+    from isolator.testing.agent import Cluster, find_mesos_home
+
+    with Cluster(find_mesos_home(), agents=1) as cluster:          # master + agent + sidecar
+        task = cluster.submit("cat /proc/self/cgroup", gpus=1)      # mesos-execute, GPU_RESOURCES
+        task.wait("TASK_FINISHED")                                   # every status update seen
+        task.stdout(), task.devices_list(), cluster.agents[0].sidecar.containers()
+
+Everything a run makes is its own, so that runs may overlap (another engineer's, or a second
+pytest): ports picked free at start, work/runtime/store dirs in one temp dir, a ``--cgroups_root`` of
+``gpu-isolator-test/mesos-<pid>-<hex>-<agent>``, a ``module_name`` per agent. ``stop()`` (also on
+``__exit__`` and when ``start()`` fails) SIGTERMs the mesos-execute processes, the agents, the
+sidecars and the master, by PID, then removes the agents' cgroups from every v1 hierarchy (killing
+what is left in them), the module's state dir ``/var/run/mesos/isolators/command/<module_name>`` and
+the temp dir.
+
+Hooks (``hooks=``): ``"bridge"`` (default) runs our bridge executables (``python -m isolator.bridge
+install``) against a sidecar per agent, the compiled one (``install --compiled``, isolator/bridge/bridge.c)
+with ``"bridge-c"`` or when ``GI_MESOS_BRIDGE=c`` is set (``GI_MESOS_BRIDGE=c make test-mesos`` runs
+every scenario through it); ``"noop"`` runs ``/bin/true`` for every hook (the floor of
+the route: the module, a fork and an exec; no sidecar); ``None`` loads no module at all (no sidecar);
+a dict ``{hook: command}`` gives a command per hook (prepare, isolate, cleanup, watch, usage), a
+sidecar is still started.
+
+The agent runs in a mount namespace of its own without ``/sys/fs/cgroup/unified``: this Mesos
+refuses the hybrid layout (docs/mesos-agent.md). Task states come from mesos-execute's own output
+(one process per task, or per task group); sandboxes, container IDs and cgroups from the agent's
+``/state``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from isolator.testing.cgroupfs import TEST_PARENT, remove_cgroup_tree
+from isolator.testing.sidecar import Sidecar
+
+__all__ = ["HOOKS", "Agent", "Cluster", "MesosNotFound", "Task", "find_mesos_home", "free_port"]
+
+HOOKS = ("prepare", "isolate", "watch", "usage", "cleanup")
+MODULE = "com_criteo_mesos_CommandIsolator"
+MODULE_STATE = "/var/run/mesos/isolators/command"
+DEFAULT_ISOLATION = ("cgroups/devices", MODULE)
+TERMINAL = frozenset(
+    {"TASK_FINISHED", "TASK_FAILED", "TASK_KILLED", "TASK_LOST", "TASK_ERROR", "TASK_DROPPED", "TASK_GONE"}
+)
+PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class MesosNotFound(RuntimeError):
+    pass
+
+
+def find_mesos_home() -> str:
+    """``$MESOS_HOME``, else what ``../shared/mesos/setup.sh`` prints (from the repository root)."""
+    home = os.environ.get("MESOS_HOME")
+    if not home:
+        setup = os.path.join(os.path.dirname(REPO), "shared", "mesos", "setup.sh")
+        if not os.path.exists(setup):
+            raise MesosNotFound("no MESOS_HOME and no ../shared/mesos/setup.sh")
+        home = subprocess.run([setup], check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    for rel in ("sbin/mesos-agent", "sbin/mesos-master", "bin/mesos-execute", "lib/libmesos_command_modules.so"):
+        if not os.path.exists(os.path.join(home, rel)):
+            raise MesosNotFound(f"MESOS_HOME={home} has no {rel}")
+    return home
+
+
+def free_port() -> int:
+    """A loopback TCP port free now (the kernel's pick); a start that loses the race is retried."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get_json(url: str, timeout: float = 10) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return json.load(resp)
+
+
+def _wait(what: str, predicate: Any, timeout: float, interval: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+def _terminate(proc: subprocess.Popen[Any] | None, grace: float = 20) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def v1_hierarchies() -> list[str]:
+    """Mount points of every cgroup v1 hierarchy (the agent's launcher uses freezer and systemd too)."""
+    out = []
+    with open("/proc/self/mounts") as fh:
+        for line in fh:
+            parts = line.split()
+            if len(parts) > 2 and parts[2] == "cgroup":
+                out.append(parts[1])
+    return out
+
+
+def devices_hierarchy() -> str:
+    for mount in v1_hierarchies():
+        if os.path.exists(os.path.join(mount, "devices.list")):
+            return mount
+    raise RuntimeError("no cgroup v1 devices hierarchy")
+
+
+@dataclass
+class Update:
+    """One status update as mesos-execute printed it."""
+
+    state: str
+    message: str = ""
+    reason: str = ""
+    source: str = ""
+
+
+@dataclass
+class Task:
+    """A task (or a task group: ``name`` is the group's first task) submitted through mesos-execute."""
+
+    cluster: Cluster
+    name: str
+    proc: subprocess.Popen[str]
+    log_path: str
+    names: tuple[str, ...] = ()
+    submitted_at: float = 0.0  # time.time() when mesos-execute was started
+
+    def status_times(self) -> dict[str, float]:
+        """State -> the agent's timestamp (time.time() seconds) of this task's first update in that
+        state, from the master's /master/tasks: finer than polling mesos-execute's output."""
+        data = _get_json(f"http://{self.cluster.master_address}/master/tasks?limit=100000", 10)
+        out: dict[str, float] = {}
+        for task in data.get("tasks", []):
+            if task.get("id") == self.name:
+                for status in task.get("statuses", []):
+                    out.setdefault(str(status["state"]), float(status["timestamp"]))
+        return out
+
+    def updates(self) -> list[Update]:
+        """Every status update so far, in order, for this task (its first one for a group)."""
+        with open(self.log_path, errors="replace") as fh:
+            text = fh.read()
+        out: list[Update] = []
+        for line in text.splitlines():
+            m = re.match(r"Received status update (TASK_\w+) for task '([^']*)'", line.strip())
+            if m:
+                if m.group(2) == self.name:
+                    out.append(Update(m.group(1)))
+                continue
+            if not out:
+                continue
+            m = re.match(r"(message|reason|source): '?(.*?)'?$", line.strip())
+            if m and not getattr(out[-1], m.group(1)):
+                setattr(out[-1], m.group(1), m.group(2))
+        return out
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as fh:
+            return fh.read()
+
+    @property
+    def state(self) -> str | None:
+        updates = self.updates()
+        return updates[-1].state if updates else None
+
+    def wait(self, *states: str, timeout: float = 90) -> Update:
+        """The first update in ``states``; AssertionError when a different terminal state comes first."""
+
+        def seen() -> Update | None:
+            self.cluster.check_agents()
+            for update in self.updates():
+                if update.state in states:
+                    return update
+                if update.state in TERMINAL:
+                    raise AssertionError(f"task {self.name} ended {update} waiting for {states}; log:\n{self.log()}")
+            return None
+
+        try:
+            return _wait(f"{self.name} to reach {states}", seen, timeout)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}; mesos-execute said:\n{self.log()[-3000:]}") from None
+
+    def teardown(self) -> None:
+        """Tear down the task's framework (one per mesos-execute) at the master: the agent kills its
+        executor; mesos-execute exits without a last update (use ``kill_after`` for TASK_KILLED)."""
+        framework = self.executor()["framework_id"]
+        req = urllib.request.Request(
+            f"http://{self.cluster.master_address}/master/teardown",
+            data=f"frameworkId={framework}".encode(),
+            method="POST",
+        )
+        urllib.request.urlopen(req, timeout=10).close()
+
+    def wait_gone(self, timeout: float = 60) -> dict[str, Any]:
+        """Wait until the agent lists the task's executor as completed (its container destroyed)."""
+
+        def gone() -> dict[str, Any] | None:
+            ex = self.cluster.find_executor(self.name)
+            return ex if ex is not None and ex.get("completed") else None
+
+        return _wait(f"the executor of {self.name} to complete", gone, timeout)
+
+    def executor(self) -> dict[str, Any]:
+        """The agent's record of this task's executor: ``container`` (ID), ``directory``, ``framework_id``."""
+        return _wait(f"the executor of {self.name}", lambda: self.cluster.find_executor(self.name), 60)
+
+    def agent(self) -> Agent:
+        return self.cluster.agent_of(self.executor()["agent_id"])
+
+    def container_id(self) -> str:
+        return str(self.executor()["container"])
+
+    def sandbox(self, task: str | None = None) -> str:
+        """The executor's sandbox; a nested task's (``task`` of a group) below it under tasks/."""
+        directory = str(self.executor()["directory"])
+        return os.path.join(directory, "tasks", task) if task else directory
+
+    def stdout(self, task: str | None = None) -> str:
+        path = os.path.join(self.sandbox(task), "stdout")
+        with open(path, errors="replace") as fh:
+            return fh.read()
+
+    def wait_stdout(self, pattern: str, task: str | None = None, timeout: float = 60) -> str:
+        def found() -> str | None:
+            with contextlib.suppress(OSError):
+                text = self.stdout(task)
+                if re.search(pattern, text):
+                    return text
+            return None
+
+        return _wait(f"{pattern!r} in the stdout of {task or self.name}", found, timeout)
+
+    def cgroup(self, *nested: str) -> str:
+        """The task's container cgroup in the devices hierarchy (``nested``: child container IDs)."""
+        parts = [self.container_id()]
+        for child in nested:
+            parts += ["mesos", child]
+        return os.path.join(devices_hierarchy(), self.agent().cgroups_root, *parts)
+
+    def devices_list(self, *nested: str) -> list[str]:
+        """The kernel's devices.list of the task's cgroup, one rule per entry."""
+        return _read_lines(os.path.join(self.cgroup(*nested), "devices.list"))
+
+
+def _read_lines(path: str) -> list[str]:
+    with open(path) as fh:
+        return [line.strip() for line in fh if line.strip()]
+
+
+@dataclass
+class Agent:
+    """One mesos-agent (and its sidecar, unless hooks is "noop" or None)."""
+
+    cluster: Cluster
+    index: int
+    work: str
+    cgroups_root: str
+    module_name: str
+    resources: str
+    isolation: tuple[str, ...]
+    hooks: Any
+    host: str
+    extra_flags: tuple[str, ...] = ()
+    port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+    sidecar: Sidecar | None = None
+    agent_id: str = ""
+    stopped: bool = False  # stopped on purpose (stop/restart/teardown), not died
+    _log: Any = field(default=None, repr=False)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> str:
+        return os.path.join(self.work, "agent.log")
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as fh:
+            return fh.read()
+
+    @property
+    def bin_dir(self) -> str:
+        return os.path.join(self.work, "bin")
+
+    def hook_commands(self) -> dict[str, str]:
+        if self.hooks is None:
+            return {}
+        if self.hooks == "noop":
+            true = shutil.which("true") or "/bin/true"
+            return {hook: true for hook in ("prepare", "isolate", "cleanup", "watch")}
+        if self.hooks in ("bridge", "bridge-c"):
+            return {
+                hook: os.path.join(self.bin_dir, f"gpu-isolator-{hook}")
+                for hook in ("prepare", "isolate", "cleanup", "watch")
+            }
+        return dict(self.hooks)
+
+    def modules_json(self) -> dict[str, Any]:
+        params = [{"key": "module_name", "value": self.module_name}]
+        for hook, command in self.hook_commands().items():
+            params.append({"key": f"isolator_{hook}_command", "value": command})
+            if hook != "watch":
+                params.append({"key": f"isolator_{hook}_timeout", "value": "30"})
+        params += [
+            {"key": "isolator_watch_frequence", "value": str(self.cluster.watch_frequence)},
+            {"key": "debug", "value": "true" if self.cluster.module_debug else "false"},
+        ]
+        lib = os.path.join(self.cluster.mesos_home, "lib", "libmesos_command_modules.so")
+        return {"libraries": [{"file": lib, "modules": [{"name": MODULE, "parameters": params}]}]}
+
+    def sidecar_json(self, *args: str) -> Any:
+        """``gpu-isolator <args> --json`` against this agent's sidecar, parsed."""
+        assert self.sidecar is not None
+        out = subprocess.run(
+            [sys.executable, "-m", "isolator", *args, "--json", "--socket", self.sidecar.socket],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"gpu-isolator {' '.join(args)} exited {out.returncode}: {out.stderr}")
+        return json.loads(out.stdout)
+
+    def holders(self, by: str = "index") -> dict[int, str]:
+        """GPU index (or ``by="minor"``) -> the container the sidecar says holds it ("" when free)."""
+        return {int(g[by]): str(g.get("holder") or "") for g in self.sidecar_json("gpus")["gpus"]}
+
+    def start_sidecar(self) -> None:
+        if self.hooks in (None, "noop"):
+            return
+        if self.sidecar is None:
+            side_work = os.path.join(self.work, "sidecar")
+            os.makedirs(side_work, exist_ok=True)
+            self.sidecar = Sidecar(
+                work=side_work,
+                host=self.host,
+                cgroup_version="v1",
+                cgroups_root=self.cgroups_root,
+                extra=self.cluster.sidecar_flags,
+                mode="mesos",
+            )
+            if self.hooks in ("bridge", "bridge-c"):
+                from isolator.bridge.command import compiled_bridge, install
+
+                compiled = None
+                if self.hooks == "bridge-c" or os.environ.get("GI_MESOS_BRIDGE") == "c":
+                    compiled = compiled_bridge()
+                    if compiled is None:
+                        raise RuntimeError("build/gpu-isolator-bridge is missing: run `make build` (it needs gcc)")
+                install(self.bin_dir, self.sidecar.bridge_socket, timeout=25, compiled=compiled)
+        self.sidecar.start()
+
+    def argv(self) -> list[str]:
+        home = self.cluster.mesos_home
+        isolation = ",".join(i for i in self.isolation if self.hooks is not None or i != MODULE)
+        flags = [
+            f"--master={self.cluster.master_address}",
+            "--ip=127.0.0.1",
+            f"--port={self.port}",
+            "--hostname=127.0.0.1",
+            f"--work_dir={self.work}/agent",
+            f"--runtime_dir={self.work}/runtime",
+            f"--fetcher_cache_dir={self.work}/fetch",
+            f"--docker_store_dir={self.work}/store/docker",
+            f"--appc_store_dir={self.work}/store/appc",
+            f"--cgroups_root={self.cgroups_root}",
+            "--containerizers=mesos",
+            "--systemd_enable_support=false",
+            f"--resources={self.resources}",
+            f"--isolation={isolation}",
+            f"--launcher_dir={home}/libexec/mesos",
+            "--executor_environment_variables=" + json.dumps({"LD_LIBRARY_PATH": f"{home}/lib", "PATH": PATH}),
+            "--executor_registration_timeout=2mins",
+            "--executor_shutdown_grace_period=1secs",
+            *self.extra_flags,
+        ]
+        if self.hooks is not None:
+            path = os.path.join(self.work, "modules.json")
+            with open(path, "w") as fh:
+                json.dump(self.modules_json(), fh, indent=1)
+            flags.append(f"--modules=file://{path}")
+        # Its own mount namespace without the cgroup2 mount: this Mesos refuses the hybrid layout.
+        unified = "umount /sys/fs/cgroup/unified 2>/dev/null; " if os.path.ismount("/sys/fs/cgroup/unified") else ""
+        return [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "slave",
+            "--",
+            "sh",
+            "-c",
+            unified + 'exec "$@"',
+            "mesos-agent",
+            f"{home}/sbin/mesos-agent",
+            *flags,
+        ]
+
+    def start(self, timeout: float = 90) -> None:
+        """Start the agent (a fresh port unless restarting) and wait until the master lists it active."""
+        env = dict(os.environ, LD_LIBRARY_PATH=f"{self.cluster.mesos_home}/lib")
+        for attempt in range(3):
+            if not self.port or attempt:
+                self.port = free_port()
+            self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+            self.stopped = False
+            self.proc = subprocess.Popen(self.argv(), stdout=self._log, stderr=subprocess.STDOUT, env=env)
+            try:
+                self.agent_id = _wait(f"agent {self.index} to register", self._registered, timeout, 0.2)
+                return
+            except _PortTaken:
+                self._log.close()
+                continue
+        raise RuntimeError(f"agent {self.index} could not bind a port:\n{self.log()[-3000:]}")
+
+    def _registered(self) -> str | None:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            log = self.log()
+            if "Address already in use" in log[-2000:]:
+                raise _PortTaken()
+            raise RuntimeError(f"agent {self.index} exited {self.proc.returncode}:\n{log[-4000:]}")
+        with contextlib.suppress(OSError, ValueError):
+            for slave in _get_json(f"http://{self.cluster.master_address}/master/slaves", 5)["slaves"]:
+                if slave["pid"].endswith(f"@{self.address}") and slave.get("active"):
+                    return str(slave["id"])
+        return None
+
+    def stop(self) -> None:
+        """SIGTERM the agent (its containers keep running, as after a crash of the agent)."""
+        self.stopped = True
+        _terminate(self.proc)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def teardown(self) -> None:
+        self.stop()
+        if self.sidecar is not None:
+            self.sidecar.terminate()
+            if self.sidecar._log is not None:
+                self.sidecar._log.close()  # type: ignore[attr-defined]
+        for mount in v1_hierarchies():
+            with contextlib.suppress(Exception):
+                remove_cgroup_tree(os.path.join(mount, self.cgroups_root))
+        shutil.rmtree(os.path.join(MODULE_STATE, self.module_name), ignore_errors=True)
+        # Mesos mounts the sandboxes' persistent volumes and container rootfses under the work dir.
+        _unmount_below(self.work)
+
+
+class _PortTaken(Exception):
+    pass
+
+
+def _unmount_below(path: str) -> None:
+    with open("/proc/self/mounts") as fh:
+        targets = [line.split()[1] for line in fh if line.split()[1].startswith(path + "/")]
+    for target in sorted(targets, key=len, reverse=True):
+        subprocess.run(["umount", "-l", target], capture_output=True)
+
+
+class Cluster:
+    """One master and ``agents`` agents. ``start()``/``stop()``, or use it as a context manager."""
+
+    # The module's `debug` parameter: it then logs each hook call's start and end (the agent bench).
+    module_debug = False
+
+    def __init__(
+        self,
+        mesos_home: str,
+        agents: int = 1,
+        *,
+        hooks: Any = "bridge",
+        host: str = "dgx-1",
+        gpus: int | None = None,
+        isolation: Iterable[str] = DEFAULT_ISOLATION,
+        agent_flags: Iterable[str] = (),
+        sidecar_flags: Iterable[str] = (),
+        watch_frequence: int = 1,
+        resources: str | None = None,
+        tmp: str | None = None,
+    ) -> None:
+        """``gpus``: what each agent advertises (default: the simulated host's GPU count);
+        ``resources``: the agents' other resources (default ``cpus:8;mem:4096;disk:4096``)."""
+        self.mesos_home = mesos_home
+        self.work = tempfile.mkdtemp(prefix="gi-mesos-", dir=tmp or "/tmp")
+        self.run_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.watch_frequence = watch_frequence
+        self.sidecar_flags = tuple(sidecar_flags)
+        self.master_port = 0
+        self.master: subprocess.Popen[bytes] | None = None
+        self.tasks: list[Task] = []
+        self._master_log: Any = None
+        if gpus is None:
+            from isolator.simhost.host import load_host
+
+            gpus = len(load_host(host).gpus)
+        self.agents = [
+            Agent(
+                cluster=self,
+                index=i,
+                work=os.path.join(self.work, f"agent{i}"),
+                cgroups_root=f"{TEST_PARENT}/mesos-{self.run_id}-{i}",
+                module_name=f"gpu-isolator-test-{self.run_id}-{i}",
+                resources=f"{resources or 'cpus:8;mem:4096;disk:4096'};gpus:{gpus}",
+                isolation=tuple(isolation),
+                hooks=hooks,
+                host=host,
+                extra_flags=tuple(agent_flags),
+            )
+            for i in range(agents)
+        ]
+
+    # ---- life cycle ----
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def master_address(self) -> str:
+        return f"127.0.0.1:{self.master_port}"
+
+    def start(self) -> Cluster:
+        try:
+            self._start_master()
+            for agent in self.agents:
+                os.makedirs(agent.work, exist_ok=True)
+                agent.start_sidecar()
+                agent.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_master(self) -> None:
+        env = dict(os.environ, LD_LIBRARY_PATH=f"{self.mesos_home}/lib")
+        path = os.path.join(self.work, "master.log")
+        for _ in range(3):
+            self.master_port = free_port()
+            self._master_log = open(path, "ab")  # noqa: SIM115 - closed in stop()
+            self.master = subprocess.Popen(
+                [
+                    f"{self.mesos_home}/sbin/mesos-master",
+                    "--ip=127.0.0.1",
+                    f"--port={self.master_port}",
+                    f"--work_dir={self.work}/master",
+                    "--registry=in_memory",
+                    "--allocation_interval=100ms",
+                ],
+                stdout=self._master_log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+
+            def up() -> bool:
+                assert self.master is not None
+                if self.master.poll() is not None:
+                    return False
+                with contextlib.suppress(OSError, ValueError):
+                    return bool(_get_json(f"http://{self.master_address}/master/state", 2).get("leader"))
+                return False
+
+            with contextlib.suppress(TimeoutError):
+                _wait("the master", lambda: up() or self.master.poll() is not None, 60)
+            if self.master.poll() is None:
+                return
+            self._master_log.close()
+        with open(path, errors="replace") as fh:
+            raise RuntimeError(f"mesos-master did not start:\n{fh.read()[-3000:]}")
+
+    def stop(self) -> None:
+        """Tear everything down, by PID, whatever state it is in."""
+        for task in self.tasks:
+            _terminate(task.proc, 5)
+        for agent in self.agents:
+            with contextlib.suppress(Exception):
+                agent.teardown()
+        _terminate(self.master)
+        if self._master_log is not None:
+            self._master_log.close()
+        if not os.environ.get("GI_MESOS_KEEP"):
+            shutil.rmtree(self.work, ignore_errors=True)
+
+    # ---- tasks ----
+
+    def submit(
+        self,
+        command: str,
+        gpus: int = 0,
+        *,
+        name: str | None = None,
+        cpus: float = 0.1,
+        mem: int = 32,
+        env: dict[str, str] | None = None,
+        kill_after: str | None = None,
+        extra: Iterable[str] = (),
+    ) -> Task:
+        """Launch a command task through mesos-execute (a framework of its own with GPU_RESOURCES,
+        checkpointing, so that it survives an agent restart)."""
+        name = name or f"t-{uuid.uuid4().hex[:8]}"
+        resources = f"cpus:{cpus};mem:{mem}" + (f";gpus:{gpus}" if gpus else "")
+        args = [f"--name={name}", f"--command={command}", f"--resources={resources}", *extra]
+        if env:
+            args.append("--env=" + json.dumps(env))
+        if kill_after:
+            args.append(f"--kill_after={kill_after}")
+        return self._execute(name, args, (name,))
+
+    def submit_group(self, tasks: list[dict[str, Any]], executor_resources: str = "cpus:0.1;mem:32") -> Task:
+        """Launch a task group through the default executor. Each task: ``name``, ``command``,
+        ``resources`` (``"cpus:0.1;mem:32;gpus:1"``), optional ``container`` (ContainerInfo JSON)."""
+        group = {"tasks": [_task_info(t) for t in tasks]}
+        path = os.path.join(self.work, f"group-{uuid.uuid4().hex[:8]}.json")
+        with open(path, "w") as fh:
+            json.dump(group, fh)
+        names = tuple(t["name"] for t in tasks)
+        return self._execute(names[0], [f"--task_group=file://{path}"], names)
+
+    def _execute(self, name: str, args: list[str], names: tuple[str, ...]) -> Task:
+        log_path = os.path.join(self.work, f"execute-{name}.log")
+        env = dict(os.environ, LD_LIBRARY_PATH=f"{self.mesos_home}/lib")
+        started = time.time()
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [
+                    f"{self.mesos_home}/bin/mesos-execute",
+                    f"--master={self.master_address}",
+                    "--framework_capabilities=GPU_RESOURCES",
+                    "--checkpoint",
+                    *args,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                text=True,
+            )
+        task = Task(self, name, proc, log_path, names, submitted_at=started)
+        self.tasks.append(task)
+        return task
+
+    # ---- the agents' view ----
+
+    def check_agents(self) -> None:
+        """AssertionError, with the agent's last words, when an agent died that nobody stopped
+        (a CHECK failure aborts the whole agent: every task on it is lost)."""
+        for agent in self.agents:
+            if agent.proc is not None and agent.proc.poll() is not None and not agent.stopped:
+                log = agent.log()
+                fatal = [line for line in log.splitlines() if line.startswith(("F2", "E2")) or "Check failed" in line]
+                raise AssertionError(f"agent {agent.index} died ({agent.proc.returncode}): " + "\n".join(fatal[-5:]))
+
+    def agent_of(self, agent_id: str) -> Agent:
+        for agent in self.agents:
+            if agent.agent_id == agent_id:
+                return agent
+        raise KeyError(agent_id)
+
+    def find_executor(self, task: str) -> dict[str, Any] | None:
+        """The executor running (or that ran) ``task`` on any agent, from the agent's /state."""
+        for agent in self.agents:
+            if agent.proc is None or agent.proc.poll() is not None:
+                continue
+            try:
+                state = _get_json(f"http://{agent.address}/slave(1)/state", 10)
+            except (OSError, ValueError):
+                continue
+            for fw in state.get("frameworks", []) + state.get("completed_frameworks", []):
+                running = [(ex, False) for ex in fw.get("executors", [])]
+                for ex, completed in running + [(ex, True) for ex in fw.get("completed_executors", [])]:
+                    ids = [t["id"] for key in ("tasks", "queued_tasks", "completed_tasks") for t in ex.get(key, [])]
+                    if task in ids or ex.get("id") == task:
+                        return dict(ex, framework_id=fw["id"], agent_id=agent.agent_id, completed=completed)
+        return None
+
+
+def _scalars(text: str) -> list[dict[str, Any]]:
+    out = []
+    for part in text.split(";"):
+        key, _, value = part.partition(":")
+        out.append({"name": key, "type": "SCALAR", "scalar": {"value": float(value)}})
+    return out
+
+
+def _task_info(spec: dict[str, Any]) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "name": spec["name"],
+        "task_id": {"value": spec["name"]},
+        "agent_id": {"value": ""},
+        "resources": _scalars(spec.get("resources", "cpus:0.1;mem:32")),
+        "command": {"value": spec["command"]},
+    }
+    if "container" in spec:
+        info["container"] = spec["container"]
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m isolator.testing.agent``: start a cluster, run one gpus:1 task, print what it saw."""
+    with Cluster(find_mesos_home()) as cluster:
+        task = cluster.submit("cat /proc/self/cgroup; env | grep -i nvidia", gpus=1)
+        task.wait("TASK_FINISHED")
+        sys.stdout.write(task.stdout())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

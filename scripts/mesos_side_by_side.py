@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""The same GPU tasks through Mesos's own ``gpu/nvidia`` isolator and through ours (issue 25, deliverable 5).
+
+One master and one agent on loopback per route (isolator/testing/agent.py), on the simulated DGX-1:
+
+* ``mesos``: ``--isolation=cgroups/devices,filesystem/linux,gpu/nvidia``, no module, no sidecar. The
+  agent finds "NVML" by ``dlopen("libnvidia-ml.so.1")``: the simulated host's fake NVML is preloaded
+  (``LD_PRELOAD``; a loaded library with that soname satisfies the dlopen), and it stats
+  ``/dev/nvidia*``: in the agent's own mount namespace ``/dev`` is a copy of the host's (a tmpfs, the
+  host's nodes copied, its pts/shm/mqueue bound) plus the simulated host's nodes (major 195, no
+  driver: an open that passes the device cgroup fails ENXIO). The host's /dev is untouched.
+* ``ours``: criteo's module running the compiled bridge against a sidecar in mesos mode on the same
+  simulated host (``cgroups/devices`` and the module).
+
+Per route: ``tasks`` command tasks with ``gpus:1`` held at once, then ``tasks`` more with ``gpus:2``
+one after another: which GPUs each task could open (the probe in tests/mesos/probe.py),
+submit -> TASK_RUNNING (median), and the exact error where the route could not run at all.
+Prints a Markdown table for docs/mesos-agent.md. Needs root, cgroup v1 and MESOS_HOME.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from isolator.simhost.sim import SimulatedHost  # noqa: E402
+from isolator.testing.agent import Agent, Cluster, find_mesos_home  # noqa: E402
+
+PROBE = os.path.join(ROOT, "tests", "mesos", "probe.py")
+
+# Run in the agent's mount namespace before exec: /dev becomes a tmpfs copy of the host's plus the
+# simulated host's nvidia nodes ($1), so that the gpu/nvidia isolator can stat them.
+DEV_SCRIPT = r"""
+set -e
+new=$(mktemp -d /tmp/gi-dev-XXXXXX)
+mount -t tmpfs -o mode=0755 gi-dev "$new"
+cp -a /dev/. "$new"/ 2>/dev/null || true
+for m in pts shm mqueue hugepages; do
+  if mountpoint -q "/dev/$m"; then mkdir -p "$new/$m"; mount --rbind "/dev/$m" "$new/$m"; fi
+done
+cp -a "$GI_SIM_DEV"/. "$new"/
+mount --move "$new" /dev
+"""
+
+
+class NvidiaAgent(Agent):
+    """The harness's agent, with the simulated host's /dev/nvidia* in its own mount namespace."""
+
+    def argv(self) -> list[str]:
+        argv = super().argv()
+        i = argv.index("-c") + 1  # unshare ... sh -c '<script>' mesos-agent <agent> <flags>
+        argv[i] = DEV_SCRIPT + argv[i]
+        return argv
+
+
+def _opened(stdout: str) -> list[int]:
+    return sorted(
+        int(name[6:])
+        for name, result in re.findall(r"^dev (\S+) (\S+)$", stdout, re.M)
+        if name[6:].isdigit() and result != "EPERM"
+    )
+
+
+def _wait_running(task: Any, timeout: float = 180) -> float:
+    started = time.monotonic()
+    task.wait("TASK_RUNNING", timeout=timeout)
+    return time.monotonic() - started
+
+
+def run_route(mesos_home: str, route: str, tasks: int) -> dict[str, Any]:
+    sim_root = tempfile.mkdtemp(prefix="gi-sim-", dir="/tmp")
+    out: dict[str, Any] = {"route": route, "concurrent": [], "pairs": [], "running_s": []}
+    saved = {k: os.environ.get(k) for k in ("LD_PRELOAD", "GI_SIM_DEV")}
+    try:
+        if route == "mesos":
+            sim = SimulatedHost("dgx-1", sim_root).setup(make_devices=True)
+            os.environ["LD_PRELOAD"] = os.path.join(sim_root, "nvml", "libnvidia-ml.so.1")
+            os.environ["GI_SIM_DEV"] = os.path.join(sim_root, "dev")
+            del sim
+            cluster = Cluster(
+                mesos_home,
+                hooks=None,
+                isolation=("cgroups/devices", "filesystem/linux", "gpu/nvidia"),
+                agent_flags=("--nvidia_gpu_devices=0,1,2,3,4,5,6,7",),
+            )
+            for agent in cluster.agents:
+                agent.__class__ = NvidiaAgent
+            devdir = "/dev"
+        else:
+            cluster = Cluster(mesos_home, hooks="bridge-c")
+            devdir = ""
+        try:
+            cluster.start()
+        except Exception as exc:
+            out["error"] = str(exc)[-3000:]
+            return out
+        try:
+            if not devdir:
+                devdir = cluster.agents[0].sidecar.dev_root  # type: ignore[union-attr]
+            held = []
+            for i in range(tasks):
+                task = cluster.submit(f"python3 {PROBE} {devdir} 600", gpus=1, name=f"{route}-one-{i}")
+                out["running_s"].append(_wait_running(task))
+                task.wait_stdout("probed")
+                stdout = task.stdout()
+                out["concurrent"].append(_opened(stdout))
+                if i == 0:
+                    out["others"] = {
+                        name: result
+                        for name, result in re.findall(r"^dev (\S+) (\S+)$", stdout, re.M)
+                        if not name[6:].isdigit()
+                    }
+                    out["env"] = re.findall(r"^env (\S+)$", stdout, re.M)
+                    out["devices_list"] = [r for r in task.devices_list() if "195:" in r or r.startswith("a ")]
+                held.append(task)
+            for task in held:
+                task.teardown()
+            for task in held:
+                task.wait_gone()
+            for i in range(tasks):
+                task = cluster.submit(f"python3 {PROBE} {devdir} 0", gpus=2, name=f"{route}-two-{i}")
+                _wait_running(task)
+                task.wait("TASK_FINISHED")
+                out["pairs"].append(_opened(task.stdout()))
+        except Exception as exc:
+            out["error"] = f"{type(exc).__name__}: {str(exc)[-3000:]}"
+            out["agent_log"] = cluster.agents[0].log()[-3000:]
+        finally:
+            cluster.stop()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(sim_root, ignore_errors=True)
+    return out
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    lines = [
+        "| route | gpus:1 tasks held at once: GPUs each opened | gpus:2 tasks one after another: GPUs opened"
+        " | a gpus:1 task: other /dev/nvidia* nodes | its NVIDIA_* env | its devices.list (major 195) |"
+        " submit -> TASK_RUNNING (median) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        if "error" in r and not r["concurrent"]:
+            lines.append(f"| {r['route']} | could not run: `{r['error'].strip().splitlines()[-1][:300]}` | | | | | |")
+            continue
+        running = f"{statistics.median(r['running_s']) * 1000:.0f} ms" if r["running_s"] else "-"
+        others = ", ".join(f"{k} {v}" for k, v in sorted(r.get("others", {}).items()))
+        lines.append(
+            f"| {r['route']} | {' '.join(str(g) for g in r['concurrent'])} | {' '.join(str(p) for p in r['pairs'])}"
+            f" | {others} | {' '.join(r.get('env', [])) or '-'} | {'; '.join(r.get('devices_list', []))} | {running} |"
+        )
+        if "error" in r:
+            lines.append(f"| {r['route']} (then) | failed: `{r['error'].strip().splitlines()[-1][:300]}` | | | | | |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 4
+    routes = sys.argv[2].split(",") if len(sys.argv) > 2 else ["mesos", "ours"]
+    home = find_mesos_home()
+    results = [run_route(home, route, n) for route in routes]
+    for r in results:
+        if "error" in r:
+            print(f"{r['route']}: {r['error']}\n{r.get('agent_log', '')}", file=sys.stderr)
+    print(table(results))

@@ -1,0 +1,47 @@
+"""Task groups under a real agent: the default executor and its nested containers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from conftest import assert_sees_exactly, devices_cgroup, gpu_rules, probe_command
+
+from isolator.testing.agent import Cluster, _read_lines
+
+
+@pytest.mark.parametrize("share_cgroups", [True, False], ids=["shared-cgroups", "own-cgroups"])
+def test_a_task_group_gets_its_gpus_in_every_nested_container(cluster: Cluster, share_cgroups: bool) -> None:
+    """The group's GPUs (one per task here) are folded into the executor's container at prepare
+    (Mesos 1.9+); every task sees all of them. With ``share_cgroups: false`` (Mesos 1.10+, the
+    same for every task of a group) each task has its own cgroup below the executor's, which the
+    agent fills with its default whitelist and the sidecar with the group's GPUs."""
+    agent = cluster.agents[0]
+    command = probe_command(cluster, seconds=60)
+    extra = {} if share_cgroups else {"container": {"type": "MESOS", "linux_info": {"share_cgroups": False}}}
+    names = ("first", "second")
+    group = cluster.submit_group(
+        [
+            {"name": f"{n}-{share_cgroups}", "command": command, "resources": "cpus:0.1;mem:32;gpus:1", **extra}
+            for n in names
+        ]
+    )
+    group.wait("TASK_RUNNING")
+    outs = {n: group.wait_stdout("probed", task=f"{n}-{share_cgroups}") for n in names}
+    cid = group.container_id()
+    held = {i for i, h in agent.holders().items() if h == cid}
+    assert len(held) == 2, agent.holders()
+    for out in outs.values():
+        assert_sees_exactly(out, held)
+    top = group.cgroup()
+    assert gpu_rules(group.devices_list()) == held
+    for out in outs.values():
+        cgroup = devices_cgroup(out)
+        if share_cgroups:
+            assert cgroup == top
+        else:
+            assert cgroup.startswith(top + "/mesos/"), cgroup
+            assert gpu_rules(_read_lines(os.path.join(cgroup, "devices.list"))) == held
+    group.teardown()
+    group.wait_gone()
+    assert cid not in agent.holders().values()

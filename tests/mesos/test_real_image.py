@@ -1,0 +1,126 @@
+"""Image tasks under a real agent: the driver volume and the CUDA-version check.
+
+The test builds its own local Docker registry: image tarballs in ``docker save`` layout (a
+``repositories`` file, one layer directory with ``json`` and ``layer.tar``) holding Debian's
+``busybox-static``, named ``<name>.tar`` in a directory given to the agent as ``--docker_registry``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import tarfile
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+from conftest import gpu_rules
+
+from isolator.testing.agent import MODULE, Cluster
+
+BUSYBOX = "/bin/busybox"
+APPLETS = ("sh", "ls", "cat", "grep", "echo", "touch", "env", "test", "[")
+# What the task prints: each /dev/nvidia* it can open (busybox sh's words for the errno), the
+# volume, its mount options, and the environment the sidecar set.
+SCRIPT = (
+    "for d in /dev/nvidia*; do"
+    ' if (exec 3<"$d") 2>/tmp/err; then echo "dev ${d#/dev/} ok";'
+    ' else echo "dev ${d#/dev/} $(cat /tmp/err)"; fi; done;'
+    " ls /usr/local/nvidia/bin /usr/local/nvidia/lib64 2>&1 | head -50;"
+    " grep ' /usr/local/nvidia ' /proc/self/mountinfo;"
+    " touch /usr/local/nvidia/x 2>&1 || true;"
+    ' echo "PATH=$PATH"; echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"; echo probed'
+)
+
+
+def image_tarball(path: str, name: str, labels: dict[str, str]) -> None:
+    layer = io.BytesIO()
+    with tarfile.open(fileobj=layer, mode="w") as tar:
+        for d in ("bin", "dev", "proc", "sys", "tmp", "etc", "usr", "usr/local", "usr/local/nvidia"):
+            info = tarfile.TarInfo(d)
+            info.type, info.mode = tarfile.DIRTYPE, 0o1777 if d == "tmp" else 0o755
+            tar.addfile(info)
+        tar.add(BUSYBOX, arcname="bin/busybox")
+        for applet in APPLETS:
+            info = tarfile.TarInfo(f"bin/{applet}")
+            info.type, info.linkname = tarfile.SYMTYPE, "busybox"
+            tar.addfile(info)
+    data = layer.getvalue()
+    layer_id = hashlib.sha256(data + json.dumps(labels, sort_keys=True).encode()).hexdigest()
+    config = {"Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"], "Cmd": ["/bin/sh"], "Labels": labels}
+    meta = {
+        "id": layer_id,
+        "created": "2026-11-25T00:00:00Z",
+        "config": config,
+        "container_config": config,
+        "architecture": "amd64",
+        "os": "linux",
+    }
+    with tarfile.open(path, "w") as tar:
+        for member, body in (
+            ("repositories", json.dumps({name: {"latest": layer_id}}).encode()),
+            (f"{layer_id}/VERSION", b"1.0"),
+            (f"{layer_id}/json", json.dumps(meta).encode()),
+            (f"{layer_id}/layer.tar", data),
+        ):
+            info = tarfile.TarInfo(member)
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+
+
+@pytest.fixture(scope="module")
+def imaged(mesos_home: str) -> Iterator[Cluster]:
+    if not os.path.exists(BUSYBOX):
+        pytest.fail("image tasks need Debian's busybox-static (/bin/busybox): apt-get install busybox-static")
+    with tempfile.TemporaryDirectory(prefix="gi-registry-") as registry:
+        image_tarball(
+            os.path.join(registry, "gpu-busybox.tar"), "gpu-busybox", {"com.nvidia.volumes.needed": "nvidia_driver"}
+        )
+        image_tarball(
+            os.path.join(registry, "gpu-newer-cuda.tar"),
+            "gpu-newer-cuda",
+            {"com.nvidia.volumes.needed": "nvidia_driver", "com.nvidia.cuda.version": "99.0"},
+        )
+        flags = [
+            "--image_providers=docker",
+            f"--docker_registry={registry}",
+            "--image_provisioner_backend=copy",
+        ]
+        isolation = ("filesystem/linux", "docker/runtime", "cgroups/devices", MODULE)
+        with Cluster(mesos_home, isolation=isolation, agent_flags=flags) as c:
+            yield c
+
+
+def test_an_image_task_gets_the_driver_volume_read_only_and_only_its_gpu(imaged: Cluster) -> None:
+    agent = imaged.agents[0]
+    task = imaged.submit(SCRIPT + "; sleep 60", gpus=1, extra=["--docker_image=gpu-busybox"])
+    task.wait("TASK_RUNNING", timeout=120)
+    out = task.wait_stdout("probed")
+    seen = dict(re.findall(r"^dev (\S+) (.*)$", out, re.M))
+    opened = {name for name, result in seen.items() if "not permitted" not in result}
+    gpus = {name for name in opened if name[6:].isdigit()}
+    assert len(gpus) == 1, seen
+    assert {"nvidiactl", "nvidia-uvm"} <= opened, seen
+    mount = next(line for line in out.splitlines() if " /usr/local/nvidia " in line)
+    assert re.search(r"\bro\b", mount.split(" - ")[0]), mount
+    assert "Read-only file system" in out, out
+    assert "PATH=" in out and "/usr/local/nvidia/bin" in out, out
+    assert re.search(r"^LD_LIBRARY_PATH=.*/usr/local/nvidia/lib64", out, re.M), out
+    # The kernel and the sidecar agree with what the task saw.
+    (minor,) = (int(name[6:]) for name in gpus)
+    assert gpu_rules(task.devices_list()) == {minor}
+    assert task.container_id() in agent.holders(by="minor")[minor]
+    task.teardown()
+    task.wait_gone()
+    assert all(h == "" for h in agent.holders().values())
+
+
+def test_an_image_needing_a_newer_cuda_than_the_driver_is_refused(imaged: Cluster) -> None:
+    task = imaged.submit("echo should-not-run", gpus=1, extra=["--docker_image=gpu-newer-cuda"])
+    update = task.wait("TASK_FAILED", timeout=120)
+    assert update.reason == "REASON_CONTAINER_LAUNCH_FAILED", update
+    assert "CUDA" in update.message or "cuda" in update.message, update
+    assert all(h == "" for h in imaged.agents[0].holders().values())

@@ -340,12 +340,12 @@ def test_a_refused_write_in_a_shared_commit_fails_alone(tmp_path):
 
 
 def test_a_version_2_store_gains_the_health_marks_and_keeps_its_records(tmp_path):
-    from isolator.host.state import HealthMark
+    from isolator.host.state import TABLES_AFTER_2, HealthMark
 
     with StateStore(str(tmp_path)) as store:
         store.record(ContainerRecord(ContainerId("a"), frozenset({1})))
     db = sqlite3.connect(os.path.join(str(tmp_path), "allocations.sqlite3"))
-    db.executescript("DROP TABLE gpu_health_mark; PRAGMA user_version=2;")
+    db.executescript("".join(f"DROP TABLE {t};" for t in TABLES_AFTER_2) + "PRAGMA user_version=2;")
     db.close()
     with StateStore(str(tmp_path)) as store:
         assert store.holders() == {1: ContainerId("a")}

@@ -54,7 +54,17 @@ from typing import Any
 from isolator.testing.cgroupfs import TEST_PARENT, remove_cgroup_tree
 from isolator.testing.sidecar import Sidecar
 
-__all__ = ["HOOKS", "Agent", "Cluster", "MesosNotFound", "Task", "find_mesos_home", "free_port"]
+__all__ = [
+    "HOOKS",
+    "Agent",
+    "Cluster",
+    "MesosNotFound",
+    "Task",
+    "devices_hierarchy",
+    "find_mesos_home",
+    "free_port",
+    "read_lines",
+]
 
 HOOKS = ("prepare", "isolate", "watch", "usage", "cleanup")
 MODULE = "com_criteo_mesos_CommandIsolator"
@@ -272,10 +282,10 @@ class Task:
 
     def devices_list(self, *nested: str) -> list[str]:
         """The kernel's devices.list of the task's cgroup, one rule per entry."""
-        return _read_lines(os.path.join(self.cgroup(*nested), "devices.list"))
+        return read_lines(os.path.join(self.cgroup(*nested), "devices.list"))
 
 
-def _read_lines(path: str) -> list[str]:
+def read_lines(path: str) -> list[str]:
     with open(path) as fh:
         return [line.strip() for line in fh if line.strip()]
 
@@ -647,7 +657,7 @@ class Cluster:
             args.append(f"--kill_after={kill_after}")
         return self._execute(name, args, (name,))
 
-    def submit_group(self, tasks: list[dict[str, Any]], executor_resources: str = "cpus:0.1;mem:32") -> Task:
+    def submit_group(self, tasks: list[dict[str, Any]]) -> Task:
         """Launch a task group through the default executor. Each task: ``name``, ``command``,
         ``resources`` (``"cpus:0.1;mem:32;gpus:1"``), optional ``container`` (ContainerInfo JSON)."""
         group = {"tasks": [_task_info(t) for t in tasks]}

@@ -7,7 +7,7 @@ import os
 import pytest
 from conftest import assert_sees_exactly, devices_cgroup, gpu_rules, probe_command
 
-from isolator.testing.agent import Cluster, _read_lines
+from isolator.testing.agent import Cluster, read_lines
 
 
 @pytest.mark.parametrize("share_cgroups", [True, False], ids=["shared-cgroups", "own-cgroups"])
@@ -41,7 +41,7 @@ def test_a_task_group_gets_its_gpus_in_every_nested_container(cluster: Cluster, 
             assert cgroup == top
         else:
             assert cgroup.startswith(top + "/mesos/"), cgroup
-            assert gpu_rules(_read_lines(os.path.join(cgroup, "devices.list"))) == held
+            assert gpu_rules(read_lines(os.path.join(cgroup, "devices.list"))) == held
     group.teardown()
     group.wait_gone()
     assert cid not in agent.holders().values()

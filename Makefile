@@ -89,15 +89,18 @@ test-gpu: install build
 # GI_MESOS_BRIDGE=c runs every scenario through the compiled bridge (build/gpu-isolator-bridge).
 ALLOW_NO_MESOS ?=
 test-mesos: install build
-	@# The image scenarios build their images from Debian's busybox-static.
-	@[ -x /bin/busybox ] || [ -z "$$(command -v apt-get)" ] || \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends busybox-static >&2 || true
+	@# Mesos (../shared/mesos/setup.sh unpacks it and installs its runtime and headers), then what the
+	@# tests need beside it: rapidjson-dev (stout's jsonify, for the JSON check) and busybox-static (the
+	@# image scenarios build their images from it).
 	@home="$(MESOS_HOME)"; \
 	if [ -z "$$home" ] && [ -d ../shared/mesos ]; then home=$$(../shared/mesos/setup.sh --dev) || exit 1; fi; \
-	if [ -n "$$home" ] && ! dpkg -s rapidjson-dev >/dev/null 2>&1; then \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends rapidjson-dev >&2 || exit 1; fi; \
 	if [ -z "$$home" ] && [ "$(ALLOW_NO_MESOS)" != 1 ]; then \
 		echo "make test-mesos: no Mesos (set MESOS_HOME, provide ../shared/mesos, or ALLOW_NO_MESOS=1 to skip)" >&2; exit 1; fi; \
+	if [ -n "$$home" ]; then \
+		missing=""; for p in rapidjson-dev busybox-static; do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+		if [ -n "$$missing" ]; then { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y -qq --no-install-recommends $$missing; } >&2 || exit 1; fi; \
+	fi; \
 	MESOS_HOME="$$home" ALLOW_NO_MESOS="$(ALLOW_NO_MESOS)" $(PY) -m pytest -m mesos -rs tests/mesos $(PYTEST_ARGS)
 
 demo: install build

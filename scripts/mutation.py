@@ -46,6 +46,7 @@ MODULES = (
     Module("devices", "isolator/policy/devices.py", ("tests/test_devices.py",)),
     Module("allocator", "isolator/policy/allocator.py", ("tests/test_allocator.py",)),
     Module("handover", "isolator/policy/handover.py", ("tests/test_handover_policy.py",)),
+    Module("affinity", "isolator/policy/affinity.py", ("tests/test_affinity_policy.py",)),
 )
 
 # Verdicts that count as "the tests noticed": a failing test, or a hang the timeout caught (a mutant

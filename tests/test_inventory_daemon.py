@@ -158,9 +158,10 @@ def test_topology_table_is_the_nvidia_smi_matrix_with_numa_affinity(short_tmp):
 )
 def test_daemon_refuses_bad_gpu_flags_with_one_line(short_tmp, flags, expected):
     result = _cli("serve", "--socket", os.path.join(short_tmp, "s.sock"), "--work-dir", short_tmp, *flags)
-    # 4: the GPUs the node is configured with are not there (README "Running the sidecar").
+    # 4: the GPUs the node is configured with are not there; 78 (EX_CONFIG): the flags cannot work
+    # (README "Running the sidecar").
     unavailable = "NVML not found" in expected or "greater than the number" in expected
-    assert result.returncode == (4 if unavailable else 1), result.stderr
+    assert result.returncode == (4 if unavailable else 78), result.stderr
     assert expected in result.stderr
     lines = [line for line in result.stderr.strip().splitlines() if " INFO " not in line]
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr

@@ -54,7 +54,7 @@ def test_three_agents_a_burst_larger_than_the_cluster_every_gpu_used_none_twice(
     a waiting framework would strand it; with whole slots only, every offer fits."""
     with Cluster(mesos_home, agents=3, host="workstation-4", resources="cpus:2;mem:256") as cluster:
         pending = [probe(cluster, gpus=2, seconds=3, cpus=1, mem=128) for _ in range(8)]
-        runs, raced = [], []
+        runs, raced, finished = [], [], []
         while pending:
             task = pending.pop(0)
             update = task.wait("TASK_FINISHED", "TASK_FAILED", timeout=180)
@@ -73,6 +73,11 @@ def test_three_agents_a_burst_larger_than_the_cluster_every_gpu_used_none_twice(
             agent = task.agent()
             start, end = (float(re.search(rf"^{k} (\S+)$", out, re.M).group(1)) for k in ("start", "end"))  # type: ignore[union-attr]
             runs.append((agent.index, opened_gpus(out), start, end))
+            finished.append(task)
+        # TASK_FINISHED reaches the master before the agent has destroyed the container (and run our
+        # cleanup, one hook at a time): what is released at the end is read once every one is gone.
+        for task in finished:
+            task.wait_gone(timeout=120)
         minors = {int(g["minor"]) for g in cluster.agents[0].sidecar_json("gpus")["gpus"]}
         for index, agent in enumerate(cluster.agents):
             mine = [r for r in runs if r[0] == index]

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -357,9 +355,6 @@ def handle(servicer: Servicer, data: bytes, peer: str = "") -> bytes:
 # ---- the listener -------------------------------------------------------------------------------
 
 
-_UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;} (socket(7), SO_PEERCRED)
-
-
 # Callers outside the allow-list, and allowed ones turned away for load, are answered on threads
 # of their own, at most this many at once (beyond: closed at once), within REFUSAL_DEADLINE_S.
 MAX_REFUSALS = 16
@@ -416,8 +411,7 @@ class BridgeListener:
 
     def set_allowed(self, allowed_uids: tuple[int, ...], allowed_gids: tuple[int, ...]) -> None:
         """Who may call, checked per connection from the next one on (set again on SIGHUP)."""
-        self._allowed_uids = frozenset(allowed_uids) | {os.geteuid()}
-        self._allowed_gids = frozenset(allowed_gids)
+        self._allowlist = peergate.Allowlist.of(allowed_uids, allowed_gids)  # the gate's own rule
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._accept_loop, name="bridge-accept", daemon=True)
@@ -461,9 +455,10 @@ class BridgeListener:
                 conn.close()
 
     def _admit(self, conn: socket.socket) -> None:
-        pid, uid, gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        cred = peergate.peer_credentials(conn)  # the one SO_PEERCRED reader, shared with the gRPC gate
+        pid, uid, gid = cred.pid, cred.uid, cred.gid
         refusal: IsolatorError | None = None
-        if not (uid in self._allowed_uids or gid in self._allowed_gids):
+        if not self._allowlist.allows(cred):
             refusal = PermissionDenied(
                 f"uid {uid} (gid {gid}) is not allowed to call the sidecar; see --allowed-uids and --allowed-gids"
             )

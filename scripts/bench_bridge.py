@@ -37,7 +37,7 @@ PREPARE_INPUT = {
 CONSOLE_SCRIPT = """\
 #!{python}
 import sys
-from isolator.bridge import main
+from isolator.bridge.command import main
 sys.exit(main(socket_path={socket!r}))
 """
 

@@ -674,7 +674,7 @@ def test_bridge_client_loads_no_json_grpc_or_protobuf(bin_dir):
         "import sys; sys.path.append(sys.argv[1]); import isolator.bridge.command;"
         " sys.stderr.write(' '.join(sorted(sys.modules)))"
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(bridge.__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(bridge.__file__))))
     result = subprocess.run([sys.executable, "-I", "-S", "-c", probe, root], capture_output=True, text=True)
     loaded = set(result.stderr.split())
     assert "isolator.bridge.command" in loaded

@@ -18,7 +18,7 @@ import os
 import pytest
 from cgroup_helpers import Prober
 
-from isolator.bridge import install
+from isolator.bridge.command import install
 from isolator.testing.mesos import BridgeIsolator, Containerizer, GrpcIsolator, HookFailed, MesosCgroups, container_id
 from isolator.testing.sidecar import running_sidecar
 

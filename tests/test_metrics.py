@@ -202,7 +202,7 @@ def test_serve_refuses_a_bad_metrics_address_with_one_line(short_tmp):
 
 
 def test_calls_over_the_command_module_bridge_are_measured_and_mapped_too(short_tmp):
-    from isolator.bridge import install
+    from isolator.bridge.command import install
     from isolator.testing.mesos import BridgeIsolator
 
     path = os.path.join(short_tmp, "metrics.sock")

@@ -27,7 +27,7 @@ def agent(request):
         if route == "grpc":
             isolator = GrpcIsolator(sidecar.socket)
         else:
-            from isolator.bridge import install
+            from isolator.bridge.command import install
 
             bridge_dir = os.path.join(sidecar.work, "bridge")
             install(bridge_dir, sidecar.bridge_socket)

@@ -85,7 +85,7 @@ def test_version_on_the_daemon_and_the_bridge(argv):
 
 
 def test_installed_bridge_executables_answer_version_and_help(tmp_path):
-    from isolator.bridge import install
+    from isolator.bridge.command import install
 
     paths = install(str(tmp_path / "bin"))
     for path in paths:

@@ -16,6 +16,7 @@ from hostexpect import gpus_json, topology_json
 
 from isolator.simhost.host import HOSTS_DIR, load_host, shipped_hosts
 from isolator.simhost.sim import SimulatedHost
+from isolator.testing.sidecar import wait_for_listener
 
 
 def _cli(*argv: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
@@ -35,12 +36,13 @@ def _daemon(work: str, *flags: str, prepare: Callable[[SimulatedHost], None] | N
         text=True,
     )
     try:
-        with grpc.insecure_channel("unix:" + sock) as ch:
-            try:
+        try:
+            wait_for_listener(sock, proc, time.monotonic() + 30)
+            with grpc.insecure_channel("unix:" + sock) as ch:
                 grpc.channel_ready_future(ch).result(timeout=30)
-            except grpc.FutureTimeoutError:
-                proc.kill()
-                pytest.fail(f"the daemon did not start: {proc.communicate()[1]}")
+        except (RuntimeError, grpc.FutureTimeoutError):
+            proc.kill()
+            pytest.fail(f"the daemon did not start: {proc.communicate()[1]}")
         yield sock
     finally:
         proc.terminate()

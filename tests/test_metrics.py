@@ -309,6 +309,7 @@ def test_counters_with_known_labels_are_exported_as_zero_before_anything_happens
     assert 'gpu_isolator_reconciliation_repairs_total{kind="audit"} 0.0' in text
 
 
+@pytest.mark.xdist_group("measures")  # reads a process's memory or threads: its own worker, one at a time
 def test_idle_metrics_connections_are_bounded_and_time_out(short_tmp, monkeypatch):
     """The metrics endpoint answers anyone who can connect (on TCP: any local user). Connections that
     send nothing must neither pile up a thread each without bound nor be held forever."""

@@ -10,6 +10,12 @@ mkdir -p build
 now() { date +%s.%N; }
 seconds() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.0f", b - a }'; }
 
+# Hundreds of daemons, CLIs and bridge executables start during the run, each importing the package:
+# where the environment says not to write bytecode (PYTHONDONTWRITEBYTECODE, set in many container
+# images), every one of them would compile it again, and every worker would rewrite every test
+# module's asserts again. Cached here, in the gitignored __pycache__/ directories.
+unset PYTHONDONTWRITEBYTECODE
+
 started=$(now)
 (
     checks_started=$(now)

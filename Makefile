@@ -56,8 +56,12 @@ typecheck: $(STAMP)
 
 check: lint typecheck proto-check
 
-test: install build check
-	$(PY) -m pytest $(PYTEST_ARGS)
+# The suite on TEST_WORKERS pytest-xdist workers, with `make check` running beside it (scripts/test.sh):
+# most tests wait on daemons and kernels, so more workers than the 2 cores pay. The benchmark's own
+# end-to-end run (marker `bench`) belongs to `make bench`.
+TEST_WORKERS ?= 4
+test: install build
+	@scripts/test.sh $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The core in-process over the shipped fakes, the fakes' contract suite and the pure modules: no root,
 # no cgroups, no daemon, a few seconds. Runs as any user (real edges in the contract suite skip
@@ -119,7 +123,10 @@ dist: $(STAMP)
 # The figures of docs/bench.md, beside their floors and goals; a report that never fails the build.
 # Choose parts and sizes with e.g. BENCH_ARGS="--parts hooks,bridge --quick".
 BENCH_ARGS ?=
+# First the benchmark code's own end-to-end check (a quick run of every part, tests/test_bench.py,
+# marker `bench`), which fails the target; then the report.
 bench: install build
+	$(PY) -m pytest -q -m bench tests/test_bench.py
 	-$(PY) scripts/bench.py $(BENCH_ARGS)
 
 # Crash consistency with 500 SIGKILLs per cgroup version, with and without Recover after each restart, and more generated hostile input

@@ -3,6 +3,10 @@
 ``root``: euid 0. ``cgroup_v1``: a writable v1 devices hierarchy. ``cgroup_v2``: a writable cgroup2
 mount. ``gpu``: an NVIDIA driver with at least one GPU. ``cpuset_v1``/``cpuset_v2``: a writable v1
 cpuset hierarchy / the cpuset controller on cgroup2. Each skip prints its reason (``-ra``).
+
+
+Also the grouping for ``make test``'s parallel run (pytest-xdist, ``--dist loadgroup``): the tests that
+share a daemon through a module-scoped fixture run on one worker, so the daemon starts once.
 """
 
 from __future__ import annotations
@@ -105,3 +109,21 @@ def short_tmp():
     path = tempfile.mkdtemp(prefix="gi-", dir="/tmp")
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Keep the users of a module's ``SHARED_FIXTURES`` (module-scoped fixtures: a daemon, a built tree)
+    on one xdist worker, one group per parameter of those fixtures, so each is set up once.
+
+    Without xdist the mark does nothing. Tests with an ``xdist_group`` of their own keep it.
+    """
+    for item in items:
+        shared = getattr(getattr(item, "module", None), "SHARED_FIXTURES", ())
+        used = [name for name in shared if name in getattr(item, "fixturenames", ())]
+        if not used or item.get_closest_marker("xdist_group") is not None:
+            continue
+        callspec = getattr(item, "callspec", None)
+        indices = callspec.indices if callspec is not None else {}
+        group = item.module.__name__ + "".join(f"[{name}={indices.get(name, 0)}]" for name in used)
+        item.add_marker(pytest.mark.xdist_group(group))

@@ -14,6 +14,7 @@ import errno
 import json
 import os
 import shutil
+import socket
 import sqlite3
 import subprocess
 import tempfile
@@ -44,6 +45,31 @@ for name in sys.argv[3:]:
         out[name] = errno.errorcode[exc.errno]
 print(json.dumps(out))
 """
+
+
+def scrape_unix(path: str) -> dict[str, float]:
+    """The daemon's Prometheus metrics on the unix socket ``path``, as {series: value}."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(10)
+        conn.connect(path)
+        conn.sendall(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        chunks = []
+        while chunk := conn.recv(65536):
+            chunks.append(chunk)
+    head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
+    assert head.split()[1] == b"200", head
+    out = {}
+    for line in body.decode().splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def watch_checks(metrics_path: str, outcome: str = "ok") -> int:
+    """How many times the daemon has checked a Watch (its first check, then one per change)."""
+    series = f'gpu_isolator_hook_duration_seconds_count{{hook="Watch",outcome="{outcome}"}}'
+    return int(scrape_unix(metrics_path).get(series, 0))
 
 
 def proc_status(pid: int, key: str) -> int:

@@ -1,6 +1,8 @@
 """`make bench` runs: every part at a tiny size reports its figures, the table and the JSON file.
 
 These prove the benchmark code works; they assert no timings (the benchmark reports, it never fails).
+The quick run of every part (marker ``bench``, a minute) is run by ``make bench`` before its report,
+not by ``make test``.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def test_an_unknown_part_is_refused_with_the_known_ones(capsys):
     assert "unknown part(s) warp" in capsys.readouterr().err
 
 
+@pytest.mark.bench  # a minute of benchmark: `make bench` runs it first, `make test` leaves it out
 @pytest.mark.root
 @pytest.mark.cgroup_v1
 @pytest.mark.cgroup_v2

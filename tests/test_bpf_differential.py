@@ -170,6 +170,10 @@ class Oracle:
             os.close(prog_fd)
 
 
+# Module-scoped: under xdist, their users share one worker, so each is set up once (conftest.py).
+SHARED_FIXTURES = ("oracle", "corpus")
+
+
 @pytest.fixture(scope="module")
 def oracle() -> Iterator[Oracle]:
     _, mount = hierarchy_mounts()

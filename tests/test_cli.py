@@ -44,6 +44,10 @@ class World:
         return self.sidecar.socket
 
 
+# Module-scoped: under xdist, their users share one worker, so each is set up once (conftest.py).
+SHARED_FIXTURES = ("world",)
+
+
 @pytest.fixture(scope="module")
 def world() -> Iterator[World]:
     with running_sidecar(HOST, "v1") as sc:

@@ -131,6 +131,7 @@ def gpu_resource(n: int) -> dict[str, object]:
 
 
 @pytest.mark.cgroup_v1
+@pytest.mark.xdist_group("measures")  # reads a process's memory or threads: its own worker, one at a time
 def test_a_flood_of_calls_beyond_the_in_flight_limit_gets_resource_exhausted_and_memory_stays_bounded():
     limit = 4
     with quick_sidecar("dgx-1", "v1", extra=("--max-concurrent-rpcs", str(limit), "--max-workers", "1")) as sidecar:

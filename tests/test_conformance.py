@@ -29,6 +29,10 @@ VERSIONS = [pytest.param("v1", marks=pytest.mark.cgroup_v1), pytest.param("v2", 
 ROUTES = ["grpc", "bridge", "bridge-c"]
 
 
+# Module-scoped: under xdist, their users share one worker, so each is set up once (conftest.py).
+SHARED_FIXTURES = ("agent",)
+
+
 @pytest.fixture(
     params=[(v, r) for v in VERSIONS for r in ROUTES], ids=lambda p: f"{p[0].values[0]}-{p[1]}", scope="module"
 )

@@ -20,6 +20,10 @@ pytestmark = [pytest.mark.root]
 VERSIONS = [pytest.param("v1", marks=pytest.mark.cgroup_v1), pytest.param("v2", marks=pytest.mark.cgroup_v2)]
 
 
+# Module-scoped: under xdist, their users share one worker, so each is set up once (conftest.py).
+SHARED_FIXTURES = ("agent",)
+
+
 @pytest.fixture(params=VERSIONS, scope="module")
 def agent(request):
     with running_sidecar("dgx-1", request.param) as sidecar:

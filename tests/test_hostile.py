@@ -117,6 +117,10 @@ class Target:
         assert self.snapshot() == self.baseline
 
 
+# Module-scoped: under xdist, their users share one worker, so each is set up once (conftest.py).
+SHARED_FIXTURES = ("target",)
+
+
 @pytest.fixture(scope="module")
 def target():
     with quick_sidecar("dgx-1", "v1") as sidecar:

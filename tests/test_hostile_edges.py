@@ -41,6 +41,10 @@ class Client:
             return exc.code().name, exc.details() or ""
 
 
+# Module-scoped: under xdist, their users share one worker, so each is set up once (conftest.py).
+SHARED_FIXTURES = ("client",)
+
+
 @pytest.fixture(scope="module")
 def client():
     with quick_sidecar("dgx-1", "v1") as sidecar:

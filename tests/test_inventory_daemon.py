@@ -1,8 +1,10 @@
-"""The daemon on a simulated host, seen through the admin CLI: subprocess daemon + subprocess CLI."""
+"""The daemon on a simulated host, seen through the admin CLI: a subprocess daemon, asked by the CLI's
+``main`` in this process (the CLI as its own process is tested in test_cli.py and test_packaging.py)."""
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import subprocess
@@ -14,12 +16,22 @@ import grpc
 import pytest
 from hostexpect import gpus_json, topology_json
 
+from isolator.cli import main as cli
 from isolator.simhost.host import HOSTS_DIR, load_host, shipped_hosts
 from isolator.simhost.sim import SimulatedHost
+from isolator.testing.sidecar import wait_for_listener
 
 
 def _cli(*argv: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "isolator", *argv], capture_output=True, text=True, timeout=timeout)
+
+
+def _ask(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``gpu-isolator ARGV`` run by the CLI's ``main`` in this process: its exit code and output."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main(list(argv))
+    return subprocess.CompletedProcess(["gpu-isolator", *argv], rc, out.getvalue(), err.getvalue())
 
 
 @contextlib.contextmanager
@@ -35,12 +47,13 @@ def _daemon(work: str, *flags: str, prepare: Callable[[SimulatedHost], None] | N
         text=True,
     )
     try:
-        with grpc.insecure_channel("unix:" + sock) as ch:
-            try:
+        try:
+            wait_for_listener(sock, proc, time.monotonic() + 30)
+            with grpc.insecure_channel("unix:" + sock) as ch:
                 grpc.channel_ready_future(ch).result(timeout=30)
-            except grpc.FutureTimeoutError:
-                proc.kill()
-                pytest.fail(f"the daemon did not start: {proc.communicate()[1]}")
+        except (RuntimeError, grpc.FutureTimeoutError):
+            proc.kill()
+            pytest.fail(f"the daemon did not start: {proc.communicate()[1]}")
         yield sock
     finally:
         proc.terminate()
@@ -54,7 +67,7 @@ def _daemon(work: str, *flags: str, prepare: Callable[[SimulatedHost], None] | N
 
 
 def _json(command: str, sock: str) -> dict:
-    result = _cli(command, "--json", "--socket", sock)
+    result = _ask(command, "--json", "--socket", sock)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -90,7 +103,7 @@ def test_injected_xid_marks_the_gpu_unhealthy_in_gpus_and_an_ignored_one_does_no
         host.inject_xid(1, 79)  # GPU has fallen off the bus
         _wait_for(lambda: not _json("gpus", sock)["gpus"][1]["healthy"], "GPU 1 to turn unhealthy")
         listed = _json("gpus", sock)["gpus"]
-        table = _cli("gpus", "--socket", sock).stdout
+        table = _ask("gpus", "--socket", sock).stdout
     assert listed[1]["last_xid"] == "79" and listed[1]["last_xid_time"] > 0
     assert listed[1]["health_reason"] == "XID 79"
     assert [g["healthy"] for g in listed] == [True, False, True, True, True, True, True, True]
@@ -113,7 +126,7 @@ def test_gpu_whose_queries_fail_is_listed_degraded_while_the_others_are_healthy(
 
     with _daemon(short_tmp, "--simulate", "dgx-a100", prepare=prepare) as sock:
         listed = _json("gpus", sock)["gpus"]
-        table = _cli("gpus", "--socket", sock).stdout
+        table = _ask("gpus", "--socket", sock).stdout
     assert [g["index"] for g in listed] == list(range(8))
     assert [g["healthy"] for g in listed] == [True, True, True, False, True, True, True, True]
     assert listed[3]["health_reason"].startswith("degraded: failed to query memory of GPU 3")
@@ -137,7 +150,7 @@ def test_gpus_0_opts_out_and_lists_nothing(short_tmp):
 
 def test_topology_table_is_the_nvidia_smi_matrix_with_numa_affinity(short_tmp):
     with _daemon(short_tmp, "--simulate", "workstation-4") as sock:
-        table = _cli("topology", "--socket", sock).stdout.splitlines()
+        table = _ask("topology", "--socket", sock).stdout.splitlines()
     assert table[0].split() == ["GPU0", "GPU1", "GPU2", "GPU3", "CPU", "Affinity", "NUMA", "Affinity"]
     assert table[1].split() == ["GPU0", "X", "PIX", "SYS", "SYS", "0-15,32-47", "0"]
     assert table[4].split() == ["GPU3", "SYS", "SYS", "PHB", "X", "16-31,48-63", "1"]

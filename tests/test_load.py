@@ -16,7 +16,7 @@ import time
 
 import grpc
 import pytest
-from invariants import proc_status
+from invariants import proc_status, watch_checks
 
 from isolator.bridge import command as bridge
 from isolator.bridge import listener as bridge_server
@@ -61,9 +61,10 @@ def index_of(channel: grpc.Channel, minor: int) -> int:
 
 @pytest.mark.root
 @pytest.mark.cgroup_v1
-def test_a_watch_without_a_deadline_waits_and_answers_the_limitation_when_an_xid_hits_its_gpu():
+def test_a_watch_without_a_deadline_waits_and_answers_the_limitation_when_an_xid_hits_its_gpu(short_tmp):
     # What a Mesos agent does: its watch "never completes" unless a limitation fires.
-    with running_sidecar("dgx-1", "v1") as sidecar:
+    metrics = os.path.join(short_tmp, "m.sock")
+    with running_sidecar("dgx-1", "v1", extra=("--metrics-address", f"unix:{metrics}")) as sidecar:
         isolator = GrpcIsolator(sidecar.socket)
         channel = grpc.insecure_channel(sidecar.address)
         try:
@@ -71,8 +72,10 @@ def test_a_watch_without_a_deadline_waits_and_answers_the_limitation_when_an_xid
             future = pb_grpc.IsolatorStub(channel).Watch.future(
                 pb.WatchRequest(container_id=pb.ContainerID(value="held"))
             )
-            time.sleep(1.0)
-            assert not future.done(), future.exception()  # it waits (it used to fail at once: INTERNAL)
+            # Its first check has run and found nothing to answer: it waits (it used to fail at once: INTERNAL).
+            until(lambda: watch_checks(metrics) + watch_checks(metrics, "error") >= 1)
+            assert watch_checks(metrics, "error") == 0
+            assert not future.done(), future.exception()
             sidecar.sim.inject_xid(index_of(channel, held_minor(channel, "held")), 79)
             reply = future.result(timeout=30)
             assert reply.HasField("limitation") and reply.limitation.message, reply
@@ -84,9 +87,12 @@ def test_a_watch_without_a_deadline_waits_and_answers_the_limitation_when_an_xid
 
 @pytest.mark.root
 @pytest.mark.cgroup_v1
-def test_open_watches_take_no_worker_so_health_and_hooks_answer_and_cancelling_them_frees_everything():
+@pytest.mark.xdist_group("measures")  # reads a process's memory or threads: its own worker, one at a time
+def test_open_watches_take_no_worker_so_health_and_hooks_answer_and_cancelling_them_frees_everything(short_tmp):
     # Four workers; 64 open Watch calls used to take every one of them (16 did by default).
-    with running_sidecar("dgx-1", "v1", extra=("--max-workers", "4")) as sidecar:
+    metrics = os.path.join(short_tmp, "m.sock")
+    flags = ("--max-workers", "4", "--metrics-address", f"unix:{metrics}")
+    with running_sidecar("dgx-1", "v1", extra=flags) as sidecar:
         assert sidecar.proc is not None
         isolator = GrpcIsolator(sidecar.socket)
         channel = grpc.insecure_channel(sidecar.address)
@@ -97,7 +103,7 @@ def test_open_watches_take_no_worker_so_health_and_hooks_answer_and_cancelling_t
             threads = proc_status(sidecar.proc.pid, "Threads")
             request = pb.WatchRequest(container_id=pb.ContainerID(value="watched"))
             watches = [stub.Watch.future(request) for _ in range(64)]
-            time.sleep(1.0)
+            until(lambda: watch_checks(metrics) >= 64)  # every one checked once, and open
             assert not any(w.done() for w in watches)
             for _ in range(5):
                 admin.Health(pb.HealthRequest(), timeout=10)
@@ -118,8 +124,9 @@ def test_open_watches_take_no_worker_so_health_and_hooks_answer_and_cancelling_t
 
 @pytest.mark.root
 @pytest.mark.cgroup_v1
-def test_an_open_watch_ends_when_its_container_is_cleaned_up_and_when_the_sidecar_stops():
-    with running_sidecar("dgx-1", "v1") as sidecar:
+def test_an_open_watch_ends_when_its_container_is_cleaned_up_and_when_the_sidecar_stops(short_tmp):
+    metrics = os.path.join(short_tmp, "m.sock")
+    with running_sidecar("dgx-1", "v1", extra=("--metrics-address", f"unix:{metrics}")) as sidecar:
         isolator = GrpcIsolator(sidecar.socket)
         channel = grpc.insecure_channel(sidecar.address)
         stub = pb_grpc.IsolatorStub(channel)
@@ -128,7 +135,7 @@ def test_an_open_watch_ends_when_its_container_is_cleaned_up_and_when_the_sideca
             isolator.prepare(container_id("stays"), gpus(1))
             gone = stub.Watch.future(pb.WatchRequest(container_id=pb.ContainerID(value="gone")))
             stays = stub.Watch.future(pb.WatchRequest(container_id=pb.ContainerID(value="stays")))
-            time.sleep(0.5)
+            until(lambda: watch_checks(metrics) >= 2)  # both open before the cleanup
             isolator.cleanup(container_id("gone"))
             with pytest.raises(grpc.RpcError) as ended:
                 gone.result(timeout=30)
@@ -174,7 +181,8 @@ def open_server(short_tmp):
 
 
 # Held by the hog (run as nobody): idle gRPC-socket connections, and bridge connections that trickle
-# a byte every second and never finish their request.
+# a byte every quarter second and never finish their request. It says "held" once every connection
+# is open, and "trickled" once a few bytes went down each bridge connection.
 HOG = textwrap.dedent(
     """
     import socket, sys, time
@@ -185,13 +193,17 @@ HOG = textwrap.dedent(
     for _ in range(trickling):
         s = socket.socket(socket.AF_UNIX); s.connect(bridge_path); s.setblocking(False); slow.append(s)
     print("held", flush=True)
+    rounds = 0
     while True:
         for s in slow:
             try:
                 s.send(b"g")
             except OSError:
                 pass
-        time.sleep(1)
+        rounds += 1
+        if rounds == 3:
+            print("trickled", flush=True)
+        time.sleep(0.25)
     """
 )
 
@@ -243,7 +255,7 @@ def test_another_users_idle_connections_and_trickling_bridge_clients_do_not_star
     )
     try:
         assert hog.stdout is not None and hog.stdout.readline().strip() == "held"
-        time.sleep(2.5)  # a few bytes trickled on each bridge connection
+        assert hog.stdout.readline().strip() == "trickled"  # a few bytes went down each bridge connection
         with grpc.insecure_channel(server.address) as ch:
             pb_grpc.IsolatorStub(ch).Cleanup(pb.CleanupRequest(container_id=pb.ContainerID(value="grpc")), timeout=20)
         run = cleanup_over_the_bridge(short_tmp, server.config.bridge_path, "bridge")
@@ -357,6 +369,7 @@ def large_config(size: int) -> pb.ContainerConfig:
 
 @pytest.mark.root
 @pytest.mark.cgroup_v1
+@pytest.mark.xdist_group("measures")  # reads a process's memory or threads: its own worker, one at a time
 def test_concurrent_requests_of_the_largest_allowed_size_do_not_balloon_memory():
     with running_sidecar("dgx-1", "v1") as sidecar:
         assert sidecar.proc is not None

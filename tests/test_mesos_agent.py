@@ -42,6 +42,10 @@ IMAGE_ENV = [
 ]
 
 
+# Module-scoped: under xdist, their users share one worker, so each is set up once (conftest.py).
+SHARED_FIXTURES = ("agent",)
+
+
 @pytest.fixture(params=VERSIONS, scope="module")
 def agent(request):
     version = request.param

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -234,25 +235,67 @@ def test_serve_refuses_a_bad_metrics_address_with_one_line(short_tmp):
     assert "--metrics-address 'localhost:http'" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_calls_over_the_command_module_bridge_are_measured_and_mapped_too(short_tmp):
+class Counted:
+    """One daemon on the single-GPU host with metrics, the job mapping and JSON logs, shared by the tests
+    of refused and bridged calls: each reads the counters' growth over its own calls, and its own log lines."""
+
+    def __init__(self, sidecar, metrics: str, jobs: str) -> None:
+        self.sidecar, self.metrics, self.jobs = sidecar, metrics, jobs
+
+    def scrape(self) -> dict[str, float]:
+        return scrape(_UnixHTTP(self.metrics))
+
+    def growth(self, before: dict[str, float], series: str) -> float:
+        return self.scrape().get(series, 0.0) - before.get(series, 0.0)
+
+    def log_size(self) -> int:
+        return os.path.getsize(self.sidecar.log_path)
+
+    def log_since(self, offset: int) -> list[dict]:
+        with open(self.sidecar.log_path) as fh:
+            fh.seek(offset)
+            return [json.loads(line) for line in fh.read().splitlines() if line.strip()]
+
+
+# Module-scoped: under xdist, their users share one worker, so it starts once (conftest.py).
+SHARED_FIXTURES = ("counted",)
+
+
+@pytest.fixture(scope="module")
+def counted():
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix="gi-", dir="/tmp")
+    metrics, jobs = os.path.join(directory, "metrics.sock"), os.path.join(directory, "jobs")
+    flags = ("--metrics-address", f"unix:{metrics}", "--job-mapping-dir", jobs, "--log-format", "json")
+    try:
+        with running_sidecar("single", "v1", extra=flags) as sidecar:
+            yield Counted(sidecar, metrics, jobs)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+PREPARE_OK = 'gpu_isolator_hook_duration_seconds_count{hook="Prepare",outcome="ok"}'
+PREPARE_ERROR = 'gpu_isolator_hook_duration_seconds_count{hook="Prepare",outcome="error"}'
+PREPARE_INVALID = 'gpu_isolator_errors_total{code="INVALID_ARGUMENT",hook="Prepare"}'
+
+
+def test_calls_over_the_command_module_bridge_are_measured_and_mapped_too(counted):
     from isolator.bridge.command import install
     from isolator.testing.mesos import BridgeIsolator
 
-    path = os.path.join(short_tmp, "metrics.sock")
-    jobs = os.path.join(short_tmp, "jobs")
-    flags = ("--metrics-address", f"unix:{path}", "--job-mapping-dir", jobs)
-    with running_sidecar("single", "v1", extra=flags) as sidecar:
-        bridge_dir = os.path.join(sidecar.work, "bridge")
-        install(bridge_dir, sidecar.bridge_socket)
-        isolator = BridgeIsolator(bridge_dir, sidecar.work)
-        containerizer = Containerizer(isolator, sidecar.work)
-        isolator.prepare(container_id("bridged"), containerizer.config(gpus=1, image=False))
-        assert _mapping(jobs) == {"0": ["bridged"]}
-        m = scrape(_UnixHTTP(path))
-        assert m['gpu_isolator_hook_duration_seconds_count{hook="Prepare",outcome="ok"}'] == 1
-        isolator.cleanup(container_id("bridged"))
-        assert _mapping(jobs) == {"0": []}
-        isolator.close()
+    sidecar, jobs = counted.sidecar, counted.jobs
+    bridge_dir = os.path.join(sidecar.work, "bridge")
+    install(bridge_dir, sidecar.bridge_socket)
+    isolator = BridgeIsolator(bridge_dir, sidecar.work)
+    containerizer = Containerizer(isolator, sidecar.work)
+    before = counted.scrape()
+    isolator.prepare(container_id("bridged"), containerizer.config(gpus=1, image=False))
+    assert _mapping(jobs) == {"0": ["bridged"]}
+    assert counted.growth(before, PREPARE_OK) == 1
+    isolator.cleanup(container_id("bridged"))
+    assert _mapping(jobs) == {"0": []}
+    isolator.close()
 
 
 def _bridge_call(path: str, method: bytes, payload: bytes) -> bytes:
@@ -269,39 +312,33 @@ def _bridge_call(path: str, method: bytes, payload: bytes) -> bytes:
     return b"".join(chunks)
 
 
-def test_bridge_input_refused_before_the_hook_is_counted_and_logged_with_its_container(short_tmp):
+def test_bridge_input_refused_before_the_hook_is_counted_and_logged_with_its_container(counted):
     """An agent whose JSON the bridge cannot take (another Mesos version's shape) fails every call with
     INVALID_ARGUMENT before the hook runs: that must show in gpu_isolator_errors_total and on a log
     line carrying the hook and the container, like every other refusal."""
-    path = os.path.join(short_tmp, "metrics.sock")
-    flags = ("--metrics-address", f"unix:{path}", "--log-format", "json")
-    with running_sidecar("single", "v1", extra=flags) as sidecar:
-        payload = json.dumps({"container_id": {"value": "refused-1"}, "container_config": 5}).encode()
-        reply = _bridge_call(sidecar.bridge_socket, b"prepare", payload)
-        assert reply.startswith(b"ERROR INVALID_ARGUMENT"), reply
-        m = scrape(_UnixHTTP(path))
-        assert m.get('gpu_isolator_errors_total{code="INVALID_ARGUMENT",hook="Prepare"}') == 1, m
-        assert m.get('gpu_isolator_hook_duration_seconds_count{hook="Prepare",outcome="error"}') == 1, m
-        with open(sidecar.log_path) as fh:
-            entries = [json.loads(line) for line in fh.read().splitlines() if line.strip()]
+    before, offset = counted.scrape(), counted.log_size()
+    payload = json.dumps({"container_id": {"value": "refused-1"}, "container_config": 5}).encode()
+    reply = _bridge_call(counted.sidecar.bridge_socket, b"prepare", payload)
+    assert reply.startswith(b"ERROR INVALID_ARGUMENT"), reply
+    assert counted.growth(before, PREPARE_INVALID) == 1, counted.scrape()
+    assert counted.growth(before, PREPARE_ERROR) == 1, counted.scrape()
+    entries = counted.log_since(offset)
     refused = [e for e in entries if "refused" in e["message"]]
     assert refused and all(e["hook"] == "Prepare" and e["container_id"] == "refused-1" for e in refused), refused
 
 
-def test_grpc_requests_refused_as_malformed_are_counted_too(short_tmp):
+def test_grpc_requests_refused_as_malformed_are_counted_too(counted):
     """Bytes that are not the method's message are INVALID_ARGUMENT before the servicer runs; like
     every other answered error they belong in gpu_isolator_errors_total."""
     import grpc
 
-    path = os.path.join(short_tmp, "metrics.sock")
-    with running_sidecar("single", "v1", extra=("--metrics-address", f"unix:{path}")) as sidecar:
-        with grpc.insecure_channel(sidecar.address) as channel:
-            call = channel.unary_unary("/gpuisolator.v1.Isolator/Prepare")  # bytes in, bytes out
-            with pytest.raises(grpc.RpcError) as caught:
-                call(b"\x0a\x05\x0a", timeout=10)  # a length past the end: truncated
-            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        m = scrape(_UnixHTTP(path))
-    assert m.get('gpu_isolator_errors_total{code="INVALID_ARGUMENT",hook="Prepare"}') == 1, m
+    before = counted.scrape()
+    with grpc.insecure_channel(counted.sidecar.address) as channel:
+        call = channel.unary_unary("/gpuisolator.v1.Isolator/Prepare")  # bytes in, bytes out
+        with pytest.raises(grpc.RpcError) as caught:
+            call(b"\x0a\x05\x0a", timeout=10)  # a length past the end: truncated
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert counted.growth(before, PREPARE_INVALID) == 1, counted.scrape()
 
 
 def test_job_mapping_temporary_files_left_by_a_crash_mid_write_are_removed_at_start(short_tmp):
@@ -342,6 +379,7 @@ def test_counters_with_known_labels_are_exported_as_zero_before_anything_happens
     assert 'gpu_isolator_reconciliation_repairs_total{kind="audit"} 0.0' in text
 
 
+@pytest.mark.xdist_group("measures")  # reads a process's memory or threads: its own worker, one at a time
 def test_idle_metrics_connections_are_bounded_and_time_out(short_tmp, monkeypatch):
     """The metrics endpoint answers anyone who can connect (on TCP: any local user). Connections that
     send nothing must neither pile up a thread each without bound nor be held forever."""

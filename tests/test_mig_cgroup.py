@@ -22,6 +22,10 @@ VERSIONS = [pytest.param("v1", marks=pytest.mark.cgroup_v1), pytest.param("v2", 
 HOST = load_host("dgx-a100")
 
 
+# Module-scoped: under xdist, their users share one worker, so each is set up once (conftest.py).
+SHARED_FIXTURES = ("agent",)
+
+
 @pytest.fixture(params=VERSIONS, scope="module")
 def agent(request):
     with running_sidecar("dgx-a100", request.param) as sidecar:

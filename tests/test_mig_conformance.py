@@ -18,6 +18,10 @@ ROUTES = ["grpc", "bridge"]
 HOST = load_host("dgx-a100")
 
 
+# Module-scoped: under xdist, their users share one worker, so each is set up once (conftest.py).
+SHARED_FIXTURES = ("agent",)
+
+
 @pytest.fixture(
     params=[(v, r) for v in VERSIONS for r in ROUTES], ids=lambda p: f"{p[0].values[0]}-{p[1]}", scope="module"
 )

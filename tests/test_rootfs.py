@@ -137,6 +137,10 @@ def test_plain_image_gets_its_directory_made_where_it_says(rootfs, kind):
 # ---- through the sidecar -------------------------------------------------------------------------
 
 
+# Module-scoped: under xdist, their users share one worker, so each is set up once (conftest.py).
+SHARED_FIXTURES = ("sidecar",)
+
+
 @pytest.fixture(scope="module")
 def sidecar():
     with quick_sidecar("dgx-1", "v1") as s:

@@ -24,6 +24,10 @@ from volumes.plan import plan_volume
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Module-scoped: under xdist, their users share one worker, so each is set up once (conftest.py).
+SHARED_FIXTURES = ("sim", "plan")
+
+
 @pytest.fixture(scope="module")
 def sim(tmp_path_factory):
     return build_driver_root(str(tmp_path_factory.mktemp("driver")))

@@ -14,6 +14,9 @@ from volumes.elf import parse_elf, read_elf
 from volumes.errors import ElfError, LdCacheError
 from volumes.ldcache import parse_ldcache, read_ldcache
 
+# Module-scoped: under xdist, their users share one worker, so each is set up once (conftest.py).
+SHARED_FIXTURES = ("sim",)
+
 
 @pytest.fixture(scope="module")
 def sim(tmp_path_factory):

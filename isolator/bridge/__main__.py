@@ -2,7 +2,7 @@
 
 import sys
 
-from isolator.bridge import _install_main, main
+from isolator.bridge.command import _install_main, main
 
 if sys.argv[1:2] == ["install"]:
     sys.exit(_install_main(sys.argv[2:]))

@@ -307,7 +307,7 @@ LAUNCHER_TEMPLATE = """\
 import sys
 
 sys.path.append({package_root!r})
-from isolator.bridge import main
+from isolator.bridge.command import main
 
 sys.exit(main(socket_path={socket!r}, timeout={timeout!r}))
 """

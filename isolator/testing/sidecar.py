@@ -16,15 +16,16 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
 
 from isolator.simhost.sim import SimulatedHost
 from isolator.testing.cgroupfs import TEST_PARENT, cgroup_mount, remove_cgroup_tree
+from isolator.transport.server import socket_is_live
 
-__all__ = ["TEST_PARENT", "Sidecar", "cgroup_mount", "running_sidecar"]
+__all__ = ["TEST_PARENT", "Sidecar", "cgroup_mount", "running_sidecar", "wait_for_listener"]
 
 
 @dataclass
@@ -92,20 +93,16 @@ class Sidecar:
         self._log = log
         self.proc = subprocess.Popen(self.argv(), stderr=log, stdout=log, text=True)
         deadline = time.monotonic() + timeout
+        wait_for_listener(self.socket, self.proc, deadline, self.log)
         with grpc.insecure_channel(self.address) as ch:
-            # One readiness future for the whole wait, cancelled before the channel closes: an
-            # abandoned one keeps a thread polling the channel, which then fails on the closed channel.
+            # The socket accepts now, so the first connection attempt succeeds: no reconnect back-off.
+            # The future is cancelled before the channel closes: an abandoned one keeps a thread
+            # polling the channel, which then fails on the closed channel.
             ready = grpc.channel_ready_future(ch)
             try:
-                while True:
-                    if self.proc.poll() is not None:
-                        raise RuntimeError(f"the sidecar exited {self.proc.returncode}: {self.log()}")
-                    try:
-                        ready.result(timeout=0.5)
-                        break
-                    except grpc.FutureTimeoutError:
-                        if time.monotonic() > deadline:
-                            raise RuntimeError(f"the sidecar did not start: {self.log()}") from None
+                ready.result(timeout=max(deadline - time.monotonic(), 1.0))
+            except grpc.FutureTimeoutError:
+                raise RuntimeError(f"the sidecar did not start: {self.log()}") from None
             finally:
                 ready.cancel()
         return self
@@ -152,6 +149,25 @@ class Sidecar:
         for parent in self.cpuset_parents:
             if parent != self.cgroup_parent and f"/{TEST_PARENT}/" in parent:
                 remove_cgroup_tree(parent)
+
+
+def wait_for_listener(
+    path: str, proc: subprocess.Popen[str], deadline: float, log: Callable[[], str] = lambda: ""
+) -> None:
+    """Until a connect to the Unix socket ``path`` succeeds, the process exits, or ``deadline`` passes.
+
+    A gRPC channel opened before the socket exists fails its first attempt and then waits out its
+    reconnect back-off (a second or so); connecting by hand first costs one poll interval instead.
+    """
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the daemon exited {proc.returncode} before listening on {path}: {log()}")
+        with contextlib.suppress(OSError):  # bound but not yet listening, or a stale file being replaced
+            if socket_is_live(path):
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the daemon did not listen on {path} in time: {log()}")
+        time.sleep(0.01)  # a poll interval, not a wait for time to pass
 
 
 @contextlib.contextmanager

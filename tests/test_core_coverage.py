@@ -15,6 +15,7 @@ import pytest
 
 from isolator.core import ports
 from isolator.core.admin import Admin
+from isolator.core.changes import Changes
 from isolator.core.context import Core
 from isolator.core.hooks import Hooks
 from isolator.core.locks import ContainerLocks
@@ -54,6 +55,10 @@ INDIRECT = {
     "wait_for_change": "watch",
     "notify": "cleanup",
     "rules": "prepare",
+    "grant": "prepare",
+    "mark_ended": "cleanup",
+    "forget_ended": "prepare",
+    "recently_ended": "watch",
     "mig_devices": "prepare",
     "granted": "describe_container",
     "describe": "prepare",
@@ -78,7 +83,7 @@ INDIRECT = {
 }
 
 
-@pytest.mark.parametrize("cls", [IsolatorService, Hooks, Recovery, Admin, Core, ContainerLocks])
+@pytest.mark.parametrize("cls", [IsolatorService, Hooks, Recovery, Admin, Core, Changes, ContainerLocks])
 def test_every_public_method_of_the_core_is_called_by_a_unit_test(cls: type) -> None:
     seen = called(CORE_TESTS)
     missing = sorted(m for m in public_methods(cls) if m not in seen and INDIRECT.get(m) not in seen)

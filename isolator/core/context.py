@@ -13,6 +13,7 @@ I/O; recovery holds ``locks.exclusive()``. Ordering rules that keep the sidecar 
 from __future__ import annotations
 
 import logging
+import posixpath
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -81,6 +82,16 @@ class Edges:
     clock: Clock
     cpus: CpuTopology | None = None  # what the machine has online; None: no affinity at all
     cpusets: Cpusets | None = None  # the cpuset hierarchy, when one is bound
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A container's grant as data: the devices cgroup rules, and the device nodes (relative to the
+    dev root) bound into an image container: exactly the allocated GPUs, the control devices and
+    the MIG caps (Mesos exposes every /dev/nvidia*: defect §2.15.6)."""
+
+    rules: tuple[devrules.DeviceRule, ...]
+    nodes: tuple[str, ...]
 
 
 class Core:
@@ -204,18 +215,28 @@ class Core:
 
     # ---- shared steps -----------------------------------------------------------------------------
 
-    def rules(self, minors: frozenset[int], units: Iterable[MigDevice] = ()) -> tuple[devrules.DeviceRule, ...]:
-        """The full allow-list of a container holding GPU ``minors`` whole and MIG devices ``units``:
-        a whole GPU in MIG mode brings every MIG device's caps; a unit brings its GI and CI caps and
-        its parent's node, which the driver requires (docs/mig.md)."""
+    def grant(self, minors: frozenset[int], units: Iterable[MigDevice] = ()) -> Grant:
+        """What a container holding GPU ``minors`` whole and MIG devices ``units`` is granted, with the
+        dev root and the inventory's MIG view read once: the full allow-list (a whole GPU in MIG mode
+        brings every MIG device's caps; a unit brings its GI and CI caps and its parent's node, which
+        the driver requires, docs/mig.md) and the device nodes an image container is given."""
         if not self.gpus:
-            return tuple(devrules.MESOS_DEFAULT_WHITELIST)  # no GPUs here: no control devices either
+            return Grant(tuple(devrules.MESOS_DEFAULT_WHITELIST), ())  # no GPUs here: no control devices either
         units = tuple(units)
-        control = self.edges.devices.control_devices()
+        devices = self.edges.devices
+        control = devices.control_devices()
         mig = self.mig_devices(minors) + units
-        caps_major = self.edges.devices.caps_major() if mig else None
-        nodes = sorted(minors | migunits.parents(units))
-        return devrules.container_rules(control, nodes, mig_devices=mig, caps_major=caps_major)
+        caps_major = devices.caps_major() if mig else None
+        gpus = sorted(minors | migunits.parents(units))
+        rules = devrules.container_rules(control, gpus, mig_devices=mig, caps_major=caps_major)
+        nodes = [f"nvidia{m}" for m in gpus]
+        nodes += [posixpath.relpath(n.path, devices.dev_root) for n in control.numbers()]
+        nodes += [f"nvidia-caps/nvidia-cap{minor}" for dev in mig for minor in dev.caps_minors]
+        return Grant(rules, tuple(nodes))
+
+    def rules(self, minors: frozenset[int], units: Iterable[MigDevice] = ()) -> tuple[devrules.DeviceRule, ...]:
+        """The allow-list alone (``grant``'s rules)."""
+        return self.grant(minors, units).rules
 
     def mig_devices(self, minors: frozenset[int]) -> tuple[MigDevice, ...]:
         out: list[MigDevice] = []

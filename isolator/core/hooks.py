@@ -13,7 +13,7 @@ import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from isolator.core.context import Core
+from isolator.core.context import Core, Grant
 from isolator.crashpoints import crashpoint
 from isolator.errors import (
     AlreadyExists,
@@ -105,7 +105,8 @@ class Hooks:
             try:
                 aff = core.affinity(container_id, minors, units)
                 held = aff if core.enforcing else None  # recorded with the GPUs, applied after their rules
-                rules = core.rules(minors, units)
+                grant = core.grant(minors, units)
+                rules = grant.rules
                 core.store.record(
                     ContainerRecord(
                         container_id,
@@ -133,7 +134,7 @@ class Hooks:
                     undo.append(lambda: cpusets.remove(container_id))
                     crashpoint("cpuset.recorded")
                     core.apply_cpuset(container_id, held)
-                info = self._launch_info(container_id, config, minors, image_plan, undo, units, aff)
+                info = self._launch_info(container_id, config, grant, image_plan, undo, units, aff)
             except BaseException:
                 self._undo(container_id, undo)
                 raise
@@ -177,7 +178,7 @@ class Hooks:
                     undo.append(lambda: core.cgroups.cleanup(cid))
                 units = core.mig_of(root)
                 aff = core.affinity(cid, minors, units) if core.settings.cpu_affinity != "off" else None
-                info = self._launch_info(cid, config, minors, image_plan, undo, units, aff)
+                info = self._launch_info(cid, config, core.grant(minors, units), image_plan, undo, units, aff)
             except BaseException:
                 self._undo(cid, undo)
                 raise
@@ -243,7 +244,7 @@ class Hooks:
         self,
         cid: ContainerId,
         config: ContainerConfig,
-        minors: frozenset[int],
+        grant: Grant,
         image_plan: ImagePlan | None,
         undo: Undo,
         units: tuple[MigDevice, ...] = (),
@@ -259,7 +260,7 @@ class Hooks:
             if config.command_task and local:
                 return LaunchInfo(environment=visible, task_environment=local)
             return LaunchInfo(environment=visible + local) if visible or local else None
-        mounts = self._device_mounts(config.rootfs, minors, units)
+        mounts = self._device_mounts(config.rootfs, grant)
         env: tuple[tuple[str, str], ...] = ()
         if image_plan is not None:
             mounts_v, env = self._volume(cid, config, image_plan, undo)
@@ -272,23 +273,16 @@ class Hooks:
             return LaunchInfo(task_environment=env, mounts=tuple(mounts))
         return LaunchInfo(environment=env, mounts=tuple(mounts))
 
-    def _device_mounts(self, rootfs: str, minors: frozenset[int], units: tuple[MigDevice, ...] = ()) -> list[Mount]:
-        """Bind mounts of exactly the allocated GPUs and the control devices (Mesos exposes every
-        /dev/nvidia*, unallocated GPUs and nvidia-modeset included: defect §2.15.6)."""
+    def _device_mounts(self, rootfs: str, grant: Grant) -> list[Mount]:
+        """Bind mounts of the grant's nodes: exactly the allocated GPUs, the control devices and the MIG
+        caps (Mesos exposes every /dev/nvidia*, unallocated GPUs and nvidia-modeset included: §2.15.6)."""
         core = self.core
-        if not core.gpus:
-            return []
         dev_root = core.edges.devices.dev_root
-        names = [f"nvidia{m}" for m in sorted(minors | migunits.parents(units))]
-        control = core.edges.devices.control_devices()
-        names += [posixpath.relpath(n.path, dev_root) for n in control.numbers()]
-        for mig in core.mig_devices(minors) + units:
-            names += [f"nvidia-caps/nvidia-cap{minor}" for minor in mig.caps_minors]
         # Targets resolved inside the image (``dev`` may be a link in it): never a host path.
         target = core.edges.filesystem.mount_target
         return [
             Mount(target=target(rootfs, f"dev/{name}"), source=posixpath.join(dev_root, name), flags=MS_BIND)
-            for name in names
+            for name in grant.nodes
         ]
 
     def _volume(

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from isolator.core.locks import ContainerLocks
+from isolator.core.locks import ContainerLocks, LockNotHeld, OwnedLock
 from isolator.errors import AlreadyExists, GpusExhausted
 from isolator.model import ContainerConfig, ContainerId, Resource
 from isolator.policy.devices import NVIDIA_MAJOR, DeviceRule, permits
@@ -198,3 +198,32 @@ def test_many_threads_never_grant_a_gpu_to_two_containers(rig: Rig) -> None:
     assert violations == []
     assert most_at_once[0] >= 2, "containers held GPUs at the same time"
     assert rig.store.load() == {} and rig.service.core.allocator.available == frozenset(range(8))
+
+
+# ---- the allocation lock's contract is checked, not commented ----------------------------------
+
+
+def test_booking_outside_the_allocation_lock_is_refused_and_changes_nothing(rig: Rig) -> None:
+    core = rig.service.core
+    before = set(core.allocator.available)
+    for call in (lambda: core.allocate_whole(1), lambda: core.choose_mig({"mig-1g.5gb": 1}), core.sync_health):
+        with pytest.raises(LockNotHeld, match="allocation lock"):
+            call()
+    with pytest.raises(LockNotHeld):
+        core.handover.mark_pending([0])
+    assert set(core.allocator.available) == before and not core.handover.marks
+    with core.alloc:
+        choice = core.allocate_whole(1)  # the same call inside the section books
+        core.allocator.deallocate(frozenset(choice.gpus))
+
+
+def test_an_owned_lock_knows_its_holder_thread() -> None:
+    lock = OwnedLock("test")
+    assert not lock.held()
+    seen: list[bool] = []
+    with lock:
+        assert lock.held()
+        other = threading.Thread(target=lambda: seen.append(lock.held()))
+        other.start()
+        other.join()
+    assert seen == [False] and not lock.held()

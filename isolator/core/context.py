@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import logging
 import posixpath
-import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from isolator.core.changes import Changes
 from isolator.core.handover import Handover
-from isolator.core.locks import ContainerLocks
+from isolator.core.locks import ContainerLocks, OwnedLock
 from isolator.core.ports import (
     CgroupBackend,
     Clock,
@@ -107,7 +106,9 @@ class Core:
         self.locks = ContainerLocks()
         self.rebuilt: list[ContainerId] = []  # records rebuilt from the kernel at start (lost state)
         self.repairs = 0  # kernel rules re-applied by the drift audit since start
-        self.alloc = threading.Lock()  # the allocator and health: short sections, no I/O inside
+        # The allocator, the MIG holdings and health: short sections, no I/O inside. The methods that
+        # read or change them check that their caller holds it (OwnedLock.require).
+        self.alloc = OwnedLock("allocation")
         self.changes = Changes()  # what a Watch waits on: health changes, containers gone
         topology = edges.inventory.topology()
         self.gpus: dict[int, Gpu] = {g.minor: g for g in topology.gpus}
@@ -127,6 +128,7 @@ class Core:
 
     def sync_health(self) -> None:
         """Copy the inventory's health and the drain marks into the allocator. Call with ``alloc`` held."""
+        self.alloc.require("sync_health")
         healthy_indices = self.inventory.healthy()
         for gpu in self.gpus.values():
             self.allocator.set_healthy(gpu.minor, gpu.index in healthy_indices)
@@ -139,7 +141,7 @@ class Core:
                     self.allocator.set_healthy(gpu.minor, bool(event.healthy))
         self.changes.notify()
 
-    # ---- MIG units (call with ``alloc`` held) ------------------------------------------------------
+    # ---- MIG units (with ``alloc`` held: each checks) ------------------------------------------------------
 
     @property
     def mig(self) -> dict[str, MigDevice]:
@@ -153,6 +155,7 @@ class Core:
 
     def hold_mig(self, held: Iterable[tuple[str, int]], restore: bool = False) -> None:
         """Mark MIG devices held and book their parents against whole-GPU use."""
+        self.alloc.require("hold_mig")
         held = list(held)
         self.mig_held.update(held)
         new = frozenset(p for _u, p in held if p not in self.mig_booked and p in self.allocator.total)
@@ -165,6 +168,7 @@ class Core:
 
     def free_mig(self, uuids: Iterable[str]) -> None:
         """Free MIG devices; a parent none of whose devices is held any more is free as a whole again."""
+        self.alloc.require("free_mig")
         for uuid in uuids:
             self.mig_held.pop(uuid, None)
         idle = frozenset(self.mig_booked - set(self.mig_held.values()))
@@ -174,6 +178,7 @@ class Core:
 
     def choose_mig(self, request: dict[str, int]) -> tuple[MigDevice, ...]:
         """MIG devices for ``request`` (resource -> count), held on return; none for an empty request."""
+        self.alloc.require("choose_mig")
         if not request:
             return ()
         devices = list(self.mig.values())
@@ -188,6 +193,7 @@ class Core:
 
     def allocate_whole(self, count: int) -> Choice:
         """Whole GPUs, taking GPUs that are not in MIG mode first (docs/mig.md)."""
+        self.alloc.require("allocate_whole")
         mig_gpus = self.mig_mode & self.allocator.available
         if count and mig_gpus:
             self.allocator.allocate_set(mig_gpus)

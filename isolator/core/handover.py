@@ -58,6 +58,7 @@ class Handover:
 
     def apply_marks(self) -> None:
         """Copy the marks into the allocator (after it was rebuilt). Call with ``alloc`` held."""
+        self.core.alloc.require("apply_marks")
         for minor in self.marks:
             if minor in self.core.allocator.total:
                 self.core.allocator.set_draining(minor, True)
@@ -65,6 +66,7 @@ class Handover:
     def mark_pending(self, minors: Iterable[int]) -> None:
         """GPUs just released: out of the pool until ``check`` has looked. Call with ``alloc`` held,
         in the same section as the release, so that no Prepare takes one in between."""
+        self.core.alloc.require("mark_pending")
         if not self.enabled:
             return
         clock = self.core.clock

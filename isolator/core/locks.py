@@ -64,3 +64,34 @@ class ContainerLocks:
         """How many hooks hold or wait for a container lock (for tests and the health view)."""
         with self._cond:
             return self._holders
+
+
+class LockNotHeld(RuntimeError):
+    """A method that must run inside a critical section was called outside it: a bug of ours."""
+
+
+class OwnedLock:
+    """A plain lock that knows which thread holds it, so that "call with it held" is a checked
+    contract (``require``), not a comment. Used as ``with lock:`` only; not re-entrant."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+
+    def __enter__(self) -> OwnedLock:
+        self._lock.acquire()
+        self._owner = threading.get_ident()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._owner = None
+        self._lock.release()
+
+    def held(self) -> bool:
+        return self._owner == threading.get_ident()
+
+    def require(self, what: str) -> None:
+        """Raise unless the calling thread holds the lock."""
+        if not self.held():
+            raise LockNotHeld(f"{what} must be called with the {self.name} lock held")

@@ -15,8 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from isolator.errors import HostFileError
+from isolator.errors import HostFileError, InvalidArgument
 from isolator.model import PcieLevel
+from isolator.policy import affinity
 
 HOSTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hosts")
 LEVELS = {
@@ -135,33 +136,19 @@ def nvml_bus_id(sysfs: str) -> str:
 
 
 def parse_cpu_list(text: str) -> tuple[int, ...]:
-    """``0-19,40-59`` -> the CPUs, as in /sys/devices/system/node/node*/cpulist."""
-    cpus: set[int] = set()
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        lo, sep, hi = part.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError(f"{text!r} is not a CPU list (expected e.g. 0-19,40-59)")
-        first, last = int(lo), int(hi) if sep else int(lo)
-        if last < first or last >= MAX_CPUS:
-            raise ValueError(f"{part!r} is not a valid CPU range")
-        cpus.update(range(first, last + 1))
-    return tuple(sorted(cpus))
+    """``0-19,40-59`` -> the CPUs, as in /sys/devices/system/node/node*/cpulist (the syntax is
+    isolator.policy.affinity's; a host file's error is a ValueError here)."""
+    try:
+        cpus = tuple(sorted(affinity.parse_list(text)))
+    except InvalidArgument as exc:
+        raise ValueError(exc.message) from exc
+    if cpus and cpus[-1] >= MAX_CPUS:
+        raise ValueError(f"{text!r} names CPU {cpus[-1]}; a simulated host has at most {MAX_CPUS}")
+    return cpus
 
 
 def format_cpu_list(cpus: tuple[int, ...] | list[int]) -> str:
-    out: list[str] = []
-    items = sorted(set(cpus))
-    i = 0
-    while i < len(items):
-        j = i
-        while j + 1 < len(items) and items[j + 1] == items[j] + 1:
-            j += 1
-        out.append(str(items[i]) if i == j else f"{items[i]}-{items[j]}")
-        i = j + 1
-    return ",".join(out)
+    return affinity.format_list(cpus)
 
 
 # ---- /proc/driver/nvidia-caps/mig-minors ---------------------------------------------------

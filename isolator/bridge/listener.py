@@ -439,20 +439,7 @@ class BridgeListener:
             return dict(self._taken)
 
     def _accept_loop(self) -> None:
-        while not self._closing.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except OSError as exc:
-                if self._closing.is_set():
-                    return
-                LOG.warning("bridge accept failed: %s", exc.strerror)
-                time.sleep(0.05)  # EMFILE and friends: do not spin
-                continue
-            try:
-                self._admit(conn)
-            except Exception:  # one bad connection must not stop the listener
-                LOG.exception("bridge: failed to admit a connection")
-                conn.close()
+        peergate.accept_loop(self._sock, self._closing, self._admit, "bridge")
 
     def _admit(self, conn: socket.socket) -> None:
         cred = peergate.peer_credentials(conn)  # the one SO_PEERCRED reader, shared with the gRPC gate

@@ -18,7 +18,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -61,6 +61,29 @@ def peer_credentials(conn: socket.socket) -> PeerCredentials:
     """The connecting process's credentials as the kernel recorded them at connect(2)."""
     pid, uid, gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
     return PeerCredentials(pid, uid, gid)
+
+
+def accept_loop(
+    listener: socket.socket, closing: threading.Event, admit: Callable[[socket.socket], None], name: str
+) -> None:
+    """Accept connections on ``listener`` and hand each to ``admit`` until ``closing`` is set: the one
+    accept loop of both sockets (this gate's and the bridge's). A failed accept (EMFILE and friends)
+    is logged and retried after a pause, never spun on; a connection ``admit`` fails on is closed,
+    and the loop goes on."""
+    while not closing.is_set():
+        try:
+            conn, _ = listener.accept()
+        except OSError as exc:
+            if closing.is_set():
+                return
+            LOG.warning("%s: accept failed: %s", name, exc.strerror)
+            time.sleep(0.05)
+            continue
+        try:
+            admit(conn)
+        except Exception:  # one bad connection must not stop the loop
+            LOG.exception("%s: failed to admit a connection", name)
+            conn.close()
 
 
 @dataclass(frozen=True)
@@ -304,20 +327,7 @@ class PeerGate:
             return self._count["allowed"], self._count["denied"]
 
     def _accept_loop(self) -> None:
-        while not self._closing.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except OSError as exc:
-                if self._closing.is_set():
-                    return
-                LOG.warning("gate: accept on the public socket failed: %s", exc.strerror)
-                time.sleep(0.05)  # EMFILE and friends: do not spin
-                continue
-            try:
-                self._admit(client)
-            except Exception:  # one bad connection must not stop the gate
-                LOG.exception("gate: failed to admit a connection")
-                client.close()
+        accept_loop(self._listener, self._closing, self._admit, "gate")
 
     def _admit(self, client: socket.socket) -> None:
         cred = peer_credentials(client)

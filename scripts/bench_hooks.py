@@ -268,9 +268,9 @@ def in_process_cycles(version: str, cycles: int, host_file: str, work: str, warm
                 decisions = []
                 for _ in range(50):
                     t0 = time.perf_counter()
-                    choice = service.core.allocator.allocate(1)
+                    choice = service.core.booking.allocator.allocate(1)
                     decisions.append(time.perf_counter() - t0)
-                    service.core.allocator.deallocate(frozenset(choice.gpus))
+                    service.core.booking.allocator.deallocate(frozenset(choice.gpus))
         finally:
             sleepers.close()
     out = summarize(samples, wall)

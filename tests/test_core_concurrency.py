@@ -197,24 +197,28 @@ def test_many_threads_never_grant_a_gpu_to_two_containers(rig: Rig) -> None:
     assert not errors and not any(t.is_alive() for t in threads)
     assert violations == []
     assert most_at_once[0] >= 2, "containers held GPUs at the same time"
-    assert rig.store.load() == {} and rig.service.core.allocator.available == frozenset(range(8))
+    assert rig.store.load() == {} and rig.service.core.booking.allocator.available == frozenset(range(8))
 
 
-# ---- the allocation lock's contract is checked, not commented ----------------------------------
+# ---- the booking lock's contract is checked, not commented -------------------------------------
 
 
-def test_booking_outside_the_allocation_lock_is_refused_and_changes_nothing(rig: Rig) -> None:
+def test_booking_outside_the_booking_lock_is_refused_and_changes_nothing(rig: Rig) -> None:
     core = rig.service.core
-    before = set(core.allocator.available)
-    for call in (lambda: core.allocate_whole(1), lambda: core.choose_mig({"mig-1g.5gb": 1}), core.sync_health):
-        with pytest.raises(LockNotHeld, match="allocation lock"):
+    before = set(core.booking.allocator.available)
+    for call in (
+        lambda: core.booking.allocate_whole(1),
+        lambda: core.booking.choose_mig({"mig-1g.5gb": 1}),
+        core.sync_health,
+    ):
+        with pytest.raises(LockNotHeld, match="booking lock"):
             call()
     with pytest.raises(LockNotHeld):
         core.handover.mark_pending([0])
-    assert set(core.allocator.available) == before and not core.handover.marks
-    with core.alloc:
-        choice = core.allocate_whole(1)  # the same call inside the section books
-        core.allocator.deallocate(frozenset(choice.gpus))
+    assert set(core.booking.allocator.available) == before and not core.handover.marks
+    with core.booking.lock:
+        choice = core.booking.allocate_whole(1)  # the same call inside the section books
+        core.booking.allocator.deallocate(frozenset(choice.gpus))
 
 
 def test_an_owned_lock_knows_its_holder_thread() -> None:

@@ -60,7 +60,7 @@ def held(rig: Rig, c: ContainerId) -> list[int]:
 
 
 def free(rig: Rig) -> frozenset[int]:
-    return rig.service.core.allocator.available
+    return rig.service.core.booking.allocator.available
 
 
 @pytest.fixture

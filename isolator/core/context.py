@@ -17,9 +17,10 @@ import posixpath
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from isolator.core.booking import Booking, mig_devices_of
 from isolator.core.changes import Changes
 from isolator.core.handover import Handover
-from isolator.core.locks import ContainerLocks, OwnedLock
+from isolator.core.locks import ContainerLocks
 from isolator.core.ports import (
     CgroupBackend,
     Clock,
@@ -39,7 +40,6 @@ from isolator.model import ContainerId, ContainerRecord, Gpu, MigDevice, key_roo
 from isolator.policy import affinity as affinities
 from isolator.policy import devices as devrules
 from isolator.policy import mig as migunits
-from isolator.policy.allocator import Allocator, Choice
 from isolator.policy.devices import NVIDIA_MAJOR
 
 LOG = logging.getLogger(__name__)
@@ -106,110 +106,34 @@ class Core:
         self.locks = ContainerLocks()
         self.rebuilt: list[ContainerId] = []  # records rebuilt from the kernel at start (lost state)
         self.repairs = 0  # kernel rules re-applied by the drift audit since start
-        # The allocator, the MIG holdings and health: short sections, no I/O inside. The methods that
-        # read or change them check that their caller holds it (OwnedLock.require).
-        self.alloc = OwnedLock("allocation")
         self.changes = Changes()  # what a Watch waits on: health changes, containers gone
         topology = edges.inventory.topology()
         self.gpus: dict[int, Gpu] = {g.minor: g for g in topology.gpus}
-        self.allocator = Allocator(topology, settings.policy)
-        # MIG units (docs/mig.md): the held MIG devices (UUID -> parent minor) and the parents booked
-        # in the whole-GPU allocator because some of their MIG devices are held; both change under
-        # ``alloc`` only. The devices themselves are read from the inventory each time (``mig``), so
-        # a GPU read again after a device event offers what NVML reports now.
-        self.mig_held: dict[str, int] = {}
-        self.mig_booked: set[int] = set()
+        # Which GPUs and MIG devices are held (core/booking.py), under its own checked lock.
+        self.booking = Booking(edges.inventory, topology, settings.policy)
         self.handover = Handover(self)
-        with self.alloc:
+        with self.booking.lock:
             self.sync_health()
         edges.inventory.on_health_change(self._on_health_change)
 
     # ---- health -----------------------------------------------------------
 
     def sync_health(self) -> None:
-        """Copy the inventory's health and the drain marks into the allocator. Call with ``alloc`` held."""
-        self.alloc.require("sync_health")
-        healthy_indices = self.inventory.healthy()
-        for gpu in self.gpus.values():
-            self.allocator.set_healthy(gpu.minor, gpu.index in healthy_indices)
+        """Copy the inventory's health and the drain marks into the books. Call with the booking lock held."""
+        self.booking.lock.require("sync_health")
+        self.booking.set_health(self.inventory.healthy())
         self.handover.apply_marks()
 
     def _on_health_change(self, event: HealthEvent) -> None:
-        with self.alloc:
-            for gpu in self.gpus.values():
-                if gpu.index == event.index:
-                    self.allocator.set_healthy(gpu.minor, bool(event.healthy))
+        with self.booking.lock:
+            self.booking.set_gpu_health(event.index, bool(event.healthy))
         self.changes.notify()
-
-    # ---- MIG units (with ``alloc`` held: each checks) ------------------------------------------------------
-
-    @property
-    def mig(self) -> dict[str, MigDevice]:
-        """Every MIG device of a managed GPU in MIG mode, by UUID, as the inventory reports it now."""
-        return {d.uuid: d for d in self.mig_devices(frozenset(self.gpus))}
-
-    @property
-    def mig_mode(self) -> frozenset[int]:
-        """Minors of the managed GPUs in MIG mode (with or without MIG devices)."""
-        return frozenset(r.gpu.minor for r in self.inventory.records if r.mig_enabled) & frozenset(self.gpus)
-
-    def hold_mig(self, held: Iterable[tuple[str, int]], restore: bool = False) -> None:
-        """Mark MIG devices held and book their parents against whole-GPU use."""
-        self.alloc.require("hold_mig")
-        held = list(held)
-        self.mig_held.update(held)
-        new = frozenset(p for _u, p in held if p not in self.mig_booked and p in self.allocator.total)
-        if new:
-            if restore:
-                self.allocator.restore(new)
-            else:
-                self.allocator.allocate_set(new)
-            self.mig_booked.update(new)
-
-    def free_mig(self, uuids: Iterable[str]) -> None:
-        """Free MIG devices; a parent none of whose devices is held any more is free as a whole again."""
-        self.alloc.require("free_mig")
-        for uuid in uuids:
-            self.mig_held.pop(uuid, None)
-        idle = frozenset(self.mig_booked - set(self.mig_held.values()))
-        if idle:
-            self.allocator.deallocate(idle & self.allocator.allocated)
-            self.mig_booked -= idle
-
-    def choose_mig(self, request: dict[str, int]) -> tuple[MigDevice, ...]:
-        """MIG devices for ``request`` (resource -> count), held on return; none for an empty request."""
-        self.alloc.require("choose_mig")
-        if not request:
-            return ()
-        devices = list(self.mig.values())
-        whole = self.allocator.allocated - self.mig_booked
-        usable = self.inventory.healthy()
-        blocked = {d.parent_minor for d in devices if d.parent_minor in whole}
-        blocked |= {d.parent_minor for d in devices if d.parent_index not in usable}
-        blocked |= set(self.allocator.unhealthy) | set(self.allocator.draining)
-        units = migunits.choose(request, devices, set(self.mig_held), blocked).devices
-        self.hold_mig((d.uuid, d.parent_minor) for d in units)
-        return units
-
-    def allocate_whole(self, count: int) -> Choice:
-        """Whole GPUs, taking GPUs that are not in MIG mode first (docs/mig.md)."""
-        self.alloc.require("allocate_whole")
-        mig_gpus = self.mig_mode & self.allocator.available
-        if count and mig_gpus:
-            self.allocator.allocate_set(mig_gpus)
-            try:
-                return self.allocator.allocate(count)
-            except IsolatorError:
-                pass
-            finally:
-                self.allocator.deallocate(mig_gpus)
-        return self.allocator.allocate(count)
 
     def mig_of(self, rec: ContainerRecord | None) -> tuple[MigDevice, ...]:
         """The MIG devices a record holds that the inventory knows (an unknown UUID grants nothing)."""
         if rec is None:
             return ()
-        known = self.mig
+        known = self.booking.mig
         out = []
         for uuid in sorted(rec.mig_uuids):
             dev = known.get(uuid)
@@ -245,11 +169,7 @@ class Core:
         return self.grant(minors, units).rules
 
     def mig_devices(self, minors: frozenset[int]) -> tuple[MigDevice, ...]:
-        out: list[MigDevice] = []
-        for rec in self.inventory.records:
-            if rec.gpu.minor in minors and rec.mig_enabled:
-                out.extend(rec.mig_devices)
-        return tuple(out)
+        return mig_devices_of(self.inventory, minors)
 
     def granted(self, rules: tuple[devrules.DeviceRule, ...]) -> list[int]:
         """The GPU minors ``rules`` let a process read and write."""
@@ -356,10 +276,10 @@ class Core:
         Its whole GPUs go back to the pool only through the handover check (docs/handover.md): out
         of it in the same section that frees them, back once NVML shows nothing left on them."""
         self.store.remove(cid)
-        with self.alloc:
-            released = rec.gpus & self.allocator.allocated
-            self.allocator.deallocate(released)
-            self.free_mig(rec.mig_uuids)
+        with self.booking.lock:
+            released = rec.gpus & self.booking.allocator.allocated
+            self.booking.allocator.deallocate(released)
+            self.booking.free_mig(rec.mig_uuids)
             self.handover.mark_pending(released)
         self.changes.notify(cid)
         if released:
@@ -370,8 +290,8 @@ class Core:
         """Give back GPUs a running container no longer holds (a shrinking Update): through the
         handover check too, since a process that opened one before the revocation keeps using it
         (the devices cgroup checks at open(2) only)."""
-        with self.alloc:
-            self.allocator.deallocate(minors)
+        with self.booking.lock:
+            self.booking.allocator.deallocate(minors)
             self.handover.mark_pending(minors)
         self.handover.check(minors)
 

@@ -1,9 +1,9 @@
 """The handover check (docs/handover.md): a released GPU is handed out again only when NVML shows
 nothing left on it, and after what a container may have changed is set back.
 
-It owns the drain marks (in memory under ``Core.alloc``, persisted in the state store) and the
-record of the last resets; it decides with ``isolator.policy.handover`` and reaches NVML through the
-Inventory port, never under ``Core.alloc``. It never chooses GPUs: the allocator skips the marked ones.
+It owns the drain marks (in memory under ``Core.booking.lock``, persisted in the state store) and
+the record of the last resets; it decides with ``isolator.policy.handover`` and reaches NVML through
+the Inventory port, never under that lock. It never chooses GPUs: the allocator skips the marked ones.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any, Protocol
 
+from isolator.core.booking import Booking
 from isolator.core.changes import Changes
 from isolator.core.ports import Clock, Inventory, StateStore
 from isolator.errors import IsolatorError, NotFound
 from isolator.model import DrainRecord, Gpu, ResetStep, Undrained, compute_mode_name
 from isolator.policy import handover as policy
-from isolator.policy.allocator import Allocator
 
 
 class _Core(Protocol):
@@ -30,9 +30,8 @@ class _Core(Protocol):
     clock: Clock
     inventory: Inventory
     store: StateStore
-    allocator: Allocator
+    booking: Booking
     gpus: dict[int, Gpu]
-    alloc: Any
     changes: Changes
 
 
@@ -44,7 +43,7 @@ PENDING = "the handover check has not run yet"
 class Handover:
     def __init__(self, core: _Core) -> None:
         self.core = core
-        self.marks: dict[int, DrainRecord] = {}  # minor -> why it is kept out; under core.alloc
+        self.marks: dict[int, DrainRecord] = {}  # minor -> why it is kept out; under core.booking.lock
         self.resets: dict[int, tuple[str, ...]] = {}  # minor -> what the last handover reset or failed to
         self.events: Counter[str] = Counter()  # draining, cleared, unhealthy, undrained, reset, reset-failed
         self._persisted: set[int] = set()  # minors with a row in the store
@@ -54,26 +53,26 @@ class Handover:
     def enabled(self) -> bool:
         return self.core.settings.drain_check
 
-    # ---- marks (call with core.alloc held) ----------------------------------------------------------
+    # ---- marks (call with core.booking.lock held) ----------------------------------------------------------
 
     def apply_marks(self) -> None:
         """Copy the marks into the allocator (after it was rebuilt). Call with ``alloc`` held."""
-        self.core.alloc.require("apply_marks")
+        self.core.booking.lock.require("apply_marks")
         for minor in self.marks:
-            if minor in self.core.allocator.total:
-                self.core.allocator.set_draining(minor, True)
+            if minor in self.core.booking.allocator.total:
+                self.core.booking.allocator.set_draining(minor, True)
 
     def mark_pending(self, minors: Iterable[int]) -> None:
         """GPUs just released: out of the pool until ``check`` has looked. Call with ``alloc`` held,
         in the same section as the release, so that no Prepare takes one in between."""
-        self.core.alloc.require("mark_pending")
+        self.core.booking.lock.require("mark_pending")
         if not self.enabled:
             return
         clock = self.core.clock
         for minor in minors:
             if minor in self.core.gpus and minor not in self.marks:
                 self.marks[minor] = DrainRecord(minor, clock.time(), clock.monotonic(), PENDING)
-                self.core.allocator.set_draining(minor, True)
+                self.core.booking.allocator.set_draining(minor, True)
 
     # ---- the check -----------------------------------------------------------------------------------
 
@@ -89,15 +88,15 @@ class Handover:
             if rows:
                 LOG.warning("--drain-check off: GPUs %s are no longer kept out as draining", sorted(rows))
             return
-        with core.alloc:
-            held = core.allocator.allocated
+        with core.booking.lock:
+            held = core.booking.allocator.allocated
             stale = [m for m in rows if m not in core.gpus or m in held]
             for minor, row in rows.items():
                 if minor not in stale:
                     self.marks[minor] = row
                     self._persisted.add(minor)
             self.apply_marks()
-            free = sorted(core.allocator.total - core.allocator.allocated)
+            free = sorted(core.booking.allocator.total - core.booking.allocator.allocated)
         for minor in stale:
             core.store.clear_drain(minor)
         self.check(free)
@@ -106,7 +105,7 @@ class Handover:
         """Check the draining GPUs again (periodically, and before each allocation)."""
         if not self.enabled:
             return
-        with self.core.alloc:
+        with self.core.booking.lock:
             minors = sorted(self.marks)
         if minors:
             self.check(minors)
@@ -138,11 +137,11 @@ class Handover:
         if reason is None:
             reason = self._reset(gpu)
         now, now_mono = core.clock.time(), core.clock.monotonic()
-        with core.alloc:
+        with core.booking.lock:
             old = self.marks.get(gpu.minor)
             if reason is None:
                 self.marks.pop(gpu.minor, None)
-                core.allocator.set_draining(gpu.minor, False)
+                core.booking.allocator.set_draining(gpu.minor, False)
                 new = None
             else:
                 since, since_mono = (old.since, old.since_mono) if old is not None else (now, now_mono)
@@ -150,7 +149,7 @@ class Handover:
                 timed = policy.timed_out(since_mono, now_mono, core.settings.drain_timeout_s)
                 new = DrainRecord(gpu.minor, since, since_mono, reason, pids, memory, timed)
                 self.marks[gpu.minor] = new
-                core.allocator.set_draining(gpu.minor, True)
+                core.booking.allocator.set_draining(gpu.minor, True)
         self._after(gpu, old, new)
 
     def _reset(self, gpu: Gpu) -> str | None:
@@ -215,9 +214,9 @@ class Handover:
         are still tried, and reported."""
         core = self.core
         with self._checking:
-            with core.alloc:
+            with core.booking.lock:
                 old = self.marks.pop(gpu.minor, None)
-                core.allocator.set_draining(gpu.minor, False)
+                core.booking.allocator.set_draining(gpu.minor, False)
             steps: tuple[ResetStep, ...] = ()
             note = ""
             try:
@@ -261,7 +260,7 @@ class Handover:
     # ---- views -----------------------------------------------------------------------------------------
 
     def view(self) -> dict[int, DrainRecord]:
-        with self.core.alloc:
+        with self.core.booking.lock:
             return dict(self.marks)
 
     def describe(self) -> str:

@@ -93,12 +93,12 @@ class Hooks:
             self._refuse_populated(container_id)
             if count or mig_request:
                 core.handover.recheck()  # a draining GPU that is clear now may be chosen (docs/handover.md)
-            with core.alloc:
-                choice = core.allocate_whole(count)
+            with core.booking.lock:
+                choice = core.booking.allocate_whole(count)
                 try:
-                    units = core.choose_mig(mig_request)
+                    units = core.booking.choose_mig(mig_request)
                 except BaseException:
-                    core.allocator.deallocate(choice.gpus)
+                    core.booking.allocator.deallocate(choice.gpus)
                     raise
             minors = frozenset(choice.gpus)
             undo: Undo = [lambda: self._deallocate(minors, units)]
@@ -314,9 +314,9 @@ class Hooks:
         return mounts, tuple(sorted(injection.env.items()))
 
     def _deallocate(self, minors: frozenset[int], units: tuple[MigDevice, ...] = ()) -> None:
-        with self.core.alloc:
-            self.core.allocator.deallocate(minors)
-            self.core.free_mig(d.uuid for d in units)
+        with self.core.booking.lock:
+            self.core.booking.allocator.deallocate(minors)
+            self.core.booking.free_mig(d.uuid for d in units)
 
     def _undo(self, cid: ContainerId, undo: Undo) -> None:
         for step in reversed(undo):
@@ -468,11 +468,11 @@ class Hooks:
                 )
             if target > len(rec.gpus):
                 core.handover.recheck()
-            with core.alloc:
-                plan = core.allocator.plan_update(rec.gpus, target)
+            with core.booking.lock:
+                plan = core.booking.allocator.plan_update(rec.gpus, target)
                 add, release = frozenset(plan.add), frozenset(plan.release)
                 if add:
-                    core.allocator.allocate_set(add)
+                    core.booking.allocator.allocate_set(add)
             try:
                 # Decided before anything changes: an enforced locality that leaves nothing refuses the update.
                 moved = core.affinity(container_id, (rec.gpus | add) - release) if core.enforcing else None
@@ -572,8 +572,8 @@ class Hooks:
                     # poll "no limitation", an open gRPC Watch ends NOT_FOUND.
                     raise ContainerGone(container=str(container_id))
                 raise NotFound(f"unknown container {container_id}")
-            with core.alloc:
-                sick = sorted(m for m in rec.gpus | rec.mig_parents if m in core.allocator.unhealthy)
+            with core.booking.lock:
+                sick = sorted(m for m in rec.gpus | rec.mig_parents if m in core.booking.allocator.unhealthy)
             if sick:
                 return self._limitation(container_id, sick, rec)
             remaining = None if deadline is None else deadline - core.clock.monotonic()

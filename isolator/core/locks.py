@@ -3,7 +3,7 @@
 The hooks of one top-level container (and its nested containers) are serialised by that
 container's lock, which they hold across their slow work (fsynced commits, the volume build, the
 wait for a pid). Nothing shared is held across that work: decisions on the shared GPUs are short
-critical sections under the allocation lock (``Core.alloc``). Recovery takes the table
+critical sections under the booking lock (``Core.booking.lock``, isolator/core/booking.py). Recovery takes the table
 ``exclusive``ly: it waits for every container's hooks to finish and keeps new ones out.
 """
 

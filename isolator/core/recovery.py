@@ -14,7 +14,6 @@ from isolator.crashpoints import crashpoint
 from isolator.errors import CgroupVanished, FailedPrecondition, IsolatorError
 from isolator.model import AuditReport, ContainerId, ContainerRecord, ContainerState, RecoverResult, key_root
 from isolator.policy import devices as devrules
-from isolator.policy.allocator import Allocator
 from isolator.policy.devices import NVIDIA_MAJOR, KernelRules
 from isolator.policy.reconcile import Kind, reconcile
 
@@ -53,12 +52,11 @@ class Recovery:
         """Rebuild the allocator from what the store says. Call with the table exclusive."""
         core = self.core
         live = core.store.load()
-        with core.alloc:
-            core.allocator = Allocator(core.inventory.topology(), core.allocator.policy)
-            core.mig_held, core.mig_booked = {}, set()
+        with core.booking.lock:
+            core.booking.reset(core.inventory.topology())
             core.sync_health()
             for rec in live.values():
-                known = rec.gpus & core.allocator.total
+                known = rec.gpus & core.booking.allocator.total
                 if known != rec.gpus:
                     LOG.warning(
                         "container %s records GPUs %s that this host does not have; keeping %s",
@@ -66,8 +64,8 @@ class Recovery:
                         sorted(rec.gpus - known),
                         sorted(known),
                     )
-                core.allocator.restore(known)
-                core.hold_mig(rec.mig, restore=True)
+                core.booking.allocator.restore(known)
+                core.booking.hold_mig(rec.mig, restore=True)
 
     def _reconcile_cpusets(self, records: dict[ContainerId, ContainerRecord]) -> None:
         """Each recorded cpuset as recorded (a kill between recording and writing it, or a cpuset
@@ -312,7 +310,7 @@ class Recovery:
             for line in lines:
                 LOG.warning("audit: %s", line)
                 repaired.append(line)
-        with core.alloc:
+        with core.booking.lock:
             core.repairs += len(repaired)
             total = core.repairs
         return AuditReport(checked=checked, repaired=tuple(repaired), repairs_total=total)

@@ -1,0 +1,123 @@
+"""Which GPUs and MIG devices are held: the allocator, the MIG holdings and the GPUs' health in it.
+
+One job, one lock of its own (``lock``, an OwnedLock): every method that reads or changes the books
+checks that its caller holds it, so a decision and its booking happen in one short section, never
+across I/O (an fsync, a cgroup write, an NVML query). The MIG devices themselves are read from the
+inventory each time, so a GPU read again after a device event offers what NVML reports now.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from isolator.core.locks import OwnedLock
+from isolator.core.ports import Inventory
+from isolator.errors import IsolatorError
+from isolator.model import Gpu, MigDevice, Topology
+from isolator.policy import mig as migunits
+from isolator.policy.allocator import Allocator, Choice
+
+
+def mig_devices_of(inventory: Inventory, minors: frozenset[int]) -> tuple[MigDevice, ...]:
+    """The MIG devices of the GPUs ``minors`` that are in MIG mode, as the inventory reports them now."""
+    out: list[MigDevice] = []
+    for rec in inventory.records:
+        if rec.gpu.minor in minors and rec.mig_enabled:
+            out.extend(rec.mig_devices)
+    return tuple(out)
+
+
+class Booking:
+    def __init__(self, inventory: Inventory, topology: Topology, policy: str) -> None:
+        self.lock = OwnedLock("booking")
+        self.inventory = inventory
+        self.policy = policy
+        self.gpus: dict[int, Gpu] = {g.minor: g for g in topology.gpus}
+        self.allocator = Allocator(topology, policy)
+        # MIG units (docs/mig.md): the held MIG devices (UUID -> parent minor) and the parents booked
+        # in the whole-GPU allocator because some of their MIG devices are held.
+        self.mig_held: dict[str, int] = {}
+        self.mig_booked: set[int] = set()
+
+    def reset(self, topology: Topology) -> None:
+        """Empty books over ``topology`` (start-up booking rebuilds them from the records)."""
+        self.lock.require("reset")
+        self.gpus = {g.minor: g for g in topology.gpus}
+        self.allocator = Allocator(topology, self.policy)
+        self.mig_held = {}
+        self.mig_booked = set()
+
+    def set_health(self, healthy_indices: Iterable[int]) -> None:
+        """Every GPU healthy or not, by NVML index, as the inventory says."""
+        self.lock.require("set_health")
+        healthy = set(healthy_indices)
+        for gpu in self.gpus.values():
+            self.allocator.set_healthy(gpu.minor, gpu.index in healthy)
+
+    def set_gpu_health(self, index: int, healthy: bool) -> None:
+        self.lock.require("set_gpu_health")
+        for gpu in self.gpus.values():
+            if gpu.index == index:
+                self.allocator.set_healthy(gpu.minor, healthy)
+
+    @property
+    def mig(self) -> dict[str, MigDevice]:
+        """Every MIG device of a managed GPU in MIG mode, by UUID, as the inventory reports it now."""
+        return {d.uuid: d for d in mig_devices_of(self.inventory, frozenset(self.gpus))}
+
+    @property
+    def mig_mode(self) -> frozenset[int]:
+        """Minors of the managed GPUs in MIG mode (with or without MIG devices)."""
+        return frozenset(r.gpu.minor for r in self.inventory.records if r.mig_enabled) & frozenset(self.gpus)
+
+    def hold_mig(self, held: Iterable[tuple[str, int]], restore: bool = False) -> None:
+        """Mark MIG devices held and book their parents against whole-GPU use."""
+        self.lock.require("hold_mig")
+        held = list(held)
+        self.mig_held.update(held)
+        new = frozenset(p for _u, p in held if p not in self.mig_booked and p in self.allocator.total)
+        if new:
+            if restore:
+                self.allocator.restore(new)
+            else:
+                self.allocator.allocate_set(new)
+            self.mig_booked.update(new)
+
+    def free_mig(self, uuids: Iterable[str]) -> None:
+        """Free MIG devices; a parent none of whose devices is held any more is free as a whole again."""
+        self.lock.require("free_mig")
+        for uuid in uuids:
+            self.mig_held.pop(uuid, None)
+        idle = frozenset(self.mig_booked - set(self.mig_held.values()))
+        if idle:
+            self.allocator.deallocate(idle & self.allocator.allocated)
+            self.mig_booked -= idle
+
+    def choose_mig(self, request: dict[str, int]) -> tuple[MigDevice, ...]:
+        """MIG devices for ``request`` (resource -> count), held on return; none for an empty request."""
+        self.lock.require("choose_mig")
+        if not request:
+            return ()
+        devices = list(self.mig.values())
+        whole = self.allocator.allocated - self.mig_booked
+        usable = self.inventory.healthy()
+        blocked = {d.parent_minor for d in devices if d.parent_minor in whole}
+        blocked |= {d.parent_minor for d in devices if d.parent_index not in usable}
+        blocked |= set(self.allocator.unhealthy) | set(self.allocator.draining)
+        units = migunits.choose(request, devices, set(self.mig_held), blocked).devices
+        self.hold_mig((d.uuid, d.parent_minor) for d in units)
+        return units
+
+    def allocate_whole(self, count: int) -> Choice:
+        """Whole GPUs, taking GPUs that are not in MIG mode first (docs/mig.md)."""
+        self.lock.require("allocate_whole")
+        mig_gpus = self.mig_mode & self.allocator.available
+        if count and mig_gpus:
+            self.allocator.allocate_set(mig_gpus)
+            try:
+                return self.allocator.allocate(count)
+            except IsolatorError:
+                pass
+            finally:
+                self.allocator.deallocate(mig_gpus)
+        return self.allocator.allocate(count)

@@ -40,6 +40,7 @@ from isolator.model import (
     Topology,
     compute_mode_name,
 )
+from isolator.policy import affinity
 
 LOG = logging.getLogger(__name__)
 
@@ -106,16 +107,8 @@ def _normalise_bus_id(raw: bytes | str) -> str:
 
 
 def _cpu_list(words: Iterable[int]) -> str:
-    cpus = [w * 64 + bit for w, word in enumerate(words) for bit in range(64) if word >> bit & 1]
-    out: list[str] = []
-    i = 0
-    while i < len(cpus):
-        j = i
-        while j + 1 < len(cpus) and cpus[j + 1] == cpus[j] + 1:
-            j += 1
-        out.append(str(cpus[i]) if i == j else f"{cpus[i]}-{cpus[j]}")
-        i = j + 1
-    return ",".join(out)
+    """NVML's CPU affinity bit mask (64-bit words) in cpulist syntax, as ``nvidia-smi topo -m`` prints it."""
+    return affinity.format_list(w * 64 + bit for w, word in enumerate(words) for bit in range(64) if word >> bit & 1)
 
 
 def _text(value: bytes | str) -> str:

@@ -165,8 +165,8 @@ class Hooks:
         core = self.core
         if config.container_class == "DEBUG":
             with core.locks.hold(cid):
-                self._require_top_level(cid)
-                self._rules_for_nested(cid, config)
+                root = self._require_top_level(cid)
+                self._rules_for_nested(cid, config, lambda: core.grant(root.gpus, core.mig_of(root)))
             return None
         image_plan = self._image_plan(config)
         with core.locks.hold(cid):
@@ -174,11 +174,12 @@ class Hooks:
             minors = root.gpus
             undo: Undo = []
             try:
-                if self._rules_for_nested(cid, config):
-                    undo.append(lambda: core.cgroups.cleanup(cid))
                 units = core.mig_of(root)
+                grant = core.grant(minors, units)  # /dev and the MIG view read once for both uses
+                if self._rules_for_nested(cid, config, lambda: grant):
+                    undo.append(lambda: core.cgroups.cleanup(cid))
                 aff = core.affinity(cid, minors, units) if core.settings.cpu_affinity != "off" else None
-                info = self._launch_info(cid, config, core.grant(minors, units), image_plan, undo, units, aff)
+                info = self._launch_info(cid, config, grant, image_plan, undo, units, aff)
             except BaseException:
                 self._undo(cid, undo)
                 raise
@@ -195,22 +196,20 @@ class Hooks:
             )
         return rec
 
-    def _rules_for_nested(self, cid: ContainerId, config: ContainerConfig) -> bool:
+    def _rules_for_nested(self, cid: ContainerId, config: ContainerConfig, grant: Callable[[], Grant]) -> bool:
         """Give a nested container that has a devices cgroup of its own its top-level container's rules.
 
         Mesos makes ``<root>/<parent>/mesos/<child>`` (v1, and v2 with ``/leaf``) before module
         isolators prepare, and puts the pid there: on v1 only when ``share_cgroups`` is false (1.10+),
         whitelisted with its defaults alone, so the GPUs would be denied; on v2 (master) for every
         nested container, outside our program on the parent's leaf, so nothing of ours would apply.
-        Below a top-level container we do not know we touch nothing, as for that container itself.
-        Call with the container's lock held.
+        The caller has found the top-level container's record (``_require_top_level``); ``grant``
+        gives its grant, computed only when a cgroup of its own needs it. Call with the container's
+        lock held.
         """
         core = self.core
         if core.settings.mode != "mesos":
             return False  # standalone: nested containers run in their top-level container's cgroup
-        root = core.store.get(cid.root)
-        if root is None:
-            return False
         if not core.cgroups.exists(cid):
             if not config.share_cgroups:
                 raise FailedPrecondition(
@@ -219,7 +218,7 @@ class Hooks:
                 )
             return False  # shares its parent's cgroup, whose rules are already in force
         core.cgroups.prepare(cid)
-        core.apply_nested(cid, core.rules(root.gpus, core.mig_of(root)))
+        core.apply_nested(cid, grant().rules)
         return True
 
     def _image_plan(self, config: ContainerConfig) -> ImagePlan | None:

@@ -16,6 +16,7 @@ import pytest
 from isolator.core.locks import ContainerLocks, LockNotHeld, OwnedLock
 from isolator.errors import AlreadyExists, GpusExhausted
 from isolator.model import ContainerConfig, ContainerId, Resource
+from isolator.policy.affinity import Affinity
 from isolator.policy.devices import NVIDIA_MAJOR, DeviceRule, permits
 from isolator.testing import Rig, fake_service
 
@@ -231,3 +232,70 @@ def test_an_owned_lock_knows_its_holder_thread() -> None:
         other.start()
         other.join()
     assert seen == [False] and not lock.held()
+
+
+# ---- the kernel grant's lock contract is checked, not commented ---------------------------------
+
+
+def test_a_container_lock_is_held_by_its_thread_only_and_the_exclusive_table_holds_every_container() -> None:
+    locks = ContainerLocks()
+    a = cid("a")
+    assert not locks.held(a)
+    seen: list[bool] = []
+    with locks.hold(cid("a.child")):  # a nested container's hook holds its top-level container's lock
+        assert locks.held(a) and locks.held(cid("a.other")) and not locks.held(cid("b"))
+        other = threading.Thread(target=lambda: seen.append(locks.held(a)))
+        other.start()
+        other.join(WAIT)
+    assert seen == [False] and not locks.held(a)
+    with locks.exclusive():
+        assert locks.held(a) and locks.held(cid("b"))
+    with pytest.raises(LockNotHeld, match="container a's lock"):
+        locks.require(cid("a.child"), "apply")
+
+
+def test_kernel_grant_writes_outside_the_container_lock_are_refused_and_change_nothing(rig: Rig) -> None:
+    core = rig.service.core
+    a = cid("a")
+    rig.service.prepare(a, gpus(2))
+    minors = rig.store.get(a).gpus  # type: ignore[union-attr]
+    before = rig.cgroups.rules_of(a)
+    grants = core.grants
+    writes: list[Callable[[], object]] = [
+        lambda: grants.apply(a, frozenset()),
+        lambda: grants.write(a, ()),
+        lambda: grants.create(a),
+        lambda: grants.revoke(a),
+        lambda: grants.cleanup(a),
+        lambda: grants.apply_nested(cid("a.child"), ()),
+        lambda: grants.apply_cpuset(a, Affinity(frozenset({0}), frozenset({0}))),
+        lambda: grants.remove_cpuset(a),
+    ]
+    for call in writes:
+        with pytest.raises(LockNotHeld, match="container a's lock"):
+            call()
+    with core.locks.hold(a), core.booking.lock:  # never a kernel write inside a booking decision
+        for call in writes:
+            with pytest.raises(LockNotHeld, match="booking lock held"):
+                call()
+    # Another thread holding the container's lock does not make this one's call legal.
+    entered, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with core.locks.hold(a):
+            entered.set()
+            release.wait(WAIT)
+
+    thread = threading.Thread(target=holder, daemon=True)
+    thread.start()
+    assert entered.wait(WAIT)
+    try:
+        with pytest.raises(LockNotHeld):
+            grants.apply(a, frozenset())
+    finally:
+        release.set()
+        thread.join(WAIT)
+    assert rig.cgroups.rules_of(a) == before and rig.store.get(a).gpus == minors  # type: ignore[union-attr]
+    with core.locks.hold(a):
+        grants.apply(a, frozenset())  # the same call with the lock held revokes
+    assert rig.cgroups.rules_of(a) == core.grants.rules(frozenset())

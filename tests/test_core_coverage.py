@@ -18,6 +18,7 @@ from isolator.core.admin import Admin
 from isolator.core.booking import Booking
 from isolator.core.changes import Changes
 from isolator.core.context import Core
+from isolator.core.grant import KernelGrants
 from isolator.core.hooks import Hooks
 from isolator.core.locks import ContainerLocks
 from isolator.core.recovery import Recovery
@@ -56,14 +57,13 @@ INDIRECT = {
     "wait_for_change": "watch",
     "notify": "cleanup",
     "rules": "prepare",
-    "grant": "prepare",
+    "compute": "prepare",
     "set_health": "recover",
     "set_gpu_health": "cleanup",  # a health event (tests/test_core_hooks.py watch tests)
     "reset": "recover",
     "mark_ended": "cleanup",
     "forget_ended": "prepare",
     "recently_ended": "watch",
-    "mig_devices": "prepare",
     "granted": "describe_container",
     "describe": "prepare",
     "require": "status",
@@ -71,7 +71,10 @@ INDIRECT = {
     "apply_nested": "prepare",  # of a nested container with a cgroup of its own (mesos mode)
     "drop": "cleanup",
     "release_gpus": "update",  # a shrinking Update (tests/test_core_handover.py)
-    "cleanup_cgroups": "cleanup",
+    "create": "prepare",
+    "write": "prepare",
+    "revoke": "cleanup",  # of a nested container (mesos mode)
+    "remove_cpuset": "cleanup",
     "release_volume": "cleanup",
     "start": "restart",
     "book": "recover",
@@ -87,7 +90,9 @@ INDIRECT = {
 }
 
 
-@pytest.mark.parametrize("cls", [IsolatorService, Hooks, Recovery, Admin, Core, Booking, Changes, ContainerLocks])
+@pytest.mark.parametrize(
+    "cls", [IsolatorService, Hooks, Recovery, Admin, Core, Booking, Changes, ContainerLocks, KernelGrants]
+)
 def test_every_public_method_of_the_core_is_called_by_a_unit_test(cls: type) -> None:
     seen = called(CORE_TESTS)
     missing = sorted(m for m in public_methods(cls) if m not in seen and INDIRECT.get(m) not in seen)

@@ -7,9 +7,11 @@ is read from the fake cgroup backend; faults are injected at named steps (isolat
 from __future__ import annotations
 
 import threading
+from unittest import mock
 
 import pytest
 
+from isolator.core import hooks
 from isolator.errors import (
     AlreadyExists,
     CgroupBusy,
@@ -30,6 +32,7 @@ from isolator.host.system import EmptyInventory
 from isolator.model import ContainerConfig, ContainerId, Resource, Topology
 from isolator.policy.devices import NVIDIA_MAJOR, DeviceRule, permits
 from isolator.testing import FakeInventory, Rig, fake_service
+from volumes import inject
 
 
 def cid(text: str) -> ContainerId:
@@ -192,6 +195,22 @@ def test_prepare_refuses_a_missing_rootfs_and_a_too_new_cuda_before_allocating(r
             cid("a"), image(1, "/rootfs/a", "NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_REQUIRE_CUDA=cuda>=12.4")
         )
     assert rig.store.load() == {} and free(rig) == frozenset(range(8))
+
+
+def test_prepare_decides_on_the_driver_volume_once(rig: Rig) -> None:
+    # Issue 27: the decision (should_inject, check_cuda) is taken before anything is allocated and
+    # not again when the volume is mounted. "Was not called again": counted where each is looked up.
+    rig.filesystem.make_dirs("/rootfs/a")
+    decide, check = mock.Mock(wraps=inject.should_inject), mock.Mock(wraps=inject.check_cuda)
+    with (
+        mock.patch.object(inject, "should_inject", decide),
+        mock.patch.object(inject, "check_cuda", check),
+        mock.patch.object(hooks, "should_inject", decide),
+        mock.patch.object(hooks, "check_cuda", check),
+    ):
+        info = rig.service.prepare(cid("a"), image(1))
+    assert info is not None and any(m.target == "/rootfs/a/usr/local/nvidia" for m in info.mounts)
+    assert (decide.call_count, check.call_count) == (1, 1)
 
 
 def test_prepare_on_a_mig_host_grants_and_mounts_the_mig_capabilities() -> None:
@@ -529,7 +548,7 @@ def test_a_volume_release_failure_does_not_fail_cleanup(rig: Rig) -> None:
 
 
 def test_a_grow_whose_state_write_fails_after_the_grant_revokes_it(rig: Rig) -> None:
-    # core.apply grants in the kernel, then records the rules: the record fails after the grant.
+    # core.grants.apply grants in the kernel, then records the rules: the record fails after the grant.
     a = cid("a")
     rig.service.prepare(a, gpus(1))
     before = held(rig, a)
@@ -587,8 +606,8 @@ def test_mesos_nested_cgroups_of_their_own_follow_every_update_of_their_top_leve
     rig.service.prepare(b, ContainerConfig(share_cgroups=False))
     rig.service.prepare(c, ContainerConfig())  # shares b's
     core = rig.service.core
-    assert core.nested_cgroups(a) == [b]
-    assert (core.governing(b), core.governing(c), core.governing(cid("a.x"))) == (b, b, a)
+    assert core.grants.nested_cgroups(a) == [b]
+    assert (core.grants.governing(b), core.grants.governing(c), core.grants.governing(cid("a.x"))) == (b, b, a)
     assert granted(rig, b) == held(rig, a)
     rig.service.update(a, [Resource("gpus", 3.0)])
     assert len(held(rig, a)) == 3 and granted(rig, b) == held(rig, a)
@@ -633,8 +652,8 @@ def test_a_nested_cgroup_follows_its_top_level_containers_grants(version: str) -
     rig.service.prepare(a, gpus(1))
     rig.cgroups.mesos_creates(child)  # the agent makes <a>/mesos/task for the nested container
     core = rig.service.core
-    assert core.nested_cgroups(a) == [child]
-    assert core.governing(child) == child and core.governing(cid("a.shared")) == a
+    assert core.grants.nested_cgroups(a) == [child]
+    assert core.grants.governing(child) == child and core.grants.governing(cid("a.shared")) == a
     rig.service.update(a, [Resource("gpus", 2.0)])
     assert granted(rig, child) == held(rig, a) and len(held(rig, a)) == 2
     rig.service.update(a, [Resource("gpus", 0.0)])
@@ -648,11 +667,12 @@ def test_apply_nested_gives_a_nested_cgroup_exactly_the_rules_asked(version: str
     rig.cgroups.mesos_creates(a)
     rig.cgroups.mesos_creates(child)
     core = rig.service.core
-    if version == "v1":  # the kernel refuses a grant below beyond what the parent allows (EPERM)
-        with pytest.raises(CgroupError):
-            core.apply_nested(child, core.rules(frozenset({3})))
-        rig.cgroups.apply(a, core.rules(frozenset({3})))  # once the parent allows it, it passes
-    core.apply_nested(child, core.rules(frozenset({3})))
+    with core.locks.hold(child):
+        if version == "v1":  # the kernel refuses a grant below beyond what the parent allows (EPERM)
+            with pytest.raises(CgroupError):
+                core.grants.apply_nested(child, core.grants.rules(frozenset({3})))
+            rig.cgroups.apply(a, core.grants.rules(frozenset({3})))  # once the parent allows it, it passes
+        core.grants.apply_nested(child, core.grants.rules(frozenset({3})))
     assert granted(rig, child) == [3]
 
 

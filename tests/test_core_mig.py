@@ -10,13 +10,7 @@ from isolator.model import ContainerConfig, ContainerId, Resource
 from isolator.policy.devices import MESOS_DEFAULT_WHITELIST
 from isolator.simhost.host import load_host, mig_caps_minors
 from isolator.testing.rig import fake_service
-
-
-def own_rules(rules, base):
-    """The rules beyond ``base``, in order: what the sidecar adds on top of Mesos's whitelist."""
-    base_set = set(base)
-    return tuple(r for r in rules if r not in base_set)
-
+from isolator.testing.rules import own_rules
 
 HOST = load_host("dgx-a100")
 CAPS_MAJOR = 511  # FakeDeviceNodes

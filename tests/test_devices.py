@@ -24,6 +24,7 @@ from isolator.policy.devices import (
     permits,
 )
 from isolator.simhost.devnodes import DeviceNumbers, make_device_nodes
+from isolator.testing.rules import own_rules
 
 
 @pytest.mark.parametrize(
@@ -300,12 +301,6 @@ def test_wildcard_and_sort_key() -> None:
 )
 def test_encompasses_each_field(outer: str, inner: str, expected: bool) -> None:
     assert DeviceRule.parse(outer).encompasses(DeviceRule.parse(inner)) is expected
-
-
-def own_rules(rules, base):
-    """The rules beyond ``base``, in order: what the sidecar adds on top of Mesos's whitelist."""
-    base_set = set(base)
-    return tuple(r for r in rules if r not in base_set)
 
 
 def test_parse_rules_skips_blank_lines() -> None:

@@ -12,6 +12,7 @@ from isolator.policy import mig
 from isolator.policy.devices import MESOS_DEFAULT_WHITELIST, ControlDevices, DeviceNumber, container_rules
 from isolator.policy.mig import InvalidMigRequest, MigExhausted
 from isolator.simhost.host import load_host, mig_caps_minors
+from isolator.testing.rules import own_rules
 
 CONTROL = ControlDevices(nvidiactl=DeviceNumber(195, 255), uvm=DeviceNumber(510, 0), uvm_tools=DeviceNumber(510, 1))
 CAPS_MAJOR = 511
@@ -71,12 +72,6 @@ def by(index: int, gi: int) -> MigDevice:
 )
 def test_resource_names_follow_k8s_mixed_strategy(profile, name):
     assert mig.resource_name(profile) == name
-
-
-def own_rules(rules, base):
-    """The rules beyond ``base``, in order: what the sidecar adds on top of Mesos's whitelist."""
-    base_set = set(base)
-    return tuple(r for r in rules if r not in base_set)
 
 
 def _mesos_simple_string(text: str) -> list[tuple[str, str]]:

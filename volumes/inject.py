@@ -117,6 +117,13 @@ def plan_injection(rootfs: str | None, image: Image | None, volume_path: str, fa
     if not inject:
         return None
     check_cuda(image, facts, rootfs)
+    return volume_injection(rootfs, image, volume_path, reason)
+
+
+def volume_injection(rootfs: str, image: Image, volume_path: str, reason: str) -> Injection:
+    """The volume's mount and environment for an image already found to take it (``should_inject``
+    said yes for ``reason`` and ``check_cuda`` passed): ``plan_injection`` once it has decided, for
+    a caller that decided earlier (Prepare decides before it allocates, and does not decide again)."""
     target = rootfs.rstrip("/") + CONTAINER_PATH
     return Injection((MountSpec(volume_path, target, VOLUME_MOUNT_FLAGS),), volume_env(image), reason)
 

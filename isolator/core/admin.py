@@ -173,8 +173,8 @@ class Admin:
         return out
 
     def _rules_cgroup(self, cid: ContainerId) -> tuple[ContainerId, str]:
-        """The container whose cgroup governs ``cid``'s device access (``Core.governing``), and its path."""
-        target = self.core.governing(cid)
+        """The container whose cgroup governs ``cid``'s device access (``KernelGrants.governing``), and its path."""
+        target = self.core.grants.governing(cid)
         return target, self.core.cgroups.cgroup_path(target)
 
     def _find(self, cid: ContainerId) -> tuple[ContainerRecord, ContainerInfo]:
@@ -215,7 +215,7 @@ class Admin:
             rules_agree=not only_recorded and not only_kernel and in_force.present,
             only_recorded=only_recorded,
             only_kernel=only_kernel,
-            kernel_gpu_minors=tuple(core.granted(kernel)),
+            kernel_gpu_minors=tuple(core.grants.granted(kernel)),
             pids=pids,
             gpus=tuple(listed[m] for m in sorted(rec.gpus) if m in listed),
             nested=tuple(self._nested_info(c, rec, volume_of) for c in nested),
@@ -233,7 +233,7 @@ class Admin:
         """The GPUs' locality on this machine (None: none, or nothing left) and the cpuset in force."""
         core = self.core
         try:
-            local = core.locality(rec.gpus, core.mig_of(rec))
+            local = core.grants.locality(rec.gpus, core.grants.mig_of(rec))
         except IsolatorError:
             local = None
         current = core.cpusets.current(rec.container_id) if core.cpusets is not None else None
@@ -260,11 +260,11 @@ class Admin:
                 )
             if pids and core.settings.mode == "standalone":
                 # A forced release must not leave running processes with access: revoke, keep the cgroup.
-                core.apply(container_id, frozenset(), units=())
+                core.grants.apply(container_id, frozenset(), units=())
                 action = "revoked-kept-cgroup"
                 did = f"revoked their GPU access in '{cgroup}' and kept the cgroup for its processes {list(pids)}"
             else:
-                core.cleanup_cgroups(container_id, keep_busy_cpuset=bool(pids))
+                core.grants.cleanup(container_id, keep_busy_cpuset=bool(pids))
                 action = "removed-cgroup"
                 did = (
                     f"removed our device rules from '{cgroup}'"
@@ -358,7 +358,7 @@ class Admin:
             if not in_force.present:
                 out.append(f"container {cid}: {in_force.source.removeprefix('none: ')}")
                 continue
-            granted = core.granted(in_force.rules)
+            granted = core.grants.granted(in_force.rules)
             if granted != sorted(rec.gpus | rec.mig_parents):
                 out.append(f"container {cid}: recorded GPUs {sorted(rec.gpus)}, kernel grants {granted}")
         return out

@@ -31,8 +31,10 @@ class _Core(Protocol):
     inventory: Inventory
     store: StateStore
     booking: Booking
-    gpus: dict[int, Gpu]
     changes: Changes
+
+    @property
+    def gpus(self) -> dict[int, Gpu]: ...
 
 
 LOG = logging.getLogger(__name__)

@@ -13,7 +13,8 @@ import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from isolator.core.context import Core, Grant
+from isolator.core.context import Core
+from isolator.core.grant import Grant
 from isolator.crashpoints import crashpoint
 from isolator.errors import (
     AlreadyExists,
@@ -45,7 +46,7 @@ from isolator.model import (
 from isolator.policy import mig as migunits
 from isolator.policy.affinity import Affinity, format_list
 from volumes.errors import VolumeError
-from volumes.inject import DriverFacts, Image, check_cuda, plan_injection, should_inject
+from volumes.inject import DriverFacts, Image, check_cuda, should_inject, volume_injection
 
 LOG = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class ImagePlan:
 
     image: Image
     facts: DriverFacts
+    reason: str  # why it takes the volume (should_inject): decided once, before anything is allocated
 
 
 def _below(path: str, top: str) -> bool:
@@ -103,9 +105,9 @@ class Hooks:
             minors = frozenset(choice.gpus)
             undo: Undo = [lambda: self._deallocate(minors, units)]
             try:
-                aff = core.affinity(container_id, minors, units)
-                held = aff if core.enforcing else None  # recorded with the GPUs, applied after their rules
-                grant = core.grant(minors, units)
+                aff = core.grants.affinity(container_id, minors, units)
+                held = aff if core.grants.enforcing else None  # recorded with the GPUs, applied after their rules
+                grant = core.grants.compute(minors, units)
                 rules = grant.rules
                 core.store.record(
                     ContainerRecord(
@@ -123,17 +125,16 @@ class Hooks:
                     )
                 )
                 undo.append(lambda: self._forget(container_id))
-                undo.append(lambda: core.cgroups.cleanup(container_id))
+                undo.append(lambda: core.grants.revoke(container_id))
                 crashpoint("prepare.recorded")
-                core.cgroups.prepare(container_id)
+                core.grants.create(container_id)
                 crashpoint("prepare.cgroup")
-                core.cgroups.apply(container_id, rules)
+                core.grants.write(container_id, rules)
                 crashpoint("prepare.applied")
                 if held is not None and core.cpusets is not None:
-                    cpusets = core.cpusets
-                    undo.append(lambda: cpusets.remove(container_id))
+                    undo.append(lambda: core.grants.remove_cpuset(container_id))
                     crashpoint("cpuset.recorded")
-                    core.apply_cpuset(container_id, held)
+                    core.grants.apply_cpuset(container_id, held)
                 info = self._launch_info(container_id, config, grant, image_plan, undo, units, aff)
             except BaseException:
                 self._undo(container_id, undo)
@@ -166,7 +167,7 @@ class Hooks:
         if config.container_class == "DEBUG":
             with core.locks.hold(cid):
                 root = self._require_top_level(cid)
-                self._rules_for_nested(cid, config, lambda: core.grant(root.gpus, core.mig_of(root)))
+                self._rules_for_nested(cid, config, lambda: core.grants.compute(root.gpus, core.grants.mig_of(root)))
             return None
         image_plan = self._image_plan(config)
         with core.locks.hold(cid):
@@ -174,11 +175,11 @@ class Hooks:
             minors = root.gpus
             undo: Undo = []
             try:
-                units = core.mig_of(root)
-                grant = core.grant(minors, units)  # /dev and the MIG view read once for both uses
+                units = core.grants.mig_of(root)
+                grant = core.grants.compute(minors, units)  # /dev and the MIG view read once for both uses
                 if self._rules_for_nested(cid, config, lambda: grant):
-                    undo.append(lambda: core.cgroups.cleanup(cid))
-                aff = core.affinity(cid, minors, units) if core.settings.cpu_affinity != "off" else None
+                    undo.append(lambda: core.grants.revoke(cid))
+                aff = core.grants.affinity(cid, minors, units) if core.settings.cpu_affinity != "off" else None
                 info = self._launch_info(cid, config, grant, image_plan, undo, units, aff)
             except BaseException:
                 self._undo(cid, undo)
@@ -217,8 +218,8 @@ class Hooks:
                     f"'{core.cgroups.cgroup_path(cid)}' does not exist; is Mesos's cgroups/devices isolator enabled?"
                 )
             return False  # shares its parent's cgroup, whose rules are already in force
-        core.cgroups.prepare(cid)
-        core.apply_nested(cid, grant().rules)
+        core.grants.create(cid)
+        core.grants.apply_nested(cid, grant().rules)
         return True
 
     def _image_plan(self, config: ContainerConfig) -> ImagePlan | None:
@@ -232,12 +233,12 @@ class Hooks:
         image = Image(env=config.image_env, labels=dict(config.image_labels))
         facts = DriverFacts(inv.driver_version, inv.cuda_driver_version)
         try:
-            inject, _reason = should_inject(image)
+            inject, reason = should_inject(image)
             if inject:
                 check_cuda(image, facts, config.rootfs)
         except VolumeError as exc:
             raise _volume_error(exc) from exc
-        return ImagePlan(image, facts) if inject else None
+        return ImagePlan(image, facts, reason) if inject else None
 
     def _launch_info(
         self,
@@ -294,11 +295,9 @@ class Hooks:
             volume = core.volumes.acquire(cid.key(), plan.facts.driver_version)
             undo.append(lambda: core.release_volume(cid))
             crashpoint("prepare.volume")
-            injection = plan_injection(config.rootfs, plan.image, volume.path, plan.facts)
         except VolumeError as exc:
             raise _volume_error(exc) from exc
-        if injection is None:
-            return [], ()
+        injection = volume_injection(config.rootfs, plan.image, volume.path, plan.reason)  # decided in _image_plan
         if not cid.nested:
             core.store.update(cid, volume_version=volume.driver_version)
         mounts = []
@@ -340,7 +339,7 @@ class Hooks:
             raise FailedPrecondition(f"pid {pid} is a kernel thread; only a container's own processes are isolated")
         with core.locks.hold(container_id):
             rec = core.require(container_id.root)
-            target = core.governing(container_id)
+            target = core.grants.governing(container_id)
             if core.settings.mode == "standalone":
                 self._move(container_id, target, pid, caller)
                 crashpoint("isolate.placed")
@@ -393,13 +392,13 @@ class Hooks:
         a nested container's pid comes from the agent, not from its parent, so it is placed too).
         A cpuset lost to a crash is made again from the record first."""
         core = self.core
-        aff = core.recorded_affinity(rec)
+        aff = core.grants.recorded_affinity(rec)
         if aff is None or core.cpusets is None:
             return
         before = core.edges.cpus.allowed_of(pid) if core.edges.cpus is not None else None
         current = core.cpusets.current(cid.root)
         if current is None or current != aff:
-            core.apply_cpuset(cid.root, aff)
+            core.grants.apply_cpuset(cid.root, aff)
         core.cpusets.join(cid.root, pid)
         lost = (before or frozenset()) - aff.cpus
         if lost:
@@ -457,7 +456,7 @@ class Hooks:
         with core.locks.hold(container_id):
             rec = core.require(container_id)
             held: dict[str, int] = {}
-            for dev in core.mig_of(rec):
+            for dev in core.grants.mig_of(rec):
                 name = migunits.resource_name(dev.profile) or dev.profile
                 held[name] = held.get(name, 0) + 1
             if wanted != held:
@@ -474,7 +473,9 @@ class Hooks:
                     core.booking.allocator.allocate_set(add)
             try:
                 # Decided before anything changes: an enforced locality that leaves nothing refuses the update.
-                moved = core.affinity(container_id, (rec.gpus | add) - release) if core.enforcing else None
+                moved = (
+                    core.grants.affinity(container_id, (rec.gpus | add) - release) if core.grants.enforcing else None
+                )
             except BaseException:
                 if add:
                     self._deallocate(add)
@@ -486,18 +487,18 @@ class Hooks:
                     core.store.add_gpus(container_id, add)
                     recorded = True
                     crashpoint("update.grown")
-                    core.apply(container_id, rec.gpus | add)
+                    core.grants.apply(container_id, rec.gpus | add)
                 except BaseException:
                     self._undo_grow(container_id, rec.gpus, add, recorded)
                     raise
             if release:
                 # Shrink: revoke, then let the record and the allocator go.
-                core.apply(container_id, rec.gpus - release)
+                core.grants.apply(container_id, rec.gpus - release)
                 crashpoint("update.revoked")
                 core.store.remove_gpus(container_id, release)
                 core.release_gpus(release)
             final = (rec.gpus | add) - release
-            if core.enforcing and (add or release):
+            if core.grants.enforcing and (add or release):
                 self._move_cpuset(container_id, rec, moved)
         LOG.info("updated %s to %d GPUs", core.describe(container_id, frozenset(final)), target)
 
@@ -506,7 +507,7 @@ class Hooks:
         with no GPUs is let go back to what its parent allows (it is left alone, as without GPUs)."""
         core = self.core
         assert core.cpusets is not None
-        old = core.recorded_affinity(rec)
+        old = core.grants.recorded_affinity(rec)
         if held is None:
             if old is None or core.edges.cpus is None:
                 return
@@ -516,10 +517,10 @@ class Hooks:
             return
         core.store.set_cpuset(cid, held.cpu_list, held.mem_list)
         crashpoint("cpuset.recorded")
-        core.apply_cpuset(cid, held, before=old.cpus if old is not None else None)
+        core.grants.apply_cpuset(cid, held, before=old.cpus if old is not None else None)
         if old is None:
             # It had no GPUs, so no cpuset: its processes join the one just made.
-            for member in [cid, *core.nested_cgroups(cid)] if core.cgroups.exists(cid) else []:
+            for member in [cid, *core.grants.nested_cgroups(cid)] if core.cgroups.exists(cid) else []:
                 with contextlib.suppress(CgroupVanished):
                     for pid in core.cgroups.pids(member):
                         core.cpusets.join(cid, pid)
@@ -532,10 +533,10 @@ class Hooks:
         granted.
         """
         core = self.core
-        units = core.mig_of(core.store.get(cid))  # MIG holdings never change in an update
+        units = core.grants.mig_of(core.store.get(cid))  # MIG holdings never change in an update
         if recorded:
             try:
-                core.cgroups.apply(cid, core.rules(kept, units))
+                core.grants.write(cid, core.grants.rules(kept, units))
             except CgroupVanished:
                 pass  # no cgroup, no grant: nothing to revoke
             except Exception:
@@ -551,7 +552,7 @@ class Hooks:
                 )
                 return
             with contextlib.suppress(IsolatorError):
-                core.store.update(cid, rules="\n".join(map(str, core.rules(kept, units))))
+                core.store.update(cid, rules="\n".join(map(str, core.grants.rules(kept, units))))
         self._deallocate(add)
 
     # ---- watch, usage, status ---------------------------------------------------------------------
@@ -588,7 +589,7 @@ class Hooks:
                 reasons[r.gpu.minor] = f"{r.gpu.uuid}: {r.status or 'unhealthy'}"
         detail = "; ".join(f"GPU {m} ({reasons.get(m, 'unhealthy')})" for m in sick)
         units: dict[str, list[str]] = {}
-        for dev in self.core.mig_of(rec):
+        for dev in self.core.grants.mig_of(rec):
             if dev.parent_minor in sick:
                 units.setdefault(migunits.resource_name(dev.profile) or dev.profile, []).append(dev.uuid)
         if units:
@@ -624,13 +625,13 @@ class Hooks:
         if container_id.nested:
             if core.settings.mode == "mesos":
                 with core.locks.hold(container_id):
-                    core.cgroups.cleanup(container_id)  # our rules in its own cgroup, if any
+                    core.grants.revoke(container_id)  # our rules in its own cgroup, if any
             core.release_volume(container_id)
             return
         with core.locks.hold(container_id):
             rec = core.store.get(container_id)
             if rec is not None:
-                core.cleanup_cgroups(container_id)
+                core.grants.cleanup(container_id)
                 crashpoint("cleanup.cgroup")
                 core.drop(container_id, rec)
             core.changes.mark_ended(container_id)

@@ -4,7 +4,8 @@ The hooks of one top-level container (and its nested containers) are serialised 
 container's lock, which they hold across their slow work (fsynced commits, the volume build, the
 wait for a pid). Nothing shared is held across that work: decisions on the shared GPUs are short
 critical sections under the booking lock (``Core.booking.lock``, isolator/core/booking.py). Recovery takes the table
-``exclusive``ly: it waits for every container's hooks to finish and keeps new ones out.
+``exclusive``ly: it waits for every container's hooks to finish and keeps new ones out. The table
+knows which thread holds what, so "call with the container's lock held" is checked (``require``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ class ContainerLocks:
         self._locks: dict[ContainerId, tuple[threading.Lock, list[int]]] = {}
         self._exclusive = False
         self._holders = 0
+        # Which thread holds each top-level container's lock, and the table exclusively (``require``).
+        self._owners: dict[ContainerId, int] = {}
+        self._exclusive_owner: int | None = None
 
     @contextlib.contextmanager
     def hold(self, cid: ContainerId) -> Iterator[None]:
@@ -36,7 +40,11 @@ class ContainerLocks:
             self._holders += 1
         try:
             with entry[0]:
-                yield
+                self._owners[key] = threading.get_ident()
+                try:
+                    yield
+                finally:
+                    del self._owners[key]
         finally:
             with self._cond:
                 entry[1][0] -= 1
@@ -53,12 +61,24 @@ class ContainerLocks:
             self._cond.wait_for(lambda: not self._exclusive)
             self._exclusive = True
             self._cond.wait_for(lambda: self._holders == 0)
+            self._exclusive_owner = threading.get_ident()
         try:
             yield
         finally:
             with self._cond:
+                self._exclusive_owner = None
                 self._exclusive = False
                 self._cond.notify_all()
+
+    def held(self, cid: ContainerId) -> bool:
+        """Whether the calling thread holds ``cid``'s top-level container's lock or the table exclusively."""
+        me = threading.get_ident()
+        return self._exclusive_owner == me or self._owners.get(cid.root) == me
+
+    def require(self, cid: ContainerId, what: str) -> None:
+        """Raise unless the calling thread holds ``cid``'s container lock (or the table exclusively)."""
+        if not self.held(cid):
+            raise LockNotHeld(f"{what} must be called with container {cid.root}'s lock (or the table exclusive) held")
 
     def busy(self) -> int:
         """How many hooks hold or wait for a container lock (for tests and the health view)."""

@@ -77,14 +77,14 @@ class Recovery:
             drift = self._cpuset_drift(cid, rec)
             if drift is not None:
                 LOG.warning("start: %s: %s; applying the record", core.describe(cid, rec.gpus), drift)
-                aff = core.recorded_affinity(rec)
+                aff = core.grants.recorded_affinity(rec)
                 assert aff is not None
-                core.apply_cpuset(cid, aff)
+                core.grants.apply_cpuset(cid, aff)
         for cid in core.cpusets.containers():
             if cid in records or core.cpusets.path(cid) == core.cgroups.cgroup_path(cid):
                 continue  # recorded, or a v2 devices cgroup that is also the cpuset (standalone): not ours here
             try:
-                core.cpusets.remove(cid)
+                core.grants.remove_cpuset(cid)
                 LOG.warning("start: removed the cpuset '%s', which has no record", core.cpusets.path(cid))
             except IsolatorError as exc:
                 LOG.warning("start: the cpuset '%s' has no record and stays: %s", core.cpusets.path(cid), exc)
@@ -92,7 +92,7 @@ class Recovery:
     def _cpuset_drift(self, cid: ContainerId, rec: ContainerRecord) -> str | None:
         """How the kernel's cpuset differs from the recorded one; None when it agrees or none is recorded."""
         core = self.core
-        aff = core.recorded_affinity(rec)
+        aff = core.grants.recorded_affinity(rec)
         if aff is None or core.cpusets is None:
             return None
         current = core.cpusets.current(cid)
@@ -116,15 +116,15 @@ class Recovery:
         elif not core.cgroups.exists(cid):
             return  # Mesos has not made it yet, or destroyed it: the reaper's and Recover's business
         kernel = core.cgroups.in_force(cid)
-        if not kernel.present or core.granted(kernel.rules) != sorted(gpus | mig_parents):
+        if not kernel.present or core.grants.granted(kernel.rules) != sorted(gpus | mig_parents):
             LOG.warning(
                 "start: the kernel grants %s GPUs %s (%s), recorded %s; applying the record",
                 cid,
-                core.granted(kernel.rules) if kernel.present else "nothing of ours",
+                core.grants.granted(kernel.rules) if kernel.present else "nothing of ours",
                 kernel.source,
                 sorted(gpus),
             )
-            core.apply(cid, gpus)
+            core.grants.apply(cid, gpus)
 
     def _adopt_or_deny(self, unrecorded: list[ContainerId], records: dict[ContainerId, ContainerRecord]) -> None:
         core = self.core
@@ -154,14 +154,14 @@ class Recovery:
                     sorted(stolen),
                     ", ".join(sorted({str(recorded[m]) for m in stolen})),
                 )
-                core.cgroups.apply(c, core.rules(minors - stolen))
+                core.grants.write(c, core.grants.rules(minors - stolen))
             keep = minors - stolen
             if keep:
                 self._rebuild(c, keep)
             elif core.settings.mode == "standalone" and self._allows_everything(kernel[c]):
                 LOG.warning("start: cgroup '%s' has no record and allows every device; denying all", kernel[c].source)
-                core.cgroups.prepare(c)
-                core.cgroups.apply(c, ())
+                core.grants.create(c)
+                core.grants.write(c, ())
 
     def _explicit_grants(self, kernel: KernelRules) -> frozenset[int]:
         """GPUs the rules grant by name (``c 195:<minor>``), as our rules do; not through wildcards."""
@@ -180,7 +180,7 @@ class Recovery:
     def _allows_everything(self, kernel: KernelRules) -> bool:
         if not kernel.present:
             return True  # v2: no program of ours; nothing restricts the cgroup
-        return bool(self.core.granted(kernel.rules)) and not self._explicit_grants(kernel)
+        return bool(self.core.grants.granted(kernel.rules)) and not self._explicit_grants(kernel)
 
     def _rebuild(self, cid: ContainerId, gpus: frozenset[int]) -> None:
         core = self.core
@@ -215,7 +215,7 @@ class Recovery:
             rules = self.core.cgroups.recover(cid)
         except CgroupVanished:
             return None
-        return frozenset(self.core.granted(rules))
+        return frozenset(self.core.grants.granted(rules))
 
     def _restore_cgroup(self, cid: ContainerId, gpus: frozenset[int]) -> None:
         """Standalone mode owns its cgroups: make a recorded container's cgroup whole after a crash.
@@ -227,11 +227,11 @@ class Recovery:
         """
         core = self.core
         if not core.cgroups.exists(cid):
-            core.cgroups.prepare(cid)
-            core.apply(cid, gpus)
+            core.grants.create(cid)
+            core.grants.apply(cid, gpus)
             LOG.warning("recover: made the missing cgroup of %s again", core.describe(cid, gpus))
             return
-        core.cgroups.prepare(cid)
+        core.grants.create(cid)
 
     def recover(self, states: list[ContainerState], orphans: list[ContainerId]) -> RecoverResult:
         core = self.core
@@ -252,10 +252,10 @@ class Recovery:
             for action in actions:
                 cid = action.container_id
                 if action.kind in (Kind.REVOKE, Kind.REAPPLY):
-                    core.apply(cid, loaded[cid].gpus if cid in loaded else frozenset())
+                    core.grants.apply(cid, loaded[cid].gpus if cid in loaded else frozenset())
                 elif action.kind is Kind.RELEASE:
                     with contextlib.suppress(CgroupVanished):
-                        core.cleanup_cgroups(cid)
+                        core.grants.cleanup(cid)
                     core.store.remove(cid)
                     result.released += 1
                     core.release_volume(cid)
@@ -298,14 +298,14 @@ class Recovery:
                 drift = self._drift(cid, rec)
                 if drift is not None:
                     if not core.cgroups.exists(cid):
-                        core.cgroups.prepare(cid)
-                    core.apply(cid, rec.gpus)
+                        core.grants.create(cid)
+                    core.grants.apply(cid, rec.gpus)
                     lines.append(f"container {cid}: {drift}; re-applied the recorded rules")
                 cpuset_drift = self._cpuset_drift(cid, rec)
                 if cpuset_drift is not None:
-                    aff = core.recorded_affinity(rec)
+                    aff = core.grants.recorded_affinity(rec)
                     assert aff is not None
-                    core.apply_cpuset(cid, aff)
+                    core.grants.apply_cpuset(cid, aff)
                     lines.append(f"container {cid}: {cpuset_drift}; re-applied the recorded cpuset")
             for line in lines:
                 LOG.warning("audit: %s", line)
@@ -325,7 +325,7 @@ class Recovery:
         if not kernel.present:
             return kernel.source.removeprefix("none: ")
         recorded = devrules.parse_rules(line for line in rec.rules.splitlines() if line)
-        granted = core.granted(kernel.rules)
+        granted = core.grants.granted(kernel.rules)
         missing = [str(r) for r in recorded if not devrules.permits(kernel.rules, r)]
         extra = (
             [] if core.settings.mode == "mesos" else [str(r) for r in kernel.rules if not devrules.permits(recorded, r)]
@@ -358,9 +358,9 @@ class Recovery:
                 if rec is None or core.cgroups.exists(cid):
                     continue
                 with contextlib.suppress(CgroupVanished):
-                    core.cgroups.cleanup(cid)
+                    core.grants.revoke(cid)
                 if core.cpusets is not None:
-                    core.cpusets.remove(cid)  # its processes died with its Mesos cgroups
+                    core.grants.remove_cpuset(cid)  # its processes died with its Mesos cgroups
                 core.drop(cid, rec)
             reaped.append(cid)
             LOG.warning("released %s: its cgroup is gone (destroyed without a cleanup)", core.describe(cid, rec.gpus))

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from isolator.devicerule import DeviceRule
 from isolator.errors import InvalidArgument, InvalidGpuCount
 
 # Mesos's validateID (src/common/validation.cpp): not empty, at most NAME_MAX bytes, not '.' or
@@ -325,7 +326,8 @@ class ContainerRecord:
     volume_version: str = ""
     state: str = "prepared"
     created: float = field(default_factory=time.time)  # the core passes its clock's time
-    rules: str = ""
+    # The devices cgroup rules granted, as data: the store parses them once where it reads a record.
+    rules: tuple[DeviceRule, ...] = ()
     mig: frozenset[tuple[str, int]] = frozenset()  # held MIG devices: (MIG UUID, parent GPU minor)
     # --cpu-affinity enforce: the CPUs and memory nodes its cpuset is held to (cpulist syntax);
     # "" when none is enforced (docs/affinity.md). Recorded before the cpuset is written.

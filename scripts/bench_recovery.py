@@ -29,6 +29,7 @@ if ROOT not in sys.path:
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
+from isolator.devicerule import DeviceRule  # noqa: E402
 from isolator.host.state import ContainerRecord, StateStore  # noqa: E402
 from isolator.model import ContainerId  # noqa: E402
 from isolator.rpc import isolator_pb2 as pb  # noqa: E402
@@ -75,7 +76,7 @@ def populate(state_dir: str, count: int, cgroups_root: str) -> list[ContainerId]
                     cgroup=os.path.join(parent, cid.value),
                     cgroup_version=1,
                     state="isolated",
-                    rules="c 195:255 rw",
+                    rules=(DeviceRule.parse("c 195:255 rw"),),
                 )
             )
     return ids

@@ -44,6 +44,7 @@ MODULES = (
     Module("plan", "volumes/plan.py", ("tests/test_volume_plan.py",)),
     Module("gpuflags", "isolator/policy/gpuflags.py", ("tests/test_gpuflags.py",)),
     Module("devices", "isolator/policy/devices.py", ("tests/test_devices.py",)),
+    Module("devicerule", "isolator/devicerule.py", ("tests/test_devices.py",)),
     Module("allocator", "isolator/policy/allocator.py", ("tests/test_allocator.py",)),
     Module("handover", "isolator/policy/handover.py", ("tests/test_handover_policy.py",)),
     Module("affinity", "isolator/policy/affinity.py", ("tests/test_affinity_policy.py",)),

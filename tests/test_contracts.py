@@ -398,8 +398,9 @@ def test_store_grows_and_shrinks(store: FakeStore) -> None:
 
 def test_store_updates_metadata_and_refuses_unknowns(store: FakeStore) -> None:
     store.record(record("a", 0))
-    rec = store.update(cid("a"), state="isolated", rules="c 195:0 rwm", volume_version="535")
-    assert (rec.state, rec.rules, rec.volume_version, rec.gpus) == ("isolated", "c 195:0 rwm", "535", frozenset({0}))
+    rules = (DeviceRule.char(195, 0),)
+    rec = store.update(cid("a"), state="isolated", rules=rules, volume_version="535")
+    assert (rec.state, rec.rules, rec.volume_version, rec.gpus) == ("isolated", rules, "535", frozenset({0}))
     with pytest.raises(InvalidArgument, match="unknown container state"):
         store.update(cid("a"), state="running")
     with pytest.raises(InvalidArgument):

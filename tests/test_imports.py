@@ -106,13 +106,13 @@ def test_no_import_cycles_in_isolator_or_volumes():
 
 # ---- The layers ---------------------------------------------------------------------------------
 # Each layer is a package; what it may import from the project is written here once (docs/architecture.md
-# draws the same picture). The vocabulary is isolator/__init__, model, errors and crashpoints.
+# draws the same picture). The vocabulary is isolator/__init__, model, errors, crashpoints and devicerule.
 #
 #   policy and the core decide; they import only the vocabulary (the core also policy and the volume
 #   package's pure decision, volumes.inject); the edges (cgroups, gpu, host) import the vocabulary,
 #   policy and the core's Protocols; transport and bridge translate for the core's API; the daemon
 #   and the CLI compose everything; testing and simhost stand in for the machine.
-VOCABULARY = {"isolator", "isolator.model", "isolator.errors", "isolator.crashpoints"}
+VOCABULARY = {"isolator", "isolator.model", "isolator.errors", "isolator.crashpoints", "isolator.devicerule"}
 MAY_IMPORT: dict[str, set[str]] = {
     "vocabulary": set(),
     "policy": {"policy"},

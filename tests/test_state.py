@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 import pytest
 
+from isolator.devicerule import DeviceRule
 from isolator.errors import (
     ContainerAlreadyRecorded,
     ContainerNotRecorded,
@@ -53,7 +54,7 @@ def test_a_record_round_trips_with_all_its_metadata(tmp_path):
         volume_version="550.54.14",
         state="isolated",
         created=1700000000.5,
-        rules="c 195:1 rw\nc 195:3 rw",
+        rules=(DeviceRule.char(195, 1, "rw"), DeviceRule.char(195, 3, "rw")),
     )
     with StateStore(str(tmp_path)) as s:
         s.record(rec)
@@ -61,6 +62,43 @@ def test_a_record_round_trips_with_all_its_metadata(tmp_path):
         assert s.get(rec.container_id) == rec
         assert s.load() == {rec.container_id: rec}
         assert s.holders() == {1: rec.container_id, 3: rec.container_id}
+
+
+def test_rules_are_stored_as_the_kernel_prints_them_and_read_back_as_device_rules(tmp_path):
+    # The on-disk format is unchanged (one rule a line, kernel syntax): a record an older sidecar
+    # wrote reads back structured, parsed once here; a record written now reads the same in SQL.
+    with StateStore(str(tmp_path)) as s:
+        s.record(ContainerRecord(cid("new"), frozenset({0}), rules=(DeviceRule.char(195, 0), DeviceRule.parse("a"))))
+    raw = sqlite3.connect(str(tmp_path / DB_FILE))
+    with raw:
+        raw.execute(
+            "INSERT INTO container VALUES (?, 'mesos', '/c', 1, '', 'isolated', 1.0, ?)",
+            ('["old"]', "c *:* m\nc 195:255 rw\nc 195:1 rwm\n"),
+        )
+        raw.execute("INSERT INTO container VALUES (?, 'mesos', '/c', 1, '', 'prepared', 1.0, '')", ('["none"]',))
+    assert raw.execute("SELECT rules FROM container WHERE key = ?", ('["new"]',)).fetchone() == (
+        "c 195:0 rwm\na *:* rwm",
+    )
+    raw.close()
+    with StateStore(str(tmp_path)) as s:
+        assert s.get(cid("old")).rules == (  # type: ignore[union-attr]
+            DeviceRule("c", None, None, "m"),
+            DeviceRule.char(195, 255, "rw"),
+            DeviceRule.char(195, 1),
+        )
+        assert s.get(cid("none")).rules == ()  # type: ignore[union-attr]
+        assert s.load()[cid("new")].rules == (DeviceRule.char(195, 0), DeviceRule("a", None, None))
+
+
+def test_a_record_whose_rules_do_not_parse_is_corrupt_not_an_empty_grant(tmp_path):
+    with StateStore(str(tmp_path)):
+        pass
+    raw = sqlite3.connect(str(tmp_path / DB_FILE))
+    with raw:
+        raw.execute("INSERT INTO container VALUES ('[\"a\"]', 'mesos', '/c', 1, '', 'isolated', 1.0, 'c 195:x rw')")
+    raw.close()
+    with StateStore(str(tmp_path)) as s, pytest.raises(StateCorrupt, match=r"container a: invalid device rule"):
+        s.get(cid("a"))
 
 
 def test_a_gpu_is_never_recorded_for_two_containers(store):
@@ -115,8 +153,8 @@ def test_recording_a_container_twice_is_refused(store):
 
 def test_metadata_updates_keep_the_gpus_and_refuse_unknown_states(store):
     store.record(ContainerRecord(cid("a"), frozenset({2})))
-    rec = store.update(cid("a"), state="orphan", rules="c 195:2 rwm")
-    assert (rec.state, rec.rules, rec.gpus) == ("orphan", "c 195:2 rwm", {2})
+    rec = store.update(cid("a"), state="orphan", rules=(DeviceRule.char(195, 2),))
+    assert (rec.state, rec.rules, rec.gpus) == ("orphan", (DeviceRule.char(195, 2),), {2})
     with pytest.raises(InvalidArgument, match="unknown container state 'gone'"):
         store.update(cid("a"), state="gone")
     with pytest.raises(ContainerNotRecorded):
@@ -243,7 +281,7 @@ def test_a_full_disk_gives_a_typed_error_and_loses_nothing_committed():
             written = 0
             with pytest.raises(StateStorageFull, match=f"failed to record container '{directory}/{DB_FILE}'"):
                 for i in range(10_000):
-                    s.record(ContainerRecord(cid(f"c{i}"), frozenset({i}), rules="c 195:0 rwm\n" * 200))
+                    s.record(ContainerRecord(cid(f"c{i}"), frozenset({i}), rules=(DeviceRule.char(195, 0),) * 200))
                     written += 1
             assert written > 0
             err_code = StateStorageFull.code

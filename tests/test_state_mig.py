@@ -63,7 +63,7 @@ def test_a_version_1_store_is_upgraded_in_place(tmp_path):
     )
     db.close()
     with StateStore(str(tmp_path)) as store:
-        assert store.get(A) == ContainerRecord(A, frozenset({2}), "mesos", "/c", 1, "", "isolated", 1.0, "")
+        assert store.get(A) == ContainerRecord(A, frozenset({2}), "mesos", "/c", 1, "", "isolated", 1.0, ())
         store.record(ContainerRecord(B, mig=frozenset({("MIG-1", 0)})))
         with pytest.raises(GpuAlreadyHeld):
             store.record(ContainerRecord(ContainerId("c"), mig=frozenset({("MIG-2", 2)})))

@@ -25,12 +25,11 @@ from isolator.cgroups.base import (
     write_pid,
 )
 from isolator.crashpoints import crashpoint
+from isolator.devicerule import ACCESS_ORDER, DeviceRule
 from isolator.errors import CgroupBusy, CgroupError, CgroupVanished, InvalidArgument, RuleParseError
 from isolator.model import ContainerId
 from isolator.policy.devices import (
-    ACCESS_ORDER,
     MESOS_DEFAULT_WHITELIST,
-    DeviceRule,
     KernelRules,
     is_owned,
     owned_majors,

@@ -193,7 +193,7 @@ class Admin:
         with core.locks.hold(container_id):
             rec, info = self._find(container_id)
             target, cgroup = self._rules_cgroup(container_id)
-            recorded = _sorted_rules(devrules.parse_rules(line for line in rec.rules.splitlines() if line))
+            recorded = _sorted_rules(rec.rules)
             in_force = core.cgroups.in_force(target)
             kernel = _sorted_rules(in_force.rules)
             try:

@@ -145,7 +145,7 @@ class KernelGrants:
         if self.mode == "mesos" and not cid.nested:
             self._apply_nested(cid, rules)  # in the kernel before the record, as the container's own
         crashpoint("apply.kernel")
-        self.store.update(cid, rules="\n".join(map(str, rules)))
+        self.store.update(cid, rules=rules)
 
     def governing(self, cid: ContainerId) -> ContainerId:
         """The container whose cgroup governs ``cid``'s device access and holds its pid.

@@ -118,7 +118,7 @@ class Hooks:
                         cgroup_version=1 if core.cgroups.version == "v1" else 2,
                         state="prepared",
                         created=core.clock.time(),
-                        rules="\n".join(map(str, rules)),
+                        rules=rules,
                         mig=frozenset((d.uuid, d.parent_minor) for d in units),
                         cpus=held.cpu_list if held is not None else "",
                         mems=held.mem_list if held is not None else "",
@@ -552,7 +552,7 @@ class Hooks:
                 )
                 return
             with contextlib.suppress(IsolatorError):
-                core.store.update(cid, rules="\n".join(map(str, core.grants.rules(kept, units))))
+                core.store.update(cid, rules=core.grants.rules(kept, units))
         self._deallocate(add)
 
     # ---- watch, usage, status ---------------------------------------------------------------------

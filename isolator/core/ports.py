@@ -160,7 +160,7 @@ class StateStore(Protocol):
         *,
         state: str | None = None,
         volume_version: str | None = None,
-        rules: str | None = None,
+        rules: tuple[DeviceRule, ...] | None = None,
     ) -> ContainerRecord: ...
 
     def set_cpuset(self, cid: ContainerId, cpus: str, mems: str) -> ContainerRecord: ...

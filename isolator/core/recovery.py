@@ -198,7 +198,7 @@ class Recovery:
                 cgroup_version=1 if core.cgroups.version == "v1" else 2,
                 state="isolated" if pids else "prepared",
                 created=core.clock.time(),
-                rules="\n".join(map(str, rules)),
+                rules=tuple(rules),
             )
         )
         core.rebuilt.append(cid)
@@ -324,7 +324,7 @@ class Recovery:
         kernel = core.cgroups.in_force(cid)
         if not kernel.present:
             return kernel.source.removeprefix("none: ")
-        recorded = devrules.parse_rules(line for line in rec.rules.splitlines() if line)
+        recorded = rec.rules
         granted = core.grants.granted(kernel.rules)
         missing = [str(r) for r in recorded if not devrules.permits(kernel.rules, r)]
         extra = (

@@ -29,11 +29,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from isolator.crashpoints import crashpoint
+from isolator.devicerule import DeviceRule
 from isolator.errors import (
     ContainerAlreadyRecorded,
     ContainerNotRecorded,
     GpuAlreadyHeld,
     InvalidArgument,
+    RuleParseError,
     StateCorrupt,
     StateError,
     StateIncompatible,
@@ -41,6 +43,7 @@ from isolator.errors import (
     StateStorageFull,
 )
 from isolator.model import ContainerId, ContainerRecord, DrainRecord
+from isolator.policy.devices import parse_rules
 
 LOG = logging.getLogger(__name__)
 
@@ -163,6 +166,11 @@ class HealthMark:
     reason: str
     xid: int
     at: float
+
+
+def _rules_text(rules: Iterable[DeviceRule]) -> str:
+    """A record's rules as stored: one rule a line in the kernel's syntax (the format of every schema version)."""
+    return "\n".join(map(str, rules))
 
 
 def _key(cid: ContainerId) -> str:
@@ -336,7 +344,7 @@ class StateStore:
                         rec.volume_version,
                         rec.state,
                         rec.created,
-                        rec.rules,
+                        _rules_text(rec.rules),
                     ),
                 )
             except sqlite3.IntegrityError as exc:
@@ -388,12 +396,13 @@ class StateStore:
         cid: ContainerId,
         *,
         state: str | None = None,
-        rules: str | None = None,
+        rules: tuple[DeviceRule, ...] | None = None,
         volume_version: str | None = None,
         cgroup: str | None = None,
     ) -> ContainerRecord:
         """Change a container's metadata (not its GPUs)."""
-        changes = {"state": state, "rules": rules, "volume_version": volume_version, "cgroup": cgroup}
+        text = None if rules is None else _rules_text(rules)
+        changes = {"state": state, "rules": text, "volume_version": volume_version, "cgroup": cgroup}
         changes = {k: v for k, v in changes.items() if v is not None}
         if state is not None and state not in STATES:
             raise InvalidArgument(f"unknown container state {state!r} (known: {', '.join(STATES)})")
@@ -665,7 +674,11 @@ class StateStore:
             cid = _container_id(key)
         except (ValueError, TypeError) as exc:
             raise StateCorrupt(op="read", path=self.path, cause=f"bad container key {key!r}: {exc}") from exc
-        return ContainerRecord(cid, gpus, mode, cgroup, version, volume, state, created, rules, mig)
+        try:
+            parsed = parse_rules(rules.splitlines())  # parsed here, once: the core sees DeviceRules only
+        except RuleParseError as exc:
+            raise StateCorrupt(op="read", path=self.path, cause=f"container {cid}: {exc.message}") from exc
+        return ContainerRecord(cid, gpus, mode, cgroup, version, volume, state, created, parsed, mig)
 
     def _error(self, op: str, exc: sqlite3.Error) -> StateError:
         code = getattr(exc, "sqlite_errorcode", 0) & 0xFF

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
+from isolator.devicerule import DeviceRule
 from isolator.errors import (
     ContainerAlreadyRecorded,
     ContainerNotRecorded,
@@ -81,7 +82,7 @@ class FakeStore:
         cid: ContainerId,
         *,
         state: str | None = None,
-        rules: str | None = None,
+        rules: tuple[DeviceRule, ...] | None = None,
         volume_version: str | None = None,
         cgroup: str | None = None,
     ) -> ContainerRecord:

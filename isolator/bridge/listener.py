@@ -2,7 +2,9 @@
 
 It decodes what a bridge executable forwards (the JSON criteo/mesos-command-modules writes) into the
 gRPC request messages and calls the same servicer methods as gRPC, so translation and error mapping
-are shared. It holds no isolator logic and never binds sockets itself (the server does).
+are shared; its calls are admitted by the gRPC server's Dispatcher (isolator/transport/serving.py),
+so the in-flight limit and the Cleanup lane are shared too. It holds no isolator logic, admits
+nothing on its own beyond connection slots, and never binds sockets itself (the server does).
 
 Wire protocol, version 1. The client connects, sends one request and shuts down its write side; the
 server answers and closes.
@@ -13,9 +15,10 @@ server answers and closes.
              b"RETRY <pause_ms> <gRPC code name> <one-line message>\\n" load shed, the call did not run
 
 A RETRY is asked again after pause_ms, the pause doubling up to 500 ms, until the client's deadline;
-then the client reports "<code>: <message>" as for an ERROR. Only load shedding answers RETRY (every
-slot taken); a RESOURCE_EXHAUSTED from the isolator itself ("no GPUs left") is an ERROR, since asking
-again cannot help and, with the module running one hook at a time, would stall the whole agent.
+then the client reports "<code>: <message>" as for an ERROR. Only load shedding answers RETRY (the
+Dispatcher's limit reached, or the caller's share of connections taken); a RESOURCE_EXHAUSTED from
+the isolator itself ("no GPUs left") is an ERROR, since asking again cannot help and, with the
+module running one hook at a time, would stall the whole agent.
 
 The client forwards IN's bytes without parsing them and copies the reply into OUT verbatim, so it
 needs no ``json`` import (measured: ``json`` alone adds about as much as the bare interpreter's start)

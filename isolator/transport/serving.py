@@ -5,7 +5,9 @@ they call blocks on fsyncs and cgroup writes. This module hosts them on a ``grpc
 event loop runs on one thread of its own:
 
 * every unary call is admitted (or refused RESOURCE_EXHAUSTED at once, never queued without bound),
-  then its servicer method runs on the worker pool (``--max-workers`` threads);
+  then its servicer method runs on the worker pool (``--max-workers`` threads); the bridge socket's
+  calls (isolator/bridge/listener.py, coroutines on the same loop) pass the same ``Dispatcher``, so
+  the limit and the Cleanup lane below are one for both routes;
 * Cleanup, which frees GPUs, is never refused for load and never waits behind other calls: a free
   worker takes a queued Cleanup before any other queued call, and a lane of its own (threads that
   take nothing else) runs it even when every worker is stuck (``HookPool``);

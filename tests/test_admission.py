@@ -117,6 +117,35 @@ def hold_limit_over_the_bridge(server: SidecarServer, service: HeldService) -> l
     return threads
 
 
+def test_the_dispatcher_counts_both_routes_against_one_limit_and_never_sheds_cleanup():
+    from isolator.errors import Overloaded
+    from isolator.transport.serving import Dispatcher
+
+    dispatcher = Dispatcher(workers=1, max_calls=2)
+    try:
+        assert dispatcher.admit("grpc", "Prepare", 10) is None
+        assert dispatcher.admit("bridge", "Prepare", 10) is None
+        busy = dispatcher.admit("bridge", "Usage", 10)
+        assert isinstance(busy, Overloaded) and busy.message == (
+            "the sidecar is busy: 2 calls in flight (--max-concurrent-rpcs 2); try again"
+        )
+        assert isinstance(dispatcher.admit("grpc", "Status", 10), Overloaded)
+        assert dispatcher.admit("bridge", "Cleanup", 10) is None  # over the limit, and admitted
+        assert dispatcher.admit("grpc", "Cleanup", 10) is None
+        assert (dispatcher.calls, dispatcher.limited, dispatcher.peak, dispatcher.bytes) == (4, 2, 2, 40)
+        assert (dict(dispatcher.admitted), dict(dispatcher.shed)) == (
+            {"grpc": 2, "bridge": 2},
+            {"bridge": 1, "grpc": 1},
+        )
+        for method in ("Cleanup", "Cleanup", "Prepare"):
+            dispatcher.release(method, 10)
+        # Cleanups in flight count among the calls: with one Prepare left, the limit has room again.
+        assert (dispatcher.calls, dispatcher.limited) == (1, 1)
+        assert dispatcher.admit("bridge", "Prepare", 10) is None
+    finally:
+        dispatcher.shutdown()
+
+
 def test_a_flood_of_bridge_prepares_at_the_limit_still_admits_a_bridge_cleanup(held):
     server, service = held
     path = server.config.bridge_path

@@ -998,7 +998,7 @@ def _wait_for(predicate: Callable[[], bool], budget: float = 30.0) -> None:
 
 @pytest.fixture
 def one_slot(short_tmp, service):
-    """A sidecar whose bridge has one slot, so that a second call while a first one runs is shed."""
+    """A sidecar admitting one call at a time (both routes), so that a second call while a first one runs is shed."""
     cfg = Config(socket=os.path.join(short_tmp, "run", "s.sock"), max_concurrent_rpcs=1)
     srv = SidecarServer(cfg, service)
     srv.start()

@@ -998,7 +998,7 @@ def _wait_for(predicate: Callable[[], bool], budget: float = 30.0) -> None:
 
 @pytest.fixture
 def one_slot(short_tmp, service):
-    """A sidecar whose bridge has one slot, so that a second call while a first one runs is shed."""
+    """A sidecar admitting one call at a time (both routes), so that a second call while a first one runs is shed."""
     cfg = Config(socket=os.path.join(short_tmp, "run", "s.sock"), max_concurrent_rpcs=1)
     srv = SidecarServer(cfg, service)
     srv.start()
@@ -1018,12 +1018,12 @@ def test_a_shed_call_is_answered_retry_and_never_reaches_the_service(one_slot, s
     try:
         assert service.entered.wait(30), "the first call never reached the service"
         answer = raw_call(one_slot.config.bridge_path, b'gpu-isolator-bridge/1 prepare 1000\n{"container_id": {}}')
-        assert answer.startswith(b"RETRY 20 RESOURCE_EXHAUSTED too many bridge calls in flight"), answer
+        assert answer.startswith(b"RETRY 20 RESOURCE_EXHAUSTED the sidecar is busy: 1 calls in flight"), answer
         assert answer.count(b"\n") == 1
         # Shed until the deadline: the reason comes back as for an ERROR, and the call never ran.
         second = call(directory, "prepare", {"container_id": {"value": "second"}}, env={bridge.TIMEOUT_ENV: "0.3"})
         assert second.returncode == bridge.EXIT_REFUSED
-        assert one_line(second.err).startswith("gpu-isolator prepare: RESOURCE_EXHAUSTED: too many bridge calls")
+        assert one_line(second.err).startswith("gpu-isolator prepare: RESOURCE_EXHAUSTED: the sidecar is busy")
         assert [c[1] for c in service.calls] == ["first"]
     finally:
         service.gate.set()
@@ -1177,7 +1177,7 @@ def test_load_shedding_until_the_deadline_reports_the_code_and_message(short_tmp
 def test_a_bridge_call_turned_away_for_load_is_answered_retry_and_a_final_refusal_error(short_tmp):
     service = RecordingService()
     service.gate = threading.Event()
-    srv = SidecarServer(Config(socket=os.path.join(short_tmp, "run", "s.sock"), max_concurrent_rpcs=2), service)
+    srv = SidecarServer(Config(socket=os.path.join(short_tmp, "run", "s.sock"), max_concurrent_rpcs=1), service)
     srv.start()
     try:
         path = srv.config.bridge_path
@@ -1185,15 +1185,16 @@ def test_a_bridge_call_turned_away_for_load_is_answered_retry_and_a_final_refusa
         held = threading.Thread(target=raw_call, args=(path, request), daemon=True)
         held.start()
         assert service.entered.wait(30)
-        # root's share of the 2 slots is taken: load shedding, retryable, the call did not run.
+        # The one call in flight is the limit (--max-concurrent-rpcs, shared with gRPC): load
+        # shedding, retryable, the call did not run.
         reply = raw_call(path, request)
-        assert reply.startswith(b"RETRY 20 RESOURCE_EXHAUSTED too many bridge calls in flight"), reply
+        assert reply.startswith(b"RETRY 20 RESOURCE_EXHAUSTED the sidecar is busy: 1 calls in flight"), reply
         assert len(service.calls) == 1
         service.gate.set()
         held.join(30)
         assert srv._bridge is not None
         deadline = time.monotonic() + 30
-        while srv._bridge.slots()["main"]:  # the slot is given back just after the answer leaves
+        while srv._bridge.slots()["connection"]:  # the slot is given back once the call is admitted
             assert time.monotonic() < deadline
             time.sleep(0.01)
         # A refusal that is not load stays final.

@@ -271,7 +271,7 @@ def test_another_users_idle_connections_and_trickling_bridge_clients_do_not_star
         slots = server._bridge.slots()
         assert slots["refusal"] <= bridge_server.MAX_REFUSALS
         if not hog_allowed:
-            assert slots["main"] == 0 and slots["reserve"] == 0  # the peer is checked before a slot
+            assert slots["connection"] == 0  # the peer is checked before a slot
     finally:
         hog.kill()
         hog.wait()
@@ -350,8 +350,8 @@ def test_a_bridge_client_trickling_past_its_deadline_loses_its_slot(short_tmp):
             pass
         stop.set()
         s.close()
-        assert taken == ["main"]
-        until(lambda: bridge_.slots()["main"] == 0)  # and the slot is given back
+        assert taken == ["connection"]
+        until(lambda: bridge_.slots()["connection"] == 0)  # and the slot is given back
     finally:
         server.stop(grace=0)
 

@@ -2,7 +2,9 @@
 
 It decodes what a bridge executable forwards (the JSON criteo/mesos-command-modules writes) into the
 gRPC request messages and calls the same servicer methods as gRPC, so translation and error mapping
-are shared. It holds no isolator logic and never binds sockets itself (the server does).
+are shared; its calls are admitted by the gRPC server's Dispatcher (isolator/transport/serving.py),
+so the in-flight limit and the Cleanup lane are shared too. It holds no isolator logic, admits
+nothing on its own beyond connection slots, and never binds sockets itself (the server does).
 
 Wire protocol, version 1. The client connects, sends one request and shuts down its write side; the
 server answers and closes.
@@ -13,9 +15,10 @@ server answers and closes.
              b"RETRY <pause_ms> <gRPC code name> <one-line message>\\n" load shed, the call did not run
 
 A RETRY is asked again after pause_ms, the pause doubling up to 500 ms, until the client's deadline;
-then the client reports "<code>: <message>" as for an ERROR. Only load shedding answers RETRY (every
-slot taken); a RESOURCE_EXHAUSTED from the isolator itself ("no GPUs left") is an ERROR, since asking
-again cannot help and, with the module running one hook at a time, would stall the whole agent.
+then the client reports "<code>: <message>" as for an ERROR. Only load shedding answers RETRY (the
+Dispatcher's limit reached, or the caller's share of connections taken); a RESOURCE_EXHAUSTED from
+the isolator itself ("no GPUs left") is an ERROR, since asking again cannot help and, with the
+module running one hook at a time, would stall the whole agent.
 
 The client forwards IN's bytes without parsing them and copies the reply into OUT verbatim, so it
 needs no ``json`` import (measured: ``json`` alone adds about as much as the bare interpreter's start)
@@ -24,6 +27,9 @@ and every check lives here, once.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
 import json
 import logging
 import socket
@@ -44,11 +50,12 @@ from isolator.errors import (
     IsolatorError,
     Overloaded,
     PermissionDenied,
+    Unavailable,
     Unimplemented,
     from_code,
 )
 from isolator.rpc import isolator_pb2 as pb
-from isolator.transport import peergate
+from isolator.transport import peergate, serving
 from isolator.transport.logcontext import hook_context
 from isolator.transport.status import RETRY_PUSHBACK
 
@@ -270,9 +277,9 @@ def refusal_reply(exc: IsolatorError) -> bytes:
 class _Context:
     """The part of grpc.ServicerContext the servicers use, for calls that arrive over the bridge."""
 
-    def __init__(self, method: str, timeout: float, peer: str = "") -> None:
+    def __init__(self, method: str, deadline: float, peer: str = "") -> None:
         self._method = method
-        self._deadline = time.monotonic() + timeout
+        self._deadline = deadline  # time.monotonic(), from the call's arrival
         self._peer = peer
         self._pushback_ms: int | None = None
         # The module polls watch (IsolatorServicer.Watch answers its poll after a Cleanup quietly).
@@ -319,12 +326,11 @@ def _container_hint(payload: bytes) -> str:
         return ""
 
 
-def handle(servicer: Servicer, data: bytes, peer: str = "") -> bytes:
-    """One request's bytes -> the reply's bytes (``peer``: the caller, as ``_Context.peer``). Never raises."""
-    method = "?"
+def answer(servicer: Servicer, method: str, payload: bytes, deadline: float, peer: str = "") -> bytes:
+    """An admitted call's input -> the reply's bytes, on a worker of the pool (``peer``: the caller,
+    as ``_Context.peer``; ``deadline``: ``time.monotonic()`` by which the caller gives up). Never raises."""
+    call = CALLS[method]
     try:
-        method, timeout, payload = parse_frame(data)
-        call = CALLS[method]
         started = time.perf_counter()
         try:
             request = decode_input(payload, call.request_type)
@@ -340,12 +346,10 @@ def handle(servicer: Servicer, data: bytes, peer: str = "") -> bytes:
                     except Exception:
                         LOG.exception("observer of %s failed", call.rpc)
             return refusal_reply(exc)
-        context = cast(grpc.ServicerContext, _Context(method, timeout, peer))
+        context = cast(grpc.ServicerContext, _Context(method, deadline, peer))
         response = getattr(servicer, call.rpc)(request, context)
         return b"OK\n" + call.output(response)
     except IsolatorError as exc:
-        if isinstance(exc, InvalidArgument):
-            LOG.info("bridge %s refused: %s", method, exc.message)
         return refusal_reply(exc)
     except Exception as exc:  # a bug here must answer the caller, not kill the listener
         LOG.exception("bridge %s failed with an unexpected error", method)
@@ -355,56 +359,60 @@ def handle(servicer: Servicer, data: bytes, peer: str = "") -> bytes:
 # ---- the listener -------------------------------------------------------------------------------
 
 
-# Callers outside the allow-list, and allowed ones turned away for load, are answered on threads
-# of their own, at most this many at once (beyond: closed at once), within REFUSAL_DEADLINE_S.
+# Callers outside the allow-list, and allowed ones over their share of connection slots, are
+# answered (PERMISSION_DENIED; RETRY) at most this many at once (beyond: closed at once), each
+# within REFUSAL_DEADLINE_S.
 MAX_REFUSALS = 16
 REFUSAL_DEADLINE_S = 2.0
-# Slots kept for cleanup once every other slot is taken: it is what frees GPUs.
-CLEANUP_RESERVE = 8
-# An allowed uid holds at most this share of the slots (and of the reserve), so that one caller's
-# slow or stuck connections cannot lock the others out.
-UID_SHARE = 0.5
+# An allowed uid holds at most this share of the connection slots (the gate's rule for gRPC
+# connections), so that one caller's slow or stuck connections cannot lock the others out.
+UID_SHARE = peergate.UID_SHARE
 
 
 class BridgeListener:
-    """Accepts on a bound, listening Unix socket and answers each connection on its own thread.
+    """Accepts on a bound, listening Unix socket; each connection is a coroutine on the event loop
+    of the gRPC server's Dispatcher (isolator/transport/serving.py), which admits its call.
 
-    Per connection, in this order: the caller's SO_PEERCRED (a caller outside the allow-list is
-    answered PERMISSION_DENIED on a refusal thread and never takes a slot); a slot, within the
-    caller's uid share (else RESOURCE_EXHAUSTED); then the whole request must arrive, and the
-    reply leave, within ``io_timeout`` seconds overall (not per read). When every slot is taken a
-    connection may take one of CLEANUP_RESERVE slots, which serve only cleanup.
-
-    Threads are daemons so that a service call that never returns cannot hold the process at exit;
-    ``max_concurrent`` bounds them (usage and watch calls may arrive in parallel, §A.1.6).
+    Per connection, in this order: the caller's SO_PEERCRED (on the accept thread; a caller outside
+    the allow-list is answered PERMISSION_DENIED as a refusal and never takes a connection slot); a
+    connection slot (at most ``max_connections``, one uid at most UID_SHARE of them; else a RETRY as
+    a refusal); the whole request, within ``io_timeout`` seconds overall (not per read); then the
+    Dispatcher, the one admission of both routes: the call shares ``--max-concurrent-rpcs`` and the
+    request-byte bound with gRPC calls and is answered ``RETRY`` when shed, and a Cleanup skips both
+    and runs first, on the pool's Cleanup lane when every worker is stuck. The slot is given back
+    once the call is admitted (the Dispatcher counts it from there), so calls in flight, however
+    many, never keep a Cleanup from being read. Counters are kept under a lock only so that
+    ``slots`` and ``stop`` may read them from other threads; they change on the loop.
     """
 
     def __init__(
         self,
         sock: socket.socket,
         servicer: Servicer,
+        dispatcher: serving.Dispatcher,
+        loop: asyncio.AbstractEventLoop,
         *,
         max_request_bytes: int,
-        max_concurrent: int,
+        max_connections: int,
         allowed_uids: tuple[int, ...],
         allowed_gids: tuple[int, ...],
         io_timeout: float = 10.0,
     ) -> None:
         self._sock = sock
         self._servicer = servicer
+        self._dispatcher = dispatcher
+        self._loop = loop
         self._limit = MAX_HEADER_BYTES + max_request_bytes
-        self._caps = {"main": max_concurrent, "reserve": CLEANUP_RESERVE, "refusal": MAX_REFUSALS}
-        self._shares = {
-            "main": max(1, int(max_concurrent * UID_SHARE)),
-            "reserve": max(1, int(CLEANUP_RESERVE * UID_SHARE)),
-        }
-        self._taken = {"main": 0, "reserve": 0, "refusal": 0}
-        self._per_uid: dict[tuple[str, int], int] = {}
+        self._caps = {"connection": max_connections, "refusal": MAX_REFUSALS}
+        self._share = max(1, int(max_connections * UID_SHARE))
+        self._taken = {"connection": 0, "refusal": 0}
+        self._per_uid: dict[int, int] = {}
         self.set_allowed(allowed_uids, allowed_gids)
         self._io_timeout = io_timeout
         self._closing = threading.Event()
         self._idle = threading.Condition()
-        self._in_flight = 0
+        self._in_flight = 0  # connections open (read, admitted or answered)
+        self._tasks: set[asyncio.Task[None]] = set()
         self._thread: threading.Thread | None = None
         self._warned = False
         self.shed = 0  # RETRY replies sent (calls turned away for load, never run)
@@ -418,7 +426,8 @@ class BridgeListener:
         self._thread.start()
 
     def stop(self, grace: float) -> None:
-        """Stop accepting, then wait up to ``grace`` seconds for calls in flight."""
+        """Stop accepting, wait up to ``grace`` seconds for the connections open, then cut the rest
+        (a call already running on a worker finishes there; its answer is not sent)."""
         self._closing.set()
         try:
             # Wakes the accept() blocked in the other thread (close alone does not on Linux).
@@ -432,6 +441,15 @@ class BridgeListener:
             self._idle.wait_for(lambda: self._in_flight == 0, timeout=grace)
             if self._in_flight:
                 LOG.warning("stopping with %d bridge call(s) still in flight", self._in_flight)
+        if not self._loop.is_closed():
+            with contextlib.suppress(RuntimeError, concurrent.futures.TimeoutError):
+                asyncio.run_coroutine_threadsafe(self._cut(), self._loop).result(10)
+
+    async def _cut(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def slots(self) -> dict[str, int]:
         """Slots taken now, by kind (tests and the load bench)."""
@@ -442,134 +460,178 @@ class BridgeListener:
         peergate.accept_loop(self._sock, self._closing, self._admit, "bridge")
 
     def _admit(self, conn: socket.socket) -> None:
+        """On the accept thread: who is calling, then the connection goes to the loop."""
         cred = peergate.peer_credentials(conn)  # the one SO_PEERCRED reader, shared with the gRPC gate
-        pid, uid, gid = cred.pid, cred.uid, cred.gid
+        allowed = self._allowlist.allows(cred)
+        conn.setblocking(False)
+        self._loop.call_soon_threadsafe(self._arrived, conn, cred, allowed)
+
+    def _arrived(self, conn: socket.socket, cred: peergate.PeerCredentials, allowed: bool) -> None:
+        """On the loop: a connection slot or a refusal, else the connection is closed at once."""
+        if self._closing.is_set():
+            conn.close()
+            return
         refusal: IsolatorError | None = None
-        if not self._allowlist.allows(cred):
-            refusal = PermissionDenied(
-                f"uid {uid} (gid {gid}) is not allowed to call the sidecar; see --allowed-uids and --allowed-gids"
-            )
-            kind = "refusal" if self._take("refusal", uid) else ""
+        if not allowed:
+            refusal = PermissionDenied(peergate.denial_message(cred.uid, cred.gid))
+            kind = "refusal" if self._take("refusal", cred.uid) else ""
             if kind:
-                LOG.warning("bridge call from pid %d uid %d gid %d refused: not in allowed-uids/gids", pid, uid, gid)
-        else:
-            kind = next((k for k in ("main", "reserve") if self._take(k, uid)), "")
-            if not kind:
-                refusal = Overloaded(
-                    f"too many bridge calls in flight (uid {uid} holds its share, or all"
-                    f" {self._caps['main']} slots are taken); try again"
+                LOG.warning(
+                    "bridge call from pid %d uid %d gid %d refused: not in allowed-uids/gids",
+                    cred.pid,
+                    cred.uid,
+                    cred.gid,
                 )
-                kind = "refusal" if self._take("refusal", uid) else ""
+        elif self._take("connection", cred.uid):
+            kind = "connection"
+        else:
+            refusal = Overloaded(
+                f"too many bridge connections (uid {cred.uid} holds its share, or all"
+                f" {self._caps['connection']} are taken; --max-connections); try again"
+            )
+            kind = "refusal" if self._take("refusal", cred.uid) else ""
         if not kind:
             if not self._warned:
-                LOG.warning("bridge: refusals at their cap of %d; closing new connections (uid %d)", MAX_REFUSALS, uid)
+                LOG.warning(
+                    "bridge: refusals at their cap of %d; closing new connections (uid %d)", MAX_REFUSALS, cred.uid
+                )
                 self._warned = True
             conn.close()
             return
         self._warned = False
-        target = self._refuse if kind == "refusal" else self._serve
-        threading.Thread(target=target, args=(conn, kind, uid, refusal), name="bridge", daemon=True).start()
+        if refusal is not None:
+            task = self._loop.create_task(self._refuse(conn, cred.uid, refusal))
+        else:
+            task = self._loop.create_task(self._serve(conn, cred))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _take(self, kind: str, uid: int) -> bool:
         with self._idle:
             if self._taken[kind] >= self._caps[kind]:
                 return False
-            share = self._shares.get(kind)
-            if share is not None and self._per_uid.get((kind, uid), 0) >= share:
-                return False
+            if kind == "connection":
+                if self._per_uid.get(uid, 0) >= self._share:
+                    return False
+                self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
             self._taken[kind] += 1
-            self._per_uid[(kind, uid)] = self._per_uid.get((kind, uid), 0) + 1
             self._in_flight += 1
             return True
 
-    def _count_shed(self) -> None:
-        with self._idle:
-            self.shed += 1
-
     def _give_back(self, kind: str, uid: int) -> None:
+        """The slot only: the connection stays open (``_closed`` counts it out)."""
         with self._idle:
             self._taken[kind] -= 1
-            left = self._per_uid.get((kind, uid), 1) - 1
-            if left:
-                self._per_uid[(kind, uid)] = left
-            else:
-                self._per_uid.pop((kind, uid), None)
+            if kind == "connection":
+                left = self._per_uid.get(uid, 1) - 1
+                if left:
+                    self._per_uid[uid] = left
+                else:
+                    self._per_uid.pop(uid, None)
+
+    def _closed(self) -> None:
+        with self._idle:
             self._in_flight -= 1
             self._idle.notify_all()
 
-    def _refuse(self, conn: socket.socket, kind: str, uid: int, error: IsolatorError | None) -> None:
-        assert error is not None
-        deadline = time.monotonic() + REFUSAL_DEADLINE_S
+    async def _refuse(self, conn: socket.socket, uid: int, error: IsolatorError) -> None:
+        deadline = self._loop.time() + REFUSAL_DEADLINE_S
         try:
             with conn:
                 try:
-                    self._drain(conn, deadline)
+                    await self._drain(conn, deadline)
                     if isinstance(error, Overloaded):
-                        self._count_shed()
-                    self._send(conn, refusal_reply(error), deadline)
-                except OSError as exc:
+                        self.shed += 1
+                    await self._send(conn, refusal_reply(error), deadline)
+                except (OSError, TimeoutError) as exc:
                     LOG.debug("bridge refusal not delivered: %s", exc)
         finally:
-            self._give_back(kind, uid)
+            self._give_back("refusal", uid)
+            self._closed()
 
-    def _serve(self, conn: socket.socket, kind: str, uid: int, _: object) -> None:
-        deadline = time.monotonic() + self._io_timeout
+    async def _serve(self, conn: socket.socket, cred: peergate.PeerCredentials) -> None:
+        holding = True
+
+        def admitted() -> None:
+            nonlocal holding
+            if holding:
+                holding = False
+                self._give_back("connection", cred.uid)
+
         try:
             with conn:
                 try:
-                    data = self._receive(conn, deadline)
+                    data = await self._receive(conn, self._loop.time() + self._io_timeout)
                     if data is None:
                         too_big = InvalidArgument(f"request larger than {self._limit - MAX_HEADER_BYTES} bytes")
                         reply = error_reply(too_big.code, too_big.message)
-                    elif kind == "reserve" and not data.startswith(PROTOCOL + b" cleanup "):
-                        busy = Overloaded("too many bridge calls in flight; only cleanup is taken now; try again")
-                        reply = refusal_reply(busy)
-                        self._count_shed()
                     else:
-                        caller = peergate.peer_credentials(conn)
-                        reply = handle(self._servicer, data, "bridge:" + peergate.peer_name(caller, "bridge")[1:])
-                    self._send(conn, reply, time.monotonic() + self._io_timeout)
-                except OSError as exc:
+                        peer = "bridge:" + peergate.peer_name(cred, "bridge")[1:]
+                        reply = await self._call(data, peer, admitted)
+                    admitted()
+                    await self._send(conn, reply, self._loop.time() + self._io_timeout)
+                except (OSError, TimeoutError) as exc:
                     # The caller gave up (its deadline, SIGTERM from the module), or trickled its
                     # request past the deadline: nothing to answer.
                     LOG.debug("bridge connection dropped: %s", exc)
         finally:
-            self._give_back(kind, uid)
+            admitted()
+            self._closed()
 
-    def _receive(self, conn: socket.socket, deadline: float) -> bytes | None:
+    async def _call(self, data: bytes, peer: str, admitted: Callable[[], None]) -> bytes:
+        """Parse the header, pass the Dispatcher's admission, run the call on its pool."""
+        arrived = time.monotonic()
+        method = "?"
+        try:
+            method, timeout, payload = parse_frame(data)
+        except IsolatorError as exc:
+            if isinstance(exc, InvalidArgument):
+                LOG.info("bridge %s refused: %s", method, exc.message)
+            return refusal_reply(exc)
+        rpc = CALLS[method].rpc
+        busy = self._dispatcher.admit("bridge", rpc, len(payload))
+        if busy is not None:
+            self.shed += 1
+            return refusal_reply(busy)
+        admitted()
+        try:
+            return await self._dispatcher.execute(
+                rpc, len(payload), answer, self._servicer, method, payload, arrived + timeout, peer
+            )
+        except RuntimeError as exc:  # the pool is shut down, or no thread could start
+            stopping = Unavailable(f"the sidecar could not run bridge {method}: {exc}")
+            return refusal_reply(stopping)
+
+    async def _receive(self, conn: socket.socket, deadline: float) -> bytes | None:
         """The whole request, or None when it is over the size limit (the rest drained)."""
         chunks: list[bytes] = []
         size = 0
         while True:
-            chunk = self._recv(conn, deadline)
+            chunk = await self._recv(conn, deadline)
             if not chunk:
                 return b"".join(chunks)
             size += len(chunk)
             if size > self._limit:
-                self._drain(conn, deadline)
+                await self._drain(conn, deadline)
                 return None
             chunks.append(chunk)
 
-    @staticmethod
-    def _recv(conn: socket.socket, deadline: float) -> bytes:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+    async def _recv(self, conn: socket.socket, deadline: float) -> bytes:
+        if self._loop.time() >= deadline:
             raise TimeoutError("the request did not arrive before the connection's deadline")
-        conn.settimeout(remaining)
-        return conn.recv(65536)
+        async with asyncio.timeout_at(deadline):
+            return await self._loop.sock_recv(conn, 65536)
 
-    @staticmethod
-    def _send(conn: socket.socket, data: bytes, deadline: float) -> None:
-        conn.settimeout(max(deadline - time.monotonic(), 0.001))
-        conn.sendall(data)
+    async def _send(self, conn: socket.socket, data: bytes, deadline: float) -> None:
+        async with asyncio.timeout_at(deadline):
+            await self._loop.sock_sendall(conn, data)
 
-    @classmethod
-    def _drain(cls, conn: socket.socket, deadline: float) -> None:
+    async def _drain(self, conn: socket.socket, deadline: float) -> None:
         # Closing a Unix socket with unread data resets the peer, which then loses the answer;
         # read and discard the rest (bounded in bytes and time) so that the caller learns why.
         for _ in range(MAX_DRAIN_BYTES // 65536):
             try:
-                if not cls._recv(conn, deadline):
+                if not await self._recv(conn, deadline):
                     return
             except TimeoutError:
                 return

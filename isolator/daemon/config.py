@@ -265,12 +265,15 @@ HELP = {
     "dev_root": "directory holding the nvidia device nodes (default /dev)",
     "driver_root": "root of the driver installation the volume is built from (default /)",
     "ignored_xids": f"XIDs that do not mark a GPU unhealthy (default {','.join(map(str, DEFAULT_IGNORED_XIDS))})",
-    "max_workers": "gRPC worker threads (default 16)",
+    "max_workers": "worker threads of both sockets' calls (default 16)",
     "reap_interval": "seconds between checks for containers whose Mesos cgroup vanished (default 60)",
     "audit_interval": "seconds between drift audits of every container's kernel rules (default 300; 0: off)",
     "gpu_probe_interval": "seconds between probes of the GPUs for loss or a MIG mode change (default 30)",
-    "max_concurrent_rpcs": "requests in flight (open Watch calls aside) before RESOURCE_EXHAUSTED (default 256)",
-    "max_connections": "connections of allowed callers open at once, one uid at most half (default 256)",
+    "max_concurrent_rpcs": (
+        "requests in flight on both sockets together (open Watch calls aside; Cleanup never refused)"
+        " before load shedding: RESOURCE_EXHAUSTED, RETRY on the bridge (default 256)"
+    ),
+    "max_connections": "connections of allowed callers open at once per socket, one uid at most half (default 256)",
     "max_message_bytes": "largest request accepted, in bytes (default 256 KiB)",
     "log_level": "debug, info, warning or error (default info)",
     "log_format": "text (default) or json: one object per line with stable keys (docs/metrics.md)",

@@ -584,11 +584,15 @@ class SidecarServer:
         self._bridge_guard.acquire()
         self._bridge_held = True
         sock = self._bind_public(path)  # born 0600, as the gRPC socket
+        assert self._dispatcher is not None, "the aio server (and its Dispatcher) is built first"
+        # The bridge's calls pass the gRPC calls' Dispatcher: one in-flight limit, one Cleanup lane.
         self._bridge = BridgeListener(
             sock,
             servicer,
+            self._dispatcher,
+            self._loop.loop,
             max_request_bytes=cfg.max_message_bytes,
-            max_concurrent=cfg.max_concurrent_rpcs,
+            max_connections=cfg.max_connections,
             allowed_uids=cfg.allowed_uids,
             allowed_gids=cfg.allowed_gids,
         )

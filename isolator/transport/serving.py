@@ -5,7 +5,9 @@ they call blocks on fsyncs and cgroup writes. This module hosts them on a ``grpc
 event loop runs on one thread of its own:
 
 * every unary call is admitted (or refused RESOURCE_EXHAUSTED at once, never queued without bound),
-  then its servicer method runs on the worker pool (``--max-workers`` threads);
+  then its servicer method runs on the worker pool (``--max-workers`` threads); the bridge socket's
+  calls (isolator/bridge/listener.py, coroutines on the same loop) pass the same ``Dispatcher``, so
+  the limit and the Cleanup lane below are one for both routes;
 * Cleanup, which frees GPUs, is never refused for load and never waits behind other calls: a free
   worker takes a queued Cleanup before any other queued call, and a lane of its own (threads that
   take nothing else) runs it even when every worker is stuck (``HookPool``);
@@ -267,45 +269,83 @@ class HookPool:
 
 
 class Dispatcher:
-    """Admits calls and runs synchronous servicer methods on the pool; lives on the event loop.
+    """The one admission of both routes (gRPC and the bridge socket): admits calls and runs their
+    synchronous servicer methods on the pool; lives on the event loop.
 
-    Counters are touched only on the loop's thread, so they need no lock.
+    One in-flight limit (``--max-concurrent-rpcs``) and one bound on request bytes are shared by the
+    two routes; Cleanup skips both and takes the pool's Cleanup-first lane. A call turned away is
+    load shedding (``errors.Overloaded``), which each route answers in its own protocol: gRPC
+    RESOURCE_EXHAUSTED with ``grpc-retry-pushback-ms`` (``run``), the bridge ``RETRY <ms>``
+    (isolator/bridge/listener.py). Counters are touched only on the loop's thread, so they need no lock.
     """
 
     def __init__(self, workers: int, max_calls: int, max_bytes: int = MAX_BYTES_IN_FLIGHT) -> None:
         self.max_calls = max_calls
         self.max_bytes = max_bytes
         self.pool = HookPool(workers, CLEANUP_LANE)
-        self.calls = 0  # admitted, running or waiting for a worker
+        self.calls = 0  # admitted, running or waiting for a worker (both routes, Cleanup included)
+        self.limited = 0  # of those, the calls the limit may refuse (all but URGENT)
+        self.peak = 0  # the most of those admitted at once since the start
+        self.admitted: collections.Counter[str] = collections.Counter()  # calls admitted, by route
+        self.shed: collections.Counter[str] = collections.Counter()  # calls turned away for load, by route
         self.bytes = 0
         self._burst = 0  # the most bytes held since memory was last given back
         self.watch_burst = 0  # the most Watch calls open since memory was last given back
         self.stopping = False  # set on the loop when the server stops: open Watches answer UNAVAILABLE
         self._wakers: set[_Waker] = set()  # those of the open Watch calls
 
-    async def run(self, method: str, fn: Callable[..., T], request: Any, context: grpc.aio.ServicerContext) -> T:
-        size = request.ByteSize() if hasattr(request, "ByteSize") else 0
+    def admit(self, route: str, method: str, size: int) -> Overloaded | None:
+        """On the loop: count a call of ``route`` in, or answer why it is shed (it must not run then).
+
+        Every admitted call must be counted out by ``execute`` (or ``release``)."""
         urgent = method in URGENT
         if not urgent:
-            if self.calls >= self.max_calls:
-                await self._refuse(context, f"{self.calls} calls in flight (--max-concurrent-rpcs {self.max_calls})")
-            if self.bytes + size > self.max_bytes and self.calls:
-                await self._refuse(context, f"{self.bytes} request bytes in flight (at most {self.max_bytes})")
+            why = ""
+            if self.calls >= self.max_calls:  # Cleanups in flight count too: they are never refused
+                why = f"{self.calls} calls in flight (--max-concurrent-rpcs {self.max_calls})"
+            elif self.bytes + size > self.max_bytes and self.calls:
+                why = f"{self.bytes} request bytes in flight (at most {self.max_bytes})"
+            if why:
+                self.shed[route] += 1
+                return Overloaded(f"the sidecar is busy: {why}; try again")
+            self.limited += 1
+            self.peak = max(self.peak, self.limited)
         self.calls += 1
+        self.admitted[route] += 1
         self.bytes += size
         self._burst = max(self._burst, self.bytes)
-        sync_context = SyncContext(context.peer(), _remaining(context))
+        return None
+
+    def release(self, method: str, size: int) -> None:
+        """On the loop: count an admitted call out."""
+        self.calls -= 1
+        if method not in URGENT:
+            self.limited -= 1
+        self.bytes -= size
+        if self.bytes == 0 and self._burst >= TRIM_AFTER_BYTES:
+            self._burst = 0
+            self._trim()
+
+    async def execute(self, method: str, size: int, fn: Callable[..., T], *args: Any) -> T:
+        """Run a call ``admit`` let in on the pool (Cleanup first, on its lane if need be), and count
+        it out when it ends, is cancelled or cannot be queued."""
         try:
-            return await asyncio.wrap_future(self.pool.submit(fn, request, sync_context, urgent=urgent))
+            return await asyncio.wrap_future(self.pool.submit(fn, *args, urgent=method in URGENT))
+        finally:
+            self.release(method, size)
+
+    async def run(self, method: str, fn: Callable[..., T], request: Any, context: grpc.aio.ServicerContext) -> T:
+        """A gRPC call: admitted, or refused RESOURCE_EXHAUSTED with gRPC's retry pushback."""
+        size = request.ByteSize() if hasattr(request, "ByteSize") else 0
+        sync_context = SyncContext(context.peer(), _remaining(context))
+        busy = self.admit("grpc", method, size)
+        if busy is not None:
+            await self._abort_busy(context, busy)
+        try:
+            return await self.execute(method, size, fn, request, sync_context)
         except Aborted as exc:
             await context.abort(exc.code, exc.details)
             raise AssertionError("unreachable: abort raises") from None
-        finally:
-            self.calls -= 1
-            self.bytes -= size
-            if self.bytes == 0 and self._burst >= TRIM_AFTER_BYTES:
-                self._burst = 0
-                self._trim()
 
     def _trim(self) -> None:
         # Off the loop: trimming a fragmented heap takes milliseconds.
@@ -343,7 +383,10 @@ class Dispatcher:
 
     @staticmethod
     async def _refuse(context: grpc.aio.ServicerContext, why: str) -> None:
-        busy = Overloaded(f"the sidecar is busy: {why}; try again")
+        await Dispatcher._abort_busy(context, Overloaded(f"the sidecar is busy: {why}; try again"))
+
+    @staticmethod
+    async def _abort_busy(context: grpc.aio.ServicerContext, busy: Overloaded) -> None:
         mark_retryable(context, busy)
         await context.abort(*status_of(busy, "?"))
 

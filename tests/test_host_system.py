@@ -122,3 +122,16 @@ def test_a_hint_for_a_gpu_on_a_memory_node_needs_no_nodes_cpu_list(tmp_path) -> 
         (tmp_path / "devices" / "system" / "node" / f"node{n}" / "cpulist").write_text(listed + "\n")
     fallback = decide([GpuLocality(0, 5, "4-7")], SysCpus(str(tmp_path)).machine())
     assert fallback is not None and fallback.mems == frozenset({1})
+
+
+def test_kernel_files_are_read_in_full_and_a_missing_one_says_so(tmp_path) -> None:
+    from isolator.cgroups import base
+    from isolator.host import system
+
+    big = tmp_path / "cgroup.procs"
+    big.write_text("".join(f"{pid}\n" for pid in range(1, 40_000)))  # > 64 KiB: more than one read(2)
+    for read_text in (system.read_text, base.read_text):
+        assert read_text(str(big)) == big.read_text()
+        with pytest.raises(FileNotFoundError):
+            read_text(str(tmp_path / "gone"))
+    assert base.read_pids(str(tmp_path)) == tuple(range(1, 40_000))

@@ -13,6 +13,7 @@ import weakref
 from collections.abc import Iterator, Mapping
 
 from isolator.errors import CgroupError, IsolatorError
+from isolator.host.system import read_text
 from isolator.policy.affinity import Machine, parse_list
 
 SYSFS_MAX = 1 << 16  # a sysfs attribute prints at most a page
@@ -71,8 +72,7 @@ class SysCpus:
         try:
             if kept:
                 return parse_list(self._read_kept(path))
-            with open(path) as fh:
-                return parse_list(fh.read())
+            return parse_list(read_text(path))
         except OSError as exc:
             raise CgroupError(op="read", path=path, cause=exc.strerror or str(exc)) from exc
         except IsolatorError as exc:

@@ -18,6 +18,19 @@ from isolator.host import rootfs as rootfs_paths
 from isolator.model import Topology
 
 
+def read_text(path: str) -> str:
+    """A small ``/proc`` or sysfs file in full through os.open, os.read and os.close: Python's
+    ``open()`` adds an fstat, an ioctl and three objects (30 us a read against 8 us here)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode()
+
+
 class PidFd:
     """A process held by a pidfd (pidfd_open(2)): while it is alive, its pid names it and nothing else."""
 
@@ -60,8 +73,7 @@ class ProcProcesses:
         """Whether ``pid`` is a kernel thread (PF_KTHREAD in the flags of /proc/<pid>/stat; ``ps`` shows
         them in brackets). False for a pid that is gone: the caller's pin says that."""
         try:
-            with open(os.path.join(self.proc_root, str(pid), "stat")) as fh:
-                flags = int(fh.read().rsplit(")", 1)[1].split()[6])
+            flags = int(read_text(os.path.join(self.proc_root, str(pid), "stat")).rsplit(")", 1)[1].split()[6])
         except (OSError, ValueError, IndexError):
             return False
         return bool(flags & PF_KTHREAD)
@@ -122,9 +134,8 @@ class ProcProcesses:
     def _parent(self, pid: int) -> int | None:
         """The ppid in ``/proc/<pid>/stat``; None when it cannot be read."""
         try:
-            with open(os.path.join(self.proc_root, str(pid), "stat")) as fh:
-                # pid (comm) state ppid ...: comm may hold spaces and parentheses; split after the last ')'.
-                return int(fh.read().rsplit(")", 1)[1].split()[1])
+            # pid (comm) state ppid ...: comm may hold spaces and parentheses; split after the last ')'.
+            return int(read_text(os.path.join(self.proc_root, str(pid), "stat")).rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             return None
 

@@ -471,22 +471,31 @@ def test_the_sidecars_own_pids_are_itself_and_its_ancestors() -> None:
     assert 1 in fake.sidecar_pids() and not fake.sidecar_pids() & {fake.spawn()}
 
 
-def test_ancestors_are_the_parent_chain_up_to_init_and_nothing_for_a_pid_that_is_gone() -> None:
+def test_a_process_descends_from_each_of_its_ancestors_and_a_gone_one_from_none() -> None:
     fake = FakeProcesses()
-    child = fake.spawn(parent=fake.spawn(parent=601))
-    assert fake.ancestors(child)[1:] == (601, 600, 1) and fake.ancestors(fake.spawn()) == (1,)
+    parent = fake.spawn(parent=601)
+    child = fake.spawn(parent=parent)
+    assert all(fake.descends_from(child, a) for a in (parent, 601, 600, 1))
+    assert not fake.descends_from(parent, child) and not fake.descends_from(child, child)
+    assert not fake.descends_from(fake.spawn(), 601), "a child of pid 1 descends from nobody else"
     fake.exit(child)
-    assert fake.ancestors(child) == ()
+    assert not fake.descends_from(child, parent)
 
     real = ProcProcesses()
     proc = _sleeper()
     try:
-        chain = real.ancestors(proc.pid)
-        assert chain[:2] == (os.getpid(), os.getppid()) and chain[-1] == 1
+        assert all(real.descends_from(proc.pid, a) for a in (os.getpid(), os.getppid(), 1))
+        assert not real.descends_from(os.getpid(), proc.pid) and not real.descends_from(proc.pid, proc.pid)
+        other = _sleeper()
+        try:
+            assert not real.descends_from(proc.pid, other.pid), "a sibling is no ancestor"
+        finally:
+            other.kill()
+            other.wait()
     finally:
         proc.kill()
         proc.wait()
-    assert real.ancestors(proc.pid) == ()
+    assert not real.descends_from(proc.pid, os.getpid())
 
 
 @pytest.mark.parametrize("kind", ["fake", "local"])

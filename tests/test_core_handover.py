@@ -263,3 +263,19 @@ def test_describe_shows_what_the_last_handover_reset_on_the_containers_gpus(rig:
     described = {g.index: g for g in rig.service.describe_container(cid("b")).gpus}
     assert described[4].last_reset == ("compute mode: reset from PROHIBITED to DEFAULT",)
     assert described[4].drain_state == "" and described[3].last_reset == ()
+
+
+def test_a_check_whose_gpu_was_let_go_meanwhile_leaves_it_to_its_new_holder(rig: Rig) -> None:
+    # A Prepare's recheck listed GPU 3 while it drained; before its turn, the Cleanup that released
+    # it checked it, let it go, and another Prepare took it for a container that now runs on it.
+    leave_a_process_on_gpu(rig, 3)
+    listed = sorted(rig.service.core.handover.view())
+    assert listed == [3]
+    rig.inventory.stop_process(3)
+    rig.service.recheck_draining()
+    rig.service.prepare(cid("b"), gpus(8))
+    rig.inventory.start_process(3, 5151)
+    rig.service.core.handover.check(listed)  # the stale recheck's turn
+    assert gpu(rig, 3).holder and gpu(rig, 3).drain_state == "", "a container's GPU is never marked draining"
+    rig.service.cleanup(cid("b"))
+    assert gpu(rig, 3).drain_state == "draining", "its own release is checked, and finds the process"

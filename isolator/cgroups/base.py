@@ -87,12 +87,25 @@ def top_level_ids(root: str) -> tuple[ContainerId, ...]:
     return tuple(out)
 
 
+def read_text(path: str) -> str:
+    """A small kernel file (``/proc``, cgroupfs) in full through os.open, os.read and os.close: Python's
+    ``open()`` adds an fstat, an ioctl and three objects (30 us a read against 8 us here). Raises
+    what they raise (FileNotFoundError for a file or process that is gone)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode()
+
+
 def cgroup_of(pid: int, mount: str, controller: str | None, proc_root: str = "/proc") -> str | None:
     """The cgroup of ``pid`` under ``mount``: the v1 hierarchy with ``controller``, or with None the
     cgroup2 one (``0::``) of ``/proc/<pid>/cgroup``. None when the process is gone."""
     try:
-        with open(os.path.join(proc_root, str(pid), "cgroup")) as fh:
-            lines = fh.read().splitlines()
+        lines = read_text(os.path.join(proc_root, str(pid), "cgroup")).splitlines()
     except (FileNotFoundError, ProcessLookupError):
         return None
     except OSError as exc:
@@ -111,8 +124,7 @@ def cgroup_of(pid: int, mount: str, controller: str | None, proc_root: str = "/p
 def read_pids(cgroup: str) -> tuple[int, ...]:
     path = os.path.join(cgroup, "cgroup.procs")
     try:
-        with open(path) as fh:
-            return tuple(int(line) for line in fh if line.strip())
+        return tuple(int(line) for line in read_text(path).splitlines() if line.strip())
     except FileNotFoundError as exc:
         raise CgroupVanished(op="read", path=path) from exc
     except OSError as exc:
@@ -124,8 +136,11 @@ def write_pid(cgroup: str, pid: int) -> None:
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         raise CgroupError(op="write", path=path, cause=f"{pid!r} is not a process id")
     try:
-        with open(path, "w") as fh:
-            fh.write(str(pid))
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)  # the kernel moves the process at write(2)
+        try:
+            os.write(fd, str(pid).encode())
+        finally:
+            os.close(fd)
     except FileNotFoundError as exc:
         raise CgroupVanished(op="write", path=path) from exc
     except OSError as exc:

@@ -20,6 +20,7 @@ from isolator.cgroups.base import (
     container_dir,
     known_majors,
     read_pids,
+    read_text,
     rmdir_tree,
     top_level_ids,
     write_pid,
@@ -221,8 +222,7 @@ class V1DeviceController:
     def _read_list(self, cgroup: str) -> tuple[DeviceRule, ...]:
         path = os.path.join(cgroup, "devices.list")
         try:
-            with open(path) as fh:
-                return _parse_list(fh.read())
+            return _parse_list(read_text(path))
         except FileNotFoundError as exc:
             raise CgroupVanished(op="read", path=path) from exc
         except OSError as exc:

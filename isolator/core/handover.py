@@ -101,7 +101,7 @@ class Handover:
             free = sorted(core.booking.allocator.total - core.booking.allocator.allocated)
         for minor in stale:
             core.store.clear_drain(minor)
-        self.check(free)
+        self.check(free, marked_only=False)
 
     def recheck(self) -> None:
         """Check the draining GPUs again (periodically, and before each allocation)."""
@@ -112,16 +112,27 @@ class Handover:
         if minors:
             self.check(minors)
 
-    def check(self, minors: Iterable[int]) -> None:
+    def check(self, minors: Iterable[int], *, marked_only: bool = True) -> None:
         """Look at each GPU through NVML; a clear one has its settings reset and returns to the pool,
-        a busy one (or one NVML cannot answer for: fail closed) stays out, marked draining."""
+        a busy one (or one NVML cannot answer for: fail closed) stays out, marked draining.
+
+        A GPU whose mark is gone when its turn comes was checked and let go meanwhile (a Prepare's
+        recheck and the Cleanup that released it race for the same GPU), and may be a container's
+        again: it is not looked at twice, nor marked while held. ``start`` checks free GPUs that
+        carry no mark yet (``marked_only=False``)."""
         if not self.enabled:
             return
         for minor in sorted(set(minors)):
             gpu = self.core.gpus.get(minor)
-            if gpu is not None:
-                with self._checking:
-                    self._check_one(gpu)
+            if gpu is None:
+                continue
+            with self._checking:
+                if marked_only:
+                    with self.core.booking.lock:
+                        marked = minor in self.marks
+                    if not marked:
+                        continue
+                self._check_one(gpu)
 
     def _check_one(self, gpu: Gpu) -> None:
         core = self.core

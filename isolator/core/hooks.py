@@ -422,7 +422,7 @@ class Hooks:
                 f"pid {pid} is not in container {cid}'s cgroup and the caller's own pid is unknown (a"
                 " connection that did not pass the socket's gate); only a caller's own processes are moved"
             )
-        if pid == caller or caller in core.edges.processes.ancestors(pid):
+        if pid == caller or core.edges.processes.descends_from(pid, caller):
             return
         mine = core.cgroups.cgroup_of(caller)
         if mine is not None and mine == where:

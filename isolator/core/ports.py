@@ -266,7 +266,7 @@ class Processes(Protocol):
 
     def kernel_thread(self, pid: int) -> bool: ...  # kthreadd and its children (no cgroup of a container)
 
-    def ancestors(self, pid: int) -> tuple[int, ...]: ...  # parent, grandparent, ... up to pid 1; () when gone
+    def descends_from(self, pid: int, ancestor: int) -> bool: ...  # ancestor in pid's parent chain; False when gone
 
 
 class Filesystem(Protocol):

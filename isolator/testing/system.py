@@ -52,15 +52,15 @@ class FakeProcesses:
             self.parents[pid] = parent
             return pid
 
-    def ancestors(self, pid: int) -> tuple[int, ...]:
+    def descends_from(self, pid: int, ancestor: int) -> bool:
         with self._lock:
             if pid not in self.alive:
-                return ()
-            out: list[int] = []
+                return False
             while pid in self.parents and pid != 1:
                 pid = self.parents[pid]
-                out.append(pid)
-            return tuple(out)
+                if pid == ancestor:
+                    return True
+            return False
 
     def exit(self, pid: int) -> None:
         with self._lock:

@@ -254,12 +254,14 @@ class CrashableSidecar(Sidecar):
 
 @contextlib.contextmanager
 def quick_sidecar(
-    host: str = "dgx-1", cgroup_version: str = "v1", extra: tuple[str, ...] = ()
+    host: str = "dgx-1", cgroup_version: str = "v1", extra: tuple[str, ...] = (), env: dict[str, str] | None = None
 ) -> Iterator[CrashableSidecar]:
-    """``running_sidecar`` with the quick readiness wait; removes its work dir and cgroups after."""
+    """``running_sidecar`` with the quick readiness wait; removes its work dir and cgroups after.
+    ``env``: the first start's extra environment (a crash point), so that no start is spent without it."""
     work = tempfile.mkdtemp(prefix="gi-", dir="/tmp")
     root = f"{TEST_PARENT}/{os.getpid()}-{uuid.uuid4().hex[:8]}"
     sidecar = CrashableSidecar(work=work, host=host, cgroup_version=cgroup_version, cgroups_root=root, extra=extra)
+    sidecar.env = env or {}
     try:
         yield sidecar.start()
     finally:

@@ -123,10 +123,10 @@ dist: $(STAMP)
 # The figures of docs/bench.md, beside their floors and goals; a report that never fails the build.
 # Choose parts and sizes with e.g. BENCH_ARGS="--parts hooks,bridge --quick".
 BENCH_ARGS ?=
-# First the benchmark code's own end-to-end check (a quick run of every part, tests/test_bench.py,
-# marker `bench`), which fails the target; then the report.
+# First the benchmark code's own end-to-end checks (a quick run of every part, tests/test_bench.py, and
+# the allocator's stream scenario, marker `bench`), which fail the target; then the report.
 bench: install build
-	$(PY) -m pytest -q -m bench tests/test_bench.py
+	$(PY) -m pytest -q -m bench tests/test_bench.py tests/test_bench_allocator.py
 	-$(PY) scripts/bench.py $(BENCH_ARGS)
 
 # Crash consistency with 500 SIGKILLs per cgroup version, with and without Recover after each restart, and more generated hostile input

@@ -125,5 +125,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             continue
         callspec = getattr(item, "callspec", None)
         indices = callspec.indices if callspec is not None else {}
-        group = item.module.__name__ + "".join(f"[{name}={indices.get(name, 0)}]" for name in used)
+        group = shared_group(item.module.__name__, {name: indices.get(name, 0) for name in used})
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+def shared_group(module: str, params: dict[str, int]) -> str:
+    """The xdist group of a module's shared fixtures at these parameter indices.
+
+    No brackets: xdist appends ``@<group>`` to the test's ID and takes what follows the last ``@``
+    as the group only when it comes after the last ``]`` (a parameter may contain ``@``), so a
+    group ending in ``]`` was no group at all, and each test went to any worker, starting the
+    fixture's daemon again there (tests/test_xdist_groups.py).
+    """
+    return module + "".join(f":{name}={index}" for name, index in params.items())

@@ -31,19 +31,23 @@ from isolator.errors import BpfError
 from isolator.testing.sidecar import TEST_PARENT, Sidecar
 from isolator.transport.server import socket_is_live
 
+# Joins each cgroup in turn (the kernel judges an open by the cgroup the process is in at that
+# moment) and opens every node there: one process for all of a check's cgroups.
 PROBE = """
 import errno, json, os, sys
-cgroup, dev_root = sys.argv[1], sys.argv[2]
-with open(os.path.join(cgroup, "cgroup.procs"), "w") as fh:
-    fh.write(str(os.getpid()))
-out = {}
-for name in sys.argv[3:]:
-    try:
-        os.close(os.open(os.path.join(dev_root, name), os.O_RDWR))
-        out[name] = "OK"
-    except OSError as exc:
-        out[name] = errno.errorcode[exc.errno]
-print(json.dumps(out))
+dev_root, cgroups, names = sys.argv[1], sys.argv[2].split("\\n"), sys.argv[3:]
+report = {}
+for cgroup in cgroups:
+    with open(os.path.join(cgroup, "cgroup.procs"), "w") as fh:
+        fh.write(str(os.getpid()))
+    out = report[cgroup] = {}
+    for name in names:
+        try:
+            os.close(os.open(os.path.join(dev_root, name), os.O_RDWR))
+            out[name] = "OK"
+        except OSError as exc:
+            out[name] = errno.errorcode[exc.errno]
+print(json.dumps(report))
 """
 
 
@@ -83,19 +87,30 @@ def proc_status(pid: int, key: str) -> int:
 
 def probe_grants(cgroup: str, dev_root: str, minors: range) -> frozenset[int]:
     """GPU minors a process in ``cgroup`` may open, by trying each node."""
+    return probe_each([cgroup], dev_root, minors)[cgroup]
+
+
+def probe_each(cgroups: list[str], dev_root: str, minors: range) -> dict[str, frozenset[int]]:
+    """Per cgroup, the GPU minors a process in it may open: one probe process visits them in turn."""
+    if not cgroups:
+        return {}
     names = [f"nvidia{m}" for m in minors]
     out = subprocess.run(
-        ["/usr/bin/python3", "-I", "-S", "-c", PROBE, cgroup, dev_root, *names],
+        ["/usr/bin/python3", "-I", "-S", "-c", PROBE, dev_root, "\n".join(cgroups), *names],
         capture_output=True,
         text=True,
         timeout=30,
     )
     if out.returncode != 0:
-        raise AssertionError(f"probe in '{cgroup}' failed: {out.stderr}")
-    opens = json.loads(out.stdout)
-    unexpected = {n: e for n, e in opens.items() if e not in ("ENXIO", "EPERM")}
-    assert not unexpected, f"probe in '{cgroup}': unexpected results {unexpected}"
-    return frozenset(m for m in minors if opens[f"nvidia{m}"] == "ENXIO")
+        raise AssertionError(f"probe in {cgroups} failed: {out.stderr}")
+    report = json.loads(out.stdout)
+    granted = {}
+    for cgroup in cgroups:
+        opens = report[cgroup]
+        unexpected = {n: e for n, e in opens.items() if e not in ("ENXIO", "EPERM")}
+        assert not unexpected, f"probe in '{cgroup}': unexpected results {unexpected}"
+        granted[cgroup] = frozenset(m for m in minors if opens[f"nvidia{m}"] == "ENXIO")
+    return granted
 
 
 def read_records(work: str) -> dict[str, frozenset[int]]:
@@ -162,10 +177,11 @@ class Observer:
         records = read_records(self.sidecar.work)
         owner: dict[int, str] = {}
         cgroups = self.cgroups()
+        grants = probe_each(list(cgroups.values()), self.sidecar.dev_root, range(self.gpus))
         for name, path in cgroups.items():
             if self.sidecar.cgroup_version == "v2":
                 self.programs.update(attached_programs(path))
-            granted = probe_grants(path, self.sidecar.dev_root, range(self.gpus))
+            granted = grants[path]
             for minor in granted:
                 if minor in owner:
                     out.append(f"GPU {minor} is granted to both {owner[minor]} and {name}")
@@ -254,12 +270,14 @@ class CrashableSidecar(Sidecar):
 
 @contextlib.contextmanager
 def quick_sidecar(
-    host: str = "dgx-1", cgroup_version: str = "v1", extra: tuple[str, ...] = ()
+    host: str = "dgx-1", cgroup_version: str = "v1", extra: tuple[str, ...] = (), env: dict[str, str] | None = None
 ) -> Iterator[CrashableSidecar]:
-    """``running_sidecar`` with the quick readiness wait; removes its work dir and cgroups after."""
+    """``running_sidecar`` with the quick readiness wait; removes its work dir and cgroups after.
+    ``env``: the first start's extra environment (a crash point), so that no start is spent without it."""
     work = tempfile.mkdtemp(prefix="gi-", dir="/tmp")
     root = f"{TEST_PARENT}/{os.getpid()}-{uuid.uuid4().hex[:8]}"
     sidecar = CrashableSidecar(work=work, host=host, cgroup_version=cgroup_version, cgroups_root=root, extra=extra)
+    sidecar.env = env or {}
     try:
         yield sidecar.start()
     finally:

@@ -147,10 +147,7 @@ def test_enforce_refuses_gpus_whose_cpus_this_machine_does_not_have_and_leaves_n
 
 @pytest.mark.parametrize("version", ROUTES[:2])
 def test_a_kill_between_recording_the_cpuset_and_writing_it_is_restored_at_start(version, sleepers):
-    with quick_sidecar("numa-2", version, extra=ENFORCE) as sidecar:
-        sidecar.terminate()
-        sidecar.env = {ENV: "cpuset.recorded:1"}
-        sidecar.start()
+    with quick_sidecar("numa-2", version, extra=ENFORCE, env={ENV: "cpuset.recorded:1"}) as sidecar:
         isolator = GrpcIsolator(sidecar.socket)
         with pytest.raises(HookFailed):
             isolator.prepare(container_id("victim"), gpus(1))

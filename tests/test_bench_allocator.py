@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import pytest
 from topologies import dgx1_volta, padded_trap, workstation
 
 _PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_allocator.py")
@@ -36,6 +37,7 @@ def test_run_reports_every_policy_per_host_and_counts_short_answers_as_refusals(
     assert "rel.sum" in bench.table(result)
 
 
+@pytest.mark.bench  # 5 s of CPU (the partition baseline's search on the 16-GPU host): `make bench` runs it
 def test_the_stream_scenario_reports_every_mix_and_topology_keeps_dgx1_quads_at_least_as_often():
     result = bench.stream({"dgx-1": dgx1_volta(), "ws": workstation()}, arrivals=150, seed=3)
     assert set(result) == {"dgx-1", "ws", "dgx-1x2"}

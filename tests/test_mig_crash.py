@@ -31,14 +31,10 @@ def mig_config(containerizer: Containerizer) -> dict:
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("point", POINTS)
 def test_mig_holder_survives_a_kill_at(point, version):
-    with quick_sidecar("dgx-a100", version) as sidecar:
+    with quick_sidecar("dgx-a100", version, env={ENV: f"{point}:1"}) as sidecar:
         isolator = GrpcIsolator(sidecar.socket)
         containerizer = Containerizer(isolator, sidecar.work)
         cid = container_id("crashy")
-        sidecar.kill()
-        sidecar.env = {ENV: f"{point}:1"}
-        sidecar.start()
-        isolator.__init__(sidecar.socket)
         try:
             isolator.prepare(cid, mig_config(containerizer))
             isolator.cleanup(cid)

@@ -38,14 +38,11 @@ def health(sidecar) -> dict[str, pb.HealthResponse.Check]:
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_a_kill_between_making_a_cgroup_and_restricting_it_is_repaired_before_serving(version):
-    with quick_sidecar("dgx-1", version) as sidecar:
-        # v2: SIGKILL after the deny-all's checkpoint, before its program is attached. v1 has no
-        # point between mkdir and the deny-all: kill after the record and make the cgroup by hand,
-        # as the kernel would have it (it inherits its parent's "a *:* rwm").
-        point = "v2.checkpoint:1" if version == "v2" else "prepare.recorded:1"
-        sidecar.terminate()
-        sidecar.env = {ENV: point}
-        sidecar.start()
+    # v2: SIGKILL after the deny-all's checkpoint, before its program is attached. v1 has no
+    # point between mkdir and the deny-all: kill after the record and make the cgroup by hand,
+    # as the kernel would have it (it inherits its parent's "a *:* rwm").
+    point = "v2.checkpoint:1" if version == "v2" else "prepare.recorded:1"
+    with quick_sidecar("dgx-1", version, env={ENV: point}) as sidecar:
         isolator = GrpcIsolator(sidecar.socket)
         with pytest.raises(HookFailed):
             isolator.prepare(container_id("victim"), gpus(1))

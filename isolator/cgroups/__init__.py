@@ -25,11 +25,13 @@ def controller_for(
     base: Iterable[DeviceRule] = MESOS_DEFAULT_WHITELIST,
     nvidia_majors: Callable[[], Iterable[int]] | None = None,
 ) -> V1DeviceController | V2DeviceController:
-    from isolator.cgroups.v1 import V1DeviceController
+    # Each version's module only where it is used: v2 brings the eBPF program builder and bpf(2).
+    if hierarchy.version == "v1":
+        from isolator.cgroups.v1 import V1DeviceController
+
+        return V1DeviceController(hierarchy.mount, cgroups_root, mode, base, nvidia_majors)
     from isolator.cgroups.v2 import V2DeviceController
 
-    if hierarchy.version == "v1":
-        return V1DeviceController(hierarchy.mount, cgroups_root, mode, base, nvidia_majors)
     return V2DeviceController(hierarchy.mount, state_dir, cgroups_root, mode, base, nvidia_majors=nvidia_majors)
 
 

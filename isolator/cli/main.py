@@ -629,9 +629,9 @@ def _topology_matrix(data: dict[str, Any]) -> str:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    config = configmod.resolve(args)  # a configuration error stops the start before the daemon is loaded
     from isolator.daemon import main as daemon
 
-    config = configmod.resolve(args)
     try:
         # SIGHUP reads the same flags and file again (flags still win over the file).
         return daemon.serve(config, reread=lambda: configmod.resolve(args))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -310,6 +309,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser, names: tuple[str, ...] 
 
 
 def load_file(path: str) -> dict[str, Any]:
+    import tomllib  # only where a config file is given: every start and admin command imports this module
+
     try:
         with open(path, "rb") as fh:
             data = tomllib.load(fh)

@@ -15,18 +15,20 @@ from dataclasses import replace
 from types import FrameType
 from typing import TYPE_CHECKING, Any, cast
 
-from isolator.core.service import IsolatorService
 from isolator.daemon.config import Config
 from isolator.errors import ConfigError, FailedPrecondition, GpusUnavailable, NvmlNotFound
-from isolator.model import COMPUTE_MODES, AuditReport
 from isolator.policy import gpuflags
-from isolator.transport.server import SidecarServer
 
+# The core and the gRPC server are imported where they are built, after the GPUs, the flags and the
+# host were checked: a start that must stop (exit 4, 78) says so without loading them first.
 if TYPE_CHECKING:
     from isolator.cgroups.cpuset import CpusetController
+    from isolator.core.service import IsolatorService
     from isolator.gpu.nvml import Inventory
     from isolator.host.cpus import SysCpus
+    from isolator.model import AuditReport
     from isolator.simhost.sim import SimulatedHost
+    from isolator.transport.server import SidecarServer
     from volumes.manager import VolumeManager
 
 LOG = logging.getLogger("isolator")
@@ -171,6 +173,9 @@ def build_service(
     cpus, cpusets = cpu_edges(config)
     store = StateStore(config.state_dir)
     try:
+        from isolator.core.service import IsolatorService
+        from isolator.model import COMPUTE_MODES
+
         if inventory is not None:
             keep_health_marks(inventory, store)
         return IsolatorService(
@@ -597,6 +602,8 @@ def _serve(config: Config, hup: threading.Event, reread: Callable[[], Config]) -
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    from isolator.transport.server import SidecarServer
+
     server = SidecarServer(config, service, observe if observers else None)
     try:
         server.start()

@@ -163,6 +163,9 @@ class FileSource:
         pending = b""
         while not stop.is_set():
             try:
+                if os.stat(self.path).st_size == self._offset:  # nothing new: one stat, no open and read
+                    stop.wait(self.poll_s)
+                    continue
                 with open(self.path, "rb") as fh:
                     fh.seek(self._offset)
                     data = fh.read()

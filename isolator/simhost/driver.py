@@ -7,6 +7,7 @@ minimal ELF writer here. The system's ldconfig writes the cache. Built trees are
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -149,9 +150,16 @@ def build_driver_root(
     if not driver_version or "/" in driver_version or driver_version.startswith("."):
         raise ValueError(f"failed to build driver root '{root}': bad driver version {driver_version!r}")
     cache_dir = cache_dir or os.environ.get("GPU_ISOLATOR_SIM_CACHE") or _default_cache()
+
+    def cached_tree(maker: str) -> str:
+        return os.path.join(cache_dir, f"driver-{driver_version}-{_cache_key(driver_version, maker)}")
+
+    # A tree gcc built is there only where gcc -m32 worked: every later start (each daemon of a test
+    # run) skips probing gcc again, a compiler run per start.
+    if elf32 is None and os.path.isdir(cached_tree("gcc")):
+        elf32 = "gcc"
     elf32_maker = elf32 or ("gcc" if _gcc_m32_works() else "writer")
-    key = _cache_key(driver_version, elf32_maker)
-    cached = os.path.join(cache_dir, f"driver-{driver_version}-{key}")
+    cached = cached_tree(elf32_maker)
     if not os.path.isdir(cached):
         _build_cached(cached, driver_version, elf32_maker)
     _overlay(cached, root)
@@ -219,6 +227,7 @@ def _default_cache() -> str:
     return os.path.join(tempfile.gettempdir(), f"gpu-isolator-simdriver-{os.getuid()}")
 
 
+@functools.cache
 def _cache_key(version: str, elf32_maker: str) -> str:
     with open(__file__, "rb") as fh:
         src = fh.read()

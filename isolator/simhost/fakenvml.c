@@ -32,7 +32,9 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <poll.h>
 #include <string.h>
+#include <sys/inotify.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -1093,20 +1095,60 @@ static int next_event(struct event_set *set, nvmlEventData_t *data) {
     return found;
 }
 
+/* A watch on the control directory, made before the first look at its files: a write after that
+ * look wakes the waiter at once. -1 where inotify is unavailable (then the waiter polls). */
+static int watch_control(void) {
+    if (!st || !st->control[0]) return -1;
+    int fd = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+    if (fd < 0) return -1;
+    if (inotify_add_watch(fd, st->control, IN_MODIFY | IN_CLOSE_WRITE | IN_MOVED_TO | IN_CREATE | IN_DELETE) < 0) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* Until a control file changes (or `ms` pass): the idle sidecar's health thread spends its time
+ * here, so it sleeps in the kernel instead of reading the control files 200 times a second. */
+static void wait_for_control(int fd, long ms) {
+    if (fd < 0 || ms > 100) ms = fd < 0 ? 5 : 100; /* polling where inotify failed; a re-check each 100 ms */
+    if (fd < 0) {
+        struct timespec nap = {0, ms * 1000 * 1000};
+        nanosleep(&nap, NULL);
+        return;
+    }
+    struct pollfd pfd = {fd, POLLIN, 0};
+    if (poll(&pfd, 1, (int)ms) > 0) {
+        char buf[4096];
+        while (read(fd, buf, sizeof buf) > 0) {
+        }
+    }
+}
+
 EXPORT int nvmlEventSetWait_v2(struct event_set *set, nvmlEventData_t *data, unsigned int timeoutms) {
     REQUIRE_INIT();
     if (!set || !data) return NVML_ERROR_INVALID_ARGUMENT;
-    struct timespec start, now, nap = {0, 5 * 1000 * 1000};
+    struct timespec start, now;
     clock_gettime(CLOCK_MONOTONIC, &start);
+    int fd = watch_control();
+    int rc;
     for (;;) {
-        int rc = injected(-1, "nvmlEventSetWait");
-        if (rc) return rc;
-        if (next_event(set, data)) return NVML_SUCCESS;
+        rc = injected(-1, "nvmlEventSetWait");
+        if (rc) break;
+        if (next_event(set, data)) {
+            rc = NVML_SUCCESS;
+            break;
+        }
         clock_gettime(CLOCK_MONOTONIC, &now);
         long elapsed = (now.tv_sec - start.tv_sec) * 1000 + (now.tv_nsec - start.tv_nsec) / 1000000;
-        if (elapsed >= (long)timeoutms) return NVML_ERROR_TIMEOUT;
-        nanosleep(&nap, NULL);
+        if (elapsed >= (long)timeoutms) {
+            rc = NVML_ERROR_TIMEOUT;
+            break;
+        }
+        wait_for_control(fd, (long)timeoutms - elapsed);
     }
+    if (fd >= 0) close(fd);
+    return rc;
 }
 
 EXPORT int nvmlEventSetWait(struct event_set *set, nvmlEventData_t *data, unsigned int timeoutms) {

@@ -406,7 +406,7 @@ class Containerizer:
         with open(spec_path, "w") as fh:
             json.dump(spec, fh)
         child = subprocess.Popen(
-            ["unshare", "--mount", "--propagation", "private", CONTAINER_PYTHON, "-I", str(INIT), spec_path],
+            ["unshare", "--mount", "--propagation", "private", CONTAINER_PYTHON, "-I", "-S", str(INIT), spec_path],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -1,4 +1,4 @@
-"""The container's init, as the Mesos launcher would run it (stdlib only; runs as ``python3 -I``).
+"""The container's init, as the Mesos launcher would run it (stdlib only; runs as ``python3 -I -S``).
 
 Started by the harness under ``unshare --mount --propagation private``, so it already has its own
 mount namespace. It waits on stdin until the harness has called Isolate with its pid, then

@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from isolator.cgroups import bpf
 from isolator.errors import BpfError
+from isolator.testing import forkserver
 from isolator.testing.sidecar import TEST_PARENT, Sidecar
 from isolator.transport.server import socket_is_live
 
@@ -237,9 +238,8 @@ class CrashableSidecar(Sidecar):
         self.log_path = os.path.join(self.work, "sidecar.log")
         if self._log is None:
             self._log = open(self.log_path, "a")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            self.argv(), stderr=self._log, stdout=self._log, text=True, env={**os.environ, **self.env}
-        )
+        log = self._log.fileno()  # type: ignore[attr-defined]
+        self.proc = forkserver.spawn(self.argv(), {**os.environ, **self.env}, log, log)
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from isolator.simhost.sim import SimulatedHost
+from isolator.testing import forkserver
 from isolator.testing.cgroupfs import TEST_PARENT, cgroup_mount, remove_cgroup_tree
 from isolator.transport.server import socket_is_live
 
@@ -36,7 +37,7 @@ class Sidecar:
     cgroups_root: str
     extra: tuple[str, ...] = ()
     mode: str = "standalone"
-    proc: subprocess.Popen[str] | None = None
+    proc: subprocess.Popen[str] | forkserver.ForkedDaemon | None = None
     log_path: str = ""
     _log: object = field(default=None, repr=False)
 
@@ -91,7 +92,7 @@ class Sidecar:
         self.log_path = os.path.join(self.work, "sidecar.log")
         log = open(self.log_path, "a")  # noqa: SIM115 - closed in stop()
         self._log = log
-        self.proc = subprocess.Popen(self.argv(), stderr=log, stdout=log, text=True)
+        self.proc = forkserver.spawn(self.argv(), dict(os.environ), log.fileno(), log.fileno())
         deadline = time.monotonic() + timeout
         wait_for_listener(self.socket, self.proc, deadline, self.log)
         with grpc.insecure_channel(self.address) as ch:
@@ -127,7 +128,7 @@ class Sidecar:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        return self.proc.returncode
+        return self.proc.wait()
 
     @property
     def cpuset_parents(self) -> list[str]:
@@ -152,7 +153,10 @@ class Sidecar:
 
 
 def wait_for_listener(
-    path: str, proc: subprocess.Popen[str], deadline: float, log: Callable[[], str] = lambda: ""
+    path: str,
+    proc: subprocess.Popen[str] | forkserver.ForkedDaemon,
+    deadline: float,
+    log: Callable[[], str] = lambda: "",
 ) -> None:
     """Until a connect to the Unix socket ``path`` succeeds, the process exits, or ``deadline`` passes.
 

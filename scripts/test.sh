@@ -27,12 +27,17 @@ checker=$!
 
 # Each worker imports every test module, and pytest rewrites a module's asserts on import unless its
 # cache (tests/__pycache__) holds the rewritten code: on a fresh clone all the workers would rewrite
-# every module at once (about 5 s of CPU each). One process writes the package's bytecode and that
-# cache first, beside the checks, whenever a source file is newer than the last time it did.
+# every module at once (about 5 s of CPU each). The package's bytecode and that cache are written
+# first, beside the checks, whenever a source file is newer than the last time they were.
 warmed=build/.bytecode-warm
 if [ ! -e "$warmed" ] || [ -n "$(find isolator volumes tests -name '*.py' -newer "$warmed" -print -quit)" ]; then
+    # In two processes, each collecting half of the test files (two cores: about 5 s instead of 8).
+    mapfile -t files < <(ls tests/test_*.py)
+    collect() { .venv/bin/python -m pytest --collect-only -q -p no:xdist -p no:cacheprovider "$@" >/dev/null; }
     .venv/bin/python -m compileall -q isolator volumes >/dev/null
-    .venv/bin/python -m pytest --collect-only -q -p no:xdist -p no:cacheprovider tests >/dev/null
+    collect "${files[@]:0:${#files[@]}/2}" tests/mesos &
+    collect "${files[@]:${#files[@]}/2}"
+    wait $!
     touch "$warmed"
 fi
 

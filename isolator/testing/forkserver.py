@@ -114,6 +114,9 @@ class ForkServer:
         self._sock = ours
         self._lock = threading.Lock()
         self._exits: dict[int, int] = {}
+        # CPU seconds (user + system) of the daemons reaped so far, for a per-test CPU count: they are
+        # the fork server's children, so they never appear in the worker's RUSAGE_CHILDREN.
+        self.children_cpu = 0.0
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "isolator.testing.forkserver", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),),
@@ -130,7 +133,7 @@ class ForkServer:
             while True:
                 message, fds = self._receive(block=True)
                 if "pid" in message:
-                    return ForkedDaemon(self, message["pid"], fds[0], argv)
+                    return ForkedDaemon(self, int(message["pid"]), fds[0], argv)
 
     def status(self, pid: int, timeout: float | None) -> int | None:
         """The exit status of ``pid`` once the fork server reaped it; None if not within ``timeout``.
@@ -141,13 +144,13 @@ class ForkServer:
                 while self._receive(block=False)[0]:
                     pass
                 if pid in self._exits:
-                    return self._exits.pop(pid)
+                    return int(self._exits.pop(pid))
             left = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
             if left <= 0:
                 return None
             select.select([self._sock], [], [], left)
 
-    def _receive(self, block: bool) -> tuple[dict[str, int], list[int]]:
+    def _receive(self, block: bool) -> tuple[dict[str, float], list[int]]:
         """One message (the caller holds the lock); exit reports are filed as they come."""
         flags = 0 if block else socket.MSG_DONTWAIT
         try:
@@ -159,6 +162,7 @@ class ForkServer:
         message = json.loads(data)
         if "exit" in message:
             self._exits[message["exit"]] = message["status"]
+            self.children_cpu += message["cpu"]
         return message, fds
 
     def close(self) -> None:
@@ -243,14 +247,15 @@ def _serve(sock: socket.socket) -> tuple[list[str], dict[str, str], str, list[in
 def _reap(sock: socket.socket) -> None:
     while True:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
         code = os.waitstatus_to_exitcode(status)
+        cpu = usage.ru_utime + usage.ru_stime
         with contextlib.suppress(OSError):
-            sock.send(json.dumps({"exit": pid, "status": code}).encode())
+            sock.send(json.dumps({"exit": pid, "status": code, "cpu": cpu}).encode())
 
 
 def _child(argv: list[str], env: dict[str, str], cwd: str, fds: list[int]) -> None:

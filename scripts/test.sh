@@ -17,11 +17,18 @@ seconds() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.0f", b - a }'; }
 unset PYTHONDONTWRITEBYTECODE
 
 started=$(now)
+(
+    checks_started=$(now)
+    make --no-print-directory check >build/check.log 2>&1
+    rc=$?
+    echo "$rc $(seconds "$checks_started" "$(now)")" >build/check.status
+) &
+checker=$!
 
 # Each worker imports every test module, and pytest rewrites a module's asserts on import unless its
 # cache (tests/__pycache__) holds the rewritten code: on a fresh clone all the workers would rewrite
 # every module at once (about 5 s of CPU each). The package's bytecode and that cache are written
-# first, whenever a source file is newer than the last time they were.
+# first, beside the checks, whenever a source file is newer than the last time they were.
 warmed=build/.bytecode-warm
 if [ ! -e "$warmed" ] || [ -n "$(find isolator volumes tests -name '*.py' -newer "$warmed" -print -quit)" ]; then
     # In two processes, each collecting half of the test files (two cores: about 5 s instead of 8).
@@ -33,15 +40,6 @@ if [ ! -e "$warmed" ] || [ -n "$(find isolator volumes tests -name '*.py' -newer
     wait $!
     touch "$warmed"
 fi
-
-# The checks start once the warm-up is done (it has both cores meanwhile) and run beside the tests.
-(
-    checks_started=$(now)
-    make --no-print-directory check >build/check.log 2>&1
-    rc=$?
-    echo "$rc $(seconds "$checks_started" "$(now)")" >build/check.status
-) &
-checker=$!
 
 # --dist loadgroup: tests marked xdist_group (a shared daemon, or a reading of a process's memory or
 # threads) stay together on one worker; the others go to whichever worker is free.

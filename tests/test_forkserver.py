@@ -88,3 +88,13 @@ def test_a_forked_daemon_is_signalled_waited_for_and_times_out_like_a_child():
         assert proc.wait(timeout=30) == -signal.SIGKILL
         assert proc.poll() == -signal.SIGKILL
         proc.kill()  # a signal after the exit reaches nobody (the pidfd names the dead process only)
+
+
+def test_run_captures_a_commands_output_and_status_as_subprocess_run_does(monkeypatch):
+    argv = [*PYTHON_M, "serve", "--bogus"]
+    forked = forkserver.run(argv)
+    execd = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert (forked.returncode, forked.stdout, forked.stderr) == (execd.returncode, execd.stdout, execd.stderr)
+    assert forked.returncode == 2 and "--bogus" in forked.stderr
+    version = forkserver.run([*PYTHON_M, "--version"])
+    assert version.returncode == 0 and version.stdout.startswith("gpu-isolator ")

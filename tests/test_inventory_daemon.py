@@ -19,11 +19,12 @@ from hostexpect import gpus_json, topology_json
 from isolator.cli import main as cli
 from isolator.simhost.host import HOSTS_DIR, load_host, shipped_hosts
 from isolator.simhost.sim import SimulatedHost
+from isolator.testing import forkserver
 from isolator.testing.sidecar import wait_for_listener
 
 
 def _cli(*argv: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "isolator", *argv], capture_output=True, text=True, timeout=timeout)
+    return forkserver.run([sys.executable, "-m", "isolator", *argv], timeout=timeout)
 
 
 def _ask(*argv: str) -> subprocess.CompletedProcess[str]:

@@ -15,7 +15,7 @@ from isolator.daemon.config import Config
 from isolator.errors import SocketError
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
-from isolator.testing import StubService
+from isolator.testing import StubService, forkserver
 from isolator.transport.server import SidecarServer
 
 
@@ -212,7 +212,7 @@ def test_socket_directory_on_a_read_only_mount_is_refused(short_tmp):
 
 
 def _cli(*argv: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "isolator", *argv], capture_output=True, text=True, timeout=timeout)
+    return forkserver.run([sys.executable, "-m", "isolator", *argv], timeout=timeout)
 
 
 @pytest.mark.parametrize(

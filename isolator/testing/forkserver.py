@@ -205,6 +205,25 @@ def spawn(
     return server.spawn(argv, env, stdout, stderr, cwd)
 
 
+def run(argv: Sequence[str], timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(argv, capture_output=True, text=True, timeout=timeout)`` for a
+    ``python -m isolator ...`` command, forked from the fork server (a CLI command's output and
+    exit status, as the exec'd command's: tests/test_forkserver.py)."""
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = spawn(argv, dict(os.environ), out.fileno(), err.fileno())
+        try:
+            status = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(list(argv), status, out.read(), err.read())
+
+
 # ---- the fork server itself ---------------------------------------------------------------------
 
 

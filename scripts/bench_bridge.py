@@ -19,10 +19,10 @@ import time
 from typing import Any
 
 from isolator.bridge import command as bridge
-from isolator.daemon.config import Config
 from isolator.model import ContainerConfig, ContainerId, LaunchInfo
 from isolator.testing import StubService
 from isolator.transport.server import SidecarServer
+from isolator.transport.settings import ServerSettings
 
 PREPARE_INPUT = {
     "container_id": {"value": "bench"},
@@ -61,15 +61,15 @@ def _median_wall(argv: list[str], calls: int) -> float:
 def measure(calls: int = 50) -> dict[str, Any]:
     """Median seconds per call: the bridge's prepare, `python3 -I -S -c pass`, and a console script."""
     tmp = tempfile.mkdtemp(prefix="gi-bench-", dir="/tmp")
-    server = SidecarServer(Config(socket=os.path.join(tmp, "s.sock")), _InstantService())
+    server = SidecarServer(ServerSettings(socket=os.path.join(tmp, "s.sock")), _InstantService())
     server.start()
     try:
-        paths = bridge.install(os.path.join(tmp, "bin"), socket_path=server.config.bridge_path)
+        paths = bridge.install(os.path.join(tmp, "bin"), socket_path=server.settings.bridge_path)
         console_dir = os.path.join(tmp, "console")
         os.mkdir(console_dir)
         console = os.path.join(console_dir, "gpu-isolator-prepare")
         with open(console, "w") as fh:
-            fh.write(CONSOLE_SCRIPT.format(python=sys.executable, socket=server.config.bridge_path))
+            fh.write(CONSOLE_SCRIPT.format(python=sys.executable, socket=server.settings.bridge_path))
         os.chmod(console, 0o755)
         files = [os.path.join(tmp, name) for name in ("in", "out", "err")]
         with open(files[0], "w") as fh:
@@ -84,7 +84,7 @@ def measure(calls: int = 50) -> dict[str, Any]:
         compiled_s = None
         if compiled is not None:
             c_paths = bridge.install(
-                os.path.join(tmp, "bin-c"), socket_path=server.config.bridge_path, compiled=compiled
+                os.path.join(tmp, "bin-c"), socket_path=server.settings.bridge_path, compiled=compiled
             )
             compiled_s = _median_wall([c_paths[1], *files], calls)
     finally:

@@ -30,11 +30,12 @@ SERVER = """
 import signal, sys, threading
 from isolator.daemon.config import Config
 from isolator.transport.server import SidecarServer
+from isolator.transport.settings import ServerSettings
 from isolator.testing import StubService
 class Quick(StubService):
     def cleanup(self, container_id):
         return None
-srv = SidecarServer(Config(socket=sys.argv[1], bridge_socket=""), Quick())
+srv = SidecarServer(ServerSettings(socket=sys.argv[1], bridge_socket=""), Quick())
 srv.start()
 print("ready", flush=True)
 sys.stdin.read()

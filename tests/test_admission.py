@@ -19,12 +19,12 @@ from typing import Any
 import grpc
 import pytest
 
-from isolator.daemon.config import Config
 from isolator.model import ContainerConfig, ContainerId, LaunchInfo
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
 from isolator.testing import StubService
 from isolator.transport.server import SidecarServer
+from isolator.transport.settings import ServerSettings
 
 LIMIT = 4
 WAIT = 60.0
@@ -65,7 +65,7 @@ def held(short_tmp):
     """A sidecar with LIMIT calls in flight at most and as many workers: LIMIT held Prepares take
     every admission slot and every worker."""
     service = HeldService()
-    cfg = Config(socket=os.path.join(short_tmp, "run", "s.sock"), max_concurrent_rpcs=LIMIT, max_workers=LIMIT)
+    cfg = ServerSettings(socket=os.path.join(short_tmp, "run", "s.sock"), max_concurrent_rpcs=LIMIT, max_workers=LIMIT)
     server = SidecarServer(cfg, service)
     server.start()
     try:
@@ -110,7 +110,7 @@ def in_background(fn: Callable[[], Any]) -> threading.Thread:
 def hold_limit_over_the_bridge(server: SidecarServer, service: HeldService) -> list[threading.Thread]:
     replies: list[bytes] = []
     threads = [
-        in_background(lambda i=i: replies.append(bridge_call(server.config.bridge_path, "prepare", f"held-{i}")))
+        in_background(lambda i=i: replies.append(bridge_call(server.settings.bridge_path, "prepare", f"held-{i}")))
         for i in range(LIMIT)
     ]
     until(lambda: service.inside >= LIMIT, f"{LIMIT} bridge Prepares inside the service")
@@ -148,7 +148,7 @@ def test_the_dispatcher_counts_both_routes_against_one_limit_and_never_sheds_cle
 
 def test_a_flood_of_bridge_prepares_at_the_limit_still_admits_a_bridge_cleanup(held):
     server, service = held
-    path = server.config.bridge_path
+    path = server.settings.bridge_path
     holders = hold_limit_over_the_bridge(server, service)
     dispatcher = server._dispatcher
     assert dispatcher is not None
@@ -196,7 +196,7 @@ def test_a_flood_of_bridge_prepares_at_the_limit_still_admits_a_bridge_cleanup(h
 
 def test_grpc_prepares_at_the_limit_shed_bridge_prepares_and_still_admit_a_bridge_cleanup(held):
     server, service = held
-    path = server.config.bridge_path
+    path = server.settings.bridge_path
     with grpc.insecure_channel(server.address) as channel:
         stub = pb_grpc.IsolatorStub(channel)
         futures = [grpc_prepare(stub, f"grpc-{i}") for i in range(LIMIT)]
@@ -242,7 +242,9 @@ def test_bridge_prepares_at_the_limit_shed_grpc_prepares_and_still_admit_a_grpc_
 def test_calls_in_flight_never_exceed_the_limit_across_both_routes(short_tmp):
     # More workers than the limit, so that only admission can hold the calls inside to LIMIT.
     service = HeldService()
-    cfg = Config(socket=os.path.join(short_tmp, "run", "s.sock"), max_concurrent_rpcs=LIMIT, max_workers=4 * LIMIT)
+    cfg = ServerSettings(
+        socket=os.path.join(short_tmp, "run", "s.sock"), max_concurrent_rpcs=LIMIT, max_workers=4 * LIMIT
+    )
     server = SidecarServer(cfg, service)
     server.start()
     stop = threading.Event()
@@ -269,7 +271,7 @@ def test_calls_in_flight_never_exceed_the_limit_across_both_routes(short_tmp):
         n = 0
         while not stop.is_set():
             n += 1
-            reply = bridge_call(server.config.bridge_path, "prepare", f"{name}-{n}")
+            reply = bridge_call(server.settings.bridge_path, "prepare", f"{name}-{n}")
             if reply.startswith(b"RETRY "):
                 count(shed, "bridge")
             else:

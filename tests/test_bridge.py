@@ -42,6 +42,7 @@ from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
 from isolator.testing import StubService, mesos_json
 from isolator.transport.server import SidecarServer
+from isolator.transport.settings import ServerSettings
 
 MS_RDONLY, MS_BIND, MS_REC = 1, 4096, 16384
 
@@ -138,8 +139,8 @@ class RecordingService(StubService):
         self.calls.append(("isolate", str(container_id), pid))
         self.callers.append(caller)
 
-    def watch(self, container_id: ContainerId, timeout: float | None) -> Limitation | None:
-        self.calls.append(("watch", str(container_id), timeout))
+    def watch(self, container_id: ContainerId) -> Limitation | None:
+        self.calls.append(("watch", str(container_id)))
         if str(container_id).startswith("gone"):
             raise ContainerGone(container=str(container_id))
         if str(container_id).startswith("unknown"):
@@ -175,7 +176,9 @@ def service() -> RecordingService:
 
 @pytest.fixture
 def sidecar(short_tmp, service):
-    srv = SidecarServer(Config(socket=os.path.join(short_tmp, "run", "s.sock"), max_message_bytes=64 * 1024), service)
+    srv = SidecarServer(
+        ServerSettings(socket=os.path.join(short_tmp, "run", "s.sock"), max_message_bytes=64 * 1024), service
+    )
     srv.start()
     try:
         yield srv
@@ -199,7 +202,7 @@ def install_bridge(request) -> Callable[..., list[str]]:
 @pytest.fixture
 def bin_dir(short_tmp, sidecar, install_bridge) -> str:
     directory = os.path.join(short_tmp, "bin")
-    install_bridge(directory, socket_path=sidecar.config.bridge_path)
+    install_bridge(directory, socket_path=sidecar.settings.bridge_path)
     return directory
 
 
@@ -334,7 +337,7 @@ def test_cleanup_while_the_sidecar_is_down_exits_0_and_says_so_in_the_agent_log(
 def test_watch_writes_nothing_while_there_is_no_limitation_and_does_not_block(bin_dir, service):
     run = call(bin_dir, "watch", {"container_id": {"value": "c1"}, "container_config": {}})
     assert (run.returncode, run.out, run.err) == (0, "", "")
-    assert service.calls == [("watch", "c1", 0.0)]  # a poll: the module calls again every period
+    assert service.calls == [("watch", "c1")]  # a poll: the module calls again every period
 
 
 def test_watch_writes_the_limitation_with_the_fields_mesos_requires(bin_dir, service):
@@ -475,7 +478,7 @@ def test_launcher_takes_the_method_as_a_first_argument_for_people(bin_dir, servi
     launcher = os.path.join(bin_dir, bridge.LAUNCHER)
     result = subprocess.run([launcher, "watch", path, out, err], capture_output=True, timeout=60)
     assert (result.returncode, result.stdout) == (0, b"")
-    assert service.calls == [("watch", "c9", 0.0)]
+    assert service.calls == [("watch", "c9")]
 
 
 def test_a_bad_timeout_setting_exits_2(bin_dir):
@@ -555,7 +558,7 @@ def test_a_call_slower_than_the_deadline_fails_without_waiting_for_the_service(b
     assert service.entered.wait(30), "the call never reached the service"
     assert run.returncode == bridge.EXIT_DEADLINE
     assert one_line(run.err) == (
-        f"gpu-isolator prepare: no answer from the sidecar at '{sidecar.config.bridge_path}' within 0.5 s"
+        f"gpu-isolator prepare: no answer from the sidecar at '{sidecar.settings.bridge_path}' within 0.5 s"
     )
 
 
@@ -617,14 +620,14 @@ def raw_call(path: str, data: bytes) -> bytes:
     ids=["update", "recover", "version", "no-timeout", "no-header"],
 )
 def test_requests_outside_the_protocol_get_an_error_reply(sidecar, service, data, reply):
-    answer = raw_call(sidecar.config.bridge_path, data)
+    answer = raw_call(sidecar.settings.bridge_path, data)
     assert answer.startswith(reply)
     assert answer.endswith(b"\n") and answer.count(b"\n") == 1
     assert service.calls == []
 
 
 def test_bridge_socket_is_born_0600_next_to_the_grpc_socket_and_removed_at_stop(short_tmp):
-    srv = SidecarServer(Config(socket=os.path.join(short_tmp, "s.sock")), RecordingService())
+    srv = SidecarServer(ServerSettings(socket=os.path.join(short_tmp, "s.sock")), RecordingService())
     srv.start()
     try:
         st = os.stat(os.path.join(short_tmp, "s.sock.bridge"))
@@ -636,7 +639,7 @@ def test_bridge_socket_is_born_0600_next_to_the_grpc_socket_and_removed_at_stop(
 
 
 def test_empty_bridge_setting_serves_no_bridge(short_tmp):
-    srv = SidecarServer(Config(socket=os.path.join(short_tmp, "s.sock"), bridge_socket=""), RecordingService())
+    srv = SidecarServer(ServerSettings(socket=os.path.join(short_tmp, "s.sock"), bridge_socket=""), RecordingService())
     srv.start()
     try:
         assert sorted(os.listdir(short_tmp)) == ["s.sock", "s.sock.d", "s.sock.lock"]
@@ -646,11 +649,13 @@ def test_empty_bridge_setting_serves_no_bridge(short_tmp):
 
 def test_a_live_bridge_socket_is_not_stolen_and_the_second_server_leaves_nothing(short_tmp):
     bridge_path = os.path.join(short_tmp, "shared.bridge")
-    first = SidecarServer(Config(socket=os.path.join(short_tmp, "a.sock"), bridge_socket=bridge_path), StubService())
+    first = SidecarServer(
+        ServerSettings(socket=os.path.join(short_tmp, "a.sock"), bridge_socket=bridge_path), StubService()
+    )
     first.start()
     try:
         second = SidecarServer(
-            Config(socket=os.path.join(short_tmp, "b.sock"), bridge_socket=bridge_path), StubService()
+            ServerSettings(socket=os.path.join(short_tmp, "b.sock"), bridge_socket=bridge_path), StubService()
         )
         with pytest.raises(SocketError, match="another sidecar holds"):
             second.start()
@@ -666,7 +671,7 @@ def test_a_caller_outside_the_allowed_uids_and_gids_is_refused(short_tmp):
     os.chmod(short_tmp, 0o755)
     nogroup = grp.getgrnam("nogroup").gr_gid
     # The socket lets the group in (0660, group nogroup), so the refusal below is the sidecar's own.
-    cfg = Config(socket=os.path.join(short_tmp, "s.sock"), socket_mode=0o660, socket_group="nogroup")
+    cfg = ServerSettings(socket=os.path.join(short_tmp, "s.sock"), socket_mode=0o660, socket_group="nogroup")
     service = RecordingService()
     srv = SidecarServer(cfg, service)
     srv.start()
@@ -754,9 +759,9 @@ def test_install_writes_a_launcher_that_skips_site_and_one_link_per_method(short
     ],
 )
 def test_the_bridge_refuses_a_boolean_where_mesos_writes_a_number(request_type: str, payload: str, where: str) -> None:
-    from isolator.bridge.listener import decode_input
     from isolator.errors import InvalidArgument
     from isolator.rpc import isolator_pb2
+    from isolator.transport.bridge import decode_input
 
     with pytest.raises(InvalidArgument, match=rf"{re.escape(where)} must be a number, not a boolean"):
         decode_input(payload.encode(), getattr(isolator_pb2, request_type))
@@ -803,7 +808,7 @@ def test_a_malformed_settings_file_beside_the_compiled_bridge_fails_the_call(sho
     directory = os.path.join(short_tmp, "bin")
     compiled = bridge.compiled_bridge()
     assert compiled is not None
-    bridge.install(directory, socket_path=sidecar.config.bridge_path, compiled=compiled)
+    bridge.install(directory, socket_path=sidecar.settings.bridge_path, compiled=compiled)
     conf = os.path.join(directory, bridge.CONF_NAME)
     with open(conf, "a") as fh:
         fh.write("sockte=/elsewhere\n")
@@ -999,7 +1004,7 @@ def _wait_for(predicate: Callable[[], bool], budget: float = 30.0) -> None:
 @pytest.fixture
 def one_slot(short_tmp, service):
     """A sidecar admitting one call at a time (both routes), so that a second call while a first one runs is shed."""
-    cfg = Config(socket=os.path.join(short_tmp, "run", "s.sock"), max_concurrent_rpcs=1)
+    cfg = ServerSettings(socket=os.path.join(short_tmp, "run", "s.sock"), max_concurrent_rpcs=1)
     srv = SidecarServer(cfg, service)
     srv.start()
     try:
@@ -1013,11 +1018,11 @@ def one_slot(short_tmp, service):
 def test_a_shed_call_is_answered_retry_and_never_reaches_the_service(one_slot, service, short_tmp, install_bridge):
     service.gate = threading.Event()
     directory = os.path.join(short_tmp, "bin")
-    install_bridge(directory, socket_path=one_slot.config.bridge_path)
+    install_bridge(directory, socket_path=one_slot.settings.bridge_path)
     first, _ = _popen(directory, "prepare", {"container_id": {"value": "first"}}, short_tmp, "first")
     try:
         assert service.entered.wait(30), "the first call never reached the service"
-        answer = raw_call(one_slot.config.bridge_path, b'gpu-isolator-bridge/1 prepare 1000\n{"container_id": {}}')
+        answer = raw_call(one_slot.settings.bridge_path, b'gpu-isolator-bridge/1 prepare 1000\n{"container_id": {}}')
         assert answer.startswith(b"RETRY 20 RESOURCE_EXHAUSTED the sidecar is busy: 1 calls in flight"), answer
         assert answer.count(b"\n") == 1
         # Shed until the deadline: the reason comes back as for an ERROR, and the call never ran.
@@ -1034,7 +1039,7 @@ def test_a_shed_call_is_answered_retry_and_never_reaches_the_service(one_slot, s
 def test_a_shed_call_is_asked_again_and_succeeds_once_a_slot_is_free(one_slot, service, short_tmp, install_bridge):
     service.gate = threading.Event()
     directory = os.path.join(short_tmp, "bin")
-    install_bridge(directory, socket_path=one_slot.config.bridge_path)
+    install_bridge(directory, socket_path=one_slot.settings.bridge_path)
     listener = one_slot._bridge
     assert listener is not None
     first, _ = _popen(directory, "prepare", {"container_id": {"value": "first"}}, short_tmp, "first")
@@ -1069,13 +1074,13 @@ class GpusGone(RecordingService):
 
 def test_no_free_gpu_is_final_the_bridge_fails_at_once_without_retrying(short_tmp, install_bridge):
     gone = GpusGone()
-    srv = SidecarServer(Config(socket=os.path.join(short_tmp, "run", "s.sock")), gone)
+    srv = SidecarServer(ServerSettings(socket=os.path.join(short_tmp, "run", "s.sock")), gone)
     srv.start()
     try:
         directory = os.path.join(short_tmp, "bin")
-        install_bridge(directory, socket_path=srv.config.bridge_path, timeout=20)
+        install_bridge(directory, socket_path=srv.settings.bridge_path, timeout=20)
         assert raw_call(
-            srv.config.bridge_path, b"gpu-isolator-bridge/1 prepare 1000\n" + json.dumps(MESOS_PREPARE_INPUT).encode()
+            srv.settings.bridge_path, b"gpu-isolator-bridge/1 prepare 1000\n" + json.dumps(MESOS_PREPARE_INPUT).encode()
         ) == (b"ERROR RESOURCE_EXHAUSTED Requested 9 gpus but only 8 available\n")
         gone.calls.clear()
         run = call(directory, "prepare", MESOS_PREPARE_INPUT)
@@ -1177,10 +1182,10 @@ def test_load_shedding_until_the_deadline_reports_the_code_and_message(short_tmp
 def test_a_bridge_call_turned_away_for_load_is_answered_retry_and_a_final_refusal_error(short_tmp):
     service = RecordingService()
     service.gate = threading.Event()
-    srv = SidecarServer(Config(socket=os.path.join(short_tmp, "run", "s.sock"), max_concurrent_rpcs=1), service)
+    srv = SidecarServer(ServerSettings(socket=os.path.join(short_tmp, "run", "s.sock"), max_concurrent_rpcs=1), service)
     srv.start()
     try:
-        path = srv.config.bridge_path
+        path = srv.settings.bridge_path
         request = b"gpu-isolator-bridge/1 prepare 5000\n" + json.dumps(MESOS_PREPARE_INPUT).encode()
         held = threading.Thread(target=raw_call, args=(path, request), daemon=True)
         held.start()
@@ -1213,6 +1218,6 @@ def test_the_modules_watch_poll_after_cleanup_is_quiet_and_an_unknown_container_
     assert (run.returncode, run.out) == (0, "")
     assert "NOT_FOUND: unknown container unknown-1" in run.stderr
     # gRPC: an open Watch on a container that is gone ends NOT_FOUND.
-    with grpc.insecure_channel("unix:" + sidecar.config.socket) as channel, pytest.raises(grpc.RpcError) as gone:
+    with grpc.insecure_channel("unix:" + sidecar.settings.socket) as channel, pytest.raises(grpc.RpcError) as gone:
         pb_grpc.IsolatorStub(channel).Watch(pb.WatchRequest(container_id=pb.ContainerID(value="gone-2")), timeout=10)
     assert gone.value.code() == grpc.StatusCode.NOT_FOUND

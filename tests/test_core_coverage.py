@@ -53,8 +53,6 @@ def public_methods(cls: type) -> set[str]:
 # Reached only through another public method (each named with the one its tests call).
 INDIRECT = {
     "sync_health": "recover",
-    "generation": "watch",
-    "wait_for_change": "watch",
     "notify": "cleanup",
     "rules": "prepare",
     "compute": "prepare",

@@ -6,7 +6,6 @@ is read from the fake cgroup backend; faults are injected at named steps (isolat
 
 from __future__ import annotations
 
-import threading
 from unittest import mock
 
 import pytest
@@ -374,19 +373,19 @@ def test_a_shrink_whose_revocation_fails_keeps_the_gpus_recorded(rig: Rig) -> No
 def test_watch_answers_nothing_until_a_held_gpu_becomes_unhealthy(rig: Rig) -> None:
     a = cid("a")
     rig.service.prepare(a, gpus(2))
-    assert rig.service.watch(a, 0) is None
+    assert rig.service.watch(a) is None
     rig.inventory.xid(7, 79)  # not one of a's
-    assert rig.service.watch(a, 0) is None
+    assert rig.service.watch(a) is None
     rig.inventory.xid(held(rig, a)[0], 79)
-    limitation = rig.service.watch(a, 0)
+    limitation = rig.service.watch(a)
     assert limitation is not None and limitation.gpus == 1
     assert limitation.reason == "REASON_CONTAINER_LIMITATION"
     assert "XID 79" in limitation.message and "container a holds a GPU that became unhealthy" in limitation.message
-    assert rig.service.watch(cid("a.child"), 0) is not None, "a nested container watches its parent's GPUs"
+    assert rig.service.watch(cid("a.child")) is not None, "a nested container watches its parent's GPUs"
 
 
 def test_subscribers_hear_of_their_containers_going_away_and_of_every_health_change(rig: Rig) -> None:
-    # The non-blocking twin of watch's wait (the server's Watch awaits these callbacks, no thread).
+    # What a waiting Watch waits on (the transport's Watch awaits these callbacks; the core never waits).
     a, b = cid("a"), cid("b")
     rig.service.prepare(a, gpus(1))
     rig.service.prepare(b, gpus(1))
@@ -398,7 +397,7 @@ def test_subscribers_hear_of_their_containers_going_away_and_of_every_health_cha
     assert heard == ["all"], "b going away is not a's business"
     rig.inventory.xid(held(rig, a)[0], 79)
     assert sorted(heard[1:]) == ["a", "all"]
-    assert rig.service.watch(a, 0) is not None  # what a woken Watch re-checks
+    assert rig.service.watch(a) is not None  # what a woken Watch re-checks
     rig.service.cleanup(a)
     assert sorted(heard[3:]) == ["a", "all"]
     stop_a()
@@ -422,22 +421,10 @@ def test_a_failing_subscriber_does_not_fail_the_hook(rig: Rig) -> None:
     stop()
 
 
-def test_a_waiting_watch_wakes_on_the_xid(rig: Rig) -> None:
-    a = cid("a")
-    rig.service.prepare(a, gpus(1))
-    out = []
-    # The watch's own timeout is far beyond the join: only the wake-up can end it in time.
-    waiter = threading.Thread(target=lambda: out.append(rig.service.watch(a, 3600)), daemon=True)
-    waiter.start()
-    rig.inventory.xid(held(rig, a)[0], 48)
-    waiter.join(60)
-    assert not waiter.is_alive() and out and out[0] is not None
-
-
 def test_watch_of_an_unknown_container(rig: Rig) -> None:
     with pytest.raises(NotFound):
-        rig.service.watch(cid("nobody"), 0)
-    assert rig.service.watch(cid("nobody.child"), 0) is None
+        rig.service.watch(cid("nobody"))
+    assert rig.service.watch(cid("nobody.child")) is None
 
 
 def test_watch_of_a_container_cleaned_up_lately_is_told_apart_from_an_unknown_one(rig: Rig) -> None:
@@ -447,22 +434,20 @@ def test_watch_of_a_container_cleaned_up_lately_is_told_apart_from_an_unknown_on
     rig.service.prepare(a, gpus(1))
     rig.service.cleanup(a)
     with pytest.raises(ContainerGone):
-        rig.service.watch(a, 0)
-    with pytest.raises(ContainerGone):
-        rig.service.watch(a, 3600)  # a container that is gone is not waited on
+        rig.service.watch(a)
     # Also after a cleanup of a container that was never prepared (its prepare failed).
     with pytest.raises(GpusExhausted):
         rig.service.prepare(failed, gpus(9))
     rig.service.cleanup(failed)
     with pytest.raises(ContainerGone):
-        rig.service.watch(failed, 0)
+        rig.service.watch(failed)
     # A container never seen is plainly unknown, and one prepared again is watched again.
     with pytest.raises(NotFound) as unknown:
-        rig.service.watch(cid("nobody"), 0)
+        rig.service.watch(cid("nobody"))
     assert not isinstance(unknown.value, ContainerGone)
     rig.service.prepare(a, gpus(1))
     rig.inventory.xid(held(rig, a)[0], 79)
-    assert rig.service.watch(a, 0) is not None
+    assert rig.service.watch(a) is not None
 
 
 def test_usage_and_status_report_the_held_gpus(rig: Rig) -> None:

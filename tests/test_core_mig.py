@@ -74,9 +74,9 @@ def test_an_xid_on_the_parent_limits_its_mig_holders_only():
     svc.prepare(cid("on1"), config(**{"1g_5gb": 1}))  # GPU 1
     svc.prepare(cid("on2"), config(**{"3g_20gb": 1}))  # GPU 0
     rig.inventory.xid(1, 79)
-    lim = svc.watch(cid("on1"), timeout=0)
+    lim = svc.watch(cid("on1"))
     assert lim is not None and lim.gpus == 0 and lim.mig == (("mig-1g.5gb", 1),) and "XID 79" in lim.message
-    assert svc.watch(cid("on2"), timeout=0) is None
+    assert svc.watch(cid("on2")) is None
     # The sick GPU's devices are no longer handed out.
     with pytest.raises(ResourceExhausted):
         svc.prepare(cid("next"), config(**{"1g_5gb": 2}))

@@ -1,4 +1,4 @@
-"""The servicers' worker pool (isolator.transport.serving.HookPool): Cleanup is taken before queued calls and
+"""The handlers' worker pool (isolator.transport.serving.HookPool): Cleanup is taken before queued calls and
 has threads of its own, so it never waits behind Prepares or for workers stuck in long calls.
 
 In-process: the pool is plain threads; each test blocks workers on events it controls, so nothing
@@ -8,6 +8,8 @@ here depends on timing.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -37,6 +39,18 @@ class FakeContext:
 
     async def abort(self, code: object, details: str) -> None:
         raise Refused(code, details)
+
+
+class Handler:
+    """One handler behind the handlers' entry (``Handlers.handle``) that the Dispatcher calls."""
+
+    observer = None
+
+    def __init__(self, fn: Callable[[Any, Any], Any]) -> None:
+        self.fn = fn
+
+    def handle(self, hook: str, request: Any, call: Any) -> Any:
+        return self.fn(request, call)
 
 
 class Gate:
@@ -429,7 +443,9 @@ def test_a_caller_cancelled_while_its_call_is_queued_leaves_the_dispatcher_and_t
         assert await asyncio.wrap_future(asyncio.get_running_loop().run_in_executor(None, gate.started.wait, WAIT))
         request = Request()
         ref = weakref.ref(request)
-        task = asyncio.ensure_future(dispatcher.run("Prepare", lambda r, c: ran.append("ran"), request, FakeContext()))
+        task = asyncio.ensure_future(
+            dispatcher.run("Prepare", Handler(lambda r, c: ran.append("ran")), request, FakeContext())
+        )
         del request
         while dispatcher.calls == 0:
             await asyncio.sleep(0)  # a turn of the loop, not a timed wait
@@ -475,17 +491,21 @@ def test_with_every_worker_and_admission_slot_taken_other_calls_are_refused_but_
 
     async def scenario() -> tuple[object, ...]:
         loop = asyncio.get_running_loop()
-        prepare = asyncio.ensure_future(dispatcher.run("Prepare", lambda r, c: gate("prepared"), None, FakeContext()))
+        prepare = asyncio.ensure_future(
+            dispatcher.run("Prepare", Handler(lambda r, c: gate("prepared")), None, FakeContext())
+        )
         assert await loop.run_in_executor(None, gate.started.wait, WAIT)
         context = FakeContext()
         try:
-            await dispatcher.run("Status", lambda r, c: "status", None, context)
+            await dispatcher.run("Status", Handler(lambda r, c: "status"), None, context)
             refused: object = None
         except Refused as exc:
             refused = exc.args[0]
         # Turned away for load: retryable, in gRPC's standard trailer.
         assert context.trailing == (("grpc-retry-pushback-ms", "20"),)
-        cleaned = await asyncio.wait_for(dispatcher.run("Cleanup", lambda r, c: "cleaned", None, FakeContext()), WAIT)
+        cleaned = await asyncio.wait_for(
+            dispatcher.run("Cleanup", Handler(lambda r, c: "cleaned"), None, FakeContext()), WAIT
+        )
         still_stuck = not prepare.done()
         gate.release.set()
         return refused, cleaned, still_stuck, await prepare

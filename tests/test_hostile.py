@@ -20,11 +20,11 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from invariants import Observer, quick_sidecar, read_records
 
-from isolator.bridge.listener import PROTOCOL
 from isolator.daemon.config import Config
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
 from isolator.testing.mesos import GrpcIsolator, container_id
+from isolator.transport.bridge import PROTOCOL
 
 pytestmark = [pytest.mark.root, pytest.mark.cgroup_v1]
 

@@ -14,13 +14,13 @@ import grpc
 import pytest
 from invariants import quick_sidecar
 
-from isolator.bridge.listener import PROTOCOL, decode_input
-from isolator.daemon.config import Config
 from isolator.errors import InvalidArgument, SocketError
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
 from isolator.testing import StubService
+from isolator.transport.bridge import PROTOCOL, decode_input
 from isolator.transport.server import SidecarServer
+from isolator.transport.settings import ServerSettings
 
 
 def gpus(value: float) -> pb.Resource:
@@ -141,7 +141,7 @@ def test_lock_file_planted_as_a_symlink_is_refused_and_its_target_untouched(shor
     victim = os.path.join(short_tmp, "victim")
     os.symlink(victim, path + ".lock")
     with pytest.raises(SocketError, match="symbolic link"):
-        SidecarServer(Config(socket=path), StubService()).start()
+        SidecarServer(ServerSettings(socket=path), StubService()).start()
     assert not os.path.lexists(victim)  # the server did not create the link's target
     assert os.path.islink(path + ".lock")  # and left the planted link for the operator to see
 
@@ -153,7 +153,7 @@ def test_lock_file_planted_as_a_symlink_to_an_existing_file_is_refused(short_tmp
         fh.write("precious")
     os.symlink(victim, path + ".lock")
     with pytest.raises(SocketError, match="symbolic link"):
-        SidecarServer(Config(socket=path), StubService()).start()
+        SidecarServer(ServerSettings(socket=path), StubService()).start()
     with open(victim) as fh:
         assert fh.read() == "precious"
 
@@ -165,17 +165,17 @@ def test_lock_file_owned_by_another_user_is_refused(short_tmp):
         pass
     os.chown(path + ".lock", 65534, 65534)
     with pytest.raises(SocketError, match="not a regular file owned by uid"):
-        SidecarServer(Config(socket=path), StubService()).start()
+        SidecarServer(ServerSettings(socket=path), StubService()).start()
 
 
 def test_bridge_frame_with_true_pid_over_the_socket_is_refused(short_tmp):
     # The same through the bridge's wire, end to end against a stub service.
-    server = SidecarServer(Config(socket=os.path.join(short_tmp, "s.sock")), StubService())
+    server = SidecarServer(ServerSettings(socket=os.path.join(short_tmp, "s.sock")), StubService())
     server.start()
     try:
         body = json.dumps({"container_id": {"value": "a"}, "pid": True}).encode()
         with socket.socket(socket.AF_UNIX) as conn:
-            conn.connect(server.config.bridge_path)
+            conn.connect(server.settings.bridge_path)
             conn.sendall(PROTOCOL + b" isolate 5000\n" + body)
             conn.shutdown(socket.SHUT_WR)
             reply = b"".join(iter(lambda: conn.recv(4096), b""))

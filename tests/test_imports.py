@@ -105,7 +105,7 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_sees_known_edges():
     edges = graph()
-    assert "isolator.bridge.listener" in edges["isolator.transport.server"]
+    assert "isolator.transport.bridge" in edges["isolator.transport.server"]
     assert "isolator.core.context" in edges["isolator.core.hooks"]
     assert "volumes.inject" in edges["isolator.core.hooks"]
 
@@ -124,7 +124,8 @@ def test_no_import_cycles_in_isolator_or_volumes():
 #
 #   policy and the core decide; they import only the vocabulary (the core also policy and the volume
 #   package's pure decision, volumes.inject); the edges (cgroups, gpu, host) import the vocabulary,
-#   policy and the core's Protocols; transport and bridge translate for the core's API; the daemon
+#   policy and the core's Protocols; transport serves both routes for the core's API (its settings
+#   built by the daemon); bridge is the routes' client side and imports nothing of ours; the daemon
 #   and the CLI compose everything; testing and simhost stand in for the machine.
 VOCABULARY = {"isolator", "isolator.model", "isolator.errors", "isolator.crashpoints", "isolator.devicerule"}
 MAY_IMPORT: dict[str, set[str]] = {
@@ -134,13 +135,28 @@ MAY_IMPORT: dict[str, set[str]] = {
     "cgroups": {"policy", "core.ports", "cgroups"},
     "gpu": {"policy", "core.ports", "gpu"},
     "host": {"policy", "core.ports", "host"},
-    # The server reads its settings from the daemon's Config, a plain dataclass.
-    "transport": {"core.api", "rpc", "transport", "bridge", "daemon.config"},
-    "bridge": {"rpc", "transport", "bridge"},
+    "transport": {"core.api", "rpc", "transport"},
+    "bridge": {"bridge"},
     "exporters": {"policy", "core.api", "exporters"},
     "simhost": {"policy", "gpu", "simhost"},
     "rpc": {"rpc"},
     "volumes": {"volumes"},
+}
+# Each layer's height: a layer may import only from layers below it (and itself). The composition
+# roots (daemon, cli, testing, __main__) stand above them all and are not in the table.
+HEIGHT = {
+    "vocabulary": 0,
+    "rpc": 0,
+    "volumes": 0,
+    "bridge": 0,
+    "policy": 1,
+    "core": 2,
+    "cgroups": 3,
+    "gpu": 3,
+    "host": 3,
+    "transport": 3,
+    "exporters": 3,
+    "simhost": 4,
 }
 # Below these layers nothing may reach the machine, all the way down through the project's imports.
 PURE_LAYERS = ("vocabulary", "policy", "core")
@@ -158,6 +174,11 @@ MACHINE = {
     "pynvml",
     "google",
 }
+
+
+def layer_of_rule(rule: str) -> str:
+    """The layer a MAY_IMPORT entry names (``core.api`` -> ``core``, ``volumes.inject`` -> ``volumes``)."""
+    return rule.split(".")[0]
 
 
 def layer_of(module: str) -> str:
@@ -178,6 +199,41 @@ def allowed(importer: str, imported: str) -> bool:
     names = {imported.split(".", 1)[1] if imported.startswith("isolator.") else imported}
     name = names.pop()
     return any(name == r or name.startswith(r + ".") for r in rules)
+
+
+def both_ways(table: dict[str, set[str]]) -> list[str]:
+    """Pairs of layers each allowed to import the other."""
+    reach = {a: {layer_of_rule(r) for r in rules} - {a} for a, rules in table.items()}
+    return sorted(f"{a} <-> {b}" for a, bs in reach.items() for b in bs if a < b and a in reach.get(b, set()))
+
+
+def upward(table: dict[str, set[str]], height: dict[str, int]) -> list[str]:
+    """Arrows the table allows from a layer to one at its height or above."""
+    return sorted(
+        f"{a} -> {r}"
+        for a, rules in table.items()
+        for r in rules
+        if layer_of_rule(r) != a and height[layer_of_rule(r)] >= height[a]
+    )
+
+
+def test_the_layer_table_allows_no_layer_both_ways():
+    assert both_ways(MAY_IMPORT) == []
+
+
+def test_the_layer_table_has_no_arrow_from_a_lower_layer_to_a_higher_one():
+    assert set(HEIGHT) == set(MAY_IMPORT)
+    assert upward(MAY_IMPORT, HEIGHT) == []
+
+
+def test_the_table_checks_catch_an_arrow_both_ways_and_an_upward_one():
+    # 635ce0c's table: transport and bridge allowed each other, and transport reached up to daemon.config.
+    table = {"transport": {"core.api", "bridge"}, "bridge": {"transport"}, "core": set(), "daemon": set()}
+    assert both_ways(table) == ["bridge <-> transport"]
+    assert upward({"transport": {"daemon.config"}, "daemon": set()}, {"transport": 3, "daemon": 5}) == [
+        "transport -> daemon.config"
+    ]
+    assert upward({"core": {"policy"}, "policy": set()}, {"core": 2, "policy": 1}) == []
 
 
 def test_every_module_imports_only_what_its_layer_may():
@@ -232,8 +288,8 @@ FORBIDDEN_IN_CORE = {
     "ctypes",
     "grpc",
     "isolator.rpc",
-    "isolator.transport.server",
-    "isolator.bridge.listener",
+    "isolator.transport",
+    "isolator.bridge",
     "isolator.cgroups",
     "isolator.gpu.nvml",
     "isolator.host.state",

@@ -19,7 +19,6 @@ import pytest
 from invariants import proc_status, watch_checks
 
 from isolator.bridge import command as bridge
-from isolator.bridge import listener as bridge_server
 from isolator.daemon.config import Config
 from isolator.model import ContainerId
 from isolator.rpc import isolator_pb2 as pb
@@ -27,8 +26,10 @@ from isolator.rpc import isolator_pb2_grpc as pb_grpc
 from isolator.testing import StubService
 from isolator.testing.mesos import GrpcIsolator, container_id
 from isolator.testing.sidecar import running_sidecar
+from isolator.transport import bridge as bridge_server
 from isolator.transport import peergate
 from isolator.transport.server import SidecarServer
+from isolator.transport.settings import ServerSettings
 
 NOBODY = 65534
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -168,7 +169,9 @@ def open_server(short_tmp):
     made: list[SidecarServer] = []
 
     def serve(**kwargs: object) -> tuple[SidecarServer, RecordingService]:
-        cfg = Config(socket=os.path.join(short_tmp, "s.sock"), socket_mode=0o660, socket_group="nogroup", **kwargs)  # type: ignore[arg-type]
+        cfg = ServerSettings(
+            socket=os.path.join(short_tmp, "s.sock"), socket_mode=0o660, socket_group="nogroup", **kwargs
+        )  # type: ignore[arg-type]
         service = RecordingService()
         server = SidecarServer(cfg, service)
         server.start()
@@ -244,8 +247,8 @@ def test_another_users_idle_connections_and_trickling_bridge_clients_do_not_star
             sys.executable,
             "-c",
             HOG,
-            server.config.socket,
-            server.config.bridge_path,
+            server.settings.socket,
+            server.settings.bridge_path,
             "300",
             "300",
         ],
@@ -258,13 +261,13 @@ def test_another_users_idle_connections_and_trickling_bridge_clients_do_not_star
         assert hog.stdout.readline().strip() == "trickled"  # a few bytes went down each bridge connection
         with grpc.insecure_channel(server.address) as ch:
             pb_grpc.IsolatorStub(ch).Cleanup(pb.CleanupRequest(container_id=pb.ContainerID(value="grpc")), timeout=20)
-        run = cleanup_over_the_bridge(short_tmp, server.config.bridge_path, "bridge")
+        run = cleanup_over_the_bridge(short_tmp, server.settings.bridge_path, "bridge")
         assert run.returncode == 0, run.stderr
         assert service.calls == ["grpc", "bridge"]
         assert server._gate is not None
         allowed_now, denied_now = server._gate.connections()
         if hog_allowed:
-            assert allowed_now <= server.config.max_connections * peergate.UID_SHARE + 1
+            assert allowed_now <= server.settings.max_connections * peergate.UID_SHARE + 1
         else:
             assert denied_now <= peergate.MAX_DENIED_CONNECTIONS
         assert server._bridge is not None
@@ -308,7 +311,7 @@ def test_a_connection_over_a_uids_share_is_answered_resource_exhausted_not_dropp
 @pytest.mark.root
 def test_a_bridge_client_trickling_past_its_deadline_loses_its_slot(short_tmp):
     os.chmod(short_tmp, 0o755)
-    cfg = Config(socket=os.path.join(short_tmp, "s.sock"))
+    cfg = ServerSettings(socket=os.path.join(short_tmp, "s.sock"))
     server = SidecarServer(cfg, RecordingService())
     server.start()
     try:
@@ -318,15 +321,15 @@ def test_a_bridge_client_trickling_past_its_deadline_loses_its_slot(short_tmp):
         # The slot is held for only that second: rather than polling for it (a loaded machine may
         # not look within the second), every slot taken is recorded.
         taken: list[str] = []
-        real_take = bridge_._take
+        real_take = bridge_._slots.take
 
-        def take(kind: str, uid: int) -> bool:
-            if real_take(kind, uid):
+        def take(allowed: bool, uid: int) -> tuple[str, str, bool]:
+            kind, why, got = real_take(allowed, uid)
+            if got:
                 taken.append(kind)
-                return True
-            return False
+            return kind, why, got
 
-        bridge_._take = take  # type: ignore[method-assign]
+        bridge_._slots.take = take  # type: ignore[method-assign]
         import socket
 
         s = socket.socket(socket.AF_UNIX)
@@ -350,7 +353,7 @@ def test_a_bridge_client_trickling_past_its_deadline_loses_its_slot(short_tmp):
             pass
         stop.set()
         s.close()
-        assert taken == ["connection"]
+        assert taken == ["allowed"]
         until(lambda: bridge_.slots()["connection"] == 0)  # and the slot is given back
     finally:
         server.stop(grace=0)

@@ -299,7 +299,7 @@ def test_calls_over_the_command_module_bridge_are_measured_and_mapped_too(counte
 
 
 def _bridge_call(path: str, method: bytes, payload: bytes) -> bytes:
-    from isolator.bridge.listener import PROTOCOL
+    from isolator.transport.bridge import PROTOCOL
 
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(30)

@@ -19,7 +19,6 @@ import grpc
 import pytest
 
 from isolator.daemon import config as configmod
-from isolator.daemon.config import Config
 from isolator.errors import ConfigError, SocketError
 from isolator.model import ContainerId
 from isolator.rpc import isolator_pb2 as pb
@@ -27,6 +26,7 @@ from isolator.rpc import isolator_pb2_grpc as pb_grpc
 from isolator.testing import StubService
 from isolator.transport import peergate
 from isolator.transport.server import SidecarServer
+from isolator.transport.settings import ServerSettings
 
 NOBODY = 65534
 
@@ -83,7 +83,7 @@ def open_dir(short_tmp):
 
 
 def serve(directory: str, **kwargs: object) -> tuple[SidecarServer, RecordingService]:
-    cfg = Config(socket=os.path.join(directory, "s.sock"), bridge_socket="", **kwargs)  # type: ignore[arg-type]
+    cfg = ServerSettings(socket=os.path.join(directory, "s.sock"), bridge_socket="", **kwargs)  # type: ignore[arg-type]
     service = RecordingService()
     server = SidecarServer(cfg, service)
     server.start()
@@ -99,7 +99,7 @@ def test_caller_outside_the_allow_list_gets_permission_denied_and_the_service_ne
     # 0660 with group nogroup: the kernel lets nobody connect, so the refusal is the gate's.
     server, service = serve(open_dir, socket_mode=0o660, socket_group="nogroup")
     try:
-        answer = call_as(NOBODY, nogroup(), server.config.socket)
+        answer = call_as(NOBODY, nogroup(), server.settings.socket)
     finally:
         server.stop(grace=0)
     assert answer["code"] == "PERMISSION_DENIED", answer
@@ -111,7 +111,7 @@ def test_caller_outside_the_allow_list_gets_permission_denied_and_the_service_ne
 def test_uid_in_the_allow_list_gets_through(open_dir):
     server, service = serve(open_dir, socket_mode=0o660, socket_group="nogroup", allowed_uids=(0, NOBODY))
     try:
-        answer = call_as(NOBODY, nogroup(), server.config.socket)
+        answer = call_as(NOBODY, nogroup(), server.settings.socket)
     finally:
         server.stop(grace=0)
     assert answer["code"] == "OK", answer
@@ -122,7 +122,7 @@ def test_uid_in_the_allow_list_gets_through(open_dir):
 def test_primary_gid_in_the_allow_list_gets_through(open_dir):
     server, service = serve(open_dir, socket_mode=0o660, socket_group="nogroup", allowed_gids=(nogroup(),))
     try:
-        answer = call_as(NOBODY, nogroup(), server.config.socket)
+        answer = call_as(NOBODY, nogroup(), server.settings.socket)
     finally:
         server.stop(grace=0)
     assert answer["code"] == "OK", answer
@@ -135,7 +135,7 @@ def test_denied_caller_is_refused_before_its_request_is_read(open_dir):
     # still PERMISSION_DENIED, because the refusal comes when the call's headers arrive.
     server, service = serve(open_dir, socket_mode=0o660, socket_group="nogroup")
     try:
-        answer = call_as(NOBODY, nogroup(), server.config.socket, size=100_000)
+        answer = call_as(NOBODY, nogroup(), server.settings.socket, size=100_000)
     finally:
         server.stop(grace=0)
     assert answer["code"] == "PERMISSION_DENIED", answer
@@ -146,14 +146,14 @@ def test_denied_caller_is_refused_before_its_request_is_read(open_dir):
 def test_default_socket_is_0600_root_owned_and_grpc_itself_listens_only_in_a_private_0700_directory(open_dir):
     server, _ = serve(open_dir)
     try:
-        st = os.stat(server.config.socket)
+        st = os.stat(server.settings.socket)
         assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == 0
-        private = peergate.private_dir(server.config.socket)
+        private = peergate.private_dir(server.settings.socket)
         pst = os.lstat(private)
         assert stat.S_ISDIR(pst.st_mode) and stat.S_IMODE(pst.st_mode) == 0o700 and pst.st_uid == 0
         assert sorted(os.listdir(private)) == sorted([peergate.ALLOWED_NAME, peergate.DENIED_NAME])
         # nobody can reach neither the public socket (mode) nor the gRPC one (directory).
-        for path in (server.config.socket, os.path.join(private, peergate.ALLOWED_NAME)):
+        for path in (server.settings.socket, os.path.join(private, peergate.ALLOWED_NAME)):
             answer = call_as(NOBODY, NOBODY, path)
             assert answer["code"] == "UNAVAILABLE", (path, answer)
             assert "Permission denied" in answer["details"] or "EACCES" in answer["details"], answer
@@ -175,7 +175,7 @@ def test_a_flood_of_denied_connections_does_not_lock_out_allowed_callers(open_di
             "for _ in range(64):\n"
             "    s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); conns.append(s)\n"
             "print('held', flush=True); sys.stdin.read()\n",
-            server.config.socket,
+            server.settings.socket,
         ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -204,10 +204,10 @@ def test_connections_over_the_cap_are_refused_then_closed_and_the_cap_frees_up(o
         # on them answers RESOURCE_EXHAUSTED; tests/test_load.py), then closed at once.
         for _ in range(1 + peergate.MAX_BUSY_CONNECTIONS):
             s = socket.socket(socket.AF_UNIX)
-            s.connect(server.config.socket)
+            s.connect(server.settings.socket)
             held.append(s)
         extra = socket.socket(socket.AF_UNIX)
-        extra.connect(server.config.socket)
+        extra.connect(server.settings.socket)
         extra.settimeout(10)
         assert extra.recv(1) == b""  # closed by the gate, nothing spliced
         extra.close()

@@ -11,17 +11,17 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from isolator.daemon.config import Config
 from isolator.errors import SocketError
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
 from isolator.testing import StubService, forkserver
 from isolator.transport.server import SidecarServer
+from isolator.transport.settings import ServerSettings
 
 
 @pytest.fixture
 def server(short_tmp):
-    srv = SidecarServer(Config(socket=os.path.join(short_tmp, "run", "s.sock")), StubService())
+    srv = SidecarServer(ServerSettings(socket=os.path.join(short_tmp, "run", "s.sock")), StubService())
     srv.start()
     yield srv
     srv.stop(grace=0)
@@ -98,7 +98,7 @@ def test_reflection_describes_every_service_and_method_in_both_versions(channel,
 
 
 def test_socket_is_born_0600_and_its_directory_is_created(server):
-    st = os.stat(server.config.socket)
+    st = os.stat(server.settings.socket)
     assert stat.S_ISSOCK(st.st_mode)
     assert stat.S_IMODE(st.st_mode) == 0o600
 
@@ -148,7 +148,7 @@ def test_stale_socket_from_a_crash_is_replaced(short_tmp):
     dead = socket.socket(socket.AF_UNIX)
     dead.bind(path)
     dead.close()  # bound but never listening: what a killed server leaves behind
-    srv = SidecarServer(Config(socket=path), StubService())
+    srv = SidecarServer(ServerSettings(socket=path), StubService())
     srv.start()
     try:
         with grpc.insecure_channel(srv.address) as ch:
@@ -160,7 +160,7 @@ def test_stale_socket_from_a_crash_is_replaced(short_tmp):
 
 
 def test_live_socket_is_not_stolen(server):
-    second = SidecarServer(Config(socket=server.config.socket), StubService())
+    second = SidecarServer(ServerSettings(socket=server.settings.socket), StubService())
     with pytest.raises(SocketError, match="another sidecar holds"):
         second.start()
     with grpc.insecure_channel(server.address) as ch:
@@ -174,7 +174,7 @@ def test_live_socket_of_a_foreign_server_is_not_replaced(short_tmp):
     other.listen(1)
     try:
         with pytest.raises(SocketError, match="a live server answers on it"):
-            SidecarServer(Config(socket=path), StubService()).start()
+            SidecarServer(ServerSettings(socket=path), StubService()).start()
         assert os.path.exists(path)
         assert not os.path.exists(path + ".lock")
     finally:
@@ -186,7 +186,7 @@ def test_regular_file_at_socket_path_is_refused_and_kept(short_tmp):
     with open(path, "w") as fh:
         fh.write("precious")
     with pytest.raises(SocketError, match="it exists and is a regular file"):
-        SidecarServer(Config(socket=path), StubService()).start()
+        SidecarServer(ServerSettings(socket=path), StubService()).start()
     with open(path) as fh:
         assert fh.read() == "precious"
 
@@ -195,7 +195,7 @@ def test_socket_directory_that_cannot_be_made_is_refused_and_nothing_is_left(sho
     blocker = os.path.join(short_tmp, "file")
     open(blocker, "w").close()
     with pytest.raises(SocketError, match="is not a directory"):
-        SidecarServer(Config(socket=os.path.join(blocker, "sub", "s.sock")), StubService()).start()
+        SidecarServer(ServerSettings(socket=os.path.join(blocker, "sub", "s.sock")), StubService()).start()
     assert os.listdir(short_tmp) == ["file"]
 
 
@@ -206,7 +206,7 @@ def test_socket_directory_on_a_read_only_mount_is_refused(short_tmp):
     subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", ro], check=True)
     try:
         with pytest.raises(SocketError, match=r"directory '.*/ro' is on a read-only file system"):
-            SidecarServer(Config(socket=os.path.join(ro, "s.sock")), StubService()).start()
+            SidecarServer(ServerSettings(socket=os.path.join(ro, "s.sock")), StubService()).start()
     finally:
         subprocess.run(["umount", ro], check=True)
 
@@ -321,12 +321,12 @@ def test_a_lock_file_planted_as_a_symlink_is_refused_and_its_target_left_alone(s
     victim = os.path.join(short_tmp, "victim")
     os.symlink(victim, path + ".lock")
     with pytest.raises(SocketError, match="is a symbolic link"):
-        SidecarServer(Config(socket=path), StubService()).start()
+        SidecarServer(ServerSettings(socket=path), StubService()).start()
     assert not os.path.lexists(victim) and os.path.islink(path + ".lock")
     with open(victim, "w") as fh:
         fh.write("precious")
     with pytest.raises(SocketError, match="is a symbolic link"):
-        SidecarServer(Config(socket=path), StubService()).start()
+        SidecarServer(ServerSettings(socket=path), StubService()).start()
     with open(victim) as fh:
         assert fh.read() == "precious"
 
@@ -335,4 +335,4 @@ def test_a_lock_file_that_is_not_a_regular_file_is_refused(short_tmp):
     path = os.path.join(short_tmp, "s.sock")
     os.mkfifo(path + ".lock")
     with pytest.raises(SocketError, match="not a regular file"):
-        SidecarServer(Config(socket=path), StubService()).start()
+        SidecarServer(ServerSettings(socket=path), StubService()).start()

@@ -1,5 +1,5 @@
 """The open Watch's wait (isolator.transport.serving.watch_handler): one future per wait, resolved by the
-core's callback, the deadline or the server's stop. In-process, with a fake core, servicer and
+core's callback, the deadline or the server's stop. In-process, with a fake core (as the handlers) and a
 context: each test holds the re-check on events it controls and learns that a Watch is waiting
 from the waker itself, so nothing here depends on timing.
 """
@@ -15,7 +15,6 @@ from typing import Any
 import grpc
 import pytest
 
-from isolator.daemon.config import Config
 from isolator.errors import NotFound
 from isolator.model import ContainerId, Limitation
 from isolator.rpc import isolator_pb2 as pb
@@ -23,7 +22,8 @@ from isolator.rpc import isolator_pb2_grpc as pb_grpc
 from isolator.testing import StubService
 from isolator.transport import serving
 from isolator.transport.server import SidecarServer
-from isolator.transport.serving import Aborted, Dispatcher
+from isolator.transport.serving import Dispatcher
+from isolator.transport.settings import ServerSettings
 
 WAIT = 30.0
 
@@ -108,8 +108,11 @@ class Core:
         with self.lock:
             return len(self.listeners)
 
-    # the servicer's Watch, run on the pool with a non-blocking context
-    def Watch(self, request: Request, context: Any) -> Response:
+    observer = None
+
+    # the handlers' entry (isolator.transport.handlers.Handlers.handle) for Watch, run on the pool
+    def handle(self, hook: str, request: Request, call: Any) -> Response:
+        assert hook == "Watch" and call.route == "grpc"
         with self.lock:
             self.checks += 1
             known = request.container in self.known
@@ -121,7 +124,7 @@ class Core:
         if self.during_check is not None:
             self.during_check()
         if not known:
-            raise Aborted(grpc.StatusCode.NOT_FOUND, f"unknown container {request.container}")
+            raise NotFound(f"unknown container {request.container}")
         return Response("gpu 0 is unhealthy" if limited else None)
 
 
@@ -487,7 +490,7 @@ class WatchedService(StubService):
         self.limited = False
         self.callbacks: dict[int, Callable[[], None]] = {}
 
-    def watch(self, container_id: ContainerId, timeout: float | None) -> Limitation | None:
+    def watch(self, container_id: ContainerId) -> Limitation | None:
         if container_id.value != "c":
             raise NotFound(f"unknown container {container_id}")
         return Limitation(gpus=1, message="gpu 0 is unhealthy") if self.limited else None
@@ -515,7 +518,7 @@ class WatchedService(StubService):
 @pytest.fixture
 def grpc_server(short_tmp):
     service = WatchedService()
-    server = SidecarServer(Config(socket=os.path.join(short_tmp, "s.sock")), service)
+    server = SidecarServer(ServerSettings(socket=os.path.join(short_tmp, "s.sock")), service)
     server.start()
     try:
         yield server, service
@@ -560,7 +563,7 @@ def test_thousands_of_grpc_watches_cancelled_by_their_callers_leave_no_count_wak
 
 def test_grpc_watches_open_when_the_server_stops_answer_unavailable_and_leave_nothing(short_tmp):
     service = WatchedService()
-    server = SidecarServer(Config(socket=os.path.join(short_tmp, "s.sock")), service)
+    server = SidecarServer(ServerSettings(socket=os.path.join(short_tmp, "s.sock")), service)
     server.start()
     dispatcher = server._dispatcher
     assert dispatcher is not None

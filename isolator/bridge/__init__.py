@@ -1,5 +1,5 @@
-"""The Mesos command-module route: the executable an agent runs per hook (command) and the
-sidecar's listener for it (listener).
+"""The Mesos command-module route's client side: the executable an agent runs per hook (command,
+and bridge.c, its compiled twin) and its installer. The sidecar's end is isolator/transport/bridge.py.
 
 The package's face is the executable's: ``from isolator.bridge import main, install``. Importing it
 loads ``command`` only (stdlib built-ins, no json, no grpc), so the per-call start stays cheap.

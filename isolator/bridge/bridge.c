@@ -12,7 +12,7 @@
  *   gpu-isolator-<method> IN OUT ERR        (a symlink named after the method)
  *   gpu-isolator-bridge METHOD IN OUT ERR
  *
- * Wire protocol (isolator/bridge/listener.py): request "gpu-isolator-bridge/1 <method> <ms>\n"
+ * Wire protocol (isolator/transport/bridge.py): request "gpu-isolator-bridge/1 <method> <ms>\n"
  * followed by IN's bytes, then the write side is shut; the reply's first line is "OK" (the rest is
  * OUT), "ERROR <CODE> <message>" (final) or "RETRY <pause_ms> <CODE> <message>" (the sidecar shed
  * the call without running it: try again after the pause, doubling up to 500 ms, until the

@@ -1,6 +1,6 @@
 """The executable a Mesos agent runs through criteo/mesos-command-modules: ``<command> IN OUT ERR``.
 
-It forwards IN's bytes to the sidecar's bridge socket (isolator/bridge/listener.py) and writes the
+It forwards IN's bytes to the sidecar's bridge socket (isolator/transport/bridge.py) and writes the
 answer to OUT, or one line to ERR with a non-zero exit. The agent starts one per call, so it imports
 only what the interpreter has already loaded or builds in (``_socket``, ``_signal``, ``time``): no
 json, no grpc, nothing else of this package. It must never write to stdout (the agent's log).

@@ -2,12 +2,16 @@
 
 Read it from the file names (docs/architecture.md draws the whole request path):
 
+    api.py       IsolatorApi: what the transport's handlers (both routes) may call
     service.py   IsolatorService: composes the three parts below over one Core
-    hooks.py     prepare, isolate, update, watch, usage, status, cleanup
-    recovery.py  start-up booking, Recover, reaping containers whose cgroup vanished
-    admin.py     the views behind the gpu-isolator CLI, and release
-    context.py   Core: the edges, the allocator, the locks and the steps the parts share
+    hooks.py     prepare, isolate, update, watch ("is there a limitation now"), usage, status, cleanup
+    recovery.py  start-up booking, Recover, reaping containers whose cgroup vanished, the drift audit
+    admin.py     the views behind the gpu-isolator CLI, release, undrain
+    handover.py  the check of released GPUs before they are handed out again
+    context.py   Core: the edges, the books, the locks and the steps the parts share
+    booking.py   which GPUs are held (the books and their lock)
+    grant.py     what the kernel grants (devices cgroups, cpuset)
+    changes.py   what an open Watch is told of (subscriptions; nothing here waits)
     locks.py     per-container locks
     ports.py     the edges as typing.Protocols (cgroups, state, volumes, NVML, devices, /proc, clock)
-    api.py       what the gRPC servicers and the bridge may call
 """

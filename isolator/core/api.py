@@ -1,5 +1,5 @@
-"""What the edge servers (gRPC servicers, the command-module bridge) may call on the core: the one
-declaration of the hook API.
+"""What the transport (isolator/transport/handlers.py, for gRPC and the command-module bridge alike)
+may call on the core: the one declaration of the hook API.
 
 ``isolator.core.service.IsolatorService`` implements it (each method in its part: hooks, recovery,
 admin). A method's body here is what a service that does not implement it answers: UNIMPLEMENTED,
@@ -48,11 +48,12 @@ class IsolatorApi(Protocol):
     def isolate(self, container_id: ContainerId, pid: int, caller: int | None = None) -> None:
         raise Unimplemented(hook="Isolate")
 
-    def watch(self, container_id: ContainerId, timeout: float | None) -> Limitation | None:
+    # Is there a limitation now? Never waits: the transport waits, subscribed below.
+    def watch(self, container_id: ContainerId) -> Limitation | None:
         raise Unimplemented(hook="Watch")
 
     # Without a thread: ``callback`` (which must not block) runs on each change that may end a
-    # Watch of ``container``; the returned function unsubscribes. Re-check with watch(cid, 0).
+    # Watch of ``container``; the returned function unsubscribes. Ask again with watch(cid).
     def subscribe(self, callback: Callable[[], None], container: ContainerId | None = None) -> Callable[[], None]:
         return lambda: None  # nothing here ever changes
 

@@ -1,9 +1,9 @@
 """Change notification: what a Watch waits on, and the containers it ended lately. One job, one lock.
 
-A change is a GPU's health changing, a container going away or recovery. Waiters either block
-(``wait_for_change``) or subscribe a callback (the server's Watch: an entry here, not a thread).
-Lock contract: ``_lock`` guards the generation and the subscriptions only; callbacks run after it is
-released, on the notifying thread, and must not block. Nothing else is ever taken while holding it.
+A change is a GPU's health changing, a container going away or recovery. Waiters subscribe a
+callback (the transport's Watch: an entry here, not a thread); nothing in the core waits for one.
+Lock contract: ``_lock`` guards the subscriptions and the ended containers only; callbacks run after
+it is released, on the notifying thread, and must not block. Nothing else is ever taken while holding it.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ ENDED_KEPT = 4096
 
 class Changes:
     def __init__(self) -> None:
-        self._lock = threading.Condition(threading.Lock())
-        self._generation = 0
+        self._lock = threading.Lock()
         # Callbacks told of changes without a thread waiting: by top-level container, or under None
         # for every change.
         self._listeners: dict[ContainerId | None, dict[int, Callable[[], None]]] = {}
@@ -40,8 +39,6 @@ class Changes:
         """Wake the Watches: of ``container`` when only it changed (it went away), else all of them
         (a GPU's health changed, recovery)."""
         with self._lock:
-            self._generation += 1
-            self._lock.notify_all()
             if container is None:
                 told = [cb for group in self._listeners.values() for cb in group.values()]
             else:
@@ -56,7 +53,7 @@ class Changes:
         """Call ``callback`` (from the notifying thread; it must not block) on each change that may
         concern ``container`` (every change when None) until the returned function is called.
 
-        The non-blocking twin of ``wait_for_change``: a waiter costs an entry here, not a thread.
+        A waiter costs an entry here, not a thread.
         """
         key = None if container is None else container.root
         token = next(self._tokens)
@@ -77,15 +74,6 @@ class Changes:
         """How many subscriptions are open (tests and the load bench)."""
         with self._lock:
             return sum(len(group) for group in self._listeners.values())
-
-    def generation(self) -> int:
-        with self._lock:
-            return self._generation
-
-    def wait_for_change(self, seen: int, timeout: float) -> None:
-        """Return once something changed after generation ``seen``, or after ``timeout`` seconds."""
-        with self._lock:
-            self._lock.wait_for(lambda: self._generation != seen, timeout=timeout)
 
     def mark_ended(self, cid: ContainerId) -> None:
         """Remember that Mesos cleaned up ``cid`` (the last ENDED_KEPT of them)."""

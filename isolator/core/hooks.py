@@ -52,7 +52,6 @@ LOG = logging.getLogger(__name__)
 
 MS_BIND = 4096
 MAX_PID = 1 << 22  # PID_MAX_LIMIT on 64-bit Linux
-WATCH_POLL_S = 5.0  # how often an unbounded Watch looks again even without a notification
 
 Undo = list[Callable[[], object]]
 
@@ -557,29 +556,24 @@ class Hooks:
 
     # ---- watch, usage, status ---------------------------------------------------------------------
 
-    def watch(self, container_id: ContainerId, timeout: float | None) -> Limitation | None:
-        """A limitation once a GPU the container holds becomes unhealthy; None at ``timeout``."""
+    def watch(self, container_id: ContainerId) -> Limitation | None:
+        """Is there a limitation now: one when a GPU the container holds is unhealthy, else None.
+        Never waits: a Watch that waits does so in the transport, subscribed to ``core.changes``."""
         core = self.core
-        deadline = None if timeout is None else core.clock.monotonic() + max(timeout, 0.0)
-        while True:
-            seen = core.changes.generation()
-            rec = core.store.get(container_id.root)
-            if rec is None:
-                if container_id.nested:
-                    return None
-                if core.changes.recently_ended(container_id):
-                    # The module polls Watch once more after each Cleanup; the bridge answers that
-                    # poll "no limitation", an open gRPC Watch ends NOT_FOUND.
-                    raise ContainerGone(container=str(container_id))
-                raise NotFound(f"unknown container {container_id}")
-            with core.booking.lock:
-                sick = sorted(m for m in rec.gpus | rec.mig_parents if m in core.booking.allocator.unhealthy)
-            if sick:
-                return self._limitation(container_id, sick, rec)
-            remaining = None if deadline is None else deadline - core.clock.monotonic()
-            if remaining is not None and remaining <= 0:
+        rec = core.store.get(container_id.root)
+        if rec is None:
+            if container_id.nested:
                 return None
-            core.changes.wait_for_change(seen, remaining if remaining is not None else WATCH_POLL_S)
+            if core.changes.recently_ended(container_id):
+                # The module polls Watch once more after each Cleanup; the bridge answers that
+                # poll "no limitation", an open gRPC Watch ends NOT_FOUND.
+                raise ContainerGone(container=str(container_id))
+            raise NotFound(f"unknown container {container_id}")
+        with core.booking.lock:
+            sick = sorted(m for m in rec.gpus | rec.mig_parents if m in core.booking.allocator.unhealthy)
+        if sick:
+            return self._limitation(container_id, sick, rec)
+        return None
 
     def _limitation(self, cid: ContainerId, sick: list[int], rec: ContainerRecord) -> Limitation:
         """An XID on a GPU limits every container on it: holders of the GPU and of its MIG devices."""

@@ -5,17 +5,17 @@ port. ``isolator.daemon.main`` wires the real ones (cgroup v1/v2 controllers, th
 volume manager, NVML, ``/proc``, the system clock); ``isolator.testing`` ships in-memory fakes that
 pass the same contract tests (tests/test_contracts.py).
 
-    port            real                                        fake (isolator.testing)
-    CgroupBackend   cgroups.v1.V1DeviceController, v2.V2...     FakeCgroups
-    StateStore      state.StateStore (SQLite)                   FakeStore
-    VolumeBuilder   volumes.manager.VolumeManager               FakeVolumes
-    Inventory       nvml.Inventory, core.EmptyInventory         FakeInventory
-    DeviceNodes     host.devices.HostDevices                         FakeDeviceNodes
-    Processes       core.system.ProcProcesses (/proc)           FakeProcesses
-    Filesystem      core.system.LocalFilesystem                 FakeFilesystem
-    Clock           core.system.SystemClock                     ManualClock
-    Cpusets         cgroups.cpuset.CpusetController             FakeCpusets
-    CpuTopology     host.cpus.SysCpus                           FakeCpusets (the same object)
+    port            real                                            fake (isolator.testing)
+    CgroupBackend   cgroups.v1.V1DeviceController, v2.V2...         FakeCgroups
+    StateStore      host.state.StateStore (SQLite)                  FakeStore
+    VolumeBuilder   volumes.manager.VolumeManager                   FakeVolumes
+    Inventory       gpu.nvml.Inventory, host.system.EmptyInventory  FakeInventory
+    DeviceNodes     host.devices.HostDevices                        FakeDeviceNodes
+    Processes       host.system.ProcProcesses (/proc)               FakeProcesses
+    Filesystem      host.system.LocalFilesystem                     FakeFilesystem
+    Clock           host.system.SystemClock                         ManualClock
+    Cpusets         cgroups.cpuset.CpusetController                 FakeCpusets
+    CpuTopology     host.cpus.SysCpus                               FakeCpusets (the same object)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The isolator service: the hooks, recovery and the admin views over one set of edges.
 
-This is the object the gRPC servicers and the bridge call (``isolator.core.api.IsolatorApi``, where
+This is the object the transport's handlers call (``isolator.core.api.IsolatorApi``, where
 the hook API is declared). It is the three parts, each in its own module, over one ``Core``
 (isolator/core/context.py); each method is written once, in its part:
 
@@ -59,7 +59,7 @@ class IsolatorService(Hooks, Recovery, Admin):
 
     def subscribe(self, callback: Callable[[], None], container: ContainerId | None = None) -> Callable[[], None]:
         """Call ``callback`` on each change that may end a Watch of ``container``; returns the
-        unsubscribe function. A Watch re-checks with ``watch(cid, 0)`` when called back."""
+        unsubscribe function. A Watch asks again with ``watch(cid)`` when called back."""
         return self.core.changes.subscribe(callback, container)
 
     def recheck_draining(self) -> None:

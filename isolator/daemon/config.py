@@ -16,6 +16,7 @@ from typing import Any
 
 from isolator.errors import ConfigError
 from isolator.gpu.xids import DEFAULT_IGNORED_XIDS
+from isolator.transport.settings import BRIDGE_SUFFIX, ServerSettings
 
 # Mirrors isolator.transport.peergate.PRIVATE_EXTRA (".d/grpc"); a test keeps them equal. Not imported from
 # there so that reading the configuration does not import grpc.
@@ -23,9 +24,9 @@ PRIVATE_SUFFIX = ".d"
 PRIVATE_EXTRA = 7
 
 DEFAULT_SOCKET = "/run/gpu-isolator/isolator.sock"
-# The command-module bridge listens next to the gRPC socket unless told otherwise
-# (isolator/bridge/listener.py; the bridge executable's default in isolator/bridge/command.py must agree).
-BRIDGE_SUFFIX = ".bridge"
+# The command-module bridge listens next to the gRPC socket unless told otherwise: BRIDGE_SUFFIX,
+# from isolator/transport/settings.py (the bridge executable's default in isolator/bridge/command.py
+# must agree).
 DEFAULT_WORK_DIR = "/var/lib/gpu-isolator"
 # Mesos keeps its driver volumes here (src/slave/containerizer/mesos/isolators/gpu/volume.cpp).
 DEFAULT_VOLUME_ROOT = "/var/run/mesos/isolators/gpu"
@@ -98,6 +99,22 @@ class Config:
     def bridge_path(self) -> str:
         """Where the command-module bridge listens; empty when it is disabled."""
         return self.socket + BRIDGE_SUFFIX if self.bridge_socket is None else self.bridge_socket
+
+    def server_settings(self) -> ServerSettings:
+        """What the server of both routes is told (isolator/transport/settings.py)."""
+        return ServerSettings(
+            socket=self.socket,
+            bridge_socket=self.bridge_socket,
+            socket_mode=self.socket_mode,
+            socket_group=self.socket_group,
+            allowed_uids=self.allowed_uids,
+            allowed_gids=self.allowed_gids,
+            max_workers=self.max_workers,
+            max_concurrent_rpcs=self.max_concurrent_rpcs,
+            max_connections=self.max_connections,
+            max_message_bytes=self.max_message_bytes,
+            mode=self.mode,
+        )
 
 
 # Flag name -> (Config field, parser). The parser turns a flag or file value into the field's type

@@ -604,7 +604,7 @@ def _serve(config: Config, hup: threading.Event, reread: Callable[[], Config]) -
     signal.signal(signal.SIGINT, on_signal)
     from isolator.transport.server import SidecarServer
 
-    server = SidecarServer(config, service, observe if observers else None)
+    server = SidecarServer(config.server_settings(), service, observe if observers else None)
     try:
         server.start()
     except BaseException:

@@ -1,2 +1,3 @@
-"""gRPC: servicers that only translate, proto <-> model, the one error -> status map, the peer
-gate, the serving loop, reflection, and the admin client."""
+"""The server side of both routes (gRPC, the command-module bridge's framed bytes): plain handlers
+(proto <-> model), each route's one error mapping, the peer gate and its connection slots, admission,
+reflection; and the admin client."""

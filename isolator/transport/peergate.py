@@ -102,6 +102,66 @@ class Allowlist:
         return cred.uid in self.uids or cred.gid in self.gids
 
 
+class ConnectionSlots:
+    """The one connection-slot accounting of both sockets (this gate's and the bridge's).
+
+    A new connection takes a slot of one kind: ``allowed`` (at most ``max_connections``, one uid at
+    most UID_SHARE of them), else ``busy`` (an allowed caller over its share, ``why`` "share", or
+    with every slot taken, ``why`` "full"), or ``denied`` (a caller outside the allow-list). Busy
+    and denied connections are answered with a refusal and are capped apart (``refusal_caps``, by
+    kind, or one cap for both under the same name), so that refused callers never starve allowed
+    ones; a connection over its kind's cap gets no slot at all and is closed at once.
+    """
+
+    def __init__(self, max_connections: int, refusal_caps: dict[str, int], pooled: bool = False) -> None:
+        # ``pooled``: busy and denied connections share one cap (``refusal_caps["refused"]``).
+        self._caps = {"allowed": max_connections, **refusal_caps}
+        self._pooled = pooled
+        self.share = max(1, int(max_connections * UID_SHARE))
+        self._count = dict.fromkeys(self._caps, 0)
+        self._per_uid: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def _bucket(self, kind: str) -> str:
+        return "refused" if self._pooled and kind != "allowed" else kind
+
+    def take(self, allowed: bool, uid: int) -> tuple[str, str, bool]:
+        """A slot for a new connection of ``uid``: (kind, why, got one). Without one (its kind's cap
+        reached) the connection is to be closed at once."""
+        why = ""
+        with self._lock:
+            if not allowed:
+                kind = "denied"
+            elif self._per_uid.get(uid, 0) >= self.share:
+                kind, why = "busy", "share"
+            elif self._count["allowed"] >= self._caps["allowed"]:
+                kind, why = "busy", "full"
+            else:
+                kind = "allowed"
+            bucket = self._bucket(kind)
+            if self._count[bucket] >= self._caps[bucket]:
+                return kind, why, False
+            self._count[bucket] += 1
+            if kind == "allowed":
+                self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
+        return kind, why, True
+
+    def give_back(self, kind: str, uid: int) -> None:
+        with self._lock:
+            self._count[self._bucket(kind)] -= 1
+            if kind == "allowed":
+                left = self._per_uid.get(uid, 1) - 1
+                if left:
+                    self._per_uid[uid] = left
+                else:
+                    self._per_uid.pop(uid, None)
+
+    def taken(self) -> dict[str, int]:
+        """Slots taken now, by kind (``allowed``, and each refusal cap's name)."""
+        with self._lock:
+            return dict(self._count)
+
+
 def denial_message(uid: int, gid: int) -> str:
     return f"uid {uid} (gid {gid}) is not allowed to call the sidecar; see --allowed-uids and --allowed-gids"
 
@@ -283,11 +343,8 @@ class PeerGate:
         self._allowed_path = allowed_path
         self._denied_path = denied_path
         self._allowlist = allowlist
-        self._max = {"allowed": max_connections, "denied": MAX_DENIED_CONNECTIONS, "busy": MAX_BUSY_CONNECTIONS}
-        self._share = max(1, int(max_connections * UID_SHARE))
+        self._slots = ConnectionSlots(max_connections, {"denied": MAX_DENIED_CONNECTIONS, "busy": MAX_BUSY_CONNECTIONS})
         self._live: set[_Connection] = set()
-        self._count = {"allowed": 0, "denied": 0, "busy": 0}
-        self._per_uid: dict[int, int] = {}
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
@@ -323,26 +380,16 @@ class PeerGate:
 
     def connections(self) -> tuple[int, int]:
         """(allowed, denied) connections open now."""
-        with self._lock:
-            return self._count["allowed"], self._count["denied"]
+        taken = self._slots.taken()
+        return taken["allowed"], taken["denied"]
 
     def _accept_loop(self) -> None:
         accept_loop(self._listener, self._closing, self._admit, "gate")
 
     def _admit(self, client: socket.socket) -> None:
         cred = peer_credentials(client)
-        kind, why = ("denied", "") if not self._allowlist.allows(cred) else ("allowed", "")
-        with self._lock:
-            if kind == "allowed":
-                if self._per_uid.get(cred.uid, 0) >= self._share:
-                    kind, why = "busy", "share"
-                elif self._count["allowed"] >= self._max["allowed"]:
-                    kind, why = "busy", "full"
-            full = self._count[kind] >= self._max[kind]
-            if not full:
-                self._count[kind] += 1
-                if kind == "allowed":
-                    self._per_uid[cred.uid] = self._per_uid.get(cred.uid, 0) + 1
+        kind, why, got = self._slots.take(self._allowlist.allows(cred), cred.uid)
+        full = not got
         if kind != "allowed" or full:
             self._warn_refusal(kind, why, full, cred)
         else:
@@ -375,7 +422,9 @@ class PeerGate:
             return
         self._warned_full = True
         if kind == "busy" and why == "share":
-            LOG.warning("gate: uid %d holds its share of %d connections; refusing its new ones", cred.uid, self._share)
+            LOG.warning(
+                "gate: uid %d holds its share of %d connections; refusing its new ones", cred.uid, self._slots.share
+            )
         else:
             LOG.warning(
                 "gate: %s connections at their cap; refusing new ones (pid %d uid %d)",
@@ -385,14 +434,7 @@ class PeerGate:
             )
 
     def _release(self, kind: str, uid: int) -> None:
-        with self._lock:
-            self._count[kind] -= 1
-            if kind == "allowed":
-                left = self._per_uid.get(uid, 1) - 1
-                if left:
-                    self._per_uid[uid] = left
-                else:
-                    self._per_uid.pop(uid, None)
+        self._slots.give_back(kind, uid)
 
     def _forget(self, conn: _Connection) -> None:
         with self._lock:

@@ -1,8 +1,9 @@
-"""The gRPC server: servicers that translate proto <-> model (transport.convert), and the Unix socket's lifecycle.
+"""The server side of both routes: the gRPC server (Isolator, Admin, health, reflection) behind the
+peer-credential gate, and the command-module bridge's listener beside it, on their Unix sockets.
 
-Servicers only translate and map typed errors to status codes; they hold no logic. The socket is
-bound under a lock file so that two sidecars never share one path: a stale socket left by a crash
-is replaced, a live one is never stolen.
+Both routes call the same handlers (isolator/transport/handlers.py) through one admission
+(isolator/transport/serving.py). The sockets are bound under a lock file so that two sidecars
+never share one path: a stale socket left by a crash is replaced, a live one is never stolen.
 """
 
 from __future__ import annotations
@@ -10,249 +11,35 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import functools
 import grp
 import logging
 import os
 import socket
 import stat
 import threading
-import time
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from isolator import __version__, model
-from isolator.bridge.listener import BridgeListener
+from isolator import model
 from isolator.core.api import IsolatorApi
-from isolator.daemon.config import Config
-from isolator.errors import ContainerGone, IsolatorError, SocketError
+from isolator.errors import SocketError
 from isolator.rpc import isolator_pb2 as pb
-from isolator.rpc import isolator_pb2_grpc as pb_grpc
 from isolator.transport import peergate, serving
-from isolator.transport.convert import (
-    config_from_proto,
-    container_id_from_proto,
-    container_info_to_proto,
-    description_to_proto,
-    gpu_info_to_proto,
-    launch_info_to_proto,
-    limitation_to_proto,
-    released_to_proto,
-    resources_from_proto,
-    topology_to_proto,
-    undrained_to_proto,
-    usage_to_proto,
-    volume_to_proto,
-)
-from isolator.transport.logcontext import hook_context
+from isolator.transport.bridge import BridgeListener
+from isolator.transport.convert import container_id_from_proto
+from isolator.transport.handlers import AdminHandlers, IsolatorHandlers, Observer
 from isolator.transport.reflection import Reflection
-from isolator.transport.status import mark_retryable, status_of
+from isolator.transport.settings import ServerSettings
 
 LOG = logging.getLogger(__name__)
 
 ISOLATOR_SERVICE = pb.DESCRIPTOR.services_by_name["Isolator"].full_name
 ADMIN_SERVICE = pb.DESCRIPTOR.services_by_name["Admin"].full_name
 
-T = TypeVar("T")
-
-
-# ---- error mapping (isolator/transport/status.py is the one place typed errors become statuses) -----------
-
-
-# Told of every call once it is answered: (hook, status code name, seconds, response or None).
-Observer = Callable[[str, str, float, Any], None]
-
-
-def _container_text(request: Any) -> str:
-    """The request's container ID as ``parent.child`` for logs ("" when it has none)."""
-    node = getattr(request, "container_id", None)
-    chain: list[str] = []
-    while node is not None and len(chain) <= model.MAX_NESTING:
-        chain.append(getattr(node, "value", ""))
-        node = node.parent if node.HasField("parent") else None
-    return ".".join(reversed(chain)) if any(chain) else ""
-
-
-def _translate_errors(method: Callable[..., T]) -> Callable[..., T]:
-    """Turn typed errors into statuses; anything else is a bug, logged with its traceback.
-
-    The one edge every call passes (gRPC and the bridge alike): it also sets the hook and container
-    for the log lines of the call, and tells the servicer's observer (metrics, job mapping).
-    """
-    hook = method.__name__
-
-    @functools.wraps(method)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> T:
-        observer: Observer | None = self.observer  # every servicer has one (None: not observed)
-        started = time.perf_counter()
-        code, response = "OK", None
-        with hook_context(hook, _container_text(request)):
-            try:
-                response = method(self, request, context)
-                return response
-            except IsolatorError as exc:
-                code = exc.code
-                LOG.log(
-                    logging.DEBUG if isinstance(exc, ContainerGone) else logging.INFO,
-                    "%s failed: %s",
-                    hook,
-                    exc.message,
-                )
-                mark_retryable(context, exc)
-                context.abort(*status_of(exc, hook))
-            except Exception as exc:
-                code = "INTERNAL"
-                LOG.exception("%s failed with an unexpected error", hook)
-                context.abort(*status_of(exc, hook))
-            finally:
-                if observer is not None:
-                    try:
-                        observer(hook, code, time.perf_counter() - started, response)
-                    except Exception:
-                        LOG.exception("observer of %s failed", hook)
-        raise AssertionError("unreachable: context.abort raises")
-
-    return wrapper
-
-
 # Bytes that are not the method's request message are INVALID_ARGUMENT, not gRPC's INTERNAL
 # "Exception deserializing request!": isolator/transport/serving.py parses leniently.
-
-
-# ---- servicers --------------------------------------------------------------------------------
-
-
-class IsolatorServicer(pb_grpc.IsolatorServicer):
-    def __init__(self, service: IsolatorApi, observer: Observer | None = None) -> None:
-        self._service = service
-        self.observer = observer
-
-    @_translate_errors
-    def Recover(self, request: pb.RecoverRequest, context: grpc.ServicerContext) -> pb.RecoverResponse:
-        states = [
-            model.ContainerState(container_id_from_proto(s.container_id), pid=s.pid, directory=s.directory)
-            for s in request.states
-        ]
-        orphans = [container_id_from_proto(o) for o in request.orphans]
-        result = self._service.recover(states, orphans)
-        return pb.RecoverResponse(recovered=result.recovered, released=result.released)
-
-    @_translate_errors
-    def Prepare(self, request: pb.PrepareRequest, context: grpc.ServicerContext) -> pb.PrepareResponse:
-        cid = container_id_from_proto(request.container_id)
-        info = self._service.prepare(cid, config_from_proto(request.container_config))
-        if info is None:
-            return pb.PrepareResponse()
-        return pb.PrepareResponse(launch_info=launch_info_to_proto(info))
-
-    @_translate_errors
-    def Isolate(self, request: pb.IsolateRequest, context: grpc.ServicerContext) -> pb.IsolateResponse:
-        caller = peergate.caller_pid(context.peer())  # the gate's SO_PEERCRED: whose pid may be moved
-        self._service.isolate(container_id_from_proto(request.container_id), request.pid, caller)
-        return pb.IsolateResponse()
-
-    @_translate_errors
-    def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> pb.WatchResponse:
-        remaining = context.time_remaining()
-        # Answer "no limitation yet" a little before the caller's deadline rather than racing it.
-        if remaining is not None:
-            remaining = max(0.0, remaining - min(0.25, remaining / 2))
-        try:
-            limitation = self._service.watch(container_id_from_proto(request.container_id), remaining)
-        except ContainerGone:
-            if getattr(context, "module_poll", False):
-                # criteo's module polls once more after each Cleanup: a gone container has no
-                # limitation, and an error here would be a line in both logs per container.
-                return pb.WatchResponse()
-            raise
-        if limitation is None:
-            return pb.WatchResponse()
-        return pb.WatchResponse(limitation=limitation_to_proto(limitation))
-
-    @_translate_errors
-    def Update(self, request: pb.UpdateRequest, context: grpc.ServicerContext) -> pb.UpdateResponse:
-        cid = container_id_from_proto(request.container_id)
-        self._service.update(cid, list(resources_from_proto(request.resource_requests)))
-        return pb.UpdateResponse()
-
-    @_translate_errors
-    def Usage(self, request: pb.UsageRequest, context: grpc.ServicerContext) -> pb.UsageResponse:
-        return usage_to_proto(self._service.usage(container_id_from_proto(request.container_id)))
-
-    @_translate_errors
-    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
-        status = self._service.status(container_id_from_proto(request.container_id))
-        return pb.StatusResponse(gpu_uuids=status.gpu_uuids, state=status.state)
-
-    @_translate_errors
-    def Cleanup(self, request: pb.CleanupRequest, context: grpc.ServicerContext) -> pb.CleanupResponse:
-        self._service.cleanup(container_id_from_proto(request.container_id))
-        return pb.CleanupResponse()
-
-
-class AdminServicer(pb_grpc.AdminServicer):
-    def __init__(self, service: IsolatorApi, observer: Observer | None = None, mode: str = "") -> None:
-        self._service = service
-        self._mode = mode  # for Health: which mode the answering sidecar runs in
-        self.observer = observer
-
-    @_translate_errors
-    def ListGpus(self, request: pb.ListGpusRequest, context: grpc.ServicerContext) -> pb.ListGpusResponse:
-        gpus = self._service.list_gpus()
-        return pb.ListGpusResponse(
-            driver_version=gpus.driver_version,
-            cuda_driver_version=gpus.cuda_driver_version,
-            gpus=[gpu_info_to_proto(g) for g in gpus.gpus],
-            sidecar_version=__version__,
-        )
-
-    @_translate_errors
-    def Topology(self, request: pb.TopologyRequest, context: grpc.ServicerContext) -> pb.TopologyResponse:
-        return topology_to_proto(self._service.topology())
-
-    @_translate_errors
-    def ListContainers(
-        self, request: pb.ListContainersRequest, context: grpc.ServicerContext
-    ) -> pb.ListContainersResponse:
-        containers = self._service.list_containers()
-        return pb.ListContainersResponse(containers=[container_info_to_proto(c) for c in containers])
-
-    @_translate_errors
-    def DescribeContainer(
-        self, request: pb.DescribeContainerRequest, context: grpc.ServicerContext
-    ) -> pb.DescribeContainerResponse:
-        return description_to_proto(self._service.describe_container(container_id_from_proto(request.container_id)))
-
-    @_translate_errors
-    def Volume(self, request: pb.VolumeRequest, context: grpc.ServicerContext) -> pb.VolumeResponse:
-        return volume_to_proto(self._service.volume())
-
-    @_translate_errors
-    def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
-        checks = self._service.health()
-        return pb.HealthResponse(
-            checks=[pb.HealthResponse.Check(name=c.name, ok=c.ok, detail=c.detail) for c in checks],
-            version=__version__,
-            mode=self._mode,
-            hostname=socket.gethostname(),
-        )
-
-    @_translate_errors
-    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
-        released = self._service.release(container_id_from_proto(request.container_id), request.force)
-        return released_to_proto(released)
-
-    @_translate_errors
-    def Audit(self, request: pb.AuditRequest, context: grpc.ServicerContext) -> pb.AuditResponse:
-        report = self._service.audit()
-        return pb.AuditResponse(checked=report.checked, repaired=report.repaired, repairs_total=report.repairs_total)
-
-    @_translate_errors
-    def Undrain(self, request: pb.UndrainRequest, context: grpc.ServicerContext) -> pb.UndrainResponse:
-        return undrained_to_proto(self._service.undrain(request.gpu))
 
 
 # ---- the Unix socket ----------------------------------------------------------------------------
@@ -397,16 +184,16 @@ def _umask(mask: int) -> Iterator[None]:
 class SidecarServer:
     """A gRPC server on a Unix socket serving Isolator, Admin, health and reflection.
 
-    Beside it, unless disabled, the command-module bridge listens on ``config.bridge_path`` and
-    calls the same Isolator servicer (isolator/bridge/listener.py).
+    Beside it, unless disabled, the command-module bridge listens on ``settings.bridge_path`` and
+    calls the same Isolator handlers (isolator/transport/bridge.py).
     """
 
-    def __init__(self, config: Config, service: IsolatorApi, observer: Observer | None = None) -> None:
-        self.config = config
+    def __init__(self, settings: ServerSettings, service: IsolatorApi, observer: Observer | None = None) -> None:
+        self.settings = settings
         self.service = service
         self.observer = observer
-        self._guard = SocketGuard(config.socket)
-        self._bridge_guard = SocketGuard(config.bridge_path) if config.bridge_path else None
+        self._guard = SocketGuard(settings.socket)
+        self._bridge_guard = SocketGuard(settings.bridge_path) if settings.bridge_path else None
         self._bridge: BridgeListener | None = None
         self._bridge_held = False
         self._server: grpc.aio.Server | None = None
@@ -414,25 +201,25 @@ class SidecarServer:
         self._dispatcher: serving.Dispatcher | None = None
         self._health = self._loop.call(_make_health())
         self._stopped = threading.Event()
-        self._private = peergate.private_dir(config.socket)
+        self._private = peergate.private_dir(settings.socket)
         self._private_made = False
         self._gate: peergate.PeerGate | None = None
         self._deny: grpc.Server | None = None
 
     @property
     def address(self) -> str:
-        return "unix:" + self.config.socket
+        return "unix:" + self.settings.socket
 
     def start(self) -> None:
-        cfg = self.config
+        cfg = self.settings
         self._guard.acquire()
         try:
             # gRPC listens only in a private 0700 directory; the public socket belongs to the gate,
             # which checks each caller's SO_PEERCRED (gRPC Python cannot see it) before splicing.
             peergate.make_private_dir(self._private)
             self._private_made = True
-            isolator_servicer = IsolatorServicer(self.service, self.observer)
-            server = self._serve_aio(isolator_servicer)
+            isolator_handlers = IsolatorHandlers(self.service, self.observer)
+            server = self._serve_aio(isolator_handlers)
             allowed_path = os.path.join(self._private, peergate.ALLOWED_NAME)
             denied_path = os.path.join(self._private, peergate.DENIED_NAME)
             try:
@@ -449,7 +236,7 @@ class SidecarServer:
                 peergate.Allowlist.of(cfg.allowed_uids, cfg.allowed_gids),
                 max_connections=cfg.max_connections,
             )
-            self._start_bridge(isolator_servicer)
+            self._start_bridge(isolator_handlers)
             self._loop.call(server.start())
             self._deny.start()
             self._gate.start()
@@ -470,16 +257,16 @@ class SidecarServer:
             sorted(cfg.allowed_gids),
         )
 
-    def _serve_aio(self, isolator_servicer: IsolatorServicer) -> grpc.aio.Server:
+    def _serve_aio(self, isolator_handlers: IsolatorHandlers) -> grpc.aio.Server:
         """The aio server (isolator/transport/serving.py): Watch waits on a future, the rest runs on the pool."""
-        cfg = self.config
+        cfg = self.settings
         dispatcher = self._dispatcher = serving.Dispatcher(cfg.max_workers, cfg.max_concurrent_rpcs)
         service = self.service
 
         def container_of(request: pb.WatchRequest) -> model.ContainerId:
             return container_id_from_proto(request.container_id)
 
-        watch = serving.watch_handler(isolator_servicer, service.subscribe, container_of, pb.WatchResponse, dispatcher)
+        watch = serving.watch_handler(isolator_handlers, service.subscribe, container_of, pb.WatchResponse, dispatcher)
 
         async def build() -> grpc.aio.Server:
             server = grpc.aio.server(
@@ -492,18 +279,16 @@ class SidecarServer:
                     serving.unary_handlers(
                         ISOLATOR_SERVICE,
                         pb.DESCRIPTOR.services_by_name["Isolator"],
-                        isolator_servicer,
+                        isolator_handlers,
                         dispatcher,
                         {"Watch": watch},
-                        self.observer,
                     ),
                     serving.unary_handlers(
                         ADMIN_SERVICE,
                         pb.DESCRIPTOR.services_by_name["Admin"],
-                        AdminServicer(self.service, self.observer, self.config.mode),
+                        AdminHandlers(self.service, self.observer, cfg.mode),
                         dispatcher,
                         {},
-                        self.observer,
                     ),
                 )
             )
@@ -576,8 +361,8 @@ class SidecarServer:
             peergate.remove_private_dir(self._private)
             self._private_made = False
 
-    def _start_bridge(self, servicer: IsolatorServicer) -> None:
-        cfg = self.config
+    def _start_bridge(self, handlers: IsolatorHandlers) -> None:
+        cfg = self.settings
         if self._bridge_guard is None:
             return
         path = self._bridge_guard.path
@@ -588,7 +373,7 @@ class SidecarServer:
         # The bridge's calls pass the gRPC calls' Dispatcher: one in-flight limit, one Cleanup lane.
         self._bridge = BridgeListener(
             sock,
-            servicer,
+            handlers,
             self._dispatcher,
             self._loop.loop,
             max_request_bytes=cfg.max_message_bytes,
@@ -608,7 +393,7 @@ class SidecarServer:
             self._bridge_held = False
 
     def _apply_socket_permissions(self, path: str) -> None:
-        cfg = self.config
+        cfg = self.settings
         gid = -1
         if cfg.socket_group:
             try:
@@ -635,7 +420,7 @@ class SidecarServer:
         self._stop_gate(grace=0)
         self._guard.release(remove_socket=True)
         self.service.close()
-        LOG.info("stopped serving on %s", self.config.socket)
+        LOG.info("stopped serving on %s", self.settings.socket)
 
     def wait(self) -> None:
         self._stopped.wait()

@@ -1,18 +1,20 @@
 """gRPC on an event loop: long waits cost no thread, short calls run on a bounded pool.
 
-The servicers (isolator/transport/server.py) stay synchronous: they translate and map errors, and the core
-they call blocks on fsyncs and cgroup writes. This module hosts them on a ``grpc.aio`` server whose
-event loop runs on one thread of its own:
+The handlers (isolator/transport/handlers.py) stay synchronous: they translate, and the core they call
+blocks on fsyncs and cgroup writes. This module hosts them on a ``grpc.aio`` server whose event loop
+runs on one thread of its own, and is the gRPC route's one error mapping (``errors.IsolatorError`` ->
+status, through isolator/transport/status.py):
 
 * every unary call is admitted (or refused RESOURCE_EXHAUSTED at once, never queued without bound),
-  then its servicer method runs on the worker pool (``--max-workers`` threads); the bridge socket's
-  calls (isolator/bridge/listener.py, coroutines on the same loop) pass the same ``Dispatcher``, so
-  the limit and the Cleanup lane below are one for both routes;
+  then its handler runs on the worker pool (``--max-workers`` threads); the bridge socket's calls
+  (isolator/transport/bridge.py, coroutines on the same loop) pass the same ``Dispatcher``, so the
+  limit and the Cleanup lane below are one for both routes;
 * Cleanup, which frees GPUs, is never refused for load and never waits behind other calls: a free
   worker takes a queued Cleanup before any other queued call, and a lane of its own (threads that
   take nothing else) runs it even when every worker is stuck (``HookPool``);
-* Watch is a coroutine waiting on a future: the core calls back (``IsolatorApi.subscribe``) when
-  its container goes away or a GPU's health changes, and the Watch re-checks on the pool. An open
+* Watch is a coroutine waiting on a future, the only place a Watch waits: the core answers "is
+  there a limitation now" (``IsolatorApi.watch``) and calls back (``IsolatorApi.subscribe``) when
+  its container goes away or a GPU's health changes, and the Watch asks again on the pool. An open
   Watch costs a subscription and a coroutine, no thread. It works with no deadline, ends at once
   when its caller cancels, and answers UNAVAILABLE when the server stops;
 * requests are bounded in number (``--max-concurrent-rpcs``) and in bytes held at once
@@ -37,9 +39,10 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
-from isolator.errors import InvalidArgument, Overloaded, Unavailable
+from isolator.errors import InvalidArgument, IsolatorError, Overloaded, Unavailable
+from isolator.transport.handlers import GRPC, CallFacts, Handlers, Observer, observe
 from isolator.transport.logcontext import hook_context
-from isolator.transport.status import mark_retryable, status_of
+from isolator.transport.status import abort
 
 LOG = logging.getLogger(__name__)
 
@@ -87,35 +90,6 @@ malloc_trim = _malloc_trim()
 _Item = tuple[futures.Future[Any], Callable[..., Any], tuple[Any, ...]]
 
 
-class Aborted(Exception):
-    """A synchronous servicer's ``context.abort``; the coroutine re-raises it through gRPC."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
-
-
-class SyncContext:
-    """The part of ``grpc.ServicerContext`` the servicers use, for a call run on a worker thread."""
-
-    def __init__(self, peer: str, remaining: float | None) -> None:
-        self._peer = peer
-        self._deadline = None if remaining is None else time.monotonic() + remaining
-
-    def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise Aborted(code, details)
-
-    def time_remaining(self) -> float | None:
-        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
-
-    def peer(self) -> str:
-        return self._peer
-
-    def invocation_metadata(self) -> tuple[()]:
-        return ()
-
-
 class _Malformed:
     """Stands in for request bytes that did not parse, so that the call answers INVALID_ARGUMENT."""
 
@@ -130,8 +104,14 @@ def _remaining(context: grpc.aio.ServicerContext) -> float | None:
     return remaining
 
 
+def call_facts(context: grpc.aio.ServicerContext) -> CallFacts:
+    """A gRPC call's facts: its peer (as the gate named it) and its deadline."""
+    remaining = _remaining(context)
+    return CallFacts(context.peer(), None if remaining is None else time.monotonic() + remaining, GRPC)
+
+
 class HookPool:
-    """Worker threads for the synchronous servicers, urgent calls (Cleanup) first.
+    """Worker threads for the synchronous handlers, urgent calls (Cleanup) first.
 
     ``workers`` threads take the oldest urgent call, else the oldest other one; ``lane`` more take
     only urgent calls. So a Cleanup waits behind other Cleanups only: never behind a queue of
@@ -270,13 +250,13 @@ class HookPool:
 
 class Dispatcher:
     """The one admission of both routes (gRPC and the bridge socket): admits calls and runs their
-    synchronous servicer methods on the pool; lives on the event loop.
+    synchronous handlers on the pool; lives on the event loop.
 
     One in-flight limit (``--max-concurrent-rpcs``) and one bound on request bytes are shared by the
     two routes; Cleanup skips both and takes the pool's Cleanup-first lane. A call turned away is
     load shedding (``errors.Overloaded``), which each route answers in its own protocol: gRPC
     RESOURCE_EXHAUSTED with ``grpc-retry-pushback-ms`` (``run``), the bridge ``RETRY <ms>``
-    (isolator/bridge/listener.py). Counters are touched only on the loop's thread, so they need no lock.
+    (isolator/transport/bridge.py). Counters are touched only on the loop's thread, so they need no lock.
     """
 
     def __init__(self, workers: int, max_calls: int, max_bytes: int = MAX_BYTES_IN_FLIGHT) -> None:
@@ -334,18 +314,17 @@ class Dispatcher:
         finally:
             self.release(method, size)
 
-    async def run(self, method: str, fn: Callable[..., T], request: Any, context: grpc.aio.ServicerContext) -> T:
-        """A gRPC call: admitted, or refused RESOURCE_EXHAUSTED with gRPC's retry pushback."""
+    async def run(self, method: str, handlers: Handlers, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """A gRPC call: admitted, or refused RESOURCE_EXHAUSTED with gRPC's retry pushback; its
+        handler's error becomes the call's status here."""
         size = request.ByteSize() if hasattr(request, "ByteSize") else 0
-        sync_context = SyncContext(context.peer(), _remaining(context))
-        busy = self.admit("grpc", method, size)
+        busy = self.admit(GRPC, method, size)
         if busy is not None:
-            await self._abort_busy(context, busy)
+            await abort(context, busy, method)
         try:
-            return await self.execute(method, size, fn, request, sync_context)
-        except Aborted as exc:
-            await context.abort(exc.code, exc.details)
-            raise AssertionError("unreachable: abort raises") from None
+            return await self.execute(method, size, handlers.handle, method, request, call_facts(context))
+        except IsolatorError as exc:
+            await abort(context, exc, method)
 
     def _trim(self) -> None:
         # Off the loop: trimming a fragmented heap takes milliseconds.
@@ -373,22 +352,10 @@ class Dispatcher:
             self.watch_burst = 0
             self._trim()
 
-    async def check(self, fn: Callable[..., T], request: Any, context: grpc.aio.ServicerContext) -> T:
-        """One non-blocking re-check of a Watch on the pool, outside the call count."""
-        try:
-            return await asyncio.wrap_future(self.pool.submit(fn, request, SyncContext("", 0.0)))
-        except Aborted as exc:
-            await context.abort(exc.code, exc.details)
-            raise AssertionError("unreachable: abort raises") from None
-
-    @staticmethod
-    async def _refuse(context: grpc.aio.ServicerContext, why: str) -> None:
-        await Dispatcher._abort_busy(context, Overloaded(f"the sidecar is busy: {why}; try again"))
-
-    @staticmethod
-    async def _abort_busy(context: grpc.aio.ServicerContext, busy: Overloaded) -> None:
-        mark_retryable(context, busy)
-        await context.abort(*status_of(busy, "?"))
+    async def check(self, handlers: Handlers, request: Any, call: CallFacts) -> Any:
+        """One non-blocking ask of a Watch ("is there a limitation now?") on the pool, outside the
+        call count; raises the handler's ``IsolatorError``."""
+        return await asyncio.wrap_future(self.pool.submit(handlers.handle, "Watch", request, call))
 
     def shutdown(self) -> None:
         self.pool.shutdown()
@@ -397,26 +364,25 @@ class Dispatcher:
 def unary_handlers(
     service_name: str,
     descriptor: Any,
-    servicer: Any,
+    handlers: Handlers,
     dispatcher: Dispatcher,
     overrides: dict[str, Any],
-    observer: Callable[[str, str, float, Any], None] | None = None,
 ) -> grpc.GenericRpcHandler:
     """aio handlers for every method of ``descriptor``: ``overrides`` (coroutines) by name, the
-    others through ``dispatcher`` to the synchronous ``servicer`` method of the same name."""
+    others through ``dispatcher`` to the synchronous handler of the same name."""
     from google.protobuf import message_factory
 
-    handlers = {}
+    by_name = {}
     for method in descriptor.methods:
         request_type = message_factory.GetMessageClass(method.input_type)
         response_type = message_factory.GetMessageClass(method.output_type)
-        behaviour = overrides.get(method.name) or _dispatch(method.name, getattr(servicer, method.name), dispatcher)
-        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            _lenient(behaviour, method.name, observer),
+        behaviour = overrides.get(method.name) or _dispatch(method.name, handlers, dispatcher)
+        by_name[method.name] = grpc.unary_unary_rpc_method_handler(
+            _lenient(behaviour, method.name, handlers.observer),
             request_deserializer=_deserializer(request_type),
             response_serializer=response_type.SerializeToString,
         )
-    return grpc.method_handlers_generic_handler(service_name, handlers)
+    return grpc.method_handlers_generic_handler(service_name, by_name)
 
 
 def _deserializer(request_type: Any) -> Callable[[bytes], Any]:
@@ -432,27 +398,23 @@ def _deserializer(request_type: Any) -> Callable[[bytes], Any]:
 def _lenient(
     behaviour: Callable[[Any, Any], Coroutine[Any, Any, Any]],
     hook: str,
-    observer: Callable[[str, str, float, Any], None] | None,
+    observer: Observer | None,
 ) -> Callable[[Any, Any], Any]:
     async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
         if isinstance(request, _Malformed):
             refused = InvalidArgument(f"malformed request message: {request.error}")
             with hook_context(hook, ""):
                 LOG.info("%s refused: %s", hook, refused.message)
-                if observer is not None:
-                    try:
-                        observer(hook, refused.code, 0.0, None)  # told of each refusal, as of calls
-                    except Exception:
-                        LOG.exception("observer of %s failed", hook)
-            await context.abort(*status_of(refused, hook))
+                observe(observer, hook, refused.code, 0.0, None)  # told of each refusal, as of calls
+            await abort(context, refused, hook)
         return await behaviour(request, context)
 
     return call
 
 
-def _dispatch(name: str, fn: Callable[..., Any], dispatcher: Dispatcher) -> Callable[[Any, Any], Any]:
+def _dispatch(name: str, handlers: Handlers, dispatcher: Dispatcher) -> Callable[[Any, Any], Any]:
     async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await dispatcher.run(name, fn, request, context)
+        return await dispatcher.run(name, handlers, request, context)
 
     return call
 
@@ -498,19 +460,21 @@ class _Waker:
 
 
 def watch_handler(
-    servicer: Any,
+    handlers: Handlers,
     subscribe: Callable[[Callable[[], None], Any], Callable[[], None]],
     container_of: Callable[[Any], Any],
     empty: Callable[[], Any],
     dispatcher: Dispatcher,
 ) -> Callable[[Any, grpc.aio.ServicerContext], Coroutine[Any, Any, Any]]:
-    """Watch as a wait on a future: subscribe, re-check on each change, answer on a limitation,
-    an error (the container went away: NOT_FOUND), the caller's deadline or the server's stop."""
+    """Watch as a wait on a future: subscribe, ask again on each change, answer on a limitation,
+    an error (the container went away: NOT_FOUND), the caller's deadline or the server's stop. The
+    one place a Watch waits and its deadline is read."""
 
     async def watch(request: Any, context: grpc.aio.ServicerContext) -> Any:
         loop = asyncio.get_running_loop()
         if dispatcher.watches >= MAX_WATCHES:
-            await Dispatcher._refuse(context, f"{dispatcher.watches} Watch calls open (at most {MAX_WATCHES})")
+            why = f"{dispatcher.watches} Watch calls open (at most {MAX_WATCHES})"
+            await abort(context, Overloaded(f"the sidecar is busy: {why}; try again"), "Watch")
         try:
             container = container_of(request)
         except Exception:
@@ -519,14 +483,18 @@ def watch_handler(
         unsubscribe = subscribe(waker.threadsafe, container)
         dispatcher.watch_started(waker)
         try:
-            remaining = _remaining(context)
+            call = call_facts(context)
+            remaining = call.remaining()
             # Answer "no limitation yet" a little before the caller's deadline rather than racing it.
             deadline = None if remaining is None else loop.time() + max(0.0, remaining - min(0.25, remaining / 2))
             while True:
                 if dispatcher.stopping:  # a Watch that began as the server stopped
-                    await context.abort(*status_of(Unavailable("the sidecar is stopping; watch again"), "Watch"))
+                    await abort(context, Unavailable("the sidecar is stopping; watch again"), "Watch")
                 waker.arm()  # a change from here on, even during the check, ends the wait below at once
-                response = await dispatcher.check(servicer.Watch, request, context)
+                try:
+                    response = await dispatcher.check(handlers, request, call)
+                except IsolatorError as exc:
+                    await abort(context, exc, "Watch")
                 if response.HasField("limitation"):
                     return response
                 wait = None if deadline is None else deadline - loop.time()

@@ -1,8 +1,10 @@
 """The one place an error becomes a gRPC status: typed errors carry their code's name
-(isolator/errors.py), anything else is a bug and INTERNAL. Used by the servicers (server.py),
-the peer-credential gate's refusals (peergate.py) and, through the servicers, the bridge."""
+(isolator/errors.py), anything else is a bug and INTERNAL. Used by the gRPC route (serving.py) and
+the peer-credential gate's refusals (peergate.py); the bridge has its own protocol (bridge.py)."""
 
 from __future__ import annotations
+
+from typing import NoReturn
 
 import grpc
 
@@ -32,3 +34,10 @@ def mark_retryable(context: object, exc: BaseException) -> None:
     metadata = retry_metadata(exc)
     if metadata:
         context.set_trailing_metadata(metadata)  # type: ignore[attr-defined]
+
+
+async def abort(context: grpc.aio.ServicerContext, exc: BaseException, where: str) -> NoReturn:
+    """End an aio call with ``exc``'s status (and its retry pushback, on load shedding)."""
+    mark_retryable(context, exc)
+    await context.abort(*status_of(exc, where))
+    raise AssertionError("unreachable: abort raises")

@@ -1,10 +1,12 @@
 """The sidecar's end of the command-module bridge: one call per connection on a second Unix socket.
 
-It decodes what a bridge executable forwards (the JSON criteo/mesos-command-modules writes) into the
-gRPC request messages and calls the same servicer methods as gRPC, so translation and error mapping
-are shared; its calls are admitted by the gRPC server's Dispatcher (isolator/transport/serving.py),
-so the in-flight limit and the Cleanup lane are shared too. It holds no isolator logic, admits
-nothing on its own beyond connection slots, and never binds sockets itself (the server does).
+It decodes what a bridge executable (isolator/bridge/command.py, bridge.c) forwards (the JSON
+criteo/mesos-command-modules writes) into the request messages and calls the same handlers as gRPC
+(isolator/transport/handlers.py), so translation is shared; it maps their ``IsolatorError`` to its
+own reply lines, once. Its calls are admitted by the gRPC server's Dispatcher
+(isolator/transport/serving.py), so the in-flight limit and the Cleanup lane are shared too, and its
+connection slots are counted as the gate counts its own (``peergate.ConnectionSlots``). It holds no
+isolator logic and never binds sockets itself (the server does).
 
 Wire protocol, version 1. The client connects, sends one request and shuts down its write side; the
 server answers and closes.
@@ -37,9 +39,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
-import grpc
 from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
@@ -52,12 +53,11 @@ from isolator.errors import (
     PermissionDenied,
     Unavailable,
     Unimplemented,
-    from_code,
 )
 from isolator.rpc import isolator_pb2 as pb
 from isolator.transport import peergate, serving
+from isolator.transport.handlers import BRIDGE, CallFacts, IsolatorHandlers, observe
 from isolator.transport.logcontext import hook_context
-from isolator.transport.status import RETRY_PUSHBACK
 
 LOG = logging.getLogger(__name__)
 
@@ -68,12 +68,6 @@ MAX_HEADER_BYTES = 256
 MAX_DEPTH = 64
 MAX_MESSAGE_CHARS = 2000
 MAX_DRAIN_BYTES = 64 * 1024 * 1024
-
-
-# The gRPC Isolator servicer (isolator.transport.server.IsolatorServicer, passed in by the server, which this
-# module does not import): the bridge calls its methods by name with a request message and a
-# context, so that translation and error mapping are shared.
-Servicer = object
 
 
 # ---- outputs: proto -> the JSON stout's protobuf::parse<T> accepts --------------------------------
@@ -274,44 +268,6 @@ def refusal_reply(exc: IsolatorError) -> bytes:
     return error_reply(exc.code, exc.message, exc.retry_after_ms if isinstance(exc, Overloaded) else None)
 
 
-class _Context:
-    """The part of grpc.ServicerContext the servicers use, for calls that arrive over the bridge."""
-
-    def __init__(self, method: str, deadline: float, peer: str = "") -> None:
-        self._method = method
-        self._deadline = deadline  # time.monotonic(), from the call's arrival
-        self._peer = peer
-        self._pushback_ms: int | None = None
-        # The module polls watch (IsolatorServicer.Watch answers its poll after a Cleanup quietly).
-        self.module_poll = method == "watch"
-
-    def peer(self) -> str:
-        """The caller as the gRPC gate names it (isolator/transport/peergate.py), from this
-        connection's SO_PEERCRED: Isolate moves only the caller's processes."""
-        return self._peer
-
-    def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
-        # Only the retry pushback of a load-shedding refusal (isolator.transport.status.retry_metadata).
-        for key, value in metadata:
-            if key == RETRY_PUSHBACK and value.isdigit():
-                self._pushback_ms = int(value)
-
-    def abort(self, code: grpc.StatusCode, details: str) -> None:
-        # The servicer has already mapped its error to a status (isolator.transport.status.status_of).
-        if self._pushback_ms is not None and code.name == Overloaded.code:
-            busy = Overloaded(details)
-            busy.retry_after_ms = self._pushback_ms  # type: ignore[misc]
-            raise busy
-        raise from_code(code.name, details)
-
-    def time_remaining(self) -> float:
-        if self._method == "watch":
-            # The module polls watch (every `isolator_watch_frequence` s, no timeout of its own):
-            # each call asks "is there a limitation now?" and must not block.
-            return 0.0
-        return max(0.0, self._deadline - time.monotonic())
-
-
 def _container_hint(payload: bytes) -> str:
     """The container ID an input names (``parent.child``), best effort, for the log line of a
     refusal that happens before the request is a message; "" when there is none to read."""
@@ -326,28 +282,23 @@ def _container_hint(payload: bytes) -> str:
         return ""
 
 
-def answer(servicer: Servicer, method: str, payload: bytes, deadline: float, peer: str = "") -> bytes:
-    """An admitted call's input -> the reply's bytes, on a worker of the pool (``peer``: the caller,
-    as ``_Context.peer``; ``deadline``: ``time.monotonic()`` by which the caller gives up). Never raises."""
+def answer(handlers: IsolatorHandlers, method: str, payload: bytes, deadline: float, peer: str = "") -> bytes:
+    """An admitted call's input -> the reply's bytes, on a worker of the pool (``peer``: the caller
+    as the gate names it, from this connection's SO_PEERCRED; ``deadline``: ``time.monotonic()`` by
+    which the caller gives up). The bridge's one error mapping. Never raises."""
     call = CALLS[method]
     try:
         started = time.perf_counter()
         try:
             request = decode_input(payload, call.request_type)
         except IsolatorError as exc:
-            # Refused before the servicer (whose error mapping logs and measures every call) runs:
-            # say so with the hook and the container, and count it as the servicer would.
+            # Refused before the handler (whose entry logs and measures every call) runs: say so
+            # with the hook and the container, and count it as the handler's entry would.
             with hook_context(call.rpc, _container_hint(payload)):
                 LOG.info("bridge %s refused: %s", method, exc.message)
-                observer = getattr(servicer, "observer", None)
-                if observer is not None:
-                    try:
-                        observer(call.rpc, exc.code, time.perf_counter() - started, None)
-                    except Exception:
-                        LOG.exception("observer of %s failed", call.rpc)
+                observe(handlers.observer, call.rpc, exc.code, time.perf_counter() - started, None)
             return refusal_reply(exc)
-        context = cast(grpc.ServicerContext, _Context(method, deadline, peer))
-        response = getattr(servicer, call.rpc)(request, context)
+        response = handlers.handle(call.rpc, request, CallFacts(peer, deadline, BRIDGE))
         return b"OK\n" + call.output(response)
     except IsolatorError as exc:
         return refusal_reply(exc)
@@ -365,7 +316,8 @@ def answer(servicer: Servicer, method: str, payload: bytes, deadline: float, pee
 MAX_REFUSALS = 16
 REFUSAL_DEADLINE_S = 2.0
 # An allowed uid holds at most this share of the connection slots (the gate's rule for gRPC
-# connections), so that one caller's slow or stuck connections cannot lock the others out.
+# connections, counted by the same ``peergate.ConnectionSlots``), so that one caller's slow or
+# stuck connections cannot lock the others out.
 UID_SHARE = peergate.UID_SHARE
 
 
@@ -381,14 +333,14 @@ class BridgeListener:
     request-byte bound with gRPC calls and is answered ``RETRY`` when shed, and a Cleanup skips both
     and runs first, on the pool's Cleanup lane when every worker is stuck. The slot is given back
     once the call is admitted (the Dispatcher counts it from there), so calls in flight, however
-    many, never keep a Cleanup from being read. Counters are kept under a lock only so that
-    ``slots`` and ``stop`` may read them from other threads; they change on the loop.
+    many, never keep a Cleanup from being read. The count of open connections is kept under a lock
+    only so that ``stop`` may read it from another thread; it changes on the loop.
     """
 
     def __init__(
         self,
         sock: socket.socket,
-        servicer: Servicer,
+        handlers: IsolatorHandlers,
         dispatcher: serving.Dispatcher,
         loop: asyncio.AbstractEventLoop,
         *,
@@ -399,14 +351,13 @@ class BridgeListener:
         io_timeout: float = 10.0,
     ) -> None:
         self._sock = sock
-        self._servicer = servicer
+        self._handlers = handlers
         self._dispatcher = dispatcher
         self._loop = loop
         self._limit = MAX_HEADER_BYTES + max_request_bytes
-        self._caps = {"connection": max_connections, "refusal": MAX_REFUSALS}
-        self._share = max(1, int(max_connections * UID_SHARE))
-        self._taken = {"connection": 0, "refusal": 0}
-        self._per_uid: dict[int, int] = {}
+        self._max_connections = max_connections
+        # Refusals (denied callers and busy ones alike) share one cap here.
+        self._slots = peergate.ConnectionSlots(max_connections, {"refused": MAX_REFUSALS}, pooled=True)
         self.set_allowed(allowed_uids, allowed_gids)
         self._io_timeout = io_timeout
         self._closing = threading.Event()
@@ -453,8 +404,8 @@ class BridgeListener:
 
     def slots(self) -> dict[str, int]:
         """Slots taken now, by kind (tests and the load bench)."""
-        with self._idle:
-            return dict(self._taken)
+        taken = self._slots.taken()
+        return {"connection": taken["allowed"], "refusal": taken["refused"]}
 
     def _accept_loop(self) -> None:
         peergate.accept_loop(self._sock, self._closing, self._admit, "bridge")
@@ -471,26 +422,23 @@ class BridgeListener:
         if self._closing.is_set():
             conn.close()
             return
+        kind, _why, got = self._slots.take(allowed, cred.uid)
         refusal: IsolatorError | None = None
-        if not allowed:
+        if kind == "denied":
             refusal = PermissionDenied(peergate.denial_message(cred.uid, cred.gid))
-            kind = "refusal" if self._take("refusal", cred.uid) else ""
-            if kind:
+            if got:
                 LOG.warning(
                     "bridge call from pid %d uid %d gid %d refused: not in allowed-uids/gids",
                     cred.pid,
                     cred.uid,
                     cred.gid,
                 )
-        elif self._take("connection", cred.uid):
-            kind = "connection"
-        else:
+        elif kind == "busy":
             refusal = Overloaded(
                 f"too many bridge connections (uid {cred.uid} holds its share, or all"
-                f" {self._caps['connection']} are taken; --max-connections); try again"
+                f" {self._max_connections} are taken; --max-connections); try again"
             )
-            kind = "refusal" if self._take("refusal", cred.uid) else ""
-        if not kind:
+        if not got:
             if not self._warned:
                 LOG.warning(
                     "bridge: refusals at their cap of %d; closing new connections (uid %d)", MAX_REFUSALS, cred.uid
@@ -499,42 +447,21 @@ class BridgeListener:
             conn.close()
             return
         self._warned = False
+        with self._idle:
+            self._in_flight += 1
         if refusal is not None:
-            task = self._loop.create_task(self._refuse(conn, cred.uid, refusal))
+            task = self._loop.create_task(self._refuse(conn, cred.uid, kind, refusal))
         else:
             task = self._loop.create_task(self._serve(conn, cred))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    def _take(self, kind: str, uid: int) -> bool:
-        with self._idle:
-            if self._taken[kind] >= self._caps[kind]:
-                return False
-            if kind == "connection":
-                if self._per_uid.get(uid, 0) >= self._share:
-                    return False
-                self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
-            self._taken[kind] += 1
-            self._in_flight += 1
-            return True
-
-    def _give_back(self, kind: str, uid: int) -> None:
-        """The slot only: the connection stays open (``_closed`` counts it out)."""
-        with self._idle:
-            self._taken[kind] -= 1
-            if kind == "connection":
-                left = self._per_uid.get(uid, 1) - 1
-                if left:
-                    self._per_uid[uid] = left
-                else:
-                    self._per_uid.pop(uid, None)
 
     def _closed(self) -> None:
         with self._idle:
             self._in_flight -= 1
             self._idle.notify_all()
 
-    async def _refuse(self, conn: socket.socket, uid: int, error: IsolatorError) -> None:
+    async def _refuse(self, conn: socket.socket, uid: int, kind: str, error: IsolatorError) -> None:
         deadline = self._loop.time() + REFUSAL_DEADLINE_S
         try:
             with conn:
@@ -546,7 +473,7 @@ class BridgeListener:
                 except (OSError, TimeoutError) as exc:
                     LOG.debug("bridge refusal not delivered: %s", exc)
         finally:
-            self._give_back("refusal", uid)
+            self._slots.give_back(kind, uid)
             self._closed()
 
     async def _serve(self, conn: socket.socket, cred: peergate.PeerCredentials) -> None:
@@ -556,7 +483,7 @@ class BridgeListener:
             nonlocal holding
             if holding:
                 holding = False
-                self._give_back("connection", cred.uid)
+                self._slots.give_back("allowed", cred.uid)
 
         try:
             with conn:
@@ -596,7 +523,7 @@ class BridgeListener:
         admitted()
         try:
             return await self._dispatcher.execute(
-                rpc, len(payload), answer, self._servicer, method, payload, arrived + timeout, peer
+                rpc, len(payload), answer, self._handlers, method, payload, arrived + timeout, peer
             )
         except RuntimeError as exc:  # the pool is shut down, or no thread could start
             stopping = Unavailable(f"the sidecar could not run bridge {method}: {exc}")

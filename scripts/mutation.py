@@ -48,6 +48,10 @@ MODULES = (
     Module("allocator", "isolator/policy/allocator.py", ("tests/test_allocator.py",)),
     Module("handover", "isolator/policy/handover.py", ("tests/test_handover_policy.py",)),
     Module("affinity", "isolator/policy/affinity.py", ("tests/test_affinity_policy.py",)),
+    Module("drift", "isolator/policy/drift.py", ("tests/test_policy_drift.py",)),
+    Module("adopt", "isolator/policy/adopt.py", ("tests/test_policy_adopt.py",)),
+    Module("placement", "isolator/policy/placement.py", ("tests/test_policy_placement.py",)),
+    Module("launch", "isolator/policy/launch.py", ("tests/test_policy_launch.py",)),
 )
 
 # Verdicts that count as "the tests noticed": a failing test, or a hang the timeout caught (a mutant

@@ -62,7 +62,6 @@ INDIRECT = {
     "mark_ended": "cleanup",
     "forget_ended": "prepare",
     "recently_ended": "watch",
-    "granted": "describe_container",
     "describe": "prepare",
     "require": "status",
     "apply": "update",

@@ -9,6 +9,7 @@ through the traces it leaves: its driver-volume user record and, in Mesos's layo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterable
 
@@ -29,6 +30,7 @@ from isolator.model import (
     VolumeReport,
 )
 from isolator.policy import devices as devrules
+from isolator.policy import drift
 from isolator.policy import mig as migunits
 from isolator.policy.affinity import Affinity
 
@@ -193,9 +195,12 @@ class Admin:
         with core.locks.hold(container_id):
             rec, info = self._find(container_id)
             target, cgroup = self._rules_cgroup(container_id)
-            recorded = _sorted_rules(rec.rules)
             in_force = core.cgroups.in_force(target)
-            kernel = _sorted_rules(in_force.rules)
+            # Both sides shown sorted, each rule once (policy.drift compares them as given).
+            recorded, kernel = _sorted_rules(rec.rules), _sorted_rules(in_force.rules)
+            found = drift.compare(
+                recorded, rec.gpus, rec.mig_parents, dataclasses.replace(in_force, rules=kernel), core.gpus
+            )
             try:
                 pids = tuple(sorted(core.cgroups.pids(target)))
             except CgroupVanished:
@@ -204,18 +209,16 @@ class Admin:
             nested = [] if container_id.nested else self._nested_ids(container_id, volume_of)
             local, current = self._affinity(rec)
         listed = {g.minor: g for g in self.list_gpus().gpus if g.uuid}
-        only_recorded = tuple(str(r) for r in recorded if not devrules.permits(kernel, r))
-        only_kernel = tuple(str(r) for r in kernel if not devrules.permits(recorded, r))
         return Description(
             container=info,
             recorded_rules=tuple(str(r) for r in recorded),
             kernel_rules=tuple(str(r) for r in kernel),
             kernel_source=in_force.source,
             rules_cgroup=cgroup,
-            rules_agree=not only_recorded and not only_kernel and in_force.present,
-            only_recorded=only_recorded,
-            only_kernel=only_kernel,
-            kernel_gpu_minors=tuple(core.grants.granted(kernel)),
+            rules_agree=found.rules_agree,
+            only_recorded=tuple(str(r) for r in found.missing),
+            only_kernel=tuple(str(r) for r in found.extra),
+            kernel_gpu_minors=found.granted,
             pids=pids,
             gpus=tuple(listed[m] for m in sorted(rec.gpus) if m in listed),
             nested=tuple(self._nested_info(c, rec, volume_of) for c in nested),
@@ -355,12 +358,9 @@ class Admin:
                 if rec is None:
                     continue
                 in_force = core.cgroups.in_force(cid)
-            if not in_force.present:
-                out.append(f"container {cid}: {in_force.source.removeprefix('none: ')}")
-                continue
-            granted = core.grants.granted(in_force.rules)
-            if granted != sorted(rec.gpus | rec.mig_parents):
-                out.append(f"container {cid}: recorded GPUs {sorted(rec.gpus)}, kernel grants {granted}")
+            finding = drift.compare(rec.rules, rec.gpus, rec.mig_parents, in_force, core.gpus).gpu_finding()
+            if finding is not None:
+                out.append(f"container {cid}: {finding}")
         return out
 
 

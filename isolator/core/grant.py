@@ -28,7 +28,6 @@ from isolator.model import ContainerId, ContainerRecord, MigDevice
 from isolator.policy import affinity as affinities
 from isolator.policy import devices as devrules
 from isolator.policy import mig as migunits
-from isolator.policy.devices import NVIDIA_MAJOR
 
 LOG = logging.getLogger(__name__)
 
@@ -101,13 +100,6 @@ class KernelGrants:
     def rules(self, minors: frozenset[int], units: Iterable[MigDevice] = ()) -> tuple[devrules.DeviceRule, ...]:
         """The allow-list alone (``compute``'s rules)."""
         return self.compute(minors, units).rules
-
-    def granted(self, rules: Iterable[devrules.DeviceRule]) -> list[int]:
-        """The GPU minors ``rules`` let a process read and write."""
-        rules = tuple(rules)
-        return sorted(
-            m for m in self.booking.gpus if devrules.permits(rules, devrules.DeviceRule.char(NVIDIA_MAJOR, m, "rw"))
-        )
 
     def mig_of(self, rec: ContainerRecord | None) -> tuple[MigDevice, ...]:
         """The MIG devices a record holds that the inventory knows (an unknown UUID grants nothing)."""

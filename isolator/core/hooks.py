@@ -24,11 +24,9 @@ from isolator.errors import (
     InvalidArgument,
     IsolatorError,
     NotFound,
-    PermissionDenied,
     from_code,
 )
 from isolator.model import (
-    UNKNOWN_CALLER,
     ContainerConfig,
     ContainerId,
     ContainerRecord,
@@ -43,6 +41,7 @@ from isolator.model import (
     check_rootfs,
     gpu_count,
 )
+from isolator.policy import launch, placement
 from isolator.policy import mig as migunits
 from isolator.policy.affinity import Affinity, format_list
 from volumes.errors import VolumeError
@@ -51,7 +50,6 @@ from volumes.inject import DriverFacts, Image, check_cuda, should_inject, volume
 LOG = logging.getLogger(__name__)
 
 MS_BIND = 4096
-MAX_PID = 1 << 22  # PID_MAX_LIMIT on 64-bit Linux
 
 Undo = list[Callable[[], object]]
 
@@ -63,10 +61,6 @@ class ImagePlan:
     image: Image
     facts: DriverFacts
     reason: str  # why it takes the volume (should_inject): decided once, before anything is allocated
-
-
-def _below(path: str, top: str) -> bool:
-    return path.startswith(top.rstrip("/") + "/")
 
 
 def _volume_error(exc: VolumeError) -> IsolatorError:
@@ -249,28 +243,16 @@ class Hooks:
         units: tuple[MigDevice, ...] = (),
         aff: Affinity | None = None,
     ) -> LaunchInfo | None:
-        # MIG holders are told which devices are theirs (docs/mig.md), with or without an image.
-        visible = (("NVIDIA_VISIBLE_DEVICES", migunits.visible_devices(units)),) if units else ()
-        # --cpu-affinity hint/enforce: the GPUs' local CPUs and NUMA nodes (docs/affinity.md); to a
-        # command task through task_environment, like the volume's PATH (its executor's is not its own).
-        local = aff.environment() if aff is not None else ()
+        """What the launch gets (decided in isolator/policy/launch.py); an image's mounts are made here."""
+        visible, local = launch.visible_env(units), launch.locality_env(aff)
         if not config.has_image:
-            # The host's /dev and libraries, access gated by the cgroup (Mesos).
-            if config.command_task and local:
-                return LaunchInfo(environment=visible, task_environment=local)
-            return LaunchInfo(environment=visible + local) if visible or local else None
+            return launch.on_host(config.command_task, visible, local)
         mounts = self._device_mounts(config.rootfs, grant)
         env: tuple[tuple[str, str], ...] = ()
         if image_plan is not None:
             mounts_v, env = self._volume(cid, config, image_plan, undo)
             mounts = mounts_v + mounts
-        env = tuple((k, v) for k, v in env if k != "NVIDIA_VISIBLE_DEVICES") + visible + local
-        if config.command_task:
-            # Mesos's isolator: a command task's environment goes in task_environment, which the
-            # command executor applies over the image's own (docker/runtime puts the image's PATH
-            # there); in `environment` the image's PATH and LD_LIBRARY_PATH would win over ours.
-            return LaunchInfo(task_environment=env, mounts=tuple(mounts))
-        return LaunchInfo(environment=env, mounts=tuple(mounts))
+        return launch.in_image(config.command_task, mounts, env, visible, local)
 
     def _device_mounts(self, rootfs: str, grant: Grant) -> list[Mount]:
         """Bind mounts of the grant's nodes: exactly the allocated GPUs, the control devices and the MIG
@@ -330,8 +312,7 @@ class Hooks:
 
     def isolate(self, container_id: ContainerId, pid: int, caller: int | None = None) -> None:
         core = self.core
-        if pid <= 1 or pid >= MAX_PID:
-            raise InvalidArgument(f"pid {pid} is not a valid container pid")
+        placement.check_pid(pid)
         if not core.edges.processes.exists(pid):
             raise FailedPrecondition(f"pid {pid} does not exist (the container's init is gone)")
         if core.edges.processes.kernel_thread(pid):
@@ -350,16 +331,13 @@ class Hooks:
         LOG.info("isolated pid %d in %s", pid, core.describe(container_id, rec.gpus))
 
     def _move(self, cid: ContainerId, target: ContainerId, pid: int, caller: int | None) -> None:
-        """Standalone mode places the container's init itself. The pid rule: never the sidecar or an
-        ancestor of it, never a process in another cgroup under our root (another container's, or
-        one we do not know); a process already in this container may be moved; any other must be
-        the caller's (``_check_caller``). The process is held by a pidfd from the check to after the
-        move, so the pid that was written named the process that was checked (if it exited
+        """Standalone mode places the container's init itself, by the pid rule (isolator/policy/
+        placement.py) over facts read here. The process is held by a pidfd from the check to after
+        the move, so the pid that was written named the process that was checked (if it exited
         meanwhile, the move is refused)."""
         core = self.core
         procs = core.edges.processes
-        if pid in procs.sidecar_pids():
-            raise FailedPrecondition(f"pid {pid} is the sidecar or one of its ancestors; it is never isolated")
+        placement.check_not_sidecar(pid, procs.sidecar_pids())
         pinned = procs.pin(pid)
         if pinned is None:
             raise FailedPrecondition(f"pid {pid} does not exist (the container's init is gone)")
@@ -367,16 +345,9 @@ class Hooks:
             where = core.cgroups.cgroup_of(pid)
             root = core.cgroups.root_path()
             own = core.cgroups.cgroup_path(cid.root)
-            if where is None:
-                version = core.cgroups.version
-                raise FailedPrecondition(f"pid {pid} is gone, or its {version} devices cgroup cannot be read")
-            in_container = where == own or _below(where, own)
-            if _below(where, root) and not in_container:
-                raise FailedPrecondition(
-                    f"pid {pid} is in the cgroup '{where}' under our root, not in container {cid}'s; "
-                    "a process of another container or of a cgroup we do not know is never moved"
-                )
-            if not in_container and caller is not None:
+            inside = placement.in_container(cid, pid, where, root, own, core.cgroups.version)
+            if caller is not None and placement.needs_caller_check(inside, caller):
+                assert where is not None  # in_container refused an unreadable cgroup
                 self._check_caller(cid, pid, where, caller)
             core.cgroups.add_pid(target, pid)
             if not pinned.alive():
@@ -411,26 +382,13 @@ class Hooks:
             )
 
     def _check_caller(self, cid: ContainerId, pid: int, where: str, caller: int) -> None:
-        """A process from outside the container is moved only if it is the caller's: the caller
-        itself, one of its descendants, or a process in the caller's own cgroup (a launcher's
-        sibling, e.g. the container a Mesos launcher forked beside the bridge executable). Anything
-        else (a process someone placed in a cgroup of its own) is refused (issue 26)."""
+        """Whether a process from outside the container is the caller's (placement's rule), reading
+        /proc and the caller's cgroup only as far as the rule needs them."""
         core = self.core
-        if caller == UNKNOWN_CALLER:
-            raise PermissionDenied(
-                f"pid {pid} is not in container {cid}'s cgroup and the caller's own pid is unknown (a"
-                " connection that did not pass the socket's gate); only a caller's own processes are moved"
-            )
-        if pid == caller or core.edges.processes.descends_from(pid, caller):
+        placement.check_caller_known(cid, pid, caller)
+        if placement.is_callers(pid, caller, pid != caller and core.edges.processes.descends_from(pid, caller)):
             return
-        mine = core.cgroups.cgroup_of(caller)
-        if mine is not None and mine == where:
-            return
-        raise PermissionDenied(
-            f"pid {pid} (cgroup '{where}') is not the caller's: neither the caller (pid {caller}, cgroup"
-            f" '{mine or 'unknown'}') nor one of its descendants, nor in its cgroup, nor in container {cid}'s"
-            " cgroup; a process of someone else is never moved into a container"
-        )
+        placement.check_callers_cgroup(cid, pid, where, caller, core.cgroups.cgroup_of(caller))
 
     def _wait_for_pid(self, cid: ContainerId, pid: int) -> None:
         clock = self.core.clock

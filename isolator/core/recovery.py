@@ -1,7 +1,9 @@
 """Recovery: booking recorded GPUs at start-up, Mesos's Recover hook, and reaping vanished containers.
 
-Decisions come from the pure ``isolator.policy.reconcile``; this module gathers its three views (our
-records, the kernel's grants, Mesos's list) and carries out the actions, revocations first.
+Decisions come from pure policies: ``isolator.policy.reconcile`` (Recover), ``adopt`` (unrecorded
+cgroups at start-up) and ``drift`` (the record against the kernel, at start-up and in the audit, as
+``describe`` and the health check compare). This module gathers their views (our records, the
+kernel's grants, Mesos's list) and carries out the actions, revocations first.
 """
 
 from __future__ import annotations
@@ -11,10 +13,9 @@ import logging
 
 from isolator.core.context import Core
 from isolator.crashpoints import crashpoint
-from isolator.errors import CgroupVanished, FailedPrecondition, IsolatorError
+from isolator.errors import CgroupVanished, IsolatorError
 from isolator.model import AuditReport, ContainerId, ContainerRecord, ContainerState, RecoverResult, key_root
-from isolator.policy import devices as devrules
-from isolator.policy.devices import NVIDIA_MAJOR, KernelRules
+from isolator.policy import adopt, drift
 from isolator.policy.reconcile import Kind, reconcile
 
 LOG = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class Recovery:
         with core.locks.exclusive():
             records = core.store.load()
             for cid, rec in sorted(records.items(), key=lambda kv: kv[0].chain()):
-                self._enforce_record(cid, rec.gpus, rec.mig_parents)
+                self._enforce_record(cid, rec)
             unrecorded = [c for c in core.cgroups.containers() if c not in records]
             self._adopt_or_deny(unrecorded, records)
             self._reconcile_cpusets(core.store.load())  # records rebuilt from the kernel included
@@ -90,97 +91,60 @@ class Recovery:
                 LOG.warning("start: the cpuset '%s' has no record and stays: %s", core.cpusets.path(cid), exc)
 
     def _cpuset_drift(self, cid: ContainerId, rec: ContainerRecord) -> str | None:
-        """How the kernel's cpuset differs from the recorded one; None when it agrees or none is recorded."""
+        """How the kernel's cpuset differs from the recorded one (policy.drift.cpuset_drift)."""
         core = self.core
-        aff = core.grants.recorded_affinity(rec)
-        if aff is None or core.cpusets is None:
+        if core.cpusets is None:
             return None
-        current = core.cpusets.current(cid)
-        if current is None:
-            return f"its cpuset '{core.cpusets.path(cid)}' is gone (recorded CPUs {aff.cpu_list}, nodes {aff.mem_list})"
-        if current != aff:
-            return (
-                f"its cpuset holds CPUs {current.cpu_list or '(none)'}, memory nodes {current.mem_list or '(none)'} "
-                f"(recorded CPUs {aff.cpu_list}, nodes {aff.mem_list})"
-            )
-        return None
+        recorded = core.grants.recorded_affinity(rec)
+        if recorded is None:
+            return None
+        return drift.cpuset_drift(recorded, core.cpusets.current(cid), core.cpusets.path(cid))
 
-    def _enforce_record(
-        self, cid: ContainerId, gpus: frozenset[int], mig_parents: frozenset[int] = frozenset()
-    ) -> None:
-        """Make the kernel grant what is recorded: ``gpus`` whole, plus the MIG devices of the record
-        (their parents' nodes, ``mig_parents``, are what the GPU-level comparison sees of them)."""
+    def _compare(self, cid: ContainerId, rec: ContainerRecord) -> drift.Drift:
+        """The record against the rules in force on its cgroup (the one comparison: policy.drift)."""
+        core = self.core
+        return drift.compare(rec.rules, rec.gpus, rec.mig_parents, core.cgroups.in_force(cid), core.gpus)
+
+    def _enforce_record(self, cid: ContainerId, rec: ContainerRecord) -> None:
+        """Make the kernel grant what is recorded: its GPUs whole, plus its MIG devices (their
+        parents' nodes are what the GPU-level comparison sees of them)."""
         core = self.core
         if core.settings.mode == "standalone":
-            self._restore_cgroup(cid, gpus)
+            self._restore_cgroup(cid, rec.gpus)
         elif not core.cgroups.exists(cid):
             return  # Mesos has not made it yet, or destroyed it: the reaper's and Recover's business
-        kernel = core.cgroups.in_force(cid)
-        if not kernel.present or core.grants.granted(kernel.rules) != sorted(gpus | mig_parents):
+        found = self._compare(cid, rec)
+        if not found.gpus_agree:
             LOG.warning(
                 "start: the kernel grants %s GPUs %s (%s), recorded %s; applying the record",
                 cid,
-                core.grants.granted(kernel.rules) if kernel.present else "nothing of ours",
-                kernel.source,
-                sorted(gpus),
+                list(found.granted) if found.present else "nothing of ours",
+                found.source,
+                list(found.recorded),
             )
-            core.grants.apply(cid, gpus)
+            core.grants.apply(cid, rec.gpus)
 
     def _adopt_or_deny(self, unrecorded: list[ContainerId], records: dict[ContainerId, ContainerRecord]) -> None:
         core = self.core
         # A MIG holder's parent GPU counts as recorded: an unrecorded cgroup granting it is revoked.
         recorded = {m: cid for cid, rec in records.items() for m in rec.gpus | rec.mig_parents}
         kernel = {c: core.cgroups.in_force(c) for c in unrecorded}
-        explicit = {c: self._explicit_grants(kernel[c]) for c in unrecorded}
-        claimants: dict[int, list[ContainerId]] = {}
-        for c, minors in explicit.items():
-            for m in minors - recorded.keys():
-                claimants.setdefault(m, []).append(c)
-        ambiguous = {m: cs for m, cs in claimants.items() if len(cs) > 1}
-        if ambiguous:
-            detail = "; ".join(f"GPU {m} by {', '.join(map(str, cs))}" for m, cs in sorted(ambiguous.items()))
-            raise FailedPrecondition(
-                f"cannot start: the kernel grants GPUs to several containers that have no record ({detail}); "
-                "the state cannot be rebuilt from the kernel. Stop all but one container holding each GPU "
-                "(or remove their cgroups) and start again (docs/reliability.md, 'Lost state')"
-            )
-        for c in unrecorded:
-            minors = explicit[c]
-            stolen = minors & recorded.keys()
-            if stolen:
+        for step in adopt.plan(kernel, recorded, core.gpus, core.settings.mode == "standalone"):
+            c = step.container
+            if step.stolen:
                 LOG.warning(
                     "start: cgroup '%s' has no record and is granted GPUs %s recorded for %s; revoking them",
                     core.cgroups.cgroup_path(c),
-                    sorted(stolen),
-                    ", ".join(sorted({str(recorded[m]) for m in stolen})),
+                    sorted(step.stolen),
+                    ", ".join(map(str, step.owners)),
                 )
-                core.grants.write(c, core.grants.rules(minors - stolen))
-            keep = minors - stolen
-            if keep:
-                self._rebuild(c, keep)
-            elif core.settings.mode == "standalone" and self._allows_everything(kernel[c]):
+                core.grants.write(c, core.grants.rules(step.keep))
+            if step.keep:
+                self._rebuild(c, step.keep)
+            elif step.deny_all:
                 LOG.warning("start: cgroup '%s' has no record and allows every device; denying all", kernel[c].source)
                 core.grants.create(c)
                 core.grants.write(c, ())
-
-    def _explicit_grants(self, kernel: KernelRules) -> frozenset[int]:
-        """GPUs the rules grant by name (``c 195:<minor>``), as our rules do; not through wildcards."""
-        if not kernel.present:
-            return frozenset()
-        return frozenset(
-            r.minor
-            for r in kernel.rules
-            if r.type == "c"
-            and r.major == NVIDIA_MAJOR
-            and r.minor in self.core.gpus
-            and "r" in r.access
-            and "w" in r.access
-        )
-
-    def _allows_everything(self, kernel: KernelRules) -> bool:
-        if not kernel.present:
-            return True  # v2: no program of ours; nothing restricts the cgroup
-        return bool(self.core.grants.granted(kernel.rules)) and not self._explicit_grants(kernel)
 
     def _rebuild(self, cid: ContainerId, gpus: frozenset[int]) -> None:
         core = self.core
@@ -215,7 +179,7 @@ class Recovery:
             rules = self.core.cgroups.recover(cid)
         except CgroupVanished:
             return None
-        return frozenset(self.core.grants.granted(rules))
+        return frozenset(drift.granted(rules, self.core.gpus))
 
     def _restore_cgroup(self, cid: ContainerId, gpus: frozenset[int]) -> None:
         """Standalone mode owns its cgroups: make a recorded container's cgroup whole after a crash.
@@ -321,24 +285,7 @@ class Recovery:
             if core.settings.mode == "mesos":
                 return None
             return f"its cgroup '{core.cgroups.cgroup_path(cid)}' is gone"
-        kernel = core.cgroups.in_force(cid)
-        if not kernel.present:
-            return kernel.source.removeprefix("none: ")
-        recorded = rec.rules
-        granted = core.grants.granted(kernel.rules)
-        missing = [str(r) for r in recorded if not devrules.permits(kernel.rules, r)]
-        extra = (
-            [] if core.settings.mode == "mesos" else [str(r) for r in kernel.rules if not devrules.permits(recorded, r)]
-        )
-        expected = sorted(rec.gpus | rec.mig_parents)  # a MIG holder is granted its devices' parents
-        if granted == expected and not missing and not extra:
-            return None
-        parts = [f"kernel grants GPUs {granted} (recorded {expected})"]
-        if missing:
-            parts.append(f"missing {missing}")
-        if extra:
-            parts.append(f"unrecorded {extra}")
-        return ", ".join(parts)
+        return self._compare(cid, rec).finding(strict=core.settings.mode == "standalone")
 
     def reap_vanished(self) -> list[ContainerId]:
         """Release containers whose Mesos cgroup is gone (mesos mode only).

@@ -118,7 +118,7 @@ def test_release_refuses_a_container_with_processes_unless_forced(rig: Rig) -> N
     assert released.released_gpu_minors == (0, 3) and len(released.released_gpu_uuids) == 2
     kernel = rig.cgroups.rules_of(cid("a")) or ()
     assert rig.cgroups.exists(cid("a")) and not any(r.major == 195 and r.minor in (0, 3) for r in kernel)
-    assert rig.store.get(cid("a")) is None and {0, 3} <= rig.service.core.booking.allocator.available
+    assert rig.store.get(cid("a")) is None and {0, 3} <= rig.service.core.booking.available
 
 
 def test_release_of_an_idle_container_removes_its_cgroup(rig: Rig) -> None:

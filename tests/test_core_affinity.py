@@ -96,7 +96,7 @@ def test_enforce_refuses_an_affinity_that_leaves_nothing_and_leaves_nothing_behi
     with pytest.raises(AffinityEmpty, match="never given every CPU"):
         rig.service.prepare(cid("a"), gpus(1))
     assert rig.store.get(cid("a")) is None and not rig.cgroups.exists(cid("a"))
-    assert rig.service.core.booking.allocator.available == frozenset({0, 1}) and rig.cpusets.applied == []
+    assert rig.service.core.booking.available == frozenset({0, 1}) and rig.cpusets.applied == []
 
 
 def test_a_cpuset_that_cannot_be_written_undoes_the_prepare() -> None:
@@ -105,7 +105,7 @@ def test_a_cpuset_that_cannot_be_written_undoes_the_prepare() -> None:
     with pytest.raises(CgroupError, match="injected fault"):
         rig.service.prepare(cid("a"), gpus(1))
     assert rig.store.get(cid("a")) is None and not rig.cgroups.exists(cid("a")) and not rig.cpusets.exists(cid("a"))
-    assert rig.service.core.booking.allocator.available == frozenset({0, 1})
+    assert rig.service.core.booking.available == frozenset({0, 1})
 
 
 @pytest.mark.parametrize("mode", ["standalone", "mesos"])

@@ -198,7 +198,7 @@ def test_many_threads_never_grant_a_gpu_to_two_containers(rig: Rig) -> None:
     assert not errors and not any(t.is_alive() for t in threads)
     assert violations == []
     assert most_at_once[0] >= 2, "containers held GPUs at the same time"
-    assert rig.store.load() == {} and rig.service.core.booking.allocator.available == frozenset(range(8))
+    assert rig.store.load() == {} and rig.service.core.booking.available == frozenset(range(8))
 
 
 # ---- the booking lock's contract is checked, not commented -------------------------------------
@@ -206,20 +206,26 @@ def test_many_threads_never_grant_a_gpu_to_two_containers(rig: Rig) -> None:
 
 def test_booking_outside_the_booking_lock_is_refused_and_changes_nothing(rig: Rig) -> None:
     core = rig.service.core
-    before = set(core.booking.allocator.available)
+    before = set(core.booking.available)
     for call in (
         lambda: core.booking.allocate_whole(1),
         lambda: core.booking.choose_mig({"mig-1g.5gb": 1}),
         core.sync_health,
+        # Booking is the only way to the books: each of its changes checks the lock.
+        lambda: core.booking.allocate_set({0}),
+        lambda: core.booking.restore({0}),
+        lambda: core.booking.deallocate(set()),
+        lambda: core.booking.set_draining(0, True),
+        lambda: core.booking.plan_update((), 1),
     ):
         with pytest.raises(LockNotHeld, match="booking lock"):
             call()
     with pytest.raises(LockNotHeld):
         core.handover.mark_pending([0])
-    assert set(core.booking.allocator.available) == before and not core.handover.marks
+    assert set(core.booking.available) == before and not core.handover.marks
     with core.booking.lock:
         choice = core.booking.allocate_whole(1)  # the same call inside the section books
-        core.booking.allocator.deallocate(frozenset(choice.gpus))
+        core.booking.deallocate(frozenset(choice.gpus))
 
 
 def test_an_owned_lock_knows_its_holder_thread() -> None:

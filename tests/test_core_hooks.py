@@ -62,7 +62,7 @@ def held(rig: Rig, c: ContainerId) -> list[int]:
 
 
 def free(rig: Rig) -> frozenset[int]:
-    return rig.service.core.booking.allocator.available
+    return rig.service.core.booking.available
 
 
 @pytest.fixture

@@ -49,7 +49,7 @@ def test_a_restart_books_every_recorded_gpu_before_the_first_request() -> None:
     rig = fake_service("dgx-1")
     rig.service.prepare(cid("a"), gpus(6))
     service = rig.restart()  # the bridge route: Mesos never calls Recover
-    assert service.core.booking.allocator.allocated == frozenset(held(rig, cid("a")))
+    assert service.core.booking.allocated == frozenset(held(rig, cid("a")))
     with pytest.raises(GpusExhausted):
         service.prepare(cid("b"), gpus(3))
 
@@ -58,7 +58,7 @@ def test_a_record_of_gpus_this_host_lacks_keeps_only_the_known_ones() -> None:
     rig = fake_service("dgx-1")
     rig.store.record(ContainerRecord(cid("a"), gpus=frozenset({1, 42}), mode="standalone"))
     service = rig.restart()
-    assert service.core.booking.allocator.allocated == frozenset({1})
+    assert service.core.booking.allocated == frozenset({1})
 
 
 # ---- standalone Recover -------------------------------------------------------------------------
@@ -123,7 +123,7 @@ def test_recover_releases_a_container_mesos_no_longer_knows(mesos: Rig) -> None:
     assert (result.recovered, result.released) == (2, 1)
     assert mesos.store.get(cid("b")) is None
     assert granted(mesos, cid("b")) == [], "its grants are revoked before its GPUs go back"
-    assert set(b_gpus) <= mesos.service.core.booking.allocator.available
+    assert set(b_gpus) <= mesos.service.core.booking.available
 
 
 def test_recover_keeps_an_orphans_gpus_until_its_cleanup(mesos: Rig) -> None:
@@ -132,9 +132,9 @@ def test_recover_keeps_an_orphans_gpus_until_its_cleanup(mesos: Rig) -> None:
     assert result.released == 0
     assert mesos.store.get(cid("c")).state == "orphan"  # type: ignore[union-attr]
     assert granted(mesos, cid("c")) == c_gpus
-    assert not set(c_gpus) & mesos.service.core.booking.allocator.available
+    assert not set(c_gpus) & mesos.service.core.booking.available
     mesos.service.cleanup(cid("c"))
-    assert set(c_gpus) <= mesos.service.core.booking.allocator.available
+    assert set(c_gpus) <= mesos.service.core.booking.available
 
 
 def test_recover_reapplies_for_a_running_container_and_keeps_one_without_a_cgroup(mesos: Rig) -> None:
@@ -173,7 +173,7 @@ def test_the_reaper_releases_containers_whose_mesos_cgroup_vanished(mesos: Rig) 
     assert mesos.service.reap_vanished() == []
     mesos.cgroups.vanish(cid("b"))
     assert mesos.service.reap_vanished() == [cid("b")]
-    assert mesos.store.get(cid("b")) is None and set(b_gpus) <= mesos.service.core.booking.allocator.available
+    assert mesos.store.get(cid("b")) is None and set(b_gpus) <= mesos.service.core.booking.available
     assert mesos.service.reap_vanished() == []
 
 
@@ -229,7 +229,7 @@ def test_a_start_with_lost_state_rebuilds_the_records_from_the_kernel() -> None:
     service = rig.restart()
     assert {c: held(rig, cid(c)) for c in ("a", "b")} == kernel
     assert rig.store.get(cid("b")).state == "isolated"  # type: ignore[union-attr]
-    assert service.core.booking.allocator.allocated == frozenset(kernel["a"] + kernel["b"])
+    assert service.core.booking.allocated == frozenset(kernel["a"] + kernel["b"])
     with pytest.raises(GpusExhausted):
         service.prepare(cid("c"), gpus(6))
     assert any("rebuilt" in c.detail for c in service.health() if c.name == "state")

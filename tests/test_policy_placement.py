@@ -30,6 +30,7 @@ def test_the_sidecar_and_its_ancestors_are_never_moved() -> None:
 def test_below_is_strictly_below() -> None:
     assert placement.below(OWN + "/x", OWN) and placement.below(OWN + "/x", OWN + "/")
     assert not placement.below(OWN, OWN) and not placement.below(OWN + "x/y", OWN)
+    assert placement.below("/r/X/y", "/r/X")  # only slashes are trimmed off the top
 
 
 def test_where_a_pid_is_decides_whether_it_is_inside_or_refused() -> None:
@@ -38,8 +39,12 @@ def test_where_a_pid_is_decides_whether_it_is_inside_or_refused() -> None:
 
     assert where(OWN) and where(OWN + "/mesos/child")
     assert not where("/sys/fs/cgroup/devices/user.slice")  # outside our root: the caller's rule decides
-    with pytest.raises(FailedPrecondition, match=r"pid 9 is in the cgroup '.*/b' under our root, not in container a's"):
+    with pytest.raises(FailedPrecondition) as foreign:
         where(ROOT + "/b")
+    assert foreign.value.message == (
+        f"pid 9 is in the cgroup '{ROOT}/b' under our root, not in container a's; a process of another"
+        " container or of a cgroup we do not know is never moved"
+    )
     with pytest.raises(FailedPrecondition, match="pid 9 is gone, or its v1 devices cgroup cannot be read"):
         where(None)
     # Our root itself is not below it: a pid there is outside every container, and the caller's rule applies.
@@ -54,8 +59,12 @@ def test_only_a_remote_callers_pid_from_outside_is_checked() -> None:
 
 
 def test_an_unknown_caller_moves_nothing_from_outside() -> None:
-    with pytest.raises(PermissionDenied, match="the caller's own pid is unknown"):
+    with pytest.raises(PermissionDenied) as refused:
         placement.check_caller_known(A, 9, UNKNOWN_CALLER)
+    assert refused.value.message == (
+        "pid 9 is not in container a's cgroup and the caller's own pid is unknown (a connection that did not"
+        " pass the socket's gate); only a caller's own processes are moved"
+    )
     placement.check_caller_known(A, 9, 5)
 
 

@@ -229,7 +229,7 @@ class Admin:
             cpuset_recorded_mems=rec.mems,
             cpuset_cpus=current.cpu_list if current is not None else "",
             cpuset_mems=current.mem_list if current is not None else "",
-            cpuset_cgroup=core.cpusets.path(container_id) if current is not None and core.cpusets else "",
+            cpuset_cgroup=core.cpusets.path(container_id) if current is not None else "",
         )
 
     def _affinity(self, rec: ContainerRecord) -> tuple[Affinity | None, Affinity | None]:
@@ -239,7 +239,7 @@ class Admin:
             local = core.grants.locality(rec.gpus, core.grants.mig_of(rec))
         except IsolatorError:
             local = None
-        current = core.cpusets.current(rec.container_id) if core.cpusets is not None else None
+        current = core.cpusets.current(rec.container_id)
         return local, current
 
     def release(self, container_id: ContainerId, force: bool) -> Released:
@@ -304,7 +304,7 @@ class Admin:
 
     def volume(self) -> VolumeReport:
         volumes = self.core.volumes
-        if volumes is None:
+        if not volumes.volume_root:
             raise FailedPrecondition("no volume root is configured (see --volume-root)")
         return VolumeReport(
             driver_version=self.core.inventory.driver_version,

@@ -1,9 +1,11 @@
 """Which GPUs and MIG devices are held: the allocator, the MIG holdings and the GPUs' health in it.
 
-One job, one lock of its own (``lock``, an OwnedLock): every method that reads or changes the books
-checks that its caller holds it, so a decision and its booking happen in one short section, never
-across I/O (an fsync, a cgroup write, an NVML query). The MIG devices themselves are read from the
-inventory each time, so a GPU read again after a device event offers what NVML reports now.
+One job, one lock of its own (``lock``, an OwnedLock): every method that changes the books checks
+that its caller holds it, so a decision and its booking happen in one short section, never across
+I/O (an fsync, a cgroup write, an NVML query). ``Booking`` is the only way to the books: the
+allocator inside is private, and the views below (``total``, ``allocated``...) are snapshots. The
+MIG devices themselves are read from the inventory each time, so a GPU read again after a device
+event offers what NVML reports now.
 """
 
 from __future__ import annotations
@@ -11,14 +13,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from isolator.core.locks import OwnedLock
-from isolator.core.ports import Inventory
+from isolator.core.ports import GpuInventory
 from isolator.errors import IsolatorError
 from isolator.model import Gpu, MigDevice, Topology
 from isolator.policy import mig as migunits
-from isolator.policy.allocator import Allocator, Choice
+from isolator.policy.allocator import Allocator, Choice, UpdatePlan
 
 
-def mig_devices_of(inventory: Inventory, minors: frozenset[int]) -> tuple[MigDevice, ...]:
+def mig_devices_of(inventory: GpuInventory, minors: frozenset[int]) -> tuple[MigDevice, ...]:
     """The MIG devices of the GPUs ``minors`` that are in MIG mode, as the inventory reports them now."""
     out: list[MigDevice] = []
     for rec in inventory.records:
@@ -28,12 +30,12 @@ def mig_devices_of(inventory: Inventory, minors: frozenset[int]) -> tuple[MigDev
 
 
 class Booking:
-    def __init__(self, inventory: Inventory, topology: Topology, policy: str) -> None:
+    def __init__(self, inventory: GpuInventory, topology: Topology, policy: str) -> None:
         self.lock = OwnedLock("booking")
         self.inventory = inventory
         self.policy = policy
         self.gpus: dict[int, Gpu] = {g.minor: g for g in topology.gpus}
-        self.allocator = Allocator(topology, policy)
+        self._allocator = Allocator(topology, policy)
         # MIG units (docs/mig.md): the held MIG devices (UUID -> parent minor) and the parents booked
         # in the whole-GPU allocator because some of their MIG devices are held.
         self.mig_held: dict[str, int] = {}
@@ -43,22 +45,74 @@ class Booking:
         """Empty books over ``topology`` (start-up booking rebuilds them from the records)."""
         self.lock.require("reset")
         self.gpus = {g.minor: g for g in topology.gpus}
-        self.allocator = Allocator(topology, self.policy)
+        self._allocator = Allocator(topology, self.policy)
         self.mig_held = {}
         self.mig_booked = set()
+
+    # ---- views (snapshots; read them under the lock to act on them) ------------------------------
+
+    @property
+    def total(self) -> frozenset[int]:
+        """Every managed GPU's minor."""
+        return self._allocator.total
+
+    @property
+    def allocated(self) -> frozenset[int]:
+        """Held whole, by a container or as the parent of held MIG devices."""
+        return self._allocator.allocated
+
+    @property
+    def available(self) -> frozenset[int]:
+        """Free, healthy and not draining: what a new request may get."""
+        return self._allocator.available
+
+    @property
+    def unhealthy(self) -> frozenset[int]:
+        return self._allocator.unhealthy
+
+    @property
+    def draining(self) -> frozenset[int]:
+        return self._allocator.draining
+
+    # ---- changes (call with the lock held) ---------------------------------------------------------
+
+    def restore(self, minors: Iterable[int]) -> frozenset[int]:
+        """Book recorded GPUs again at start-up, healthy or not."""
+        self.lock.require("restore")
+        return self._allocator.restore(minors)
+
+    def allocate_set(self, minors: Iterable[int]) -> frozenset[int]:
+        """Book exactly these GPUs, all or nothing (a grow's chosen GPUs)."""
+        self.lock.require("allocate_set")
+        return self._allocator.allocate_set(minors)
+
+    def deallocate(self, minors: Iterable[int]) -> frozenset[int]:
+        """Free these GPUs, all or nothing; a double free is refused."""
+        self.lock.require("deallocate")
+        return self._allocator.deallocate(minors)
+
+    def plan_update(self, holding: Iterable[int], target: object) -> UpdatePlan:
+        """A grow or shrink for a container holding ``holding``; books nothing."""
+        self.lock.require("plan_update")
+        return self._allocator.plan_update(holding, target)
+
+    def set_draining(self, minor: int, draining: bool) -> None:
+        """Keep a GPU out of the pool (or let it back in) for the handover check (docs/handover.md)."""
+        self.lock.require("set_draining")
+        self._allocator.set_draining(minor, draining)
 
     def set_health(self, healthy_indices: Iterable[int]) -> None:
         """Every GPU healthy or not, by NVML index, as the inventory says."""
         self.lock.require("set_health")
         healthy = set(healthy_indices)
         for gpu in self.gpus.values():
-            self.allocator.set_healthy(gpu.minor, gpu.index in healthy)
+            self._allocator.set_healthy(gpu.minor, gpu.index in healthy)
 
     def set_gpu_health(self, index: int, healthy: bool) -> None:
         self.lock.require("set_gpu_health")
         for gpu in self.gpus.values():
             if gpu.index == index:
-                self.allocator.set_healthy(gpu.minor, healthy)
+                self._allocator.set_healthy(gpu.minor, healthy)
 
     @property
     def mig(self) -> dict[str, MigDevice]:
@@ -75,12 +129,12 @@ class Booking:
         self.lock.require("hold_mig")
         held = list(held)
         self.mig_held.update(held)
-        new = frozenset(p for _u, p in held if p not in self.mig_booked and p in self.allocator.total)
+        new = frozenset(p for _u, p in held if p not in self.mig_booked and p in self._allocator.total)
         if new:
             if restore:
-                self.allocator.restore(new)
+                self._allocator.restore(new)
             else:
-                self.allocator.allocate_set(new)
+                self._allocator.allocate_set(new)
             self.mig_booked.update(new)
 
     def free_mig(self, uuids: Iterable[str]) -> None:
@@ -90,7 +144,7 @@ class Booking:
             self.mig_held.pop(uuid, None)
         idle = frozenset(self.mig_booked - set(self.mig_held.values()))
         if idle:
-            self.allocator.deallocate(idle & self.allocator.allocated)
+            self._allocator.deallocate(idle & self._allocator.allocated)
             self.mig_booked -= idle
 
     def choose_mig(self, request: dict[str, int]) -> tuple[MigDevice, ...]:
@@ -99,11 +153,11 @@ class Booking:
         if not request:
             return ()
         devices = list(self.mig.values())
-        whole = self.allocator.allocated - self.mig_booked
+        whole = self._allocator.allocated - self.mig_booked
         usable = self.inventory.healthy()
         blocked = {d.parent_minor for d in devices if d.parent_minor in whole}
         blocked |= {d.parent_minor for d in devices if d.parent_index not in usable}
-        blocked |= set(self.allocator.unhealthy) | set(self.allocator.draining)
+        blocked |= set(self._allocator.unhealthy) | set(self._allocator.draining)
         units = migunits.choose(request, devices, set(self.mig_held), blocked).devices
         self.hold_mig((d.uuid, d.parent_minor) for d in units)
         return units
@@ -111,13 +165,13 @@ class Booking:
     def allocate_whole(self, count: int) -> Choice:
         """Whole GPUs, taking GPUs that are not in MIG mode first (docs/mig.md)."""
         self.lock.require("allocate_whole")
-        mig_gpus = self.mig_mode & self.allocator.available
+        mig_gpus = self.mig_mode & self._allocator.available
         if count and mig_gpus:
-            self.allocator.allocate_set(mig_gpus)
+            self._allocator.allocate_set(mig_gpus)
             try:
-                return self.allocator.allocate(count)
+                return self._allocator.allocate(count)
             except IsolatorError:
                 pass
             finally:
-                self.allocator.deallocate(mig_gpus)
-        return self.allocator.allocate(count)
+                self._allocator.deallocate(mig_gpus)
+        return self._allocator.allocate(count)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from isolator.core.absent import NoVolumes
 from isolator.core.booking import Booking
 from isolator.core.changes import Changes
 from isolator.core.grant import KernelGrants
@@ -29,12 +30,12 @@ from isolator.core.ports import (
     Cpusets,
     CpuTopology,
     DeviceNodes,
+    DriverVolumes,
     Filesystem,
+    GpuInventory,
     HealthEvent,
-    Inventory,
     Processes,
-    StateStore,
-    VolumeBuilder,
+    RecordStore,
 )
 from isolator.crashpoints import crashpoint
 from isolator.errors import NotFound
@@ -69,11 +70,11 @@ class Settings:
 class Edges:
     """The machine as the core sees it; ``isolator.daemon.main`` wires the real ones."""
 
-    inventory: Inventory
+    inventory: GpuInventory
     cgroups: CgroupBackend
     devices: DeviceNodes
-    store: StateStore
-    volumes: VolumeBuilder | None
+    store: RecordStore
+    volumes: DriverVolumes | None
     processes: Processes
     filesystem: Filesystem
     clock: Clock
@@ -88,9 +89,9 @@ class Core:
         self.inventory = edges.inventory
         self.cgroups = edges.cgroups
         self.store = edges.store
-        self.volumes = edges.volumes
+        # No volume root: a null object that refuses to build one (core/absent.py).
+        self.volumes: DriverVolumes = edges.volumes if edges.volumes is not None else NoVolumes()
         self.clock = edges.clock
-        self.cpusets = edges.cpusets
         self.locks = ContainerLocks()
         self.rebuilt: list[ContainerId] = []  # records rebuilt from the kernel at start (lost state)
         self.repairs = 0  # kernel rules re-applied by the drift audit since start
@@ -110,7 +111,16 @@ class Core:
             cpus=edges.cpus,
             cpusets=edges.cpusets,
         )
-        self.handover = Handover(self)
+        # Released GPUs back to the pool only once NVML shows them clear (core/handover.py).
+        self.cpusets = self.grants.cpusets  # a null object without a cpuset hierarchy (core/absent.py)
+        self.handover = Handover(
+            settings=settings,
+            clock=edges.clock,
+            inventory=edges.inventory,
+            store=edges.store,
+            booking=self.booking,
+            changes=self.changes,
+        )
         with self.booking.lock:
             self.sync_health()
         edges.inventory.on_health_change(self._on_health_change)
@@ -152,8 +162,8 @@ class Core:
         of it in the same section that frees them, back once NVML shows nothing left on them."""
         self.store.remove(cid)
         with self.booking.lock:
-            released = rec.gpus & self.booking.allocator.allocated
-            self.booking.allocator.deallocate(released)
+            released = rec.gpus & self.booking.allocated
+            self.booking.deallocate(released)
             self.booking.free_mig(rec.mig_uuids)
             self.handover.mark_pending(released)
         self.changes.notify(cid)
@@ -166,15 +176,13 @@ class Core:
         handover check too, since a process that opened one before the revocation keeps using it
         (the devices cgroup checks at open(2) only)."""
         with self.booking.lock:
-            self.booking.allocator.deallocate(minors)
+            self.booking.deallocate(minors)
             self.handover.mark_pending(minors)
         self.handover.check(minors)
 
     def release_volume(self, cid: ContainerId) -> None:
         """Forget ``cid`` as a user of the driver volume; a top-level container takes the records of
         its nested containers with it (they cannot outlive it, and may have died unseen)."""
-        if self.volumes is None:
-            return
         try:
             keys = [cid.key()]
             if not cid.nested:
@@ -187,8 +195,7 @@ class Core:
     def volume_users(self) -> dict[str, str]:
         """Every driver-volume user (a container's ``key()``) -> the driver version of its volume."""
         out: dict[str, str] = {}
-        if self.volumes is not None:
-            for vol in self.volumes.volumes():
-                for user in vol.get("users", ()):
-                    out[str(user)] = str(vol.get("driver_version", ""))
+        for vol in self.volumes.volumes():
+            for user in vol.get("users", ()):
+                out[str(user)] = str(vol.get("driver_version", ""))
         return out

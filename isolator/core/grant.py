@@ -19,9 +19,10 @@ import posixpath
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from isolator.core.absent import NoCpus, NoCpusets
 from isolator.core.booking import Booking, mig_devices_of
 from isolator.core.locks import ContainerLocks, LockNotHeld
-from isolator.core.ports import CgroupBackend, Cpusets, CpuTopology, DeviceNodes, Inventory, StateStore
+from isolator.core.ports import CgroupBackend, Cpusets, CpuTopology, DeviceNodes, GpuInventory, RecordStore
 from isolator.crashpoints import crashpoint
 from isolator.errors import AffinityEmpty, AffinityUnknown, CgroupBusy, CgroupVanished, IsolatorError
 from isolator.model import ContainerId, ContainerRecord, MigDevice
@@ -50,10 +51,10 @@ class KernelGrants:
         *,
         booking: Booking,
         locks: ContainerLocks,
-        inventory: Inventory,
+        inventory: GpuInventory,
         cgroups: CgroupBackend,
         devices: DeviceNodes,
-        store: StateStore,
+        store: RecordStore,
         mode: str,
         cpu_affinity: str = "off",
         cpus: CpuTopology | None = None,
@@ -67,8 +68,13 @@ class KernelGrants:
         self.store = store
         self.mode = mode
         self.cpu_affinity = cpu_affinity
-        self.cpus = cpus
-        self.cpusets = cpusets
+        # The optional edges as null objects (core/absent.py); whether the real ones were given is
+        # decided here, once: without a CPU view there is no locality, without a cpuset hierarchy no
+        # cpuset (a recorded one included) is enforced.
+        self._cpus_known = cpus is not None
+        self._cpuset_bound = cpusets is not None
+        self.cpus: CpuTopology = cpus if cpus is not None else NoCpus()
+        self.cpusets: Cpusets = cpusets if cpusets is not None else NoCpusets()
 
     def _require(self, cid: ContainerId, what: str) -> None:
         """The lock contract: the container's lock held, the booking lock not."""
@@ -211,7 +217,7 @@ class KernelGrants:
             for child in reversed(self.nested_cgroups(cid)):
                 self.cgroups.cleanup(child)
         self.cgroups.cleanup(cid)
-        if self.cpusets is not None and not cid.nested:
+        if not cid.nested:
             try:
                 self.cpusets.remove(cid)  # ours in both modes (docs/affinity.md); after the GPUs' rules
             except CgroupBusy as exc:
@@ -226,7 +232,7 @@ class KernelGrants:
     @property
     def enforcing(self) -> bool:
         """Whether containers are held to their GPUs' CPUs with a cpuset (``--cpu-affinity enforce``)."""
-        return self.cpu_affinity == "enforce" and self.cpusets is not None
+        return self.cpu_affinity == "enforce" and self._cpuset_bound
 
     def affinity(
         self, cid: ContainerId, minors: frozenset[int], units: Iterable[MigDevice] = ()
@@ -237,7 +243,7 @@ class KernelGrants:
         nothing or is unknown is refused (``AffinityEmpty``/``AffinityUnknown``); hinting, it is
         logged and no hint is given.
         """
-        if self.cpu_affinity == "off" or self.cpus is None:
+        if self.cpu_affinity == "off" or not self._cpus_known:
             return None
         try:
             return self.locality(minors, units)
@@ -250,7 +256,7 @@ class KernelGrants:
 
     def locality(self, minors: frozenset[int], units: Iterable[MigDevice] = ()) -> affinities.Affinity | None:
         """``affinity.decide`` for these GPUs on this machine, whatever the mode (the admin views)."""
-        if self.cpus is None:
+        if not self._cpus_known:
             return None
         gpus = self.booking.gpus
         held = sorted(minors | migunits.parents(tuple(units)))
@@ -261,9 +267,8 @@ class KernelGrants:
         """Hold ``cid``'s cpuset to ``aff`` (recorded first by the caller), saying so when it narrows
         the CPUs the container could use before (``before``: the cpuset's parent's when None)."""
         self._require(cid, "apply_cpuset")
-        assert self.cpusets is not None
         if before is None:
-            before = self.cpusets.allowed(cid) or (self.cpus.machine().cpus if self.cpus else frozenset())
+            before = self.cpusets.allowed(cid) or self.cpus.machine().cpus
         self.cpusets.apply(cid.root, aff.cpus, aff.mems)
         lost = affinities.narrowed(before, aff.cpus)
         if lost:
@@ -279,11 +284,11 @@ class KernelGrants:
     def remove_cpuset(self, cid: ContainerId) -> None:
         """Remove ``cid``'s cpuset (CgroupBusy while it holds processes)."""
         self._require(cid, "remove_cpuset")
-        if self.cpusets is not None:
-            self.cpusets.remove(cid)
+        self.cpusets.remove(cid)
 
-    @staticmethod
-    def recorded_affinity(rec: ContainerRecord | None) -> affinities.Affinity | None:
-        if rec is None or not rec.cpus:
+    def recorded_affinity(self, rec: ContainerRecord | None) -> affinities.Affinity | None:
+        """The cpuset a record holds its container to; None without one, or without a cpuset
+        hierarchy to hold it in (a record from a machine that had one is not enforced here)."""
+        if rec is None or not rec.cpus or not self._cpuset_bound:
             return None
         return affinities.Affinity(affinities.parse_list(rec.cpus), affinities.parse_list(rec.mems))

@@ -93,7 +93,7 @@ class Hooks:
                 try:
                     units = core.booking.choose_mig(mig_request)
                 except BaseException:
-                    core.booking.allocator.deallocate(choice.gpus)
+                    core.booking.deallocate(choice.gpus)
                     raise
             minors = frozenset(choice.gpus)
             undo: Undo = [lambda: self._deallocate(minors, units)]
@@ -124,7 +124,7 @@ class Hooks:
                 crashpoint("prepare.cgroup")
                 core.grants.write(container_id, rules)
                 crashpoint("prepare.applied")
-                if held is not None and core.cpusets is not None:
+                if held is not None:
                     undo.append(lambda: core.grants.remove_cpuset(container_id))
                     crashpoint("cpuset.recorded")
                     core.grants.apply_cpuset(container_id, held)
@@ -270,8 +270,6 @@ class Hooks:
         self, cid: ContainerId, config: ContainerConfig, plan: ImagePlan, undo: Undo
     ) -> tuple[list[Mount], tuple[tuple[str, str], ...]]:
         core = self.core
-        if core.volumes is None:
-            raise FailedPrecondition("the image asks for the driver volume but no volume root is configured")
         try:
             volume = core.volumes.acquire(cid.key(), plan.facts.driver_version)
             undo.append(lambda: core.release_volume(cid))
@@ -294,7 +292,7 @@ class Hooks:
 
     def _deallocate(self, minors: frozenset[int], units: tuple[MigDevice, ...] = ()) -> None:
         with self.core.booking.lock:
-            self.core.booking.allocator.deallocate(minors)
+            self.core.booking.deallocate(minors)
             self.core.booking.free_mig(d.uuid for d in units)
 
     def _undo(self, cid: ContainerId, undo: Undo) -> None:
@@ -363,9 +361,9 @@ class Hooks:
         A cpuset lost to a crash is made again from the record first."""
         core = self.core
         aff = core.grants.recorded_affinity(rec)
-        if aff is None or core.cpusets is None:
+        if aff is None:
             return
-        before = core.edges.cpus.allowed_of(pid) if core.edges.cpus is not None else None
+        before = core.grants.cpus.allowed_of(pid)
         current = core.cpusets.current(cid.root)
         if current is None or current != aff:
             core.grants.apply_cpuset(cid.root, aff)
@@ -424,10 +422,10 @@ class Hooks:
             if target > len(rec.gpus):
                 core.handover.recheck()
             with core.booking.lock:
-                plan = core.booking.allocator.plan_update(rec.gpus, target)
+                plan = core.booking.plan_update(rec.gpus, target)
                 add, release = frozenset(plan.add), frozenset(plan.release)
                 if add:
-                    core.booking.allocator.allocate_set(add)
+                    core.booking.allocate_set(add)
             try:
                 # Decided before anything changes: an enforced locality that leaves nothing refuses the update.
                 moved = (
@@ -463,12 +461,11 @@ class Hooks:
         """After an update: record the cpuset of the GPUs now held, then write it. A container left
         with no GPUs is let go back to what its parent allows (it is left alone, as without GPUs)."""
         core = self.core
-        assert core.cpusets is not None
         old = core.grants.recorded_affinity(rec)
         if held is None:
-            if old is None or core.edges.cpus is None:
+            if old is None:
                 return
-            machine = core.edges.cpus.machine()
+            machine = core.grants.cpus.machine()
             held = Affinity(core.cpusets.allowed(cid) or machine.cpus, machine.mems)
         if old == held:
             return
@@ -528,7 +525,7 @@ class Hooks:
                 raise ContainerGone(container=str(container_id))
             raise NotFound(f"unknown container {container_id}")
         with core.booking.lock:
-            sick = sorted(m for m in rec.gpus | rec.mig_parents if m in core.booking.allocator.unhealthy)
+            sick = sorted(m for m in rec.gpus | rec.mig_parents if m in core.booking.unhealthy)
         if sick:
             return self._limitation(container_id, sick, rec)
         return None

@@ -7,15 +7,18 @@ pass the same contract tests (tests/test_contracts.py).
 
     port            real                                            fake (isolator.testing)
     CgroupBackend   cgroups.v1.V1DeviceController, v2.V2...         FakeCgroups
-    StateStore      host.state.StateStore (SQLite)                  FakeStore
-    VolumeBuilder   volumes.manager.VolumeManager                   FakeVolumes
-    Inventory       gpu.nvml.Inventory, host.system.EmptyInventory  FakeInventory
+    RecordStore     host.state.StateStore (SQLite)                  FakeStore
+    DriverVolumes   volumes.manager.VolumeManager                   FakeVolumes
+    GpuInventory    gpu.nvml.Inventory, host.system.EmptyInventory  FakeInventory
     DeviceNodes     host.devices.HostDevices                        FakeDeviceNodes
     Processes       host.system.ProcProcesses (/proc)               FakeProcesses
     Filesystem      host.system.LocalFilesystem                     FakeFilesystem
     Clock           host.system.SystemClock                         ManualClock
     Cpusets         cgroups.cpuset.CpusetController                 FakeCpusets
     CpuTopology     host.cpus.SysCpus                               FakeCpusets (the same object)
+
+Each port's name is its own: no concrete class is called what a Protocol is called. Where the
+machine has no volume root, CPU view or cpuset hierarchy, ``isolator.core.absent`` stands in.
 """
 
 from __future__ import annotations
@@ -139,7 +142,7 @@ class Cpusets(Protocol):
     def remove(self, container: ContainerId) -> None: ...
 
 
-class StateStore(Protocol):
+class RecordStore(Protocol):
     """Container -> GPUs and metadata, durable once a call returns; each call one transaction.
 
     A GPU has at most one holder (``GpuAlreadyHeld``); unknown containers are ``ContainerNotRecorded``
@@ -195,8 +198,9 @@ class Volume(Protocol):
     def driver_version(self) -> str: ...
 
 
-class VolumeBuilder(Protocol):
-    """The consolidated driver volume ``nvidia_<version>`` and who uses it (volumes.manager)."""
+class DriverVolumes(Protocol):
+    """The consolidated driver volume ``nvidia_<version>`` and who uses it (volumes.manager).
+    ``core.absent.NoVolumes`` stands in where no volume root is configured (``volume_root`` "")."""
 
     volume_root: str
 
@@ -209,7 +213,7 @@ class VolumeBuilder(Protocol):
     def volumes(self) -> list[dict[str, Any]]: ...
 
 
-class Inventory(Protocol):
+class GpuInventory(Protocol):
     """The GPUs to manage, their topology, health and usage (NVML)."""
 
     driver_version: str

@@ -57,7 +57,7 @@ class Recovery:
             core.booking.reset(core.inventory.topology())
             core.sync_health()
             for rec in live.values():
-                known = rec.gpus & core.booking.allocator.total
+                known = rec.gpus & core.booking.total
                 if known != rec.gpus:
                     LOG.warning(
                         "container %s records GPUs %s that this host does not have; keeping %s",
@@ -65,15 +65,13 @@ class Recovery:
                         sorted(rec.gpus - known),
                         sorted(known),
                     )
-                core.booking.allocator.restore(known)
+                core.booking.restore(known)
                 core.booking.hold_mig(rec.mig, restore=True)
 
     def _reconcile_cpusets(self, records: dict[ContainerId, ContainerRecord]) -> None:
         """Each recorded cpuset as recorded (a kill between recording and writing it, or a cpuset
         changed while we were down); our cpusets with no record and no process are removed."""
         core = self.core
-        if core.cpusets is None:
-            return
         for cid, rec in sorted(records.items(), key=lambda kv: kv[0].chain()):
             drift = self._cpuset_drift(cid, rec)
             if drift is not None:
@@ -93,8 +91,6 @@ class Recovery:
     def _cpuset_drift(self, cid: ContainerId, rec: ContainerRecord) -> str | None:
         """How the kernel's cpuset differs from the recorded one (policy.drift.cpuset_drift)."""
         core = self.core
-        if core.cpusets is None:
-            return None
         recorded = core.grants.recorded_affinity(rec)
         if recorded is None:
             return None
@@ -230,12 +226,11 @@ class Recovery:
             self.book()
             live = core.store.load()
             result.recovered = len(live)
-            if core.volumes is not None:
-                # Keep the users of live top-level containers and of everything nested in them:
-                # nested containers are never recorded, and their volume must outlive a Recover.
-                roots = {c.key() for c in live}
-                keep = roots | {u for u in core.volume_users() if key_root(u) in roots}
-                core.volumes.reconcile(keep)
+            # Keep the users of live top-level containers and of everything nested in them:
+            # nested containers are never recorded, and their volume must outlive a Recover.
+            roots = {c.key() for c in live}
+            keep = roots | {u for u in core.volume_users() if key_root(u) in roots}
+            core.volumes.reconcile(keep)
         core.changes.notify()
         LOG.info("recovered %d containers, released %d", result.recovered, result.released)
         return result
@@ -306,8 +301,7 @@ class Recovery:
                     continue
                 with contextlib.suppress(CgroupVanished):
                     core.grants.revoke(cid)
-                if core.cpusets is not None:
-                    core.grants.remove_cpuset(cid)  # its processes died with its Mesos cgroups
+                core.grants.remove_cpuset(cid)  # its processes died with its Mesos cgroups
                 core.drop(cid, rec)
             reaped.append(cid)
             LOG.warning("released %s: its cgroup is gone (destroyed without a cleanup)", core.describe(cid, rec.gpus))

@@ -25,11 +25,11 @@ from isolator.core.ports import (
     Cpusets,
     CpuTopology,
     DeviceNodes,
+    DriverVolumes,
     Filesystem,
-    Inventory,
+    GpuInventory,
     Processes,
-    StateStore,
-    VolumeBuilder,
+    RecordStore,
 )
 from isolator.core.recovery import Recovery
 from isolator.model import (
@@ -41,11 +41,11 @@ class IsolatorService(Hooks, Recovery, Admin):
     def __init__(
         self,
         *,
-        inventory: Inventory,
+        inventory: GpuInventory,
         cgroups: CgroupBackend,
         devices: DeviceNodes,
-        store: StateStore,
-        volumes: VolumeBuilder | None,
+        store: RecordStore,
+        volumes: DriverVolumes | None,
         processes: Processes,
         filesystem: Filesystem,
         clock: Clock,

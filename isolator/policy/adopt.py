@@ -89,7 +89,7 @@ def plan(
                 container=c,
                 granted=minors,
                 stolen=stolen,
-                owners=tuple(sorted({recorded[m] for m in stolen}, key=str)),
+                owners=tuple(sorted({recorded[m] for m in stolen})),
                 keep=keep,
                 deny_all=not keep and standalone and allows_everything(k, known),
             )

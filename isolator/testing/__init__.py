@@ -5,9 +5,9 @@ tests as the real edge (tests/test_contracts.py); ``fake_service`` wires them al
 
     FakeCgroups      CgroupBackend   rules and membership in memory, fault points
     FakeCpusets      Cpusets         cpusets in memory, and the machine's CPUs (CpuTopology)
-    FakeStore        StateStore      records in memory, the same refusals, fault points
-    FakeVolumes      VolumeBuilder   volumes and their users in memory, fault points
-    FakeInventory    Inventory       a shipped host's GPUs; XIDs, usage, processes, clocks, compute mode on demand
+    FakeStore        RecordStore     records in memory, the same refusals, fault points
+    FakeVolumes      DriverVolumes   volumes and their users in memory, fault points
+    FakeInventory    GpuInventory    a shipped host's GPUs; XIDs, usage, processes, clocks, compute mode on demand
     FakeDeviceNodes  DeviceNodes     nvidiactl, nvidia-uvm(-tools), nvidia-caps numbers
     FakeProcesses    Processes       a pid table
     FakeFilesystem   Filesystem      directories by path

@@ -1,4 +1,4 @@
-"""``FakeInventory``: the GPUs of a host without NVML (isolator.core.ports.Inventory).
+"""``FakeInventory``: the GPUs of a host without NVML (isolator.core.ports.GpuInventory).
 
 Built from a ``Topology`` or from one of the simulated hosts shipped in isolator/simhost/hosts/
 (``FakeInventory.of_host("dgx-1")``), parsed only: no fake library, no device nodes, no root.
@@ -126,7 +126,7 @@ class FakeInventory:
         cuda = f"{spec.cuda_driver_version // 1000}.{spec.cuda_driver_version % 1000 // 10}"
         return cls(Topology(gpus=gpus, links=links), spec.driver_version, cuda, mig)
 
-    # ---- Inventory ----------------------------------------------------------------------------------
+    # ---- GpuInventory-------------------------------------------------------------------------------
 
     @property
     def records(self) -> tuple[GpuRecord, ...]:

@@ -1,4 +1,4 @@
-"""``FakeStore``: an in-memory state store (isolator.core.ports.StateStore) with fault points.
+"""``FakeStore``: an in-memory state store (isolator.core.ports.RecordStore) with fault points.
 
 Same refusals as the SQLite store (tests/test_contracts.py runs one suite on both): a container
 recorded twice, a GPU held twice, a writer on an unknown container, a shrink of GPUs not held,

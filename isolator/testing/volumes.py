@@ -1,4 +1,4 @@
-"""``FakeVolumes``: the driver volume builder (isolator.core.ports.VolumeBuilder) in memory.
+"""``FakeVolumes``: the driver volume builder (isolator.core.ports.DriverVolumes) in memory.
 
 ``acquire`` "builds" ``<volume_root>/nvidia_<version>`` and records the user; ``faults`` fails a
 step by name with the volumes package's own error (a build that runs out of space, say).

@@ -171,6 +171,7 @@ def test_completion_offers_a_commands_flags_and_a_flags_choices(script):
     assert sorted(_complete(script, ["gpu-isolator", "gpus", "-o", ""])) == ["json", "wide", "yaml"]
     assert sorted(_complete(script, ["gpu-isolator", "serve", "--mode", ""])) == ["mesos", "standalone"]
     assert _complete(script, ["gpu-isolator", "cdi", "gen"]) == ["generate"]
+    assert "--format" in _complete(script, ["gpu-isolator", "cdi", "generate", "--f"])
 
 
 def test_completion_offers_file_names_after_a_flag_that_takes_a_path(script, tmp_path):

@@ -126,6 +126,34 @@ def build_parser() -> Parser:
     )
     configmod.add_serve_arguments(generate, configmod.CDI_FLAGS)
     generate.add_argument("--output", default="-", help="file to write (default: stdout); mode 0644")
+    generate.add_argument(
+        "--format",
+        choices=CDI_FORMATS,
+        default=None,
+        help="yaml (default, as nvidia-ctk) or json; a --output FILE ending in .json or .yaml says it too",
+    )
+    generate.add_argument(
+        "--device-name-strategy",
+        dest="device_name_strategy",
+        action="append",
+        choices=(*CDI_NAME_STRATEGIES, "both"),
+        default=None,
+        help="how devices are named, as nvidia-ctk: index (0, 0:1), uuid (GPU-...), type-index (gpu0, mig0:1);"
+        " repeat for several; both = index and uuid (the default)",
+    )
+    listing = cdi_sub.add_parser(
+        "list",
+        help="the CDI devices a runtime finds in the spec directories, as nvidia-ctk cdi list (offline)",
+    )
+    listing.add_argument(
+        "--spec-dir",
+        dest="spec_dirs",
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="a spec directory, lowest priority first; repeat for several (default /etc/cdi then /var/run/cdi)",
+    )
+    listing.add_argument("--json", action="store_true", help="print JSON: each device and the spec defining it")
 
     resources = sub.add_parser(
         "resources", help="the agent's --resources entries for the GPUs and MIG devices (offline: reads NVML)"
@@ -170,6 +198,12 @@ def build_parser() -> Parser:
     config_sub.add_parser("default", help="print the full default config file, every key commented")
     return parser
 
+
+# As isolator.exporters.cdi.FORMATS and NAME_STRATEGIES (a test keeps them equal); not imported from
+# there so that building the parser (every command) imports no exporter.
+CDI_FORMATS = ("yaml", "json")
+CDI_NAME_STRATEGIES = ("index", "uuid", "type-index")
+CDI_SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")
 
 # ``-o``: kubectl's output formats; ``--json`` is ``-o json``.
 OUTPUT_FORMATS = ("json", "yaml", "wide")
@@ -724,19 +758,48 @@ def _run_resources(args: argparse.Namespace) -> int:
 
 
 def _run_cdi(args: argparse.Namespace) -> int:
-    from isolator.daemon import main as daemon
     from isolator.exporters import cdi
 
+    if args.cdi_command == "list":
+        return _run_cdi_list(args)
+    from isolator.daemon import main as daemon
+
     output = args.output
+    fmt = args.format or (cdi.format_of(output) if output.endswith((".json", ".yaml", ".yml")) else "yaml")
+    if output != "-" and output.endswith((".json", ".yaml", ".yml")) and fmt != cdi.format_of(output):
+        raise UsageError(f"gpu-isolator cdi generate: --format {fmt} contradicts --output '{output}'")
+    if output != "-" and not output.endswith((".json", ".yaml")):
+        # Runtimes read only *.json and *.yaml (pkg/cdi/spec-dirs.go): another name is never loaded.
+        print(f"gpu-isolator: note: CDI runtimes read only *.json and *.yaml, not '{output}'", file=sys.stderr)
+    strategies = args.device_name_strategy or ["both"]
+    names = list(dict.fromkeys(n for s in strategies for n in (("index", "uuid") if s == "both" else (s,))))
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "cdi_command", "output")}
     config = configmod.resolve(flags)
-    spec = daemon.generate_cdi(config)
+    spec = daemon.generate_cdi(config, names)
     if output == "-":
-        _emit(cdi.render(spec).rstrip("\n"))
+        _emit(cdi.render(spec, fmt).rstrip("\n"))
     else:
-        path, _ = cdi.write_spec(spec, os.path.dirname(os.path.abspath(output)), os.path.basename(output))
+        path, _ = cdi.write_spec(spec, os.path.dirname(os.path.abspath(output)), os.path.basename(output), fmt)
         print(f"wrote CDI spec '{path}': {len(spec['devices'])} devices, kind {spec['kind']}", file=sys.stderr)
     return EXIT_OK
+
+
+def _run_cdi_list(args: argparse.Namespace) -> int:
+    """As ``nvidia-ctk cdi list``: every device a CDI runtime would resolve, one qualified name a line;
+    each problem that cost devices (an unreadable spec, a conflict) on stderr, and then exit 1."""
+    from isolator.exporters import cdi
+
+    listing = cdi.read_spec_dirs(args.spec_dirs or CDI_SPEC_DIRS)
+    for problem in listing.problems:
+        _fail(f"cdi list: {problem}")
+    if args.json:
+        devices = [{"name": n, "spec": p} for n, p in listing.devices.items()]
+        _emit(json.dumps({"devices": devices, "problems": list(listing.problems)}, indent=2, sort_keys=True))
+    elif listing.devices:
+        _emit("\n".join(listing.devices))
+    else:
+        print(f"gpu-isolator: no CDI devices in {', '.join(args.spec_dirs or CDI_SPEC_DIRS)}", file=sys.stderr)
+    return EXIT_ERROR if listing.problems else EXIT_OK
 
 
 DEFAULT_CONFIG_TEXT = """\

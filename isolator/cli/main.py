@@ -159,7 +159,15 @@ def build_parser() -> Parser:
         "resources", help="the agent's --resources entries for the GPUs and MIG devices (offline: reads NVML)"
     )
     configmod.add_serve_arguments(resources, configmod.INVENTORY_FLAGS)
-    resources.add_argument("--json", action="store_true", help="print JSON: the string and each entry's count")
+    resources.add_argument(
+        "--json", action="store_true", help="print JSON: the string and each entry's count, and the attributes"
+    )
+    attributes = sub.add_parser(
+        "attributes",
+        help="the agent's --attributes for its GPUs: model, memory, driver, CUDA, MIG (offline: reads NVML)",
+    )
+    configmod.add_serve_arguments(attributes, configmod.INVENTORY_FLAGS)
+    attributes.add_argument("--json", action="store_true", help="print JSON: the string and each value, typed")
 
     admin("gpus", help_text="every GPU, its health and its holder")
     admin("topology", help_text="the interconnect matrix, as nvidia-smi topo -m")
@@ -745,15 +753,20 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _run_resources(args: argparse.Namespace) -> int:
+    """``resources`` prints the agent's --resources; ``attributes`` its --attributes (docs/operations.md)."""
     from isolator.daemon import main as daemon
+    from isolator.policy import attributes
 
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "json")}
-    line = daemon.agent_resources(configmod.resolve(flags))
-    if args.json:
-        entries = {name: int(count) for name, _, count in (e.rpartition(":") for e in line.split(";"))}
-        _emit(json.dumps({"resources": line, "entries": entries}, indent=2))
+    line, pairs = daemon.agent_flags(configmod.resolve(flags))
+    if args.command == "attributes":
+        text = attributes.render(pairs)
+        data: dict[str, Any] = {"attributes": text, "values": attributes.typed(pairs)}
     else:
-        _emit(line)
+        text = line
+        entries = {name: int(count) for name, _, count in (e.rpartition(":") for e in line.split(";"))}
+        data = {"resources": line, "entries": entries, "attributes": attributes.render(pairs)}
+    _emit(json.dumps(data, indent=2) if args.json else text)
     return EXIT_OK
 
 
@@ -986,7 +999,7 @@ def _main(argv: list[str]) -> int:
             return _run_serve(args)
         if args.command == "cdi":
             return _run_cdi(args)
-        if args.command == "resources":
+        if args.command in ("resources", "attributes"):
             return _run_resources(args)
         if args.command == "install-unit":
             return _run_install_unit(args)

@@ -332,16 +332,24 @@ def agent_resources(config: Config) -> str:
 
     ``gpus`` counts the managed GPUs that are not in MIG mode (docs/mig.md, "Configuring the agent").
     """
-    from isolator.policy import mig
+    return agent_flags(config)[0]
+
+
+def agent_flags(config: Config) -> tuple[str, list[tuple[str, str]]]:
+    """The agent's ``--resources`` string and its ``--attributes`` pairs (isolator/policy/attributes.py),
+    from one reading of NVML (offline, as ``gpu-isolator resources`` and ``attributes``)."""
+    from isolator.policy import attributes, mig
 
     host = simulated_host(config) if config.simulate else None
     inventory = build_inventory(config, host=host, watch=False)
     if inventory is None:
-        return "gpus:0"
+        return "gpus:0", attributes.attributes([], "", "")
     try:
         records = inventory.records
         whole = sum(1 for r in records if not r.mig_enabled)
-        return mig.agent_resources(whole, [d for r in records if r.mig_enabled for d in r.mig_devices])
+        resources = mig.agent_resources(whole, [d for r in records if r.mig_enabled for d in r.mig_devices])
+        pairs = attributes.attributes(records, inventory.driver_version, inventory.cuda_driver_version)
+        return resources, pairs
     finally:
         inventory.close()
 

@@ -34,7 +34,7 @@ def _section(text: str, heading: str) -> str:
     the same or a higher level."""
     level = len(heading) - len(heading.lstrip("#"))
     start = text.index("\n" + heading + "\n") + len(heading) + 2
-    ends = [m.start() for m in re.finditer(r"^#{1,%d} " % level, text[start:], re.M)]
+    ends = [m.start() for m in re.finditer(rf"^#{{1,{level}}} ", text[start:], re.M)]
     return text[start : start + ends[0]] if ends else text[start:]
 
 

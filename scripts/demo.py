@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -31,6 +32,12 @@ def step(text: str) -> None:
 def cli(sock: str, *argv: str) -> None:
     print(f"{DIM}$ gpu-isolator {' '.join(argv)}{RESET}", flush=True)
     subprocess.run([sys.executable, "-m", "isolator", *argv, "--socket", sock], check=False)
+
+
+def serve_line(argv: list[str]) -> str:
+    """The daemon's command line as an operator types it (``python -m isolator`` is ``gpu-isolator``)."""
+    assert argv[1:3] == ["-m", "isolator"], argv
+    return "$ gpu-isolator " + " ".join(shlex.quote(word) for word in argv[3:])
 
 
 def explain(errno_name: str) -> str:
@@ -68,7 +75,7 @@ def main() -> int:
     try:
         step(f"start the sidecar on a simulated {opts.host} (cgroup {opts.cgroup_version}, standalone mode)")
         with running_sidecar(opts.host, opts.cgroup_version, work=work, parent=DEMO_PARENT) as sidecar:
-            print(" ".join(sidecar.argv()[2:]))
+            print(f"{DIM}{serve_line(sidecar.argv())}{RESET}", flush=True)
             cli(sidecar.socket, "gpus")
             cli(sidecar.socket, "topology")
 

@@ -51,14 +51,18 @@ def exit_code_of(exc: IsolatorError) -> int:
 
 
 class UsageError(Exception):
-    pass
+    def __init__(self, message: str, help_text: str = "") -> None:
+        super().__init__(message)
+        self.help_text = help_text
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line and exit 2."""
+    """argparse, but a usage error is one line and exit 2; a command missing what it needs (``describe``
+    without a container, ``cdi`` without an action) also shows that command's usage and choices."""
 
     def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{self.prog}: {message}")
+        missing = message.startswith("the following arguments are required")
+        raise UsageError(f"{self.prog}: {message}", self.format_help() if missing else "")
 
 
 def _seconds(value: str) -> float:
@@ -104,6 +108,13 @@ def build_parser() -> Parser:
             help=f"the sidecar's socket (default: ${SOCKET_ENV}, else {configmod.DEFAULT_SOCKET})",
         )
         p.add_argument("--json", action="store_true", help="print JSON (a stable shape) instead of a table")
+        p.add_argument(
+            "-o",
+            "--output",
+            choices=OUTPUT_FORMATS,
+            default=None,
+            help="json (as --json), yaml (the same shape) or wide (the table with more columns)",
+        )
         p.add_argument("--timeout", type=_seconds, default=10.0, help="seconds to wait for an answer (default 10)")
         return p
 
@@ -115,12 +126,48 @@ def build_parser() -> Parser:
     )
     configmod.add_serve_arguments(generate, configmod.CDI_FLAGS)
     generate.add_argument("--output", default="-", help="file to write (default: stdout); mode 0644")
+    generate.add_argument(
+        "--format",
+        choices=CDI_FORMATS,
+        default=None,
+        help="yaml (default, as nvidia-ctk) or json; a --output FILE ending in .json or .yaml says it too",
+    )
+    generate.add_argument(
+        "--device-name-strategy",
+        dest="device_name_strategy",
+        action="append",
+        choices=(*CDI_NAME_STRATEGIES, "both"),
+        default=None,
+        help="how devices are named, as nvidia-ctk: index (0, 0:1), uuid (GPU-...), type-index (gpu0, mig0:1);"
+        " repeat for several; both = index and uuid (the default)",
+    )
+    listing = cdi_sub.add_parser(
+        "list",
+        help="the CDI devices a runtime finds in the spec directories, as nvidia-ctk cdi list (offline)",
+    )
+    listing.add_argument(
+        "--spec-dir",
+        dest="spec_dirs",
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="a spec directory, lowest priority first; repeat for several (default /etc/cdi then /var/run/cdi)",
+    )
+    listing.add_argument("--json", action="store_true", help="print JSON: each device and the spec defining it")
 
     resources = sub.add_parser(
         "resources", help="the agent's --resources entries for the GPUs and MIG devices (offline: reads NVML)"
     )
     configmod.add_serve_arguments(resources, configmod.INVENTORY_FLAGS)
-    resources.add_argument("--json", action="store_true", help="print JSON: the string and each entry's count")
+    resources.add_argument(
+        "--json", action="store_true", help="print JSON: the string and each entry's count, and the attributes"
+    )
+    attributes = sub.add_parser(
+        "attributes",
+        help="the agent's --attributes for its GPUs: model, memory, driver, CUDA, MIG (offline: reads NVML)",
+    )
+    configmod.add_serve_arguments(attributes, configmod.INVENTORY_FLAGS)
+    attributes.add_argument("--json", action="store_true", help="print JSON: the string and each value, typed")
 
     admin("gpus", help_text="every GPU, its health and its holder")
     admin("topology", help_text="the interconnect matrix, as nvidia-smi topo -m")
@@ -139,7 +186,35 @@ def build_parser() -> Parser:
     )
     undrain = admin("undrain", help_text="return a draining GPU to the pool now, whatever still runs on it")
     undrain.add_argument("gpu", help="the GPU's NVML index, its UUID, or minor:<N>")
+
+    completion = sub.add_parser(
+        "completion",
+        help="print the shell completion script",
+        description="Print a completion script generated from this command's own parser."
+        " Install: gpu-isolator completion bash > /etc/bash_completion.d/gpu-isolator",
+    )
+    completion.add_argument("shell", choices=("bash",), help="the shell (bash)")
+
+    config = sub.add_parser("config", help="check a config file, or print the default one (docs/operations.md)")
+    config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", parser_class=Parser)
+    config_sub.required = True
+    check = config_sub.add_parser(
+        "check",
+        help="validate FILE as serve would read it (exit 0: valid, 78: not) and print what it changes",
+    )
+    check.add_argument("file", metavar="FILE", help="the TOML config file")
+    config_sub.add_parser("default", help="print the full default config file, every key commented")
     return parser
+
+
+# As isolator.exporters.cdi.FORMATS and NAME_STRATEGIES (a test keeps them equal); not imported from
+# there so that building the parser (every command) imports no exporter.
+CDI_FORMATS = ("yaml", "json")
+CDI_NAME_STRATEGIES = ("index", "uuid", "type-index")
+CDI_SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")
+
+# ``-o``: kubectl's output formats; ``--json`` is ``-o json``.
+OUTPUT_FORMATS = ("json", "yaml", "wide")
 
 
 def _emit(text: str) -> None:
@@ -175,6 +250,7 @@ def _run_admin(args: argparse.Namespace) -> int:
         args.socket_from = f" (from ${SOCKET_ENV})" if from_env else ""
     else:
         args.socket_from = ""
+    output = _output_format(args)
     method, request_name = ADMIN_CALLS[args.command]
     request = getattr(pb, request_name)()
     if hasattr(args, "container"):
@@ -212,11 +288,29 @@ def _run_admin(args: argparse.Namespace) -> int:
     elif args.command == "health":
         data = _with_socket_check(data, args.socket)
         status = EXIT_OK if data["healthy"] else EXIT_ERROR
-    if args.json:
-        _emit(json.dumps(data, indent=2, sort_keys=True))
-    else:
-        _emit(render(args.command, data, now=time.time()))
+    _emit(formatted(args.command, data, output, now=time.time()))
     return status
+
+
+def _output_format(args: argparse.Namespace) -> str:
+    """``-o json|yaml|wide``, ``--json`` (= ``-o json``), or "" for the table; a contradiction is a usage error."""
+    output = getattr(args, "output", None) or ""
+    if getattr(args, "json", False):
+        if output not in ("", "json"):
+            raise UsageError(f"gpu-isolator {args.command}: --json and -o {output} contradict")
+        output = "json"
+    return output
+
+
+def formatted(command: str, data: dict[str, Any], output: str, now: float) -> str:
+    """The answer as ``-o`` asks: JSON and YAML carry the same stable shape (docs/cli.md), keys sorted."""
+    if output == "json":
+        return json.dumps(data, indent=2, sort_keys=True)
+    if output == "yaml":
+        import yaml  # only here and in CDI: the other commands do not pay for the import
+
+        return str(yaml.safe_dump(data, sort_keys=True, default_flow_style=False, allow_unicode=True))
+    return render(command, data, now=now, wide=output == "wide")
 
 
 def _fail(message: str) -> None:
@@ -249,11 +343,13 @@ def _name(lookup: Callable[[int], Any], ident: int) -> str:
 # The JSON form is the stable contract (docs/cli.md); these tables are for reading and may change.
 
 
-def render(command: str, data: dict[str, Any], now: float) -> str:
+def render(command: str, data: dict[str, Any], now: float, wide: bool = False) -> str:
+    """The table for people; ``wide`` (``-o wide``) adds columns where a command has more to show
+    (``gpus``: CPU affinity; ``containers``: the GPUs' minors and UUIDs)."""
     renderers: dict[str, Callable[[dict[str, Any], float], str]] = {
-        "gpus": lambda d, _now: _gpus_table(d),
+        "gpus": lambda d, _now: _gpus_table(d, wide),
         "topology": lambda d, _now: _topology_matrix(d),
-        "containers": _containers_table,
+        "containers": lambda d, now: _containers_table(d, now, wide),
         "describe": _describe_text,
         "volume": lambda d, _now: _volume_text(d),
         "health": lambda d, _now: _health_table(d),
@@ -266,7 +362,8 @@ def render(command: str, data: dict[str, Any], now: float) -> str:
 
 def _audit_text(data: dict[str, Any]) -> str:
     repaired = data.get("repaired", [])
-    head = f"checked {data.get('checked', 0)} containers: "
+    checked = int(data.get("checked", 0))
+    head = f"checked {checked} container{'' if checked == 1 else 's'}: "
     head += f"re-applied {len(repaired)}" if repaired else "kernel rules agree with the records"
     lines = [head, *(f"  {line}" for line in repaired)]
     lines.append(f"repairs since the sidecar started: {data.get('repairs_total', 0)}")
@@ -337,12 +434,17 @@ def _container_rows(containers: list[dict[str, Any]], now: float) -> list[dict[s
     return rows
 
 
-def _containers_table(data: dict[str, Any], now: float) -> str:
+def _containers_table(data: dict[str, Any], now: float, wide: bool = False) -> str:
     containers = data.get("containers", [])
     if not containers:
         return "No containers."
+    rows = _container_rows(containers, now)
+    for row in rows:
+        row["minors"] = _list(row.get("gpu_minors") or [])
+        row["uuids"] = _list(row.get("gpu_uuids") or [])
+    more = [("minors", "MINORS"), ("uuids", "UUIDS")] if wide else []
     return _table(
-        _container_rows(containers, now),
+        rows,
         [
             ("name", "CONTAINER"),
             ("gpus", "GPUS"),
@@ -351,6 +453,7 @@ def _containers_table(data: dict[str, Any], now: float) -> str:
             ("volume", "VOLUME"),
             ("age", "AGE"),
             ("cgroup", "CGROUP"),
+            *more,
         ],
     )
 
@@ -407,7 +510,7 @@ def _handover_lines(gpus: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _gpus_table(data: dict[str, Any]) -> str:
+def _gpus_table(data: dict[str, Any], wide: bool = False) -> str:
     header = f"Driver {data.get('driver_version') or 'N/A'}, CUDA {data.get('cuda_driver_version') or 'N/A'}"
     if data.get("sidecar_version"):
         header += f"; gpu-isolator {data['sidecar_version']}"
@@ -427,6 +530,7 @@ def _gpus_table(data: dict[str, Any]) -> str:
             ("health", "HEALTH"),
             ("handover", "HANDOVER"),
             ("holder", "HOLDER"),
+            *([("cpu_affinity", "CPU AFFINITY")] if wide else []),
         ],
     )
     table += "\n".join(["", *_handover_lines(data.get("gpus", []))]) if _handover_lines(data.get("gpus", [])) else ""
@@ -649,32 +753,66 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _run_resources(args: argparse.Namespace) -> int:
+    """``resources`` prints the agent's --resources; ``attributes`` its --attributes (docs/operations.md)."""
     from isolator.daemon import main as daemon
+    from isolator.policy import attributes
 
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "json")}
-    line = daemon.agent_resources(configmod.resolve(flags))
-    if args.json:
-        entries = {name: int(count) for name, _, count in (e.rpartition(":") for e in line.split(";"))}
-        _emit(json.dumps({"resources": line, "entries": entries}, indent=2))
+    line, pairs = daemon.agent_flags(configmod.resolve(flags))
+    if args.command == "attributes":
+        text = attributes.render(pairs)
+        data: dict[str, Any] = {"attributes": text, "values": attributes.typed(pairs)}
     else:
-        _emit(line)
+        text = line
+        entries = {name: int(count) for name, _, count in (e.rpartition(":") for e in line.split(";"))}
+        data = {"resources": line, "entries": entries, "attributes": attributes.render(pairs)}
+    _emit(json.dumps(data, indent=2) if args.json else text)
     return EXIT_OK
 
 
 def _run_cdi(args: argparse.Namespace) -> int:
-    from isolator.daemon import main as daemon
     from isolator.exporters import cdi
 
+    if args.cdi_command == "list":
+        return _run_cdi_list(args)
+    from isolator.daemon import main as daemon
+
     output = args.output
+    fmt = args.format or (cdi.format_of(output) if output.endswith((".json", ".yaml", ".yml")) else "yaml")
+    if output != "-" and output.endswith((".json", ".yaml", ".yml")) and fmt != cdi.format_of(output):
+        raise UsageError(f"gpu-isolator cdi generate: --format {fmt} contradicts --output '{output}'")
+    if output != "-" and not output.endswith((".json", ".yaml")):
+        # Runtimes read only *.json and *.yaml (pkg/cdi/spec-dirs.go): another name is never loaded.
+        print(f"gpu-isolator: note: CDI runtimes read only *.json and *.yaml, not '{output}'", file=sys.stderr)
+    strategies = args.device_name_strategy or ["both"]
+    names = list(dict.fromkeys(n for s in strategies for n in (("index", "uuid") if s == "both" else (s,))))
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "cdi_command", "output")}
     config = configmod.resolve(flags)
-    spec = daemon.generate_cdi(config)
+    spec = daemon.generate_cdi(config, names)
     if output == "-":
-        _emit(cdi.render(spec).rstrip("\n"))
+        _emit(cdi.render(spec, fmt).rstrip("\n"))
     else:
-        path, _ = cdi.write_spec(spec, os.path.dirname(os.path.abspath(output)), os.path.basename(output))
+        path, _ = cdi.write_spec(spec, os.path.dirname(os.path.abspath(output)), os.path.basename(output), fmt)
         print(f"wrote CDI spec '{path}': {len(spec['devices'])} devices, kind {spec['kind']}", file=sys.stderr)
     return EXIT_OK
+
+
+def _run_cdi_list(args: argparse.Namespace) -> int:
+    """As ``nvidia-ctk cdi list``: every device a CDI runtime would resolve, one qualified name a line;
+    each problem that cost devices (an unreadable spec, a conflict) on stderr, and then exit 1."""
+    from isolator.exporters import cdi
+
+    listing = cdi.read_spec_dirs(args.spec_dirs or CDI_SPEC_DIRS)
+    for problem in listing.problems:
+        _fail(f"cdi list: {problem}")
+    if args.json:
+        devices = [{"name": n, "spec": p} for n, p in listing.devices.items()]
+        _emit(json.dumps({"devices": devices, "problems": list(listing.problems)}, indent=2, sort_keys=True))
+    elif listing.devices:
+        _emit("\n".join(listing.devices))
+    else:
+        print(f"gpu-isolator: no CDI devices in {', '.join(args.spec_dirs or CDI_SPEC_DIRS)}", file=sys.stderr)
+    return EXIT_ERROR if listing.problems else EXIT_OK
 
 
 DEFAULT_CONFIG_TEXT = """\
@@ -802,19 +940,66 @@ def _run_install_unit(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _run_completion(args: argparse.Namespace) -> int:
+    from isolator.cli import completion
+
+    _emit(completion.bash(build_parser()))
+    return EXIT_OK
+
+
+def _run_config(args: argparse.Namespace) -> int:
+    if args.config_command == "default":
+        _emit(configmod.default_file_text())
+        return EXIT_OK
+    config = configmod.resolve({"config_file": args.file})
+    changed = configmod.non_defaults(config)
+    count = f"{len(changed)} setting{'' if len(changed) == 1 else 's'} differ" + ("s" if len(changed) == 1 else "")
+    summary = f"{count} from the defaults" if changed else "every setting is the default"
+    lines = [f"config file '{args.file}' is valid: {summary}"]
+    lines += [f"  {name} = {value}" for name, value in changed]
+    _emit("\n".join(lines))
+    return EXIT_OK
+
+
+def _usage_error(exc: UsageError) -> int:
+    print(str(exc), file=sys.stderr)
+    if exc.help_text:
+        print(exc.help_text.rstrip("\n"), file=sys.stderr)
+    return EXIT_USAGE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(sys.argv[1:] if argv is None else list(argv))
+    except BrokenPipeError:
+        # The reader went away before all the output was written (`gpu-isolator gpus | head -1`): as
+        # for other CLIs under a pager or head, that is the reader's choice, not an error. Point stdout
+        # at /dev/null so that Python's flush at exit does not complain a second time.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
+
+
+def _main(argv: list[str]) -> int:
     parser = build_parser()
+    if not argv:
+        # `gpu-isolator` alone asks what there is: the usage and the command list, as kubectl and docker.
+        _emit(parser.format_help())
+        return EXIT_OK
     try:
         args = parser.parse_args(argv)
     except UsageError as exc:
-        print(str(exc), file=sys.stderr)
-        return EXIT_USAGE
+        return _usage_error(exc)
     try:
+        if args.command == "completion":
+            return _run_completion(args)
+        if args.command == "config":
+            return _run_config(args)
         if args.command == "serve":
             return _run_serve(args)
         if args.command == "cdi":
             return _run_cdi(args)
-        if args.command == "resources":
+        if args.command in ("resources", "attributes"):
             return _run_resources(args)
         if args.command == "install-unit":
             return _run_install_unit(args)
@@ -831,15 +1016,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except UsageError as exc:
-        print(str(exc), file=sys.stderr)
-        return EXIT_USAGE
-    except BrokenPipeError:
-        # The reader went away before the output was written (e.g. `| head -0`). Point stdout at
-        # /dev/null so that Python's flush at exit does not complain a second time.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        _fail("standard output was closed before all the output was written (broken pipe)")
-        return EXIT_ERROR
+        return _usage_error(exc)
 
 
 if __name__ == "__main__":

@@ -318,7 +318,8 @@ class Admin:
         checks.append(HealthCheck("cgroups", True, f"{core.cgroups.version} devices, {core.settings.mode} mode"))
         try:
             result = core.store.check()
-            detail = f"'{core.store.path}': {result}; {len(core.store.load())} containers"
+            count = len(core.store.load())
+            detail = f"'{core.store.path}': {result}; {count} container{'' if count == 1 else 's'}"
             if core.rebuilt:
                 detail += f"; rebuilt from the kernel at start: {', '.join(map(str, core.rebuilt))}"
             checks.append(HealthCheck("state", result == "ok", detail))
@@ -345,7 +346,8 @@ class Admin:
             return HealthCheck("nvml", False, f"NVML does not answer: {exc}")
         sick = len(core.gpus) - len(core.inventory.healthy())
         managed = len(core.gpus)
-        detail = f"driver {core.inventory.driver_version}, {managed} GPUs managed, NVML sees {seen}, {sick} not usable"
+        gpus = "1 GPU" if managed == 1 else f"{managed} GPUs"
+        detail = f"driver {core.inventory.driver_version}, {gpus} managed, NVML sees {seen}, {sick} not usable"
         return HealthCheck("nvml", bool(core.inventory.driver_version), detail)
 
     def inconsistencies(self) -> list[str]:

@@ -190,6 +190,7 @@ def _choice(choices: tuple[str, ...]) -> Any:
             raise ValueError(f"{value!r} is not one of {', '.join(choices)}")
         return str(value)
 
+    parse.choices = choices  # type: ignore[attr-defined]  # what shell completion offers (isolator/cli/completion.py)
     return parse
 
 
@@ -326,41 +327,101 @@ def add_serve_arguments(parser: argparse.ArgumentParser, names: tuple[str, ...] 
 
 
 def load_file(path: str) -> dict[str, Any]:
+    """The file's settings by field name (``socket_mode``), each parsed by TOML but not yet checked."""
+    return _read_file(path)[0]
+
+
+def _read_file(path: str) -> tuple[dict[str, Any], dict[str, tuple[str, str]]]:
+    """(settings by field name, where each was given: the file and line, and the key as written there).
+
+    A key is spelled as in the docs (``work_dir``) or as its flag without the leading dashes
+    (``work-dir``): both are accepted, here and wherever a file is read (``serve``, SIGHUP,
+    ``config check``, the offline commands). The same setting given in both spellings is refused
+    rather than one of them silently winning.
+    """
     import tomllib  # only where a config file is given: every start and admin command imports this module
 
     try:
         with open(path, "rb") as fh:
-            data = tomllib.load(fh)
+            raw = fh.read()
+        data = tomllib.loads(raw.decode("utf-8"))
     except OSError as exc:
         raise ConfigError(f"failed to read config file '{path}': {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"failed to parse config file '{path}': not UTF-8 text ({exc.reason})") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"failed to parse config file '{path}': {exc}") from exc
+    text = raw.decode("utf-8")
     out: dict[str, Any] = {}
+    written: dict[str, str] = {}
     for key, value in data.items():
         name = key.replace("-", "_")
         if name not in PARSERS:
-            raise ConfigError(f"config file '{path}': unknown key '{key}'")
+            raise ConfigError(f"config file '{path}'{_at(text, key)}: unknown key '{key}'")
+        if name in written:
+            raise ConfigError(
+                f"config file '{path}': '{written[name]}' and '{key}' are the same setting; keep one of them"
+            )
+        if name == "socket_mode" and isinstance(value, int) and not isinstance(value, bool):
+            value = _toml_mode(path, text, key, value)
         out[name] = value
-    return out
+        written[name] = key
+    return out, {name: (f"config file '{path}'{_at(text, key)}", key) for name, key in written.items()}
+
+
+def _key_line(text: str, key: str) -> tuple[int, str] | None:
+    """(line number, the value's literal) of a top-level ``key = value`` in ``text``, if found."""
+    import re
+
+    spelled = "|".join(re.escape(k) for k in (key, f'"{key}"', f"'{key}'"))
+    pattern = re.compile(rf"^[ \t]*(?:{spelled})[ \t]*=[ \t]*([^\s#,]+)")
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        m = pattern.match(line)
+        if m:
+            return lineno, m.group(1)
+    return None
+
+
+def _at(text: str, key: str) -> str:
+    found = _key_line(text, key)
+    return f", line {found[0]}" if found else ""
+
+
+def _toml_mode(path: str, text: str, key: str, value: int) -> int:
+    """``socket_mode = 0o660`` is the mode 0660; ``socket_mode = 660`` is TOML's decimal 660 (0o1224),
+    never what was meant, and ``440`` would even pass as 0o670. So an integer mode must be an octal
+    literal; anything else is refused with the spelling that works."""
+    found = _key_line(text, key)
+    literal = found[1] if found else ""
+    if literal.startswith("0o"):
+        return value
+    where = f", line {found[0]}" if found else ""
+    digits = str(value)
+    meant = f"0o{digits}" if all(c in "01234567" for c in digits) else f"0o{value:o}"
+    raise ConfigError(
+        f"invalid config file '{path}'{where} value for {key}: {literal or value} is a decimal integer in TOML"
+        f' ({value} = {oct(value)}), not an octal mode; write {key} = {meant} or {key} = "{meant[2:].rjust(4, "0")}"'
+    )
 
 
 def resolve(args: argparse.Namespace | dict[str, Any]) -> Config:
     """Merge flags over the config file over defaults, and validate the result."""
     flags = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
     config_file = flags.get("config_file") or ""
-    values: dict[str, Any] = load_file(config_file) if config_file else {}
-    sources = dict.fromkeys(values, f"config file '{config_file}'")
+    values, sources = _read_file(config_file) if config_file else ({}, {})
+    # Where each value came from, and the key as its source spells it (an error names it so).
     for name in PARSERS:
         if flags.get(name) is not None:
             values[name] = flags[name]
-            sources[name] = "--" + name.replace("_", "-")
+            sources[name] = ("--" + name.replace("_", "-"), name.replace("_", "-"))
 
     parsed: dict[str, Any] = {}
     for name, raw in values.items():
         try:
             parsed[name] = PARSERS[name](raw)
         except ValueError as exc:
-            raise ConfigError(f"invalid {sources[name]} value for {name.replace('_', '-')}: {exc}") from exc
+            source, key = sources[name]
+            raise ConfigError(f"invalid {source} value for {key}: {exc}") from exc
 
     known = {f.name for f in fields(Config)}
     if parsed.get("simulate") and "volume_root" not in parsed:
@@ -412,3 +473,68 @@ def _absolutise(config: Config) -> Config:
         work_dir=os.path.abspath(config.work_dir),
         volume_root=os.path.abspath(config.volume_root),
     )
+
+
+# ---- the default file (``gpu-isolator config default``) ----------------------------------------------
+
+# Settings written commented out in the default file: their default is "unset" or follows another
+# setting, which no value in the file can say (writing one would pin it).
+_UNSET_IN_FILE = {
+    "bridge_socket": '"/run/gpu-isolator/isolator.sock.bridge"',
+    "nvidia_gpu_devices": "[0, 1]",
+    "volume_root": f'"{DEFAULT_VOLUME_ROOT}"',
+}
+
+
+def toml_value(name: str, value: Any) -> str:
+    """A setting's value as the config file spells it (``socket_mode = 0o600``, lists as arrays)."""
+    if name == "socket_mode":
+        return f"0o{value:o}"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(name, v) for v in value) + "]"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, int):
+        return str(value)
+    import json  # a TOML basic string escapes as JSON does for these values
+
+    return json.dumps(str(value))
+
+
+def default_file_text() -> str:
+    """The full default config file: every key ``serve`` reads, its help as a comment, its default as the
+    value (commented out where the default is "unset"). ``config check`` accepts it, and it yields
+    the same settings as no file at all (tests/test_config_file.py)."""
+    defaults = Config()
+    lines = [
+        "# gpu-isolator serve: every setting with its default (`gpu-isolator config default`).",
+        "# Keys are the flags without their leading dashes, spelled with underscores (work_dir) or",
+        "# dashes (work-dir), not both; a flag given to serve wins over the file. Check a file with",
+        "# `gpu-isolator config check FILE`; SIGHUP re-reads it (docs/operations.md).",
+    ]
+    for name in PARSERS:
+        lines.append("")
+        lines += [f"# {line}" for line in _wrap(HELP[name])]
+        if name in _UNSET_IN_FILE:
+            lines.append(f"# {name} = {_UNSET_IN_FILE[name]}")
+        else:
+            lines.append(f"{name} = {toml_value(name, getattr(defaults, name))}")
+    return "\n".join(lines) + "\n"
+
+
+def _wrap(text: str, width: int = 98) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width=width) or [""]
+
+
+def non_defaults(config: Config) -> list[tuple[str, str]]:
+    """(key, value as the file spells it) of each setting that differs from the defaults."""
+    base = resolve({})
+    return [
+        (name, toml_value(name, getattr(config, name)))
+        for name in PARSERS
+        if getattr(config, name) != getattr(base, name)
+    ]

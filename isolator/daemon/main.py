@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from types import FrameType
 from typing import TYPE_CHECKING, Any, cast
@@ -291,7 +291,9 @@ def _dev_root_and_volumes(
     return dev_root, volumes
 
 
-def cdi_spec_of(inventory: Any, dev_root: str, volumes: Any, kind: str) -> dict[str, Any]:
+def cdi_spec_of(
+    inventory: Any, dev_root: str, volumes: Any, kind: str, strategies: Sequence[str] = ("index", "uuid")
+) -> dict[str, Any]:
     """The CDI spec of what ``inventory`` manages; builds the current driver's volume if needed."""
     from isolator.exporters import cdi
     from isolator.host.devices import HostDevices
@@ -307,18 +309,20 @@ def cdi_spec_of(inventory: Any, dev_root: str, volumes: Any, kind: str) -> dict[
         volume_path=volume.path,
         volume_env=sorted(volume_env(Image()).items()),
         kind=kind,
+        names=strategies,
     )
 
 
-def generate_cdi(config: Config) -> dict[str, Any]:
-    """``gpu-isolator cdi generate``: the spec, offline (NVML and the volume, no running sidecar)."""
+def generate_cdi(config: Config, names: Sequence[str] = ("index", "uuid")) -> dict[str, Any]:
+    """``gpu-isolator cdi generate``: the spec, offline (NVML and the volume, no running sidecar);
+    ``names``: the device name strategies (isolator.exporters.cdi.NAME_STRATEGIES)."""
     host = simulated_host(config) if config.simulate else None
     inventory = build_inventory(config, host=host, watch=False)
     if inventory is None:
         raise FailedPrecondition("no GPUs are managed (gpus:0, or no NVML): nothing to put in a CDI spec")
     try:
         dev_root, volumes = _dev_root_and_volumes(config, host)
-        return cdi_spec_of(inventory, dev_root, volumes, config.cdi_kind)
+        return cdi_spec_of(inventory, dev_root, volumes, config.cdi_kind, names)
     finally:
         inventory.close()
 
@@ -328,16 +332,24 @@ def agent_resources(config: Config) -> str:
 
     ``gpus`` counts the managed GPUs that are not in MIG mode (docs/mig.md, "Configuring the agent").
     """
-    from isolator.policy import mig
+    return agent_flags(config)[0]
+
+
+def agent_flags(config: Config) -> tuple[str, list[tuple[str, str]]]:
+    """The agent's ``--resources`` string and its ``--attributes`` pairs (isolator/policy/attributes.py),
+    from one reading of NVML (offline, as ``gpu-isolator resources`` and ``attributes``)."""
+    from isolator.policy import attributes, mig
 
     host = simulated_host(config) if config.simulate else None
     inventory = build_inventory(config, host=host, watch=False)
     if inventory is None:
-        return "gpus:0"
+        return "gpus:0", attributes.attributes([], "", "")
     try:
         records = inventory.records
         whole = sum(1 for r in records if not r.mig_enabled)
-        return mig.agent_resources(whole, [d for r in records if r.mig_enabled for d in r.mig_devices])
+        resources = mig.agent_resources(whole, [d for r in records if r.mig_enabled for d in r.mig_devices])
+        pairs = attributes.attributes(records, inventory.driver_version, inventory.cuda_driver_version)
+        return resources, pairs
     finally:
         inventory.close()
 

@@ -43,6 +43,14 @@ VOLUME_OPTIONS = ("ro", "nosuid", "nodev", "rbind", "rprivate")
 # PATH and LD_LIBRARY_PATH are volumes.inject's values for an image that sets neither.
 VOID_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES=void"
 
+# nvidia-ctk's --device-name-strategy (pkg/nvcdi/namer.go): how a GPU and a MIG device are named.
+# nvidia-ctk's default is index and uuid together, every device under both names: "both" here.
+NAME_STRATEGIES = ("index", "uuid", "type-index")
+DEFAULT_NAME_STRATEGIES = ("index", "uuid")
+FORMATS = ("yaml", "json")
+# Where runtimes look for specs, lowest priority first (pkg/cdi/spec-dirs.go): /var/run/cdi wins.
+SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")
+
 _KIND = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*(?:\.[A-Za-z0-9_-]+)*/[A-Za-z][A-Za-z0-9_.-]{0,62}$")
 _DEVICE_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9_.:-]*[A-Za-z0-9])?$")
 
@@ -101,9 +109,12 @@ def build_spec(
     volume_path: str,
     volume_env: Sequence[tuple[str, str]],
     kind: str = DEFAULT_KIND,
+    names: Sequence[str] = DEFAULT_NAME_STRATEGIES,
 ) -> dict[str, Any]:
-    """The spec: each usable GPU by index and by UUID, each MIG device by ``<gpu>:<slot>`` and UUID,
-    and ``all``; the control nodes, the driver volume and its environment for every device.
+    """The spec: each usable GPU and MIG device under the name of each strategy in ``names`` (``index``:
+    ``0`` and ``0:1`` for GPU 0's MIG device in slot 1; ``uuid``: the UUIDs; ``type-index``: ``gpu0``
+    and ``mig0:1``, as nvidia-ctk names them), and ``all``; the control nodes, the driver volume and
+    its environment for every device.
 
     ``control_nodes`` are names under ``dev_root`` (``nvidiactl``, ``nvidia-uvm``...). A GPU in MIG
     mode named as a whole gets its MIG devices' caps nodes too, as the sidecar grants it. GPUs that
@@ -111,6 +122,10 @@ def build_spec(
     are MIG devices whose nvidia-caps minors are unknown (a holder could not use them).
     """
     check_kind(kind)
+    unknown = [n for n in names if n not in NAME_STRATEGIES]
+    if unknown or not names:
+        known = ", ".join(NAME_STRATEGIES)
+        raise InvalidArgument(f"unknown device name strategy {unknown or names!r} (known: {known})")
     devices: list[dict[str, Any]] = []
     every: list[str] = []
 
@@ -127,10 +142,12 @@ def build_spec(
             continue
         migs = [d for d in gpu.mig_devices if len(d.caps_minors) == 2] if gpu.mig_enabled else []
         whole = [f"nvidia{gpu.minor}"] + [n for d in migs for n in _mig_nodes(d)]
-        add([str(gpu.index), gpu.uuid], whole)
+        by = {"index": str(gpu.index), "uuid": gpu.uuid, "type-index": f"gpu{gpu.index}"}
+        add(_unique(by[n] for n in names), whole)
         for pos, dev in enumerate(sorted(migs, key=lambda d: (d.slot, d.gpu_instance_id, d.compute_instance_id))):
             slot = dev.slot if dev.slot >= 0 else pos
-            add([f"{gpu.index}:{slot}", dev.uuid], [f"nvidia{gpu.minor}", *_mig_nodes(dev)])
+            by = {"index": f"{gpu.index}:{slot}", "uuid": dev.uuid, "type-index": f"mig{gpu.index}:{slot}"}
+            add(_unique(by[n] for n in names), [f"nvidia{gpu.minor}", *_mig_nodes(dev)])
     if not devices:
         raise FailedPrecondition("no usable GPU to describe: a CDI spec needs at least one device")
     add(["all"], list(every))
@@ -147,6 +164,10 @@ def build_spec(
     }
     spec["cdiVersion"] = minimum_version(spec)
     return spec
+
+
+def _unique(names: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(names))
 
 
 def minimum_version(spec: dict[str, Any]) -> str:
@@ -177,18 +198,40 @@ def minimum_version(spec: dict[str, Any]) -> str:
     return VERSIONS[0]
 
 
-def render(spec: dict[str, Any]) -> str:
+def render(spec: dict[str, Any], fmt: str = "json") -> str:
+    """The spec as JSON or YAML (nvidia-ctk's default). YAML quotes every string a YAML 1.1 reader
+    would take for something else (``'0'``, ``'1:0'``, which YAML 1.1 reads as the base-60 integer 60),
+    so the CDI library's loader reads back exactly the strings written."""
+    if fmt == "yaml":
+        import yaml  # the one place outside the CLI's -o yaml that needs it (docs/dependencies.md)
+
+        class Dumper(yaml.SafeDumper):
+            def ignore_aliases(self, data: Any) -> bool:
+                return True  # devices share their edits: written out in full, as nvidia-ctk does, no &id001
+
+        text = yaml.dump(spec, Dumper=Dumper, sort_keys=False, default_flow_style=False, width=1 << 16)
+        return str(text)
+    if fmt != "json":
+        raise InvalidArgument(f"unknown CDI spec format {fmt!r} (known: {', '.join(FORMATS)})")
     return json.dumps(spec, indent=2) + "\n"
 
 
-def write_spec(spec: dict[str, Any], directory: str, filename: str = SPEC_FILE) -> tuple[str, bool]:
-    """Write the spec atomically (mode 0644, as nvidia-ctk); returns (path, changed).
+def format_of(filename: str) -> str:
+    """The format a spec file's name asks for: runtimes read ``*.json`` and ``*.yaml`` only."""
+    return "yaml" if filename.endswith((".yaml", ".yml")) else "json"
+
+
+def write_spec(
+    spec: dict[str, Any], directory: str, filename: str = SPEC_FILE, fmt: str | None = None
+) -> tuple[str, bool]:
+    """Write the spec atomically (mode 0644, as nvidia-ctk) as ``fmt`` (default: as the file name says);
+    returns (path, changed).
 
     An unchanged spec is not rewritten, so runtimes that watch the directory are not woken for nothing.
     """
     os.makedirs(directory, mode=0o755, exist_ok=True)
     path = os.path.join(directory, filename)
-    text = render(spec)
+    text = render(spec, fmt or format_of(filename))
     try:
         with open(path, encoding="utf-8") as fh:
             if fh.read() == text:
@@ -210,3 +253,101 @@ def write_spec(spec: dict[str, Any], directory: str, filename: str = SPEC_FILE) 
             pass
         raise
     return path, True
+
+
+# ---- reading the spec directories: ``gpu-isolator cdi list`` ---------------------------------------
+
+
+@dataclass(frozen=True)
+class Listing:
+    """What a CDI runtime would see in the spec directories: its devices by qualified name
+    (``nvidia.com/gpu=0``) with the file that defines each, and the problems that cost devices."""
+
+    devices: dict[str, str]
+    problems: tuple[str, ...]
+
+
+def device_names(spec: Any) -> list[str]:
+    """The qualified names a spec defines; InvalidArgument when a runtime would refuse the spec."""
+    if not isinstance(spec, dict):
+        raise InvalidArgument("not a CDI spec: not a mapping")
+    kind = spec.get("kind")
+    if not isinstance(kind, str):
+        raise InvalidArgument("not a CDI spec: no kind")
+    check_kind(kind)
+    devices = spec.get("devices")
+    if not isinstance(devices, list) or not devices:
+        raise InvalidArgument("a CDI spec needs at least one device")
+    out = []
+    for device in devices:
+        name = device.get("name") if isinstance(device, dict) else None
+        if not isinstance(name, str) or not _DEVICE_NAME.fullmatch(name):
+            raise InvalidArgument(f"invalid CDI device name {name!r}")
+        out.append(f"{kind}={name}")
+    if len(out) != len(set(out)):
+        raise InvalidArgument("a device name is defined twice")
+    return out
+
+
+def parse_spec(text: str, path: str) -> Any:
+    """A spec file's content (JSON is YAML too: the CDI library reads both with one YAML parser)."""
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise InvalidArgument(f"cannot parse '{path}': {exc}") from exc
+
+
+def list_specs(specs: Sequence[tuple[int, str, Any]]) -> Listing:
+    """(priority, path, parsed spec) in, the devices a CDI runtime resolves out (pkg/cdi/cache.go's
+    refresh): a higher priority (a later directory) overrides a device; the same device in two specs of
+    one priority is a conflict, and the device is dropped altogether; a spec a runtime refuses counts
+    for nothing."""
+    chosen: dict[str, tuple[int, str]] = {}
+    conflicts: dict[str, list[str]] = {}
+    problems = []
+    for priority, path, spec in sorted(specs, key=lambda s: (s[0], s[1])):
+        try:
+            names = device_names(spec)
+        except InvalidArgument as exc:
+            problems.append(f"'{path}': {exc.message}")
+            continue
+        for name in names:
+            held = chosen.get(name)
+            if held is not None and held[0] == priority:
+                conflicts.setdefault(name, [held[1]]).append(path)
+                continue
+            chosen[name] = (priority, path)
+    for name, paths in sorted(conflicts.items()):
+        chosen.pop(name, None)
+        problems.append(f"conflicting device {name} (specs {', '.join(repr(p) for p in paths)}): dropped")
+    return Listing(devices={name: chosen[name][1] for name in sorted(chosen)}, problems=tuple(problems))
+
+
+def read_spec_dirs(directories: Sequence[str]) -> Listing:
+    """``list_specs`` over the ``*.json`` and ``*.yaml`` files of ``directories`` (lowest priority
+    first, as SPEC_DIRS); a missing directory holds nothing, an unreadable file is a problem."""
+    specs: list[tuple[int, str, Any]] = []
+    problems: list[str] = []
+    for priority, directory in enumerate(directories):
+        try:
+            names = sorted(os.listdir(directory))
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            problems.append(f"failed to read '{directory}': {exc.strerror}")
+            continue
+        for name in names:
+            path = os.path.join(directory, name)
+            if not name.endswith((".json", ".yaml")) or not os.path.isfile(path):
+                continue
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    specs.append((priority, path, parse_spec(fh.read(), path)))
+            except (OSError, UnicodeDecodeError) as exc:
+                problems.append(f"failed to read '{path}': {getattr(exc, 'strerror', None) or exc}")
+            except InvalidArgument as exc:
+                problems.append(exc.message)
+    listing = list_specs(specs)
+    return Listing(devices=listing.devices, problems=(*problems, *listing.problems))

@@ -1,0 +1,104 @@
+"""Mesos's own attribute parser on the ``--attributes`` gpu-isolator prints (issue 33, item 8).
+
+``attributes_parse.cpp`` beside this file is compiled at test time against ``MESOS_HOME/include`` and
+linked with libmesos: it runs ``mesos::Attributes::parse``, the agent's parse of its flag, and prints
+each attribute as stout writes it. Every shipped host's attributes must come back with the names,
+types and values we meant (no space dropped, no text read as a number), and our model of the parse
+(isolator/policy/attributes.py ``mesos_type``) must agree with Mesos's on the cases its unit tests
+pin. Needs no agent; the binary is cached in build/ by source and Mesos version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from isolator.policy import attributes as attrs
+from isolator.simhost.host import shipped_hosts
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE = os.path.join(HERE, "attributes_parse.cpp")
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def _compile(mesos_home: str) -> str:
+    with open(SOURCE, "rb") as fh:
+        digest = hashlib.sha256(fh.read() + os.path.realpath(mesos_home).encode()).hexdigest()[:12]
+    binary = os.path.join(ROOT, "build", f"attributes-parse-{digest}")
+    if os.access(binary, os.X_OK):
+        return binary
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.fail("g++ is missing: run ../shared/mesos/setup.sh --dev", pytrace=False)
+    os.makedirs(os.path.dirname(binary), exist_ok=True)
+    lib = os.path.join(mesos_home, "lib")
+    argv = [compiler, "-std=c++17", "-O0", "-w", "-DPICOJSON_USE_INT64", "-D__STDC_FORMAT_MACROS"]
+    argv += ["-I", os.path.join(mesos_home, "include"), "-o", f"{binary}.tmp", SOURCE]
+    argv += [f"-L{lib}", f"-Wl,-rpath,{lib}", "-lmesos", "-lprotobuf", "-lglog"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    if result.returncode != 0:
+        pytest.fail(f"compiling {SOURCE} failed:\n{result.stderr[-4000:]}", pytrace=False)
+    os.replace(f"{binary}.tmp", binary)
+    return binary
+
+
+@pytest.fixture(scope="module")
+def parse(mesos_home: str) -> Any:
+    binary = _compile(mesos_home)
+
+    def run(line: str) -> list[dict[str, Any]] | None:
+        """Mesos's attributes, or None when Mesos refuses the string (its LOG(FATAL) aborts)."""
+        result = subprocess.run([binary, line], capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            return None
+        return [json.loads(out) for out in result.stdout.splitlines()]
+
+    return run
+
+
+def _value(attribute: dict[str, Any]) -> Any:
+    kind = attribute["type"].lower()
+    return attribute[kind]["value"] if kind in ("scalar", "text") else attribute[kind]
+
+
+@pytest.mark.parametrize("host", shipped_hosts())
+def test_mesos_reads_every_attribute_with_the_name_type_and_value_we_meant(parse, host, short_tmp):
+    argv = [sys.executable, "-m", "isolator", "attributes", "--simulate", host, "--json"]
+    out = subprocess.run([*argv, "--work-dir", short_tmp], capture_output=True, text=True, timeout=120, check=True)
+    ours = json.loads(out.stdout)
+    parsed = parse(ours["attributes"])
+    assert parsed is not None, "Mesos refused the attributes"
+    pairs = [tuple(p.split(":", 1)) for p in ours["attributes"].split(";")]
+    assert [a["name"] for a in parsed] == [name for name, _ in pairs]
+    assert [a["type"].lower() for a in parsed] == [attrs.mesos_type(value) for _, value in pairs]
+    assert {a["name"]: _value(a) for a in parsed} == ours["values"]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        *("12.2", "16160", "1e5", "inf", "nan", "-1", "+1", ".5", "0x10"),
+        *("535.104.05", "Tesla-V100-SXM2-16GB", "[1000-1500]", "{a,b}", "a[1]"),
+    ],
+)
+def test_our_model_of_the_parse_agrees_with_mesos(parse, value):
+    parsed = parse(f"x:{value}")
+    kind = attrs.mesos_type(value)
+    if kind == "invalid":
+        assert parsed is None
+    else:
+        assert parsed is not None and parsed[0]["type"].lower() == kind
+
+
+def test_mesos_drops_the_spaces_of_a_raw_model_name_which_is_why_we_replace_them(parse):
+    [raw] = parse("gpu_model:Tesla V100-SXM2-16GB")
+    assert raw["text"]["value"] == "TeslaV100-SXM2-16GB"
+    [ours] = parse("gpu_model:" + attrs.text_value("Tesla V100-SXM2-16GB"))
+    assert ours["text"]["value"] == "Tesla-V100-SXM2-16GB"

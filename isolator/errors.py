@@ -98,7 +98,14 @@ class GpusUnavailable(ConfigError):
     code = "FAILED_PRECONDITION"
 
 
-class WorkDirHeld(Unavailable):
+class OwnershipHeld(Unavailable):
+    """Another live sidecar holds what this one would own (isolator/host/pidlock.py): its work
+    directory, its (hierarchy, cgroups root) or one of its sockets. ``serve`` exits 75 (EX_TEMPFAIL)."""
+
+    msg_fmt = "failed to lock {what}: {holder} holds it (lock file '{lock}')"
+
+
+class WorkDirHeld(OwnershipHeld):
     """Another live process holds the work directory's lock: one sidecar per state directory."""
 
     msg_fmt = (
@@ -111,6 +118,24 @@ class SocketError(IsolatorError):
     """The Unix socket cannot be created or is held by a live sidecar."""
 
     code = "UNAVAILABLE"
+
+
+class SocketHeld(OwnershipHeld, SocketError):
+    """Another live sidecar holds the socket's lock (``<socket>.lock``) and serves on it."""
+
+    msg_fmt = (
+        "failed to lock socket '{path}': {holder} holds it and serves there; one sidecar per socket"
+        " (stop that one, or give this one another {flag})"
+    )
+
+
+class CgroupsRootHeld(OwnershipHeld):
+    """Another live sidecar manages the same cgroups root of the same hierarchy."""
+
+    msg_fmt = (
+        "failed to lock cgroups root '{root}' of the {version} hierarchy '{mount}': {holder} manages it;"
+        " one sidecar per cgroups root (stop that one, or give this one another --cgroups-root)"
+    )
 
 
 # ---- Devices, cgroups and bpf(2) --------------------------------------------------------------

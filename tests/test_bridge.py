@@ -657,7 +657,7 @@ def test_a_live_bridge_socket_is_not_stolen_and_the_second_server_leaves_nothing
         second = SidecarServer(
             ServerSettings(socket=os.path.join(short_tmp, "b.sock"), bridge_socket=bridge_path), StubService()
         )
-        with pytest.raises(SocketError, match="another sidecar holds"):
+        with pytest.raises(SocketError, match="holds it and serves there"):
             second.start()
         assert not os.path.exists(os.path.join(short_tmp, "b.sock"))
         assert os.path.exists(bridge_path)

@@ -135,7 +135,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "cgroups": {"policy", "core.ports", "cgroups"},
     "gpu": {"policy", "core.ports", "gpu"},
     "host": {"policy", "core.ports", "host"},
-    "transport": {"core.api", "rpc", "transport"},
+    "transport": {"core.api", "rpc", "transport", "host.pidlock"},
     "bridge": {"bridge"},
     "exporters": {"policy", "core.api", "exporters"},
     "simhost": {"policy", "gpu", "simhost"},
@@ -154,7 +154,7 @@ HEIGHT = {
     "cgroups": 3,
     "gpu": 3,
     "host": 3,
-    "transport": 3,
+    "transport": 4,
     "exporters": 3,
     "simhost": 4,
 }

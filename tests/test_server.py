@@ -161,7 +161,7 @@ def test_stale_socket_from_a_crash_is_replaced(short_tmp):
 
 def test_live_socket_is_not_stolen(server):
     second = SidecarServer(ServerSettings(socket=server.settings.socket), StubService())
-    with pytest.raises(SocketError, match="another sidecar holds"):
+    with pytest.raises(SocketError, match="holds it and serves there"):
         second.start()
     with grpc.insecure_channel(server.address) as ch:
         health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30)

@@ -3,7 +3,7 @@
 Exit codes: 0 ok, 1 error, 2 usage, 3 the sidecar cannot be reached (the message names the socket);
 ``serve`` exits 4 when the node's GPUs are unavailable (no usable NVML, fewer GPUs than configured);
 78 (EX_CONFIG) for a configuration error: a flag, a config file or a combination that cannot work;
-75 (EX_TEMPFAIL) when another live sidecar holds the work directory.
+75 (EX_TEMPFAIL) when another live sidecar holds the work directory, the cgroups root or a socket.
 Errors are one line on stderr, never a traceback.
 ``audit`` follows diff(1): 0 no drift, 1 drift found and repaired, 2 and above trouble.
 The admin commands' socket is ``--socket``, else ``$GPU_ISOLATOR_SOCKET``, else the default (as
@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 
 from isolator import __version__
 from isolator.daemon import config as configmod
-from isolator.errors import ConfigError, GpusUnavailable, IsolatorError, WorkDirHeld
+from isolator.errors import ConfigError, GpusUnavailable, IsolatorError, OwnershipHeld
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_GPUS = 0, 1, 2, 3, 4
 # audit only, as diff(1): 1 says "drift was found (and repaired)", so an error answered is 2 there.
@@ -34,8 +34,8 @@ SOCKET_ENV = "GPU_ISOLATOR_SOCKET"
 # sysexits.h's EX_CONFIG: a configuration error does not heal by itself, so it has its own code,
 # which the systemd unit lists in RestartPreventExitStatus (1 stays "a runtime failure: retry").
 EXIT_CONFIG = 78
-# sysexits.h's EX_TEMPFAIL: another live sidecar holds the work directory; the conflict ends when it
-# stops, so systemd may retry (within the unit's start limit).
+# sysexits.h's EX_TEMPFAIL: another live sidecar holds the work directory, the cgroups root or a socket;
+# the conflict ends when it stops, so systemd may retry (within the unit's start limit).
 EXIT_WORK_DIR_HELD = 75
 
 
@@ -45,7 +45,7 @@ def exit_code_of(exc: IsolatorError) -> int:
         return EXIT_NO_GPUS
     if isinstance(exc, ConfigError):
         return EXIT_CONFIG
-    if isinstance(exc, WorkDirHeld):
+    if isinstance(exc, OwnershipHeld):
         return EXIT_WORK_DIR_HELD
     return EXIT_ERROR
 

@@ -315,6 +315,18 @@ class Hooks:
             raise FailedPrecondition(f"pid {pid} does not exist (the container's init is gone)")
         if core.edges.processes.kernel_thread(pid):
             raise FailedPrecondition(f"pid {pid} is a kernel thread; only a container's own processes are isolated")
+        leader = core.edges.processes.leader_of(pid)
+        if leader is not None and leader != pid:
+            # /proc/<tid> answers for any thread, but a cgroup takes processes (cgroup.procs moves
+            # the whole group) and pidfd_open(2) holds none but a leader: the caller sent a thread id.
+            raise InvalidArgument(
+                f"pid {pid} is a thread of process {leader}, not a process; Isolate takes the process's"
+                f" pid ({leader}, its thread group's leader)"
+            )
+        if core.edges.processes.exited(pid):
+            raise FailedPrecondition(
+                f"pid {pid} has exited (a zombie its parent has not reaped yet); the container's init is gone"
+            )
         with core.locks.hold(container_id):
             rec = core.require(container_id.root)
             target = core.grants.governing(container_id)

@@ -270,6 +270,10 @@ class Processes(Protocol):
 
     def kernel_thread(self, pid: int) -> bool: ...  # kthreadd and its children (no cgroup of a container)
 
+    def leader_of(self, pid: int) -> int | None: ...  # its thread group's leader (pid itself for a process)
+
+    def exited(self, pid: int) -> bool: ...  # a zombie: exited, not yet reaped by its parent
+
     def descends_from(self, pid: int, ancestor: int) -> bool: ...  # ancestor in pid's parent chain; False when gone
 
 

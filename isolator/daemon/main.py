@@ -541,7 +541,16 @@ def serve(config: Config, reread: Callable[[], Config] | None = None) -> int:
     # one SQLite state and book each other's GPUs). Held until this process ends.
     lock = WorkDirLock.acquire(config.work_dir)
     try:
-        return _serve(config, hup, reread or (lambda: config))
+        # Then, before the state is read or a cgroup recovered: one daemon per (hierarchy, cgroups
+        # root) and per socket, whatever its work directory (isolator/daemon/ownership.py).
+        from isolator.cgroups.detect import detect
+        from isolator.daemon.ownership import claim
+
+        claims = claim(config, detect(override=config.cgroup_version))
+        try:
+            return _serve(config, hup, reread or (lambda: config), claims.sockets)
+        finally:
+            claims.release()
     finally:
         lock.release()
 
@@ -562,7 +571,9 @@ def startup_line(config: Config, core: Any) -> str:
     )
 
 
-def _serve(config: Config, hup: threading.Event, reread: Callable[[], Config]) -> int:
+def _serve(
+    config: Config, hup: threading.Event, reread: Callable[[], Config], guards: tuple[Any, Any] | None = None
+) -> int:
     from isolator.daemon.sdnotify import Notifier
 
     notifier = Notifier()
@@ -616,7 +627,7 @@ def _serve(config: Config, hup: threading.Event, reread: Callable[[], Config]) -
     signal.signal(signal.SIGINT, on_signal)
     from isolator.transport.server import SidecarServer
 
-    server = SidecarServer(config.server_settings(), service, observe if observers else None)
+    server = SidecarServer(config.server_settings(), service, observe if observers else None, guards)
     try:
         server.start()
     except BaseException:

@@ -296,6 +296,8 @@ class MetricsServer:
                 path = self.target
                 if os.path.lexists(path):
                     if not os.path.isdir(path) and not os.path.islink(path) and _is_socket(path):
+                        if _is_live(path):  # another daemon's (the daemon claims the path first)
+                            raise SocketError(f"refusing to replace '{path}' for metrics: a live server answers on it")
                         os.unlink(path)  # a stale metrics socket of an earlier run
                     else:
                         raise SocketError(f"refusing to replace '{path}' for metrics: it exists and is not a socket")
@@ -336,3 +338,16 @@ class MetricsServer:
 
 def _is_socket(path: str) -> bool:
     return stat.S_ISSOCK(os.lstat(path).st_mode)
+
+
+def _is_live(path: str) -> bool:
+    """Whether something accepts connections on the socket ``path`` (refused: a stale one)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True

@@ -4,9 +4,9 @@ inventory of a host with no GPUs to manage. ``isolator.daemon.main`` hands them 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import select
-import signal
 import threading
 import time
 import weakref
@@ -38,11 +38,11 @@ class PidFd:
         self._fd = fd
 
     def alive(self) -> bool:
-        try:
-            signal.pidfd_send_signal(self._fd, 0)
-        except ProcessLookupError:
-            return False
-        return True
+        """False once the process has exited, a zombie not yet reaped included: poll(2) reports a
+        pidfd readable then (a signal 0, which a zombie still takes, would say alive)."""
+        poller = select.poll()
+        poller.register(self._fd, select.POLLIN)
+        return not poller.poll(0)
 
     def close(self) -> None:
         os.close(self._fd)
@@ -64,10 +64,36 @@ class ProcProcesses:
         return os.path.exists(os.path.join(self.proc_root, str(pid)))
 
     def pin(self, pid: int) -> PidFd | None:
+        """None when ``pid`` names no process: gone (ESRCH), or a thread that is not its process's
+        leader (ENOENT since Linux 6.9, EINVAL before; ``leader_of`` tells which process it is in)."""
         try:
             return PidFd(os.pidfd_open(pid))
-        except ProcessLookupError:
+        except OSError as exc:
+            if exc.errno in (errno.ESRCH, errno.ENOENT, errno.EINVAL):
+                return None
+            raise
+
+    def _status(self, pid: int) -> dict[str, str]:
+        """``/proc/<pid>/status`` as key -> value; empty when it cannot be read (gone)."""
+        try:
+            text = read_text(os.path.join(self.proc_root, str(pid), "status"))
+        except OSError:
+            return {}
+        return dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
+
+    def leader_of(self, pid: int) -> int | None:
+        """The leader of ``pid``'s thread group (``Tgid`` in /proc/<pid>/status; ``ps -L`` shows it
+        as PID beside the thread's LWP): ``pid`` itself for a process; None when gone. /proc/<tid>
+        answers for any thread, though ``ls /proc`` lists only leaders."""
+        try:
+            return int(self._status(pid)["Tgid"])
+        except (KeyError, ValueError):
             return None
+
+    def exited(self, pid: int) -> bool:
+        """Whether ``pid`` has exited and waits to be reaped (state Z, zombie, or X, dead; ``ps``
+        shows ``Z``/``<defunct>``). False when gone: ``exists`` says that."""
+        return self._status(pid).get("State", "")[:1] in ("Z", "X")
 
     def kernel_thread(self, pid: int) -> bool:
         """Whether ``pid`` is a kernel thread (PF_KTHREAD in the flags of /proc/<pid>/stat; ``ps`` shows

@@ -15,7 +15,7 @@ class _Pinned:
         self._table, self.pid = table, pid
 
     def alive(self) -> bool:
-        return self._table.exists(self.pid)
+        return self._table.exists(self.pid) and not self._table.exited(self.pid)
 
     def close(self) -> None:
         pass
@@ -32,9 +32,32 @@ class FakeProcesses:
         self.kernel: set[int] = {2}  # kthreadd
         self.alive: set[int] = self.own | self.kernel
         self.parents: dict[int, int] = {601: 600, 600: 1}
+        self.threads: dict[int, int] = {}  # thread id -> its process (the thread group's leader)
+        self.zombies: set[int] = set()
 
     def pin(self, pid: int) -> _Pinned | None:
-        return _Pinned(self, pid) if self.exists(pid) else None
+        # pidfd_open(2) refuses a thread that is not its group's leader, as a pid that is gone.
+        return _Pinned(self, pid) if self.exists(pid) and pid not in self.threads else None
+
+    def leader_of(self, pid: int) -> int | None:
+        with self._lock:
+            return self.threads.get(pid, pid) if pid in self.alive else None
+
+    def exited(self, pid: int) -> bool:
+        with self._lock:
+            return pid in self.zombies and pid in self.alive
+
+    def thread(self, process: int) -> int:
+        """A thread of ``process`` (not its leader): a pid /proc answers for, that names no process."""
+        tid = self.spawn(self.parents.get(process, 1))
+        with self._lock:
+            self.threads[tid] = process
+        return tid
+
+    def exit_unreaped(self, pid: int) -> None:
+        """``pid`` exits and stays a zombie until its parent reaps it (``exit``)."""
+        with self._lock:
+            self.zombies.add(pid)
 
     def sidecar_pids(self) -> frozenset[int]:
         return frozenset(self.own)
@@ -65,6 +88,7 @@ class FakeProcesses:
     def exit(self, pid: int) -> None:
         with self._lock:
             self.alive.discard(pid)
+            self.zombies.discard(pid)
 
     def exists(self, pid: int) -> bool:
         with self._lock:

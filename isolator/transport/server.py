@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import grp
 import logging
 import os
@@ -24,7 +23,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from isolator import model
 from isolator.core.api import IsolatorApi
-from isolator.errors import SocketError
+from isolator.errors import SocketError, SocketHeld, StateError
+from isolator.host.pidlock import PidLock
 from isolator.rpc import isolator_pb2 as pb
 from isolator.transport import peergate, serving
 from isolator.transport.bridge import BridgeListener
@@ -70,40 +70,46 @@ class SocketGuard:
     """Holds ``<socket>.lock`` for the server's life and clears a stale socket under it.
 
     ``acquire`` creates the socket's directory if needed and remembers what it created, so a
-    failed start can ``release`` without leaving anything half-made.
+    failed start can ``release`` without leaving anything half-made. The lock file holds its
+    holder's pid (isolator/host/pidlock.py): a second sidecar on the path refuses with exit 75
+    naming it, and only the holder ever removes the socket. ``flag`` names the option that chose
+    the path, for that refusal.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, flag: str = "--socket") -> None:
         self.path = path
+        self.flag = flag
         self.lock_path = path + ".lock"
-        self._lock_fd: int | None = None
+        self._lock: PidLock | None = None
         self._created_dirs: list[str] = []
 
+    @property
+    def held(self) -> bool:
+        return self._lock is not None
+
     def acquire(self) -> None:
+        """Take the path (a no-op when already held: the daemon claims its sockets first of all)."""
+        if self._lock is not None:
+            return
         directory = os.path.dirname(self.path)
         self._make_dirs(directory)
-        try:
-            # O_NOFOLLOW: a link planted in the socket's directory never makes us create or open its
-            # target; O_NONBLOCK: a planted FIFO cannot hang the start (it is refused just below).
-            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-            fd = os.open(self.lock_path, flags, 0o600)
-        except OSError as exc:
+        if os.path.islink(self.lock_path):
             self.release()
-            if exc.errno == errno.ELOOP:
-                raise SocketError(f"refusing lock file '{self.lock_path}': it is a symbolic link") from exc
-            raise SocketError(f"failed to create lock file '{self.lock_path}': {exc.strerror}") from exc
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-            os.close(fd)
-            self.release()
-            raise SocketError(f"refusing lock file '{self.lock_path}': not a regular file owned by uid {os.geteuid()}")
+            raise SocketError(f"refusing lock file '{self.lock_path}': it is a symbolic link")
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            self._created_dirs.clear()
-            raise SocketError(f"another sidecar holds '{self.lock_path}' and serves on '{self.path}'") from None
-        self._lock_fd = fd
+            self._lock = PidLock.acquire(
+                self.lock_path, f"socket '{self.path}'", removable=True, held=SocketHeld, path=self.path, flag=self.flag
+            )
+        except SocketHeld:
+            self._created_dirs.clear()  # the holder's directories
+            raise
+        except StateError as exc:
+            self.release()
+            if "not a regular file" in exc.message:
+                raise SocketError(
+                    f"refusing lock file '{self.lock_path}': not a regular file owned by uid {os.geteuid()}"
+                ) from exc
+            raise SocketError(f"failed to create lock file '{self.lock_path}': {exc.fields.get('cause')}") from exc
         try:
             self._clear_stale()
         except SocketError:
@@ -161,15 +167,20 @@ class SocketGuard:
         self._created_dirs.clear()
 
     def release(self, remove_socket: bool = False) -> None:
-        if remove_socket:
+        """Let the path go; ``remove_socket`` removes the socket too, only ever when held."""
+        if remove_socket and self._lock is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-        if self._lock_fd is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.lock_path)
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        if self._lock is not None:
+            self._lock.release()  # unlinks the lock file while still holding it
+            self._lock = None
         self._remove_created()
+
+
+def socket_guards(settings: ServerSettings) -> tuple[SocketGuard, SocketGuard | None]:
+    """The guards of the gRPC socket and of the bridge's (None when the bridge is off)."""
+    bridge = SocketGuard(settings.bridge_path, "--bridge-socket") if settings.bridge_path else None
+    return SocketGuard(settings.socket, "--socket"), bridge
 
 
 @contextlib.contextmanager
@@ -188,12 +199,19 @@ class SidecarServer:
     calls the same Isolator handlers (isolator/transport/bridge.py).
     """
 
-    def __init__(self, settings: ServerSettings, service: IsolatorApi, observer: Observer | None = None) -> None:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        service: IsolatorApi,
+        observer: Observer | None = None,
+        guards: tuple[SocketGuard, SocketGuard | None] | None = None,
+    ) -> None:
+        """``guards``: the gRPC and bridge sockets' guards when the daemon claimed them already
+        (isolator/daemon/ownership.py); otherwise ``start`` takes them."""
         self.settings = settings
         self.service = service
         self.observer = observer
-        self._guard = SocketGuard(settings.socket)
-        self._bridge_guard = SocketGuard(settings.bridge_path) if settings.bridge_path else None
+        self._guard, self._bridge_guard = guards if guards is not None else socket_guards(settings)
         self._bridge: BridgeListener | None = None
         self._bridge_held = False
         self._server: grpc.aio.Server | None = None

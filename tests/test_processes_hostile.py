@@ -1,0 +1,111 @@
+"""A thread id and a zombie given to Isolate (issue 33, defect 4), in the core over the shipped fake
+process table, and the process-table questions behind them asked of the fake and of /proc alike."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import pytest
+
+from isolator.errors import FailedPrecondition, InvalidArgument
+from isolator.host.system import ProcProcesses
+from isolator.model import ContainerConfig, ContainerId, Resource
+from isolator.testing import fake_service
+from isolator.testing.system import FakeProcesses
+
+
+def _gpus(n: int) -> ContainerConfig:
+    return ContainerConfig(resources=(Resource("gpus", float(n)),))
+
+
+@pytest.mark.parametrize("mode", ["standalone", "mesos"])
+def test_isolate_refuses_a_thread_as_invalid_argument_naming_its_process_and_moves_nothing(mode: str) -> None:
+    rig = fake_service("dgx-1", mode=mode)
+    a = ContainerId.parse("a")
+    rig.cgroups.mesos_creates(a)
+    rig.service.prepare(a, _gpus(1))
+    process = rig.processes.spawn()
+    tid = rig.processes.thread(process)
+    with pytest.raises(InvalidArgument, match=f"pid {tid} is a thread of process {process}, not a process"):
+        rig.service.isolate(a, tid)
+    assert rig.cgroups.pids(a) == () and rig.store.get(a).state == "prepared"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("mode", ["standalone", "mesos"])
+def test_isolate_refuses_a_zombie_as_failed_precondition(mode: str) -> None:
+    rig = fake_service("dgx-1", mode=mode)
+    a = ContainerId.parse("a")
+    rig.cgroups.mesos_creates(a)
+    rig.service.prepare(a, _gpus(1))
+    pid = rig.processes.spawn()
+    rig.processes.exit_unreaped(pid)
+    with pytest.raises(FailedPrecondition, match=f"pid {pid} has exited"):
+        rig.service.isolate(a, pid)
+    assert rig.cgroups.pids(a) == () and rig.store.get(a).state == "prepared"  # type: ignore[union-attr]
+
+
+def test_a_process_that_exits_unreaped_during_standalone_isolate_is_refused() -> None:
+    """The pin said "alive" to a zombie before issue 33 (a signal 0 reaches one): a process that
+    exited mid-call and was not yet reaped passed as isolated."""
+    rig = fake_service("dgx-1", mode="standalone")
+    a = ContainerId.parse("a")
+    rig.service.prepare(a, _gpus(1))
+    pid = rig.processes.spawn()
+    real_add = rig.cgroups.add_pid
+
+    def add_then_exit(c: ContainerId, p: int) -> None:
+        real_add(c, p)
+        rig.processes.exit_unreaped(p)
+
+    rig.cgroups.add_pid = add_then_exit  # type: ignore[method-assign,assignment]
+    with pytest.raises(FailedPrecondition, match="exited while it was being isolated"):
+        rig.service.isolate(a, pid)
+
+
+def _real_thread() -> tuple[int, threading.Event, threading.Thread]:
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    assert thread.native_id is not None
+    return thread.native_id, stop, thread
+
+
+def test_threads_and_zombies_are_told_apart_alike_by_the_fake_and_proc() -> None:
+    fake = FakeProcesses()
+    process = fake.spawn()
+    cases: list[tuple[Any, int, int]] = [(fake, process, fake.thread(process))]
+    tid, stop, thread = _real_thread()
+    try:
+        import os
+
+        cases.append((ProcProcesses(), os.getpid(), tid))
+        for procs, leader, thread_id in cases:
+            assert procs.leader_of(leader) == leader
+            assert procs.leader_of(thread_id) == leader
+            assert procs.exists(thread_id) and procs.pin(thread_id) is None, procs
+            assert not procs.exited(leader) and not procs.exited(thread_id)
+    finally:
+        stop.set()
+        thread.join()
+
+    zombie_fake = fake.spawn()
+    fake.exit_unreaped(zombie_fake)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    real = ProcProcesses()
+    pinned = real.pin(child.pid)
+    try:
+        for _ in range(100000):
+            if real.exited(child.pid):
+                break
+        both: list[tuple[Any, int]] = [(fake, zombie_fake), (real, child.pid)]
+        for procs, pid in both:
+            assert procs.exists(pid) and procs.exited(pid), procs
+        assert pinned is not None and not pinned.alive()  # a zombie is not alive to its pin
+    finally:
+        child.wait()
+        if pinned is not None:
+            pinned.close()
+    assert real.leader_of(child.pid) is None and not real.exited(child.pid)

@@ -20,7 +20,7 @@ import socketserver
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
@@ -40,12 +40,21 @@ BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
 # dropped, and at most this many are answered at once (more are closed as they are accepted).
 IO_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 16
+# The (hook, code) pairs of gpu_isolator_errors_total that the shipped alert rules select
+# (isolator/data/prometheus-rules.yml): exported at 0 from the start, so that the first error is an
+# increase from 0 that `increase()` sees, not a new series born at 1 that it cannot (issue 33 item 3).
+# The sidecar's own failures, on any hook; refusals, on the hooks the agent calls to place a container.
+FAILURE_CODES = ("INTERNAL", "UNKNOWN", "DATA_LOSS", "UNAVAILABLE", "DEADLINE_EXCEEDED")
+REFUSAL_HOOKS = ("Prepare", "Isolate", "Update")
+REFUSAL_CODES = ("RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "INVALID_ARGUMENT", "ALREADY_EXISTS", "PERMISSION_DENIED")
 
 
 class Metrics:
     """What the daemon measures. ``observe`` has the server's observer signature."""
 
-    def __init__(self, service: Any = None) -> None:
+    def __init__(self, service: Any = None, hooks: Iterable[str] = ()) -> None:
+        """``hooks``: every RPC method the daemon serves (``isolator.transport.server.HOOKS``), so
+        that the error series the alert rules select exist at 0 before the first call."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.service = service
         self.hook_seconds = Histogram(
@@ -61,6 +70,9 @@ class Metrics:
             ("hook", "code"),
             registry=self.registry,
         )
+        for hook in hooks:
+            for code in FAILURE_CODES + (REFUSAL_CODES if hook in REFUSAL_HOOKS else ()):
+                self.errors.labels(hook, code)
         self.repairs = Counter(
             f"{PREFIX}_reconciliation_repairs",
             "Allocations released by reconciliation: 'recover' (Recover's orphans and unknowns),"

@@ -22,6 +22,7 @@ from isolator.model import (
     GpuInfo,
     GpuList,
     HealthCheck,
+    MaintenanceChange,
     Released,
     TopologyLink,
     TopologyView,
@@ -48,6 +49,7 @@ class Admin:
         mig_holders = {u: str(c) for u, (c, _m) in self.core.store.mig_holders().items()}
         marks = self.core.handover.view()
         resets = dict(self.core.handover.resets)
+        maintenance = self.core.maintenance.view()
         gpus = []
         for r in inv.records:
             g = r.gpu
@@ -55,6 +57,7 @@ class Admin:
             drain = marks.get(g.minor) if g.uuid else None
             # Drained past --drain-timeout: unhealthy, with the drain's reason when NVML gives none.
             sick = drain is not None and drain.timed_out
+            out = maintenance.get(g.uuid) if g.uuid else None
             gpus.append(
                 GpuInfo(
                     index=g.index,
@@ -79,6 +82,10 @@ class Admin:
                     drain_reason=drain.reason if drain is not None else "",
                     drain_memory_used_bytes=drain.memory_used if drain is not None else 0,
                     last_reset=resets.get(g.minor, ()) if g.uuid else (),
+                    maintenance=out is not None,
+                    maintenance_reason=out.reason if out is not None else "",
+                    maintenance_since=out.since if out is not None else 0.0,
+                    maintenance_by=out.by if out is not None else "",
                 )
             )
         return GpuList(inv.driver_version, inv.cuda_driver_version, tuple(gpus))
@@ -297,6 +304,14 @@ class Admin:
             raise FailedPrecondition(f"GPU {gpu} is held by container {holders[found.minor]}; it is not draining")
         return core.handover.undrain(found)
 
+    def maintenance_drain(self, gpu: str, reason: str, caller: str) -> MaintenanceChange:
+        """Take a GPU out of service (``gpu-isolator drain GPU --reason TEXT``): by index, UUID or minor:N."""
+        return self.core.maintenance.drain(gpu, reason, caller)
+
+    def maintenance_undrain(self, gpu: str, caller: str) -> MaintenanceChange:
+        """End a maintenance drain (``gpu-isolator undrain GPU``)."""
+        return self.core.maintenance.undrain(gpu, caller)
+
     # ---- volume and health ------------------------------------------------------------------------
 
     def volume(self) -> VolumeReport:
@@ -330,6 +345,8 @@ class Admin:
         # The handover check (docs/handover.md): not ok once a GPU drained past --drain-timeout.
         marks = core.handover.view()
         checks.append(HealthCheck("handover", not any(r.timed_out for r in marks.values()), core.handover.describe()))
+        # An operator's maintenance drains (docs/operations.md): shown, never failing (they are on purpose).
+        checks.append(HealthCheck("maintenance", True, core.maintenance.describe()))
         return checks
 
     def _nvml_check(self) -> HealthCheck:

@@ -30,6 +30,7 @@ from isolator.model import (
     GpuRecord,
     GpuUsageSample,
     HealthEvent,
+    MaintenanceMark,
     Occupancy,
     ResetStep,
     Topology,
@@ -181,6 +182,13 @@ class StateStore(Protocol):
     def set_drain(self, rec: DrainRecord) -> None: ...
 
     def clear_drain(self, minor: int) -> None: ...  # no row is success
+
+    # GPUs an operator drained for maintenance (gpu-isolator drain), by UUID; one row each.
+    def maintenance(self) -> dict[str, MaintenanceMark]: ...
+
+    def set_maintenance(self, mark: MaintenanceMark) -> None: ...
+
+    def clear_maintenance(self, uuid: str) -> None: ...  # no row is success
 
     def check(self) -> str: ...
 

@@ -182,6 +182,25 @@ class _ServiceCollector(Collector):
             if g.drain_state:
                 drain_age.add_metric(gpu_labels(g), max(0.0, now - g.drain_since))
         yield from (draining, per_drain, drain_age)
+        # An operator's maintenance drains (gpu-isolator drain, docs/operations.md): every GPU has a
+        # series, 0 or 1, from the start, so that an alert on a drain sees it begin.
+        out = GaugeMetricFamily(f"{PREFIX}_gpus_maintenance", "GPUs drained for maintenance by an operator")
+        out.add_metric([], sum(1 for g in gpus if g.maintenance))
+        per_out = GaugeMetricFamily(
+            f"{PREFIX}_gpu_maintenance",
+            "1 while an operator keeps the GPU out of service (gpu-isolator drain; gpus says why and who)",
+            labels=GPU_LABELS,
+        )
+        out_age = GaugeMetricFamily(
+            f"{PREFIX}_gpu_maintenance_seconds",
+            "How long the GPU has been drained for maintenance (only GPUs that are)",
+            labels=GPU_LABELS,
+        )
+        for g in gpus:
+            per_out.add_metric(gpu_labels(g), 1 if g.maintenance else 0)
+            if g.maintenance:
+                out_age.add_metric(gpu_labels(g), max(0.0, now - g.maintenance_since))
+        yield from (out, per_out, out_age)
         # MIG devices as units (docs/mig.md), per Mesos resource name (mig-<profile>).
         offered: dict[str, list[int]] = {}
         for g in gpus:

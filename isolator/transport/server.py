@@ -40,6 +40,7 @@ from isolator.transport.convert import (
     gpu_info_to_proto,
     launch_info_to_proto,
     limitation_to_proto,
+    maintenance_to_proto,
     released_to_proto,
     resources_from_proto,
     topology_to_proto,
@@ -255,6 +256,20 @@ class AdminServicer(pb_grpc.AdminServicer):
     @_translate_errors
     def Undrain(self, request: pb.UndrainRequest, context: grpc.ServicerContext) -> pb.UndrainResponse:
         return undrained_to_proto(self._service.undrain(request.gpu))
+
+    @_translate_errors
+    def MaintenanceDrain(
+        self, request: pb.MaintenanceDrainRequest, context: grpc.ServicerContext
+    ) -> pb.MaintenanceResponse:
+        caller = peergate.caller_text(context.peer())  # the gate's SO_PEERCRED: who took it out of service
+        return maintenance_to_proto(self._service.maintenance_drain(request.gpu, request.reason, caller))
+
+    @_translate_errors
+    def MaintenanceUndrain(
+        self, request: pb.MaintenanceUndrainRequest, context: grpc.ServicerContext
+    ) -> pb.MaintenanceResponse:
+        caller = peergate.caller_text(context.peer())
+        return maintenance_to_proto(self._service.maintenance_undrain(request.gpu, caller))
 
 
 # ---- the Unix socket ----------------------------------------------------------------------------

@@ -94,3 +94,14 @@ def test_every_per_gpu_series_carries_dcgm_exporters_identity_labels():
             assert labels["modelName"] == g.name == "Tesla V100-SXM2-16GB", name
             assert DCGM_BUS_ID.match(labels["pci_bus_id"]), (name, labels)
             assert labels["pci_bus_id"].lower().endswith(g.pci_bus_id.split(":", 1)[1]), (name, labels)
+
+
+def test_gpus_out_of_service_both_ways_have_an_alert_and_a_dashboard_panel():
+    from test_alerting import dashboard_exprs, rule_exprs, selectors
+
+    ruled = {name for expr in rule_exprs() for name, _ in selectors(expr)}
+    assert "gpu_isolator_gpu_maintenance_seconds" in ruled, "an operator's maintenance drain alerts"
+    assert "gpu_isolator_gpu_drain_seconds" in ruled, "a GPU the handover check keeps out alerts"
+    shown = {name for expr in dashboard_exprs() for name, _ in selectors(expr)}
+    assert {"gpu_isolator_gpus_maintenance", "gpu_isolator_gpus_draining"} <= shown
+    assert {"gpu_isolator_gpu_maintenance_seconds", "gpu_isolator_gpu_drain_seconds"} <= shown

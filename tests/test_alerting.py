@@ -141,7 +141,7 @@ def test_every_metric_and_label_the_rules_and_dashboard_name_is_exported_by_a_re
                 isolator.prepare(container_id("a1"), containerizer.config(gpus=1, image=False))
             # A GPU out of service both ways, so that the per-GPU age series have one each.
             isolator.prepare(container_id("leaves"), containerizer.config(gpus=1, image=False))
-            held = [g for g in _admin_gpus(sidecar) if g.holder == "leaves"][0]
+            held = next(g for g in _admin_gpus(sidecar) if g.holder == "leaves")
             sidecar.sim.start_process(held.index, 4321)
             isolator.cleanup(container_id("leaves"))
             with grpc.insecure_channel(sidecar.address) as ch:

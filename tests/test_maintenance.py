@@ -134,6 +134,12 @@ def test_undrain_does_not_override_the_handover_check_and_says_how():
     ended = svc.maintenance_undrain("4", OPERATOR)
     assert "still not handed out: the handover check (draining" in ended.detail
     assert svc.list_gpus().gpus[4].drain_state == "draining"
+    # And the other way round: the handover override does not end a maintenance drain.
+    svc.maintenance_drain("4", "still its board", OPERATOR)
+    overridden = svc.undrain("4")
+    assert overridden.was == "draining" and "it stays drained for maintenance" in overridden.detail
+    with pytest.raises(GpusExhausted, match="drained for maintenance: GPU 4"):
+        svc.prepare(ContainerId("all"), _gpus(8))
 
 
 @pytest.mark.parametrize(

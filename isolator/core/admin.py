@@ -9,6 +9,7 @@ through the traces it leaves: its driver-volume user record and, in Mesos's layo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterable
 
@@ -302,7 +303,12 @@ class Admin:
         holders = core.store.holders()
         if found.minor in holders:
             raise FailedPrecondition(f"GPU {gpu} is held by container {holders[found.minor]}; it is not draining")
-        return core.handover.undrain(found)
+        done = core.handover.undrain(found)
+        if found.uuid in core.maintenance.view():
+            # Two states, two names (docs/operations.md section 7): the override does not end a drain.
+            note = "; it stays drained for maintenance (gpu-isolator undrain GPU ends that)"
+            done = dataclasses.replace(done, detail=done.detail + note)
+        return done
 
     def maintenance_drain(self, gpu: str, reason: str, caller: str) -> MaintenanceChange:
         """Take a GPU out of service (``gpu-isolator drain GPU --reason TEXT``): by index, UUID or minor:N."""

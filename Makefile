@@ -69,7 +69,7 @@ test: install build
 # from a checkout that user can read, with .venv and build/ made beforehand.
 UNIT_TESTS := tests/test_core_hooks.py tests/test_core_recovery.py tests/test_core_admin.py \
 	tests/test_core_concurrency.py tests/test_core_volume_users.py tests/test_core_coverage.py tests/test_contracts.py \
-	tests/test_core_handover.py tests/test_handover_policy.py \
+	tests/test_core_handover.py tests/test_core_maintenance.py tests/test_handover_policy.py \
 	tests/test_imports.py \
 	tests/test_reconcile.py tests/test_allocator.py tests/test_devices.py tests/test_gpuflags.py \
 	tests/test_state.py tests/test_volume_plan.py tests/test_volume_inject.py tests/test_volume_parsers.py \

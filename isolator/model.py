@@ -412,6 +412,13 @@ class GpuInfo:
     drain_memory_used_bytes: int = 0
     # What the last handover reset (or failed to reset), one line each.
     last_reset: tuple[str, ...] = ()
+    # An operator's maintenance drain (``gpu-isolator drain GPU --reason TEXT``, docs/operations.md):
+    # no new grants of the GPU, nor of a MIG device on it, until ``undrain``; its holders keep it.
+    # Not the handover check above, which the sidecar sets and clears by itself.
+    maintenance: bool = False
+    maintenance_reason: str = ""
+    maintenance_since: float = 0.0
+    maintenance_by: str = ""
 
 
 @dataclass(frozen=True)
@@ -678,6 +685,34 @@ class DrainRecord:
     @property
     def state(self) -> str:
         return "unhealthy" if self.timed_out else "draining"
+
+
+@dataclass(frozen=True)
+class MaintenanceMark:
+    """A GPU an operator took out of service (``gpu-isolator drain``), persisted by its UUID so that
+    it stays out across restarts and a re-enumeration that renumbers it. ``by``: who asked, as the
+    peer gate saw the caller (``uid 0, pid 4242``)."""
+
+    uuid: str
+    reason: str
+    since: float
+    by: str = ""
+
+
+@dataclass(frozen=True)
+class MaintenanceChange:
+    """What ``gpu-isolator drain`` or ``undrain`` did to one GPU."""
+
+    index: int
+    minor: int
+    uuid: str
+    drained: bool  # drained for maintenance now
+    was_drained: bool  # before the call
+    reason: str  # the drain's reason (the one ended, for undrain)
+    since: float
+    by: str
+    detail: str  # one sentence saying what was done and what still keeps the GPU out, if anything
+    holders: tuple[str, ...] = ()  # containers holding it (or MIG devices on it): they keep it
 
 
 @dataclass(frozen=True)

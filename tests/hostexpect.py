@@ -67,6 +67,11 @@ def gpus_json(spec: HostSpec) -> list[dict[str, Any]]:
                 "drain_reason": "",
                 "drain_memory_used_bytes": "0",
                 "last_reset": [],
+                # An operator's maintenance drain (docs/operations.md section 7): none on a fresh host.
+                "maintenance": False,
+                "maintenance_reason": "",
+                "maintenance_since": 0.0,
+                "maintenance_by": "",
             }
         )
     return out

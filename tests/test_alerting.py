@@ -11,8 +11,11 @@ import shutil
 import subprocess
 from importlib.resources import files
 
+import grpc
 import pytest
 
+from isolator.rpc import isolator_pb2 as pb
+from isolator.rpc import isolator_pb2_grpc as pb_grpc
 from isolator.testing.mesos import Containerizer, GrpcIsolator, HookFailed, container_id
 from isolator.testing.sidecar import running_sidecar
 
@@ -22,6 +25,11 @@ RULES_TEST = os.path.join(os.path.dirname(__file__), "data", "prometheus-rules-t
 # Series and labels Prometheus itself adds to every scrape target, not the daemon.
 SCRAPE_SERIES = {"up"}
 TARGET_LABELS = {"job", "instance"}
+
+
+def _admin_gpus(sidecar) -> list:
+    with grpc.insecure_channel(sidecar.address) as ch:
+        return list(pb_grpc.AdminStub(ch).ListGpus(pb.ListGpusRequest(), timeout=30).gpus)
 
 
 def _promtool() -> str:
@@ -74,7 +82,7 @@ def selectors(expr: str) -> list[tuple[str, list[str]]]:
 
 def test_rules_and_dashboard_name_metrics_at_all():
     # So that the scrape test below cannot pass on files it failed to read.
-    assert len(rule_exprs()) == 8
+    assert len(rule_exprs()) == 10
     assert len(dashboard_exprs()) >= 14
     names = {n for e in rule_exprs() + dashboard_exprs() for n, _ in selectors(e)}
     assert {"gpu_isolator_gpu_healthy", "gpu_isolator_health_check", "gpu_isolator_errors_total"} <= names
@@ -103,7 +111,7 @@ def test_dashboard_is_a_grafana_dashboard_grafana_can_lay_out():
 def test_promtool_accepts_the_rules():
     result = subprocess.run([_promtool(), "check", "rules", RULES], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 8 rules found" in result.stdout
+    assert "SUCCESS: 10 rules found" in result.stdout
 
 
 def test_promtool_unit_tests_fire_each_alert_on_trouble_and_not_on_a_healthy_sidecar():
@@ -131,6 +139,14 @@ def test_every_metric_and_label_the_rules_and_dashboard_name_is_exported_by_a_re
             isolator.prepare(container_id("a1"), containerizer.config(gpus=1, image=False))
             with pytest.raises(HookFailed):  # an error, so that gpu_isolator_errors_total has series
                 isolator.prepare(container_id("a1"), containerizer.config(gpus=1, image=False))
+            # A GPU out of service both ways, so that the per-GPU age series have one each.
+            isolator.prepare(container_id("leaves"), containerizer.config(gpus=1, image=False))
+            held = next(g for g in _admin_gpus(sidecar) if g.holder == "leaves")
+            sidecar.sim.start_process(held.index, 4321)
+            isolator.cleanup(container_id("leaves"))
+            with grpc.insecure_channel(sidecar.address) as ch:
+                admin = pb_grpc.AdminStub(ch)
+                admin.MaintenanceDrain(pb.MaintenanceDrainRequest(gpu="7", reason="alerting test"), timeout=30)
             samples = series(_UnixHTTP(path))
         finally:
             isolator.cleanup(container_id("a1"))

@@ -29,7 +29,7 @@ from isolator.errors import (
     NvmlError,
 )
 from isolator.host.system import LocalFilesystem, ProcProcesses, SystemClock
-from isolator.model import ContainerId, ContainerRecord, DrainRecord, Topology
+from isolator.model import ContainerId, ContainerRecord, DrainRecord, MaintenanceMark, Topology
 from isolator.policy.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, container_rules
 from isolator.testing import (
     FakeCgroups,
@@ -351,6 +351,18 @@ def test_store_keeps_drain_rows_by_gpu_apart_from_containers(store: FakeStore) -
     assert store.drains() == {}
     with pytest.raises(InvalidArgument):
         store.set_drain(DrainRecord(-1, 0.0, 0.0, ""))
+
+
+def test_store_keeps_maintenance_drains_by_gpu_uuid(store: FakeStore) -> None:
+    assert store.maintenance() == {}
+    store.set_maintenance(MaintenanceMark("GPU-1", "a", 1.0, "uid 0"))
+    store.set_maintenance(MaintenanceMark("GPU-2", "b", 2.0, "uid 0"))
+    store.set_maintenance(MaintenanceMark("GPU-1", "a2", 1.0, "uid 5"))
+    store.clear_maintenance("GPU-2")
+    store.clear_maintenance("GPU-9")
+    assert store.maintenance() == {"GPU-1": MaintenanceMark("GPU-1", "a2", 1.0, "uid 5")}
+    with pytest.raises(InvalidArgument):
+        store.set_maintenance(MaintenanceMark("GPU-3", "", 1.0, ""))
 
 
 def record(name: str, *gpus: int, **kwargs: object) -> ContainerRecord:

@@ -34,6 +34,7 @@ CORE_TESTS = (
     "test_core_volume_users.py",
     "test_core_affinity.py",
     "test_core_handover.py",
+    "test_core_maintenance.py",
 )
 CONTRACT_TESTS = ("test_contracts.py",)
 
@@ -85,6 +86,8 @@ INDIRECT = {
     "affinity": "prepare",  # --cpu-affinity (tests/test_core_affinity.py)
     "locality": "describe_container",
     "apply_cpuset": "update",
+    "drain_for_maintenance": "maintenance_drain",  # an operator's drain (tests/test_core_maintenance.py)
+    "end_maintenance": "maintenance_undrain",
 }
 
 

@@ -148,7 +148,7 @@ def test_undrain_restart_durability_and_the_timeout_on_a_real_daemon():
         assert (after[1].drain_state, after[6].drain_state) == ("unhealthy", "unhealthy")
         assert after[1].drain_since == since
         # The admin's way out, for one of them.
-        rc, out, err = _cli(sidecar.socket, "undrain", after[6].uuid)
+        rc, out, err = _cli(sidecar.socket, "undrain", "--handover", after[6].uuid)
         assert rc == 0, err
         assert "returned to the pool by an admin" in out and "6666" in out
         containerizer.start(container_id("seven"), containerizer.config(gpus=7, image=False))

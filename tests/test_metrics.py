@@ -77,7 +77,8 @@ def test_metrics_on_a_unix_socket_count_gpus_holdings_hooks_errors_and_volume_bu
             sidecar.sim.inject_xid(0, 79)
             _until(lambda: scrape(_UnixHTTP(path))["gpu_isolator_gpus_healthy"] == 7)
             uuid = sidecar.sim.spec.gpus[0].uuid
-            assert scrape(_UnixHTTP(path))[f'gpu_isolator_gpu_healthy{{UUID="{uuid}",gpu="0",minor="0"}}'] == 0
+            healthy = [(lbl, v) for n, lbl, v in series(_UnixHTTP(path)) if n == "gpu_isolator_gpu_healthy"]
+            assert [v for lbl, v in healthy if lbl["UUID"] == uuid and lbl["gpu"] == "0"] == [0]
         finally:
             isolator.cleanup(container_id("m1"))
             isolator.close()
@@ -110,11 +111,11 @@ def test_build_info_process_metrics_health_checks_and_the_dcgm_uuid_label(short_
     assert time.time() - 600 < start <= time.time()
     # dcgm-exporter names the GPU UUID label "UUID": the same name lets PromQL join without label_replace.
     healthy = [lbl for n, lbl, _ in samples if n == "gpu_isolator_gpu_healthy"]
-    assert len(healthy) == 8 and all(set(lbl) == {"gpu", "UUID", "minor"} for lbl in healthy)
+    assert len(healthy) == 8 and all(set(lbl) == {"gpu", "UUID", "minor", "modelName", "pci_bus_id"} for lbl in healthy)
     assert {lbl["UUID"] for lbl in healthy} == {g.uuid for g in sidecar.sim.spec.gpus}
     # The sidecar's own health checks (as `gpu-isolator health`), one series per check.
     checks = {lbl["check"]: v for n, lbl, v in samples if n == "gpu_isolator_health_check"}
-    assert checks == {"nvml": 1, "cgroups": 1, "state": 1, "consistency": 1, "handover": 1}
+    assert checks == {"nvml": 1, "cgroups": 1, "state": 1, "consistency": 1, "handover": 1, "maintenance": 1}
 
 
 def test_metrics_count_mig_devices_per_resource_and_their_holders(short_tmp):
@@ -157,7 +158,7 @@ def test_bad_metrics_addresses_are_refused(value):
 
 def test_a_bare_port_means_localhost_and_ipv6_is_accepted():
     assert parse_address("9400") == ("tcp", ("127.0.0.1", 9400))
-    assert parse_address(":9400") == ("tcp", ("127.0.0.1", 9400))
+    assert parse_address(":9400") == ("tcp", ("", 9400))  # every interface, as Go exporters read it
     assert parse_address("[::1]:9400") == ("tcp", ("::1", 9400))
     assert parse_address("unix:/run/gi/metrics.sock") == ("unix", "/run/gi/metrics.sock")
 
@@ -518,8 +519,9 @@ def test_draining_gpus_are_exported_with_their_state_and_age():
     text = generate_latest(Metrics(rig.service).registry).decode()
     uuid = rig.service.list_gpus().gpus[3].uuid
     assert "gpu_isolator_gpus_draining 1.0" in text
-    assert f'gpu_isolator_gpu_draining{{UUID="{uuid}",gpu="3",minor="3",state="draining"}} 1.0' in text
-    assert 'gpu="2",minor="2",state="free"' in text
-    assert f'gpu_isolator_gpu_drain_seconds{{UUID="{uuid}",gpu="3",minor="3"}}' in text
+    gpu3 = f'UUID="{uuid}",gpu="3",minor="3",modelName="Tesla V100-SXM2-16GB",pci_bus_id="00000000:'
+    assert re.search(rf'gpu_isolator_gpu_draining\{{{gpu3}[0-9A-F:.]+",state="draining"\}} 1.0', text)
+    assert re.search(r'gpu="2",minor="2",modelName="[^"]+",pci_bus_id="[^"]+",state="free"', text)
+    assert f"gpu_isolator_gpu_drain_seconds{{{gpu3}" in text
     ages = [line for line in text.splitlines() if line.startswith("gpu_isolator_gpu_drain_seconds{")]
     assert len(ages) == 1 and 'gpu="3"' in ages[0], "only the draining GPU has an age"

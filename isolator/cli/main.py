@@ -184,8 +184,23 @@ def build_parser() -> Parser:
         help_text="compare every container's kernel rules with its record now, re-apply drift"
         " (exit 0: none, 1: drift repaired, 2 or more: trouble)",
     )
-    undrain = admin("undrain", help_text="return a draining GPU to the pool now, whatever still runs on it")
+    drain = admin(
+        "drain",
+        help_text="take a GPU out of service for maintenance: no new grants of it; running containers keep it",
+    )
+    drain.add_argument("gpu", help="the GPU's NVML index, its UUID, or minor:<N>")
+    drain.add_argument("--reason", required=True, help="why (one line; shown in gpus, describe and health)")
+    undrain = admin(
+        "undrain",
+        help_text="end a GPU's maintenance drain; with --handover, return a GPU the handover check keeps out"
+        " to the pool now, whatever still runs on it",
+    )
     undrain.add_argument("gpu", help="the GPU's NVML index, its UUID, or minor:<N>")
+    undrain.add_argument(
+        "--handover",
+        action="store_true",
+        help="override the handover check (docs/handover.md) instead of ending a maintenance drain",
+    )
 
     completion = sub.add_parser(
         "completion",
@@ -234,7 +249,9 @@ ADMIN_CALLS: dict[str, tuple[str, str]] = {
     "health": ("Health", "HealthRequest"),
     "release": ("Release", "ReleaseRequest"),
     "audit": ("Audit", "AuditRequest"),
-    "undrain": ("Undrain", "UndrainRequest"),
+    "drain": ("MaintenanceDrain", "MaintenanceDrainRequest"),
+    "undrain": ("MaintenanceUndrain", "MaintenanceUndrainRequest"),
+    "undrain --handover": ("Undrain", "UndrainRequest"),
 }
 
 
@@ -251,7 +268,8 @@ def _run_admin(args: argparse.Namespace) -> int:
     else:
         args.socket_from = ""
     output = _output_format(args)
-    method, request_name = ADMIN_CALLS[args.command]
+    call = "undrain --handover" if args.command == "undrain" and args.handover else args.command
+    method, request_name = ADMIN_CALLS[call]
     request = getattr(pb, request_name)()
     if hasattr(args, "container"):
         try:
@@ -260,8 +278,10 @@ def _run_admin(args: argparse.Namespace) -> int:
             raise UsageError(f"gpu-isolator {args.command}: {exc}") from None
     if args.command == "release":
         request.force = args.force
-    if args.command == "undrain":
+    if args.command in ("drain", "undrain"):
         request.gpu = args.gpu
+    if args.command == "drain":
+        request.reason = args.reason
     with Client(args.socket, timeout=args.timeout) as client:
         try:
             client.check_reachable()
@@ -355,6 +375,7 @@ def render(command: str, data: dict[str, Any], now: float, wide: bool = False) -
         "health": lambda d, _now: _health_table(d),
         "release": lambda d, _now: str(d.get("detail", "")),
         "audit": lambda d, _now: _audit_text(d),
+        "drain": lambda d, _now: str(d.get("detail", "")),
         "undrain": lambda d, _now: "\n".join([str(d.get("detail", "")), *(f"  reset {r}" for r in d.get("reset", []))]),
     }
     return renderers[command](data, now)
@@ -481,6 +502,7 @@ def _gpu_rows(gpus: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 mig="on" if g.get("mig_enabled") else "-",
                 holder=g.get("holder") or "-",
                 handover=_handover_text(g),
+                maintenance="DRAINED" if g.get("maintenance") else "-",
             )
         )
     return rows
@@ -497,9 +519,23 @@ def _handover_text(g: dict[str, Any]) -> str:
 def _handover_lines(gpus: list[dict[str, Any]]) -> list[str]:
     """Why each draining GPU is kept out and since when, and what the last handovers reset."""
     lines = []
+    drained = [g for g in gpus if g.get("maintenance")]
+    if drained:
+        lines += [
+            "",
+            "Drained for maintenance (no new grants; their holders keep them; `gpu-isolator undrain GPU` ends it)",
+        ]
+        for g in drained:
+            since = _when(float(g.get("maintenance_since") or 0))
+            who = g.get("maintenance_by") or "unknown caller"
+            lines.append(f"  GPU {g.get('index', 0)}: since {since} by {who}: {g.get('maintenance_reason', '')}")
     draining = [g for g in gpus if g.get("drain_state")]
     if draining:
-        lines += ["", "Draining (handed out again once nothing runs on them; `gpu-isolator undrain GPU` forces it)"]
+        lines += [
+            "",
+            "Kept out by the handover check (handed out again once nothing runs on them;"
+            " `gpu-isolator undrain --handover GPU` forces it)",
+        ]
         for g in draining:
             since = _when(float(g.get("drain_since") or 0))
             lines.append(f"  GPU {g.get('index', 0)}: {g['drain_state']} since {since}: {g.get('drain_reason', '')}")
@@ -528,6 +564,7 @@ def _gpus_table(data: dict[str, Any], wide: bool = False) -> str:
             ("pci_bus_id", "BUS-ID"),
             ("mig", "MIG"),
             ("health", "HEALTH"),
+            ("maintenance", "MAINTENANCE"),
             ("handover", "HANDOVER"),
             ("holder", "HOLDER"),
             *([("cpu_affinity", "CPU AFFINITY")] if wide else []),
@@ -596,7 +633,14 @@ def _describe_text(data: dict[str, Any], now: float) -> str:
         lines.append(
             _table(
                 _gpu_rows(data["gpus"]),
-                [("index", "INDEX"), ("minor", "MINOR"), ("uuid", "UUID"), ("name", "NAME"), ("health", "HEALTH")],
+                [
+                    ("index", "INDEX"),
+                    ("minor", "MINOR"),
+                    ("uuid", "UUID"),
+                    ("name", "NAME"),
+                    ("health", "HEALTH"),
+                    ("maintenance", "MAINTENANCE"),
+                ],
                 indent="  ",
             )
         )

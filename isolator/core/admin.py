@@ -23,6 +23,7 @@ from isolator.model import (
     GpuInfo,
     GpuList,
     HealthCheck,
+    MaintenanceChange,
     Released,
     TopologyLink,
     TopologyView,
@@ -50,6 +51,7 @@ class Admin:
         mig_holders = {u: str(c) for u, (c, _m) in self.core.store.mig_holders().items()}
         marks = self.core.handover.view()
         resets = dict(self.core.handover.resets)
+        maintenance = self.core.maintenance.view()
         gpus = []
         for r in inv.records:
             g = r.gpu
@@ -57,6 +59,7 @@ class Admin:
             drain = marks.get(g.minor) if g.uuid else None
             # Drained past --drain-timeout: unhealthy, with the drain's reason when NVML gives none.
             sick = drain is not None and drain.timed_out
+            out = maintenance.get(g.uuid) if g.uuid else None
             gpus.append(
                 GpuInfo(
                     index=g.index,
@@ -81,6 +84,10 @@ class Admin:
                     drain_reason=drain.reason if drain is not None else "",
                     drain_memory_used_bytes=drain.memory_used if drain is not None else 0,
                     last_reset=resets.get(g.minor, ()) if g.uuid else (),
+                    maintenance=out is not None,
+                    maintenance_reason=out.reason if out is not None else "",
+                    maintenance_since=out.since if out is not None else 0.0,
+                    maintenance_by=out.by if out is not None else "",
                 )
             )
         return GpuList(inv.driver_version, inv.cuda_driver_version, tuple(gpus))
@@ -298,7 +305,20 @@ class Admin:
         holders = core.store.holders()
         if found.minor in holders:
             raise FailedPrecondition(f"GPU {gpu} is held by container {holders[found.minor]}; it is not draining")
-        return core.handover.undrain(found)
+        done = core.handover.undrain(found)
+        if found.uuid in core.maintenance.view():
+            # Two states, two names (docs/operations.md section 7): the override does not end a drain.
+            note = "; it stays drained for maintenance (gpu-isolator undrain GPU ends that)"
+            done = dataclasses.replace(done, detail=done.detail + note)
+        return done
+
+    def maintenance_drain(self, gpu: str, reason: str, caller: str) -> MaintenanceChange:
+        """Take a GPU out of service (``gpu-isolator drain GPU --reason TEXT``): by index, UUID or minor:N."""
+        return self.core.maintenance.drain(gpu, reason, caller)
+
+    def maintenance_undrain(self, gpu: str, caller: str) -> MaintenanceChange:
+        """End a maintenance drain (``gpu-isolator undrain GPU``)."""
+        return self.core.maintenance.undrain(gpu, caller)
 
     # ---- volume and health ------------------------------------------------------------------------
 
@@ -334,6 +354,8 @@ class Admin:
         # The handover check (docs/handover.md): not ok once a GPU drained past --drain-timeout.
         marks = core.handover.view()
         checks.append(HealthCheck("handover", not any(r.timed_out for r in marks.values()), core.handover.describe()))
+        # An operator's maintenance drains (docs/operations.md): shown, never failing (they are on purpose).
+        checks.append(HealthCheck("maintenance", True, core.maintenance.describe()))
         return checks
 
     def _nvml_check(self) -> HealthCheck:

@@ -25,6 +25,7 @@ from isolator.model import (
     HealthCheck,
     LaunchInfo,
     Limitation,
+    MaintenanceChange,
     RecoverResult,
     Released,
     Resource,
@@ -96,6 +97,13 @@ class IsolatorApi(Protocol):
 
     def undrain(self, gpu: str) -> Undrained:
         raise Unimplemented(hook="Undrain")
+
+    # An operator's maintenance drain (docs/operations.md); ``caller``: who asked, as the peer gate saw it.
+    def maintenance_drain(self, gpu: str, reason: str, caller: str) -> MaintenanceChange:
+        raise Unimplemented(hook="MaintenanceDrain")
+
+    def maintenance_undrain(self, gpu: str, caller: str) -> MaintenanceChange:
+        raise Unimplemented(hook="MaintenanceUndrain")
 
     def close(self) -> None:
         return None

@@ -108,6 +108,22 @@ class Booking:
         for gpu in self.gpus.values():
             self._allocator.set_healthy(gpu.minor, gpu.index in healthy)
 
+    def drain_for_maintenance(self, minor: int, label: str) -> None:
+        """An operator's maintenance drain (core/maintenance.py): no new grant of GPU ``minor``, whole or
+        a MIG device on it; whoever holds it keeps it. ``label`` names it in refusals."""
+        self.lock.require("drain_for_maintenance")
+        self._allocator.set_maintenance(minor, label)
+
+    def end_maintenance(self, minor: int) -> None:
+        self.lock.require("end_maintenance")
+        self._allocator.set_maintenance(minor, None)
+
+    @property
+    def maintenance(self) -> frozenset[int]:
+        """Minors drained for maintenance."""
+        self.lock.require("maintenance")
+        return self._allocator.maintenance
+
     def set_gpu_health(self, index: int, healthy: bool) -> None:
         self.lock.require("set_gpu_health")
         for gpu in self.gpus.values():
@@ -158,7 +174,17 @@ class Booking:
         blocked = {d.parent_minor for d in devices if d.parent_minor in whole}
         blocked |= {d.parent_minor for d in devices if d.parent_index not in usable}
         blocked |= set(self._allocator.unhealthy) | set(self._allocator.draining)
-        units = migunits.choose(request, devices, set(self.mig_held), blocked).devices
+        blocked |= set(self._allocator.maintenance)
+        try:
+            units = migunits.choose(request, devices, set(self.mig_held), blocked).devices
+        except migunits.MigExhausted as exc:
+            drained = sorted({d.parent_minor for d in devices} & self._allocator.maintenance)
+            if not drained:
+                raise
+            names = ", ".join(f"GPU {self.gpus[m].index} ({self.gpus[m].uuid})" for m in drained if m in self.gpus)
+            raise migunits.MigExhausted(
+                f"{exc.message}; drained for maintenance: {names} (gpu-isolator undrain ends it)", **exc.fields
+            ) from None
         self.hold_mig((d.uuid, d.parent_minor) for d in units)
         return units
 

@@ -24,6 +24,7 @@ from isolator.core.changes import Changes
 from isolator.core.grant import KernelGrants
 from isolator.core.handover import Handover
 from isolator.core.locks import ContainerLocks
+from isolator.core.maintenance import Maintenance
 from isolator.core.ports import (
     CgroupBackend,
     Clock,
@@ -121,6 +122,9 @@ class Core:
             booking=self.booking,
             changes=self.changes,
         )
+        # An operator's maintenance drains (core/maintenance.py), read before the books are first filled.
+        self.maintenance = Maintenance(self)
+        self.maintenance.load()
         with self.booking.lock:
             self.sync_health()
         edges.inventory.on_health_change(self._on_health_change)
@@ -133,10 +137,12 @@ class Core:
     # ---- health -----------------------------------------------------------
 
     def sync_health(self) -> None:
-        """Copy the inventory's health and the drain marks into the books. Call with the booking lock held."""
+        """Copy the inventory's health, the drain marks and the maintenance drains into the books. Call
+        with the booking lock held."""
         self.booking.lock.require("sync_health")
         self.booking.set_health(self.inventory.healthy())
         self.handover.apply_marks()
+        self.maintenance.apply()
 
     def _on_health_change(self, event: HealthEvent) -> None:
         with self.booking.lock:

@@ -33,6 +33,7 @@ from isolator.model import (
     GpuRecord,
     GpuUsageSample,
     HealthEvent,
+    MaintenanceMark,
     Occupancy,
     ResetStep,
     Topology,
@@ -184,6 +185,13 @@ class RecordStore(Protocol):
     def set_drain(self, rec: DrainRecord) -> None: ...
 
     def clear_drain(self, minor: int) -> None: ...  # no row is success
+
+    # GPUs an operator drained for maintenance (gpu-isolator drain), by UUID; one row each.
+    def maintenance(self) -> dict[str, MaintenanceMark]: ...
+
+    def set_maintenance(self, mark: MaintenanceMark) -> None: ...
+
+    def clear_maintenance(self, uuid: str) -> None: ...  # no row is success
 
     def check(self) -> str: ...
 

@@ -294,7 +294,8 @@ HELP = {
     "max_message_bytes": "largest request accepted, in bytes (default 256 KiB)",
     "log_level": "debug, info, warning or error (default info)",
     "log_format": "text (default) or json: one object per line with stable keys (docs/metrics.md)",
-    "metrics_address": "serve Prometheus metrics on HOST:PORT, PORT (localhost) or unix:/path (default: off)",
+    "metrics_address": "serve Prometheus metrics on HOST:PORT, :PORT (every interface), PORT (localhost) or"
+    " unix:/path (default: off; docs/metrics.md suggests port 9416)",
     "job_mapping_dir": "write dcgm-exporter's HPC job mapping here: one file per GPU index listing its containers",
     "allowed_uids": "uids allowed to call the socket (default 0)",
     "allowed_gids": "gids allowed to call the socket (default none)",

@@ -581,9 +581,10 @@ def _serve(
     metrics = None
     if config.metrics_address:
         from isolator.exporters.metrics import Metrics, parse_address
+        from isolator.transport.server import HOOKS
 
         parse_address(config.metrics_address)  # a bad address stops the start before anything is built
-        metrics = Metrics()
+        metrics = Metrics(hooks=HOOKS)
     service = build_service(config, notes, on_volume_build=metrics.volume_built if metrics else None)
     observers: list[Callable[[str, str, float, object], None]] = []
     jobmap = None

@@ -13,6 +13,7 @@ PromQL joins the two exporters' series without ``label_replace``.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -20,7 +21,7 @@ import socketserver
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
@@ -40,12 +41,21 @@ BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
 # dropped, and at most this many are answered at once (more are closed as they are accepted).
 IO_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 16
+# The (hook, code) pairs of gpu_isolator_errors_total that the shipped alert rules select
+# (isolator/data/prometheus-rules.yml): exported at 0 from the start, so that the first error is an
+# increase from 0 that `increase()` sees, not a new series born at 1 that it cannot (issue 33 item 3).
+# The sidecar's own failures, on any hook; refusals, on the hooks the agent calls to place a container.
+FAILURE_CODES = ("INTERNAL", "UNKNOWN", "DATA_LOSS", "UNAVAILABLE", "DEADLINE_EXCEEDED")
+REFUSAL_HOOKS = ("Prepare", "Isolate", "Update")
+REFUSAL_CODES = ("RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "INVALID_ARGUMENT", "ALREADY_EXISTS", "PERMISSION_DENIED")
 
 
 class Metrics:
     """What the daemon measures. ``observe`` has the server's observer signature."""
 
-    def __init__(self, service: Any = None) -> None:
+    def __init__(self, service: Any = None, hooks: Iterable[str] = ()) -> None:
+        """``hooks``: every RPC method the daemon serves (``isolator.transport.server.HOOKS``), so
+        that the error series the alert rules select exist at 0 before the first call."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.service = service
         self.hook_seconds = Histogram(
@@ -61,6 +71,9 @@ class Metrics:
             ("hook", "code"),
             registry=self.registry,
         )
+        for hook in hooks:
+            for code in FAILURE_CODES + (REFUSAL_CODES if hook in REFUSAL_HOOKS else ()):
+                self.errors.labels(hook, code)
         self.repairs = Counter(
             f"{PREFIX}_reconciliation_repairs",
             "Allocations released by reconciliation: 'recover' (Recover's orphans and unknowns),"
@@ -95,6 +108,28 @@ class Metrics:
         self.volume_builds.inc()
 
 
+# Per-GPU series carry dcgm-exporter's identity labels beside ours (gpu, minor), spelled and formatted
+# as dcgm-exporter writes them (``UUID``, ``modelName`` = NVML's name, ``pci_bus_id`` = NVML's
+# ``00000000:07:00.0``), so that PromQL joins the two exporters on any of them without label_replace.
+GPU_LABELS = ("gpu", "UUID", "minor", "modelName", "pci_bus_id")
+
+
+def dcgm_bus_id(sysfs: str) -> str:
+    """sysfs's ``0000:1a:00.0`` (the inventory's form) -> NVML's and dcgm-exporter's ``00000000:1A:00.0``."""
+    domain, sep, rest = sysfs.partition(":")
+    if not sep or not rest:
+        return sysfs
+    try:
+        return f"{int(domain, 16):08X}:{rest.upper()}"
+    except ValueError:
+        return sysfs
+
+
+def gpu_labels(g: Any) -> list[str]:
+    """GPU_LABELS' values for one ``GpuInfo``."""
+    return [str(g.index), g.uuid, str(g.minor), g.name, dcgm_bus_id(g.pci_bus_id)]
+
+
 class _ServiceCollector(Collector):
     """Gauges read from the service when scraped."""
 
@@ -117,10 +152,10 @@ class _ServiceCollector(Collector):
         healthy = GaugeMetricFamily(f"{PREFIX}_gpus_healthy", "GPUs healthy and usable")
         healthy.add_metric([], sum(1 for g in gpus if g.healthy))
         per_gpu = GaugeMetricFamily(
-            f"{PREFIX}_gpu_healthy", "1 when the GPU is healthy and usable, else 0", labels=("gpu", "UUID", "minor")
+            f"{PREFIX}_gpu_healthy", "1 when the GPU is healthy and usable, else 0", labels=GPU_LABELS
         )
         for g in gpus:
-            per_gpu.add_metric([str(g.index), g.uuid, str(g.minor)], 1 if g.healthy else 0)
+            per_gpu.add_metric(gpu_labels(g), 1 if g.healthy else 0)
         held = GaugeMetricFamily(f"{PREFIX}_container_gpus", "GPUs each container holds", labels=("container_id",))
         for c in containers:
             held.add_metric([str(c.container_id)], len(c.gpu_minors))
@@ -134,21 +169,38 @@ class _ServiceCollector(Collector):
         per_drain = GaugeMetricFamily(
             f"{PREFIX}_gpu_draining",
             "1 while the GPU is kept out by the handover check; state: draining, or unhealthy past --drain-timeout",
-            labels=("gpu", "UUID", "minor", "state"),
+            labels=(*GPU_LABELS, "state"),
         )
         drain_age = GaugeMetricFamily(
             f"{PREFIX}_gpu_drain_seconds",
             "How long the GPU has been draining (only GPUs that are)",
-            labels=("gpu", "UUID", "minor"),
+            labels=GPU_LABELS,
         )
         now = time.time()
         for g in gpus:
-            per_drain.add_metric(
-                [str(g.index), g.uuid, str(g.minor), g.drain_state or "free"], 1 if g.drain_state else 0
-            )
+            per_drain.add_metric([*gpu_labels(g), g.drain_state or "free"], 1 if g.drain_state else 0)
             if g.drain_state:
-                drain_age.add_metric([str(g.index), g.uuid, str(g.minor)], max(0.0, now - g.drain_since))
+                drain_age.add_metric(gpu_labels(g), max(0.0, now - g.drain_since))
         yield from (draining, per_drain, drain_age)
+        # An operator's maintenance drains (gpu-isolator drain, docs/operations.md): every GPU has a
+        # series, 0 or 1, from the start, so that an alert on a drain sees it begin.
+        out = GaugeMetricFamily(f"{PREFIX}_gpus_maintenance", "GPUs drained for maintenance by an operator")
+        out.add_metric([], sum(1 for g in gpus if g.maintenance))
+        per_out = GaugeMetricFamily(
+            f"{PREFIX}_gpu_maintenance",
+            "1 while an operator keeps the GPU out of service (gpu-isolator drain; gpus says why and who)",
+            labels=GPU_LABELS,
+        )
+        out_age = GaugeMetricFamily(
+            f"{PREFIX}_gpu_maintenance_seconds",
+            "How long the GPU has been drained for maintenance (only GPUs that are)",
+            labels=GPU_LABELS,
+        )
+        for g in gpus:
+            per_out.add_metric(gpu_labels(g), 1 if g.maintenance else 0)
+            if g.maintenance:
+                out_age.add_metric(gpu_labels(g), max(0.0, now - g.maintenance_since))
+        yield from (out, per_out, out_age)
         # MIG devices as units (docs/mig.md), per Mesos resource name (mig-<profile>).
         offered: dict[str, list[int]] = {}
         for g in gpus:
@@ -194,11 +246,18 @@ class _ServiceCollector(Collector):
 # ---- serving ----------------------------------------------------------------------------------------
 
 
+# The port docs/metrics.md suggests: not dcgm-exporter's 9400, which runs beside the sidecar on the same
+# GPU nodes (nor node_exporter's 9100, the Mesos exporter's 9105, nvidia_gpu_exporter's 9835).
+SUGGESTED_PORT = 9416
+ALL_INTERFACES = ""  # ``:PORT``, as Go exporters read it (net.Listen): every interface, IPv6 and IPv4
+
+
 def parse_address(value: str) -> tuple[str, Any]:
     """``unix:/path`` -> ("unix", path); ``HOST:PORT``, ``:PORT`` or ``PORT`` -> ("tcp", (host, port)).
 
-    A bare port binds localhost: metrics name containers, so they are not published to the network
-    unless an address says so.
+    ``:PORT`` means every interface, as for Go exporters (dcgm-exporter's ``:9400``, node_exporter's
+    ``:9100``): an operator who copies that form means the network. A bare ``PORT`` binds localhost:
+    metrics name containers, so they are not published to the network unless an address says so.
     """
     text = value.strip()
     if text.startswith("unix:"):
@@ -208,8 +267,13 @@ def parse_address(value: str) -> tuple[str, Any]:
         return "unix", path
     host, sep, port = text.rpartition(":")
     if not sep:
-        host, port = "", text
-    host = host.strip("[]") or "127.0.0.1"
+        host = "127.0.0.1"
+    elif host == "":
+        host = ALL_INTERFACES
+    else:
+        host = host.strip("[]")
+        if not host:
+            raise ConfigError(f"--metrics-address '{value}': an empty host; ':PORT' means every interface")
     if not port.isdigit() or not 0 <= int(port) < 65536:
         raise ConfigError(f"--metrics-address '{value}': expected HOST:PORT, :PORT or unix:/path")
     return "tcp", (host, int(port))
@@ -266,6 +330,14 @@ class _TcpServer6(_TcpServer):
     address_family = socket.AF_INET6
 
 
+class _TcpServerAny(_TcpServer6):
+    """``[::]`` with IPV6_V6ONLY off: IPv6 and IPv4 (as ``::ffff:a.b.c.d``) on one socket, as Go's ``:PORT``."""
+
+    def server_bind(self) -> None:
+        self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
+
+
 class _UnixServer(_Bounded, WSGIServer):
     address_family = socket.AF_UNIX
 
@@ -303,6 +375,8 @@ class MetricsServer:
                         raise SocketError(f"refusing to replace '{path}' for metrics: it exists and is not a socket")
                 server: WSGIServer = _UnixServer(path, _Quiet)
                 os.chmod(path, self.socket_mode)
+            elif self.target[0] == ALL_INTERFACES:
+                server = _any_interface(self.target[1])
             else:
                 cls = _TcpServer6 if ":" in self.target[0] else _TcpServer
                 server = cls(self.target, _Quiet)
@@ -312,7 +386,10 @@ class MetricsServer:
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, name="metrics", daemon=True)
         self._thread.start()
-        LOG.info("metrics on %s", self.address)
+        if self.kind == "tcp" and self.target[0] == ALL_INTERFACES:
+            LOG.info("metrics on every interface (%s): published to the network", self.address)
+        else:
+            LOG.info("metrics on %s", self.address)
         return self
 
     @property
@@ -321,7 +398,8 @@ class MetricsServer:
             return "unix:" + str(self.target)
         if self._server is not None:
             bound: Any = self._server.server_address
-            return f"{bound[0]}:{bound[1]}"
+            host = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+            return f"{host}:{bound[1]}"
         return f"{self.target[0]}:{self.target[1]}"
 
     def stop(self) -> None:
@@ -334,6 +412,16 @@ class MetricsServer:
                     os.unlink(self.target)
                 except FileNotFoundError:
                     pass
+
+
+def _any_interface(port: int) -> WSGIServer:
+    """Every interface: dual-stack ``[::]``, or ``0.0.0.0`` where the kernel has no IPv6."""
+    try:
+        return _TcpServerAny(("::", port), _Quiet)
+    except OSError as exc:
+        if exc.errno not in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
+            raise
+        return _TcpServer(("0.0.0.0", port), _Quiet)
 
 
 def _is_socket(path: str) -> bool:

@@ -42,7 +42,7 @@ from isolator.errors import (
     StateReadOnly,
     StateStorageFull,
 )
-from isolator.model import ContainerId, ContainerRecord, DrainRecord
+from isolator.model import ContainerId, ContainerRecord, DrainRecord, MaintenanceMark
 from isolator.policy.devices import parse_rules
 
 LOG = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ LOG = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DB_FILE = "allocations.sqlite3"
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 # The oldest schema whose sidecar reads and writes a store of SCHEMA_VERSION correctly. An additive
 # migration (new tables or columns that an older sidecar may ignore: rows tied to a container by
 # ON DELETE CASCADE, columns with defaults; and newer code that copes with rows an older sidecar
@@ -60,7 +60,7 @@ SCHEMA_VERSION = 6
 # their holders). A new migration: bump SCHEMA_VERSION, add an `if version <= <previous>:` step.
 MIN_SCHEMA = 2
 # The tables schemas after 2 added, newest last (tests rewind a store to schema 2 by dropping them).
-TABLES_AFTER_2 = ("schema_meta", "cpuset", "drain", "gpu_health_mark")
+TABLES_AFTER_2 = ("schema_meta", "cpuset", "drain", "gpu_health_mark", "gpu_maintenance")
 STATES = ("prepared", "isolated", "orphan")
 CGROUP_VERSIONS = (1, 2)
 
@@ -153,6 +153,19 @@ CREATE TABLE gpu_health_mark (
     reason TEXT NOT NULL,
     xid    INTEGER NOT NULL,
     at     REAL NOT NULL
+) WITHOUT ROWID;
+"""
+
+
+# Version 7: GPUs an operator drained for maintenance (gpu-isolator drain, docs/operations.md), by
+# UUID (a re-enumeration may renumber them), so that a restart or a crash keeps them out. Additive:
+# an older sidecar ignores the table (and so hands the GPUs out: the rollback note in operations.md).
+_SCHEMA_V7 = """
+CREATE TABLE gpu_maintenance (
+    uuid   TEXT PRIMARY KEY CHECK (uuid <> ''),
+    reason TEXT NOT NULL CHECK (reason <> ''),
+    since  REAL NOT NULL,
+    by     TEXT NOT NULL
 ) WITHOUT ROWID;
 """
 
@@ -261,6 +274,9 @@ class StateStore:
                     self._db.execute(statement)
             if version <= 5:
                 for statement in _split_sql(_SCHEMA_V6):
+                    self._db.execute(statement)
+            if version <= 6:
+                for statement in _split_sql(_SCHEMA_V7):
                     self._db.execute(statement)
             self._db.execute("INSERT OR REPLACE INTO schema_meta VALUES ('min_schema', ?)", (MIN_SCHEMA,))
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
@@ -479,6 +495,31 @@ class StateStore:
     def health_marks(self) -> list[HealthMark]:
         with self._reading("read GPU health") as db:
             return [HealthMark(*row) for row in db.execute("SELECT uuid, source, reason, xid, at FROM gpu_health_mark")]
+
+    def set_maintenance(self, mark: MaintenanceMark) -> None:
+        """Record (or replace) a GPU's maintenance drain."""
+        if not mark.uuid or not mark.reason:
+            raise InvalidArgument("a maintenance drain needs a GPU UUID and a reason")
+        row = (mark.uuid, mark.reason, float(mark.since), mark.by)
+
+        def write(db: sqlite3.Connection) -> None:
+            db.execute("INSERT OR REPLACE INTO gpu_maintenance VALUES (?, ?, ?, ?)", row)
+
+        self._write("record maintenance drain", write)
+
+    def clear_maintenance(self, uuid: str) -> None:
+        """End a GPU's maintenance drain; nothing if it had none."""
+
+        def write(db: sqlite3.Connection) -> None:
+            db.execute("DELETE FROM gpu_maintenance WHERE uuid = ?", (uuid,))
+
+        self._write("clear maintenance drain", write)
+
+    def maintenance(self) -> dict[str, MaintenanceMark]:
+        """GPU UUID -> its maintenance drain."""
+        with self._reading("read maintenance drains") as db:
+            rows = db.execute("SELECT uuid, reason, since, by FROM gpu_maintenance")
+            return {u: MaintenanceMark(u, reason, since, by) for u, reason, since, by in rows}
 
     def mig_holders(self) -> dict[str, tuple[ContainerId, int]]:
         """MIG UUID -> (the container that holds it, its parent GPU's minor)."""

@@ -989,6 +989,9 @@ class Allocator:
         self._allocated: set[int] = set()
         self._unhealthy: set[int] = set()
         self._draining: set[int] = set()  # free but failing the handover check (docs/handover.md)
+        # Drained by an operator for maintenance (gpu-isolator drain, docs/operations.md): minor -> how
+        # refusals name it ("GPU 3 (GPU-...)"). Never granted anew; a holder keeps it.
+        self._maintenance: dict[int, str] = {}
 
     @property
     def total(self) -> frozenset[int]:
@@ -1007,9 +1010,13 @@ class Allocator:
         return frozenset(self._draining)
 
     @property
+    def maintenance(self) -> frozenset[int]:
+        return frozenset(self._maintenance)
+
+    @property
     def available(self) -> frozenset[int]:
-        """Free, healthy and not draining: what a new request may get."""
-        return self.total - self._allocated - self._unhealthy - self._draining
+        """Free, healthy, not draining and not drained for maintenance: what a new request may get."""
+        return self.total - self._allocated - self._unhealthy - self._draining - self._maintenance.keys()
 
     def set_healthy(self, minor: int, healthy: bool) -> None:
         _known(self.fabric, (minor,))
@@ -1019,6 +1026,22 @@ class Allocator:
         """A GPU something still runs on after its container (docs/handover.md) is not handed out."""
         _known(self.fabric, (minor,))
         (self._draining.add if draining else self._draining.discard)(minor)
+
+    def set_maintenance(self, minor: int, label: str | None) -> None:
+        """Drain ``minor`` for maintenance (``label``: how refusals name it), or end it (None)."""
+        _known(self.fabric, (minor,))
+        if label is None:
+            self._maintenance.pop(minor, None)
+        else:
+            self._maintenance[minor] = label
+
+    def _maintenance_note(self) -> str:
+        """What a refusal adds when GPUs drained for maintenance would have served it."""
+        out = sorted(set(self._maintenance) - self._allocated)
+        if not out:
+            return ""
+        names = ", ".join(self._maintenance[m] for m in out)
+        return f" ({len(out)} more drained for maintenance: {names}; gpu-isolator undrain ends it)"
 
     def allocate(self, count: object, *, holding: Iterable[int] = ()) -> Choice:
         """Choose and book ``count`` GPUs. ``holding``: the GPUs the container already has (a grow);
@@ -1034,7 +1057,8 @@ class Allocator:
             raise GpusExhausted(
                 f"Requested {n} gpus but only {len(free)} available"
                 + (f" ({len(self._unhealthy - self._allocated)} more are unhealthy)" if self._unhealthy else "")
-                + (f" ({len(draining)} more are draining: {sorted(draining)})" if draining else ""),
+                + (f" ({len(draining)} more are draining: {sorted(draining)})" if draining else "")
+                + self._maintenance_note(),
                 requested=n,
                 available=len(free),
             )
@@ -1061,6 +1085,10 @@ class Allocator:
         busy = sorted(want & self._draining)
         if busy:
             raise GpusNotAvailable(gpus=busy, reason="draining")
+        out = sorted(want & self._maintenance.keys())
+        if out:
+            names = ", ".join(self._maintenance[m] for m in out)
+            raise GpusNotAvailable(gpus=out, reason=f"drained for maintenance: {names}")
         self._allocated |= want
         return want
 
@@ -1086,4 +1114,10 @@ class Allocator:
         """Plan a grow or shrink for a container holding ``holding``; books nothing. Every held GPU
         must be on this host (UnknownGpus) and allocated (GpusNotAllocated)."""
         held = self._check_held(holding)
-        return plan_update(self.fabric, held, self.available, target, self.policy, limits=self.limits)
+        try:
+            return plan_update(self.fabric, held, self.available, target, self.policy, limits=self.limits)
+        except GpusExhausted as exc:
+            note = self._maintenance_note()
+            if not note:
+                raise
+            raise GpusExhausted(exc.message + note, **exc.fields) from None

@@ -403,7 +403,7 @@ class CleanupResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GpuInfo(_message.Message):
-    __slots__ = ("index", "minor", "uuid", "name", "pci_bus_id", "memory_total_bytes", "numa_node", "cpu_affinity", "healthy", "last_xid", "last_xid_time", "health_reason", "holder", "mig_enabled", "mig_devices", "drain_state", "drain_since", "drain_pids", "drain_reason", "drain_memory_used_bytes", "last_reset")
+    __slots__ = ("index", "minor", "uuid", "name", "pci_bus_id", "memory_total_bytes", "numa_node", "cpu_affinity", "healthy", "last_xid", "last_xid_time", "health_reason", "holder", "mig_enabled", "mig_devices", "drain_state", "drain_since", "drain_pids", "drain_reason", "drain_memory_used_bytes", "last_reset", "maintenance", "maintenance_reason", "maintenance_since", "maintenance_by")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     MINOR_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
@@ -425,6 +425,10 @@ class GpuInfo(_message.Message):
     DRAIN_REASON_FIELD_NUMBER: _ClassVar[int]
     DRAIN_MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAST_RESET_FIELD_NUMBER: _ClassVar[int]
+    MAINTENANCE_FIELD_NUMBER: _ClassVar[int]
+    MAINTENANCE_REASON_FIELD_NUMBER: _ClassVar[int]
+    MAINTENANCE_SINCE_FIELD_NUMBER: _ClassVar[int]
+    MAINTENANCE_BY_FIELD_NUMBER: _ClassVar[int]
     index: int
     minor: int
     uuid: str
@@ -446,7 +450,11 @@ class GpuInfo(_message.Message):
     drain_reason: str
     drain_memory_used_bytes: int
     last_reset: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, index: _Optional[int] = ..., minor: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., pci_bus_id: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., numa_node: _Optional[int] = ..., cpu_affinity: _Optional[str] = ..., healthy: _Optional[bool] = ..., last_xid: _Optional[int] = ..., last_xid_time: _Optional[float] = ..., health_reason: _Optional[str] = ..., holder: _Optional[str] = ..., mig_enabled: _Optional[bool] = ..., mig_devices: _Optional[_Iterable[_Union[MigDeviceInfo, _Mapping]]] = ..., drain_state: _Optional[str] = ..., drain_since: _Optional[float] = ..., drain_pids: _Optional[_Iterable[int]] = ..., drain_reason: _Optional[str] = ..., drain_memory_used_bytes: _Optional[int] = ..., last_reset: _Optional[_Iterable[str]] = ...) -> None: ...
+    maintenance: bool
+    maintenance_reason: str
+    maintenance_since: float
+    maintenance_by: str
+    def __init__(self, index: _Optional[int] = ..., minor: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., pci_bus_id: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., numa_node: _Optional[int] = ..., cpu_affinity: _Optional[str] = ..., healthy: _Optional[bool] = ..., last_xid: _Optional[int] = ..., last_xid_time: _Optional[float] = ..., health_reason: _Optional[str] = ..., holder: _Optional[str] = ..., mig_enabled: _Optional[bool] = ..., mig_devices: _Optional[_Iterable[_Union[MigDeviceInfo, _Mapping]]] = ..., drain_state: _Optional[str] = ..., drain_since: _Optional[float] = ..., drain_pids: _Optional[_Iterable[int]] = ..., drain_reason: _Optional[str] = ..., drain_memory_used_bytes: _Optional[int] = ..., last_reset: _Optional[_Iterable[str]] = ..., maintenance: _Optional[bool] = ..., maintenance_reason: _Optional[str] = ..., maintenance_since: _Optional[float] = ..., maintenance_by: _Optional[str] = ...) -> None: ...
 
 class MigDeviceInfo(_message.Message):
     __slots__ = ("uuid", "profile", "resource", "gpu_instance_id", "compute_instance_id", "memory_total_bytes", "caps_minors", "slot", "holder")
@@ -697,3 +705,41 @@ class UndrainResponse(_message.Message):
     detail: str
     reset: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, index: _Optional[int] = ..., minor: _Optional[int] = ..., uuid: _Optional[str] = ..., was: _Optional[str] = ..., detail: _Optional[str] = ..., reset: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class MaintenanceDrainRequest(_message.Message):
+    __slots__ = ("gpu", "reason")
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    gpu: str
+    reason: str
+    def __init__(self, gpu: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class MaintenanceUndrainRequest(_message.Message):
+    __slots__ = ("gpu",)
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    gpu: str
+    def __init__(self, gpu: _Optional[str] = ...) -> None: ...
+
+class MaintenanceResponse(_message.Message):
+    __slots__ = ("index", "minor", "uuid", "drained", "was_drained", "reason", "since", "by", "detail", "holders")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    MINOR_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
+    WAS_DRAINED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    BY_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    minor: int
+    uuid: str
+    drained: bool
+    was_drained: bool
+    reason: str
+    since: float
+    by: str
+    detail: str
+    holders: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, index: _Optional[int] = ..., minor: _Optional[int] = ..., uuid: _Optional[str] = ..., drained: _Optional[bool] = ..., was_drained: _Optional[bool] = ..., reason: _Optional[str] = ..., since: _Optional[float] = ..., by: _Optional[str] = ..., detail: _Optional[str] = ..., holders: _Optional[_Iterable[str]] = ...) -> None: ...

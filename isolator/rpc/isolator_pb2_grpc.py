@@ -454,6 +454,16 @@ class AdminStub:
                 request_serializer=gpuisolator_dot_v1_dot_isolator__pb2.UndrainRequest.SerializeToString,
                 response_deserializer=gpuisolator_dot_v1_dot_isolator__pb2.UndrainResponse.FromString,
                 _registered_method=True)
+        self.MaintenanceDrain = channel.unary_unary(
+                '/gpuisolator.v1.Admin/MaintenanceDrain',
+                request_serializer=gpuisolator_dot_v1_dot_isolator__pb2.MaintenanceDrainRequest.SerializeToString,
+                response_deserializer=gpuisolator_dot_v1_dot_isolator__pb2.MaintenanceResponse.FromString,
+                _registered_method=True)
+        self.MaintenanceUndrain = channel.unary_unary(
+                '/gpuisolator.v1.Admin/MaintenanceUndrain',
+                request_serializer=gpuisolator_dot_v1_dot_isolator__pb2.MaintenanceUndrainRequest.SerializeToString,
+                response_deserializer=gpuisolator_dot_v1_dot_isolator__pb2.MaintenanceResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -513,6 +523,18 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MaintenanceDrain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MaintenanceUndrain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -560,6 +582,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Undrain,
                     request_deserializer=gpuisolator_dot_v1_dot_isolator__pb2.UndrainRequest.FromString,
                     response_serializer=gpuisolator_dot_v1_dot_isolator__pb2.UndrainResponse.SerializeToString,
+            ),
+            'MaintenanceDrain': grpc.unary_unary_rpc_method_handler(
+                    servicer.MaintenanceDrain,
+                    request_deserializer=gpuisolator_dot_v1_dot_isolator__pb2.MaintenanceDrainRequest.FromString,
+                    response_serializer=gpuisolator_dot_v1_dot_isolator__pb2.MaintenanceResponse.SerializeToString,
+            ),
+            'MaintenanceUndrain': grpc.unary_unary_rpc_method_handler(
+                    servicer.MaintenanceUndrain,
+                    request_deserializer=gpuisolator_dot_v1_dot_isolator__pb2.MaintenanceUndrainRequest.FromString,
+                    response_serializer=gpuisolator_dot_v1_dot_isolator__pb2.MaintenanceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -805,6 +837,60 @@ class Admin:
             '/gpuisolator.v1.Admin/Undrain',
             gpuisolator_dot_v1_dot_isolator__pb2.UndrainRequest.SerializeToString,
             gpuisolator_dot_v1_dot_isolator__pb2.UndrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MaintenanceDrain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuisolator.v1.Admin/MaintenanceDrain',
+            gpuisolator_dot_v1_dot_isolator__pb2.MaintenanceDrainRequest.SerializeToString,
+            gpuisolator_dot_v1_dot_isolator__pb2.MaintenanceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MaintenanceUndrain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuisolator.v1.Admin/MaintenanceUndrain',
+            gpuisolator_dot_v1_dot_isolator__pb2.MaintenanceUndrainRequest.SerializeToString,
+            gpuisolator_dot_v1_dot_isolator__pb2.MaintenanceResponse.FromString,
             options,
             channel_credentials,
             insecure,

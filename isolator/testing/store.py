@@ -23,7 +23,7 @@ from isolator.errors import (
     StateError,
 )
 from isolator.host.state import CGROUP_VERSIONS, STATES
-from isolator.model import ContainerId, ContainerRecord, DrainRecord
+from isolator.model import ContainerId, ContainerRecord, DrainRecord, MaintenanceMark
 from isolator.testing.faults import Faults
 
 
@@ -33,6 +33,7 @@ class FakeStore:
         self._lock = threading.Lock()
         self._records: dict[ContainerId, ContainerRecord] = {}
         self._drains: dict[int, DrainRecord] = {}
+        self._maintenance: dict[str, MaintenanceMark] = {}
         self.closed = False
         self.commits = 0  # successful writes: what the real store would fsync
         self.faults = Faults(lambda step, cid: StateError(op=step, path=self.path, cause="injected fault"))
@@ -128,7 +129,26 @@ class FakeStore:
             self._drains.pop(minor, None)
             self.commits += 1
 
+    def set_maintenance(self, mark: MaintenanceMark) -> None:
+        self.faults.check("set_maintenance")
+        if not mark.uuid or not mark.reason:
+            raise InvalidArgument("a maintenance drain needs a GPU UUID and a reason")
+        with self._lock:
+            self._maintenance[mark.uuid] = mark
+            self.commits += 1
+
+    def clear_maintenance(self, uuid: str) -> None:
+        self.faults.check("clear_maintenance")
+        with self._lock:
+            self._maintenance.pop(uuid, None)
+            self.commits += 1
+
     # ---- reads --------------------------------------------------------------------------------------
+
+    def maintenance(self) -> dict[str, MaintenanceMark]:
+        self.faults.check("maintenance")
+        with self._lock:
+            return dict(self._maintenance)
 
     def drains(self) -> dict[int, DrainRecord]:
         self.faults.check("drains")
@@ -168,6 +188,7 @@ class FakeStore:
         with self._lock:
             self._records.clear()
             self._drains.clear()
+            self._maintenance.clear()
 
     # ---- internals ----------------------------------------------------------------------------------
 

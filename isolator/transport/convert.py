@@ -141,6 +141,25 @@ def gpu_info_to_proto(g: model.GpuInfo) -> pb.GpuInfo:
         drain_reason=g.drain_reason,
         drain_memory_used_bytes=g.drain_memory_used_bytes,
         last_reset=g.last_reset,
+        maintenance=g.maintenance,
+        maintenance_reason=g.maintenance_reason,
+        maintenance_since=g.maintenance_since,
+        maintenance_by=g.maintenance_by,
+    )
+
+
+def maintenance_to_proto(m: model.MaintenanceChange) -> pb.MaintenanceResponse:
+    return pb.MaintenanceResponse(
+        index=m.index,
+        minor=m.minor,
+        uuid=m.uuid,
+        drained=m.drained,
+        was_drained=m.was_drained,
+        reason=m.reason,
+        since=m.since,
+        by=m.by,
+        detail=m.detail,
+        holders=m.holders,
     )
 
 

@@ -31,6 +31,7 @@ from isolator.transport.convert import (
     gpu_info_to_proto,
     launch_info_to_proto,
     limitation_to_proto,
+    maintenance_to_proto,
     released_to_proto,
     resources_from_proto,
     topology_to_proto,
@@ -224,3 +225,11 @@ class AdminHandlers(Handlers):
 
     def Undrain(self, request: pb.UndrainRequest, call: CallFacts) -> pb.UndrainResponse:
         return undrained_to_proto(self._service.undrain(request.gpu))
+
+    def MaintenanceDrain(self, request: pb.MaintenanceDrainRequest, call: CallFacts) -> pb.MaintenanceResponse:
+        caller = peergate.caller_text(call.peer)  # the gate's SO_PEERCRED: who took it out of service
+        return maintenance_to_proto(self._service.maintenance_drain(request.gpu, request.reason, caller))
+
+    def MaintenanceUndrain(self, request: pb.MaintenanceUndrainRequest, call: CallFacts) -> pb.MaintenanceResponse:
+        caller = peergate.caller_text(call.peer)
+        return maintenance_to_proto(self._service.maintenance_undrain(request.gpu, caller))

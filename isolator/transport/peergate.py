@@ -256,6 +256,16 @@ def caller_pid(peer: str) -> int:
         return 0
 
 
+def caller_text(peer: str) -> str:
+    """Who called, for the record of an admin decision: ``uid 0, pid 4242`` from the gate's
+    SO_PEERCRED; "unknown caller" for a peer the gate did not name."""
+    if PEER_PREFIX not in peer:
+        return "unknown caller"
+    uid, _gid, _why = _credentials_from_peer(peer)
+    pid = caller_pid(peer)
+    return f"uid {uid}, pid {pid}" if uid >= 0 else "unknown caller"
+
+
 def deny_server(path: str) -> grpc.Server:
     """A gRPC server on ``path`` that refuses everything; two workers and a small inbox."""
     server = grpc.server(

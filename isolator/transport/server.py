@@ -37,6 +37,8 @@ LOG = logging.getLogger(__name__)
 
 ISOLATOR_SERVICE = pb.DESCRIPTOR.services_by_name["Isolator"].full_name
 ADMIN_SERVICE = pb.DESCRIPTOR.services_by_name["Admin"].full_name
+# Every RPC method served, by name: the ``hook`` label of the metrics (isolator/exporters/metrics.py).
+HOOKS = tuple(m.name for s in ("Isolator", "Admin") for m in pb.DESCRIPTOR.services_by_name[s].methods)
 
 # Bytes that are not the method's request message are INVALID_ARGUMENT, not gRPC's INTERNAL
 # "Exception deserializing request!": isolator/transport/serving.py parses leniently.

@@ -17,12 +17,16 @@ from isolator.core import ports
 from isolator.core.admin import Admin
 from isolator.core.booking import Booking
 from isolator.core.changes import Changes
+from isolator.core.cleanup import CleanupHook
 from isolator.core.context import Core
 from isolator.core.grant import KernelGrants
-from isolator.core.hooks import Hooks
+from isolator.core.isolate import IsolateHook
 from isolator.core.locks import ContainerLocks
+from isolator.core.prepare import PrepareHook
 from isolator.core.recovery import Recovery
 from isolator.core.service import IsolatorService
+from isolator.core.update import UpdateHook
+from isolator.core.watch import WatchHook
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CORE_TESTS = (
@@ -89,7 +93,22 @@ INDIRECT = {
 
 
 @pytest.mark.parametrize(
-    "cls", [IsolatorService, Hooks, Recovery, Admin, Core, Booking, Changes, ContainerLocks, KernelGrants]
+    "cls",
+    [
+        IsolatorService,
+        PrepareHook,
+        IsolateHook,
+        UpdateHook,
+        WatchHook,
+        CleanupHook,
+        Recovery,
+        Admin,
+        Core,
+        Booking,
+        Changes,
+        ContainerLocks,
+        KernelGrants,
+    ],
 )
 def test_every_public_method_of_the_core_is_called_by_a_unit_test(cls: type) -> None:
     seen = called(CORE_TESTS)

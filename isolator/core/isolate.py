@@ -73,13 +73,13 @@ class IsolateHook:
         a nested container's pid comes from the agent, not from its parent, so it is placed too).
         A cpuset lost to a crash is made again from the record first."""
         core = self.core
-        aff = core.grants.recorded_affinity(rec)
+        aff = core.cpuset.recorded_affinity(rec)
         if aff is None:
             return
-        before = core.grants.cpus.allowed_of(pid)
+        before = core.cpuset.cpus.allowed_of(pid)
         current = core.cpusets.current(cid.root)
         if current is None or current != aff:
-            core.grants.apply_cpuset(cid.root, aff)
+            core.cpuset.apply_cpuset(cid.root, aff)
         core.cpusets.join(cid.root, pid)
         lost = (before or frozenset()) - aff.cpus
         if lost:

@@ -90,8 +90,8 @@ class PrepareHook:
             minors = frozenset(choice.gpus)
             undo: Undo = [lambda: self._deallocate(minors, units)]
             try:
-                aff = core.grants.affinity(container_id, minors, units)
-                held = aff if core.grants.enforcing else None  # recorded with the GPUs, applied after their rules
+                aff = core.cpuset.affinity(container_id, minors, units)
+                held = aff if core.cpuset.enforcing else None  # recorded with the GPUs, applied after their rules
                 grant = core.grants.compute(minors, units)
                 rules = grant.rules
                 core.store.record(
@@ -117,9 +117,9 @@ class PrepareHook:
                 core.grants.write(container_id, rules)
                 crashpoint("prepare.applied")
                 if held is not None:
-                    undo.append(lambda: core.grants.remove_cpuset(container_id))
+                    undo.append(lambda: core.cpuset.remove_cpuset(container_id))
                     crashpoint("cpuset.recorded")
-                    core.grants.apply_cpuset(container_id, held)
+                    core.cpuset.apply_cpuset(container_id, held)
                 info = self._launch_info(container_id, config, grant, image_plan, undo, units, aff)
             except BaseException:
                 self._undo(container_id, undo)
@@ -164,7 +164,7 @@ class PrepareHook:
                 grant = core.grants.compute(minors, units)  # /dev and the MIG view read once for both uses
                 if self._rules_for_nested(cid, config, lambda: grant):
                     undo.append(lambda: core.grants.revoke(cid))
-                aff = core.grants.affinity(cid, minors, units) if core.settings.cpu_affinity != "off" else None
+                aff = core.cpuset.affinity(cid, minors, units) if core.settings.cpu_affinity != "off" else None
                 info = self._launch_info(cid, config, grant, image_plan, undo, units, aff)
             except BaseException:
                 self._undo(cid, undo)

@@ -49,7 +49,7 @@ class UpdateHook:
             try:
                 # Decided before anything changes: an enforced locality that leaves nothing refuses the update.
                 moved = (
-                    core.grants.affinity(container_id, (rec.gpus | add) - release) if core.grants.enforcing else None
+                    core.cpuset.affinity(container_id, (rec.gpus | add) - release) if core.cpuset.enforcing else None
                 )
             except BaseException:
                 if add:
@@ -73,7 +73,7 @@ class UpdateHook:
                 core.store.remove_gpus(container_id, release)
                 core.release_gpus(release)
             final = (rec.gpus | add) - release
-            if core.grants.enforcing and (add or release):
+            if core.cpuset.enforcing and (add or release):
                 self._move_cpuset(container_id, rec, moved)
         LOG.info("updated %s to %d GPUs", core.describe(container_id, frozenset(final)), target)
 
@@ -81,17 +81,17 @@ class UpdateHook:
         """After an update: record the cpuset of the GPUs now held, then write it. A container left
         with no GPUs is let go back to what its parent allows (it is left alone, as without GPUs)."""
         core = self.core
-        old = core.grants.recorded_affinity(rec)
+        old = core.cpuset.recorded_affinity(rec)
         if held is None:
             if old is None:
                 return
-            machine = core.grants.cpus.machine()
+            machine = core.cpuset.cpus.machine()
             held = Affinity(core.cpusets.allowed(cid) or machine.cpus, machine.mems)
         if old == held:
             return
         core.store.set_cpuset(cid, held.cpu_list, held.mem_list)
         crashpoint("cpuset.recorded")
-        core.grants.apply_cpuset(cid, held, before=old.cpus if old is not None else None)
+        core.cpuset.apply_cpuset(cid, held, before=old.cpus if old is not None else None)
         if old is None:
             # It had no GPUs, so no cpuset: its processes join the one just made.
             for member in [cid, *core.grants.nested_cgroups(cid)] if core.cgroups.exists(cid) else []:

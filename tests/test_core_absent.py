@@ -38,7 +38,7 @@ def test_a_recorded_cpuset_is_left_alone_where_no_cpuset_hierarchy_is_bound() ->
     rig.cpusets = None  # type: ignore[assignment]
     rig.settings = type(rig.settings)(mode="standalone", cpu_affinity="hint")
     service = rig.restart()
-    assert not service.core.grants.enforcing and service.core.grants.recorded_affinity(rec) is None
+    assert not service.core.cpuset.enforcing and service.core.cpuset.recorded_affinity(rec) is None
     report = service.audit()
     assert (report.checked, report.repaired) == (1, ())
     pid = rig.processes.spawn()

@@ -266,7 +266,7 @@ def test_kernel_grant_writes_outside_the_container_lock_are_refused_and_change_n
     rig.service.prepare(a, gpus(2))
     minors = rig.store.get(a).gpus  # type: ignore[union-attr]
     before = rig.cgroups.rules_of(a)
-    grants = core.grants
+    grants, cpuset = core.grants, core.cpuset
     writes: list[Callable[[], object]] = [
         lambda: grants.apply(a, frozenset()),
         lambda: grants.write(a, ()),
@@ -274,8 +274,9 @@ def test_kernel_grant_writes_outside_the_container_lock_are_refused_and_change_n
         lambda: grants.revoke(a),
         lambda: grants.cleanup(a),
         lambda: grants.apply_nested(cid("a.child"), ()),
-        lambda: grants.apply_cpuset(a, Affinity(frozenset({0}), frozenset({0}))),
-        lambda: grants.remove_cpuset(a),
+        lambda: cpuset.apply_cpuset(a, Affinity(frozenset({0}), frozenset({0}))),
+        lambda: cpuset.remove_cpuset(a),
+        lambda: cpuset.release(a),
     ]
     for call in writes:
         with pytest.raises(LockNotHeld, match="container a's lock"):

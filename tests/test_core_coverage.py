@@ -17,12 +17,17 @@ from isolator.core import ports
 from isolator.core.admin import Admin
 from isolator.core.booking import Booking
 from isolator.core.changes import Changes
+from isolator.core.cleanup import CleanupHook
 from isolator.core.context import Core
+from isolator.core.cpuset import CpusetGrant
 from isolator.core.grant import KernelGrants
-from isolator.core.hooks import Hooks
+from isolator.core.isolate import IsolateHook
 from isolator.core.locks import ContainerLocks
+from isolator.core.prepare import PrepareHook
 from isolator.core.recovery import Recovery
 from isolator.core.service import IsolatorService
+from isolator.core.update import UpdateHook
+from isolator.core.watch import WatchHook
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CORE_TESTS = (
@@ -36,7 +41,7 @@ CORE_TESTS = (
     "test_core_handover.py",
     "test_core_maintenance.py",
 )
-CONTRACT_TESTS = ("test_contracts.py",)
+CONTRACT_TESTS = ("test_contracts.py", "test_processes_hostile.py")
 
 
 def called(files: tuple[str, ...]) -> set[str]:
@@ -88,11 +93,28 @@ INDIRECT = {
     "apply_cpuset": "update",
     "drain_for_maintenance": "maintenance_drain",  # an operator's drain (tests/test_core_maintenance.py)
     "end_maintenance": "maintenance_undrain",
+    "release": "cleanup",  # a top-level container's cpuset (tests/test_core_affinity.py)
 }
 
 
 @pytest.mark.parametrize(
-    "cls", [IsolatorService, Hooks, Recovery, Admin, Core, Booking, Changes, ContainerLocks, KernelGrants]
+    "cls",
+    [
+        IsolatorService,
+        PrepareHook,
+        IsolateHook,
+        UpdateHook,
+        WatchHook,
+        CleanupHook,
+        Recovery,
+        Admin,
+        Core,
+        Booking,
+        Changes,
+        ContainerLocks,
+        KernelGrants,
+        CpusetGrant,
+    ],
 )
 def test_every_public_method_of_the_core_is_called_by_a_unit_test(cls: type) -> None:
     seen = called(CORE_TESTS)

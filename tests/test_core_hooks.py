@@ -10,7 +10,7 @@ from unittest import mock
 
 import pytest
 
-from isolator.core import hooks
+from isolator.core import prepare
 from isolator.errors import (
     AlreadyExists,
     CgroupBusy,
@@ -204,8 +204,8 @@ def test_prepare_decides_on_the_driver_volume_once(rig: Rig) -> None:
     with (
         mock.patch.object(inject, "should_inject", decide),
         mock.patch.object(inject, "check_cuda", check),
-        mock.patch.object(hooks, "should_inject", decide),
-        mock.patch.object(hooks, "check_cuda", check),
+        mock.patch.object(prepare, "should_inject", decide),
+        mock.patch.object(prepare, "check_cuda", check),
     ):
         info = rig.service.prepare(cid("a"), image(1))
     assert info is not None and any(m.target == "/rootfs/a/usr/local/nvidia" for m in info.mounts)

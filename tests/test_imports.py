@@ -106,8 +106,8 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 def test_the_graph_sees_known_edges():
     edges = graph()
     assert "isolator.transport.bridge" in edges["isolator.transport.server"]
-    assert "isolator.core.context" in edges["isolator.core.hooks"]
-    assert "volumes.inject" in edges["isolator.core.hooks"]
+    assert "isolator.core.context" in edges["isolator.core.prepare"]
+    assert "volumes.inject" in edges["isolator.core.prepare"]
 
 
 def test_the_cycle_finder_finds_a_cycle():

@@ -4,7 +4,12 @@ Read it from the file names (docs/architecture.md draws the whole request path):
 
     api.py       IsolatorApi: what the transport's handlers (both routes) may call
     service.py   IsolatorService: composes the three parts below over one Core
-    hooks.py     prepare, isolate, update, watch ("is there a limitation now"), usage, status, cleanup
+    hooks.py     Hooks: the hooks below together
+    prepare.py   prepare (top-level and nested containers, the launch)
+    isolate.py   isolate (the pid rule is policy/placement.py)
+    update.py    update (grow, shrink, the cpuset following)
+    watch.py     watch ("is there a limitation now"), usage, status
+    cleanup.py   cleanup
     recovery.py  start-up booking, Recover, reaping containers whose cgroup vanished, the drift audit
     admin.py     the views behind the gpu-isolator CLI, release, undrain
     handover.py  the check of released GPUs before they are handed out again

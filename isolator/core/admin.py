@@ -243,7 +243,7 @@ class Admin:
         """The GPUs' locality on this machine (None: none, or nothing left) and the cpuset in force."""
         core = self.core
         try:
-            local = core.grants.locality(rec.gpus, core.grants.mig_of(rec))
+            local = core.cpuset.locality(rec.gpus, core.grants.mig_of(rec))
         except IsolatorError:
             local = None
         current = core.cpusets.current(rec.container_id)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from isolator.core.absent import NoVolumes
 from isolator.core.booking import Booking
 from isolator.core.changes import Changes
+from isolator.core.cpuset import CpusetGrant
 from isolator.core.grant import KernelGrants
 from isolator.core.handover import Handover
 from isolator.core.locks import ContainerLocks
@@ -99,7 +100,15 @@ class Core:
         self.changes = Changes()  # what a Watch waits on: health changes, containers gone
         # Which GPUs and MIG devices are held (core/booking.py), under its own checked lock.
         self.booking = Booking(edges.inventory, edges.inventory.topology(), settings.policy)
-        # What the kernel grants each container (core/grant.py): its devices cgroups and cpuset.
+        # What the kernel grants each container: its cpuset (core/cpuset.py) and its devices
+        # cgroups (core/grant.py), which let the cpuset go with the rest at cleanup.
+        self.cpuset = CpusetGrant(
+            booking=self.booking,
+            locks=self.locks,
+            cpu_affinity=settings.cpu_affinity,
+            cpus=edges.cpus,
+            cpusets=edges.cpusets,
+        )
         self.grants = KernelGrants(
             booking=self.booking,
             locks=self.locks,
@@ -108,12 +117,10 @@ class Core:
             devices=edges.devices,
             store=edges.store,
             mode=settings.mode,
-            cpu_affinity=settings.cpu_affinity,
-            cpus=edges.cpus,
-            cpusets=edges.cpusets,
+            cpuset=self.cpuset,
         )
         # Released GPUs back to the pool only once NVML shows them clear (core/handover.py).
-        self.cpusets = self.grants.cpusets  # a null object without a cpuset hierarchy (core/absent.py)
+        self.cpusets = self.cpuset.cpusets  # a null object without a cpuset hierarchy (core/absent.py)
         self.handover = Handover(
             settings=settings,
             clock=edges.clock,

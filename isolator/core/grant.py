@@ -1,13 +1,14 @@
 """The kernel grant: what a container may open, computed once as data (``Grant``: the devices cgroup
 rules and the device nodes), and the one object that puts it in the kernel and takes it back: the
-container's devices cgroup, the cgroups of its own of its nested containers, and its cpuset.
+container's devices cgroup and the cgroups of its own of its nested containers. Its cpuset is the
+other half (core/cpuset.py), let go here with the rest at cleanup.
 
 Lock contract (checked, isolator/core/locks.py): every method that writes to the kernel (``create``,
-``write``, ``apply``, ``apply_nested``, ``revoke``, ``cleanup``, ``apply_cpuset``, ``remove_cpuset``)
-must be called with the container's lock held (``locks.hold(cid)``; recovery: ``locks.exclusive()``)
-and without the booking lock (a cgroup write is I/O, never done inside a booking decision); each
-raises ``LockNotHeld`` otherwise, before touching anything. Computing a grant and reading the kernel
-(``compute``, ``rules``, ``granted``, ``governing``, ``nested_cgroups``, ``affinity``) need no lock.
+``write``, ``apply``, ``apply_nested``, ``revoke``, ``cleanup``) must be called with the container's
+lock held (``locks.hold(cid)``; recovery: ``locks.exclusive()``) and without the booking lock (a
+cgroup write is I/O, never done inside a booking decision); each raises ``LockNotHeld`` otherwise,
+before touching anything. Computing a grant and reading the kernel (``compute``, ``rules``,
+``governing``, ``nested_cgroups``) need no lock.
 Ordering: ``apply`` writes the kernel before it records the rules granted; the caller records the
 GPUs before any rule grants them and revokes them here before their record lets them go.
 """
@@ -19,14 +20,13 @@ import posixpath
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from isolator.core.absent import NoCpus, NoCpusets
 from isolator.core.booking import Booking, mig_devices_of
-from isolator.core.locks import ContainerLocks, LockNotHeld
-from isolator.core.ports import CgroupBackend, Cpusets, CpuTopology, DeviceNodes, GpuInventory, RecordStore
+from isolator.core.cpuset import CpusetGrant
+from isolator.core.locks import ContainerLocks, require_kernel_write
+from isolator.core.ports import CgroupBackend, DeviceNodes, GpuInventory, RecordStore
 from isolator.crashpoints import crashpoint
-from isolator.errors import AffinityEmpty, AffinityUnknown, CgroupBusy, CgroupVanished, IsolatorError
+from isolator.errors import CgroupVanished, IsolatorError
 from isolator.model import ContainerId, ContainerRecord, MigDevice
-from isolator.policy import affinity as affinities
 from isolator.policy import devices as devrules
 from isolator.policy import mig as migunits
 
@@ -44,7 +44,7 @@ class Grant:
 
 
 class KernelGrants:
-    """Computes grants and applies or revokes them in the kernel (devices cgroups and cpusets)."""
+    """Computes grants and applies or revokes them in the kernel (devices cgroups; the cpuset through ``cpuset``)."""
 
     def __init__(
         self,
@@ -56,9 +56,7 @@ class KernelGrants:
         devices: DeviceNodes,
         store: RecordStore,
         mode: str,
-        cpu_affinity: str = "off",
-        cpus: CpuTopology | None = None,
-        cpusets: Cpusets | None = None,
+        cpuset: CpusetGrant,
     ) -> None:
         self.booking = booking  # the managed GPUs (``booking.gpus``) and the inventory's MIG view
         self.locks = locks
@@ -67,20 +65,11 @@ class KernelGrants:
         self.devices = devices
         self.store = store
         self.mode = mode
-        self.cpu_affinity = cpu_affinity
-        # The optional edges as null objects (core/absent.py); whether the real ones were given is
-        # decided here, once: without a CPU view there is no locality, without a cpuset hierarchy no
-        # cpuset (a recorded one included) is enforced.
-        self._cpus_known = cpus is not None
-        self._cpuset_bound = cpusets is not None
-        self.cpus: CpuTopology = cpus if cpus is not None else NoCpus()
-        self.cpusets: Cpusets = cpusets if cpusets is not None else NoCpusets()
+        self.cpuset = cpuset
 
     def _require(self, cid: ContainerId, what: str) -> None:
         """The lock contract: the container's lock held, the booking lock not."""
-        self.locks.require(cid, what)
-        if self.booking.lock.held():
-            raise LockNotHeld(f"{what} must not be called with the booking lock held (a kernel write is I/O)")
+        require_kernel_write(self.locks, self.booking.lock, cid, what)
 
     # ---- the grant as data ------------------------------------------------------------------------
 
@@ -218,77 +207,4 @@ class KernelGrants:
                 self.cgroups.cleanup(child)
         self.cgroups.cleanup(cid)
         if not cid.nested:
-            try:
-                self.cpusets.remove(cid)  # ours in both modes (docs/affinity.md); after the GPUs' rules
-            except CgroupBusy as exc:
-                if not keep_busy_cpuset:
-                    raise
-                # A forced release of a container whose processes run on: they keep their CPUs; the
-                # start-up reconciliation removes the cpuset once it is empty.
-                LOG.warning("container %s: its cpuset stays for its processes: %s", cid, exc.message)
-
-    # ---- the cpuset (docs/affinity.md) ------------------------------------------------------------
-
-    @property
-    def enforcing(self) -> bool:
-        """Whether containers are held to their GPUs' CPUs with a cpuset (``--cpu-affinity enforce``)."""
-        return self.cpu_affinity == "enforce" and self._cpuset_bound
-
-    def affinity(
-        self, cid: ContainerId, minors: frozenset[int], units: Iterable[MigDevice] = ()
-    ) -> affinities.Affinity | None:
-        """The CPUs and memory nodes local to ``minors`` (and MIG ``units``' parents) on this machine.
-
-        None when affinity is off or the container has no GPUs. Enforcing, a locality that leaves
-        nothing or is unknown is refused (``AffinityEmpty``/``AffinityUnknown``); hinting, it is
-        logged and no hint is given.
-        """
-        if self.cpu_affinity == "off" or not self._cpus_known:
-            return None
-        try:
-            return self.locality(minors, units)
-        except (AffinityEmpty, AffinityUnknown) as exc:
-            if self.enforcing:
-                LOG.error("container %s: refused: %s", cid, exc.message)
-                raise
-            LOG.warning("container %s: no CPU affinity hint: %s", cid, exc.message)
-            return None
-
-    def locality(self, minors: frozenset[int], units: Iterable[MigDevice] = ()) -> affinities.Affinity | None:
-        """``affinity.decide`` for these GPUs on this machine, whatever the mode (the admin views)."""
-        if not self._cpus_known:
-            return None
-        gpus = self.booking.gpus
-        held = sorted(minors | migunits.parents(tuple(units)))
-        local = [affinities.GpuLocality(m, gpus[m].numa_node, gpus[m].cpu_affinity) for m in held if m in gpus]
-        return affinities.decide(local, self.cpus.machine())
-
-    def apply_cpuset(self, cid: ContainerId, aff: affinities.Affinity, before: frozenset[int] | None = None) -> None:
-        """Hold ``cid``'s cpuset to ``aff`` (recorded first by the caller), saying so when it narrows
-        the CPUs the container could use before (``before``: the cpuset's parent's when None)."""
-        self._require(cid, "apply_cpuset")
-        if before is None:
-            before = self.cpusets.allowed(cid) or self.cpus.machine().cpus
-        self.cpusets.apply(cid.root, aff.cpus, aff.mems)
-        lost = affinities.narrowed(before, aff.cpus)
-        if lost:
-            LOG.info(
-                "container %s: cpuset '%s' narrows it from CPUs %s to %s, memory nodes %s (local to its GPUs)",
-                cid,
-                self.cpusets.path(cid),
-                affinities.format_list(before),
-                aff.cpu_list,
-                aff.mem_list,
-            )
-
-    def remove_cpuset(self, cid: ContainerId) -> None:
-        """Remove ``cid``'s cpuset (CgroupBusy while it holds processes)."""
-        self._require(cid, "remove_cpuset")
-        self.cpusets.remove(cid)
-
-    def recorded_affinity(self, rec: ContainerRecord | None) -> affinities.Affinity | None:
-        """The cpuset a record holds its container to; None without one, or without a cpuset
-        hierarchy to hold it in (a record from a machine that had one is not enforced here)."""
-        if rec is None or not rec.cpus or not self._cpuset_bound:
-            return None
-        return affinities.Affinity(affinities.parse_list(rec.cpus), affinities.parse_list(rec.mems))
+            self.cpuset.release(cid, keep_busy_cpuset)  # ours in both modes; after the GPUs' rules

@@ -90,6 +90,14 @@ class LockNotHeld(RuntimeError):
     """A method that must run inside a critical section was called outside it: a bug of ours."""
 
 
+def require_kernel_write(locks: ContainerLocks, booking_lock: OwnedLock, cid: ContainerId, what: str) -> None:
+    """The kernel writers' contract (core/grant.py, core/cpuset.py): the container's lock held, the
+    booking lock not (a cgroup write is I/O, never done inside a booking decision)."""
+    locks.require(cid, what)
+    if booking_lock.held():
+        raise LockNotHeld(f"{what} must not be called with the booking lock held (a kernel write is I/O)")
+
+
 class OwnedLock:
     """A plain lock that knows which thread holds it, so that "call with it held" is a checked
     contract (``require``), not a comment. Used as ``with lock:`` only; not re-entrant."""

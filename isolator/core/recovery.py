@@ -76,14 +76,14 @@ class Recovery:
             drift = self._cpuset_drift(cid, rec)
             if drift is not None:
                 LOG.warning("start: %s: %s; applying the record", core.describe(cid, rec.gpus), drift)
-                aff = core.grants.recorded_affinity(rec)
+                aff = core.cpuset.recorded_affinity(rec)
                 assert aff is not None
-                core.grants.apply_cpuset(cid, aff)
+                core.cpuset.apply_cpuset(cid, aff)
         for cid in core.cpusets.containers():
             if cid in records or core.cpusets.path(cid) == core.cgroups.cgroup_path(cid):
                 continue  # recorded, or a v2 devices cgroup that is also the cpuset (standalone): not ours here
             try:
-                core.grants.remove_cpuset(cid)
+                core.cpuset.remove_cpuset(cid)
                 LOG.warning("start: removed the cpuset '%s', which has no record", core.cpusets.path(cid))
             except IsolatorError as exc:
                 LOG.warning("start: the cpuset '%s' has no record and stays: %s", core.cpusets.path(cid), exc)
@@ -91,7 +91,7 @@ class Recovery:
     def _cpuset_drift(self, cid: ContainerId, rec: ContainerRecord) -> str | None:
         """How the kernel's cpuset differs from the recorded one (policy.drift.cpuset_drift)."""
         core = self.core
-        recorded = core.grants.recorded_affinity(rec)
+        recorded = core.cpuset.recorded_affinity(rec)
         if recorded is None:
             return None
         return drift.cpuset_drift(recorded, core.cpusets.current(cid), core.cpusets.path(cid))
@@ -262,9 +262,9 @@ class Recovery:
                     lines.append(f"container {cid}: {drift}; re-applied the recorded rules")
                 cpuset_drift = self._cpuset_drift(cid, rec)
                 if cpuset_drift is not None:
-                    aff = core.grants.recorded_affinity(rec)
+                    aff = core.cpuset.recorded_affinity(rec)
                     assert aff is not None
-                    core.grants.apply_cpuset(cid, aff)
+                    core.cpuset.apply_cpuset(cid, aff)
                     lines.append(f"container {cid}: {cpuset_drift}; re-applied the recorded cpuset")
             for line in lines:
                 LOG.warning("audit: %s", line)
@@ -301,7 +301,7 @@ class Recovery:
                     continue
                 with contextlib.suppress(CgroupVanished):
                     core.grants.revoke(cid)
-                core.grants.remove_cpuset(cid)  # its processes died with its Mesos cgroups
+                core.cpuset.remove_cpuset(cid)  # its processes died with its Mesos cgroups
                 core.drop(cid, rec)
             reaped.append(cid)
             LOG.warning("released %s: its cgroup is gone (destroyed without a cleanup)", core.describe(cid, rec.gpus))

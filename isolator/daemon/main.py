@@ -387,33 +387,26 @@ class CdiKeeper:
     def start(self, stop: threading.Event, interval: float) -> None:
         self.update()
         self.inventory.on_health_change(lambda _event: self.update())
-        args = (self.update, stop, interval, lambda _count: None)
-        threading.Thread(target=_reap_loop, args=args, name="cdi", daemon=True).start()
+        every(interval, stop, self.update, "cdi", "periodic reconciliation failed")
 
 
-def _reap_loop(
-    reap: Callable[[], object], stop: threading.Event, interval: float, reaped: Callable[[int], None]
-) -> None:
-    while not stop.wait(interval):
-        try:
-            released = reap()
-            reaped(len(released) if isinstance(released, (list, tuple)) else 0)
-        except Exception:
-            LOG.exception("periodic reconciliation failed; retrying in %s s", interval)
+def every(interval: float, stop: threading.Event, work: Callable[[], object], name: str, failure: str) -> None:
+    """The daemon's one periodic loop: ``work`` every ``interval`` seconds on a daemon thread
+    ``name`` until ``stop`` is set (at once while it waits; after a run in progress). A failure is
+    logged (``failure``, with its traceback) and the next period tries again: it never stops the sidecar."""
+
+    def loop() -> None:
+        while not stop.wait(interval):
+            try:
+                work()
+            except Exception:
+                LOG.exception("%s; retrying in %s s", failure, interval)
+
+    threading.Thread(target=loop, name=name, daemon=True).start()
 
 
 def _ignore(_count: int) -> None:
     pass
-
-
-def _audit_loop(
-    audit: Callable[[], AuditReport], stop: threading.Event, interval: float, audited: Callable[[int], None]
-) -> None:
-    while not stop.wait(interval):
-        try:
-            audited(len(audit().repaired))
-        except Exception:
-            LOG.exception("periodic drift audit failed; retrying in %s s", interval)
 
 
 class AuditLoop:
@@ -428,8 +421,8 @@ class AuditLoop:
         self.cancel()
         if interval > 0:
             cancel = self._cancel = threading.Event()
-            args = (self._audit, cancel, interval, self._audited)
-            threading.Thread(target=_audit_loop, args=args, name="audit", daemon=True).start()
+            audit, audited = self._audit, self._audited
+            every(interval, cancel, lambda: audited(len(audit().repaired)), "audit", "periodic drift audit failed")
 
     def cancel(self) -> None:
         """The running loop ends at its next wake-up (at once while it waits; after an audit in progress)."""
@@ -501,14 +494,6 @@ class Reloader:
             self._nvml.ignored_xids = frozenset(config.ignored_xids)
         elif name in ("allowed_uids", "allowed_gids"):
             self._server.set_allowed(config.allowed_uids, config.allowed_gids)
-
-
-def _drain_loop(recheck: Callable[[], None], stop: threading.Event, interval: float) -> None:
-    while not stop.wait(interval):
-        try:
-            recheck()
-        except Exception:
-            LOG.exception("re-checking the draining GPUs failed; retrying in %s s", interval)
 
 
 def _nvml_of(service: IsolatorService) -> Inventory | None:
@@ -640,18 +625,14 @@ def _serve(
         LOG.info("%s", note)
     core = service.core
     keeper: CdiKeeper | None = None
-    if config.cdi_dir and core.volumes is not None and core.gpus:
+    if config.cdi_dir and core.gpus:
         keeper = CdiKeeper(core.inventory, core.edges.devices.dev_root, core.volumes, config.cdi_dir, config.cdi_kind)
         keeper.start(stop, config.reap_interval)
     elif config.cdi_dir:
         LOG.error("--cdi-dir '%s': no GPUs are managed, so no CDI spec is written", config.cdi_dir)
     if config.mode == "mesos":
-        threading.Thread(
-            target=_reap_loop,
-            args=(service.reap_vanished, stop, config.reap_interval, reaped),
-            name="reaper",
-            daemon=True,
-        ).start()
+        reap = service.reap_vanished
+        every(config.reap_interval, stop, lambda: reaped(len(reap())), "reaper", "periodic reconciliation failed")
     if config.mode == "mesos":
         # The first reconciliation against Mesos's cgroups before READY=1: containers destroyed
         # while the sidecar was down give their GPUs back before systemd starts the agent.
@@ -661,8 +642,8 @@ def _serve(
             LOG.exception("the first reconciliation failed; the reaper retries in %s s", config.reap_interval)
     if core.gpus and config.drain_check == "on":
         # Draining GPUs are looked at again as often as the GPUs are probed (docs/handover.md).
-        recheck = (service.recheck_draining, stop, config.gpu_probe_interval)
-        threading.Thread(target=_drain_loop, args=recheck, name="drain", daemon=True).start()
+        interval, failure = config.gpu_probe_interval, "re-checking the draining GPUs failed"
+        every(interval, stop, service.recheck_draining, "drain", failure)
     audit = AuditLoop(service.audit, metrics.audited if metrics is not None else _ignore)
     audit.start(config.audit_interval)
     serving = f"serving on {config.socket}"

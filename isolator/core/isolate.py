@@ -1,0 +1,126 @@
+"""Isolate: the container's init placed in its cgroup (standalone) or found there (mesos), and in
+its cpuset. Which pid may be moved is decided by ``isolator.policy.placement`` over facts read here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from isolator.core.context import Core
+from isolator.crashpoints import crashpoint
+from isolator.errors import FailedPrecondition, InvalidArgument
+from isolator.model import ContainerId, ContainerRecord
+from isolator.policy import placement
+from isolator.policy.affinity import format_list
+
+LOG = logging.getLogger(__name__)
+
+
+class IsolateHook:
+    """Isolate (part of IsolatorService, through ``hooks.Hooks``)."""
+
+    core: Core  # set by IsolatorService, which composes the parts over one Core
+
+    def isolate(self, container_id: ContainerId, pid: int, caller: int | None = None) -> None:
+        core = self.core
+        placement.check_pid(pid)
+        if not core.edges.processes.exists(pid):
+            raise FailedPrecondition(f"pid {pid} does not exist (the container's init is gone)")
+        if core.edges.processes.kernel_thread(pid):
+            raise FailedPrecondition(f"pid {pid} is a kernel thread; only a container's own processes are isolated")
+        leader = core.edges.processes.leader_of(pid)
+        if leader is not None and leader != pid:
+            # /proc/<tid> answers for any thread, but a cgroup takes processes (cgroup.procs moves
+            # the whole group) and pidfd_open(2) holds none but a leader: the caller sent a thread id.
+            raise InvalidArgument(
+                f"pid {pid} is a thread of process {leader}, not a process; Isolate takes the process's"
+                f" pid ({leader}, its thread group's leader)"
+            )
+        if core.edges.processes.exited(pid):
+            raise FailedPrecondition(
+                f"pid {pid} has exited (a zombie its parent has not reaped yet); the container's init is gone"
+            )
+        with core.locks.hold(container_id):
+            rec = core.require(container_id.root)
+            target = core.grants.governing(container_id)
+            if core.settings.mode == "standalone":
+                self._move(container_id, target, pid, caller)
+                crashpoint("isolate.placed")
+            else:
+                self._wait_for_pid(target, pid)
+            self._join_cpuset(container_id, rec, pid)
+            if not container_id.nested and rec.state == "prepared":
+                core.store.update(container_id, state="isolated")
+        LOG.info("isolated pid %d in %s", pid, core.describe(container_id, rec.gpus))
+
+    def _move(self, cid: ContainerId, target: ContainerId, pid: int, caller: int | None) -> None:
+        """Standalone mode places the container's init itself, by the pid rule (isolator/policy/
+        placement.py) over facts read here. The process is held by a pidfd from the check to after
+        the move, so the pid that was written named the process that was checked (if it exited
+        meanwhile, the move is refused)."""
+        core = self.core
+        procs = core.edges.processes
+        placement.check_not_sidecar(pid, procs.sidecar_pids())
+        pinned = procs.pin(pid)
+        if pinned is None:
+            raise FailedPrecondition(f"pid {pid} does not exist (the container's init is gone)")
+        try:
+            where = core.cgroups.cgroup_of(pid)
+            root = core.cgroups.root_path()
+            own = core.cgroups.cgroup_path(cid.root)
+            inside = placement.in_container(cid, pid, where, root, own, core.cgroups.version)
+            if caller is not None and placement.needs_caller_check(inside, caller):
+                assert where is not None  # in_container refused an unreadable cgroup
+                self._check_caller(cid, pid, where, caller)
+            core.cgroups.add_pid(target, pid)
+            if not pinned.alive():
+                raise FailedPrecondition(
+                    f"pid {pid} exited while it was being isolated; its number may now name another process"
+                )
+        finally:
+            pinned.close()
+
+    def _join_cpuset(self, cid: ContainerId, rec: ContainerRecord, pid: int) -> None:
+        """Put the pid in its top-level container's cpuset (mesos mode: ours, beside Mesos's cgroups;
+        a nested container's pid comes from the agent, not from its parent, so it is placed too).
+        A cpuset lost to a crash is made again from the record first."""
+        core = self.core
+        aff = core.cpuset.recorded_affinity(rec)
+        if aff is None:
+            return
+        before = core.cpuset.cpus.allowed_of(pid)
+        current = core.cpusets.current(cid.root)
+        if current is None or current != aff:
+            core.cpuset.apply_cpuset(cid.root, aff)
+        core.cpusets.join(cid.root, pid)
+        lost = (before or frozenset()) - aff.cpus
+        if lost:
+            LOG.info(
+                "pid %d of container %s could run on CPUs %s; its GPUs' cpuset '%s' holds it to %s",
+                pid,
+                cid,
+                format_list(before or ()),
+                core.cpusets.path(cid),
+                aff.cpu_list,
+            )
+
+    def _check_caller(self, cid: ContainerId, pid: int, where: str, caller: int) -> None:
+        """Whether a process from outside the container is the caller's (placement's rule), reading
+        /proc and the caller's cgroup only as far as the rule needs them."""
+        core = self.core
+        placement.check_caller_known(cid, pid, caller)
+        if placement.is_callers(pid, caller, pid != caller and core.edges.processes.descends_from(pid, caller)):
+            return
+        placement.check_callers_cgroup(cid, pid, where, caller, core.cgroups.cgroup_of(caller))
+
+    def _wait_for_pid(self, cid: ContainerId, pid: int) -> None:
+        clock = self.core.clock
+        deadline = clock.monotonic() + self.core.settings.isolate_settle_s
+        while True:
+            if pid in self.core.cgroups.pids(cid):
+                return
+            if clock.monotonic() >= deadline:
+                raise FailedPrecondition(
+                    f"pid {pid} is not in the cgroup '{self.core.cgroups.cgroup_path(cid)}' of container {cid}"
+                )
+            clock.sleep(0.02)

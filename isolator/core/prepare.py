@@ -1,0 +1,299 @@
+"""Prepare: a container's GPUs booked, recorded, granted in the kernel, and its launch decided.
+
+Holds the container's lock for its whole run and the booking lock only for the choice of GPUs; a
+failure half-way undoes what was done, in reverse. Decisions come from pure modules (allocator,
+devices, volumes.inject, policy.launch); the machine is reached through the edges.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import posixpath
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from isolator.core.context import Core
+from isolator.core.grant import Grant
+from isolator.crashpoints import crashpoint
+from isolator.errors import (
+    AlreadyExists,
+    CgroupVanished,
+    FailedPrecondition,
+    InvalidArgument,
+    IsolatorError,
+    NotFound,
+    from_code,
+)
+from isolator.model import (
+    ContainerConfig,
+    ContainerId,
+    ContainerRecord,
+    LaunchInfo,
+    MigDevice,
+    Mount,
+    check_rootfs,
+    gpu_count,
+)
+from isolator.policy import launch
+from isolator.policy import mig as migunits
+from isolator.policy.affinity import Affinity
+from volumes.errors import VolumeError
+from volumes.inject import DriverFacts, Image, check_cuda, should_inject, volume_injection
+
+LOG = logging.getLogger(__name__)
+
+MS_BIND = 4096
+
+Undo = list[Callable[[], object]]
+
+
+@dataclass(frozen=True)
+class ImagePlan:
+    """What ``prepare`` decided about the driver volume before allocating anything."""
+
+    image: Image
+    facts: DriverFacts
+    reason: str  # why it takes the volume (should_inject): decided once, before anything is allocated
+
+
+def _volume_error(exc: VolumeError) -> IsolatorError:
+    return from_code(exc.code, str(exc))
+
+
+class PrepareHook:
+    """Prepare, for a top-level or a nested container (part of IsolatorService, through ``hooks.Hooks``)."""
+
+    core: Core  # set by IsolatorService, which composes the parts over one Core
+
+    def prepare(self, container_id: ContainerId, config: ContainerConfig) -> LaunchInfo | None:
+        if container_id.nested:
+            return self._prepare_nested(container_id, config)
+        core = self.core
+        count = gpu_count(config.resources)
+        mig_request = migunits.requests(config.resources)
+        image_plan = self._image_plan(config)
+        with core.locks.hold(container_id):
+            if core.store.get(container_id) is not None:
+                raise AlreadyExists(f"container {container_id} has already been prepared")
+            core.changes.forget_ended(container_id)
+            self._refuse_populated(container_id)
+            if count or mig_request:
+                core.handover.recheck()  # a draining GPU that is clear now may be chosen (docs/handover.md)
+            with core.booking.lock:
+                choice = core.booking.allocate_whole(count)
+                try:
+                    units = core.booking.choose_mig(mig_request)
+                except BaseException:
+                    core.booking.deallocate(choice.gpus)
+                    raise
+            minors = frozenset(choice.gpus)
+            undo: Undo = [lambda: self._deallocate(minors, units)]
+            try:
+                aff = core.cpuset.affinity(container_id, minors, units)
+                held = aff if core.cpuset.enforcing else None  # recorded with the GPUs, applied after their rules
+                grant = core.grants.compute(minors, units)
+                rules = grant.rules
+                core.store.record(
+                    ContainerRecord(
+                        container_id,
+                        gpus=minors,
+                        mode=core.settings.mode,
+                        cgroup=core.cgroups.cgroup_path(container_id),
+                        cgroup_version=1 if core.cgroups.version == "v1" else 2,
+                        state="prepared",
+                        created=core.clock.time(),
+                        rules=rules,
+                        mig=frozenset((d.uuid, d.parent_minor) for d in units),
+                        cpus=held.cpu_list if held is not None else "",
+                        mems=held.mem_list if held is not None else "",
+                    )
+                )
+                undo.append(lambda: self._forget(container_id))
+                undo.append(lambda: core.grants.revoke(container_id))
+                crashpoint("prepare.recorded")
+                core.grants.create(container_id)
+                crashpoint("prepare.cgroup")
+                core.grants.write(container_id, rules)
+                crashpoint("prepare.applied")
+                if held is not None:
+                    undo.append(lambda: core.cpuset.remove_cpuset(container_id))
+                    crashpoint("cpuset.recorded")
+                    core.cpuset.apply_cpuset(container_id, held)
+                info = self._launch_info(container_id, config, grant, image_plan, undo, units, aff)
+            except BaseException:
+                self._undo(container_id, undo)
+                raise
+        mig_note = f", MIG devices [{migunits.visible_devices(units)}]" if units else ""
+        LOG.info("prepared %s (%s)%s", core.describe(container_id, minors), choice.policy, mig_note)
+        return info
+
+    def _refuse_populated(self, cid: ContainerId) -> None:
+        """A cgroup that already holds processes would hand them the new GPUs without any Isolate
+        (left behind by a forced release, or made by someone else under our root): refuse it."""
+        cgroups = self.core.cgroups
+        if not cgroups.exists(cid):
+            return
+        try:
+            squatters = cgroups.pids(cid)
+        except CgroupVanished:
+            return
+        if squatters:
+            raise FailedPrecondition(
+                f"the cgroup '{cgroups.cgroup_path(cid)}' of container {cid} already has processes "
+                f"{list(squatters)}; they would get its GPUs without an Isolate (end them, or remove the cgroup)"
+            )
+
+    def _prepare_nested(self, cid: ContainerId, config: ContainerConfig) -> LaunchInfo | None:
+        # Mesos: DEBUG containers inherit everything from their parent; other nested containers get
+        # the volume and device nodes for their own rootfs and use their top-level container's GPUs.
+        # Both get the top-level container's rules in a cgroup of their own where the agent made one.
+        core = self.core
+        if config.container_class == "DEBUG":
+            with core.locks.hold(cid):
+                root = self._require_top_level(cid)
+                self._rules_for_nested(cid, config, lambda: core.grants.compute(root.gpus, core.grants.mig_of(root)))
+            return None
+        image_plan = self._image_plan(config)
+        with core.locks.hold(cid):
+            root = self._require_top_level(cid)
+            minors = root.gpus
+            undo: Undo = []
+            try:
+                units = core.grants.mig_of(root)
+                grant = core.grants.compute(minors, units)  # /dev and the MIG view read once for both uses
+                if self._rules_for_nested(cid, config, lambda: grant):
+                    undo.append(lambda: core.grants.revoke(cid))
+                aff = core.cpuset.affinity(cid, minors, units) if core.settings.cpu_affinity != "off" else None
+                info = self._launch_info(cid, config, grant, image_plan, undo, units, aff)
+            except BaseException:
+                self._undo(cid, undo)
+                raise
+        LOG.info("prepared nested %s", core.describe(cid, minors))
+        return info
+
+    def _require_top_level(self, cid: ContainerId) -> ContainerRecord:
+        # Mesos prepares a top-level container (with every isolator) before anything nested in it;
+        # a nested container whose top-level one we never prepared is one we cannot account for.
+        rec = self.core.store.get(cid.root)
+        if rec is None:
+            raise FailedPrecondition(
+                f"nested container {cid}: its top-level container {cid.root} was never prepared with this sidecar"
+            )
+        return rec
+
+    def _rules_for_nested(self, cid: ContainerId, config: ContainerConfig, grant: Callable[[], Grant]) -> bool:
+        """Give a nested container that has a devices cgroup of its own its top-level container's rules.
+
+        Mesos makes ``<root>/<parent>/mesos/<child>`` (v1, and v2 with ``/leaf``) before module
+        isolators prepare, and puts the pid there: on v1 only when ``share_cgroups`` is false (1.10+),
+        whitelisted with its defaults alone, so the GPUs would be denied; on v2 (master) for every
+        nested container, outside our program on the parent's leaf, so nothing of ours would apply.
+        The caller has found the top-level container's record (``_require_top_level``); ``grant``
+        gives its grant, computed only when a cgroup of its own needs it. Call with the container's
+        lock held.
+        """
+        core = self.core
+        if core.settings.mode != "mesos":
+            return False  # standalone: nested containers run in their top-level container's cgroup
+        if not core.cgroups.exists(cid):
+            if not config.share_cgroups:
+                raise FailedPrecondition(
+                    f"nested container {cid} asks for cgroups of its own (share_cgroups=false) but "
+                    f"'{core.cgroups.cgroup_path(cid)}' does not exist; is Mesos's cgroups/devices isolator enabled?"
+                )
+            return False  # shares its parent's cgroup, whose rules are already in force
+        core.grants.create(cid)
+        core.grants.apply_nested(cid, grant().rules)
+        return True
+
+    def _image_plan(self, config: ContainerConfig) -> ImagePlan | None:
+        """Decide on the volume before anything is allocated, so a refusal leaves nothing behind."""
+        if not config.has_image:
+            return None
+        check_rootfs(config.rootfs)  # absolute and normalized: everything below resolves in it
+        if not self.core.edges.filesystem.is_dir(config.rootfs):
+            raise InvalidArgument(f"the container's rootfs '{config.rootfs}' does not exist")
+        inv = self.core.inventory
+        image = Image(env=config.image_env, labels=dict(config.image_labels))
+        facts = DriverFacts(inv.driver_version, inv.cuda_driver_version)
+        try:
+            inject, reason = should_inject(image)
+            if inject:
+                check_cuda(image, facts, config.rootfs)
+        except VolumeError as exc:
+            raise _volume_error(exc) from exc
+        return ImagePlan(image, facts, reason) if inject else None
+
+    def _launch_info(
+        self,
+        cid: ContainerId,
+        config: ContainerConfig,
+        grant: Grant,
+        image_plan: ImagePlan | None,
+        undo: Undo,
+        units: tuple[MigDevice, ...] = (),
+        aff: Affinity | None = None,
+    ) -> LaunchInfo | None:
+        """What the launch gets (decided in isolator/policy/launch.py); an image's mounts are made here."""
+        visible, local = launch.visible_env(units), launch.locality_env(aff)
+        if not config.has_image:
+            return launch.on_host(config.command_task, visible, local)
+        mounts = self._device_mounts(config.rootfs, grant)
+        env: tuple[tuple[str, str], ...] = ()
+        if image_plan is not None:
+            mounts_v, env = self._volume(cid, config, image_plan, undo)
+            mounts = mounts_v + mounts
+        return launch.in_image(config.command_task, mounts, env, visible, local)
+
+    def _device_mounts(self, rootfs: str, grant: Grant) -> list[Mount]:
+        """Bind mounts of the grant's nodes: exactly the allocated GPUs, the control devices and the MIG
+        caps (Mesos exposes every /dev/nvidia*, unallocated GPUs and nvidia-modeset included: §2.15.6)."""
+        core = self.core
+        dev_root = core.edges.devices.dev_root
+        # Targets resolved inside the image (``dev`` may be a link in it): never a host path.
+        target = core.edges.filesystem.mount_target
+        return [
+            Mount(target=target(rootfs, f"dev/{name}"), source=posixpath.join(dev_root, name), flags=MS_BIND)
+            for name in grant.nodes
+        ]
+
+    def _volume(
+        self, cid: ContainerId, config: ContainerConfig, plan: ImagePlan, undo: Undo
+    ) -> tuple[list[Mount], tuple[tuple[str, str], ...]]:
+        core = self.core
+        try:
+            volume = core.volumes.acquire(cid.key(), plan.facts.driver_version)
+            undo.append(lambda: core.release_volume(cid))
+            crashpoint("prepare.volume")
+        except VolumeError as exc:
+            raise _volume_error(exc) from exc
+        injection = volume_injection(config.rootfs, plan.image, volume.path, plan.reason)  # decided in _image_plan
+        if not cid.nested:
+            core.store.update(cid, volume_version=volume.driver_version)
+        mounts = []
+        for spec in injection.mounts:
+            target = spec.target
+            if spec.mkdir:
+                # Made inside the image as if it were '/', and mounted where that resolved to (an
+                # image's `usr -> /X` must not make the sidecar create /X/local/nvidia on the host).
+                rel = posixpath.relpath(spec.target, config.rootfs)
+                target = core.edges.filesystem.make_dirs_in(config.rootfs, rel)
+            mounts.append(Mount(target=target, source=spec.source, flags=spec.flags))
+        return mounts, tuple(sorted(injection.env.items()))
+
+    def _deallocate(self, minors: frozenset[int], units: tuple[MigDevice, ...] = ()) -> None:
+        with self.core.booking.lock:
+            self.core.booking.deallocate(minors)
+            self.core.booking.free_mig(d.uuid for d in units)
+
+    def _undo(self, cid: ContainerId, undo: Undo) -> None:
+        for step in reversed(undo):
+            try:
+                step()
+            except Exception:
+                LOG.exception("failed to undo part of prepare for container %s", cid)
+
+    def _forget(self, cid: ContainerId) -> None:
+        with contextlib.suppress(NotFound):
+            self.core.store.remove(cid)

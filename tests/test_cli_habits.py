@@ -89,12 +89,15 @@ def test_gpus_piped_into_head_ends_quietly(tmp_path):
 @pytest.mark.parametrize("command", ADMIN)
 def test_every_admin_command_takes_o_json_yaml_wide(command):
     parser = cli.build_parser()
-    extra = ["x"] if command in ("describe", "release", "undrain") else []
+    # An ADMIN_CALLS key is the command and its flags ("undrain --handover"); each takes its arguments.
+    sub, *flags = command.split()
+    needs = {"describe": ["x"], "release": ["x"], "undrain": ["x"], "drain": ["x", "--reason", "r"]}
+    argv = [sub, *needs.get(sub, []), *flags]
     for fmt in OUTPUT_FORMATS:
-        args = parser.parse_args([command, *extra, "-o", fmt])
+        args = parser.parse_args([*argv, "-o", fmt])
         assert cli._output_format(args) == fmt
-    assert cli._output_format(parser.parse_args([command, *extra, "--json"])) == "json"
-    assert cli._output_format(parser.parse_args([command, *extra])) == ""
+    assert cli._output_format(parser.parse_args([*argv, "--json"])) == "json"
+    assert cli._output_format(parser.parse_args(argv)) == ""
 
 
 def test_json_and_a_different_o_contradict_before_anything_is_sent(short_tmp):

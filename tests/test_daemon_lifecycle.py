@@ -11,13 +11,14 @@ import uuid
 import pytest
 
 from isolator.cli.main import EXIT_CONFIG, EXIT_WORK_DIR_HELD
-from isolator.testing.cgroupfs import TEST_PARENT
+from isolator.testing.cgroupfs import TEST_PARENT, unique_name
 from isolator.testing.sidecar import Sidecar
 
 
 def _serve(work: str, *flags: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "isolator", "serve", "--socket", os.path.join(work, "s.sock"), "--work-dir", work]
     argv += ["--volume-root", os.path.join(work, "volumes"), "--mode", "standalone", *flags]
+    argv += ["--cgroups-root", unique_name(TEST_PARENT)]  # one daemon per cgroups root (issue 33)
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
 
 

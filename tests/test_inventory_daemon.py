@@ -20,6 +20,7 @@ from isolator.cli import main as cli
 from isolator.simhost.host import HOSTS_DIR, load_host, shipped_hosts
 from isolator.simhost.sim import SimulatedHost
 from isolator.testing import forkserver
+from isolator.testing.cgroupfs import TEST_PARENT, unique_name
 from isolator.testing.sidecar import wait_for_listener
 
 
@@ -42,6 +43,7 @@ def _daemon(work: str, *flags: str, prepare: Callable[[SimulatedHost], None] | N
     if prepare is not None:
         name = flags[flags.index("--simulate") + 1]
         prepare(SimulatedHost(name, os.path.join(work, "simhost")).setup())
+    flags = ("--cgroups-root", unique_name(TEST_PARENT), *flags)  # one daemon per cgroups root (issue 33)
     proc = subprocess.Popen(
         [sys.executable, "-m", "isolator", "serve", "--socket", sock, "--work-dir", work, *flags],
         stderr=subprocess.PIPE,

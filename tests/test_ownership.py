@@ -42,7 +42,7 @@ def _metrics_answer(path: str) -> bytes:
 
 
 def _one_line(result: subprocess.CompletedProcess[str]) -> str:
-    lines = result.stderr.strip().splitlines()
+    lines = [line for line in result.stderr.strip().splitlines() if " INFO " not in line]
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     return lines[0]
 
@@ -71,11 +71,11 @@ def test_a_second_daemon_sharing_the_cgroups_root_or_any_socket_refuses_naming_t
 
         # The same cgroups root (every socket its own).
         w = other()
-        result = _second(first, w, "--socket", os.path.join(w, "s.sock"))
+        result = _second(first, w, "--socket", os.path.join(w, "s.sock"), "--metrics-address", "")
         assert result.returncode == EXIT_WORK_DIR_HELD, result.stderr
         line = _one_line(result)
         assert f"cgroups root '{root}'" in line and pid in line and "--cgroups-root" in line, line
-        assert not os.path.exists(os.path.join(w, "s.sock")) and not os.path.exists(os.path.join(w, "state")), line
+        assert not os.path.exists(os.path.join(w, "state")), "the refused daemon opened a state"
 
         # Another cgroups root, the same gRPC socket.
         w = other()
@@ -165,3 +165,23 @@ def test_a_released_removable_lock_is_never_held_twice(tmp_path):
     finally:
         os.close(stale)
         second.release()
+
+
+def test_a_sweep_removes_the_lock_files_of_dead_holders_and_leaves_held_ones(tmp_path):
+    from isolator.host.pidlock import PidLock, sweep
+
+    held = PidLock.acquire(str(tmp_path / "held.lock"), "held", removable=True)
+    code = (
+        "import os, signal\n"
+        "from isolator.host.pidlock import PidLock\n"
+        f"PidLock.acquire({str(tmp_path / 'dead.lock')!r}, 'dead', removable=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=False, timeout=60)
+    assert sorted(os.listdir(tmp_path)) == ["dead.lock", "held.lock"]
+    try:
+        assert sweep(str(tmp_path)) == 1
+        assert os.listdir(tmp_path) == ["held.lock"]
+    finally:
+        held.release()
+    assert os.listdir(tmp_path) == []

@@ -15,6 +15,7 @@ from isolator.errors import SocketError
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
 from isolator.testing import StubService, forkserver
+from isolator.testing.cgroupfs import TEST_PARENT, unique_name
 from isolator.transport.server import SidecarServer
 from isolator.transport.settings import ServerSettings
 
@@ -254,8 +255,10 @@ def test_serve_errors_exit_1_or_78_with_one_line(short_tmp):
 
 def test_serve_answers_health_and_stops_cleanly_on_sigterm(short_tmp):
     path = os.path.join(short_tmp, "s.sock")
+    argv = [sys.executable, "-m", "isolator", "serve", "--socket", path, "--work-dir", short_tmp]
+    argv += ["--resources", "gpus:0", "--cgroups-root", unique_name(TEST_PARENT)]  # one daemon per root (issue 33)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "isolator", "serve", "--socket", path, "--work-dir", short_tmp, "--resources", "gpus:0"],
+        argv,
         stderr=subprocess.PIPE,
         text=True,
     )

@@ -12,6 +12,7 @@ import pytest
 
 from isolator import __version__
 from isolator.simhost.sim import SimulatedHost
+from isolator.testing.cgroupfs import TEST_PARENT, unique_name
 
 NVML_ERROR_DRIVER_NOT_LOADED = 9
 
@@ -19,6 +20,7 @@ NVML_ERROR_DRIVER_NOT_LOADED = 9
 def _serve(work: str, *flags: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "isolator", "serve", "--socket", os.path.join(work, "s.sock"), "--work-dir", work]
     argv += ["--volume-root", os.path.join(work, "volumes"), "--mode", "standalone", *flags]
+    argv += ["--cgroups-root", unique_name(TEST_PARENT)]  # one daemon per cgroups root (issue 33)
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
 
 
@@ -57,6 +59,7 @@ def test_the_explicit_opt_out_starts_without_nvml(short_tmp):
     argv = [sys.executable, "-m", "isolator", "serve", "--socket", os.path.join(short_tmp, "s.sock")]
     argv += ["--work-dir", short_tmp, "--volume-root", os.path.join(short_tmp, "v"), "--mode", "standalone"]
     argv += ["--nvml-library", "/nonexistent/libnvidia-ml.so.1", "--resources", "cpus:2;gpus:0"]
+    argv += ["--cgroups-root", unique_name(TEST_PARENT)]
     proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
     try:
         start = time.monotonic()

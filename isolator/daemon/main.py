@@ -24,6 +24,7 @@ from isolator.policy import gpuflags
 if TYPE_CHECKING:
     from isolator.cgroups.cpuset import CpusetController
     from isolator.core.service import IsolatorService
+    from isolator.daemon.ownership import Claims
     from isolator.gpu.nvml import Inventory
     from isolator.host.cpus import SysCpus
     from isolator.model import AuditReport
@@ -139,10 +140,17 @@ def watch_device_events(inventory: Inventory, host: SimulatedHost | None) -> Non
 
 
 def build_service(
-    config: Config, notes: list[str] | None = None, on_volume_build: Callable[[object], None] | None = None
+    config: Config,
+    notes: list[str] | None = None,
+    on_volume_build: Callable[[object], None] | None = None,
+    owned: list[Claims] | None = None,
 ) -> IsolatorService:
     """Real edges for the hooks: NVML (or the simulated host's), the devices cgroup of the detected
-    hierarchy, the state store under the work dir, and the driver volume manager."""
+    hierarchy, the state store under the work dir, and the driver volume manager.
+
+    With ``owned``, the (hierarchy, cgroups root) and the sockets are claimed (appended there) once
+    the GPUs and the hierarchy are known and before any cgroup or the state is touched: a second
+    daemon on them exits 75, after a bad flag (78) or missing GPUs (4) have had their say."""
     from isolator.cgroups import controller_for
     from isolator.cgroups.detect import detect
     from isolator.core.context import Settings
@@ -159,6 +167,15 @@ def build_service(
             f"the {hierarchy.version} devices hierarchy is mounted at '{hierarchy.mount}', "
             f"outside --cgroups-hierarchy '{config.cgroups_hierarchy}'"
         )
+    if owned is not None:
+        from isolator.daemon.ownership import claim
+
+        try:
+            owned.append(claim(config, hierarchy))
+        except BaseException:
+            if inventory is not None:
+                inventory.close()
+            raise
     host_devices = HostDevices(dev_root)
     # In mesos mode the controller writes only NVIDIA's majors; every other device is the agent's.
     controller = controller_for(
@@ -526,16 +543,14 @@ def serve(config: Config, reread: Callable[[], Config] | None = None) -> int:
     # one SQLite state and book each other's GPUs). Held until this process ends.
     lock = WorkDirLock.acquire(config.work_dir)
     try:
-        # Then, before the state is read or a cgroup recovered: one daemon per (hierarchy, cgroups
-        # root) and per socket, whatever its work directory (isolator/daemon/ownership.py).
-        from isolator.cgroups.detect import detect
-        from isolator.daemon.ownership import claim
-
-        claims = claim(config, detect(override=config.cgroup_version))
+        # The sockets and the cgroups root are claimed later (build_service), once the GPUs and the
+        # flags were checked and before the state is read or a cgroup recovered.
+        owned: list[Claims] = []
         try:
-            return _serve(config, hup, reread or (lambda: config), claims.sockets)
+            return _serve(config, hup, reread or (lambda: config), owned)
         finally:
-            claims.release()
+            for claims in owned:
+                claims.release()
     finally:
         lock.release()
 
@@ -556,9 +571,7 @@ def startup_line(config: Config, core: Any) -> str:
     )
 
 
-def _serve(
-    config: Config, hup: threading.Event, reread: Callable[[], Config], guards: tuple[Any, Any] | None = None
-) -> int:
+def _serve(config: Config, hup: threading.Event, reread: Callable[[], Config], owned: list[Claims]) -> int:
     from isolator.daemon.sdnotify import Notifier
 
     notifier = Notifier()
@@ -570,7 +583,7 @@ def _serve(
 
         parse_address(config.metrics_address)  # a bad address stops the start before anything is built
         metrics = Metrics(hooks=HOOKS)
-    service = build_service(config, notes, on_volume_build=metrics.volume_built if metrics else None)
+    service = build_service(config, notes, on_volume_build=metrics.volume_built if metrics else None, owned=owned)
     observers: list[Callable[[str, str, float, object], None]] = []
     jobmap = None
     extras: list[Callable[[], None]] = []  # stopped after the server
@@ -613,7 +626,9 @@ def _serve(
     signal.signal(signal.SIGINT, on_signal)
     from isolator.transport.server import SidecarServer
 
-    server = SidecarServer(config.server_settings(), service, observe if observers else None, guards)
+    server = SidecarServer(
+        config.server_settings(), service, observe if observers else None, owned[0].sockets if owned else None
+    )
     try:
         server.start()
     except BaseException:

@@ -1,5 +1,5 @@
-"""What one daemon owns besides its work directory, claimed before it reads any state: the
-(hierarchy, cgroups root) it manages and each of its sockets (gRPC, bridge, a ``unix:`` metrics path).
+"""What one daemon owns besides its work directory, claimed before it reads any state: each of its
+sockets (gRPC, bridge, a ``unix:`` metrics path) and the (hierarchy, cgroups root) it manages.
 
 Each claim is an flock (isolator/host/pidlock.py) that the kernel drops with its holder, SIGKILL
 included; a second daemon that would share one refuses with exit 75 naming the holder's pid. It
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from isolator.cgroups.detect import Hierarchy
 from isolator.daemon.config import Config
 from isolator.errors import CgroupsRootHeld, StateError
-from isolator.host.pidlock import PidLock
+from isolator.host.pidlock import PidLock, sweep
 from isolator.transport.server import SocketGuard, socket_guards
 
 # The cgroups roots' lock files live in the daemon's runtime directory, which the unit creates
@@ -80,25 +80,14 @@ class Claims:
 
 
 def claim(config: Config, hierarchy: Hierarchy, lock_dir: str = LOCK_DIR) -> Claims:
-    """Claim the cgroups root, then the gRPC socket, the bridge socket and a ``unix:`` metrics path.
+    """Claim the gRPC socket, the bridge socket, a ``unix:`` metrics path, then the cgroups root.
 
-    Raises CgroupsRootHeld or SocketHeld (exit 75) naming the holder, having released whatever
-    it claimed before.
+    Raises SocketHeld or CgroupsRootHeld (exit 75) naming the holder, or SocketError for a path
+    that cannot be a socket, having released whatever it claimed before.
     """
     from isolator.exporters.metrics import parse_address
 
-    _lock_dir(lock_dir)
-    root = config.cgroups_root
-    cgroups = PidLock.acquire(
-        cgroups_lock_path(lock_dir, hierarchy, root),
-        f"cgroups root '{root}'",
-        removable=True,
-        held=CgroupsRootHeld,
-        root=root,
-        version=hierarchy.version,
-        mount=hierarchy.mount,
-    )
-    claims = Claims(socket_guards(config.server_settings()), cgroups=cgroups)
+    claims = Claims(socket_guards(config.server_settings()))
     with _undo_on_error(claims):
         for guard in claims.sockets:
             if guard is not None:
@@ -108,6 +97,18 @@ def claim(config: Config, hierarchy: Hierarchy, lock_dir: str = LOCK_DIR) -> Cla
             if kind == "unix":
                 claims.metrics = SocketGuard(str(target), "--metrics-address")
                 claims.metrics.acquire()
+        _lock_dir(lock_dir)
+        sweep(lock_dir)  # what daemons killed with SIGKILL left: /run should not fill up with them
+        root = config.cgroups_root
+        claims.cgroups = PidLock.acquire(
+            cgroups_lock_path(lock_dir, hierarchy, root),
+            f"cgroups root '{root}'",
+            removable=True,
+            held=CgroupsRootHeld,
+            root=root,
+            version=hierarchy.version,
+            mount=hierarchy.mount,
+        )
     return claims
 
 

@@ -95,6 +95,42 @@ class PidLock:
         self._fd = None
 
 
+def sweep(directory: str, suffix: str = ".lock") -> int:
+    """Remove the removable lock files in ``directory`` whose holders died without releasing them
+    (SIGKILL): each one is locked, unlinked while held and let go, as its holder would have. A held
+    one is left alone; a contender that opened one just before sees it gone and tries again (the
+    class's protocol). Returns how many were removed."""
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        if not name.endswith(suffix):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # held: its holder is alive
+            if _names(path, st):
+                os.unlink(path)
+                removed += 1
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
+
+
 def _names(path: str, st: os.stat_result) -> bool:
     """Whether ``path`` still names the file ``st`` describes."""
     try:

@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import socket
+import stat
 from typing import Any
 
 import grpc
@@ -68,14 +69,20 @@ def to_dict(message: Any) -> dict[str, Any]:
 def probe(socket_path: str, timeout: float = 5.0) -> None:
     """Raise Unreachable with the reason when nothing we may talk to listens on ``socket_path``.
 
-    A plain connect(2) first: it tells a missing socket, a refused one (the sidecar is down and left
-    its socket behind) and a forbidden one apart at once, where gRPC would only retry until its deadline.
+    The path first (stat): a directory, a regular file (a lock file, say) or anything else that is
+    not a socket is named as such, with the socket to use where one is found. Then a plain connect(2):
+    it tells a missing socket, a refused one (the sidecar is down and left its socket behind) and a
+    forbidden one apart at once, where gRPC would only retry until its deadline. Then what answers
+    (``sniff``): the bridge's framed protocol and an HTTP/1 metrics endpoint are named, with the
+    path to use, instead of a wait for the deadline or gRPC's HTTP/2 parse errors.
     """
     where = f"cannot reach the sidecar at '{socket_path}'"
+    _check_path(socket_path, where)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
         sock.connect(socket_path)
+        kind = sniff(sock, timeout)
     except FileNotFoundError:
         raise Unreachable(f"{where}: no such socket (is the sidecar running? pick another with --socket)") from None
     except PermissionError:
@@ -92,6 +99,131 @@ def probe(socket_path: str, timeout: float = 5.0) -> None:
         raise Unreachable(f"{where}: {exc.strerror or exc}") from None
     finally:
         sock.close()
+    if kind == "bridge":
+        raise Unreachable(
+            f"{where}: '{socket_path}' is the command-module bridge's socket (the bridge executables' framed"
+            f" protocol), not the sidecar's gRPC socket; {_use(_grpc_beside(socket_path))}"
+        )
+    if kind == "http":
+        raise Unreachable(
+            f"{where}: '{socket_path}' serves HTTP (Prometheus metrics), not the sidecar's gRPC; read it with"
+            f" curl --unix-socket '{socket_path}' http://localhost/metrics, and {_use(_grpc_beside(socket_path))}"
+        )
+
+
+# The first bytes each of the sidecar's sockets sends. gRPC (HTTP/2) sends its SETTINGS frame as soon
+# as a connection opens (RFC 9113 3.4, the server's connection preface); the bridge and an HTTP/1
+# server wait for a request, which ``sniff`` then sends as HTTP/1: the bridge refuses it with its
+# own reply line (isolator/bridge/listener.py), the metrics server answers with a status line.
+HTTP2_FRAME_HEADER = 9
+HTTP2_SETTINGS = 0x04
+SNIFF_REQUEST = b"GET / HTTP/1.0\r\n\r\n"
+SNIFF_WAIT_S = 0.25
+
+
+def classify(first: bytes) -> str:
+    """``grpc``, ``bridge``, ``http`` or ``unknown`` from the first bytes a socket sent."""
+    if len(first) >= HTTP2_FRAME_HEADER and first[3] == HTTP2_SETTINGS:
+        return "grpc"
+    if first.startswith((b"ERROR ", b"RETRY ", b"OK\n")):
+        return "bridge"
+    if first.startswith(b"HTTP/"):
+        return "http"
+    return "unknown"
+
+
+def sniff(sock: socket.socket, timeout: float) -> str:
+    """What answers on the connected ``sock`` (see ``classify``). The decision rests on the bytes,
+    never on the time: a gRPC server slow to send its SETTINGS still sends them first when the
+    HTTP/1 request reaches it (then it closes), and the wait only decides when that request goes."""
+    sock.settimeout(min(SNIFF_WAIT_S, timeout))
+    try:
+        first = sock.recv(64)
+    except TimeoutError:
+        sock.settimeout(timeout)
+        try:
+            sock.sendall(SNIFF_REQUEST)
+            sock.shutdown(socket.SHUT_WR)
+            first = sock.recv(64)
+        except (TimeoutError, BrokenPipeError, ConnectionResetError):
+            return "unknown"
+    return classify(first)
+
+
+def _answers(path: str, timeout: float = 2.0) -> str:
+    """``classify`` of what answers on ``path``; ``none`` when nothing does."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(path)
+        return sniff(sock, timeout)
+    except OSError:
+        return "none"
+    finally:
+        sock.close()
+
+
+def _grpc_beside(path: str) -> str | None:
+    """The gRPC socket that goes with ``path``: ``<socket>`` for its ``<socket>.bridge`` or
+    ``<socket>.lock``, else a socket in the same directory that answers gRPC."""
+    for suffix in (".bridge", ".lock"):
+        if path.endswith(suffix):
+            base = path[: -len(suffix)]
+            if base.endswith(".bridge") and suffix == ".lock":
+                base = base[: -len(".bridge")]
+            if _is_socket(base) and _answers(base) == "grpc":
+                return base
+    found = _grpc_sockets_in(os.path.dirname(path) or ".", skip=path)
+    return found[0] if found else None
+
+
+def _grpc_sockets_in(directory: str, skip: str = "") -> list[str]:
+    """Sockets in ``directory`` that answer gRPC (at most 8 looked at: this is an error path)."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    candidates = [os.path.join(directory, n) for n in names if _is_socket(os.path.join(directory, n))]
+    return [c for c in candidates[:8] if c != skip and _answers(c) == "grpc"]
+
+
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _use(grpc_socket: str | None) -> str:
+    if grpc_socket is not None:
+        return f"use --socket '{grpc_socket}'"
+    return "give --socket the sidecar's gRPC socket (its --socket; the bridge's is <socket>.bridge)"
+
+
+def _check_path(path: str, where: str) -> None:
+    """Refuse at once a path that exists and is not a socket, saying what it is."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return  # connect(2) names what is wrong (no such file, permission)
+    mode = st.st_mode
+    if stat.S_ISSOCK(mode):
+        return
+    if stat.S_ISDIR(mode):
+        found = _grpc_sockets_in(path)
+        hint = (
+            _use(found[0])
+            if found
+            else f"--socket takes the socket's own path, e.g. '{os.path.join(path, 'isolator.sock')}'"
+        )
+        raise Unreachable(f"{where}: '{path}' is a directory, not a socket; {hint}")
+    kind = "a regular file" if stat.S_ISREG(mode) else "a FIFO or a device"
+    note = ""
+    if stat.S_ISREG(mode) and path.endswith(".lock"):
+        note = f" (the lock file of '{path[: -len('.lock')]}')"
+    elif stat.S_ISREG(mode) and os.path.basename(path) == "gpu-isolator.pid":
+        note = " (a work directory's lock file)"
+    raise Unreachable(f"{where}: '{path}' is {kind}, not a socket{note}; {_use(_grpc_beside(path))}")
 
 
 class Client:

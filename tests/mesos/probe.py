@@ -3,7 +3,7 @@
 ``python3 probe.py DEVDIR [SECONDS]`` prints one ``dev <name> <ok|EPERM|ENXIO|...>`` line per
 ``DEVDIR/nvidia*`` node (ENXIO: the device cgroup let the open through and the missing driver
 refused it; EPERM: the device cgroup refused it), one ``env NAME=VALUE`` line per NVIDIA_*/CUDA_*
-variable, ``cgroup <path>`` (its devices cgroup), ``probed``, then sleeps SECONDS (default 0) so that
+variable, ``cgroup <path>`` (its v1 devices cgroup), ``cgroup2 <path>`` (its cgroup2 one), ``probed``, then sleeps SECONDS (default 0) so that
 the task keeps its GPUs; ``start``/``end``
 lines carry the wall-clock times around all that.
 """
@@ -36,6 +36,8 @@ with open("/proc/self/cgroup") as fh:
         _, controllers, path = line.rstrip("\n").split(":", 2)
         if "devices" in controllers.split(","):
             print(f"cgroup {path}")
+        elif _ == "0" and not controllers:
+            print(f"cgroup2 {path}")
 print("probed", flush=True)
 time.sleep(float(sys.argv[2]) if len(sys.argv) > 2 else 0)
 print(f"end {time.time():.3f}", flush=True)

@@ -65,6 +65,7 @@ __all__ = [
     "Agent",
     "Cluster",
     "MesosNotFound",
+    "Program",
     "Task",
     "cgroups_v2_unsupported",
     "device_programs",
@@ -125,7 +126,8 @@ def cgroups_v2_unsupported(home: str) -> str | None:
     device manager came to master in 2024 (1.12.0-dev); no release up to 1.11.0 has them."""
     version = mesos_version(home)
     if version < (1, 12, 0):
-        return f"Mesos {'.'.join(map(str, version))} has no cgroups v2 support (master from 2024-08, 1.12.0-dev, is the first)"
+        shown = ".".join(map(str, version))
+        return f"Mesos {shown} has no cgroups v2 support (master of 2024-08, 1.12.0-dev, is the first with it)"
     return None
 
 
@@ -358,6 +360,42 @@ class Task:
         """v2: ``<root>/<id>/leaf`` (``.../mesos/<child>/leaf``), where the processes are (and ours)."""
         return os.path.join(self.cgroup(*nested), "leaf")
 
+    def debug(self, command: str, timeout: float = 120) -> tuple[str, str]:
+        """Run ``command`` in a DEBUG container below the task's executor (the agent's
+        LAUNCH_NESTED_CONTAINER_SESSION, what ``mesos task exec`` does) and return its
+        ``(container ID, stdout)``: the session streams its output as RecordIO and ends with it."""
+        import base64
+
+        child = str(uuid.uuid4())
+        call = {
+            "type": "LAUNCH_NESTED_CONTAINER_SESSION",
+            "launch_nested_container_session": {
+                "container_id": {"parent": {"value": self.container_id()}, "value": child},
+                "command": {"shell": True, "value": command},
+            },
+        }
+        req = urllib.request.Request(
+            f"http://{self.agent().address}/api/v1",
+            data=json.dumps(call).encode(),
+            headers={
+                "Content-Type": "application/json",
+                "Accept": "application/recordio",
+                "Message-Accept": "application/json",
+            },
+            method="POST",
+        )
+        out = []
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            stream = resp.read()
+        while stream:
+            size, _, rest = stream.partition(b"\n")
+            record, stream = rest[: int(size)], rest[int(size) :]
+            message = json.loads(record)
+            data = message.get("data", {})
+            if message.get("type") == "DATA" and data.get("type") == "STDOUT":
+                out.append(base64.b64decode(data.get("data", "")).decode(errors="replace"))
+        return child, "".join(out)
+
     def devices_list(self, *nested: str) -> list[str]:
         """The kernel's devices.list of the task's cgroup, one rule per entry."""
         return read_lines(os.path.join(self.cgroup(*nested), "devices.list"))
@@ -383,6 +421,9 @@ class Agent:
     host: str
     extra_flags: tuple[str, ...] = ()
     cgroups: str = "v1"  # the layout the agent sees (CGROUPS); the sidecar follows it
+    # v2: the NVIDIA nodes (names under the host's dev dir) in --allowed_devices; None: all of them,
+    # (): no --allowed_devices at all. Ignored when extra_flags carry their own.
+    allowed_nvidia: tuple[str, ...] | None = None
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
     sidecar: Sidecar | None = None
@@ -504,8 +545,12 @@ class Agent:
             "--executor_shutdown_grace_period=1secs",
             *self.extra_flags,
         ]
-        if self.cgroups == "v2" and not any(f.startswith("--allowed_devices=") for f in flags):
-            flags.append("--allowed_devices=" + json.dumps(self.nvidia_allowed_devices()))
+        if (
+            self.cgroups == "v2"
+            and self.allowed_nvidia != ()
+            and not any(f.startswith("--allowed_devices=") for f in flags)
+        ):
+            flags.append("--allowed_devices=" + json.dumps(self.nvidia_allowed_devices(self.allowed_nvidia)))
         if self.hooks is not None:
             path = os.path.join(self.work, "modules.json")
             with open(path, "w") as fh:

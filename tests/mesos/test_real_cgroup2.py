@@ -8,6 +8,7 @@ device manager loads its programs without a name, ours are named ``gpu_isolator`
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
@@ -79,7 +80,8 @@ def test_the_agents_program_sits_on_the_container_ours_on_its_leaf_and_the_agent
     ours = the(device_programs(task.leaf()), OURS)
     # The agent's program lets every GPU of --allowed_devices through (and its defaults), ours
     # decides the GPUs and lets every other device through to it.
-    assert {m for m in range(255) if mesos.allows("c", 195, m)} == set(range(8))
+    # (the harness lists every /dev/nvidia* node of the host: nvidia-modeset, 195:254, too)
+    assert {m for m in range(255) if mesos.allows("c", 195, m)} == set(range(8)) | {254}
     assert {m for m in range(255) if ours.allows("c", 195, m)} == held
     assert mesos.allows("c", 1, 3) and ours.allows("c", 1, 3)  # /dev/null
     assert not mesos.allows("c", 1, 11) and ours.allows("c", 1, 11)  # /dev/kmsg: the agent's call
@@ -109,6 +111,10 @@ def test_without_the_gpus_in_the_agents_allowed_devices_a_gpu_task_fails_naming_
     assert "FAILED_PRECONDITION" in update.message, update
     assert re.search(r"denies 'c 195:\d+ r'", update.message), update
     assert "to the Mesos agent's --allowed_devices" in update.message, update
+    # ... in the flag's own form: the GPU's node by path (the control nodes are in already).
+    (flag,) = re.findall(r"--allowed_devices='([^']*)'", update.message)
+    (entry,) = json.loads(flag)["allowed_devices"]
+    assert re.fullmatch(re.escape(agent.sidecar.dev_root) + r"/nvidia\d+", entry["device"]["path"]), entry  # type: ignore[union-attr]
     failed.wait_gone()
     assert all(h == "" for h in agent.holders().values())
     # The control nodes are in the flag: a 0-GPU task runs, and opens them.
@@ -201,7 +207,7 @@ def test_a_debug_container_gets_a_leaf_with_our_program_and_opens_its_parents_gp
     def session() -> None:
         try:
             result["child"], result["out"] = task.debug(probe_command(cluster, seconds=20))
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+        except BaseException as exc:  # handed to the test thread
             result["error"] = exc
 
     thread = threading.Thread(target=session, daemon=True)
@@ -211,7 +217,7 @@ def test_a_debug_container_gets_a_leaf_with_our_program_and_opens_its_parents_gp
     def debug_leaf() -> str | None:
         for d in os.listdir(mesos_dir) if os.path.isdir(mesos_dir) else []:
             leaf = os.path.join(mesos_dir, d, "leaf")
-            if [p.name for p in device_programs(leaf)] == [OURS]:
+            if os.path.isdir(leaf) and [p.name for p in device_programs(leaf)] == [OURS]:
                 return d
         return None
 

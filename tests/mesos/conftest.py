@@ -33,7 +33,11 @@ PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe.py")
 CONTROL = {"nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"}
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Markers; and a module's ``LAYOUTS`` (default: both) says on which layouts its scenarios apply,
+    the others deselected. (Not an indirect parametrize: pytest would group such a v2 with v1, by
+    the parameter's index, and start the shared v2 agent twice.)"""
+    keep, drop = [], []
     for item in items:
         item.add_marker(pytest.mark.mesos)
         item.add_marker(pytest.mark.root)
@@ -41,6 +45,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         params = getattr(item, "callspec", None)
         layout = params.params.get("cgroups", "v1") if params is not None else "v1"
         item.add_marker(pytest.mark.cgroup_v2 if layout == "v2" else pytest.mark.cgroup_v1)
+        applies = params is None or "cgroups" not in params.params
+        (keep if applies or layout in getattr(item.module, "LAYOUTS", CGROUPS) else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 @pytest.fixture(scope="session")

@@ -24,9 +24,9 @@ def module_first(mesos_home: str, cgroups: str) -> Iterator[Cluster]:
 
 @pytest.mark.parametrize("which", ["cluster", "module_first"], ids=["devices-first", "module-first"])
 def test_both_orders_of_isolation_keep_the_agents_devices_and_leak_no_gpu(
-    request: pytest.FixtureRequest, which: str
+    request: pytest.FixtureRequest, which: str, cgroups: str
 ) -> None:
-    ordered: Cluster = request.getfixturevalue(which)
+    ordered: Cluster = request.getfixturevalue(which)  # on the layout of ``cgroups``
     agent = ordered.agents[0]
     assert agent.isolation.index(MODULE) == (1 if which == "cluster" else 0)
     task = probe(ordered, gpus=2, seconds=60)

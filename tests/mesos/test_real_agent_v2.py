@@ -21,7 +21,7 @@ from conftest import PROBE, assert_sees_exactly, granted, granted_at, probe_comm
 from isolator.testing.agent import Cluster, Program, Task, device_programs
 from isolator.testing.agent import _wait as wait_for
 
-pytestmark = pytest.mark.parametrize("cgroups", ["v2"], indirect=True)
+LAYOUTS = ("v2",)  # conftest: these scenarios apply to cgroup v2 only
 
 OURS = "gpu_isolator"
 # Beside the GPUs: in Mesos's default whitelist (/dev/null, /dev/zero), and not (/dev/kmsg, c 1:11).

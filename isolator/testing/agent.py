@@ -84,6 +84,8 @@ TERMINAL = frozenset(
     {"TASK_FINISHED", "TASK_FAILED", "TASK_KILLED", "TASK_LOST", "TASK_ERROR", "TASK_DROPPED", "TASK_GONE"}
 )
 CGROUPS = ("v1", "v2")  # the agent's cgroup layout (``Cluster(cgroups=...)``)
+# The wrapper an operator runs the agent through on cgroup v2 (shipped as package data).
+AGENT_CGROUP2_WRAPPER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "mesos-agent-cgroup2.sh")
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -574,25 +576,22 @@ class Agent:
         return {"allowed_devices": [{"device": {"path": os.path.join(dev, n)}, "access": access} for n in names]}
 
     def namespace_argv(self) -> list[str]:
-        """``unshare`` into a mount namespace of the agent's own (propagation slave: nothing done
-        there reaches the host), with the cgroup layout ``cgroups`` asks for; then ``exec "$@"``."""
+        """What runs the agent (its path and flags follow): on v1 ``unshare`` into a mount namespace
+        of its own (propagation slave: nothing done there reaches the host) without the cgroup2
+        mount; on v2 the wrapper we ship for operators (isolator/data/mesos-agent-cgroup2.sh): it
+        creates ``--cgroups_root`` (the agent aborts at the first launch otherwise) and, on a hybrid
+        host, runs the agent in such a namespace with ``/sys/fs/cgroup`` unmounted recursively and
+        cgroup2 mounted there."""
         if self.cgroups == "v2":
-            # A pure v2 host: every cgroup mount gone, cgroup2 alone at /sys/fs/cgroup.
-            prelude = "umount -R /sys/fs/cgroup && mount -t cgroup2 none /sys/fs/cgroup && "
-        elif os.path.ismount("/sys/fs/cgroup/unified"):
-            # Without the cgroup2 mount: this Mesos refuses the hybrid layout.
-            prelude = "umount /sys/fs/cgroup/unified 2>/dev/null; "
-        else:
-            prelude = ""
+            return ["sh", AGENT_CGROUP2_WRAPPER]
+        # Without the cgroup2 mount: this Mesos refuses the hybrid layout.
+        unified = os.path.ismount("/sys/fs/cgroup/unified")
+        prelude = "umount /sys/fs/cgroup/unified 2>/dev/null; " if unified else ""
         return ["unshare", "--mount", "--propagation", "slave", "--", "sh", "-c", prelude + 'exec "$@"', "mesos-agent"]
 
     def start(self, timeout: float = 90) -> None:
         """Start the agent (a fresh port unless restarting) and wait until the master lists it active."""
         env = dict(os.environ, LD_LIBRARY_PATH=f"{self.cluster.mesos_home}/lib")
-        if self.cgroups == "v2":
-            # On cgroup2 the agent aborts at the first launch unless its root exists
-            # (`Check failed: cgroups2::exists(flags.cgroups_root)`): an operator creates it first.
-            os.makedirs(os.path.join(self.cgroups_mount(), self.cgroups_root), exist_ok=True)
         for attempt in range(3):
             if not self.port or attempt:
                 self.port = free_port()

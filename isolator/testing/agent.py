@@ -552,7 +552,11 @@ class Agent:
             and self.allowed_nvidia != ()
             and not any(f.startswith("--allowed_devices=") for f in flags)
         ):
-            flags.append("--allowed_devices=" + json.dumps(self.nvidia_allowed_devices(self.allowed_nvidia)))
+            # In a file, as an operator would keep it (file:// works for any of the agent's flags).
+            allowed = os.path.join(self.work, "allowed-devices.json")
+            with open(allowed, "w") as fh:
+                json.dump(self.nvidia_allowed_devices(self.allowed_nvidia), fh, indent=1)
+            flags.append(f"--allowed_devices=file://{allowed}")
         if self.hooks is not None:
             path = os.path.join(self.work, "modules.json")
             with open(path, "w") as fh:

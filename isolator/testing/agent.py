@@ -28,14 +28,15 @@ sidecar is still started.
 
 The agent runs in a mount namespace of its own. ``cgroups="v1"`` (default): without
 ``/sys/fs/cgroup/unified``, as this Mesos refuses the hybrid layout, so it manages cgroup v1 only.
-``cgroups="v2"``: ``/sys/fs/cgroup`` unmounted recursively and ``cgroup2`` mounted there, a pure v2
-host for the agent (Mesos master's cgroups2 isolators; 1.11.0 has none: ``cgroups_v2_unsupported``);
-its ``--cgroups_root`` is created beforehand (the agent aborts at the first launch otherwise), and
-the sidecar runs with ``--cgroup-version v2`` on the host's view of the same cgroup2 hierarchy
+``cgroups="v2"``: through the wrapper shipped for operators (isolator/data/mesos-agent-cgroup2.sh),
+``/sys/fs/cgroup`` unmounted recursively and ``cgroup2`` mounted there, a pure v2 host for the agent
+(Mesos master's cgroups2 isolators; 1.11.0 has none: ``cgroups_v2_unsupported``); the wrapper
+creates its ``--cgroups_root`` first (the agent aborts at the first launch otherwise), the agent
+gets ``--allowed_devices`` with the NVIDIA nodes (``nvidia_allowed_devices``), and the sidecar
+runs with ``--cgroup-version v2`` on the host's view of the same cgroup2 hierarchy
 (``/sys/fs/cgroup/unified`` on a hybrid host). Either way the host's mounts are untouched
-(docs/mesos-agent.md). Task states come from mesos-execute's own output
-(one process per task, or per task group); sandboxes, container IDs and cgroups from the agent's
-``/state``.
+(docs/mesos-agent.md). Task states come from mesos-execute's own output (one process per task, or
+per task group); sandboxes, container IDs and cgroups from the agent's ``/state``.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import PROBE, assert_sees_exactly, granted, granted_at, probe_command, seen
+from conftest import PROBE, assert_sees_exactly, granted, granted_at, probe_command
 
 from isolator.testing.agent import Cluster, Program, Task, device_programs
 from isolator.testing.agent import _wait as wait_for
@@ -229,6 +229,13 @@ def test_a_debug_container_gets_a_leaf_with_our_program_and_opens_its_parents_gp
     assert "error" not in result, result.get("error")
     assert result["child"] == child
     assert_sees_exactly(result["out"], held)
-    assert seen(result["out"])
+    # The session over, the agent destroys the DEBUG container (its leaf, and our program with it)
+    # and the module's cleanup reaches the sidecar: our checkpoint for it goes too.
+    assert agent.sidecar is not None
+    checkpoint = os.path.join(agent.sidecar.work, "devices", cid, "nested", child)
+    wait_for("the DEBUG container's cleanup", lambda: not os.path.exists(task.cgroup(child)), 60)
+    wait_for("our checkpoint of the DEBUG container to go", lambda: not os.path.exists(checkpoint), 60)
+    assert layout(task) == {"root": [], "container": [""], "leaf": [OURS]}
+    assert granted(task) == held  # the task's own grant is untouched
     task.teardown()
     task.wait_gone()

@@ -171,7 +171,8 @@ def kernel_allows(task: Task, rule: str) -> bool:
         return rule in task.devices_list()
     type_, numbers, _access = rule.split()
     major, minor = numbers.split(":")
-    return v2_allows(task.leaf(), type_, int(major), int(minor))
+    minors = (0, 1, 4095) if minor == "*" else (int(minor),)  # a wildcard: a few of its devices
+    return all(v2_allows(task.leaf(), type_, int(major), m) for m in minors)
 
 
 def kernel_view(task: Task) -> Any:

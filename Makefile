@@ -91,7 +91,8 @@ test-gpu: install build
 
 # A real Mesos master and agents on loopback (tests/mesos/, never collected by `make test`), Mesos
 # found through MESOS_HOME, else ../shared/mesos/setup.sh prints one. Without Mesos it fails (every
-# test would skip, and CI would stay green) unless ALLOW_NO_MESOS=1. Needs root and cgroup v1.
+# test would skip, and CI would stay green) unless ALLOW_NO_MESOS=1. Needs root and cgroup v1; every
+# scenario also runs on pure cgroup v2 (needs a cgroup2 mount; skipped on a Mesos without v2, 1.11).
 # GI_MESOS_BRIDGE=c runs every scenario through the compiled bridge (build/gpu-isolator-bridge).
 ALLOW_NO_MESOS ?=
 test-mesos: install build

@@ -16,6 +16,14 @@ Per route: ``tasks`` command tasks with ``gpus:1`` held at once, then ``tasks`` 
 one after another: which GPUs each task could open (the probe in tests/mesos/probe.py),
 submit -> TASK_RUNNING (median), and the exact error where the route could not run at all.
 Prints a Markdown table for docs/mesos-agent.md. Needs root, cgroup v1 and MESOS_HOME.
+
+``--cgroups v2`` runs both agents on the pure cgroup2 layout (isolator/testing/agent.py,
+``cgroups="v2"``; Mesos master only): Mesos's ``gpu/nvidia`` then grants through its device manager's
+program on ``<id>``; ours through the agent's program on ``<id>`` (its ``--allowed_devices`` listing
+the NVIDIA nodes) and the sidecar's on ``<id>/leaf``. The kernel column then shows, per cgroup, the
+programs bpf(2) finds (Mesos's have no name) and the GPUs that all programs on the way let through.
+
+    python3 scripts/mesos_side_by_side.py [N] [ROUTES] [--cgroups v1|v2]
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from isolator.simhost.sim import SimulatedHost  # noqa: E402
-from isolator.testing.agent import Agent, Cluster, find_mesos_home  # noqa: E402
+from isolator.testing.agent import Agent, Cluster, device_programs, find_mesos_home  # noqa: E402
 
 PROBE = os.path.join(ROOT, "tests", "mesos", "probe.py")
 
@@ -58,10 +66,10 @@ class NvidiaAgent(Agent):
     """The harness's agent, with the simulated host's /dev/nvidia* in its own mount namespace."""
 
     def argv(self) -> list[str]:
-        argv = super().argv()
-        i = argv.index("-c") + 1  # unshare ... sh -c '<script>' mesos-agent <agent> <flags>
-        argv[i] = DEV_SCRIPT + argv[i]
-        return argv
+        # A mount namespace for /dev around whatever runs the agent (the v1 unshare, or the v2
+        # wrapper, whose own namespace starts from this one's mounts).
+        outer = ["unshare", "--mount", "--propagation", "slave", "--", "sh", "-c", DEV_SCRIPT + 'exec "$@"', "dev"]
+        return [*outer, *super().argv()]
 
 
 def _opened(stdout: str) -> list[int]:
@@ -72,15 +80,34 @@ def _opened(stdout: str) -> list[int]:
     )
 
 
+def _kernel(task: Any) -> list[str]:
+    """v1: the devices.list entries for major 195; v2: each cgroup from the container's down to its
+    leaf with the programs on it, and the GPU minors every program on the way allows (rw)."""
+    agent = task.agent()
+    if agent.cgroups == "v1":
+        return [r for r in task.devices_list() if "195:" in r or r.startswith("a ")]
+    out = []
+    along: list[Any] = []
+    root = os.path.join(agent.cgroups_mount(), agent.cgroups_root)
+    along += device_programs(root)
+    for where, path in (("<id>", task.cgroup()), ("<id>/leaf", task.leaf())):
+        progs = device_programs(path)
+        along += progs
+        names = ", ".join(repr(p.name) for p in progs) or "none"
+        gpus = [m for m in range(255) if all(p.allows("c", 195, m) for p in along)]
+        out.append(f"{where}: {names} -> GPUs {gpus}")
+    return out
+
+
 def _wait_running(task: Any, timeout: float = 180) -> float:
     started = time.monotonic()
     task.wait("TASK_RUNNING", timeout=timeout)
     return time.monotonic() - started
 
 
-def run_route(mesos_home: str, route: str, tasks: int) -> dict[str, Any]:
+def run_route(mesos_home: str, route: str, tasks: int, cgroups: str = "v1") -> dict[str, Any]:
     sim_root = tempfile.mkdtemp(prefix="gi-sim-", dir="/tmp")
-    out: dict[str, Any] = {"route": route, "concurrent": [], "pairs": [], "running_s": []}
+    out: dict[str, Any] = {"route": f"{route} ({cgroups})", "concurrent": [], "pairs": [], "running_s": []}
     saved = {k: os.environ.get(k) for k in ("LD_PRELOAD", "GI_SIM_DEV")}
     try:
         if route == "mesos":
@@ -93,12 +120,14 @@ def run_route(mesos_home: str, route: str, tasks: int) -> dict[str, Any]:
                 hooks=None,
                 isolation=("cgroups/devices", "filesystem/linux", "gpu/nvidia"),
                 agent_flags=("--nvidia_gpu_devices=0,1,2,3,4,5,6,7",),
+                cgroups=cgroups,
             )
             for agent in cluster.agents:
                 agent.__class__ = NvidiaAgent
+                agent.allowed_nvidia = ()  # gpu/nvidia grants through the device manager itself
             devdir = "/dev"
         else:
-            cluster = Cluster(mesos_home, hooks="bridge-c")
+            cluster = Cluster(mesos_home, hooks="bridge-c", cgroups=cgroups)
             devdir = ""
         try:
             cluster.start()
@@ -122,7 +151,7 @@ def run_route(mesos_home: str, route: str, tasks: int) -> dict[str, Any]:
                         if not name[6:].isdigit()
                     }
                     out["env"] = re.findall(r"^env (\S+)$", stdout, re.M)
-                    out["devices_list"] = [r for r in task.devices_list() if "195:" in r or r.startswith("a ")]
+                    out["devices_list"] = _kernel(task)
                 held.append(task)
             for task in held:
                 task.teardown()
@@ -151,7 +180,8 @@ def run_route(mesos_home: str, route: str, tasks: int) -> dict[str, Any]:
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
         "| route | gpus:1 tasks held at once: GPUs each opened | gpus:2 tasks one after another: GPUs opened"
-        " | a gpus:1 task: other /dev/nvidia* nodes | its NVIDIA_* env | its devices.list (major 195) |"
+        " | a gpus:1 task: other /dev/nvidia* nodes | its NVIDIA_* env"
+        " | what the kernel holds (v1: devices.list, major 195; v2: programs per cgroup) |"
         " submit -> TASK_RUNNING (median) |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -171,10 +201,16 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 if __name__ == "__main__":
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 4
-    routes = sys.argv[2].split(",") if len(sys.argv) > 2 else ["mesos", "ours"]
+    args = sys.argv[1:]
+    layout = "v1"
+    if "--cgroups" in args:
+        i = args.index("--cgroups")
+        layout = args[i + 1]
+        del args[i : i + 2]
+    n = int(args[0]) if args else 4
+    routes = args[1].split(",") if len(args) > 1 else ["mesos", "ours"]
     home = find_mesos_home()
-    results = [run_route(home, route, n) for route in routes]
+    results = [run_route(home, route, n, layout) for route in routes]
     for r in results:
         if "error" in r:
             print(f"{r['route']}: {r['error']}\n{r.get('agent_log', '')}", file=sys.stderr)

@@ -24,6 +24,7 @@ def controller_for(
     mode: str = "mesos",
     base: Iterable[DeviceRule] = MESOS_DEFAULT_WHITELIST,
     nvidia_majors: Callable[[], Iterable[int]] | None = None,
+    device_path: Callable[[str, int, int], str | None] | None = None,
 ) -> V1DeviceController | V2DeviceController:
     # Each version's module only where it is used: v2 brings the eBPF program builder and bpf(2).
     if hierarchy.version == "v1":
@@ -32,7 +33,9 @@ def controller_for(
         return V1DeviceController(hierarchy.mount, cgroups_root, mode, base, nvidia_majors)
     from isolator.cgroups.v2 import V2DeviceController
 
-    return V2DeviceController(hierarchy.mount, state_dir, cgroups_root, mode, base, nvidia_majors=nvidia_majors)
+    return V2DeviceController(
+        hierarchy.mount, state_dir, cgroups_root, mode, base, nvidia_majors=nvidia_majors, device_path=device_path
+    )
 
 
 __all__ = ["Hierarchy", "controller_for"]

@@ -59,6 +59,29 @@ class Attached:
     tag: str = ""  # the kernel's hash of the loaded instructions (bpftool prog show: tag)
 
 
+def allowed_devices_remedy(rules: Iterable[DeviceRule], device_path: Callable[[str, int, int], str | None]) -> str:
+    """What to give the Mesos agent so that its program on ``<id>`` lets ``rules`` through: its
+    ``--allowed_devices``, a JSON DeviceWhitelist of device *paths* (the agent refuses an entry
+    without one and stats each at start; cgroups2/controllers/devices.cpp), never cgroup rules."""
+    paths: list[str] = []
+    missing: list[str] = []
+    for rule in rules:
+        path = None if rule.major is None or rule.minor is None else device_path(rule.type, rule.major, rule.minor)
+        if path is None:
+            missing.append(f"'{rule.type} {rule.major}:{rule.minor}'")
+        elif path not in paths:
+            paths.append(path)
+    access = {"read": True, "write": True, "mknod": True}
+    flag = json.dumps(
+        {"allowed_devices": [{"device": {"path": p}, "access": access} for p in paths]}, separators=(",", ":")
+    )
+    text = f"add {', '.join(paths) or 'their nodes'} to the Mesos agent's --allowed_devices (device paths only"
+    text += f", read at start: restart the agent), e.g. --allowed_devices='{flag}'" if paths else ")"
+    if missing:
+        text += f"; no node found for {', '.join(missing)} (create it before the agent starts)"
+    return text
+
+
 @functools.lru_cache(maxsize=256)
 def _program(rules: tuple[DeviceRule, ...], decide_majors: frozenset[int] | None) -> bytes:
     """``bpfprog.build_bytes``, kept by its inputs: it is a pure function of them, and a host
@@ -86,7 +109,10 @@ class V2DeviceController:
         base: Iterable[DeviceRule] = MESOS_DEFAULT_WHITELIST,
         prog_name: str = PROG_NAME,
         nvidia_majors: Callable[[], Iterable[int]] | None = None,
+        device_path: Callable[[str, int, int], str | None] | None = None,
     ) -> None:
+        """``device_path(type, major, minor)``: the host's node for a device (HostDevices.node_path),
+        so that a conflict with the agent's program names what its --allowed_devices takes."""
         self.mount = mount
         self.state_dir = state_dir
         self.cgroups_root = cgroups_root
@@ -94,6 +120,7 @@ class V2DeviceController:
         self.base = tuple(base)
         self.prog_name = prog_name
         self.nvidia_majors = nvidia_majors
+        self.device_path = device_path or (lambda _type, _major, _minor: None)
 
     def program(self, rules: tuple[DeviceRule, ...]) -> bytes:
         """Our program for ``rules``. In mesos mode it decides for NVIDIA's character majors only and
@@ -305,15 +332,13 @@ class V2DeviceController:
                 LOG.warning("device program %d (%r) on '%s' cannot be evaluated (%s)", prog.id, prog.name, at, exc)
                 continue
             if refused:
-                rules = " ".join(
-                    f"'{r.type} {r.major}:{r.minor} rwm'"
-                    for r in dict.fromkeys(DeviceRule(q.type, q.major, q.minor) for q in refused)
-                )
+                devices = list(dict.fromkeys(DeviceRule(q.type, q.major, q.minor, "rwm") for q in refused))
+                rules = " ".join(f"'{r.type} {r.major}:{r.minor} rwm'" for r in devices)
                 if prog.name == self.prog_name:
                     remedy = "grant these devices to the parent container first"
                 elif self.mode == "mesos":
                     remedy = (
-                        f"add {rules} to the Mesos agent's --allowed_devices, or detach program {prog.id} "
+                        f"{allowed_devices_remedy(devices, self.device_path)}; or detach program {prog.id} "
                         f"(e.g. bpftool cgroup detach {at} device id {prog.id})"
                     )
                 else:

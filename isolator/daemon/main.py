@@ -184,6 +184,7 @@ def build_service(
         cgroups_root=config.cgroups_root,
         mode=config.mode,
         nvidia_majors=host_devices.nvidia_majors,
+        device_path=host_devices.node_path,
     )
     if inventory is not None and host is None:
         host_devices.load_uvm()  # Mesos loads nvidia-uvm at start when it is missing

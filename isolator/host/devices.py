@@ -54,6 +54,27 @@ class HostDevices:
             modeset=self.stat_char(self.path("nvidia-modeset")) if modeset else None,
         )
 
+    def node_path(self, type_: str, major: int, minor: int) -> str | None:
+        """The NVIDIA node under the dev root with this number (``nvidia*`` and ``nvidia-caps/*``),
+        or None: what an operator lists in the Mesos agent's ``--allowed_devices``, which takes paths."""
+        if type_ != "c":
+            return None
+        candidates = []
+        for directory in (self.dev_root, self.path("nvidia-caps")):
+            try:
+                names = sorted(os.listdir(directory))
+            except OSError:
+                continue
+            candidates += [os.path.join(directory, n) for n in names if n.startswith("nvidia")]
+        for path in candidates:
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            if stat.S_ISCHR(st.st_mode) and (os.major(st.st_rdev), os.minor(st.st_rdev)) == (major, minor):
+                return path
+        return None
+
     def caps_major(self) -> int | None:
         """The major of ``<dev_root>/nvidia-caps/nvidia-cap*`` (dynamic), or None without MIG nodes."""
         caps_dir = self.path("nvidia-caps")

@@ -26,10 +26,17 @@ the route: the module, a fork and an exec; no sidecar); ``None`` loads no module
 a dict ``{hook: command}`` gives a command per hook (prepare, isolate, cleanup, watch, usage), a
 sidecar is still started.
 
-The agent runs in a mount namespace of its own without ``/sys/fs/cgroup/unified``: this Mesos
-refuses the hybrid layout (docs/mesos-agent.md). Task states come from mesos-execute's own output
-(one process per task, or per task group); sandboxes, container IDs and cgroups from the agent's
-``/state``.
+The agent runs in a mount namespace of its own. ``cgroups="v1"`` (default): without
+``/sys/fs/cgroup/unified``, as this Mesos refuses the hybrid layout, so it manages cgroup v1 only.
+``cgroups="v2"``: through the wrapper shipped for operators (isolator/data/mesos-agent-cgroup2.sh),
+``/sys/fs/cgroup`` unmounted recursively and ``cgroup2`` mounted there, a pure v2 host for the agent
+(Mesos master's cgroups2 isolators; 1.11.0 has none: ``cgroups_v2_unsupported``); the wrapper
+creates its ``--cgroups_root`` first (the agent aborts at the first launch otherwise), the agent
+gets ``--allowed_devices`` with the NVIDIA nodes (``nvidia_allowed_devices``), and the sidecar
+runs with ``--cgroup-version v2`` on the host's view of the same cgroup2 hierarchy
+(``/sys/fs/cgroup/unified`` on a hybrid host). Either way the host's mounts are untouched
+(docs/mesos-agent.md). Task states come from mesos-execute's own output (one process per task, or
+per task group); sandboxes, container IDs and cgroups from the agent's ``/state``.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from isolator.testing.cgroupfs import TEST_PARENT, remove_cgroup_tree
+from isolator.testing.cgroupfs import TEST_PARENT, cgroup_mount, remove_cgroup_tree
 from isolator.testing.sidecar import Sidecar
 
 __all__ = [
@@ -59,10 +66,14 @@ __all__ = [
     "Agent",
     "Cluster",
     "MesosNotFound",
+    "Program",
     "Task",
+    "cgroups_v2_unsupported",
+    "device_programs",
     "devices_hierarchy",
     "find_mesos_home",
     "free_port",
+    "mesos_version",
     "read_lines",
 ]
 
@@ -73,6 +84,9 @@ DEFAULT_ISOLATION = ("cgroups/devices", MODULE)
 TERMINAL = frozenset(
     {"TASK_FINISHED", "TASK_FAILED", "TASK_KILLED", "TASK_LOST", "TASK_ERROR", "TASK_DROPPED", "TASK_GONE"}
 )
+CGROUPS = ("v1", "v2")  # the agent's cgroup layout (``Cluster(cgroups=...)``)
+# The wrapper an operator runs the agent through on cgroup v2 (shipped as package data).
+AGENT_CGROUP2_WRAPPER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "mesos-agent-cgroup2.sh")
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -93,6 +107,31 @@ def find_mesos_home() -> str:
         if not os.path.exists(os.path.join(home, rel)):
             raise MesosNotFound(f"MESOS_HOME={home} has no {rel}")
     return home
+
+
+def mesos_version(home: str) -> tuple[int, ...]:
+    """The agent's version, from ``mesos-agent --version`` ("mesos 1.12.0")."""
+    out = subprocess.run(
+        [f"{home}/sbin/mesos-agent", "--version"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, LD_LIBRARY_PATH=f"{home}/lib"),
+        timeout=60,
+    )
+    m = re.search(r"(\d+)\.(\d+)\.(\d+)", out.stdout + out.stderr)
+    if m is None:
+        raise MesosNotFound(f"{home}/sbin/mesos-agent --version said {out.stdout + out.stderr!r}")
+    return tuple(int(g) for g in m.groups())
+
+
+def cgroups_v2_unsupported(home: str) -> str | None:
+    """Why this Mesos cannot run on a pure cgroup v2 host, or None. Mesos's cgroups2 isolators and
+    device manager came to master in 2024 (1.12.0-dev); no release up to 1.11.0 has them."""
+    version = mesos_version(home)
+    if version < (1, 12, 0):
+        shown = ".".join(map(str, version))
+        return f"Mesos {shown} has no cgroups v2 support (master of 2024-08, 1.12.0-dev, is the first with it)"
+    return None
 
 
 def free_port() -> int:
@@ -145,6 +184,45 @@ def devices_hierarchy() -> str:
         if os.path.exists(os.path.join(mount, "devices.list")):
             return mount
     raise RuntimeError("no cgroup v1 devices hierarchy")
+
+
+@dataclass(frozen=True)
+class Program:
+    """A BPF_CGROUP_DEVICE program attached to a cgroup, as bpf(2) reports it (``bpftool cgroup show``)."""
+
+    id: int
+    name: str  # ours: "gpu_isolator"; Mesos's device manager loads its programs without a name
+    insns: bytes  # the kernel's translated instructions (empty when it withholds them)
+
+    def allows(self, type_: str, major: int, minor: int, access: str = "rw") -> bool:
+        """What this program answers to one request, run in the project's evaluator
+        (isolator/cgroups/bpfprog.py, checked against the kernel by tests/test_bpf_differential.py)."""
+        from isolator.cgroups import bpfprog
+
+        return bpfprog.evaluate(self.insns, bpfprog.Request(type_, major, minor, access)) == 1
+
+
+def device_programs(cgroup: str) -> list[Program]:
+    """The device programs attached directly to ``cgroup`` (BPF_PROG_QUERY; inherited ones not
+    included), in the kernel's order; [] when the cgroup does not exist."""
+    from isolator.cgroups import bpf
+
+    try:
+        fd = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return []
+    out = []
+    try:
+        for prog_id in bpf.prog_query(fd, cgroup):
+            prog_fd = bpf.prog_fd_by_id(prog_id)
+            try:
+                info = bpf.prog_info(prog_fd)
+            finally:
+                os.close(prog_fd)
+            out.append(Program(prog_id, info.name, info.insns))
+    finally:
+        os.close(fd)
+    return out
 
 
 @dataclass
@@ -274,11 +352,52 @@ class Task:
         return _wait(f"{pattern!r} in the stdout of {task or self.name}", found, timeout)
 
     def cgroup(self, *nested: str) -> str:
-        """The task's container cgroup in the devices hierarchy (``nested``: child container IDs)."""
+        """The task's container cgroup in the devices hierarchy (``nested``: child container IDs);
+        on v2 the container's non-leaf cgroup ``<root>/<id>``, the device manager's."""
         parts = [self.container_id()]
         for child in nested:
             parts += ["mesos", child]
-        return os.path.join(devices_hierarchy(), self.agent().cgroups_root, *parts)
+        return os.path.join(self.agent().cgroups_mount(), self.agent().cgroups_root, *parts)
+
+    def leaf(self, *nested: str) -> str:
+        """v2: ``<root>/<id>/leaf`` (``.../mesos/<child>/leaf``), where the processes are (and ours)."""
+        return os.path.join(self.cgroup(*nested), "leaf")
+
+    def debug(self, command: str, timeout: float = 120) -> tuple[str, str]:
+        """Run ``command`` in a DEBUG container below the task's executor (the agent's
+        LAUNCH_NESTED_CONTAINER_SESSION, what ``mesos task exec`` does) and return its
+        ``(container ID, stdout)``: the session streams its output as RecordIO and ends with it."""
+        import base64
+
+        child = str(uuid.uuid4())
+        call = {
+            "type": "LAUNCH_NESTED_CONTAINER_SESSION",
+            "launch_nested_container_session": {
+                "container_id": {"parent": {"value": self.container_id()}, "value": child},
+                "command": {"shell": True, "value": command},
+            },
+        }
+        req = urllib.request.Request(
+            f"http://{self.agent().address}/api/v1",
+            data=json.dumps(call).encode(),
+            headers={
+                "Content-Type": "application/json",
+                "Accept": "application/recordio",
+                "Message-Accept": "application/json",
+            },
+            method="POST",
+        )
+        out = []
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            stream = resp.read()
+        while stream:
+            size, _, rest = stream.partition(b"\n")
+            record, stream = rest[: int(size)], rest[int(size) :]
+            message = json.loads(record)
+            data = message.get("data", {})
+            if message.get("type") == "DATA" and data.get("type") == "STDOUT":
+                out.append(base64.b64decode(data.get("data", "")).decode(errors="replace"))
+        return child, "".join(out)
 
     def devices_list(self, *nested: str) -> list[str]:
         """The kernel's devices.list of the task's cgroup, one rule per entry."""
@@ -304,6 +423,10 @@ class Agent:
     hooks: Any
     host: str
     extra_flags: tuple[str, ...] = ()
+    cgroups: str = "v1"  # the layout the agent sees (CGROUPS); the sidecar follows it
+    # v2: the NVIDIA nodes (names under the host's dev dir) in --allowed_devices; None: all of them,
+    # (): no --allowed_devices at all. Ignored when extra_flags carry their own.
+    allowed_nvidia: tuple[str, ...] | None = None
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
     sidecar: Sidecar | None = None
@@ -326,6 +449,12 @@ class Agent:
     @property
     def bin_dir(self) -> str:
         return os.path.join(self.work, "bin")
+
+    def cgroups_mount(self) -> str:
+        """Where this agent's cgroups are, as seen from the host's mount namespace (the tests' and
+        the sidecar's): the v1 devices hierarchy, or the cgroup2 mount (``/sys/fs/cgroup/unified``
+        on a hybrid host, which the agent sees at ``/sys/fs/cgroup``)."""
+        return devices_hierarchy() if self.cgroups == "v1" else cgroup_mount("v2")
 
     def hook_commands(self) -> dict[str, str]:
         if self.hooks is None:
@@ -379,7 +508,7 @@ class Agent:
             self.sidecar = Sidecar(
                 work=side_work,
                 host=self.host,
-                cgroup_version="v1",
+                cgroup_version=self.cgroups,
                 cgroups_root=self.cgroups_root,
                 extra=self.cluster.sidecar_flags,
                 mode="mesos",
@@ -419,26 +548,51 @@ class Agent:
             "--executor_shutdown_grace_period=1secs",
             *self.extra_flags,
         ]
+        if (
+            self.cgroups == "v2"
+            and self.allowed_nvidia != ()
+            and not any(f.startswith("--allowed_devices=") for f in flags)
+        ):
+            # In a file, as an operator would keep it (file:// works for any of the agent's flags).
+            allowed = os.path.join(self.work, "allowed-devices.json")
+            with open(allowed, "w") as fh:
+                json.dump(self.nvidia_allowed_devices(self.allowed_nvidia), fh, indent=1)
+            flags.append(f"--allowed_devices=file://{allowed}")
         if self.hooks is not None:
             path = os.path.join(self.work, "modules.json")
             with open(path, "w") as fh:
                 json.dump(self.modules_json(), fh, indent=1)
             flags.append(f"--modules=file://{path}")
-        # Its own mount namespace without the cgroup2 mount: this Mesos refuses the hybrid layout.
-        unified = "umount /sys/fs/cgroup/unified 2>/dev/null; " if os.path.ismount("/sys/fs/cgroup/unified") else ""
-        return [
-            "unshare",
-            "--mount",
-            "--propagation",
-            "slave",
-            "--",
-            "sh",
-            "-c",
-            unified + 'exec "$@"',
-            "mesos-agent",
-            f"{home}/sbin/mesos-agent",
-            *flags,
-        ]
+        return [*self.namespace_argv(), f"{home}/sbin/mesos-agent", *flags]
+
+    def nvidia_allowed_devices(self, names: Iterable[str] | None = None) -> dict[str, Any]:
+        """The agent's ``--allowed_devices`` for cgroup v2: every NVIDIA node of the host (or only
+        ``names``), read, write and mknod. On v2 the agent's device manager attaches one program to
+        ``<root>/<id>`` from its default whitelist plus this flag, and every program on a cgroup and
+        its ancestors must allow an open: without the GPUs here, ours on ``<id>/leaf`` could only
+        narrow nothing down (the sidecar refuses, naming this flag). The agent stats each path at
+        start (by path only; no wildcards), so the nodes must exist by then (nvidia-uvm included)."""
+        dev = self.sidecar.dev_root if self.sidecar is not None else "/dev"
+        if names is None:
+            names = sorted(
+                n for n in os.listdir(dev) if n.startswith("nvidia") and not os.path.isdir(os.path.join(dev, n))
+            )
+        access = {"read": True, "write": True, "mknod": True}
+        return {"allowed_devices": [{"device": {"path": os.path.join(dev, n)}, "access": access} for n in names]}
+
+    def namespace_argv(self) -> list[str]:
+        """What runs the agent (its path and flags follow): on v1 ``unshare`` into a mount namespace
+        of its own (propagation slave: nothing done there reaches the host) without the cgroup2
+        mount; on v2 the wrapper we ship for operators (isolator/data/mesos-agent-cgroup2.sh): it
+        creates ``--cgroups_root`` (the agent aborts at the first launch otherwise) and, on a hybrid
+        host, runs the agent in such a namespace with ``/sys/fs/cgroup`` unmounted recursively and
+        cgroup2 mounted there."""
+        if self.cgroups == "v2":
+            return ["sh", AGENT_CGROUP2_WRAPPER]
+        # Without the cgroup2 mount: this Mesos refuses the hybrid layout.
+        unified = os.path.ismount("/sys/fs/cgroup/unified")
+        prelude = "umount /sys/fs/cgroup/unified 2>/dev/null; " if unified else ""
+        return ["unshare", "--mount", "--propagation", "slave", "--", "sh", "-c", prelude + 'exec "$@"', "mesos-agent"]
 
     def start(self, timeout: float = 90) -> None:
         """Start the agent (a fresh port unless restarting) and wait until the master lists it active."""
@@ -488,7 +642,7 @@ class Agent:
             self.sidecar.terminate()
             if self.sidecar._log is not None:
                 self.sidecar._log.close()  # type: ignore[attr-defined]
-        for mount in v1_hierarchies():
+        for mount in v1_hierarchies() + ([cgroup_mount("v2")] if self.cgroups == "v2" else []):
             with contextlib.suppress(Exception):
                 remove_cgroup_tree(os.path.join(mount, self.cgroups_root))
         shutil.rmtree(os.path.join(MODULE_STATE, self.module_name), ignore_errors=True)
@@ -527,9 +681,13 @@ class Cluster:
         watch_frequence: int = 1,
         resources: str | None = None,
         tmp: str | None = None,
+        cgroups: str = "v1",
     ) -> None:
         """``gpus``: what each agent advertises (default: the simulated host's GPU count);
-        ``resources``: the agents' other resources (default ``cpus:8;mem:4096;disk:4096``)."""
+        ``resources``: the agents' other resources (default ``cpus:8;mem:4096;disk:4096``);
+        ``cgroups``: the layout the agents see, ``"v1"`` or ``"v2"`` (the module's docstring)."""
+        if cgroups not in CGROUPS:
+            raise ValueError(f"cgroups={cgroups!r} is not one of {CGROUPS}")
         self.mesos_home = mesos_home
         self.work = tempfile.mkdtemp(prefix="gi-mesos-", dir=tmp or "/tmp")
         self.run_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -555,6 +713,7 @@ class Cluster:
                 hooks=hooks,
                 host=host,
                 extra_flags=tuple(agent_flags),
+                cgroups=cgroups,
             )
             for i in range(agents)
         ]

@@ -2,6 +2,10 @@
 
 Mesos comes from ``MESOS_HOME`` or ``../shared/mesos/setup.sh`` (isolator/testing/agent.py). Without
 one every test here fails, unless ``ALLOW_NO_MESOS=1`` turns that into a skip.
+
+Every scenario that takes the ``cgroups`` fixture runs on both layouts the agent can see: ``v1``
+(the hybrid host without its cgroup2 mount) and ``v2`` (a pure cgroup2 host in the agent's own mount
+namespace); Mesos releases without cgroups v2 (1.11.0) skip the v2 ones, saying why.
 """
 
 from __future__ import annotations
@@ -13,17 +17,39 @@ from typing import Any
 
 import pytest
 
-from isolator.testing.agent import Cluster, MesosNotFound, Task, find_mesos_home
+from isolator.testing.agent import (
+    CGROUPS,
+    Cluster,
+    MesosNotFound,
+    Program,
+    Task,
+    cgroups_v2_unsupported,
+    device_programs,
+    find_mesos_home,
+)
+from isolator.testing.cgroupfs import cgroup_mount
 
 PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe.py")
 CONTROL = {"nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"}
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Markers; and a module's ``LAYOUTS`` (default: both) says on which layouts its scenarios apply,
+    the others deselected. (Not an indirect parametrize: pytest would group such a v2 with v1, by
+    the parameter's index, and start the shared v2 agent twice.)"""
+    keep, drop = [], []
     for item in items:
         item.add_marker(pytest.mark.mesos)
         item.add_marker(pytest.mark.root)
-        item.add_marker(pytest.mark.cgroup_v1)
+        # The v2 layout needs a cgroup2 mount on the host (the sidecar's view of the agent's).
+        params = getattr(item, "callspec", None)
+        layout = params.params.get("cgroups", "v1") if params is not None else "v1"
+        item.add_marker(pytest.mark.cgroup_v2 if layout == "v2" else pytest.mark.cgroup_v1)
+        applies = params is None or "cgroups" not in params.params
+        (keep if applies or layout in getattr(item.module, "LAYOUTS", CGROUPS) else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 @pytest.fixture(scope="session")
@@ -36,12 +62,24 @@ def mesos_home() -> str:
         pytest.fail(f"[mesos] {exc}: set MESOS_HOME, or ALLOW_NO_MESOS=1 to skip", pytrace=False)
 
 
+@pytest.fixture(scope="session", params=CGROUPS)
+def cgroups(request: pytest.FixtureRequest, mesos_home: str) -> str:
+    """The cgroup layout the agent sees: ``v1`` or ``v2`` (``Cluster(cgroups=...)``)."""
+    layout = str(request.param)
+    if layout == "v2":
+        reason = cgroups_v2_unsupported(mesos_home)
+        if reason is not None:
+            pytest.skip(f"[cgroup_v2] {reason}")
+    return layout
+
+
 @pytest.fixture(scope="session")
-def cluster(mesos_home: str) -> Iterator[Cluster]:
+def cluster(mesos_home: str, cgroups: str) -> Iterator[Cluster]:
     """One master and one agent on a simulated DGX-1, shared by the scenarios that leave it as found
     (test_real_health.py, last, does not: it marks GPUs unhealthy). The agent advertises 9 GPUs for
-    the 8 the sidecar has, so that a task can ask for more than are free."""
-    with Cluster(mesos_home, gpus=9) as c:
+    the 8 the sidecar has, so that a task can ask for more than are free. One per layout: pytest
+    runs every scenario on v1's, tears it down, then on v2's."""
+    with Cluster(mesos_home, gpus=9, cgroups=cgroups) as c:
         yield c
 
 
@@ -84,6 +122,75 @@ def gpu_rules(devices_list: list[str]) -> set[int]:
 def probe_command(cluster: Cluster, seconds: float = 0, agent: int = 0) -> str:
     devdir = cluster.agents[agent].sidecar.dev_root  # type: ignore[union-attr]
     return f"python3 {PROBE} {devdir} {seconds:g}"
+
+
+# ---- what the kernel holds, on either layout ------------------------------------------------
+
+
+def programs_along(cgroup: str) -> list[Program]:
+    """The device programs on a cgroup2 path and each of its ancestors up to the mount."""
+    stop = os.path.normpath(cgroup_mount("v2"))
+    path = os.path.normpath(cgroup)
+    out = []
+    while True:
+        out += device_programs(path)
+        if path == stop or not path.startswith(stop + os.sep):
+            return out
+        path = os.path.dirname(path)
+
+
+def v2_allows(cgroup: str, type_: str, major: int, minor: int, access: str = "rw") -> bool:
+    """Whether a process in ``cgroup`` (a cgroup2 path) may open the device: every program attached
+    to it and to each ancestor up to the mount must allow (the kernel runs them all, AND)."""
+    return all(p.allows(type_, major, minor, access) for p in programs_along(cgroup))
+
+
+def granted_at(cgroup: str, layout: str) -> set[int]:
+    """GPU minors (major 195, below 255) that the kernel lets a process in ``cgroup`` open
+    read-write: v1 from its devices.list, v2 from the device programs on it and its ancestors."""
+    if layout == "v1":
+        from isolator.testing.agent import read_lines
+
+        return gpu_rules(read_lines(os.path.join(cgroup, "devices.list")))
+    progs = programs_along(cgroup)
+    return {m for m in range(255) if all(p.allows("c", 195, m, "rw") for p in progs)}
+
+
+def granted(task: Task, *nested: str) -> set[int]:
+    """GPU minors the kernel lets the task's container open (v1: its cgroup; v2: its leaf)."""
+    agent = task.agent()
+    where = task.cgroup(*nested) if agent.cgroups == "v1" else task.leaf(*nested)
+    return granted_at(where, agent.cgroups)
+
+
+def kernel_allows(task: Task, rule: str) -> bool:
+    """``rule`` (``"c 195:255 rwm"``) in the v1 devices.list, or on v2 allowed (``rw``) by every
+    program on the task's leaf and its ancestors."""
+    agent = task.agent()
+    if agent.cgroups == "v1":
+        return rule in task.devices_list()
+    type_, numbers, _access = rule.split()
+    major, minor = numbers.split(":")
+    minors = (0, 1, 4095) if minor == "*" else (int(minor),)  # a wildcard: a few of its devices
+    return all(v2_allows(task.leaf(), type_, int(major), m) for m in minors)
+
+
+def kernel_view(task: Task) -> Any:
+    """What the kernel holds for the task, to compare across a restart: v1 its devices.list; v2 the
+    names of the programs on ``<id>`` and ``<id>/leaf`` and the GPUs they let through."""
+    agent = task.agent()
+    if agent.cgroups == "v1":
+        return task.devices_list()
+    names = {where: sorted(p.name for p in device_programs(where)) for where in (task.cgroup(), task.leaf())}
+    return names, granted(task)
+
+
+def container_cgroup(stdout: str, layout: str) -> str:
+    """The cgroup the probe ran in: v1 its devices cgroup, v2 its cgroup2 one, as a host path."""
+    if layout == "v1":
+        return devices_cgroup(stdout)
+    (path,) = re.findall(r"^cgroup2 (\S+)$", stdout, re.M)
+    return os.path.join(cgroup_mount("v2"), path.lstrip("/"))
 
 
 def devices_cgroup(stdout: str) -> str:

@@ -7,9 +7,9 @@ import re
 from collections.abc import Iterator
 
 import pytest
-from conftest import assert_sees_exactly, gpu_rules, opened_gpus, probe
+from conftest import assert_sees_exactly, granted, kernel_allows, opened_gpus, probe
 
-from isolator.testing.agent import MODULE, Cluster, devices_hierarchy
+from isolator.testing.agent import MODULE, Cluster
 
 # Mesos's default devices whitelist (cgroups/devices): /dev/null, zero, full, tty, urandom, random,
 # console, ptmx, pts/*, net/tun. None of it may be lost to our rules.
@@ -17,16 +17,16 @@ AGENT_DEFAULTS = ("c 1:3 rwm", "c 1:5 rwm", "c 1:7 rwm", "c 5:0 rwm", "c 1:9 rwm
 
 
 @pytest.fixture(scope="module")
-def module_first(mesos_home: str) -> Iterator[Cluster]:
-    with Cluster(mesos_home, isolation=(MODULE, "cgroups/devices")) as c:
+def module_first(mesos_home: str, cgroups: str) -> Iterator[Cluster]:
+    with Cluster(mesos_home, isolation=(MODULE, "cgroups/devices"), cgroups=cgroups) as c:
         yield c
 
 
 @pytest.mark.parametrize("which", ["cluster", "module_first"], ids=["devices-first", "module-first"])
 def test_both_orders_of_isolation_keep_the_agents_devices_and_leak_no_gpu(
-    request: pytest.FixtureRequest, which: str
+    request: pytest.FixtureRequest, which: str, cgroups: str
 ) -> None:
-    ordered: Cluster = request.getfixturevalue(which)
+    ordered: Cluster = request.getfixturevalue(which)  # on the layout of ``cgroups``
     agent = ordered.agents[0]
     assert agent.isolation.index(MODULE) == (1 if which == "cluster" else 0)
     task = probe(ordered, gpus=2, seconds=60)
@@ -36,23 +36,22 @@ def test_both_orders_of_isolation_keep_the_agents_devices_and_leak_no_gpu(
     held = {i for i, h in agent.holders().items() if h == cid}
     assert len(held) == 2
     assert_sees_exactly(out, held)
-    rules = task.devices_list()
-    assert gpu_rules(rules) == held
-    assert all(rule in rules for rule in AGENT_DEFAULTS), rules
+    assert granted(task) == held
+    assert all(kernel_allows(task, rule) for rule in AGENT_DEFAULTS)
     task.teardown()
     task.wait_gone()
     assert all(h == "" for h in agent.holders().values())
-    assert not os.path.exists(os.path.join(devices_hierarchy(), agent.cgroups_root, cid))
+    assert not os.path.exists(os.path.join(agent.cgroups_mount(), agent.cgroups_root, cid))
 
 
-def test_three_agents_a_burst_larger_than_the_cluster_every_gpu_used_none_twice(mesos_home: str) -> None:
+def test_three_agents_a_burst_larger_than_the_cluster_every_gpu_used_none_twice(mesos_home: str, cgroups: str) -> None:
     """Three agents, each with its own sidecar, simulated 4-GPU host and cgroups root; eight
     gpus:2 tasks for six pairs: six run at once, two wait for a pair to be freed.
 
     The agents' resources are exactly two tasks' worth: mesos-execute declines an offer that does not
     fit and then suppresses offers for good (it never revives), so a leftover without GPUs offered to
     a waiting framework would strand it; with whole slots only, every offer fits."""
-    with Cluster(mesos_home, agents=3, host="workstation-4", resources="cpus:2;mem:256") as cluster:
+    with Cluster(mesos_home, agents=3, host="workstation-4", resources="cpus:2;mem:256", cgroups=cgroups) as cluster:
         pending = [probe(cluster, gpus=2, seconds=3, cpus=1, mem=128) for _ in range(8)]
         runs, raced, finished = [], [], []
         while pending:
@@ -90,7 +89,7 @@ def test_three_agents_a_burst_larger_than_the_cluster_every_gpu_used_none_twice(
                     if a[2] < b[3] and b[2] < a[3]:
                         assert not a[1] & b[1], (a, b)
             assert all(h == "" for h in agent.holders().values())
-            root = os.path.join(devices_hierarchy(), agent.cgroups_root)
+            root = os.path.join(agent.cgroups_mount(), agent.cgroups_root)
             assert not os.path.isdir(root) or not [d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))]
         # more tasks than pairs: some waited for a pair to be freed
         assert len(runs) == 8

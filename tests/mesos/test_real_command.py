@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import assert_sees_exactly, gpu_rules, opened_gpus, probe, seen
+from conftest import assert_sees_exactly, granted, kernel_allows, kernel_view, opened_gpus, probe, seen
 
 from isolator.testing.agent import Cluster
 
@@ -16,8 +16,8 @@ def test_gpus_1_opens_exactly_its_gpu_and_the_control_devices(cluster: Cluster) 
     held = {i for i, h in agent.holders().items() if h == cid}
     assert len(held) == 1
     assert_sees_exactly(out, held)  # dgx-1: minor == index
-    assert gpu_rules(task.devices_list()) == held
-    assert "c 195:255 rwm" in task.devices_list()  # nvidiactl
+    assert granted(task) == held
+    assert kernel_allows(task, "c 195:255 rwm")  # nvidiactl
     # A command task without an image gets no NVIDIA_* variables, as under Mesos's own isolator.
     assert "env NVIDIA_VISIBLE_DEVICES" not in out
     # The master's record of the updates (what the agent benchmark times), in order.
@@ -56,7 +56,7 @@ def test_concurrent_tasks_get_disjoint_nvlink_pairs_and_a_killed_tasks_gpus_are_
     assert all(s in pairs for s in sets.values()), sets
     for t in (a, b):
         assert_sees_exactly(t.stdout(), sets[t.name])
-        assert gpu_rules(t.devices_list()) == sets[t.name]
+        assert granted(t) == sets[t.name]
     # b is killed by its framework 5 s after it started: TASK_KILLED, and its GPUs are free at once.
     cid_b = b.container_id()
     b.wait("TASK_KILLED")
@@ -80,11 +80,11 @@ def test_agent_restart_with_gpu_tasks_running_keeps_every_grant(cluster: Cluster
         t.wait("TASK_RUNNING")
         t.wait_stdout("probed")
     before = agent.holders()
-    rules = {t.name: t.devices_list() for t in (a, b)}
+    rules = {t.name: kernel_view(t) for t in (a, b)}
     agent.restart()  # recovery through the module: it reloads its contexts, the sidecar its records
     assert agent.holders() == before
     for t in (a, b):
-        assert t.devices_list() == rules[t.name]
+        assert kernel_view(t) == rules[t.name]
         assert t.state == "TASK_RUNNING", t.updates()
     # The recovered containers are still watched and cleaned up through the module.
     cid_a = a.container_id()
@@ -103,9 +103,9 @@ def test_sidecar_restart_keeps_every_grant(cluster: Cluster) -> None:
     a = probe(cluster, gpus=2, seconds=300)
     a.wait("TASK_RUNNING")
     a.wait_stdout("probed")
-    before, rules = agent.holders(), a.devices_list()
+    before, rules = agent.holders(), kernel_view(a)
     agent.sidecar.terminate()
-    assert a.devices_list() == rules  # the kernel's rules do not depend on the sidecar running
+    assert kernel_view(a) == rules  # the kernel's rules do not depend on the sidecar running
     agent.start_sidecar()
     assert agent.holders() == before
     # A new task gets other GPUs, the old one is cleaned up through the restarted sidecar.

@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Iterator
 
 import pytest
-from conftest import gpu_rules
+from conftest import granted
 
 from isolator.testing.agent import MODULE, Cluster
 
@@ -72,7 +72,7 @@ def image_tarball(path: str, name: str, labels: dict[str, str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def imaged(mesos_home: str) -> Iterator[Cluster]:
+def imaged(mesos_home: str, cgroups: str) -> Iterator[Cluster]:
     if not os.path.exists(BUSYBOX):
         pytest.fail("image tasks need Debian's busybox-static (/bin/busybox): apt-get install busybox-static")
     with tempfile.TemporaryDirectory(prefix="gi-registry-") as registry:
@@ -90,7 +90,7 @@ def imaged(mesos_home: str) -> Iterator[Cluster]:
             "--image_provisioner_backend=copy",
         ]
         isolation = ("filesystem/linux", "docker/runtime", "cgroups/devices", MODULE)
-        with Cluster(mesos_home, isolation=isolation, agent_flags=flags) as c:
+        with Cluster(mesos_home, isolation=isolation, agent_flags=flags, cgroups=cgroups) as c:
             yield c
 
 
@@ -111,7 +111,7 @@ def test_an_image_task_gets_the_driver_volume_read_only_and_only_its_gpu(imaged:
     assert re.search(r"^LD_LIBRARY_PATH=.*/usr/local/nvidia/lib64", out, re.M), out
     # The kernel and the sidecar agree with what the task saw.
     (minor,) = (int(name[6:]) for name in gpus)
-    assert gpu_rules(task.devices_list()) == {minor}
+    assert granted(task) == {minor}
     assert task.container_id() in agent.holders(by="minor")[minor]
     task.teardown()
     task.wait_gone()

@@ -64,12 +64,6 @@ class Booking:
         self.lock.require("end_maintenance")
         self.allocator.set_maintenance(minor, None)
 
-    @property
-    def maintenance(self) -> frozenset[int]:
-        """Minors drained for maintenance."""
-        self.lock.require("maintenance")
-        return self.allocator.maintenance
-
     def set_gpu_health(self, index: int, healthy: bool) -> None:
         self.lock.require("set_gpu_health")
         for gpu in self.gpus.values():

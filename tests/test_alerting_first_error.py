@@ -14,9 +14,12 @@ from prometheus_client import generate_latest
 from test_alerting import RULES_TEST, rule_exprs
 
 from isolator.exporters.metrics import Metrics
+from isolator.rpc import isolator_pb2 as pb
 from isolator.testing.mesos import Containerizer, GrpcIsolator, HookFailed, container_id
 from isolator.testing.sidecar import running_sidecar
-from isolator.transport.server import HOOKS
+
+# Every RPC method the daemon serves, read from the proto (isolator.transport.server.HOOKS is the same).
+HOOKS = tuple(m.name for s in ("Isolator", "Admin") for m in pb.DESCRIPTOR.services_by_name[s].methods)
 
 CODES = [c.name for c in grpc.StatusCode if c is not grpc.StatusCode.OK]
 COUNTERS = ("gpu_isolator_errors_total", "gpu_isolator_reconciliation_repairs_total")
@@ -62,7 +65,10 @@ def test_the_rules_select_error_series_on_every_hook_and_the_agents_refusals():
 
 
 def test_every_error_series_an_alert_selects_is_exported_at_zero_before_any_call():
-    metrics = Metrics(hooks=HOOKS)
+    from isolator.transport.server import HOOKS as served
+
+    assert served == HOOKS
+    metrics = Metrics(hooks=served)
     exported = _samples(generate_latest(metrics.registry).decode(), "gpu_isolator_errors_total")
     missing = [
         f"{hook}/{code}"

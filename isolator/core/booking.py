@@ -118,12 +118,6 @@ class Booking:
         self.lock.require("end_maintenance")
         self._allocator.set_maintenance(minor, None)
 
-    @property
-    def maintenance(self) -> frozenset[int]:
-        """Minors drained for maintenance."""
-        self.lock.require("maintenance")
-        return self._allocator.maintenance
-
     def set_gpu_health(self, index: int, healthy: bool) -> None:
         self.lock.require("set_gpu_health")
         for gpu in self.gpus.values():

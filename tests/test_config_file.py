@@ -111,3 +111,16 @@ def test_an_octal_socket_mode_is_taken(tmp_path, spelling):
     path = tmp_path / "c.toml"
     path.write_text(spelling + "\n")
     assert configmod.resolve({"config_file": str(path)}).socket_mode == 0o660
+
+
+def test_a_contradiction_names_each_setting_as_its_source_spells_it(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('# sim\nsimulate = "dgx-1"\ndriver-root = "/opt/driver"\n')
+    with pytest.raises(ConfigError) as err:
+        configmod.resolve({"config_file": str(path)})
+    assert err.value.message.startswith(
+        f"simulate (config file '{path}', line 2) and driver-root (config file '{path}', line 3) contradict"
+    )
+    with pytest.raises(ConfigError) as err:
+        configmod.resolve({"config_file": str(path), "driver_root": "/x"})
+    assert "and --driver-root contradict" in err.value.message

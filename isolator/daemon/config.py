@@ -430,38 +430,47 @@ def resolve(args: argparse.Namespace | dict[str, Any]) -> Config:
         # /run/mesos/isolators/gpu that a real agent on this machine may use.
         parsed["volume_root"] = os.path.join(parsed.get("work_dir", DEFAULT_WORK_DIR), "volumes")
     config = Config(config_file=config_file, **{k: v for k, v in parsed.items() if k in known})
-    _check_combinations(config)
+    # A setting from the file is named as the file spells it, with where; one from a flag as the flag.
+    spelled = {
+        name: source if source.startswith("--") else f"{key} ({source})" for name, (source, key) in sources.items()
+    }
+    _check_combinations(config, spelled)
     return _absolutise(config)
 
 
-def _check_combinations(config: Config) -> None:
+def _check_combinations(config: Config, spelled: dict[str, str] | None = None) -> None:
+    def n(name: str) -> str:
+        return (spelled or {}).get(name) or "--" + name.replace("_", "-")
+
     if config.simulate and config.nvml_library:
-        raise ConfigError("--simulate and --nvml-library contradict: a simulated host brings its own NVML")
+        raise ConfigError(f"{n('simulate')} and {n('nvml_library')} contradict: a simulated host brings its own NVML")
     if config.simulate and config.driver_root != "/":
-        raise ConfigError("--simulate and --driver-root contradict: a simulated host brings its own driver")
+        raise ConfigError(f"{n('simulate')} and {n('driver_root')} contradict: a simulated host brings its own driver")
     if config.simulate and config.dev_root != "/dev":
-        raise ConfigError("--simulate and --dev-root contradict: a simulated host brings its own /dev")
+        raise ConfigError(f"{n('simulate')} and {n('dev_root')} contradict: a simulated host brings its own /dev")
     if not config.socket:
-        raise ConfigError("--socket must not be empty")
+        raise ConfigError(f"{n('socket')} must not be empty")
     if len(os.fsencode(config.socket)) > 107:
-        raise ConfigError(f"--socket '{config.socket}' is longer than a Unix socket path may be (107 bytes)")
+        raise ConfigError(f"{n('socket')} '{config.socket}' is longer than a Unix socket path may be (107 bytes)")
     bridge = config.bridge_path
     if bridge and len(os.fsencode(bridge)) > 107:
         raise ConfigError(
-            f"--bridge-socket '{bridge}' is longer than a Unix socket path may be (107 bytes);"
-            " choose a shorter --bridge-socket or --socket"
+            f"{n('bridge_socket')} '{bridge}' is longer than a Unix socket path may be (107 bytes);"
+            f" choose a shorter {n('bridge_socket')} or {n('socket')}"
         )
     # gRPC itself listens in '<socket>.d/' (isolator/transport/peergate.py), whose names must fit too.
     limit = 107 - PRIVATE_EXTRA
     if len(os.fsencode(os.path.abspath(config.socket))) > limit:
         raise ConfigError(
-            f"--socket '{config.socket}' is longer than {limit} bytes; the private gRPC sockets beside it"
+            f"{n('socket')} '{config.socket}' is longer than {limit} bytes; the private gRPC sockets beside it"
             f" ('<socket>{PRIVATE_SUFFIX}/...') must fit in a Unix socket path (107 bytes)"
         )
     if bridge and os.path.abspath(bridge) == os.path.abspath(config.socket):
-        raise ConfigError(f"--bridge-socket '{bridge}' must differ from --socket")
+        raise ConfigError(f"{n('bridge_socket')} '{bridge}' must differ from {n('socket')}")
     if config.cgroups_root.startswith("/") or ".." in Path(config.cgroups_root).parts:
-        raise ConfigError(f"--cgroups-root '{config.cgroups_root}' must be relative to the hierarchy, without '..'")
+        raise ConfigError(
+            f"{n('cgroups_root')} '{config.cgroups_root}' must be relative to the hierarchy, without '..'"
+        )
 
 
 def _absolutise(config: Config) -> Config:

@@ -19,10 +19,12 @@ from isolator.model import GpuRecord
 
 TEXT_ALPHABET = re.compile(r"[A-Za-z0-9_/.-]+")
 _NOT_TEXT = re.compile(r"[^A-Za-z0-9_/.-]+")
-# What Mesos 1.12's values::parse takes for a scalar, as its parse of our cases shows
-# (tests/mesos/test_attributes_parse.py): a decimal float with an optional "+"; "-1", "inf", "nan"
-# and "0x10" stay text.
+# What Mesos's values::parse takes for a scalar (tests/mesos/test_attributes_parse.py runs it): a
+# decimal float with an optional "+" ("0x10" stays text). A negative number, "inf" and "nan" also
+# parse as doubles, and then Mesos 1.11 refuses them ("Negative values not supported": the agent
+# aborts) while 1.12 reads them as text: unusable either way, so "invalid" here.
 _DOUBLE = re.compile(r"[+]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+_REFUSED_DOUBLE = re.compile(r"-(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?|[+-]?(?:inf(?:inity)?|nan)", re.IGNORECASE)
 MIXED = "mixed"
 
 
@@ -35,6 +37,8 @@ def mesos_type(value: str) -> str:
         return "ranges"
     if "[" in value or "{" in value:
         return "invalid"  # a set ({...}) is not an attribute; a bracket inside is refused
+    if _REFUSED_DOUBLE.fullmatch(value):
+        return "invalid"
     return "scalar" if _DOUBLE.fullmatch(value) else "text"
 
 

@@ -92,7 +92,8 @@ def test_our_model_of_the_parse_agrees_with_mesos(parse, value):
     parsed = parse(f"x:{value}")
     kind = attrs.mesos_type(value)
     if kind == "invalid":
-        assert parsed is None
+        # Refused (the agent would abort); or, for the doubles 1.11 refuses, read as text by 1.12.
+        assert parsed is None or (value in ("inf", "nan", "-1") and parsed[0]["type"] == "TEXT"), parsed
     else:
         assert parsed is not None and parsed[0]["type"].lower() == kind
 

@@ -46,6 +46,8 @@ MODULES = (
     Module("devices", "isolator/policy/devices.py", ("tests/test_devices.py",)),
     Module("devicerule", "isolator/devicerule.py", ("tests/test_devices.py",)),
     Module("allocator", "isolator/policy/allocator.py", ("tests/test_allocator.py",)),
+    Module("fabric", "isolator/policy/fabric.py", ("tests/test_allocator.py",)),
+    Module("search", "isolator/policy/search.py", ("tests/test_allocator.py",)),
     Module("handover", "isolator/policy/handover.py", ("tests/test_handover_policy.py",)),
     Module("affinity", "isolator/policy/affinity.py", ("tests/test_affinity_policy.py",)),
     Module("drift", "isolator/policy/drift.py", ("tests/test_policy_drift.py",)),

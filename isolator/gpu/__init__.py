@@ -1,1 +1,2 @@
-"""The GPU side: the only pynvml user (nvml: inventory, topology, health) and kernel device events."""
+"""The GPU side: NVML (nvmlcall: the only pynvml user; nvml: the inventory and topology; health: its
+watch) and kernel device events."""

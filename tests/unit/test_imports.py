@@ -310,3 +310,10 @@ def test_the_core_imports_no_edge():
         for name in imports(path, module, known):
             bad = [f for f in FORBIDDEN_IN_CORE if name == f or name.startswith(f + ".")]
             assert not bad, f"{module} imports {name}"
+
+
+def test_pynvml_has_one_home():
+    # One home per outside dependency (STYLE.md): every NVML call goes through isolator.gpu.nvmlcall.
+    known = modules()
+    users = sorted(m for m, p in known.items() if any(n.split(".")[0] == "pynvml" for n in imports(p, m, known)))
+    assert users == ["isolator.gpu.nvmlcall"]

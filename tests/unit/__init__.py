@@ -1,0 +1,1 @@
+"""In-process tests over the shipped fakes and of the pure modules, one directory per layer."""

@@ -1,0 +1,1 @@
+"""The core (isolator/core/), in-process over the shipped fakes."""

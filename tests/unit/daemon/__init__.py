@@ -1,0 +1,1 @@
+"""The daemon's configuration (isolator/daemon/config.py)."""

@@ -1,0 +1,1 @@
+"""The state store (isolator/host/state.py) on a temporary directory."""

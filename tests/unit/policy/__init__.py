@@ -1,0 +1,1 @@
+"""The pure decisions (isolator/policy/): no fakes needed."""

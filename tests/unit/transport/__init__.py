@@ -1,0 +1,1 @@
+"""The transport's handlers, admission pool and Watch wait, in-process."""

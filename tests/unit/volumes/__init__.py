@@ -1,0 +1,1 @@
+"""The driver volume's pure parts (volumes/)."""

@@ -26,11 +26,11 @@ module running one hook at a time, would stall the whole agent.
 ``deadline_ms`` is the client's absolute deadline: CLOCK_MONOTONIC (Python's ``time.monotonic``) in
 milliseconds, by which it gives up; it is the same on every attempt of a RETRY loop. The call's
 deadline is the earlier of it and arrival + ``timeout_ms``: a request read late (the sidecar was
-stopped, the accept queue was long) keeps its caller's deadline, and a client whose clock is not
-ours (another time namespace) is still bounded by its timeout. A version-1 request has only its
-timeout, counted from when its bytes were read. A call past its deadline is answered
+stopped, the accept queue was long) keeps its caller's deadline, and a client whose clock reads
+ahead of ours (another time namespace) is still bounded by its timeout. A version-1 request has
+only its timeout, counted from when its bytes were read. A call past its deadline is answered
 ``ERROR DEADLINE_EXCEEDED`` without running, on arrival or when a worker would start it
-(isolator/transport/handlers.py; Cleanup excepted: it only frees).
+(isolator/transport/handlers.py; Cleanup and Watch excepted).
 
 The client forwards IN's bytes without parsing them and copies the reply into OUT verbatim, so it
 needs no ``json`` import (measured: ``json`` alone adds about as much as the bare interpreter's start)

@@ -77,6 +77,13 @@ class Internal(IsolatorError):
     code = "INTERNAL"
 
 
+class DeadlineExceeded(IsolatorError):
+    """The caller's deadline passed before a worker could start its call: it was not run (its caller
+    gave up; running it would act for nobody, docs/operations.md "Stale hooks")."""
+
+    code = "DEADLINE_EXCEEDED"
+
+
 # ---- Specific errors ----------------------------------------------------------------------------
 
 

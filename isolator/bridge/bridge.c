@@ -12,10 +12,11 @@
  *   gpu-isolator-<method> IN OUT ERR        (a symlink named after the method)
  *   gpu-isolator-bridge METHOD IN OUT ERR
  *
- * Wire protocol (isolator/transport/bridge.py): request "gpu-isolator-bridge/1 <method> <ms>\n"
- * followed by IN's bytes, then the write side is shut; the reply's first line is "OK" (the rest is
- * OUT), "ERROR <CODE> <message>" (final) or "RETRY <pause_ms> <CODE> <message>" (the sidecar shed
- * the call without running it: try again after the pause, doubling up to 500 ms, until the
+ * Wire protocol (isolator/transport/bridge.py): request
+ * "gpu-isolator-bridge/2 <method> <ms left> <deadline: CLOCK_MONOTONIC ms>\n" followed by IN's
+ * bytes, then the write side is shut; the reply's first line is "OK" (the rest is OUT), "ERROR
+ * <CODE> <message>" (final) or "RETRY <pause_ms> <CODE> <message>" (the sidecar shed the call
+ * without running it: try again after the pause, doubling up to 500 ms, until the
  * deadline; then the call fails with "<CODE>: <message>").
  *
  * Settings: GPU_ISOLATOR_BRIDGE_SOCKET and GPU_ISOLATOR_BRIDGE_TIMEOUT win over the values in
@@ -42,7 +43,7 @@
 #error "build with -DBRIDGE_VERSION='\"x.y.z\"' (the Makefile takes it from isolator/__init__.py)"
 #endif
 
-#define PROTOCOL "gpu-isolator-bridge/1"
+#define PROTOCOL "gpu-isolator-bridge/2"
 #define DEFAULT_SOCKET "/run/gpu-isolator/isolator.sock.bridge"
 #define DEFAULT_TIMEOUT 25.0
 #define SOCKET_ENV "GPU_ISOLATOR_BRIDGE_SOCKET"
@@ -818,7 +819,10 @@ static int call_once(const char *path, const char *method, const struct buf *pay
 	}
 	struct buf request = {0};
 	double left = deadline - monotonic();
-	buf_printf(&request, PROTOCOL " %s %ld\n", method, (long)(left * 1000));
+	/* The timeout left and the deadline itself on CLOCK_MONOTONIC (the clock Python's
+	 * time.monotonic() reads): a call the sidecar reads after it (it was stopped meanwhile) is
+	 * answered DEADLINE_EXCEEDED without running. */
+	buf_printf(&request, PROTOCOL " %s %ld %lld\n", method, (long)(left * 1000), (long long)(deadline * 1000));
 	buf_add(&request, payload->data, payload->len);
 	size_t sent = 0;
 	while (sent < request.len) {

@@ -16,7 +16,8 @@ import time
 
 # The methods the module forwards (reference: bridge-and-cgroup2.md §A.1.3).
 METHODS = ("prepare", "isolate", "watch", "usage", "cleanup")
-PROTOCOL = b"gpu-isolator-bridge/1"
+# Version 2 carries the deadline, absolute (isolator/transport/bridge.py; docs/mesos-agent.md section 6).
+PROTOCOL = b"gpu-isolator-bridge/2"
 # isolator.daemon.config.DEFAULT_SOCKET + BRIDGE_SUFFIX; not imported, to keep the start cheap (a test
 # keeps the two in step).
 DEFAULT_SOCKET = "/run/gpu-isolator/isolator.sock.bridge"
@@ -131,7 +132,7 @@ def call(path: str, method: str, payload: bytes, timeout: float) -> bytes:
     pause: float | None = None
     while True:
         try:
-            return _call_once(path, method, payload, deadline - time.monotonic(), timeout)
+            return _call_once(path, method, payload, deadline, timeout)
         except Failure as failure:
             if failure.retry_ms is None:
                 raise
@@ -142,8 +143,8 @@ def call(path: str, method: str, payload: bytes, timeout: float) -> bytes:
         time.sleep(pause)
 
 
-def _call_once(path: str, method: str, payload: bytes, timeout: float, total: float) -> bytes:
-    deadline = time.monotonic() + timeout
+def _call_once(path: str, method: str, payload: bytes, deadline: float, total: float) -> bytes:
+    timeout = deadline - time.monotonic()
     late = Failure(EXIT_DEADLINE, f"no answer from the sidecar at '{path}' within {total:g} s")
     if timeout <= 0:
         raise late  # a deadline too short to reach the sidecar at all (socket timeouts must be positive)
@@ -160,7 +161,9 @@ def _call_once(path: str, method: str, payload: bytes, timeout: float, total: fl
             raise Failure(
                 EXIT_UNREACHABLE, f"cannot reach the sidecar at '{path}': {exc.strerror}{hint}", down
             ) from None
-        header = b"%s %s %d\n" % (PROTOCOL, method.encode(), int(timeout * 1000))
+        # The timeout left and the deadline itself, on CLOCK_MONOTONIC: the sidecar answers a call
+        # it reads after the deadline (it was stopped meanwhile) DEADLINE_EXCEEDED without running it.
+        header = b"%s %s %d %d\n" % (PROTOCOL, method.encode(), int(timeout * 1000), int(deadline * 1000))
         try:
             sock.sendall(header + payload)
             sock.shutdown(_socket.SHUT_WR)

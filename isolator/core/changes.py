@@ -18,8 +18,9 @@ from isolator.model import ContainerId
 
 LOG = logging.getLogger(__name__)
 
-# How many cleaned-up containers Watch still recognises (a few minutes of a busy agent's churn; the
-# module's one extra poll comes within a watch period of the cleanup).
+# How many cleaned-up containers Watch still recognises and Prepare refuses (a few minutes of a busy
+# agent's churn; the module's one extra poll comes within a watch period of the cleanup, and a stale
+# Prepare within its caller's deadline).
 ENDED_KEPT = 4096
 
 
@@ -32,7 +33,9 @@ class Changes:
         self._tokens = itertools.count()
         # Top-level containers Mesos cleaned up lately, oldest first (bounded): the command module
         # polls Watch once more after each Cleanup, which is answered "no limitation" quietly for
-        # these, and NOT_FOUND for a container never seen (docs/mesos-agent.md, section 4).
+        # these, and NOT_FOUND for a container never seen (docs/mesos-agent.md, section 4). They are
+        # also the tombstones a stale Prepare is refused by: Mesos never reuses a container ID
+        # (docs/reliability.md, "Stale hooks").
         self._ended: collections.OrderedDict[ContainerId, None] = collections.OrderedDict()
 
     def notify(self, container: ContainerId | None = None) -> None:
@@ -82,10 +85,6 @@ class Changes:
             self._ended[cid] = None
             while len(self._ended) > ENDED_KEPT:
                 self._ended.popitem(last=False)
-
-    def forget_ended(self, cid: ContainerId) -> None:
-        with self._lock:
-            self._ended.pop(cid, None)
 
     def recently_ended(self, cid: ContainerId) -> bool:
         with self._lock:

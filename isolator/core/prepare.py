@@ -76,7 +76,13 @@ class PrepareHook:
         with core.locks.hold(container_id):
             if core.store.get(container_id) is not None:
                 raise AlreadyExists(f"container {container_id} has already been prepared")
-            core.changes.forget_ended(container_id)
+            if core.changes.recently_ended(container_id):
+                # Mesos never reuses a container ID (a UUID): a Prepare after its Cleanup is a stale
+                # call that outlived its caller, or one the Cleanup overtook (docs/reliability.md).
+                raise FailedPrecondition(
+                    f"container {container_id} was cleaned up; a Prepare after its Cleanup is stale"
+                    " and is refused (Mesos never reuses a container ID)"
+                )
             self._refuse_populated(container_id)
             if count or mig_request:
                 core.handover.recheck()  # a draining GPU that is clear now may be chosen (docs/handover.md)

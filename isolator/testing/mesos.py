@@ -34,6 +34,7 @@ from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
 from isolator.testing import mesos_json
 from isolator.testing.cgroupfs import remove_cgroup_tree
+from isolator.transport.client import deadline_metadata
 
 HERE = Path(__file__).resolve().parent
 INIT = HERE / "container" / "init.py"
@@ -103,7 +104,8 @@ class GrpcIsolator:
     def _call(self, hook: str, request_type: type, body: dict[str, Any]) -> Any:
         request = json_format.ParseDict(body, request_type(), ignore_unknown_fields=True)
         try:
-            return getattr(self._stub, hook)(request, timeout=self._timeout)
+            # As the module would: gRPC's deadline and the same one, absolute, that a stopped sidecar keeps.
+            return getattr(self._stub, hook)(request, timeout=self._timeout, metadata=deadline_metadata(self._timeout))
         except grpc.RpcError as exc:
             raise HookFailed(hook, exc.code().name, exc.details() or "") from None
 

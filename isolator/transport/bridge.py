@@ -8,10 +8,11 @@ own reply lines, once. Its calls are admitted by the gRPC server's Dispatcher
 connection slots are counted as the gate counts its own (``peergate.ConnectionSlots``). It holds no
 isolator logic and never binds sockets itself (the server does).
 
-Wire protocol, version 1. The client connects, sends one request and shuts down its write side; the
-server answers and closes.
+Wire protocol, version 2 (version 1 is still served). The client connects, sends one request and
+shuts down its write side; the server answers and closes.
 
-    request  b"gpu-isolator-bridge/1 <method> <timeout_ms>\\n" + <the IN file's bytes, untouched>
+    request  b"gpu-isolator-bridge/2 <method> <timeout_ms> <deadline_ms>\\n" + <the IN file's bytes, untouched>
+             b"gpu-isolator-bridge/1 <method> <timeout_ms>\\n" + <...>    a client from before deadlines
     reply    b"OK\\n" + <the bytes for OUT, possibly empty>
              b"ERROR <gRPC code name> <one-line message>\\n"            final: never retried
              b"RETRY <pause_ms> <gRPC code name> <one-line message>\\n" load shed, the call did not run
@@ -21,6 +22,15 @@ then the client reports "<code>: <message>" as for an ERROR. Only load shedding 
 Dispatcher's limit reached, or the caller's share of connections taken); a RESOURCE_EXHAUSTED from
 the isolator itself ("no GPUs left") is an ERROR, since asking again cannot help and, with the
 module running one hook at a time, would stall the whole agent.
+
+``deadline_ms`` is the client's absolute deadline: CLOCK_MONOTONIC (Python's ``time.monotonic``) in
+milliseconds, by which it gives up; it is the same on every attempt of a RETRY loop. The call's
+deadline is the earlier of it and arrival + ``timeout_ms``: a request read late (the sidecar was
+stopped, the accept queue was long) keeps its caller's deadline, and a client whose clock reads
+ahead of ours (another time namespace) is still bounded by its timeout. A version-1 request has
+only its timeout, counted from when its bytes were read. A call past its deadline is answered
+``ERROR DEADLINE_EXCEEDED`` without running, on arrival or when a worker would start it
+(isolator/transport/handlers.py; Cleanup and Watch excepted).
 
 The client forwards IN's bytes without parsing them and copies the reply into OUT verbatim, so it
 needs no ``json`` import (measured: ``json`` alone adds about as much as the bare interpreter's start)
@@ -61,7 +71,8 @@ from isolator.transport.logcontext import hook_context
 
 LOG = logging.getLogger(__name__)
 
-PROTOCOL = b"gpu-isolator-bridge/1"
+PROTOCOL = b"gpu-isolator-bridge/1"  # <method> <timeout_ms>: clients from before deadlines
+PROTOCOL_2 = b"gpu-isolator-bridge/2"  # <method> <timeout_ms> <deadline_ms>: what the bridges send
 MAX_HEADER_BYTES = 256
 # The deepest JSON nesting accepted; Mesos's deepest input (a nested ContainerID chain inside a
 # ContainerConfig) stays far below it, and it keeps hostile input from exhausting the stack.
@@ -233,25 +244,42 @@ def decode_input(payload: bytes, request_type: type[Message]) -> Message:
         raise InvalidArgument(f"input does not match {request_type.DESCRIPTOR.name}: {exc}") from None
 
 
-def parse_frame(data: bytes) -> tuple[str, float, bytes]:
-    """Split a request into (method, timeout in seconds, payload)."""
+@dataclass(frozen=True)
+class Frame:
+    method: str
+    timeout: float  # seconds, as the client counted them when it sent the request
+    deadline: float | None  # the client's ``time.monotonic()`` by which it gives up (version 2); None: not sent
+    payload: bytes
+
+    def deadline_from(self, arrived: float) -> float:
+        """The call's deadline on our clock, for a request whose bytes were read at ``arrived``."""
+        relative = arrived + self.timeout
+        return relative if self.deadline is None else min(relative, self.deadline)
+
+
+def parse_frame(data: bytes) -> Frame:
+    """Split a request into its header's fields and its payload."""
     header, sep, payload = data.partition(b"\n")
     if not sep or len(header) > MAX_HEADER_BYTES:
         raise InvalidArgument("malformed bridge request: no header line")
     parts = header.split(b" ")
-    if parts[0] != PROTOCOL:
+    if parts[0] not in (PROTOCOL, PROTOCOL_2):
         version = parts[0].decode("ascii", "replace")[:40]
         raise FailedPrecondition(
-            f"bridge protocol {version!r} is not spoken here (this sidecar speaks {PROTOCOL.decode()})",
+            f"bridge protocol {version!r} is not spoken here (this sidecar speaks {PROTOCOL_2.decode()}"
+            f" and {PROTOCOL.decode()})",
         )
-    if len(parts) != 3 or not parts[2].isdigit():
-        raise InvalidArgument("malformed bridge request header; expected '<protocol> <method> <ms>'")
+    fields = 4 if parts[0] == PROTOCOL_2 else 3
+    if len(parts) != fields or not all(p.isdigit() for p in parts[2:]):
+        shape = "<method> <ms> <deadline_ms>" if fields == 4 else "<method> <ms>"
+        raise InvalidArgument(f"malformed bridge request header; expected '<protocol> {shape}'")
     method = parts[1].decode("ascii", "replace")
     if method not in CALLS:
         raise Unimplemented(
             f"method {method[:40]!r} is not served over the bridge (only {', '.join(CALLS)})",
         )
-    return method, int(parts[2]) / 1000.0, payload
+    deadline = int(parts[3]) / 1000.0 if fields == 4 else None
+    return Frame(method, int(parts[2]) / 1000.0, deadline, payload)
 
 
 def error_reply(code: str, message: str, retry_ms: int | None = None) -> bytes:
@@ -510,12 +538,24 @@ class BridgeListener:
         arrived = time.monotonic()
         method = "?"
         try:
-            method, timeout, payload = parse_frame(data)
+            frame = parse_frame(data)
         except IsolatorError as exc:
             if isinstance(exc, InvalidArgument):
                 LOG.info("bridge %s refused: %s", method, exc.message)
             return refusal_reply(exc)
+        method, payload, deadline = frame.method, frame.payload, frame.deadline_from(arrived)
         rpc = CALLS[method].rpc
+        facts = CallFacts(peer, deadline, BRIDGE)
+        stale = facts.expired(rpc, "")
+        if stale is not None:
+            # Its caller gave up while the request waited to be read (the sidecar was stopped):
+            # answered at once, without taking a worker or a place in the queue.
+            container = _container_hint(payload)  # parsed on the loop only for a refusal
+            stale = facts.expired(rpc, container) or stale
+            with hook_context(rpc, container):
+                LOG.warning("bridge %s refused: %s", method, stale.message)
+                observe(self._handlers.observer, rpc, stale.code, 0.0, None)
+            return refusal_reply(stale)
         busy = self._dispatcher.admit("bridge", rpc, len(payload))
         if busy is not None:
             self.shed += 1
@@ -523,7 +563,7 @@ class BridgeListener:
         admitted()
         try:
             return await self._dispatcher.execute(
-                rpc, len(payload), answer, self._handlers, method, payload, arrived + timeout, peer
+                rpc, len(payload), answer, self._handlers, method, payload, deadline, peer
             )
         except RuntimeError as exc:  # the pool is shut down, or no thread could start
             stopping = Unavailable(f"the sidecar could not run bridge {method}: {exc}")

@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import stat
+import time
 from typing import Any
 
 import grpc
@@ -226,6 +227,18 @@ def _check_path(path: str, where: str) -> None:
     raise Unreachable(f"{where}: '{path}' is {kind}, not a socket{note}; {_use(_grpc_beside(path))}")
 
 
+# gRPC sends a call's deadline relative ("grpc-timeout"), so a server counts it from when it reads the
+# call: a sidecar stopped past the deadline would still see it in the future. Our clients also send
+# the deadline itself, on CLOCK_MONOTONIC (one clock for every process of the host), in milliseconds;
+# the server keeps the earlier of the two (isolator/transport/serving.py, docs/operations.md "Stale hooks").
+DEADLINE_METADATA = "gpu-isolator-deadline-ms"
+
+
+def deadline_metadata(timeout: float) -> tuple[tuple[str, str], ...]:
+    """The metadata of a call that gives up ``timeout`` seconds from now."""
+    return ((DEADLINE_METADATA, str(int((time.monotonic() + timeout) * 1000))),)
+
+
 class Client:
     def __init__(self, socket_path: str, timeout: float = 10.0) -> None:
         self.socket_path = socket_path
@@ -238,7 +251,7 @@ class Client:
         probe(self.socket_path, timeout=min(self.timeout, 5.0))
 
     def call(self, stub: Any, method: str, request: Any) -> Any:
-        return getattr(stub, method)(request, timeout=self.timeout)
+        return getattr(stub, method)(request, timeout=self.timeout, metadata=deadline_metadata(self.timeout))
 
     def close(self) -> None:
         self._channel.close()

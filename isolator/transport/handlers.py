@@ -20,7 +20,7 @@ from typing import Any
 
 from isolator import __version__, model
 from isolator.core.api import IsolatorApi
-from isolator.errors import ContainerGone, Internal, IsolatorError
+from isolator.errors import ContainerGone, DeadlineExceeded, Internal, IsolatorError
 from isolator.rpc import isolator_pb2 as pb
 from isolator.transport import peergate
 from isolator.transport.convert import (
@@ -49,6 +49,12 @@ Observer = Callable[[str, str, float, Any], None]
 GRPC = "grpc"
 BRIDGE = "bridge"
 
+# Calls run even when their caller's deadline has passed: Cleanup only frees (late is better than
+# never, and a container ID is never reused), and Watch only reads and answers at its deadline itself.
+# Every other call found expired when a worker would start it is answered DEADLINE_EXCEEDED unserved
+# (docs/operations.md, "Stale hooks").
+NEVER_EXPIRED = frozenset({"Cleanup", "Watch"})
+
 
 @dataclass(frozen=True)
 class CallFacts:
@@ -63,6 +69,19 @@ class CallFacts:
 
     def remaining(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def expired(self, hook: str, container: str) -> DeadlineExceeded | None:
+        """The refusal of a call whose caller's deadline has passed, or None when it may run."""
+        if self.deadline is None or hook in NEVER_EXPIRED:
+            return None
+        late = time.monotonic() - self.deadline
+        if late < 0:
+            return None
+        whose = f" of container {container}" if container else ""
+        return DeadlineExceeded(
+            f"{hook}{whose} not run: its caller's deadline passed {late:.3f} s before it could start"
+            " (the caller gave up; the sidecar was stopped or overloaded)"
+        )
 
 
 def container_text(request: Any) -> str:
@@ -85,6 +104,14 @@ def observe(observer: Observer | None, hook: str, code: str, seconds: float, res
         LOG.exception("observer of %s failed", hook)
 
 
+def _level(exc: IsolatorError) -> int:
+    # A gone container is routine (the module polls Watch after Cleanup); an expired call means the
+    # sidecar was stopped or overloaded past its callers' deadlines: an operator should hear of it.
+    if isinstance(exc, ContainerGone):
+        return logging.DEBUG
+    return logging.WARNING if isinstance(exc, DeadlineExceeded) else logging.INFO
+
+
 class Handlers:
     """One service's handlers (methods named as its RPCs) and the one entry both routes call them by."""
 
@@ -95,18 +122,19 @@ class Handlers:
         """Run the handler of ``hook``: its response, or an ``IsolatorError`` (never anything else)."""
         started = time.perf_counter()
         code, response = "OK", None
-        with hook_context(hook, container_text(request)):
+        container = container_text(request)
+        with hook_context(hook, container):
             try:
+                # The one place both routes expire a call, as a worker starts it: whatever held it
+                # (a stopped process, a queue), it must not act for a caller that gave up.
+                stale = call.expired(hook, container)
+                if stale is not None:
+                    raise stale
                 response = getattr(self, hook)(request, call)
                 return response
             except IsolatorError as exc:
                 code = exc.code
-                LOG.log(
-                    logging.DEBUG if isinstance(exc, ContainerGone) else logging.INFO,
-                    "%s failed: %s",
-                    hook,
-                    exc.message,
-                )
+                LOG.log(_level(exc), "%s failed: %s", hook, exc.message)
                 raise
             except Exception as exc:
                 code = "INTERNAL"

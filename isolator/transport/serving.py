@@ -40,6 +40,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from isolator.errors import InvalidArgument, IsolatorError, Overloaded, Unavailable
+from isolator.transport.client import DEADLINE_METADATA
 from isolator.transport.handlers import GRPC, CallFacts, Handlers, Observer, observe
 from isolator.transport.logcontext import hook_context
 from isolator.transport.status import abort
@@ -104,10 +105,29 @@ def _remaining(context: grpc.aio.ServicerContext) -> float | None:
     return remaining
 
 
-def call_facts(context: grpc.aio.ServicerContext) -> CallFacts:
-    """A gRPC call's facts: its peer (as the gate named it) and its deadline."""
+def call_facts(context: grpc.aio.ServicerContext, absolute: float | None = None) -> CallFacts:
+    """A gRPC call's facts: its peer (as the gate named it) and its deadline: gRPC's own (sent
+    relative, so counted from when the call was read), or ``absolute`` when that is earlier."""
     remaining = _remaining(context)
-    return CallFacts(context.peer(), None if remaining is None else time.monotonic() + remaining, GRPC)
+    deadline = None if remaining is None else time.monotonic() + remaining
+    if absolute is not None:
+        deadline = absolute if deadline is None else min(deadline, absolute)
+    return CallFacts(context.peer(), deadline, GRPC)
+
+
+def absolute_deadline(context: grpc.aio.ServicerContext) -> float | None:
+    """The deadline our clients send beside gRPC's (``client.DEADLINE_METADATA``, CLOCK_MONOTONIC
+    milliseconds), which a call read late (the sidecar was stopped meanwhile) keeps; None when the
+    client sent none. Raises InvalidArgument for a malformed one."""
+    found = None
+    for key, value in context.invocation_metadata() or ():
+        if key != DEADLINE_METADATA:
+            continue
+        text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
+        if not (text.isascii() and text.isdigit()) or len(text) > 18:
+            raise InvalidArgument(f"malformed {DEADLINE_METADATA} {text[:40]!r}: expected CLOCK_MONOTONIC milliseconds")
+        found = int(text) / 1000.0 if found is None else min(found, int(text) / 1000.0)
+    return found
 
 
 class HookPool:
@@ -318,11 +338,15 @@ class Dispatcher:
         """A gRPC call: admitted, or refused RESOURCE_EXHAUSTED with gRPC's retry pushback; its
         handler's error becomes the call's status here."""
         size = request.ByteSize() if hasattr(request, "ByteSize") else 0
+        try:
+            call = call_facts(context, absolute_deadline(context))
+        except IsolatorError as exc:
+            await abort(context, exc, method)
         busy = self.admit(GRPC, method, size)
         if busy is not None:
             await abort(context, busy, method)
         try:
-            return await self.execute(method, size, handlers.handle, method, request, call_facts(context))
+            return await self.execute(method, size, handlers.handle, method, request, call)
         except IsolatorError as exc:
             await abort(context, exc, method)
 
@@ -483,7 +507,7 @@ def watch_handler(
         unsubscribe = subscribe(waker.threadsafe, container)
         dispatcher.watch_started(waker)
         try:
-            call = call_facts(context)
+            call = call_facts(context)  # gRPC's deadline: a Watch is never expired, it answers by then
             remaining = call.remaining()
             # Answer "no limitation yet" a little before the caller's deadline rather than racing it.
             deadline = None if remaining is None else loop.time() + max(0.0, remaining - min(0.25, remaining / 2))

@@ -205,8 +205,9 @@ def test_orphans_keep_their_gpus_across_a_restart_until_their_cleanup(agent):
             isolator2.prepare(container_id("one-more"), containerizer.config(gpus=1, image=False))
         isolator2.cleanup(a)
         isolator2.cleanup(container_id("one-more"))
-        isolator2.prepare(container_id("one-more"), containerizer.config(gpus=4, image=False))
-        isolator2.cleanup(container_id("one-more"))
+        # Its GPUs are free for the next task (a new ID: Mesos never prepares a cleaned-up one again).
+        isolator2.prepare(container_id("next-task"), containerizer.config(gpus=4, image=False))
+        isolator2.cleanup(container_id("next-task"))
         isolator2.cleanup(b)
     finally:
         channel.close()

@@ -67,8 +67,8 @@ INDIRECT = {
     "set_gpu_health": "cleanup",  # a health event (tests/test_core_hooks.py watch tests)
     "reset": "recover",
     "mark_ended": "cleanup",
-    "forget_ended": "prepare",
-    "recently_ended": "watch",
+    "recently_ended": "watch",  # and prepare
+    "granted": "describe_container",
     "describe": "prepare",
     "require": "status",
     "apply": "update",

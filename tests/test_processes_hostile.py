@@ -109,3 +109,19 @@ def test_threads_and_zombies_are_told_apart_alike_by_the_fake_and_proc() -> None
         if pinned is not None:
             pinned.close()
     assert real.leader_of(child.pid) is None and not real.exited(child.pid)
+
+
+@pytest.mark.parametrize("mode", ["standalone", "mesos"])
+def test_isolate_refuses_a_pid_from_a_caller_in_another_pid_namespace(mode: str) -> None:
+    rig = fake_service("dgx-1", mode=mode)
+    a = ContainerId.parse("a")
+    rig.cgroups.mesos_creates(a)
+    rig.service.prepare(a, _gpus(1))
+    caller = rig.processes.spawn()
+    rig.processes.foreign.add(caller)
+    pid = rig.processes.spawn(parent=caller)
+    with pytest.raises(InvalidArgument, match=f"pid {pid} comes from a caller .pid {caller} here. in another pid"):
+        rig.service.isolate(a, pid, caller=caller)
+    assert rig.cgroups.pids(a) == () and rig.store.get(a).state == "prepared"  # type: ignore[union-attr]
+    if mode == "standalone":
+        rig.service.isolate(a, pid)  # in-process (no caller to check): the same pid is isolated

@@ -333,6 +333,12 @@ class Hooks:
         core = self.core
         if pid <= 1 or pid >= MAX_PID:
             raise InvalidArgument(f"pid {pid} is not a valid container pid")
+        if caller is not None and caller != UNKNOWN_CALLER and core.edges.processes.same_pid_namespace(caller) is False:
+            # Its pid is a number in its own namespace: here it names some other process, or none.
+            raise InvalidArgument(
+                f"pid {pid} comes from a caller (pid {caller} here) in another pid namespace than the sidecar's,"
+                " where it names another process or none; call Isolate from the sidecar's pid namespace"
+            )
         if not core.edges.processes.exists(pid):
             raise FailedPrecondition(f"pid {pid} does not exist (the container's init is gone)")
         if core.edges.processes.kernel_thread(pid):

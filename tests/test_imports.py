@@ -134,8 +134,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "cgroups": {"policy", "core.ports", "cgroups"},
     "gpu": {"policy", "core.ports", "gpu"},
     "host": {"policy", "core.ports", "host"},
-    # The server reads its settings from the daemon's Config, a plain dataclass.
-    "transport": {"core.api", "rpc", "transport", "bridge", "daemon.config"},
+    # The server reads its settings from the daemon's Config, a plain dataclass; its socket guard
+    # holds the socket's lock file through the one pid-naming flock (host.pidlock, stdlib only).
+    "transport": {"core.api", "rpc", "transport", "bridge", "daemon.config", "host.pidlock"},
     "bridge": {"rpc", "transport", "bridge"},
     "exporters": {"policy", "core.api", "exporters"},
     "simhost": {"policy", "gpu", "simhost"},

@@ -20,6 +20,10 @@ from isolator.testing.sidecar import Sidecar
 pytestmark = [pytest.mark.root, pytest.mark.cgroup_v1]
 
 
+# One daemon for the module, on one xdist worker (tests/conftest.py).
+SHARED_FIXTURES = ("sidecar",)
+
+
 @pytest.fixture(scope="module")
 def sidecar() -> Iterator[Sidecar]:
     import shutil
@@ -60,6 +64,8 @@ def _refused(sidecar: Sidecar, route: str, pid: int) -> HookFailed:
         return refused.value
     finally:
         isolator.cleanup(cid)
+        if isinstance(isolator, GrpcIsolator):
+            isolator.close()
 
 
 def _cgroups_of(pid: int) -> str:
@@ -132,9 +138,8 @@ def test_a_pid_gone_before_the_call_is_failed_precondition(sidecar, route):
 def test_a_pid_sent_from_another_pid_namespace_is_invalid_argument(sidecar, route):
     """A caller in a pid namespace of its own (``unshare --pid``) sends its child's pid as it sees
     it (2, which is kthreadd here); before issue 33 the sidecar read it as its own pid 2."""
-    isolators = _isolators(sidecar)
     name = f"ns-{route}-{uuid.uuid4().hex[:6]}"
-    isolator = isolators[route]
+    isolator = _isolators(sidecar)[route]
     isolator.prepare(container_id(name), Containerizer(isolator, sidecar.work).config(gpus=0, image=False))
     code = (
         "import json, subprocess, sys\n"
@@ -167,3 +172,5 @@ def test_a_pid_sent_from_another_pid_namespace_is_invalid_argument(sidecar, rout
         assert "in another pid namespace" in answer["message"], answer
     finally:
         isolator.cleanup(container_id(name))
+        if isinstance(isolator, GrpcIsolator):
+            isolator.close()

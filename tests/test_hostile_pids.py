@@ -39,20 +39,22 @@ def sidecar() -> Iterator[Sidecar]:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _isolators(sidecar: Sidecar) -> dict[str, GrpcIsolator | BridgeIsolator]:
+def _isolator(sidecar: Sidecar, route: str) -> GrpcIsolator | BridgeIsolator:
     from isolator.bridge.command import install
 
+    if route == "grpc":
+        return GrpcIsolator(sidecar.socket)
     bridge_dir = os.path.join(sidecar.work, "bridge")
     if not os.path.isdir(bridge_dir):
         install(bridge_dir, sidecar.bridge_socket)
-    return {"grpc": GrpcIsolator(sidecar.socket), "bridge": BridgeIsolator(bridge_dir, sidecar.work)}
+    return BridgeIsolator(bridge_dir, sidecar.work)
 
 
 ROUTES = ["grpc", "bridge"]
 
 
 def _refused(sidecar: Sidecar, route: str, pid: int) -> HookFailed:
-    isolator = _isolators(sidecar)[route]
+    isolator = _isolator(sidecar, route)
     name = f"{route}-{uuid.uuid4().hex[:6]}"
     cid = container_id(name)
     isolator.prepare(cid, Containerizer(isolator, sidecar.work).config(gpus=0, image=False))
@@ -139,7 +141,7 @@ def test_a_pid_sent_from_another_pid_namespace_is_invalid_argument(sidecar, rout
     """A caller in a pid namespace of its own (``unshare --pid``) sends its child's pid as it sees
     it (2, which is kthreadd here); before issue 33 the sidecar read it as its own pid 2."""
     name = f"ns-{route}-{uuid.uuid4().hex[:6]}"
-    isolator = _isolators(sidecar)[route]
+    isolator = _isolator(sidecar, route)
     isolator.prepare(container_id(name), Containerizer(isolator, sidecar.work).config(gpus=0, image=False))
     code = (
         "import json, subprocess, sys\n"

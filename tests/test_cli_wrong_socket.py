@@ -28,6 +28,10 @@ def _cli(sock: str, *argv: str) -> tuple[int, str]:
     return rc, err.getvalue()
 
 
+# One daemon for the module, on one xdist worker (tests/conftest.py).
+SHARED_FIXTURES = ("sidecar",)
+
+
 @pytest.fixture(scope="module")
 def sidecar() -> Iterator[Sidecar]:
     work = tempfile.mkdtemp(prefix="gi-ws-", dir="/tmp")

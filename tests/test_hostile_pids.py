@@ -20,6 +20,10 @@ from isolator.testing.sidecar import Sidecar
 pytestmark = [pytest.mark.root, pytest.mark.cgroup_v1]
 
 
+# One daemon for the module, on one xdist worker (tests/conftest.py).
+SHARED_FIXTURES = ("sidecar",)
+
+
 @pytest.fixture(scope="module")
 def sidecar() -> Iterator[Sidecar]:
     import shutil
@@ -35,20 +39,22 @@ def sidecar() -> Iterator[Sidecar]:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _isolators(sidecar: Sidecar) -> dict[str, GrpcIsolator | BridgeIsolator]:
+def _isolator(sidecar: Sidecar, route: str) -> GrpcIsolator | BridgeIsolator:
     from isolator.bridge.command import install
 
+    if route == "grpc":
+        return GrpcIsolator(sidecar.socket)
     bridge_dir = os.path.join(sidecar.work, "bridge")
     if not os.path.isdir(bridge_dir):
         install(bridge_dir, sidecar.bridge_socket)
-    return {"grpc": GrpcIsolator(sidecar.socket), "bridge": BridgeIsolator(bridge_dir, sidecar.work)}
+    return BridgeIsolator(bridge_dir, sidecar.work)
 
 
 ROUTES = ["grpc", "bridge"]
 
 
 def _refused(sidecar: Sidecar, route: str, pid: int) -> HookFailed:
-    isolator = _isolators(sidecar)[route]
+    isolator = _isolator(sidecar, route)
     name = f"{route}-{uuid.uuid4().hex[:6]}"
     cid = container_id(name)
     isolator.prepare(cid, Containerizer(isolator, sidecar.work).config(gpus=0, image=False))
@@ -60,6 +66,8 @@ def _refused(sidecar: Sidecar, route: str, pid: int) -> HookFailed:
         return refused.value
     finally:
         isolator.cleanup(cid)
+        if isinstance(isolator, GrpcIsolator):
+            isolator.close()
 
 
 def _cgroups_of(pid: int) -> str:
@@ -126,3 +134,45 @@ def test_a_pid_gone_before_the_call_is_failed_precondition(sidecar, route):
     error = _refused(sidecar, route, child.pid)
     assert error.code == "FAILED_PRECONDITION", error
     assert f"pid {child.pid} does not exist" in error.message, error
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_pid_sent_from_another_pid_namespace_is_invalid_argument(sidecar, route):
+    """A caller in a pid namespace of its own (``unshare --pid``) sends its child's pid as it sees
+    it (2, which is kthreadd here); before issue 33 the sidecar read it as its own pid 2."""
+    name = f"ns-{route}-{uuid.uuid4().hex[:6]}"
+    isolator = _isolator(sidecar, route)
+    isolator.prepare(container_id(name), Containerizer(isolator, sidecar.work).config(gpus=0, image=False))
+    code = (
+        "import json, subprocess, sys\n"
+        "from isolator.testing.mesos import BridgeIsolator, GrpcIsolator, HookFailed, container_id\n"
+        "child = subprocess.Popen(['sleep', '600'])\n"
+        f"isolator = GrpcIsolator({sidecar.socket!r}) if {route!r} == 'grpc'"
+        f" else BridgeIsolator({os.path.join(sidecar.work, 'bridge')!r}, {sidecar.work!r})\n"
+        "try:\n"
+        f"    isolator.isolate(container_id({name!r}), child.pid)\n"
+        "    print(json.dumps({'pid': child.pid, 'code': 'OK', 'message': ''}))\n"
+        "except HookFailed as exc:\n"
+        "    print(json.dumps({'pid': child.pid, 'code': exc.code, 'message': exc.message}))\n"
+        "finally:\n"
+        "    child.kill()\n"
+    )
+    try:
+        result = subprocess.run(
+            ["unshare", "--pid", "--fork", sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
+        assert result.returncode == 0, result.stderr
+        import json
+
+        answer = json.loads(result.stdout.strip().splitlines()[-1])
+        assert answer["pid"] == 2, answer  # the namespace's second process
+        assert answer["code"] == "INVALID_ARGUMENT", answer
+        assert "in another pid namespace" in answer["message"], answer
+    finally:
+        isolator.cleanup(container_id(name))
+        if isinstance(isolator, GrpcIsolator):
+            isolator.close()

@@ -185,3 +185,64 @@ def test_a_sweep_removes_the_lock_files_of_dead_holders_and_leaves_held_ones(tmp
     finally:
         held.release()
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("mode", ["mesos", "standalone"])
+def test_a_cgroups_root_is_claimed_once_whatever_the_version_and_mode(tmp_path, version, mode):
+    """The claim itself, in-process (each claim opens its own file description, so a second one
+    conflicts as a second daemon's would): two configs that differ in everything but the
+    (hierarchy, root) collide; another root or the other hierarchy does not."""
+    from isolator.cgroups.detect import Hierarchy
+    from isolator.daemon.config import Config
+    from isolator.daemon.ownership import claim
+    from isolator.errors import CgroupsRootHeld
+
+    mount = tmp_path / "hierarchy"  # any directory stands for a hierarchy's root: the key is its inode
+    mount.mkdir()
+    other_mount = tmp_path / "other"
+    other_mount.mkdir()
+    locks = str(tmp_path / "locks")
+
+    def config(name: str, root: str) -> Config:
+        return Config(socket=str(tmp_path / f"{name}.sock"), cgroups_root=root, mode=mode)
+
+    first = claim(config("a", "mesos"), Hierarchy(version, str(mount)), locks)
+    try:
+        with pytest.raises(CgroupsRootHeld) as held:
+            claim(config("b", "/mesos/"), Hierarchy(version, str(mount)), locks)  # the same root, spelt otherwise
+        assert f"gpu-isolator pid {os.getpid()} manages it" in held.value.message
+        assert not os.path.exists(tmp_path / "b.sock.lock"), "the refused claim kept its socket's lock"
+        claim(config("c", "mesos-2"), Hierarchy(version, str(mount)), locks).release()
+        claim(config("d", "mesos"), Hierarchy(version, str(other_mount)), locks).release()
+    finally:
+        first.release()
+    claim(config("e", "mesos"), Hierarchy(version, str(mount)), locks).release()
+
+
+@pytest.mark.root
+@pytest.mark.cgroup_v2
+def test_one_cgroup2_hierarchy_mounted_at_two_paths_is_one_key(tmp_path):
+    """cgroup2 at /sys/fs/cgroup/unified on the host and, in a mount namespace of a pure v2 test, at
+    /sys/fs/cgroup: one hierarchy, one lock. Mounted again here in a private mount namespace."""
+    from isolator.testing.cgroupfs import hierarchy_mounts
+
+    v2 = hierarchy_mounts()[1]
+    assert v2 is not None
+    again = tmp_path / "cg2"
+    again.mkdir()
+    code = (
+        "import sys, subprocess\n"
+        "from isolator.cgroups.detect import Hierarchy\n"
+        "from isolator.daemon.ownership import cgroups_key\n"
+        f"subprocess.run(['mount', '--make-rprivate', '/'], check=True)\n"
+        f"subprocess.run(['mount', '-t', 'cgroup2', 'none', {str(again)!r}], check=True)\n"
+        f"print(cgroups_key(Hierarchy('v2', {v2!r}), 'r'))\n"
+        f"print(cgroups_key(Hierarchy('v2', {str(again)!r}), '/r'))\n"
+    )
+    result = subprocess.run(
+        ["unshare", "-m", sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=os.getcwd()
+    )
+    assert result.returncode == 0, result.stderr
+    host, namespaced = result.stdout.split("\n")[:2]
+    assert host == namespaced and host.startswith("v2 ")

@@ -3,18 +3,11 @@ process table, and the process-table questions behind them asked of the fake and
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import threading
-from typing import Any
-
 import pytest
 
 from isolator.errors import FailedPrecondition, InvalidArgument
-from isolator.host.system import ProcProcesses
 from isolator.model import ContainerConfig, ContainerId, Resource
 from isolator.testing import fake_service
-from isolator.testing.system import FakeProcesses
 
 
 def _gpus(n: int) -> ContainerConfig:
@@ -65,47 +58,17 @@ def test_a_process_that_exits_unreaped_during_standalone_isolate_is_refused() ->
         rig.service.isolate(a, pid)
 
 
-def _real_thread() -> tuple[int, threading.Event, threading.Thread]:
-    stop = threading.Event()
-    thread = threading.Thread(target=stop.wait)
-    thread.start()
-    assert thread.native_id is not None
-    return thread.native_id, stop, thread
-
-
-def test_threads_and_zombies_are_told_apart_alike_by_the_fake_and_proc() -> None:
-    fake = FakeProcesses()
-    process = fake.spawn()
-    cases: list[tuple[Any, int, int]] = [(fake, process, fake.thread(process))]
-    tid, stop, thread = _real_thread()
-    try:
-        import os
-
-        cases.append((ProcProcesses(), os.getpid(), tid))
-        for procs, leader, thread_id in cases:
-            assert procs.leader_of(leader) == leader
-            assert procs.leader_of(thread_id) == leader
-            assert procs.exists(thread_id) and procs.pin(thread_id) is None, procs
-            assert not procs.exited(leader) and not procs.exited(thread_id)
-    finally:
-        stop.set()
-        thread.join()
-
-    zombie_fake = fake.spawn()
-    fake.exit_unreaped(zombie_fake)
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    real = ProcProcesses()
-    pinned = real.pin(child.pid)
-    try:
-        for _ in range(100000):
-            if real.exited(child.pid):
-                break
-        both: list[tuple[Any, int]] = [(fake, zombie_fake), (real, child.pid)]
-        for procs, pid in both:
-            assert procs.exists(pid) and procs.exited(pid), procs
-        assert pinned is not None and not pinned.alive()  # a zombie is not alive to its pin
-    finally:
-        child.wait()
-        if pinned is not None:
-            pinned.close()
-    assert real.leader_of(child.pid) is None and not real.exited(child.pid)
+@pytest.mark.parametrize("mode", ["standalone", "mesos"])
+def test_isolate_refuses_a_pid_from_a_caller_in_another_pid_namespace(mode: str) -> None:
+    rig = fake_service("dgx-1", mode=mode)
+    a = ContainerId.parse("a")
+    rig.cgroups.mesos_creates(a)
+    rig.service.prepare(a, _gpus(1))
+    caller = rig.processes.spawn()
+    rig.processes.foreign.add(caller)
+    pid = rig.processes.spawn(parent=caller)
+    with pytest.raises(InvalidArgument, match=f"pid {pid} comes from a caller .pid {caller} here. in another pid"):
+        rig.service.isolate(a, pid, caller=caller)
+    assert rig.cgroups.pids(a) == () and rig.store.get(a).state == "prepared"  # type: ignore[union-attr]
+    if mode == "standalone":
+        rig.service.isolate(a, pid)  # in-process (no caller to check): the same pid is isolated

@@ -394,6 +394,27 @@ def install(
     return paths
 
 
+def _install_compiled(directory: str, socket_path: str, timeout: float) -> list[str]:
+    """Build bridge.c into a scratch directory beside ``directory`` and install that; a build that
+    cannot happen raises (never the Python launcher instead: the operator asked for this one)."""
+    import os
+    import tempfile
+
+    from isolator.bridge.build import BuildError, build
+
+    os.makedirs(directory, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".gpu-isolator-build-", dir=directory) as scratch:
+        binary = os.path.join(scratch, LAUNCHER)
+        try:
+            build(binary)
+        except BuildError as exc:
+            raise ValueError(
+                f"--compiled: cannot build the compiled bridge: {exc}; nothing was installed"
+                " (leave out --compiled for the Python launcher)"
+            ) from exc
+        return install(directory, socket_path, timeout, compiled=binary)
+
+
 def _install_main(argv: list[str]) -> int:
     import argparse
 
@@ -412,18 +433,15 @@ def _install_main(argv: list[str]) -> int:
     parser.add_argument(
         "--compiled",
         action="store_true",
-        help="install the compiled bridge (build/gpu-isolator-bridge, from `make build`) instead of the Python"
-        " launcher; where none was built, the Python launcher is installed and a line on stderr says so",
+        help="install the compiled bridge instead of the Python launcher: bridge.c, shipped in the package,"
+        " is built with $CC (default gcc); where it cannot be built the install fails and installs nothing",
     )
     args = parser.parse_args(argv)
-    binary = compiled_bridge() if args.compiled else None
-    if args.compiled and binary is None:
-        sys.stderr.write(
-            "gpu-isolator bridge install: no compiled bridge was built (`make build` needs gcc);"
-            " installing the Python launcher instead\n"
-        )
     try:
-        paths = install(args.directory, args.socket, args.timeout, compiled=binary)
+        if args.compiled:
+            paths = _install_compiled(args.directory, args.socket, args.timeout)
+        else:
+            paths = install(args.directory, args.socket, args.timeout)
     except (OSError, ValueError) as exc:
         sys.stderr.write(f"gpu-isolator bridge install: {exc}\n")
         return 1

@@ -77,12 +77,19 @@ def _seconds(value: str) -> float:
 
 
 def build_parser() -> Parser:
-    parser = Parser(prog="gpu-isolator", description="GPU isolator sidecar for Apache Mesos agents")
+    parser = Parser(
+        prog="gpu-isolator",
+        description="GPU isolator sidecar for Apache Mesos agents",
+        epilog=docs_epilog(),  # the docs/<page>.md that help texts cite are there
+        formatter_class=_PathFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"gpu-isolator {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     sub.required = True
 
-    serve = sub.add_parser("serve", help="run the sidecar on its Unix socket")
+    serve = sub.add_parser(
+        "serve", help="run the sidecar on its Unix socket", epilog=docs_epilog(), formatter_class=_PathFormatter
+    )
     configmod.add_serve_arguments(serve)
 
     unit = sub.add_parser(
@@ -897,23 +904,55 @@ def _unit_word(word: str, command: bool = False) -> str:
     return word
 
 
-def docs_url() -> str:
-    """Where this installation's documentation is, as a ``file:`` URL for the unit's Documentation=:
-    the README beside the package (a clone, an editable install), else the wheel's metadata, which
-    carries the README as its long description. The project has no public URL."""
+DOCS_SUBDIR = "share/doc/gpu-isolator"  # setup.cfg [options.data_files]
+
+
+def docs_dir() -> str:
+    """Where this installation's README.md and docs/ are, laid out as in the checkout, so that the
+    ``docs/<page>.md`` the help texts cite is relative to it: the checkout beside the package (a
+    clone, an editable install), else what the wheel installed under ``<prefix>/share/doc/gpu-isolator``
+    (found in the installed files' record, whatever the install scheme). The project has no public URL."""
     from importlib import metadata
-    from urllib.parse import quote
 
     import isolator
 
-    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(isolator.__file__))), "README.md")
-    if not os.path.isfile(readme):
-        try:
-            files = metadata.distribution("gpu-isolator").files or ()
-            readme = next((str(f.locate()) for f in files if f.name == "METADATA"), readme)
-        except metadata.PackageNotFoundError:
-            pass
-    return "file://" + quote(os.path.abspath(readme))
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(isolator.__file__)))
+    if os.path.isfile(os.path.join(checkout, "README.md")):
+        return checkout
+    try:
+        files = metadata.distribution("gpu-isolator").files or ()
+        for f in files:
+            if f.name == "README.md" and str(f).replace(os.sep, "/").endswith(f"{DOCS_SUBDIR}/README.md"):
+                return os.path.dirname(os.path.abspath(str(f.locate())))
+    except metadata.PackageNotFoundError:
+        pass
+    import sysconfig
+
+    return os.path.join(sysconfig.get_paths()["data"], DOCS_SUBDIR)
+
+
+def docs_epilog() -> str:
+    return f"documentation: {docs_dir()}"
+
+
+class _PathFormatter(argparse.HelpFormatter):
+    """argparse's, but a path (the epilog's documentation directory) is never cut at a hyphen or
+    inside a long word, so that it can be copied from the terminal."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        import textwrap
+
+        text = " ".join(text.split())
+        return textwrap.fill(
+            text, width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False, break_long_words=False
+        )
+
+
+def docs_url() -> str:
+    """This installation's README as a ``file:`` URL, for the unit's Documentation= (``docs_dir``)."""
+    from urllib.parse import quote
+
+    return "file://" + quote(os.path.join(docs_dir(), "README.md"))
 
 
 def unit_text(executable: str, config_path: str, read_only: Sequence[str] = (), docs: str | None = None) -> str:

@@ -9,7 +9,7 @@ import logging
 from isolator.core.context import Core
 from isolator.crashpoints import crashpoint
 from isolator.errors import FailedPrecondition, InvalidArgument
-from isolator.model import ContainerId, ContainerRecord
+from isolator.model import UNKNOWN_CALLER, ContainerId, ContainerRecord
 from isolator.policy import placement
 from isolator.policy.affinity import format_list
 
@@ -24,6 +24,12 @@ class IsolateHook:
     def isolate(self, container_id: ContainerId, pid: int, caller: int | None = None) -> None:
         core = self.core
         placement.check_pid(pid)
+        if caller is not None and caller != UNKNOWN_CALLER and core.edges.processes.same_pid_namespace(caller) is False:
+            # Its pid is a number in its own namespace: here it names some other process, or none.
+            raise InvalidArgument(
+                f"pid {pid} comes from a caller (pid {caller} here) in another pid namespace than the sidecar's,"
+                " where it names another process or none; call Isolate from the sidecar's pid namespace"
+            )
         if not core.edges.processes.exists(pid):
             raise FailedPrecondition(f"pid {pid} does not exist (the container's init is gone)")
         if core.edges.processes.kernel_thread(pid):

@@ -282,6 +282,8 @@ class Processes(Protocol):
 
     def exited(self, pid: int) -> bool: ...  # a zombie: exited, not yet reaped by its parent
 
+    def same_pid_namespace(self, pid: int) -> bool | None: ...  # pid's pid namespace is ours; None: gone
+
     def descends_from(self, pid: int, ancestor: int) -> bool: ...  # ancestor in pid's parent chain; False when gone
 
 

@@ -81,6 +81,17 @@ class ProcProcesses:
             return {}
         return dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
 
+    def same_pid_namespace(self, pid: int) -> bool | None:
+        """Whether ``pid`` lives in the sidecar's pid namespace (``/proc/<pid>/ns/pid`` names the
+        same namespace as ``/proc/self/ns/pid``; ``readlink`` shows ``pid:[<inode>]``); None when
+        it cannot be read (gone). A pid such a process sends names a process of its own namespace."""
+        try:
+            theirs = os.stat(os.path.join(self.proc_root, str(pid), "ns", "pid"))
+            ours = os.stat(os.path.join(self.proc_root, "self", "ns", "pid"))
+        except OSError:
+            return None
+        return (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
+
     def leader_of(self, pid: int) -> int | None:
         """The leader of ``pid``'s thread group (``Tgid`` in /proc/<pid>/status; ``ps -L`` shows it
         as PID beside the thread's LWP): ``pid`` itself for a process; None when gone. /proc/<tid>

@@ -34,6 +34,7 @@ class FakeProcesses:
         self.parents: dict[int, int] = {601: 600, 600: 1}
         self.threads: dict[int, int] = {}  # thread id -> its process (the thread group's leader)
         self.zombies: set[int] = set()
+        self.foreign: set[int] = set()  # processes in another pid namespace than the sidecar's
 
     def pin(self, pid: int) -> _Pinned | None:
         # pidfd_open(2) refuses a thread that is not its group's leader, as a pid that is gone.
@@ -46,6 +47,10 @@ class FakeProcesses:
     def exited(self, pid: int) -> bool:
         with self._lock:
             return pid in self.zombies and pid in self.alive
+
+    def same_pid_namespace(self, pid: int) -> bool | None:
+        with self._lock:
+            return pid not in self.foreign if pid in self.alive else None
 
     def thread(self, process: int) -> int:
         """A thread of ``process`` (not its leader): a pid /proc answers for, that names no process."""

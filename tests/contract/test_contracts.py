@@ -11,7 +11,10 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -474,6 +477,83 @@ def test_kernel_threads_are_told_apart_from_processes() -> None:
         assert procs.kernel_thread(2), "pid 2 is kthreadd in the initial pid namespace"
         assert not procs.kernel_thread(process)
         assert not procs.kernel_thread(4_000_000), "a pid that is gone is not a kernel thread"
+
+
+# Threads, zombies and pid namespaces: what Isolate refuses (issue 33).
+def _real_thread() -> tuple[int, threading.Event, threading.Thread]:
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    assert thread.native_id is not None
+    return thread.native_id, stop, thread
+
+
+def test_threads_and_zombies_are_told_apart_alike_by_the_fake_and_proc() -> None:
+    fake = FakeProcesses()
+    process = fake.spawn()
+    cases: list[tuple[Any, int, int]] = [(fake, process, fake.thread(process))]
+    tid, stop, thread = _real_thread()
+    try:
+        cases.append((ProcProcesses(), os.getpid(), tid))
+        for procs, leader, thread_id in cases:
+            assert procs.leader_of(leader) == leader
+            assert procs.leader_of(thread_id) == leader
+            assert procs.exists(thread_id) and procs.pin(thread_id) is None, procs
+            assert not procs.exited(leader) and not procs.exited(thread_id)
+    finally:
+        stop.set()
+        thread.join()
+
+    zombie_fake = fake.spawn()
+    fake.exit_unreaped(zombie_fake)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    real = ProcProcesses()
+    pinned = real.pin(child.pid)
+    try:
+        for _ in range(100000):
+            if real.exited(child.pid):
+                break
+        both: list[tuple[Any, int]] = [(fake, zombie_fake), (real, child.pid)]
+        for procs, pid in both:
+            assert procs.exists(pid) and procs.exited(pid), procs
+        assert pinned is not None and not pinned.alive()  # a zombie is not alive to its pin
+    finally:
+        child.wait()
+        if pinned is not None:
+            pinned.close()
+    assert real.leader_of(child.pid) is None and not real.exited(child.pid)
+
+
+def test_a_process_in_another_pid_namespace_is_told_apart_alike_by_the_fake_and_proc() -> None:
+    fake = FakeProcesses()
+    ours, theirs = fake.spawn(), fake.spawn()
+    fake.foreign.add(theirs)
+    # A process in a pid namespace of its own: unshare --pid --fork makes one.
+    inner = subprocess.Popen(["unshare", "--pid", "--fork", "sleep", "600"])
+    try:
+        real = ProcProcesses()
+        child = None
+        for _ in range(1000):
+            kids = real_children(inner.pid)
+            if kids:
+                child = kids[0]
+                break
+            time.sleep(0.01)
+        assert child is not None, "unshare did not fork"
+        for procs, same, other in ((fake, ours, theirs), (real, os.getpid(), child)):
+            assert procs.same_pid_namespace(same) is True and procs.same_pid_namespace(other) is False, procs
+        assert fake.same_pid_namespace(4_000_000) is None and real.same_pid_namespace(4_000_000) is None
+    finally:
+        inner.kill()
+        inner.wait()
+
+
+def real_children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            return [int(p) for p in fh.read().split()]
+    except OSError:
+        return []
 
 
 def test_the_sidecars_own_pids_are_itself_and_its_ancestors() -> None:

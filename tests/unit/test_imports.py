@@ -135,6 +135,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "cgroups": {"policy", "core.ports", "cgroups"},
     "gpu": {"policy", "core.ports", "gpu"},
     "host": {"policy", "core.ports", "host"},
+    # The socket guard holds the socket's lock file through the one pid-naming flock (host.pidlock).
     "transport": {"core.api", "rpc", "transport", "host.pidlock"},
     "bridge": {"bridge"},
     "exporters": {"policy", "core.api", "exporters"},

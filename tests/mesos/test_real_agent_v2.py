@@ -91,37 +91,47 @@ def test_the_agents_program_sits_on_the_container_ours_on_its_leaf_and_the_agent
     assert not os.path.exists(task.cgroup())
 
 
-@pytest.fixture(scope="module")
-def control_only(mesos_home: str, cgroups: str) -> Iterator[Cluster]:
-    """An agent whose --allowed_devices holds the NVIDIA control nodes but no GPU."""
+CONTROL_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
+
+
+@pytest.fixture(scope="module", params=["control-only", "no-flag"])
+def narrow(request: pytest.FixtureRequest, mesos_home: str, cgroups: str) -> Iterator[Cluster]:
+    """An agent whose --allowed_devices holds the NVIDIA control nodes but no GPU, or that has no
+    --allowed_devices at all (the agent's defaults alone)."""
     c = Cluster(mesos_home, cgroups=cgroups)
-    c.agents[0].allowed_nvidia = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
+    c.agents[0].allowed_nvidia = CONTROL_NODES if request.param == "control-only" else ()
     with c:
         yield c
 
 
-def test_without_the_gpus_in_the_agents_allowed_devices_a_gpu_task_fails_naming_the_flag(
-    control_only: Cluster,
-) -> None:
-    agent = control_only.agents[0]
-    task = probe_command(control_only)
-    failed = control_only.submit(task, gpus=1)
+def test_without_the_gpus_in_the_agents_allowed_devices_a_gpu_task_fails_naming_the_flag(narrow: Cluster) -> None:
+    agent = narrow.agents[0]
+    assert agent.sidecar is not None
+    task = probe_command(narrow)
+    failed = narrow.submit(task, gpus=1)
     update = failed.wait("TASK_FAILED", timeout=60)
     assert update.reason == "REASON_CONTAINER_LAUNCH_FAILED", update
     assert "FAILED_PRECONDITION" in update.message, update
     assert re.search(r"denies 'c 195:\d+ r'", update.message), update
     assert "to the Mesos agent's --allowed_devices" in update.message, update
-    # ... in the flag's own form: the GPU's node by path (the control nodes are in already).
+    # ... in the flag's own form: the nodes by path (the GPU's, and the control nodes if missing).
     (flag,) = re.findall(r"--allowed_devices='([^']*)'", update.message)
-    (entry,) = json.loads(flag)["allowed_devices"]
-    assert re.fullmatch(re.escape(agent.sidecar.dev_root) + r"/nvidia\d+", entry["device"]["path"]), entry  # type: ignore[union-attr]
+    named = {os.path.basename(e["device"]["path"]) for e in json.loads(flag)["allowed_devices"]}
+    (gpu,) = [n for n in named if n[6:].isdigit()]
+    assert named - {gpu} == (set() if agent.allowed_nvidia else set(CONTROL_NODES)), named
     failed.wait_gone()
     assert all(h == "" for h in agent.holders().values())
-    # The control nodes are in the flag: a 0-GPU task runs, and opens them.
-    ok = control_only.submit(task, gpus=0)
-    ok.wait("TASK_FINISHED")
-    ok.wait_gone()
-    assert_sees_exactly(ok.stdout(), set())
+    zero = narrow.submit(task, gpus=0)
+    if agent.allowed_nvidia:
+        # The control nodes are in the flag: a 0-GPU task runs, and opens them.
+        zero.wait("TASK_FINISHED")
+        zero.wait_gone()
+        assert_sees_exactly(zero.stdout(), set())
+    else:
+        # Without the flag even the control nodes are refused: fail closed, naming them.
+        update = zero.wait("TASK_FAILED", timeout=60)
+        assert update.reason == "REASON_CONTAINER_LAUNCH_FAILED", update
+        assert "denies 'c 195:255 r'" in update.message and "nvidiactl" in update.message, update
 
 
 def test_agent_restart_the_agent_reattaches_its_program_ours_stays_and_the_task_opens_the_same(

@@ -67,17 +67,7 @@ test: install build
 # no cgroups, no daemon, a few seconds. Runs as any user (real edges in the contract suite skip
 # loudly without root); e.g. `setpriv --reuid=nobody --regid=nogroup --clear-groups make test-unit`
 # from a checkout that user can read, with .venv and build/ made beforehand.
-UNIT_TESTS := tests/test_core_hooks.py tests/test_core_recovery.py tests/test_core_admin.py \
-	tests/test_core_concurrency.py tests/test_core_volume_users.py tests/test_core_coverage.py tests/test_contracts.py \
-	tests/test_core_handover.py tests/test_core_maintenance.py tests/test_handover_policy.py \
-	tests/test_imports.py \
-	tests/test_reconcile.py tests/test_allocator.py tests/test_devices.py tests/test_gpuflags.py \
-	tests/test_state.py tests/test_volume_plan.py tests/test_volume_inject.py tests/test_volume_parsers.py \
-	tests/test_bpfprog.py tests/test_config.py tests/test_core_mig.py tests/test_mig.py tests/test_state_mig.py \
-	tests/test_hookpool.py tests/test_watch_wait.py tests/test_v1_whitelist.py \
-	tests/test_core_affinity.py tests/test_affinity_policy.py tests/test_cpuset_edge.py \
-	tests/test_policy_drift.py tests/test_policy_adopt.py tests/test_policy_placement.py tests/test_policy_launch.py \
-	tests/test_transport_handlers.py
+UNIT_TESTS := tests/unit tests/contract
 
 test-unit: install build
 	$(PY) -m pytest -p no:cacheprovider $(UNIT_TESTS) $(PYTEST_ARGS)
@@ -126,17 +116,17 @@ dist: $(STAMP)
 # The figures of docs/bench.md, beside their floors and goals; a report that never fails the build.
 # Choose parts and sizes with e.g. BENCH_ARGS="--parts hooks,bridge --quick".
 BENCH_ARGS ?=
-# First the benchmark code's own end-to-end checks (a quick run of every part, tests/test_bench.py, and
+# First the benchmark code's own end-to-end checks (a quick run of every part, tests/system/test_bench.py, and
 # the allocator's stream scenario, marker `bench`), which fail the target; then the report.
 bench: install build
-	$(PY) -m pytest -q -m bench tests/test_bench.py tests/test_bench_allocator.py
+	$(PY) -m pytest -q -m bench tests/system/test_bench.py tests/system/test_bench_allocator.py
 	-$(PY) scripts/bench.py $(BENCH_ARGS)
 
 # Crash consistency with 500 SIGKILLs per cgroup version, with and without Recover after each restart, and more generated hostile input
 # (docs/reliability.md). Takes several minutes; `make test` runs the same tests smaller.
 soak: install build
 	GPU_ISOLATOR_CRASH_POINTS=500 GPU_ISOLATOR_HOSTILE_EXAMPLES=300 $(PY) -m pytest -s -rs \
-		tests/test_crash.py tests/test_hostile.py tests/test_concurrency.py $(PYTEST_ARGS)
+		tests/system/test_crash.py tests/system/test_hostile.py tests/system/test_concurrency.py $(PYTEST_ARGS)
 
 # Mutation testing of the pure modules, each against its own unit tests only, one worker
 # (docs/mutation.md). Fails below 0.9 killed per module. Some modules: MUTATION_ARGS="bpfprog gpuflags";

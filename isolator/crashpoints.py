@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-# Every point the code passes, so that a test can aim at each of them (tests/test_crash.py).
+# Every point the code passes, so that a test can aim at each of them (tests/system/test_crash.py).
 POINTS = (
     "prepare.recorded",  # GPUs recorded, cgroup not yet made
     "prepare.cgroup",  # cgroup made (deny-all), GPU rules not yet applied

@@ -39,21 +39,21 @@ class Module:
 
 
 MODULES = (
-    Module("bpfprog", "isolator/cgroups/bpfprog.py", ("tests/test_bpfprog.py",)),
-    Module("inject", "volumes/inject.py", ("tests/test_volume_inject.py",)),
-    Module("plan", "volumes/plan.py", ("tests/test_volume_plan.py",)),
-    Module("gpuflags", "isolator/policy/gpuflags.py", ("tests/test_gpuflags.py",)),
-    Module("devices", "isolator/policy/devices.py", ("tests/test_devices.py",)),
-    Module("devicerule", "isolator/devicerule.py", ("tests/test_devices.py",)),
-    Module("allocator", "isolator/policy/allocator.py", ("tests/test_allocator.py",)),
-    Module("fabric", "isolator/policy/fabric.py", ("tests/test_allocator.py",)),
-    Module("search", "isolator/policy/search.py", ("tests/test_allocator.py",)),
-    Module("handover", "isolator/policy/handover.py", ("tests/test_handover_policy.py",)),
-    Module("affinity", "isolator/policy/affinity.py", ("tests/test_affinity_policy.py",)),
-    Module("drift", "isolator/policy/drift.py", ("tests/test_policy_drift.py",)),
-    Module("adopt", "isolator/policy/adopt.py", ("tests/test_policy_adopt.py",)),
-    Module("placement", "isolator/policy/placement.py", ("tests/test_policy_placement.py",)),
-    Module("launch", "isolator/policy/launch.py", ("tests/test_policy_launch.py",)),
+    Module("bpfprog", "isolator/cgroups/bpfprog.py", ("tests/unit/cgroups/test_bpfprog.py",)),
+    Module("inject", "volumes/inject.py", ("tests/unit/volumes/test_inject.py",)),
+    Module("plan", "volumes/plan.py", ("tests/unit/volumes/test_plan.py",)),
+    Module("gpuflags", "isolator/policy/gpuflags.py", ("tests/unit/policy/test_gpuflags.py",)),
+    Module("devices", "isolator/policy/devices.py", ("tests/unit/policy/test_devices.py",)),
+    Module("devicerule", "isolator/devicerule.py", ("tests/unit/policy/test_devices.py",)),
+    Module("allocator", "isolator/policy/allocator.py", ("tests/unit/policy/test_allocator.py",)),
+    Module("fabric", "isolator/policy/fabric.py", ("tests/unit/policy/test_allocator.py",)),
+    Module("search", "isolator/policy/search.py", ("tests/unit/policy/test_allocator.py",)),
+    Module("handover", "isolator/policy/handover.py", ("tests/unit/policy/test_handover.py",)),
+    Module("affinity", "isolator/policy/affinity.py", ("tests/unit/policy/test_affinity.py",)),
+    Module("drift", "isolator/policy/drift.py", ("tests/unit/policy/test_drift.py",)),
+    Module("adopt", "isolator/policy/adopt.py", ("tests/unit/policy/test_adopt.py",)),
+    Module("placement", "isolator/policy/placement.py", ("tests/unit/policy/test_placement.py",)),
+    Module("launch", "isolator/policy/launch.py", ("tests/unit/policy/test_launch.py",)),
 )
 
 # Verdicts that count as "the tests noticed": a failing test, or a hang the timeout caught (a mutant

@@ -135,6 +135,6 @@ def shared_group(module: str, params: dict[str, int]) -> str:
     No brackets: xdist appends ``@<group>`` to the test's ID and takes what follows the last ``@``
     as the group only when it comes after the last ``]`` (a parameter may contain ``@``), so a
     group ending in ``]`` was no group at all, and each test went to any worker, starting the
-    fixture's daemon again there (tests/test_xdist_groups.py).
+    fixture's daemon again there (tests/system/test_xdist_groups.py).
     """
     return module + "".join(f":{name}={index}" for name, index in params.items())

@@ -4,7 +4,7 @@
  * A Mesos agent with criteo/mesos-command-modules runs one hook command at a time for the whole
  * agent, so every millisecond of this process's life is paid by every container on the node. This
  * program does what the Python bridge does (same arguments, settings, exit statuses, ERR lines,
- * watch and cleanup rules, signal handling; tests/test_bridge.py holds both to the same tests)
+ * watch and cleanup rules, signal handling; tests/system/test_bridge.py holds both to the same tests)
  * without an interpreter's start: read IN, send it to the sidecar's bridge socket, write the
  * answer to OUT, or one line to ERR and a non-zero exit. It never writes stdout (the agent's log)
  * except for --version and --help.

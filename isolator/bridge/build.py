@@ -13,7 +13,7 @@ from isolator import __version__
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bridge.c")
 # The Makefile's CFLAGS_BRIDGE less -Werror (a newer compiler's new warning must not stop an install;
-# `make build` keeps it for us) and the version define; tests/test_wheel_install.py keeps them equal.
+# `make build` keeps it for us) and the version define; tests/system/test_wheel_install.py keeps them equal.
 CFLAGS = [
     "-std=c11",
     "-O2",

@@ -3,7 +3,7 @@
 The core (``isolator.core``) imports nothing that touches the machine: it is handed one object per
 port. ``isolator.daemon.main`` wires the real ones (cgroup v1/v2 controllers, the SQLite store, the
 volume manager, NVML, ``/proc``, the system clock); ``isolator.testing`` ships in-memory fakes that
-pass the same contract tests (tests/test_contracts.py).
+pass the same contract tests (tests/contract/test_contracts.py).
 
     port            real                                            fake (isolator.testing)
     CgroupBackend   cgroups.v1.V1DeviceController, v2.V2...         FakeCgroups

@@ -516,7 +516,7 @@ def toml_value(name: str, value: Any) -> str:
 def default_file_text() -> str:
     """The full default config file: every key ``serve`` reads, its help as a comment, its default as the
     value (commented out where the default is "unset"). ``config check`` accepts it, and it yields
-    the same settings as no file at all (tests/test_config_file.py)."""
+    the same settings as no file at all (tests/system/test_config_file.py)."""
     defaults = Config()
     lines = [
         "# gpu-isolator serve: every setting with its default (`gpu-isolator config default`).",

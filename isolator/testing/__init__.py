@@ -1,7 +1,7 @@
 """Test doubles shipped with the package, for our tests and for projects built on this one.
 
 Each fake implements one port of the core (isolator/core/ports.py) and passes the same contract
-tests as the real edge (tests/test_contracts.py); ``fake_service`` wires them all to the real core.
+tests as the real edge (tests/contract/test_contracts.py); ``fake_service`` wires them all to the real core.
 
     FakeCgroups      CgroupBackend   rules and membership in memory, fault points
     FakeCpusets      Cpusets         cpusets in memory, and the machine's CPUs (CpuTopology)

@@ -196,7 +196,7 @@ class Program:
 
     def allows(self, type_: str, major: int, minor: int, access: str = "rw") -> bool:
         """What this program answers to one request, run in the project's evaluator
-        (isolator/cgroups/bpfprog.py, checked against the kernel by tests/test_bpf_differential.py)."""
+        (isolator/cgroups/bpfprog.py, checked against the kernel by tests/system/test_bpf_differential.py)."""
         from isolator.cgroups import bpfprog
 
         return bpfprog.evaluate(self.insns, bpfprog.Request(type_, major, minor, access)) == 1

@@ -1,7 +1,7 @@
 """``FakeCgroups``: an in-memory devices cgroup backend (isolator.core.ports.CgroupBackend).
 
 It records, per container, whether its cgroup exists, the rules in force and its processes, with
-the semantics of the real v1 and v2 controllers that tests/test_contracts.py checks on both:
+the semantics of the real v1 and v2 controllers that tests/contract/test_contracts.py checks on both:
 standalone mode creates the cgroup denying everything and removes it on cleanup (refused while it
 holds processes); mesos mode expects Mesos to have made the cgroup (``mesos_creates``) and removes
 only our rules. ``faults`` fails any step by name (isolator/testing/faults.py).

@@ -1,6 +1,6 @@
 """``FakeCpusets``: in-memory cpuset cgroups (isolator.core.ports.Cpusets) with fault points.
 
-Same semantics as isolator/cgroups/cpuset.py where the core can tell (tests/test_contracts.py runs
+Same semantics as isolator/cgroups/cpuset.py where the core can tell (tests/contract/test_contracts.py runs
 one suite on both): apply creates and sets exactly what it is given and refuses an empty set or
 one outside the machine (the kernel's EINVAL); remove is idempotent and refused while processes
 are inside; a process's allowed CPUs follow the cpuset it was placed in. ``faults`` fails any

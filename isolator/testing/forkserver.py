@@ -10,7 +10,7 @@ the same entry point `python -m isolator` runs (`isolator.cli.main.main`), exiti
 What differs from an exec'd daemon, and where that path is tested instead: the daemon's parent is the
 fork server (a child of the test worker, so the worker is still among its ancestors) and its
 /proc/<pid>/cmdline is the fork server's. Starting the interpreter and importing the package is
-tested where that is the point: tests/test_startup.py, test_daemon_lifecycle.py, test_systemd.py
+tested where that is the point: tests/system/test_startup.py, test_daemon_lifecycle.py, test_systemd.py
 and test_packaging.py exec the daemon and the installed scripts.
 
 The fork server is single-threaded (forking a process with threads leaves their locks held in the
@@ -208,7 +208,7 @@ def spawn(
 def run(argv: Sequence[str], timeout: float = 30) -> subprocess.CompletedProcess[str]:
     """``subprocess.run(argv, capture_output=True, text=True, timeout=timeout)`` for a
     ``python -m isolator ...`` command, forked from the fork server (a CLI command's output and
-    exit status, as the exec'd command's: tests/test_forkserver.py)."""
+    exit status, as the exec'd command's: tests/system/test_forkserver.py)."""
     import tempfile
 
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:

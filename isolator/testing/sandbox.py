@@ -6,7 +6,7 @@ capability), NoNewPrivileges=, MemoryDenyWriteExecute= (PR_SET_MDWE, Linux 6.3+:
 mappings and making memory executable, as systemd's seccomp rule does) and SystemCallFilter= with
 SystemCallErrorNumber= (a seccomp allow-list through libseccomp, groups expanded by
 ``systemd-analyze syscall-filter``). Not rebuilt: the mount namespace (ProtectSystem=, PrivateTmp=,
-...), RestrictNamespaces=, RestrictAddressFamilies= and the Protect* filters; tests/test_systemd.py
+...), RestrictNamespaces=, RestrictAddressFamilies= and the Protect* filters; tests/system/test_systemd.py
 says so where it uses this.
 """
 

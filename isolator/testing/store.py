@@ -1,6 +1,6 @@
 """``FakeStore``: an in-memory state store (isolator.core.ports.RecordStore) with fault points.
 
-Same refusals as the SQLite store (tests/test_contracts.py runs one suite on both): a container
+Same refusals as the SQLite store (tests/contract/test_contracts.py runs one suite on both): a container
 recorded twice, a GPU held twice, a writer on an unknown container, a shrink of GPUs not held,
 an unknown state. Each call is atomic: it changes everything or nothing. ``faults`` fails a step
 by name with a StateError, as a full disk or a read-only file would (isolator/testing/faults.py);

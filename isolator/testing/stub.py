@@ -1,6 +1,6 @@
 """``StubService``: a base for test doubles of the whole service that answers UNIMPLEMENTED.
 
-Subclass it and override the methods a test needs (tests/test_bridge.py records what arrives).
+Subclass it and override the methods a test needs (tests/system/test_bridge.py records what arrives).
 Every other method is ``IsolatorApi``'s own (the one declaration of the hook API), which raises
 ``Unimplemented`` so the caller sees UNIMPLEMENTED, never a fake success: a hook added there is
 stubbed here without a line written.

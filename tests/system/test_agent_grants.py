@@ -135,7 +135,7 @@ def test_v2_mesos_mode_program_passes_non_nvidia_devices_to_the_agents_program(s
 @pytest.mark.parametrize("standalone", [False, True])
 def test_mesos_program_decides_only_for_nvidia_majors_and_standalone_for_everything(standalone):
     # Pure: what our program answers, by the evaluator (checked against the kernel in
-    # tests/test_bpf_differential.py).
+    # tests/system/test_bpf_differential.py).
     rules = container_rules_for_test()
     code = bpfprog.build_bytes(rules) if standalone else bpfprog.build_bytes(rules, decide_majors={195, 240})
     fuse = bpfprog.Request("c", 10, 229, "rw")

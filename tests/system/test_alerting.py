@@ -12,6 +12,7 @@ import subprocess
 from importlib.resources import files
 
 import grpc
+import paths
 import pytest
 
 from isolator.rpc import isolator_pb2 as pb
@@ -21,7 +22,7 @@ from isolator.testing.sidecar import running_sidecar
 
 RULES = str(files("isolator").joinpath("data/prometheus-rules.yml"))
 DASHBOARD = str(files("isolator").joinpath("data/grafana-dashboard.json"))
-RULES_TEST = os.path.join(os.path.dirname(__file__), "data", "prometheus-rules-test.yml")
+RULES_TEST = os.path.join(paths.DATA, "prometheus-rules-test.yml")
 # Series and labels Prometheus itself adds to every scrape target, not the daemon.
 SCRAPE_SERIES = {"up"}
 TARGET_LABELS = {"job", "instance"}
@@ -128,7 +129,7 @@ def test_promtool_unit_tests_fire_each_alert_on_trouble_and_not_on_a_healthy_sid
 @pytest.mark.root
 @pytest.mark.cgroup_v1
 def test_every_metric_and_label_the_rules_and_dashboard_name_is_exported_by_a_real_daemon(short_tmp):
-    from test_metrics import _UnixHTTP, series
+    from system.test_metrics import _UnixHTTP, series
 
     path = os.path.join(short_tmp, "metrics.sock")
     # The DGX A100 has GPUs whole and in MIG mode, so the MIG families have series too.

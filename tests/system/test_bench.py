@@ -12,11 +12,12 @@ import json
 import os
 import sys
 
+import paths
 import pytest
 
 from isolator.simhost.host import load_host, shipped_hosts
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+SCRIPTS = os.path.join(paths.ROOT, "scripts")
 
 
 def _load(name: str):

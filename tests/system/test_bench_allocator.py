@@ -5,10 +5,11 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import paths
 import pytest
 from topologies import dgx1_volta, padded_trap, workstation
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_allocator.py")
+_PATH = os.path.join(paths.ROOT, "scripts", "bench_allocator.py")
 _spec = importlib.util.spec_from_file_location("bench_allocator", _PATH)
 assert _spec is not None and _spec.loader is not None
 bench = importlib.util.module_from_spec(_spec)

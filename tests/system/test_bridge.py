@@ -787,7 +787,7 @@ def test_install_compiled_copies_the_binary_with_its_settings_beside_it_and_pyth
 def test_install_compiled_where_no_compiler_ran_builds_the_shipped_bridge_c(short_tmp):
     """Before issue 33 it fell back to the Python launcher (and said so on stderr): asked for the
     compiled bridge, an install now builds it from the package's bridge.c or fails
-    (tests/test_wheel_install.py: from a real wheel, and without a compiler)."""
+    (tests/system/test_wheel_install.py: from a real wheel, and without a compiler)."""
     # A copy of the package without build/ beside it, as a wheel installs it.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(bridge.__file__))))
     copy = os.path.join(short_tmp, "pkg")

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import paths
 import pytest
 from jsonschema import Draft7Validator
 from referencing import Registry, Resource
@@ -24,7 +25,7 @@ from isolator.gpu.nvml import Inventory
 from isolator.simhost.sim import SimulatedHost
 from volumes.manager import VolumeManager
 
-SCHEMA_DIR = os.path.join(os.path.dirname(__file__), "data", "cdi-schema")
+SCHEMA_DIR = os.path.join(paths.DATA, "cdi-schema")
 # The Go loader refuses unknown fields (specs-go/config.go at spec 1.1.0): the keys it knows.
 SPEC_KEYS = {"cdiVersion", "kind", "annotations", "devices", "containerEdits"}
 DEVICE_KEYS = {"name", "annotations", "containerEdits"}

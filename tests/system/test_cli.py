@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import paths
 import pytest
 from hostexpect import topology_json
 
@@ -28,7 +29,7 @@ from isolator.testing.sidecar import Sidecar, running_sidecar
 pytestmark = [pytest.mark.root, pytest.mark.cgroup_v1]
 
 HOST = "dgx-1"
-WORKTREE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKTREE = paths.ROOT
 SITE = next(p for p in sys.path if p.endswith("site-packages") and os.path.isdir(p))
 
 

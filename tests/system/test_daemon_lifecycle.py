@@ -210,7 +210,7 @@ def test_sighup_reloads_the_reloadable_settings_logs_the_rest_and_keeps_serving(
     """Before issue 26 SIGHUP killed the daemon (exit 129, no log line, sockets left behind)."""
     import signal
 
-    from test_security import NOBODY, call_as, nogroup
+    from system.test_security import NOBODY, call_as, nogroup
 
     os.chmod(short_tmp, 0o755)  # nobody may reach the socket; the gate decides
     config = os.path.join(short_tmp, "config.toml")

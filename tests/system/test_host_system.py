@@ -10,11 +10,12 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
+import paths
 import pytest
 
 from isolator.host.system import ProcProcesses
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = paths.ROOT
 
 # The "sidecar": answers each line on stdin with its cached chain, a freshly walked one and its parent.
 SIDECAR = """

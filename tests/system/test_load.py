@@ -15,6 +15,7 @@ import threading
 import time
 
 import grpc
+import paths
 import pytest
 from invariants import proc_status, watch_checks
 
@@ -32,7 +33,7 @@ from isolator.transport.server import SidecarServer
 from isolator.transport.settings import ServerSettings
 
 NOBODY = 65534
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = paths.ROOT
 
 
 def gpus(n: int) -> dict[str, object]:

@@ -8,7 +8,9 @@ import subprocess
 import sys
 import zipfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import paths
+
+ROOT = paths.ROOT
 
 
 def test_the_wheel_holds_license_unit_hosts_and_bridge_executables(tmp_path):
@@ -73,7 +75,7 @@ def test_make_test_gpu_fails_without_a_gpu_unless_skipping_is_allowed():
     assert "make test-gpu: no NVIDIA GPU on this machine" in refused.stderr and "ALLOW_NO_GPU=1" in refused.stderr
     allowed = subprocess.run(
         # The GPU tests' own file: the target's exit status is what is tested, not collecting the whole suite.
-        [*make, "test-gpu", "ALLOW_NO_GPU=1", "PYTEST_ARGS=-q -p no:cacheprovider tests/test_gpu_host.py"],
+        [*make, "test-gpu", "ALLOW_NO_GPU=1", "PYTEST_ARGS=-q -p no:cacheprovider tests/system/test_gpu_host.py"],
         capture_output=True,
         text=True,
         timeout=300,

@@ -16,6 +16,7 @@ import sys
 import textwrap
 
 import grpc
+import paths
 import pytest
 
 from isolator.daemon import config as configmod
@@ -70,7 +71,7 @@ def call_as(uid: int, gid: int, path: str, size: int = 0) -> dict[str, str]:
         capture_output=True,
         text=True,
         timeout=60,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        cwd=paths.ROOT,
     )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
@@ -201,7 +202,7 @@ def test_connections_over_the_cap_are_refused_then_closed_and_the_cap_frees_up(o
     try:
         held = []
         # One within the share, then MAX_BUSY_CONNECTIONS spliced to the refusing server (each call
-        # on them answers RESOURCE_EXHAUSTED; tests/test_load.py), then closed at once.
+        # on them answers RESOURCE_EXHAUSTED; tests/system/test_load.py), then closed at once.
         for _ in range(1 + peergate.MAX_BUSY_CONNECTIONS):
             s = socket.socket(socket.AF_UNIX)
             s.connect(server.settings.socket)

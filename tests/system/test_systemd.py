@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 
+import paths
 import pytest
 
 from isolator.cli.main import unit_text
@@ -420,6 +421,6 @@ def test_systemd_analyze_security_scores_the_installed_unit_ok(tmp_path):
     assert found is not None, (result.stdout[-2000:], result.stderr)
     score = float(found.group(1))
     assert score <= EXPOSURE_GOAL, result.stdout
-    docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "security.md")
+    docs = os.path.join(paths.ROOT, "docs", "security.md")
     with open(docs) as fh:
         assert f"**{score:.1f} {found.group(2)}**" in fh.read(), f"docs/security.md must state the score {score}"

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 
+import paths
 import pytest
 
 from isolator.simhost.driver import build_driver_root
@@ -21,7 +22,7 @@ from volumes.manager import VolumeManager
 from volumes.manifest import MANIFEST_NAME, describe
 from volumes.plan import plan_volume
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = paths.ROOT
 
 
 # Module-scoped: under xdist, their users share one worker, so each is set up once (conftest.py).

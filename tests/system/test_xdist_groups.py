@@ -19,8 +19,8 @@ def scheduled_scope(nodeid: str, group: str) -> str:
 
 def test_a_shared_fixtures_group_is_a_group_to_the_scheduler():
     group = shared_group("test_conformance", {"agent": 3})
-    assert scheduled_scope("tests/test_conformance.py::test_x[v2-grpc]", group) == group
-    assert scheduled_scope("tests/test_conformance.py::test_y[v2-grpc-7]", group) == group
+    assert scheduled_scope("tests/system/test_conformance.py::test_x[v2-grpc]", group) == group
+    assert scheduled_scope("tests/system/test_conformance.py::test_y[v2-grpc-7]", group) == group
 
 
 def test_each_parameter_of_a_shared_fixture_is_a_group_of_its_own():

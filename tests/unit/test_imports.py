@@ -12,12 +12,13 @@ import functools
 import os
 from collections.abc import Iterator
 
+import paths
 import pytest
 
 # One worker parses the tree once for all of them (each parse of every module is ~0.9 s of CPU).
 pytestmark = [pytest.mark.xdist_group("imports")]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = paths.ROOT
 PACKAGES = ("isolator", "volumes")
 
 

@@ -1,6 +1,6 @@
 """The cpuset edge's file protocol on a temp tree (isolator/cgroups/cpuset.py): which hierarchy it
 picks, and on cgroup2 which ``cgroup.subtree_control`` files it writes. The kernel's own behaviour is
-checked on real cgroups by tests/test_contracts.py and tests/test_affinity.py; this machine's cgroup2
+checked on real cgroups by tests/contract/test_contracts.py and tests/system/test_affinity.py; this machine's cgroup2
 offers no cpuset, so the v2 file protocol is pinned here as well.
 """
 

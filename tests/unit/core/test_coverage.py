@@ -30,18 +30,11 @@ from isolator.core.update import UpdateHook
 from isolator.core.watch import WatchHook
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CORE_TESTS = (
-    "test_core_hooks.py",
-    "test_core_recovery.py",
-    "test_core_admin.py",
-    "test_core_concurrency.py",
-    "test_core_mig.py",
-    "test_core_volume_users.py",
-    "test_core_affinity.py",
-    "test_core_handover.py",
-    "test_core_maintenance.py",
+# The core's unit tests are this directory's (tests/unit/core/); the contract suite is tests/contract/.
+CORE_TESTS = tuple(sorted(n for n in os.listdir(HERE) if n.startswith("test_") and n != "test_coverage.py"))
+CONTRACT_TESTS = tuple(
+    os.path.join("..", "..", "contract", n) for n in ("test_contracts.py", "test_processes_hostile.py")
 )
-CONTRACT_TESTS = ("test_contracts.py", "test_processes_hostile.py")
 
 
 def called(files: tuple[str, ...]) -> set[str]:
@@ -59,12 +52,12 @@ def public_methods(cls: type) -> set[str]:
 # Reached only through another public method (each named with the one its tests call).
 INDIRECT = {
     "sync_health": "recover",
-    "recorded_affinity": "isolate",  # the cpuset a pid joins (tests/test_core_affinity.py)
+    "recorded_affinity": "isolate",  # the cpuset a pid joins (tests/unit/core/test_affinity.py)
     "notify": "cleanup",
     "rules": "prepare",
     "compute": "prepare",
     "set_health": "recover",
-    "set_gpu_health": "cleanup",  # a health event (tests/test_core_hooks.py watch tests)
+    "set_gpu_health": "cleanup",  # a health event (tests/unit/core/test_hooks.py watch tests)
     "reset": "recover",
     "mark_ended": "cleanup",
     "recently_ended": "watch",  # and prepare
@@ -74,7 +67,7 @@ INDIRECT = {
     "apply": "update",
     "apply_nested": "prepare",  # of a nested container with a cgroup of its own (mesos mode)
     "drop": "cleanup",
-    "release_gpus": "update",  # a shrinking Update (tests/test_core_handover.py)
+    "release_gpus": "update",  # a shrinking Update (tests/unit/core/test_handover.py)
     "create": "prepare",
     "write": "prepare",
     "revoke": "cleanup",  # of a nested container (mesos mode)
@@ -88,12 +81,10 @@ INDIRECT = {
     "mig_of": "watch",
     "hold_mig": "restart",
     "free_mig": "cleanup",
-    "affinity": "prepare",  # --cpu-affinity (tests/test_core_affinity.py)
+    "affinity": "prepare",  # --cpu-affinity (tests/unit/core/test_affinity.py)
     "locality": "describe_container",
     "apply_cpuset": "update",
-    "drain_for_maintenance": "maintenance_drain",  # an operator's drain (tests/test_core_maintenance.py)
-    "end_maintenance": "maintenance_undrain",
-    "release": "cleanup",  # a top-level container's cpuset (tests/test_core_affinity.py)
+    "release": "cleanup",  # a top-level container's cpuset (tests/unit/core/test_affinity.py)
 }
 
 

@@ -429,7 +429,7 @@ def test_watch_of_an_unknown_container(rig: Rig) -> None:
 
 def test_watch_of_a_container_cleaned_up_lately_is_told_apart_from_an_unknown_one(rig: Rig) -> None:
     # criteo's module polls Watch once more after each Cleanup; the servicer answers that poll "no
-    # limitation" when it sees ContainerGone (tests/test_bridge.py), and NOT_FOUND to gRPC.
+    # limitation" when it sees ContainerGone (tests/system/test_bridge.py), and NOT_FOUND to gRPC.
     a, failed = cid("a"), cid("failed")
     rig.service.prepare(a, gpus(1))
     rig.service.cleanup(a)
@@ -442,7 +442,7 @@ def test_watch_of_a_container_cleaned_up_lately_is_told_apart_from_an_unknown_on
     with pytest.raises(ContainerGone):
         rig.service.watch(failed)
     # A container never seen is plainly unknown, and one cleaned up is never prepared again (Mesos
-    # never reuses an ID: such a Prepare is stale, tests/test_stale_hooks.py).
+    # never reuses an ID: such a Prepare is stale, tests/system/test_stale_hooks.py).
     with pytest.raises(NotFound) as unknown:
         rig.service.watch(cid("nobody"))
     assert not isinstance(unknown.value, ContainerGone)

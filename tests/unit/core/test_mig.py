@@ -1,5 +1,5 @@
 """The core's MIG units over the shipped fakes (no root, no cgroups): fast checks of the wiring that
-tests/test_mig_cgroup.py shows against the kernel."""
+tests/system/test_mig_cgroup.py shows against the kernel."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import paths
 import pytest
 
 from isolator.devicerule import DeviceRule
@@ -30,7 +31,7 @@ from isolator.errors import (
 from isolator.host.state import DB_FILE, ContainerRecord, StateStore
 from isolator.model import ContainerId
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = paths.ROOT
 
 
 def cid(value: str, parent: ContainerId | None = None) -> ContainerId:

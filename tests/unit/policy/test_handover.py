@@ -1,5 +1,5 @@
 """The pure decisions of the handover check (isolator/policy/handover.py); the allocator's draining set is
-tested with the allocator (tests/test_allocator.py)."""
+tested with the allocator (tests/unit/policy/test_allocator.py)."""
 
 from __future__ import annotations
 

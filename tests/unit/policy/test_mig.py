@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 
+import paths
 import pytest
 
 from isolator.model import MigDevice, Resource
@@ -19,7 +20,7 @@ CAPS_MAJOR = 511
 
 
 def a100_devices() -> list[MigDevice]:
-    """The shipped dgx-a100's MIG devices as the inventory reports them (tests/test_nvml.py checks that)."""
+    """The shipped dgx-a100's MIG devices as the inventory reports them (tests/system/test_nvml.py checks that)."""
     out = []
     for g in load_host("dgx-a100").gpus:
         for m in g.mig_devices:
@@ -240,7 +241,7 @@ def test_nothing_can_change_a_gpus_mig_layout():
     """The sidecar and the fake NVML never set the MIG mode nor create or destroy instances."""
     import pathlib
 
-    root = pathlib.Path(__file__).resolve().parent.parent / "isolator"
+    root = pathlib.Path(paths.ROOT) / "isolator"
     setters = ("SetMigMode", "CreateGpuInstance", "CreateComputeInstance", "InstanceDestroy")
     for path in [*root.rglob("*.py"), *root.rglob("*.c")]:
         text = path.read_text(encoding="utf-8")

@@ -11,6 +11,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 
+import paths
 import pytest
 
 from isolator.testing.cgroupfs import TEST_PARENT
@@ -163,7 +164,7 @@ def test_a_pid_sent_from_another_pid_namespace_is_invalid_argument(sidecar, rout
             capture_output=True,
             text=True,
             timeout=120,
-            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            cwd=paths.ROOT,
         )
         assert result.returncode == 0, result.stderr
         import json

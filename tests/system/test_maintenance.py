@@ -1,5 +1,5 @@
 """An operator's maintenance drain at the edges (issue 33 item 7; the core's tests are in
-tests/test_core_maintenance.py, the stores' in tests/test_contracts.py): the metrics, the state
+tests/unit/core/test_maintenance.py, the stores' in tests/contract/test_contracts.py): the metrics, the state
 store's schema 7 migration, and a real daemon through the CLI, across a SIGKILL."""
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ from isolator.exporters.metrics import Metrics, MetricsServer, parse_address
 from isolator.model import ContainerConfig, ContainerId, Resource
 from isolator.testing import fake_service
 
-DOCS = os.path.join(os.path.dirname(__file__), os.pardir, "docs")
-README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
+DOCS = os.path.join(paths.ROOT, "docs")
+README = os.path.join(paths.ROOT, "README.md")
 DCGM_EXPORTER_PORT = 9400
 SUGGESTED_PORT = 9416  # isolator.exporters.metrics.SUGGESTED_PORT, which docs/metrics.md explains
 # dcgm-exporter's pci_bus_id, as NVML's nvmlDeviceGetPciInfo busId: 8-digit domain, upper-case hex.

@@ -18,9 +18,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from urllib.parse import unquote, urlparse
 
+import paths
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = paths.ROOT
 # Every test here shares one wheel and one venv (building them is most of the time).
 pytestmark = [pytest.mark.xdist_group("wheel_install")]
 

@@ -14,6 +14,7 @@ import os
 import re
 import shlex
 
+import paths
 import pytest
 
 from isolator.cli import main as cli
@@ -21,7 +22,7 @@ from isolator.daemon import config as configmod
 from isolator.simhost.host import shipped_hosts
 from isolator.testing import fake_service
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = paths.ROOT
 
 
 def _read(path: str) -> str:

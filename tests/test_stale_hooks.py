@@ -124,14 +124,15 @@ def test_a_grpc_call_whose_deadline_passed_before_the_loop_could_cancel_it_is_no
             dispatcher = server._dispatcher
             assert dispatcher is not None
             until(lambda: dispatcher.calls == 3, "both calls queued behind it")
+            read = time.monotonic()  # the server has read "late" by now: its deadline is 1 s after at most
             # Stop the loop, as SIGSTOP stops every thread, but let the worker run.
             server._loop.loop.call_soon_threadsafe(stall.wait, WAIT)
             with pytest.raises(grpc.RpcError) as gave_up:
                 late.result()
             assert gave_up.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            # The server counts the deadline from the request's arrival, a few ms after the client
-            # did: let it pass there too (the race it stands for is seconds wide, a whole freeze).
-            time.sleep(0.5)
+            # The server counts the deadline from when it read the request, after the client sent it
+            # (and gRPC rounds the timeout it sends up a little): let it pass there too.
+            until(lambda: time.monotonic() > read + 1.2, "the server's deadline of the late call passed")
             service.gate.set()  # the worker takes "late", then "after", while the loop stands still
             until(lambda: "after" in service.prepared, "the call queued after the late one ran")
             stall.set()

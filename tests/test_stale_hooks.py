@@ -330,11 +330,24 @@ def sidecar():
 def frozen(daemon: Sidecar) -> Iterator[None]:
     """The daemon stopped (SIGSTOP, by the pid we started) for the block, then continued."""
     assert daemon.proc is not None
-    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    pid = daemon.proc.pid
+    os.kill(pid, signal.SIGSTOP)
     try:
+        # kill(2) returns before every thread has stopped: a request sent before then could still be
+        # read and started in time, which is no stale call.
+        until(lambda: all(state(pid, task) == "T" for task in os.listdir(f"/proc/{pid}/task")), "the daemon stopped")
         yield
     finally:
         os.kill(daemon.proc.pid, signal.SIGCONT)
+
+
+def state(pid: int, task: str) -> str:
+    """A thread's state letter from /proc (``T``: stopped by a signal); "T" for one that is gone."""
+    try:
+        with open(f"/proc/{pid}/task/{task}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "T"
 
 
 def holdings(daemon: Sidecar) -> dict[str, list[int]]:

@@ -460,9 +460,10 @@ def test_a_bridge_prepare_read_after_its_callers_deadline_is_answered_deadline_e
 def test_a_grpc_prepare_that_gave_up_while_the_sidecar_was_stopped_books_nothing(sidecar):
     """gRPC sends its deadline relative, so the stopped sidecar would count it from the thaw; the
     absolute one our clients send beside it (``client.DEADLINE_METADATA``) expires the call. (The
-    client's cancellation reaches the sidecar too, on thaw, but races the worker that starts the
-    call: on the code before, this test failed in about one run of two under load.) A later call on
-    the same connection, with the one worker, is answered only once the stale one is settled."""
+    client's cancellation reaches the sidecar too, on thaw, and won the race against the worker in
+    every run on the code before, where this test passes; the race is forced in-process above.) A
+    later call on the same connection, with the one worker, is answered only once the stale one is
+    settled."""
     name = f"late-grpc-{os.urandom(3).hex()}"
     with grpc.insecure_channel(sidecar.address) as channel:
         stub = pb_grpc.IsolatorStub(channel)

@@ -9,6 +9,11 @@ status, through isolator/transport/status.py):
   then its handler runs on the worker pool (``--max-workers`` threads); the bridge socket's calls
   (isolator/transport/bridge.py, coroutines on the same loop) pass the same ``Dispatcher``, so the
   limit and the Cleanup lane below are one for both routes;
+* a call carries its caller's deadline: gRPC's own, counted from when the call was read, or the
+  absolute one our clients send beside it (``client.DEADLINE_METADATA``) when that is earlier, so
+  that a call read late (the sidecar was stopped) keeps it; one found past it when a worker would
+  start it is answered DEADLINE_EXCEEDED unserved (``Handlers.handle``; docs/reliability.md
+  "Stale hooks");
 * Cleanup, which frees GPUs, is never refused for load and never waits behind other calls: a free
   worker takes a queued Cleanup before any other queued call, and a lane of its own (threads that
   take nothing else) runs it even when every worker is stuck (``HookPool``);

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import http.client
 import os
+
+import paths
 import re
 import socket
 

@@ -124,14 +124,15 @@ def test_a_grpc_call_whose_deadline_passed_before_the_loop_could_cancel_it_is_no
             dispatcher = server._dispatcher
             assert dispatcher is not None
             until(lambda: dispatcher.calls == 3, "both calls queued behind it")
+            read = time.monotonic()  # the server has read "late" by now: its deadline is 1 s after at most
             # Stop the loop, as SIGSTOP stops every thread, but let the worker run.
             server._loop.loop.call_soon_threadsafe(stall.wait, WAIT)
             with pytest.raises(grpc.RpcError) as gave_up:
                 late.result()
             assert gave_up.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            # The server counts the deadline from the request's arrival, a few ms after the client
-            # did: let it pass there too (the race it stands for is seconds wide, a whole freeze).
-            time.sleep(0.5)
+            # The server counts the deadline from when it read the request, after the client sent it
+            # (and gRPC rounds the timeout it sends up a little): let it pass there too.
+            until(lambda: time.monotonic() > read + 1.2, "the server's deadline of the late call passed")
             service.gate.set()  # the worker takes "late", then "after", while the loop stands still
             until(lambda: "after" in service.prepared, "the call queued after the late one ran")
             stall.set()
@@ -329,11 +330,24 @@ def sidecar():
 def frozen(daemon: Sidecar) -> Iterator[None]:
     """The daemon stopped (SIGSTOP, by the pid we started) for the block, then continued."""
     assert daemon.proc is not None
-    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    pid = daemon.proc.pid
+    os.kill(pid, signal.SIGSTOP)
     try:
+        # kill(2) returns before every thread has stopped: a request sent before then could still be
+        # read and started in time, which is no stale call.
+        until(lambda: all(state(pid, task) == "T" for task in os.listdir(f"/proc/{pid}/task")), "the daemon stopped")
         yield
     finally:
         os.kill(daemon.proc.pid, signal.SIGCONT)
+
+
+def state(pid: int, task: str) -> str:
+    """A thread's state letter from /proc (``T``: stopped by a signal); "T" for one that is gone."""
+    try:
+        with open(f"/proc/{pid}/task/{task}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "T"
 
 
 def holdings(daemon: Sidecar) -> dict[str, list[int]]:
@@ -446,9 +460,10 @@ def test_a_bridge_prepare_read_after_its_callers_deadline_is_answered_deadline_e
 def test_a_grpc_prepare_that_gave_up_while_the_sidecar_was_stopped_books_nothing(sidecar):
     """gRPC sends its deadline relative, so the stopped sidecar would count it from the thaw; the
     absolute one our clients send beside it (``client.DEADLINE_METADATA``) expires the call. (The
-    client's cancellation reaches the sidecar too, on thaw, but races the worker that starts the
-    call: on the code before, this test failed in about one run of two under load.) A later call on
-    the same connection, with the one worker, is answered only once the stale one is settled."""
+    client's cancellation reaches the sidecar too, on thaw, and won the race against the worker in
+    every run on the code before, where this test passes; the race is forced in-process above.) A
+    later call on the same connection, with the one worker, is answered only once the stale one is
+    settled."""
     name = f"late-grpc-{os.urandom(3).hex()}"
     with grpc.insecure_channel(sidecar.address) as channel:
         stub = pb_grpc.IsolatorStub(channel)

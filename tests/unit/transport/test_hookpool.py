@@ -34,6 +34,9 @@ class FakeContext:
     def time_remaining(self) -> None:
         return None
 
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
     def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
         self.trailing = metadata
 

@@ -1,0 +1,76 @@
+"""Issue 33's stale prepare under the real agent: the sidecar stopped past the bridge's deadline.
+
+The agent's prepare (through our bridge, criteo's command module) gives up while the sidecar is
+stopped; the agent fails the task and runs cleanup, which waits for the sidecar; the sidecar is
+continued. Before, it ran that cleanup first and then the stale prepare, booking two GPUs for a
+container that no longer existed, so the next task asking for every GPU failed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import pytest
+from conftest import probe
+
+from isolator.bridge.command import TIMEOUT_ENV
+from isolator.testing.agent import Cluster
+
+
+def running(command: str) -> bool:
+    """Whether a process whose command line names ``command`` runs now (the agent's hook child)."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                argv = fh.read().split(b"\0")
+        except OSError:
+            continue
+        if command.encode() in argv:
+            return True
+    return False
+
+
+def until(predicate: Callable[[], bool], what: str, budget: float = 120.0) -> None:
+    deadline = time.monotonic() + budget
+    while not predicate():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.05)
+
+
+def test_a_prepare_that_gave_up_while_the_sidecar_was_stopped_books_nothing(
+    mesos_home: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The bridge gives up after 8 s instead of 25 (the agent's environment is its commands').
+    monkeypatch.setenv(TIMEOUT_ENV, "8")
+    with Cluster(mesos_home) as cluster:
+        agent = cluster.agents[0]
+        sidecar = agent.sidecar
+        assert sidecar is not None and sidecar.proc is not None
+        cleanup = os.path.join(agent.bin_dir, "gpu-isolator-cleanup")
+        os.kill(sidecar.proc.pid, signal.SIGSTOP)
+        try:
+            task = probe(cluster, gpus=2)
+            # The prepare gives up (exit 4), the agent destroys the container: its cleanup waits for us.
+            until(lambda: running(cleanup), "the agent's cleanup after the failed prepare")
+        finally:
+            os.kill(sidecar.proc.pid, signal.SIGCONT)
+        update = task.wait("TASK_FAILED", timeout=120)
+        assert "no answer from the sidecar" in update.message, update
+        task.wait_gone()
+
+        def settled() -> str:
+            with open(sidecar.log_path) as fh:
+                lines = [ln for ln in fh if "bridge prepare refused" in ln or "prepared container" in ln]
+            return lines[0] if lines else ""
+
+        until(lambda: bool(settled()), "the sidecar answered the stale prepare")
+        assert "not run: its caller's deadline passed" in settled(), settled()
+        assert all(holder == "" for holder in agent.holders().values()), agent.holders()
+        # Every GPU is free for the next task (the issue's gpus:7 failed here).
+        big = probe(cluster, gpus=8)
+        big.wait("TASK_FINISHED", timeout=120)

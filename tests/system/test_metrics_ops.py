@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import http.client
 import os
-
-import paths
 import re
 import socket
 
+import paths
 from prometheus_client import generate_latest
 
 from isolator.exporters.metrics import Metrics, MetricsServer, parse_address

@@ -47,6 +47,8 @@ $(BRIDGE): isolator/bridge/bridge.c isolator/__init__.py
 	@mkdir -p build
 	gcc $(CFLAGS_BRIDGE) -o $@ $<
 
+include mesos/module.mk
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check isolator volumes tests scripts
 	$(VENV)/bin/ruff format --check -q isolator volumes tests scripts

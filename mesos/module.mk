@@ -12,11 +12,14 @@ MODULE_GEN := $(MODULE_DIR)/gen
 MODULE_PROTO := proto/gpuisolator/v1/isolator.proto
 MODULE_SRCS := mesos/gpu_isolator.cpp mesos/runtime.cpp mesos/module.cpp
 MODULE_HDRS := mesos/gpu_isolator.hpp mesos/runtime.hpp
+# libmesos links gRPC's `_unsecure` flavour: a module linking the other one (libgrpc++, libgrpc) puts two
+# gRPC cores in the agent, and the second one's initialisation never returns (seen: the agent hangs in
+# grpc_tracer_init right after loading the module). So the same flavour, and `--no-undefined`.
 # Mesos builds with -std=c++14 semantics on gcc 12 (its headers need nothing newer); the warnings are ours.
 CXXFLAGS_MODULE := -std=c++14 -O2 -g -fPIC -Wall -Wextra -Werror -Wno-unused-parameter -Wno-deprecated-declarations \
 	-DPICOJSON_USE_INT64 -D__STDC_FORMAT_MACROS -isystem $(MODULE_MESOS_HOME)/include -I$(MODULE_GEN) -Imesos
 LDFLAGS_MODULE := -shared -Wl,--no-undefined -Wl,-rpath,$(MODULE_MESOS_HOME)/lib -L$(MODULE_MESOS_HOME)/lib -lmesos \
-	$(shell pkg-config --libs grpc++ protobuf 2>/dev/null) -lglog -lpthread
+	$(shell pkg-config --libs grpc++_unsecure protobuf 2>/dev/null) -lglog -lpthread
 
 .PHONY: module
 module: $(MODULE_SO)
@@ -40,5 +43,6 @@ $(MODULE_DIR)/%.o: mesos/%.cpp $(MODULE_HDRS) $(MODULE_GEN)/gpuisolator/v1/isola
 $(MODULE_DIR)/%.o: $(MODULE_GEN)/gpuisolator/v1/%.cc
 	g++ $(CXXFLAGS_MODULE) -c -o $@ $<
 
-$(MODULE_SO): $(MODULE_OBJS)
+$(MODULE_SO): $(MODULE_OBJS) mesos/module.mk
 	g++ -o $@ $(MODULE_OBJS) $(LDFLAGS_MODULE)
+	@if ldd $@ | grep -qE 'libgrpc(\+\+)?\.so'; then echo "$@ links the secure gRPC; libmesos has the _unsecure one" >&2; rm -f $@; exit 1; fi

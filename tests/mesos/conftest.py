@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from isolator.testing.agent import Cluster, MesosNotFound, Task, find_mesos_home
+from isolator.testing.agent import ROUTES, Cluster, MesosNotFound, Task, find_mesos_home, native_module
 
 PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe.py")
 CONTROL = {"nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"}
@@ -36,12 +36,24 @@ def mesos_home() -> str:
         pytest.fail(f"[mesos] {exc}: set MESOS_HOME, or ALLOW_NO_MESOS=1 to skip", pytrace=False)
 
 
+@pytest.fixture(scope="session", params=ROUTES)
+def route(request: pytest.FixtureRequest, mesos_home: str) -> str:
+    """How the agent reaches the sidecar: criteo's command module running our bridge, or our own
+    module (mesos/, built by `make module` for this Mesos version). Every scenario runs through both."""
+    if request.param == "native":
+        try:
+            native_module(mesos_home)
+        except MesosNotFound as exc:
+            pytest.fail(f"[mesos] {exc}", pytrace=False)
+    return str(request.param)
+
+
 @pytest.fixture(scope="session")
-def cluster(mesos_home: str) -> Iterator[Cluster]:
+def cluster(mesos_home: str, route: str) -> Iterator[Cluster]:
     """One master and one agent on a simulated DGX-1, shared by the scenarios that leave it as found
     (test_real_health.py, last, does not: it marks GPUs unhealthy). The agent advertises 9 GPUs for
     the 8 the sidecar has, so that a task can ask for more than are free."""
-    with Cluster(mesos_home, gpus=9) as c:
+    with Cluster(mesos_home, gpus=9, route=route) as c:
         yield c
 
 

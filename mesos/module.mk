@@ -21,7 +21,15 @@ CXXFLAGS_MODULE := -std=c++14 -O2 -g -fPIC -Wall -Wextra -Werror -Wno-unused-par
 LDFLAGS_MODULE := -shared -Wl,--no-undefined -Wl,-rpath,$(MODULE_MESOS_HOME)/lib -L$(MODULE_MESOS_HOME)/lib -lmesos \
 	$(shell pkg-config --libs grpc++_unsecure protobuf 2>/dev/null) -lglog -lpthread
 
-.PHONY: module
+# What compiling against the headers needs beyond `setup.sh --dev`: stout/net.hpp includes <curl/curl.h>.
+MODULE_BUILD_DEPS := libcurl4-openssl-dev
+
+.PHONY: module module-deps
+module-deps:
+	@missing=""; for p in $(MODULE_BUILD_DEPS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends $$missing; } >&2 || exit 1; fi
+
 module: $(MODULE_SO)
 	@[ -n "$(MODULE_MESOS_VERSION)" ] || { echo "make module: no Mesos at MESOS_HOME='$(MODULE_MESOS_HOME)'" >&2; exit 1; }
 	@mkdir -p build && cp -f $(MODULE_SO) build/libgpu_isolator_module.so
@@ -37,7 +45,7 @@ MODULE_OBJS := $(patsubst mesos/%.cpp,$(MODULE_DIR)/%.o,$(MODULE_SRCS)) $(MODULE
 
 $(MODULE_GEN)/gpuisolator/v1/isolator.pb.cc: $(MODULE_GEN)/gpuisolator/v1/isolator.grpc.pb.cc
 
-$(MODULE_DIR)/%.o: mesos/%.cpp $(MODULE_HDRS) $(MODULE_GEN)/gpuisolator/v1/isolator.grpc.pb.cc mesos/module.mk
+$(MODULE_DIR)/%.o: mesos/%.cpp $(MODULE_HDRS) $(MODULE_GEN)/gpuisolator/v1/isolator.grpc.pb.cc mesos/module.mk | module-deps
 	g++ $(CXXFLAGS_MODULE) -c -o $@ $<
 
 $(MODULE_DIR)/%.o: $(MODULE_GEN)/gpuisolator/v1/%.cc

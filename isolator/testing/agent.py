@@ -62,11 +62,11 @@ from isolator.testing.sidecar import Sidecar
 
 __all__ = [
     "HOOKS",
+    "NATIVE_MODULE",
+    "ROUTES",
     "Agent",
     "Cluster",
     "MesosNotFound",
-    "NATIVE_MODULE",
-    "ROUTES",
     "Task",
     "devices_hierarchy",
     "find_mesos_home",
@@ -381,7 +381,9 @@ class Agent:
             values = {"socket": socket_path, **self.cluster.module_params}
             params_native = [{"key": k, "value": v} for k, v in values.items()]
             lib_native = native_module(self.cluster.mesos_home)
-            return {"libraries": [{"file": lib_native, "modules": [{"name": NATIVE_MODULE, "parameters": params_native}]}]}
+            return {
+                "libraries": [{"file": lib_native, "modules": [{"name": NATIVE_MODULE, "parameters": params_native}]}]
+            }
         params = [{"key": "module_name", "value": self.module_name}]
         for hook, command in self.hook_commands().items():
             params.append({"key": f"isolator_{hook}_command", "value": command})

@@ -94,12 +94,13 @@ class GrpcProxy:
             channel = self._channel
             if channel is None:
                 context.abort(grpc.StatusCode.UNAVAILABLE, "proxy: stopped")
+                raise AssertionError("unreachable: abort raises")
             call = channel.unary_unary(full_method)
             try:
                 response: bytes = call(request, timeout=context.time_remaining())
             except grpc.RpcError as exc:
-                context.set_trailing_metadata(tuple(exc.trailing_metadata() or ()))  # type: ignore[attr-defined]
-                context.abort(exc.code(), exc.details() or "")  # type: ignore[attr-defined]
+                context.set_trailing_metadata(tuple(exc.trailing_metadata() or ()))
+                context.abort(exc.code(), exc.details() or "")
             return response
         finally:
             with self._lock:
@@ -112,4 +113,6 @@ class _Handler(grpc.GenericRpcHandler):
 
     def service(self, handler_call_details: Any) -> grpc.RpcMethodHandler:
         method = handler_call_details.method
-        return grpc.unary_unary_rpc_method_handler(lambda request, context: self.proxy.forward(method, request, context))
+        return grpc.unary_unary_rpc_method_handler(
+            lambda request, context: self.proxy.forward(method, request, context)
+        )

@@ -9,6 +9,7 @@ reaper of vanished cgroups is off, so that nothing but the route decides the out
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
@@ -16,10 +17,12 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import assert_sees_exactly, opened_gpus, probe
+from conftest import assert_sees_exactly, gpu_rules, opened_gpus, probe, probe_command
 
-from isolator.testing.agent import Cluster, Task
+from isolator.testing.agent import Cluster, Task, devices_hierarchy, read_lines
 from isolator.testing.grpcproxy import GrpcProxy
+from isolator.testing.scheduler import Framework
+from isolator.testing.scheduler import task as task_info
 
 # The sidecar's periodic release of records whose Mesos cgroup vanished (the criteo route's only
 # way to learn of a destroyed container it was not told of), off: 10^6 s.
@@ -114,12 +117,15 @@ def _tear_down_tasks(request: pytest.FixtureRequest) -> Iterator[None]:
             continue
         value = request.getfixturevalue(name)
         for cluster in value.values() if isinstance(value, dict) else [value[0]]:
-            for task in cluster.tasks:
-                if task.proc.poll() is None:
-                    try:
-                        task.teardown()
-                    except Exception:  # noqa: BLE001 - a task that never started has nothing to end
-                        pass
+            for submitted in cluster.tasks:
+                if submitted.proc.poll() is None:
+                    with contextlib.suppress(Exception):  # one that never started has nothing to end
+                        submitted.teardown()
+
+
+def _read(path: str) -> str:
+    with open(path, errors="replace") as fh:
+        return fh.read()
 
 
 def _free(cluster: Cluster) -> None:
@@ -134,9 +140,7 @@ def _held_by(cluster: Cluster, task: Task) -> set[int]:
 # ---- one container's slow prepare does not hold up the others -----------------------------------
 
 
-@pytest.mark.parametrize(
-    "route", criteo_fails("criteo's module runs one hook command at a time for the whole agent")
-)
+@pytest.mark.parametrize("route", criteo_fails("criteo's module runs one hook command at a time for the whole agent"))
 def test_a_slow_prepare_of_one_container_does_not_delay_another_containers_launch(
     route: str, clusters: dict[str, Cluster], proxied: tuple[Cluster, GrpcProxy], gate_dir: str
 ) -> None:
@@ -169,9 +173,9 @@ def test_a_slow_prepare_of_one_container_does_not_delay_another_containers_launc
         release()
     slow.wait("TASK_RUNNING")
     assert not _held_by(cluster, slow) & _held_by(cluster, fast)
-    for task in (slow, fast):
-        task.teardown()
-        task.wait_gone()
+    for ended in (slow, fast):
+        ended.teardown()
+        ended.wait_gone()
     _free(cluster)
 
 
@@ -265,6 +269,62 @@ def test_after_an_agent_restart_the_survivors_keep_their_gpus_and_an_orphans_gpu
     keep.teardown()
     keep.wait_gone()
     _free(cluster)
+
+
+# ---- update: a running executor's GPUs follow its tasks ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "route", criteo_fails("criteo's module forwards no update: an executor keeps the GPUs it had at launch")
+)
+def test_a_second_gpu_task_sent_to_a_running_executor_gets_its_gpu_and_loses_it_when_it_ends(
+    route: str, clusters: dict[str, Cluster]
+) -> None:
+    cluster = clusters[route]
+    agent = cluster.agents[0]
+    command = probe_command(cluster, seconds=300)
+
+    def held(cid: str) -> set[int]:
+        return {i for i, h in agent.holders().items() if h == cid}
+
+    def wait_held(cid: str, count: int) -> set[int]:
+        deadline = time.monotonic() + 30
+        while len(held(cid)) != count:
+            assert time.monotonic() < deadline, (count, agent.holders())
+            time.sleep(0.2)
+        return held(cid)
+
+    with Framework(cluster.master_address) as fw:
+        fw.launch_group("gi-update", [task_info("first", command, "cpus:0.1;mem:32;gpus:1")])
+        fw.wait("first", "TASK_RUNNING")
+        executor = cluster.find_executor("first")
+        assert executor is not None
+        cid = executor["container"]
+        devices = os.path.join(devices_hierarchy(), agent.cgroups_root, cid, "devices.list")
+        one = wait_held(cid, 1)
+        # A second task group to the same executor: the agent updates the executor's container.
+        fw.launch_group("gi-update", [task_info("second", command, "cpus:0.1;mem:32;gpus:1")])
+        fw.wait("second", "TASK_RUNNING")
+        two = wait_held(cid, 2)
+        assert one < two
+        assert gpu_rules(read_lines(devices)) == two
+        stdout = os.path.join(executor["directory"], "tasks", "second", "stdout")
+        deadline = time.monotonic() + 60
+        while "probed" not in _read(stdout):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert opened_gpus(_read(stdout)) == two  # the group shares the executor's cgroup
+        # The second task ends: the executor's resources shrink, and its GPU is revoked.
+        fw.kill("second")
+        fw.wait("second", "TASK_KILLED")
+        left = wait_held(cid, 1)
+        assert left < two
+        assert gpu_rules(read_lines(devices)) == left
+    # The framework's teardown destroys the executor: everything is free again.
+    deadline = time.monotonic() + 60
+    while held(cid):
+        assert time.monotonic() < deadline, agent.holders()
+        time.sleep(0.2)
 
 
 # ---- watch: an XID ends the task without a poll -------------------------------------------------

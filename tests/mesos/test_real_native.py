@@ -387,3 +387,32 @@ def test_a_launch_during_a_sidecar_restart_waits_for_it_and_running_tasks_stay_w
     running.wait_gone()
     launched.teardown()
     launched.wait_gone()
+
+
+# ---- moving an agent from criteo's route to ours ------------------------------------------------
+
+
+def test_an_agent_restarted_with_our_module_instead_of_criteos_keeps_its_containers_grants(mesos_home: str) -> None:
+    """The sidecar's records are the same whichever route wrote them: an agent restarted with the other
+    module recovers its running containers through it, and their GPUs stay theirs until cleanup."""
+    with Cluster(mesos_home, gpus=8, route="criteo") as cluster:
+        agent = cluster.agents[0]
+        running = probe(cluster, gpus=2, seconds=300)
+        running.wait("TASK_RUNNING")
+        running.wait_stdout("probed")
+        before, rules = _held_by(cluster, running), running.devices_list()
+        agent.stop()
+        agent.route = "native"  # the same sidecar, the agent now loads our module
+        agent.start()
+        assert "recovering 1 containers and 0 orphans" in agent.log()
+        assert _held_by(cluster, running) == before
+        assert running.devices_list() == rules
+        assert running.state == "TASK_RUNNING"
+        # A new task through our module gets other GPUs; the old one is cleaned up through it.
+        fresh = probe(cluster, gpus=2)
+        fresh.wait("TASK_FINISHED")
+        fresh.wait_gone()
+        assert not opened_gpus(fresh.stdout()) & before
+        running.teardown()
+        running.wait_gone()
+        _free(cluster)

@@ -165,8 +165,8 @@ class Framework:
                 size = int(line.strip())
                 event = json.loads(resp.read(size))
                 self._handle(event)
-        except (OSError, ValueError):
-            return
+        except (OSError, ValueError, RuntimeError):
+            return  # the master closed the stream (teardown) or refused a call: no more events
 
     def _handle(self, event: dict[str, Any]) -> None:
         kind = event.get("type")

@@ -24,8 +24,9 @@ def module_first(mesos_home: str, route: str) -> Iterator[Cluster]:
 
 @pytest.mark.parametrize("which", ["cluster", "module_first"], ids=["devices-first", "module-first"])
 def test_both_orders_of_isolation_keep_the_agents_devices_and_leak_no_gpu(
-    request: pytest.FixtureRequest, which: str
+    request: pytest.FixtureRequest, which: str, route: str
 ) -> None:
+    # `route` is named so that the fixtures fetched by name below are parametrized by it.
     ordered: Cluster = request.getfixturevalue(which)
     agent = ordered.agents[0]
     assert agent.isolation.index(MODULE) == (1 if which == "cluster" else 0)

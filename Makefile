@@ -47,6 +47,8 @@ $(BRIDGE): isolator/bridge/bridge.c isolator/__init__.py
 	@mkdir -p build
 	gcc $(CFLAGS_BRIDGE) -o $@ $<
 
+include mesos/module.mk
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check isolator volumes tests scripts
 	$(VENV)/bin/ruff format --check -q isolator volumes tests scripts
@@ -84,6 +86,8 @@ test-gpu: install build
 # test would skip, and CI would stay green) unless ALLOW_NO_MESOS=1. Needs root and cgroup v1; every
 # scenario also runs on pure cgroup v2 (needs a cgroup2 mount; skipped on a Mesos without v2, 1.11).
 # GI_MESOS_BRIDGE=c runs every scenario through the compiled bridge (build/gpu-isolator-bridge).
+# Every scenario runs through both routes (criteo's module and ours, built first by `make module` for
+# this Mesos); tests/mesos/test_real_native.py holds those only our module passes.
 ALLOW_NO_MESOS ?=
 test-mesos: install build
 	@# Mesos (../shared/mesos/setup.sh unpacks it and installs its runtime and headers), then what the
@@ -93,6 +97,7 @@ test-mesos: install build
 	if [ -z "$$home" ] && [ -d ../shared/mesos ]; then home=$$(../shared/mesos/setup.sh --dev) || exit 1; fi; \
 	if [ -z "$$home" ] && [ "$(ALLOW_NO_MESOS)" != 1 ]; then \
 		echo "make test-mesos: no Mesos (set MESOS_HOME, provide ../shared/mesos, or ALLOW_NO_MESOS=1 to skip)" >&2; exit 1; fi; \
+	if [ -n "$$home" ]; then $(MAKE) --no-print-directory module MESOS_HOME="$$home" || exit 1; fi; \
 	if [ -n "$$home" ]; then \
 		missing=""; for p in rapidjson-dev busybox-static; do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 		if [ -n "$$missing" ]; then { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \

@@ -83,7 +83,7 @@ def sizes(quick: bool, repeats: int | None) -> dict[str, Any]:
         "in_process_cycles": 300,
         "grpc_cycles": {1: 300, 8: 50, 64: 8},
         "bridge_calls": 50,
-        "agent_tasks": 20,
+        "agent_tasks": 40,
         "allocator_requests": 400,
         "allocator_arrivals": 1000,
         "allocator_patterns": 40,
@@ -257,7 +257,8 @@ def part_agent(s: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
     (scripts/bench_agent.py; needs root, cgroup v1 and Mesos from MESOS_HOME or ../shared/mesos)."""
     import bench_agent
 
-    return bench_agent.measure(s["agent_tasks"], log=log)
+    quick = s["agent_tasks"] < 10  # --quick: a few tasks, one burst round, two XIDs
+    return bench_agent.measure(s["agent_tasks"], log=log, burst_rounds=1 if quick else 3, xid_rounds=2 if quick else 8)
 
 
 RUNNERS: dict[str, Callable[[dict[str, Any], Callable[[str], None]], dict[str, Any]]] = {

@@ -9,7 +9,16 @@ agent on loopback per configuration (isolator/testing/agent.py), ``tasks`` comma
 * ``noop``: criteo's module running ``/bin/true`` for every hook, which answers each one correctly
   (empty OUT: nothing to add, no limitation): the floor of this route;
 * ``python``: the module running our Python bridge (``python -m isolator.bridge install``);
-* ``c``: the module running the compiled bridge (``install --compiled``, isolator/bridge/bridge.c).
+* ``c``: the module running the compiled bridge (``install --compiled``, isolator/bridge/bridge.c);
+* ``native``: our own module (mesos/, ``make module``) talking gRPC to the sidecar (issue 36);
+* ``gpu-nvidia``: Mesos's own ``gpu/nvidia`` isolator on the same simulated host, no module, no
+  sidecar (the fake NVML preloaded and the simulated /dev/nvidia* in the agent's mount namespace, as
+  scripts/mesos_side_by_side.py does).
+
+Issue 36's goals, beside them: the native module's submit -> TASK_RUNNING within 10 ms of "none"
+and no slower than ``gpu-nvidia``; a burst of 8 ``gpus:1`` tasks submitted at once, the last RUNNING
+within 1.05x of "none" (median of ``burst_rounds`` rounds; the compiled bridge's ratio beside); an XID
+on a running task's GPU -> TASK_FAILED at the master, p99 <= 1 s (``xid_rounds`` rounds, native).
 
 Per configuration: submit -> TASK_RUNNING and submit -> TASK_FINISHED (median, p90), from
 mesos-execute's own output, read every few milliseconds. Per hook: the time the module spent on each
@@ -36,8 +45,12 @@ if ROOT not in sys.path:
 
 from isolator.testing.agent import Cluster, find_mesos_home  # noqa: E402
 
-CONFIGS = ("none", "noop", "python", "c")
+CONFIGS = ("none", "noop", "python", "c", "native", "gpu-nvidia")
+BURST_CONFIGS = ("none", "c", "native")
 GOAL_PER_HOOK_MS = 5.0
+GOAL_NATIVE_OVER_NONE_MS = 10.0
+GOAL_BURST_RATIO = 1.05
+GOAL_XID_P99_S = 1.0
 HOOK_LINE = re.compile(
     r"^[IWE](?:\d{4})?(\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6}) +\d+ \S+\] \[TASK=([^,\]]*), METHOD=(\w+)\] "
     r"(Calling command|Removing temp files)"
@@ -92,12 +105,66 @@ def _wait_state(path: str, state: str, name: str, timeout: float) -> float:
         time.sleep(0.002)
 
 
-def run_config(mesos_home: str, config: str, tasks: int, log: Any = print) -> dict[str, Any]:
+class _SimulatedNvidia:
+    """Mesos's own gpu/nvidia on the simulated DGX-1 (scripts/mesos_side_by_side.py): the fake NVML
+    preloaded into the agent, the simulated /dev/nvidia* in its mount namespace."""
+
+    def __enter__(self) -> _SimulatedNvidia:
+        import tempfile
+
+        from isolator.simhost.sim import SimulatedHost
+
+        self.root = tempfile.mkdtemp(prefix="gi-sim-", dir="/tmp")
+        SimulatedHost("dgx-1", self.root).setup(make_devices=True)
+        self.saved = {k: os.environ.get(k) for k in ("LD_PRELOAD", "GI_SIM_DEV")}
+        os.environ["LD_PRELOAD"] = os.path.join(self.root, "nvml", "libnvidia-ml.so.1")
+        os.environ["GI_SIM_DEV"] = os.path.join(self.root, "dev")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import shutil
+
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def make_cluster(mesos_home: str, config: str, **kw: Any) -> Cluster:
+    if config == "gpu-nvidia":
+        from mesos_side_by_side import NvidiaAgent
+
+        cluster = Cluster(
+            mesos_home,
+            hooks=None,
+            isolation=("cgroups/devices", "filesystem/linux", "gpu/nvidia"),
+            agent_flags=("--nvidia_gpu_devices=0,1,2,3,4,5,6,7",),
+            **kw,
+        )
+        for agent in cluster.agents:
+            agent.__class__ = NvidiaAgent
+        return cluster
+    if config == "native":
+        return Cluster(mesos_home, route="native", **kw)
     hooks: Any = {"none": None, "noop": "noop", "python": "bridge", "c": "bridge-c"}[config]
     if config == "python" and os.environ.get("GI_MESOS_BRIDGE") == "c":
         raise RuntimeError("GI_MESOS_BRIDGE=c would run the compiled bridge in the python configuration: unset it")
-    cluster = Cluster(mesos_home, hooks=hooks)
+    cluster = Cluster(mesos_home, hooks=hooks, **kw)
     cluster.module_debug = hooks is not None
+    return cluster
+
+
+def run_config(mesos_home: str, config: str, tasks: int, log: Any = print) -> dict[str, Any]:
+    if config == "gpu-nvidia":
+        with _SimulatedNvidia():
+            return _run_config(mesos_home, config, tasks, log)
+    return _run_config(mesos_home, config, tasks, log)
+
+
+def _run_config(mesos_home: str, config: str, tasks: int, log: Any = print) -> dict[str, Any]:
+    cluster = make_cluster(mesos_home, config)
     running: list[float] = []
     finished: list[float] = []
     with cluster:
@@ -118,12 +185,70 @@ def run_config(mesos_home: str, config: str, tasks: int, log: Any = print) -> di
     }
 
 
-def measure(tasks: int = 20, configs: tuple[str, ...] = CONFIGS, log: Any = print) -> dict[str, Any]:
+def burst(mesos_home: str, config: str, rounds: int, size: int = 8, log: Any = print) -> list[float]:
+    """Seconds from submitting ``size`` gpus:1 tasks at once to the last one's TASK_RUNNING, per round."""
+    out = []
+    with make_cluster(mesos_home, config) as cluster:
+        for r in range(rounds):
+            started = time.monotonic()
+            tasks = [cluster.submit("sleep 600", gpus=1, name=f"burst-{config}-{r}-{i}") for i in range(size)]
+            last = max(_wait_state(t.log_path, "TASK_RUNNING", t.name, 180) for t in tasks)
+            out.append(last - started)
+            log(f"agent: burst {config} round {r + 1}/{rounds}: last RUNNING after {out[-1]:.2f} s")
+            for t in tasks:
+                t.teardown()
+            for t in tasks:
+                t.wait_gone(120)
+    return out
+
+
+def xid_latency(mesos_home: str, rounds: int, log: Any = print) -> list[float]:
+    """Seconds from an XID written to a running gpus:1 task's GPU to its TASK_FAILED at the master
+    (native route). Each round uses a GPU not yet marked unhealthy: at most 8 on the DGX-1."""
+    out = []
+    with make_cluster(mesos_home, "native") as cluster:
+        sidecar = cluster.agents[0].sidecar
+        assert sidecar is not None
+        for r in range(min(rounds, 8)):
+            task = cluster.submit("sleep 600", gpus=1, name=f"xid-{r}")
+            _wait_state(task.log_path, "TASK_RUNNING", task.name, 120)
+            cid = task.container_id()
+            (index,) = [i for i, h in cluster.agents[0].holders().items() if h == cid]
+            injected = time.time()
+            sidecar.sim.inject_xid(index, 79)
+            task.wait("TASK_FAILED", timeout=60)
+            out.append(task.status_times()["TASK_FAILED"] - injected)
+            log(f"agent: xid round {r + 1}: TASK_FAILED after {out[-1] * 1000:.0f} ms")
+            task.wait_gone(60)
+    return out
+
+
+def measure(
+    tasks: int = 40,
+    configs: tuple[str, ...] = CONFIGS,
+    log: Any = print,
+    burst_rounds: int = 3,
+    xid_rounds: int = 8,
+) -> dict[str, Any]:
     mesos_home = find_mesos_home()
-    out: dict[str, Any] = {"tasks": tasks, "mesos_home": mesos_home, "configs": {}}
+    out: dict[str, Any] = {"tasks": tasks, "mesos_home": mesos_home, "configs": {}, "burst": {}, "xid": []}
     for config in configs:
         log(f"agent: configuration {config}")
-        out["configs"][config] = run_config(mesos_home, config, tasks, log)
+        try:
+            out["configs"][config] = run_config(mesos_home, config, tasks, log)
+        except Exception as exc:  # a report: say what could not run, go on with the rest
+            out["configs"][config] = {"error": f"{type(exc).__name__}: {str(exc)[-500:]}"}
+    if burst_rounds:
+        for config in (c for c in BURST_CONFIGS if c in configs):
+            try:
+                out["burst"][config] = burst(mesos_home, config, burst_rounds, log=log)
+            except Exception as exc:
+                out["burst"][config] = {"error": f"{type(exc).__name__}: {str(exc)[-500:]}"}
+    if xid_rounds and "native" in configs:
+        try:
+            out["xid"] = xid_latency(mesos_home, xid_rounds, log)
+        except Exception as exc:
+            out["xid"] = {"error": f"{type(exc).__name__}: {str(exc)[-500:]}"}
     floor = out["configs"].get("noop", {}).get("hooks", {})
     for config in ("python", "c"):
         figures = out["configs"].get(config)
@@ -144,6 +269,9 @@ def render(a: dict[str, Any], goal: float = GOAL_PER_HOOK_MS) -> list[str]:
         f"   {'configuration':<16}{'TASK_RUNNING':>22}{'TASK_FINISHED':>22}",
     ]
     for config, f in a["configs"].items():
+        if "error" in f:
+            lines.append(f"   {config:<16}could not run: {f['error']}")
+            continue
         r, d = f["running"], f["finished"]
         lines.append(
             f"   {config:<16}{r['median_ms']:>12.0f} / {r['p90_ms']:>5.0f} ms"
@@ -152,12 +280,12 @@ def render(a: dict[str, Any], goal: float = GOAL_PER_HOOK_MS) -> list[str]:
     methods = sorted({m for f in a["configs"].values() for m in f.get("hooks", {})})
     if methods:
         lines.append("   per hook, the module's wait (median ms; the module runs one hook at a time per agent):")
-        lines.append(f"   {'hook':<10}" + "".join(f"{c:>10}" for c in a["configs"] if a["configs"][c]["hooks"]))
+        lines.append(f"   {'hook':<10}" + "".join(f"{c:>10}" for c in a["configs"] if a["configs"][c].get("hooks")))
         for m in methods:
             cells = [
                 f"{f['hooks'][m]['median_ms']:>10.1f}" if f["hooks"].get(m, {}).get("n") else f"{'-':>10}"
                 for f in a["configs"].values()
-                if f["hooks"]
+                if f.get("hooks")
             ]
             lines.append(f"   {m:<10}" + "".join(cells))
     for config in ("python", "c"):
@@ -169,9 +297,59 @@ def render(a: dict[str, Any], goal: float = GOAL_PER_HOOK_MS) -> list[str]:
             lines.append(
                 f"   {config} bridge over the no-op floor: {costs} ms; goal <= {goal:g} ms per hook: {verdict}"
             )
+    lines += render_goals(a)
+    return lines
+
+
+def _median_running(a: dict[str, Any], config: str) -> float | None:
+    f = a["configs"].get(config, {})
+    return float(f["running"]["median_ms"]) if f.get("running", {}).get("n") else None
+
+
+def render_goals(a: dict[str, Any]) -> list[str]:
+    """Issue 36's three goals, met or missed, with their figures (or why a figure is missing)."""
+    lines = ["   issue 36 goals (native module):"]
+    native, none, nvidia = (_median_running(a, c) for c in ("native", "none", "gpu-nvidia"))
+    if native is None or none is None:
+        lines.append("   1. submit -> TASK_RUNNING: not measured (native or none did not run)")
+    else:
+        over = native - none
+        verdict = "met" if over <= GOAL_NATIVE_OVER_NONE_MS and (nvidia is None or native <= nvidia) else "MISSED"
+        vs = f", gpu/nvidia {nvidia:.0f} ms" if nvidia is not None else ", gpu/nvidia did not run"
+        lines.append(
+            f"   1. submit -> TASK_RUNNING median: native {native:.0f} ms, none {none:.0f} ms ({over:+.0f} ms){vs};"
+            f" goal within {GOAL_NATIVE_OVER_NONE_MS:g} ms of none and no slower than gpu/nvidia: {verdict}"
+        )
+    burst_figures = a.get("burst", {})
+    medians = {c: statistics.median(v) for c, v in burst_figures.items() if isinstance(v, list) and v}
+    if "native" in medians and "none" in medians:
+        ratio = medians["native"] / medians["none"]
+        beside = (
+            f"; criteo + compiled bridge {medians['c']:.2f} s = {medians['c'] / medians['none']:.2f}x"
+            if "c" in medians
+            else ""
+        )
+        verdict = "met" if ratio <= GOAL_BURST_RATIO else "MISSED"
+        lines.append(
+            f"   2. 8 gpus:1 at once, last RUNNING (median of {len(burst_figures['native'])}):"
+            f" none {medians['none']:.2f} s,"
+            f" native {medians['native']:.2f} s = {ratio:.2f}x{beside}; goal <= {GOAL_BURST_RATIO:g}x: {verdict}"
+        )
+    else:
+        lines.append(f"   2. burst of 8: not measured ({burst_figures})")
+    xid = a.get("xid")
+    if isinstance(xid, list) and xid:
+        p99 = _percentile(xid, 0.99)
+        verdict = "met" if p99 <= GOAL_XID_P99_S else "MISSED"
+        lines.append(
+            f"   3. XID -> TASK_FAILED over {len(xid)} rounds: median {statistics.median(xid) * 1000:.0f} ms,"
+            f" p99 {p99 * 1000:.0f} ms; goal p99 <= {GOAL_XID_P99_S * 1000:.0f} ms: {verdict}"
+        )
+    else:
+        lines.append(f"   3. XID -> TASK_FAILED: not measured ({xid})")
     return lines
 
 
 if __name__ == "__main__":
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 20
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 40
     print("\n".join(render(measure(n))))

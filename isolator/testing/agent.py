@@ -1,4 +1,4 @@
-"""A real Mesos master and agents on loopback, with the sidecar behind criteo's command module.
+"""A real Mesos master and agents on loopback, with the sidecar behind criteo's command module or ours.
 
 For ``make test-mesos`` (tests/mesos/) and the agent benchmark. Needs root, cgroup v1 and an installed
 Mesos 1.12 with ``lib/libmesos_command_modules.so`` (``../shared/mesos/setup.sh`` prints one).
@@ -25,6 +25,12 @@ every scenario through it); ``"noop"`` runs ``/bin/true`` for every hook (the fl
 the route: the module, a fork and an exec; no sidecar); ``None`` loads no module at all (no sidecar);
 a dict ``{hook: command}`` gives a command per hook (prepare, isolate, cleanup, watch, usage), a
 sidecar is still started.
+
+Routes (``route=``): ``"criteo"`` (default) is criteo's command module running the hooks above;
+``"native"`` is our own module (mesos/, ``make module``: ``build/mesos-<version>/libgpu_isolator_module.so``
+for the Mesos version of ``mesos_home``) talking gRPC to the agent's sidecar; ``module_params`` adds or
+overrides its parameters, ``module_socket`` points it at another socket than the sidecar's (a proxy).
+With ``"native"``, ``hooks`` is only "bridge" (a sidecar per agent) or None (no module).
 
 The agent runs in a mount namespace of its own. ``cgroups="v1"`` (default): without
 ``/sys/fs/cgroup/unified``, as this Mesos refuses the hybrid layout, so it manages cgroup v1 only.
@@ -63,6 +69,8 @@ from isolator.testing.sidecar import Sidecar
 
 __all__ = [
     "HOOKS",
+    "NATIVE_MODULE",
+    "ROUTES",
     "Agent",
     "Cluster",
     "MesosNotFound",
@@ -79,6 +87,8 @@ __all__ = [
 
 HOOKS = ("prepare", "isolate", "watch", "usage", "cleanup")
 MODULE = "com_criteo_mesos_CommandIsolator"
+NATIVE_MODULE = "org_gpuisolator_GpuIsolator"  # mesos/module.cpp
+ROUTES = ("criteo", "native")
 MODULE_STATE = "/var/run/mesos/isolators/command"
 DEFAULT_ISOLATION = ("cgroups/devices", MODULE)
 TERMINAL = frozenset(
@@ -132,6 +142,15 @@ def cgroups_v2_unsupported(home: str) -> str | None:
         shown = ".".join(map(str, version))
         return f"Mesos {shown} has no cgroups v2 support (master of 2024-08, 1.12.0-dev, is the first with it)"
     return None
+
+
+def native_module(mesos_home: str) -> str:
+    """Our module built for ``mesos_home``'s version (``make module MESOS_HOME=...``); an agent loads
+    a module only of its own version."""
+    path = os.path.join(REPO, "build", f"mesos-{'.'.join(map(str, mesos_version(mesos_home)))}", "libgpu_isolator_module.so")
+    if not os.path.exists(path):
+        raise MesosNotFound(f"{path} is missing: run `make module MESOS_HOME={mesos_home}`")
+    return path
 
 
 def free_port() -> int:
@@ -427,6 +446,7 @@ class Agent:
     # v2: the NVIDIA nodes (names under the host's dev dir) in --allowed_devices; None: all of them,
     # (): no --allowed_devices at all. Ignored when extra_flags carry their own.
     allowed_nvidia: tuple[str, ...] | None = None
+    route: str = "criteo"
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
     sidecar: Sidecar | None = None
@@ -469,7 +489,21 @@ class Agent:
             }
         return dict(self.hooks)
 
+    @property
+    def module(self) -> str:
+        """The name of the isolator module this agent loads (in ``--isolation``)."""
+        return NATIVE_MODULE if self.route == "native" else MODULE
+
     def modules_json(self) -> dict[str, Any]:
+        if self.route == "native":
+            assert self.sidecar is not None
+            socket_path = self.cluster.module_socket or self.sidecar.socket
+            values = {"socket": socket_path, **self.cluster.module_params}
+            params_native = [{"key": k, "value": v} for k, v in values.items()]
+            lib_native = native_module(self.cluster.mesos_home)
+            return {
+                "libraries": [{"file": lib_native, "modules": [{"name": NATIVE_MODULE, "parameters": params_native}]}]
+            }
         params = [{"key": "module_name", "value": self.module_name}]
         for hook, command in self.hook_commands().items():
             params.append({"key": f"isolator_{hook}_command", "value": command})
@@ -513,7 +547,7 @@ class Agent:
                 extra=self.cluster.sidecar_flags,
                 mode="mesos",
             )
-            if self.hooks in ("bridge", "bridge-c"):
+            if self.hooks in ("bridge", "bridge-c") and self.route == "criteo":
                 from isolator.bridge.command import compiled_bridge, install
 
                 compiled = None
@@ -526,7 +560,10 @@ class Agent:
 
     def argv(self) -> list[str]:
         home = self.cluster.mesos_home
-        isolation = ",".join(i for i in self.isolation if self.hooks is not None or i != MODULE)
+        modules = (MODULE, NATIVE_MODULE)
+        isolation = ",".join(
+            (self.module if i in modules else i) for i in self.isolation if self.hooks is not None or i not in modules
+        )
         flags = [
             f"--master={self.cluster.master_address}",
             "--ip=127.0.0.1",
@@ -682,12 +719,25 @@ class Cluster:
         resources: str | None = None,
         tmp: str | None = None,
         cgroups: str = "v1",
+        route: str = "criteo",
+        module_params: dict[str, str] | None = None,
+        module_socket: str | None = None,
     ) -> None:
         """``gpus``: what each agent advertises (default: the simulated host's GPU count);
         ``resources``: the agents' other resources (default ``cpus:8;mem:4096;disk:4096``);
-        ``cgroups``: the layout the agents see, ``"v1"`` or ``"v2"`` (the module's docstring)."""
+        ``cgroups``: the layout the agents see, ``"v1"`` or ``"v2"``; ``route``: ``"criteo"`` or
+        ``"native"`` (the module's docstring)."""
         if cgroups not in CGROUPS:
             raise ValueError(f"cgroups={cgroups!r} is not one of {CGROUPS}")
+        if route not in ROUTES:
+            raise ValueError(f"route {route!r}: expected one of {ROUTES}")
+        if route == "native" and hooks not in ("bridge", None):
+            raise ValueError(f"route 'native' runs no hook commands (hooks={hooks!r})")
+        if route == "native" and hooks is not None:
+            native_module(mesos_home)  # fail before anything starts
+        self.route = route
+        self.module_params = dict(module_params or {})
+        self.module_socket = module_socket
         self.mesos_home = mesos_home
         self.work = tempfile.mkdtemp(prefix="gi-mesos-", dir=tmp or "/tmp")
         self.run_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -714,6 +764,7 @@ class Cluster:
                 host=host,
                 extra_flags=tuple(agent_flags),
                 cgroups=cgroups,
+                route=route,
             )
             for i in range(agents)
         ]

@@ -19,6 +19,7 @@ import pytest
 
 from isolator.testing.agent import (
     CGROUPS,
+    ROUTES,
     Cluster,
     MesosNotFound,
     Program,
@@ -26,6 +27,7 @@ from isolator.testing.agent import (
     cgroups_v2_unsupported,
     device_programs,
     find_mesos_home,
+    native_module,
 )
 from isolator.testing.cgroupfs import cgroup_mount
 
@@ -73,13 +75,25 @@ def cgroups(request: pytest.FixtureRequest, mesos_home: str) -> str:
     return layout
 
 
+@pytest.fixture(scope="session", params=ROUTES)
+def route(request: pytest.FixtureRequest, mesos_home: str) -> str:
+    """How the agent reaches the sidecar: criteo's command module running our bridge, or our own
+    module (mesos/, built by `make module` for this Mesos version). Every scenario runs through both."""
+    if request.param == "native":
+        try:
+            native_module(mesos_home)
+        except MesosNotFound as exc:
+            pytest.fail(f"[mesos] {exc}", pytrace=False)
+    return str(request.param)
+
+
 @pytest.fixture(scope="session")
-def cluster(mesos_home: str, cgroups: str) -> Iterator[Cluster]:
+def cluster(mesos_home: str, cgroups: str, route: str) -> Iterator[Cluster]:
     """One master and one agent on a simulated DGX-1, shared by the scenarios that leave it as found
     (test_real_health.py, last, does not: it marks GPUs unhealthy). The agent advertises 9 GPUs for
-    the 8 the sidecar has, so that a task can ask for more than are free. One per layout: pytest
-    runs every scenario on v1's, tears it down, then on v2's."""
-    with Cluster(mesos_home, gpus=9, cgroups=cgroups) as c:
+    the 8 the sidecar has, so that a task can ask for more than are free. One per layout and route:
+    pytest runs every scenario on each, tearing one down before the next starts."""
+    with Cluster(mesos_home, gpus=9, cgroups=cgroups, route=route) as c:
         yield c
 
 

@@ -17,15 +17,16 @@ AGENT_DEFAULTS = ("c 1:3 rwm", "c 1:5 rwm", "c 1:7 rwm", "c 5:0 rwm", "c 1:9 rwm
 
 
 @pytest.fixture(scope="module")
-def module_first(mesos_home: str, cgroups: str) -> Iterator[Cluster]:
-    with Cluster(mesos_home, isolation=(MODULE, "cgroups/devices"), cgroups=cgroups) as c:
+def module_first(mesos_home: str, cgroups: str, route: str) -> Iterator[Cluster]:
+    with Cluster(mesos_home, isolation=(MODULE, "cgroups/devices"), cgroups=cgroups, route=route) as c:
         yield c
 
 
 @pytest.mark.parametrize("which", ["cluster", "module_first"], ids=["devices-first", "module-first"])
 def test_both_orders_of_isolation_keep_the_agents_devices_and_leak_no_gpu(
-    request: pytest.FixtureRequest, which: str, cgroups: str
+    request: pytest.FixtureRequest, which: str, cgroups: str, route: str
 ) -> None:
+    # `route` is named so that the fixtures fetched by name below are parametrized by it.
     ordered: Cluster = request.getfixturevalue(which)  # on the layout of ``cgroups``
     agent = ordered.agents[0]
     assert agent.isolation.index(MODULE) == (1 if which == "cluster" else 0)
@@ -44,14 +45,14 @@ def test_both_orders_of_isolation_keep_the_agents_devices_and_leak_no_gpu(
     assert not os.path.exists(os.path.join(agent.cgroups_mount(), agent.cgroups_root, cid))
 
 
-def test_three_agents_a_burst_larger_than_the_cluster_every_gpu_used_none_twice(mesos_home: str, cgroups: str) -> None:
+def test_three_agents_a_burst_larger_than_the_cluster_every_gpu_used_none_twice(mesos_home: str, cgroups: str, route: str) -> None:
     """Three agents, each with its own sidecar, simulated 4-GPU host and cgroups root; eight
     gpus:2 tasks for six pairs: six run at once, two wait for a pair to be freed.
 
     The agents' resources are exactly two tasks' worth: mesos-execute declines an offer that does not
     fit and then suppresses offers for good (it never revives), so a leftover without GPUs offered to
     a waiting framework would strand it; with whole slots only, every offer fits."""
-    with Cluster(mesos_home, agents=3, host="workstation-4", resources="cpus:2;mem:256", cgroups=cgroups) as cluster:
+    with Cluster(mesos_home, agents=3, host="workstation-4", resources="cpus:2;mem:256", cgroups=cgroups, route=route) as cluster:
         pending = [probe(cluster, gpus=2, seconds=3, cpus=1, mem=128) for _ in range(8)]
         runs, raced, finished = [], [], []
         while pending:

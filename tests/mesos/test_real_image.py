@@ -72,7 +72,7 @@ def image_tarball(path: str, name: str, labels: dict[str, str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def imaged(mesos_home: str, cgroups: str) -> Iterator[Cluster]:
+def imaged(mesos_home: str, cgroups: str, route: str) -> Iterator[Cluster]:
     if not os.path.exists(BUSYBOX):
         pytest.fail("image tasks need Debian's busybox-static (/bin/busybox): apt-get install busybox-static")
     with tempfile.TemporaryDirectory(prefix="gi-registry-") as registry:
@@ -90,7 +90,7 @@ def imaged(mesos_home: str, cgroups: str) -> Iterator[Cluster]:
             "--image_provisioner_backend=copy",
         ]
         isolation = ("filesystem/linux", "docker/runtime", "cgroups/devices", MODULE)
-        with Cluster(mesos_home, isolation=isolation, agent_flags=flags, cgroups=cgroups) as c:
+        with Cluster(mesos_home, isolation=isolation, agent_flags=flags, cgroups=cgroups, route=route) as c:
             yield c
 
 

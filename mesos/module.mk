@@ -1,0 +1,56 @@
+# `make module`: the Mesos isolator module (mesos/), built against MESOS_HOME's headers and libmesos with
+# the toolchain that Mesos was built with (../shared/mesos/README.md: gcc 12, Debian's protobuf 3.21,
+# gRPC 1.51, glog 0.6, boost 1.74). The stubs are generated here, from proto/, by Debian's protoc and
+# grpc_cpp_plugin: the proto stays the one contract. An agent loads a module only of its own Mesos
+# version, so each version gets its own build/mesos-<version>/; build/libgpu_isolator_module.so is
+# the one for MESOS_HOME (default: what ../shared/mesos/setup.sh --dev prints).
+MODULE_MESOS_HOME := $(or $(MESOS_HOME),$(shell [ -x ../shared/mesos/setup.sh ] && ../shared/mesos/setup.sh --dev 2>/dev/null | tail -1))
+MODULE_MESOS_VERSION := $(patsubst libmesos-%.so,%,$(notdir $(wildcard $(MODULE_MESOS_HOME)/lib/libmesos-*.so)))
+MODULE_DIR := build/mesos-$(MODULE_MESOS_VERSION)
+MODULE_SO := $(MODULE_DIR)/libgpu_isolator_module.so
+MODULE_GEN := $(MODULE_DIR)/gen
+MODULE_PROTO := proto/gpuisolator/v1/isolator.proto
+MODULE_SRCS := mesos/gpu_isolator.cpp mesos/runtime.cpp mesos/module.cpp
+MODULE_HDRS := mesos/gpu_isolator.hpp mesos/runtime.hpp
+# libmesos links gRPC's `_unsecure` flavour: a module linking the other one (libgrpc++, libgrpc) puts two
+# gRPC cores in the agent, and the second one's initialisation never returns (seen: the agent hangs in
+# grpc_tracer_init right after loading the module). So the same flavour, and `--no-undefined`.
+# Mesos builds with -std=c++14 semantics on gcc 12 (its headers need nothing newer); the warnings are ours.
+CXXFLAGS_MODULE := -std=c++14 -O2 -g -fPIC -Wall -Wextra -Werror -Wno-unused-parameter -Wno-deprecated-declarations \
+	-DPICOJSON_USE_INT64 -D__STDC_FORMAT_MACROS -isystem $(MODULE_MESOS_HOME)/include -I$(MODULE_GEN) -Imesos
+LDFLAGS_MODULE := -shared -Wl,--no-undefined -Wl,-rpath,$(MODULE_MESOS_HOME)/lib -L$(MODULE_MESOS_HOME)/lib -lmesos \
+	$(shell pkg-config --libs grpc++_unsecure protobuf 2>/dev/null) -lglog -lpthread
+
+# What compiling against the headers needs beyond `setup.sh --dev`: stout/net.hpp includes <curl/curl.h>.
+MODULE_BUILD_DEPS := libcurl4-openssl-dev
+
+.PHONY: module module-deps
+module-deps:
+	@missing=""; for p in $(MODULE_BUILD_DEPS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends $$missing; } >&2 || exit 1; fi
+
+module: $(MODULE_SO)
+	@[ -n "$(MODULE_MESOS_VERSION)" ] || { echo "make module: no Mesos at MESOS_HOME='$(MODULE_MESOS_HOME)'" >&2; exit 1; }
+	@mkdir -p build && cp -f $(MODULE_SO) build/libgpu_isolator_module.so
+	@echo "built $(MODULE_SO) for Mesos $(MODULE_MESOS_VERSION) (and build/libgpu_isolator_module.so)"
+
+$(MODULE_GEN)/gpuisolator/v1/isolator.grpc.pb.cc: $(MODULE_PROTO)
+	@[ -n "$(MODULE_MESOS_VERSION)" ] || { echo "make module: no Mesos at MESOS_HOME='$(MODULE_MESOS_HOME)'" >&2; exit 1; }
+	@mkdir -p $(MODULE_GEN)
+	protoc -Iproto --cpp_out=$(MODULE_GEN) --grpc_out=$(MODULE_GEN) \
+		--plugin=protoc-gen-grpc=$$(command -v grpc_cpp_plugin) $(MODULE_PROTO)
+
+MODULE_OBJS := $(patsubst mesos/%.cpp,$(MODULE_DIR)/%.o,$(MODULE_SRCS)) $(MODULE_DIR)/isolator.pb.o $(MODULE_DIR)/isolator.grpc.pb.o
+
+$(MODULE_GEN)/gpuisolator/v1/isolator.pb.cc: $(MODULE_GEN)/gpuisolator/v1/isolator.grpc.pb.cc
+
+$(MODULE_DIR)/%.o: mesos/%.cpp $(MODULE_HDRS) $(MODULE_GEN)/gpuisolator/v1/isolator.grpc.pb.cc mesos/module.mk | module-deps
+	g++ $(CXXFLAGS_MODULE) -c -o $@ $<
+
+$(MODULE_DIR)/%.o: $(MODULE_GEN)/gpuisolator/v1/%.cc
+	g++ $(CXXFLAGS_MODULE) -c -o $@ $<
+
+$(MODULE_SO): $(MODULE_OBJS) mesos/module.mk
+	g++ -o $@ $(MODULE_OBJS) $(LDFLAGS_MODULE)
+	@if ldd $@ | grep -qE 'libgrpc(\+\+)?\.so'; then echo "$@ links the secure gRPC; libmesos has the _unsecure one" >&2; rm -f $@; exit 1; fi

@@ -1,0 +1,152 @@
+// The module's asynchronous gRPC client: one completion queue, one thread that waits on it, and a
+// libprocess Future per call. It decides nothing: retries and messages are the isolator's.
+//
+// Why not libprocess's own `process::grpc::client::Runtime` (process/grpc.hpp, present in 1.11 and
+// 1.12 alike): its `call` keeps the `grpc::ClientContext` to itself and returns only the response
+// or the status, so the server's trailing metadata never reaches the caller. The sidecar's one
+// signal that a refusal may be retried, `grpc-retry-pushback-ms` (gRFC A6; isolator/transport/
+// status.py), is trailing metadata; without it a RESOURCE_EXHAUSTED "sidecar busy, retry in 20 ms"
+// and a final "no free GPU" are the same bytes. This runtime is that one's shape (a looper thread
+// draining a CompletionQueue, a Promise per call, discard cancels the call) plus the trailers.
+
+#ifndef GPU_ISOLATOR_MESOS_RUNTIME_HPP
+#define GPU_ISOLATOR_MESOS_RUNTIME_HPP
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+
+#include <process/future.hpp>
+
+#include <stout/option.hpp>
+
+namespace gpu_isolator {
+
+// What a finished call brought back: the status, the response when OK, and the server's retry
+// pushback in milliseconds when it sent one.
+template <typename Response>
+struct Reply
+{
+  grpc::Status status;
+  Response response;
+  Option<int64_t> pushback_ms;
+};
+
+class Runtime
+{
+public:
+  Runtime();
+  ~Runtime();  // Cancels every call still open, drains the queue and joins the thread.
+
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+
+  // Starts a unary call. `start` issues it on the given context and queue (the generated stub's
+  // PrepareAsync<Method>). `deadline`: None waits for ever (Watch). `wait_for_ready`: the call waits
+  // for the channel to connect (a sidecar that is restarting) instead of failing at once.
+  // The future fails only once the runtime is shutting down; discarding it cancels the call.
+  template <typename Response>
+  process::Future<Reply<Response>> call(
+      const std::function<std::unique_ptr<grpc::ClientAsyncResponseReader<Response>>(
+          grpc::ClientContext*, grpc::CompletionQueue*)>& start,
+      const Option<std::chrono::system_clock::time_point>& deadline);
+
+private:
+  struct Call
+  {
+    virtual ~Call() {}
+    virtual void finish() = 0;
+    grpc::ClientContext context;
+  };
+
+  template <typename Response>
+  struct UnaryCall;
+
+  void loop();
+
+  grpc::CompletionQueue queue;
+  std::mutex mutex;
+  std::set<Call*> open;  // Guarded by `mutex`: the calls to cancel at shutdown.
+  bool stopping = false;  // Guarded by `mutex`.
+  std::thread looper;
+};
+
+
+// The value of `grpc-retry-pushback-ms` among the trailers, if any parses as a non-negative number.
+Option<int64_t> pushbackOf(const std::multimap<grpc::string_ref, grpc::string_ref>& trailers);
+
+
+template <typename Response>
+struct Runtime::UnaryCall : Runtime::Call
+{
+  void finish() override
+  {
+    Reply<Response> reply;
+    reply.status = status;
+    if (status.ok()) {
+      reply.response = std::move(response);
+    } else {
+      reply.pushback_ms = pushbackOf(context.GetServerTrailingMetadata());
+    }
+    if (promise.future().hasDiscard()) {
+      promise.discard();
+    } else {
+      promise.set(std::move(reply));
+    }
+  }
+
+  Response response;
+  grpc::Status status;
+  std::unique_ptr<grpc::ClientAsyncResponseReader<Response>> reader;
+  process::Promise<Reply<Response>> promise;
+};
+
+
+template <typename Response>
+process::Future<Reply<Response>> Runtime::call(
+    const std::function<std::unique_ptr<grpc::ClientAsyncResponseReader<Response>>(
+        grpc::ClientContext*, grpc::CompletionQueue*)>& start,
+    const Option<std::chrono::system_clock::time_point>& deadline)
+{
+  UnaryCall<Response>* call = new UnaryCall<Response>();
+  call->context.set_wait_for_ready(true);
+  if (deadline.isSome()) {
+    call->context.set_deadline(deadline.get());
+  }
+  process::Future<Reply<Response>> future = call->promise.future();
+
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (stopping) {
+      delete call;
+      return process::Failure("the module is shutting down");
+    }
+    open.insert(call);
+  }
+
+  // The context outlives the future's discard callback: a call leaves `open` (and is deleted) only
+  // on the looper thread, after its tag came back, under the same mutex.
+  grpc::ClientContext* context = &call->context;
+  Runtime* self = this;
+  future.onDiscard([self, call, context]() {
+    std::lock_guard<std::mutex> lock(self->mutex);
+    if (self->open.count(call) > 0) {
+      context->TryCancel();
+    }
+  });
+
+  call->reader = start(&call->context, &queue);
+  call->reader->StartCall();
+  call->reader->Finish(&call->response, &call->status, static_cast<Call*>(call));
+  return future;
+}
+
+} // namespace gpu_isolator {
+
+#endif // GPU_ISOLATOR_MESOS_RUNTIME_HPP

@@ -1,0 +1,418 @@
+"""Scenarios only our own module (route "native") can pass, under the real agent.
+
+Each runs through both routes; on criteo's it is expected to fail (strict xfail), for the reason
+the issue gives (issue 36, docs/mesos-agent.md section 4): one hook at a time for the whole agent,
+no recover forwarded (orphans never reach the sidecar), watch by polling, a launch failing at once
+while the sidecar restarts. The criteo agent here polls watch every hour and the sidecars' own
+reaper of vanished cgroups is off, so that nothing but the route decides the outcome.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import stat
+import time
+from collections.abc import Iterator
+
+import pytest
+from conftest import assert_sees_exactly, gpu_rules, opened_gpus, probe, probe_command
+
+from isolator.testing.agent import Cluster, Task, devices_hierarchy, read_lines
+from isolator.testing.grpcproxy import GrpcProxy
+from isolator.testing.scheduler import Framework
+from isolator.testing.scheduler import task as task_info
+
+# The sidecar's periodic release of records whose Mesos cgroup vanished (the criteo route's only
+# way to learn of a destroyed container it was not told of), off: 10^6 s.
+NO_REAPER = ("--reap-interval", "1000000")
+
+
+def criteo_fails(reason: str) -> list[object]:
+    return ["native", pytest.param("criteo", marks=pytest.mark.xfail(strict=True, reason=reason))]
+
+
+@pytest.fixture(scope="module")
+def gate_dir() -> Iterator[str]:
+    path = os.path.join("/tmp", f"gi-gate-{os.getpid()}")
+    os.makedirs(path, exist_ok=True)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _criteo_hooks(cluster: Cluster, gate_dir: str) -> None:
+    """criteo's module running our bridge, with a prepare that waits while ``<gate_dir>/hold``
+    exists: the criteo twin of the proxy's hold (the bridge itself is unchanged)."""
+    from isolator.bridge.command import install
+
+    agent = cluster.agents[0]
+    bin_dir = os.path.join(cluster.work, "bridge")
+    install(bin_dir, os.path.join(agent.work, "sidecar", "s.sock.bridge"), timeout=25)
+    wrapper = os.path.join(bin_dir, "held-prepare")
+    with open(wrapper, "w") as fh:
+        fh.write(
+            "#!/bin/sh\n"
+            f"if [ -e {gate_dir}/hold ]; then rm -f {gate_dir}/hold; "
+            f"while [ ! -e {gate_dir}/open ]; do sleep 0.05; done; fi\n"
+            f'exec {bin_dir}/gpu-isolator-prepare "$@"\n'
+        )
+    os.chmod(wrapper, os.stat(wrapper).st_mode | stat.S_IXUSR)
+    agent.hooks = {
+        "prepare": wrapper,
+        **{h: os.path.join(bin_dir, f"gpu-isolator-{h}") for h in ("isolate", "cleanup", "watch")},
+    }
+
+
+@pytest.fixture(scope="module")
+def proxied(mesos_home: str) -> Iterator[tuple[Cluster, GrpcProxy]]:
+    """A native agent whose module reaches the sidecar through a proxy that can hold or refuse calls."""
+    cluster = Cluster(mesos_home, gpus=8, route="native", sidecar_flags=NO_REAPER)
+    agent = cluster.agents[0]
+    proxy = GrpcProxy(os.path.join(agent.work, "sidecar", "s.sock"), os.path.join(cluster.work, "proxy.sock"))
+    cluster.module_socket = proxy.path
+    cluster.module_params = {"prepare_timeout": "8secs", "usage_timeout": "2secs", "status_timeout": "2secs"}
+    proxy.start()
+    try:
+        with cluster:
+            yield cluster, proxy
+    finally:
+        proxy.stop()
+
+
+@pytest.fixture(scope="module")
+def clusters(mesos_home: str, gate_dir: str) -> Iterator[dict[str, Cluster]]:
+    """One agent per route, started when a test first asks for it."""
+    made: dict[str, Cluster] = {}
+
+    def make(route: str) -> Cluster:
+        if route not in made:
+            cluster = Cluster(mesos_home, gpus=8, route=route, sidecar_flags=NO_REAPER, watch_frequence=3600)
+            if route == "criteo":
+                _criteo_hooks(cluster, gate_dir)
+            made[route] = cluster.start()
+        return made[route]
+
+    class Lazy(dict[str, Cluster]):
+        def __missing__(self, route: str) -> Cluster:
+            return make(route)
+
+        def values(self) -> list[Cluster]:  # type: ignore[override]
+            return list(made.values())
+
+    try:
+        yield Lazy()
+    finally:
+        for cluster in made.values():
+            cluster.stop()
+
+
+@pytest.fixture(autouse=True)
+def _tear_down_tasks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A scenario that fails (criteo's, by design) leaves its tasks running: end them, so that the
+    next scenario on the same agent has its GPUs."""
+    yield
+    for name in ("clusters", "proxied"):
+        if name not in request.fixturenames:
+            continue
+        value = request.getfixturevalue(name)
+        for cluster in value.values() if isinstance(value, dict) else [value[0]]:
+            for submitted in cluster.tasks:
+                if submitted.proc.poll() is None:
+                    with contextlib.suppress(Exception):  # one that never started has nothing to end
+                        submitted.teardown()
+
+
+def _read(path: str) -> str:
+    with open(path, errors="replace") as fh:
+        return fh.read()
+
+
+def _free(cluster: Cluster) -> None:
+    assert all(h == "" for h in cluster.agents[0].holders().values()), cluster.agents[0].holders()
+
+
+def _held_by(cluster: Cluster, task: Task) -> set[int]:
+    cid = task.container_id()
+    return {i for i, h in cluster.agents[0].holders().items() if h == cid}
+
+
+# ---- one container's slow prepare does not hold up the others -----------------------------------
+
+
+@pytest.mark.parametrize("route", criteo_fails("criteo's module runs one hook command at a time for the whole agent"))
+def test_a_slow_prepare_of_one_container_does_not_delay_another_containers_launch(
+    route: str, clusters: dict[str, Cluster], proxied: tuple[Cluster, GrpcProxy], gate_dir: str
+) -> None:
+    if route == "native":
+        cluster, proxy = proxied
+        before = proxy.calls["Prepare"]
+        gate = proxy.hold("Prepare")
+        release = gate.set
+    else:
+        cluster = clusters["criteo"]
+        open(os.path.join(gate_dir, "hold"), "w").close()
+
+        def release() -> None:
+            open(os.path.join(gate_dir, "open"), "w").close()
+
+    try:
+        slow = probe(cluster, gpus=1, seconds=60)
+        if route == "native":
+            deadline = time.monotonic() + 60
+            while proxy.calls["Prepare"] <= before:  # the slow one's Prepare is held at the proxy
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        else:
+            while os.path.exists(os.path.join(gate_dir, "hold")):
+                time.sleep(0.05)
+        fast = probe(cluster, gpus=1, seconds=60)
+        fast.wait("TASK_RUNNING", timeout=30)  # while the first container's Prepare is still held
+        assert slow.state in (None, "TASK_STARTING"), slow.updates()
+    finally:
+        release()
+    slow.wait("TASK_RUNNING")
+    assert not _held_by(cluster, slow) & _held_by(cluster, fast)
+    for ended in (slow, fast):
+        ended.teardown()
+        ended.wait_gone()
+    _free(cluster)
+
+
+# ---- retry pushback, an unreachable sidecar ---------------------------------------------------------
+
+
+def test_a_load_shedding_refusal_is_retried_after_its_pushback_and_the_task_runs(
+    proxied: tuple[Cluster, GrpcProxy],
+) -> None:
+    cluster, proxy = proxied
+    before = proxy.calls["Prepare"]
+    proxy.refuse("Prepare", pushback_ms=300)
+    task = probe(cluster, gpus=1)
+    task.wait("TASK_FINISHED")
+    task.wait_gone()
+    assert proxy.calls["Prepare"] == before + 2  # the refused call and the retry
+    assert len(opened_gpus(task.stdout())) == 1
+    _free(cluster)
+
+
+def test_an_unreachable_sidecar_fails_the_launch_within_the_deadline_with_a_message_and_is_found_again(
+    proxied: tuple[Cluster, GrpcProxy],
+) -> None:
+    cluster, proxy = proxied
+    proxy.stop()  # nothing listens at the module's socket any more
+    try:
+        task = probe(cluster, gpus=1)
+        update = task.wait("TASK_FAILED", timeout=90)  # prepare_timeout is 8 s
+        assert update.reason == "REASON_CONTAINER_LAUNCH_FAILED", update
+        assert "gpu-isolator Prepare: DEADLINE_EXCEEDED: no answer from the sidecar at" in update.message, update
+        assert "is 'gpu-isolator serve' running?" in update.message, update
+        assert "gpu-isolator Prepare: DEADLINE_EXCEEDED" in cluster.agents[0].log()
+    finally:
+        proxy.start()  # the module reconnects by itself
+    task.wait_gone()
+    again = probe(cluster, gpus=2)
+    again.wait("TASK_FINISHED", timeout=60)
+    again.wait_gone()
+    assert len(opened_gpus(again.stdout())) == 2
+    _free(cluster)
+
+
+# ---- recover: the agent's containers and orphans reach the sidecar ---------------------------------
+
+
+def _checkpointed_run(cluster: Cluster, task: Task) -> str:
+    """The agent's checkpoint of the task's executor (meta/slaves/<agent>/frameworks/<fw>/executors/<ex>)."""
+    agent = cluster.agents[0]
+    ex = task.executor()
+    path = os.path.join(
+        agent.work, "agent", "meta", "slaves", agent.agent_id, "frameworks", ex["framework_id"], "executors", ex["id"]
+    )
+    assert os.path.isdir(path), path
+    return path
+
+
+@pytest.mark.parametrize(
+    "route",
+    criteo_fails("criteo's module forwards no recover: an orphan's cleanup is skipped and its GPUs stay held"),
+)
+def test_after_an_agent_restart_the_survivors_keep_their_gpus_and_an_orphans_gpus_are_released(
+    route: str, clusters: dict[str, Cluster]
+) -> None:
+    cluster = clusters[route]
+    agent = cluster.agents[0]
+    keep = probe(cluster, gpus=2, seconds=300)
+    lost = probe(cluster, gpus=3, seconds=300)
+    for t in (keep, lost):
+        t.wait("TASK_RUNNING")
+        t.wait_stdout("probed")
+    kept, orphaned = _held_by(cluster, keep), _held_by(cluster, lost)
+    lost_cgroup = lost.cgroup()
+    keep_rules = keep.devices_list()
+    checkpoint = _checkpointed_run(cluster, lost)
+    agent.stop()
+    # The agent forgets the second executor: its container becomes an orphan (known to the launcher,
+    # not checkpointed), which the agent destroys after recovery.
+    shutil.rmtree(checkpoint)
+    agent.start()
+    deadline = time.monotonic() + 90
+    while os.path.exists(lost_cgroup):
+        assert time.monotonic() < deadline, "the agent did not destroy the orphan"
+        time.sleep(0.2)
+    holders = agent.holders()
+    assert {i for i, h in holders.items() if h == keep.container_id()} == kept
+    assert all(holders[i] == "" for i in orphaned), (holders, orphaned)
+    assert keep.devices_list() == keep_rules
+    assert keep.state == "TASK_RUNNING"
+    if route == "native":
+        assert "recovering 1 containers and 1 orphans" in agent.log()
+    keep.teardown()
+    keep.wait_gone()
+    _free(cluster)
+
+
+# ---- update: a running executor's GPUs follow its tasks ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "route", criteo_fails("criteo's module forwards no update: an executor keeps the GPUs it had at launch")
+)
+def test_a_second_gpu_task_sent_to_a_running_executor_gets_its_gpu_and_loses_it_when_it_ends(
+    route: str, clusters: dict[str, Cluster]
+) -> None:
+    cluster = clusters[route]
+    agent = cluster.agents[0]
+    command = probe_command(cluster, seconds=300)
+
+    def held(cid: str) -> set[int]:
+        return {i for i, h in agent.holders().items() if h == cid}
+
+    def wait_held(cid: str, count: int) -> set[int]:
+        deadline = time.monotonic() + 30
+        while len(held(cid)) != count:
+            assert time.monotonic() < deadline, (count, agent.holders())
+            time.sleep(0.2)
+        return held(cid)
+
+    with Framework(cluster.master_address) as fw:
+        fw.launch_group("gi-update", [task_info("first", command, "cpus:0.1;mem:32;gpus:1")])
+        fw.wait("first", "TASK_RUNNING")
+        executor = cluster.find_executor("first")
+        assert executor is not None
+        cid = executor["container"]
+        devices = os.path.join(devices_hierarchy(), agent.cgroups_root, cid, "devices.list")
+        one = wait_held(cid, 1)
+        # A second task group to the same executor: the agent updates the executor's container.
+        fw.launch_group("gi-update", [task_info("second", command, "cpus:0.1;mem:32;gpus:1")])
+        fw.wait("second", "TASK_RUNNING")
+        two = wait_held(cid, 2)
+        assert one < two
+        assert gpu_rules(read_lines(devices)) == two
+        stdout = os.path.join(executor["directory"], "tasks", "second", "stdout")
+        deadline = time.monotonic() + 60
+        while "probed" not in _read(stdout):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert opened_gpus(_read(stdout)) == two  # the group shares the executor's cgroup
+        # The second task ends: the executor's resources shrink, and its GPU is revoked.
+        fw.kill("second")
+        fw.wait("second", "TASK_KILLED")
+        left = wait_held(cid, 1)
+        assert left < two
+        assert gpu_rules(read_lines(devices)) == left
+    # The framework's teardown destroys the executor: everything is free again.
+    deadline = time.monotonic() + 60
+    while held(cid):
+        assert time.monotonic() < deadline, agent.holders()
+        time.sleep(0.2)
+
+
+# ---- watch: an XID ends the task without a poll -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "route", criteo_fails("criteo's module polls watch every isolator_watch_frequence (here an hour)")
+)
+def test_an_xid_ends_the_task_without_a_watch_poll(route: str, clusters: dict[str, Cluster]) -> None:
+    cluster = clusters[route]
+    agent = cluster.agents[0]
+    assert agent.sidecar is not None
+    task = probe(cluster, gpus=1, seconds=300)
+    task.wait("TASK_RUNNING")
+    task.wait_stdout("probed")
+    (index,) = _held_by(cluster, task)
+    injected = time.time()
+    agent.sidecar.sim.inject_xid(index, 79)
+    update = task.wait("TASK_FAILED", timeout=30)
+    assert update.reason == "REASON_CONTAINER_LIMITATION", update
+    assert f"GPU {index}" in update.message and "XID 79" in update.message, update
+    # Reported, not asserted (timing goals live in `make bench`): XID -> TASK_FAILED at the master.
+    print(f"XID -> TASK_FAILED: {task.status_times()['TASK_FAILED'] - injected:.3f} s ({route})")
+    task.wait_gone()
+
+
+# ---- the sidecar restarts under a running agent -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "route", criteo_fails("criteo's bridge fails a hook at once when the sidecar is not there; nothing waits")
+)
+def test_a_launch_during_a_sidecar_restart_waits_for_it_and_running_tasks_stay_watched(
+    route: str, clusters: dict[str, Cluster]
+) -> None:
+    cluster = clusters[route]
+    agent = cluster.agents[0]
+    assert agent.sidecar is not None
+    running = probe(cluster, gpus=1, seconds=300)
+    running.wait("TASK_RUNNING")
+    running.wait_stdout("probed")
+    (index,) = _held_by(cluster, running)
+    agent.sidecar.terminate()
+    launched = probe(cluster, gpus=2, seconds=300)
+    # Its container is being launched (the agent knows its executor) while no sidecar listens.
+    deadline = time.monotonic() + 60
+    while cluster.find_executor(launched.name) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    time.sleep(1)
+    assert launched.state in (None, "TASK_STARTING"), launched.updates()
+    agent.start_sidecar()
+    launched.wait("TASK_RUNNING", timeout=60)
+    launched.wait_stdout("probed")
+    assert_sees_exactly(launched.stdout(), _held_by(cluster, launched))
+    # The running task's watch was opened again on the new sidecar: a health event still ends it.
+    agent.sidecar.sim.inject_xid(index, 79)
+    update = running.wait("TASK_FAILED", timeout=30)
+    assert update.reason == "REASON_CONTAINER_LIMITATION", update
+    running.wait_gone()
+    launched.teardown()
+    launched.wait_gone()
+
+
+# ---- moving an agent from criteo's route to ours ------------------------------------------------
+
+
+def test_an_agent_restarted_with_our_module_instead_of_criteos_keeps_its_containers_grants(mesos_home: str) -> None:
+    """The sidecar's records are the same whichever route wrote them: an agent restarted with the other
+    module recovers its running containers through it, and their GPUs stay theirs until cleanup."""
+    with Cluster(mesos_home, gpus=8, route="criteo") as cluster:
+        agent = cluster.agents[0]
+        running = probe(cluster, gpus=2, seconds=300)
+        running.wait("TASK_RUNNING")
+        running.wait_stdout("probed")
+        before, rules = _held_by(cluster, running), running.devices_list()
+        agent.stop()
+        agent.route = "native"  # the same sidecar, the agent now loads our module
+        agent.start()
+        assert "recovering 1 containers and 0 orphans" in agent.log()
+        assert _held_by(cluster, running) == before
+        assert running.devices_list() == rules
+        assert running.state == "TASK_RUNNING"
+        # A new task through our module gets other GPUs; the old one is cleaned up through it.
+        fresh = probe(cluster, gpus=2)
+        fresh.wait("TASK_FINISHED")
+        fresh.wait_gone()
+        assert not opened_gpus(fresh.stdout()) & before
+        running.teardown()
+        running.wait_gone()
+        _free(cluster)

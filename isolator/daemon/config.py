@@ -467,6 +467,15 @@ def _check_combinations(config: Config, spelled: dict[str, str] | None = None) -
         )
     if bridge and os.path.abspath(bridge) == os.path.abspath(config.socket):
         raise ConfigError(f"{n('bridge_socket')} '{bridge}' must differ from {n('socket')}")
+    # A unix: metrics path on one of the daemon's own sockets would be claimed twice by the daemon
+    # itself (isolator/daemon/ownership.py) and refused as if another daemon held it. Compared with
+    # the directories resolved, as the lock files beside the sockets are found.
+    metrics = config.metrics_address.strip()
+    if metrics.startswith("unix:"):
+        path = os.path.realpath(metrics[len("unix:") :])
+        for name, own in (("socket", config.socket), ("bridge_socket", bridge)):
+            if own and path == os.path.realpath(own):
+                raise ConfigError(f"{n('metrics_address')} '{metrics}' must differ from {n(name)}")
     if config.cgroups_root.startswith("/") or ".." in Path(config.cgroups_root).parts:
         raise ConfigError(
             f"{n('cgroups_root')} '{config.cgroups_root}' must be relative to the hierarchy, without '..'"

@@ -77,6 +77,7 @@ def probe(socket_path: str, timeout: float = 5.0) -> None:
     path to use, instead of a wait for the deadline or gRPC's HTTP/2 parse errors.
     """
     where = f"cannot reach the sidecar at '{socket_path}'"
+    _check_private(socket_path, where)
     _check_path(socket_path, where)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
@@ -198,6 +199,25 @@ def _use(grpc_socket: str | None) -> str:
     if grpc_socket is not None:
         return f"use --socket '{grpc_socket}'"
     return "give --socket the sidecar's gRPC socket (its --socket; the bridge's is <socket>.bridge)"
+
+
+def _check_private(path: str, where: str) -> None:
+    """Refuse the socket's private directory ``<socket>.d`` and the sockets in it (the peer gate's,
+    isolator/transport/peergate.py): the ``deny`` socket answers every call PERMISSION_DENIED for an
+    unknown caller, and ``grpc`` is the server the gate splices allowed callers to, never a path to use."""
+    from isolator.transport.peergate import ALLOWED_NAME, DENIED_NAME, PRIVATE_SUFFIX
+
+    directory = path.rstrip("/") or "/"
+    if os.path.basename(directory) in (ALLOWED_NAME, DENIED_NAME):
+        directory = os.path.dirname(directory)
+    if not directory.endswith(PRIVATE_SUFFIX):
+        return
+    public = directory[: -len(PRIVATE_SUFFIX)]
+    if _is_socket(public) and os.path.isdir(directory):
+        raise Unreachable(
+            f"{where}: '{path}' is in the sidecar's private directory, where gRPC listens behind the peer gate"
+            f" that checks each caller; use --socket '{public}'"
+        )
 
 
 def _check_path(path: str, where: str) -> None:

@@ -227,3 +227,9 @@ def test_cdi_list_takes_o_yaml(tmp_path):
     as_yaml = _run(["cdi", "list", "--spec-dir", str(tmp_path), "-o", "yaml"])
     assert as_yaml.returncode == 0, as_yaml.stderr
     assert yaml.safe_load(as_yaml.stdout) == json.loads(as_json.stdout)
+
+
+def test_serve_refuses_config_from_standard_input_which_sighup_could_not_read_again():
+    result = _run(["serve", "--config", "-"], input="")
+    assert result.returncode == cli.EXIT_USAGE, result.stderr
+    assert "--config - is not a file" in result.stderr

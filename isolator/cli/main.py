@@ -225,7 +225,7 @@ def build_parser() -> Parser:
         "check",
         help="validate FILE as serve would read it (exit 0: valid, 78: not) and print what it changes",
     )
-    check.add_argument("file", metavar="FILE", help="the TOML config file")
+    check.add_argument("file", metavar="FILE", help="the TOML config file; - reads standard input")
     config_sub.add_parser("default", help="print the full default config file, every key commented")
     return parser
 
@@ -789,6 +789,8 @@ def _topology_matrix(data: dict[str, Any]) -> str:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    if args.config_file == configmod.STDIN:
+        raise UsageError("gpu-isolator serve: --config - is not a file; SIGHUP reads the config file again, give its path")
     config = configmod.resolve(args)  # a configuration error stops the start before the daemon is loaded
     from isolator.daemon import main as daemon
 

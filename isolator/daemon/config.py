@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,9 @@ PRIVATE_SUFFIX = ".d"
 PRIVATE_EXTRA = 7
 
 DEFAULT_SOCKET = "/run/gpu-isolator/isolator.sock"
+# A config file named "-" is read from standard input (``config check -``); ``serve`` refuses it, since
+# SIGHUP reads its file again.
+STDIN = "-"
 # The command-module bridge listens next to the gRPC socket unless told otherwise: BRIDGE_SUFFIX,
 # from isolator/transport/settings.py (the bridge executable's default in isolator/bridge/command.py
 # must agree).
@@ -343,8 +347,11 @@ def _read_file(path: str) -> tuple[dict[str, Any], dict[str, tuple[str, str]]]:
     import tomllib  # only where a config file is given: every start and admin command imports this module
 
     try:
-        with open(path, "rb") as fh:
-            raw = fh.read()
+        if path == STDIN:  # `gpu-isolator config default | gpu-isolator config check -`
+            raw = sys.stdin.buffer.read()
+        else:
+            with open(path, "rb") as fh:
+                raw = fh.read()
         data = tomllib.loads(raw.decode("utf-8"))
     except OSError as exc:
         raise ConfigError(f"failed to read config file '{path}': {exc.strerror}") from exc

@@ -30,9 +30,7 @@ from isolator.testing.sidecar import Sidecar
 
 
 def _run(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "isolator", *argv], text=True, timeout=120, capture_output=True, **kw
-    )
+    return subprocess.run([sys.executable, "-m", "isolator", *argv], text=True, timeout=120, capture_output=True, **kw)
 
 
 # ---- item 1: a metrics unix: path that is the daemon's own gRPC or bridge socket ---------------------

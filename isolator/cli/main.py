@@ -790,7 +790,9 @@ def _topology_matrix(data: dict[str, Any]) -> str:
 
 def _run_serve(args: argparse.Namespace) -> int:
     if args.config_file == configmod.STDIN:
-        raise UsageError("gpu-isolator serve: --config - is not a file; SIGHUP reads the config file again, give its path")
+        raise UsageError(
+            "gpu-isolator serve: --config - is not a file; SIGHUP reads the config file again, give its path"
+        )
     config = configmod.resolve(args)  # a configuration error stops the start before the daemon is loaded
     from isolator.daemon import main as daemon
 

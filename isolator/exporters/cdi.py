@@ -270,9 +270,7 @@ class Listing:
 # The fields a CDI library loads (specs-go/config.go's JSON tags at spec 1.1.0); loading fails on any other.
 _SPEC_FIELDS = frozenset({"cdiVersion", "kind", "annotations", "devices", "containerEdits"})
 _DEVICE_FIELDS = frozenset({"name", "annotations", "containerEdits"})
-_EDITS_FIELDS = frozenset(
-    {"env", "deviceNodes", "mounts", "hooks", "intelRdt", "additionalGids", "netDevices"}
-)
+_EDITS_FIELDS = frozenset({"env", "deviceNodes", "mounts", "hooks", "intelRdt", "additionalGids", "netDevices"})
 _ITEM_FIELDS = {
     "deviceNodes": frozenset({"path", "hostPath", "type", "major", "minor", "fileMode", "permissions", "uid", "gid"}),
     "mounts": frozenset({"hostPath", "containerPath", "options", "type"}),

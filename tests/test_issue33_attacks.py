@@ -6,10 +6,12 @@ maintenance drain of a GPU that a changed ``--nvidia-gpu-devices`` no longer man
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -231,3 +233,47 @@ def test_serve_refuses_config_from_standard_input_which_sighup_could_not_read_ag
     result = _run(["serve", "--config", "-"], input="")
     assert result.returncode == cli.EXIT_USAGE, result.stderr
     assert "--config - is not a file" in result.stderr
+
+
+# ---- item 13: the CLI's own flags in docs/cli.md -------------------------------------------------------
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _flags(parser: argparse.ArgumentParser) -> list[str]:
+    return [o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"]
+
+
+def _cli_md() -> str:
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "cli.md")) as fh:
+        return fh.read()
+
+
+def test_cli_md_names_every_flag_of_every_command_but_serve():
+    """Before: a flag added to drain, release, cdi list... failed no drift test (only serve's flags,
+    in the README, were checked). serve's own are the README flags table's (tests/test_doc_drift.py)."""
+    text = _cli_md()
+    missing = []
+    for name, parser in _subparsers(cli.build_parser()).items():
+        if name == "serve":
+            continue
+        for full, sub in [(name, parser), *((f"{name} {s}", p) for s, p in _subparsers(parser).items())]:
+            own = set(_flags(sub)) - {"--" + n.replace("_", "-") for n in configmod.PARSERS}
+            missing += [
+                f"{full} {f}" for f in sorted(own) if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", text)
+            ]
+    assert missing == [], "flags missing from docs/cli.md"
+
+
+def test_cli_md_options_table_names_every_option_the_admin_commands_share():
+    text = _cli_md()
+    body = text[text.index("## Options every admin command takes") :].split("\n## ", 1)[0]
+    rows = {f for line in body.splitlines() if line.startswith("| `") for f in re.findall(r"`(--?[a-z][a-z-]*)", line)}
+    commands = _subparsers(cli.build_parser())
+    shared = set.intersection(*(set(_flags(commands[c.split()[0]])) for c in cli.ADMIN_CALLS))
+    assert sorted(shared - rows) == [], "options every admin command takes, missing from docs/cli.md's table"

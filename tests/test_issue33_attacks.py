@@ -277,3 +277,35 @@ def test_cli_md_options_table_names_every_option_the_admin_commands_share():
     commands = _subparsers(cli.build_parser())
     shared = set.intersection(*(set(_flags(commands[c.split()[0]])) for c in cli.ADMIN_CALLS))
     assert sorted(shared - rows) == [], "options every admin command takes, missing from docs/cli.md's table"
+
+
+# ---- item 6: a socket that accepts and never answers (a stopped sidecar) --------------------------------
+
+
+class _Recording:
+    def __init__(self) -> None:
+        self.timeouts: list[float] = []
+
+    def Health(self, request: Any, timeout: float) -> str:  # a gRPC stub's method name
+        self.timeouts.append(timeout)
+        return "answer"
+
+
+def test_the_probes_wait_counts_against_the_timeout_of_the_call_after_it(tmp_path, monkeypatch):
+    """Before: a socket that accepted and never answered cost the probe's 5 s and then the call's whole
+    --timeout, 15 s for "did not answer within 10 s". The clock is stepped by hand: the probe "took" 4 s."""
+    from isolator.transport import client as clientmod
+
+    path = str(tmp_path / "silent.sock")
+    now = [1000.0]
+    monkeypatch.setattr(clientmod.time, "monotonic", lambda: now[0])
+
+    def probe(socket_path: str, timeout: float) -> None:
+        now[0] += 4.0
+
+    monkeypatch.setattr(clientmod, "probe", probe)
+    stub = _Recording()
+    with clientmod.Client(path, timeout=10.0) as client:
+        client.check_reachable()
+        assert client.call(stub, "Health", None) == "answer"
+    assert stub.timeouts == [6.0]

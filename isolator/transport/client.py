@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import stat
+import time
 from typing import Any
 
 import grpc
@@ -253,12 +254,20 @@ class Client:
         self._channel = grpc.insecure_channel("unix:" + os.path.abspath(socket_path))
         self.isolator = pb_grpc.IsolatorStub(self._channel)
         self.admin = pb_grpc.AdminStub(self._channel)
+        self._deadline: float | None = None
 
     def check_reachable(self) -> None:
+        """Probe the socket (``probe``). The probe's wait counts against ``timeout``: the call after it
+        gets what is left, so a socket that accepts and never answers (a stopped sidecar) is given up on
+        after ``timeout`` seconds in all, as the CLI's --timeout and its message say."""
+        self._deadline = time.monotonic() + self.timeout
         probe(self.socket_path, timeout=min(self.timeout, 5.0))
 
     def call(self, stub: Any, method: str, request: Any) -> Any:
-        return getattr(stub, method)(request, timeout=self.timeout)
+        timeout = self.timeout
+        if self._deadline is not None:
+            timeout = max(self._deadline - time.monotonic(), 0.001)
+        return getattr(stub, method)(request, timeout=timeout)
 
     def close(self) -> None:
         self._channel.close()

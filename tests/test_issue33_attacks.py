@@ -309,3 +309,30 @@ def test_the_probes_wait_counts_against_the_timeout_of_the_call_after_it(tmp_pat
         client.check_reachable()
         assert client.call(stub, "Health", None) == "answer"
     assert stub.timeouts == [6.0]
+
+
+# ---- item 7: a drain reason that is not one line of printable text ------------------------------------
+
+
+@pytest.mark.parametrize(
+    "reason",
+    ["next\x85line", "split\u2028here", "CSI \x9b31m red", "\u202eOPS-1 reversed", "zero\u200bwidth"],
+)
+def test_a_drain_reason_with_a_unicode_line_break_control_or_format_character_is_refused(reason):
+    """Before: only C0 controls and DEL were refused, so NEL and U+2028 (str.splitlines splits at both),
+    8-bit CSI and a right-to-left override reached gpus, describe, health and the log."""
+    from isolator.errors import InvalidArgument
+    from isolator.testing import fake_service
+
+    rig = fake_service("dgx-1")
+    with pytest.raises(InvalidArgument, match="one line of printable text"):
+        rig.service.maintenance_drain("1", reason, "uid 0, pid 1")
+    assert rig.store.maintenance() == {}
+
+
+def test_a_drain_reason_in_any_script_with_spaces_is_taken():
+    from isolator.testing import fake_service
+
+    rig = fake_service("dgx-1")
+    change = rig.service.maintenance_drain("1", "carte à changer — ticket OPS-12 (ファン)", "uid 0, pid 1")
+    assert change.reason == "carte à changer — ticket OPS-12 (ファン)"

@@ -59,7 +59,10 @@ def checked_reason(reason: str) -> str:
         )
     if len(text) > MAX_REASON:
         raise InvalidArgument(f"the reason is {len(text)} characters; at most {MAX_REASON}")
-    if any(ord(c) < 32 or ord(c) == 127 for c in text):
+    # str.isprintable: C0 and C1 controls (NEL, 8-bit CSI), line and paragraph separators (U+2028, which
+    # str.splitlines splits at) and format characters (a right-to-left override that shows the reason
+    # reversed in gpus, describe and health) are refused with the tab and the newline.
+    if not text.replace(" ", "x").isprintable():
         raise InvalidArgument("the reason must be one line of printable text (no control characters)")
     return text
 

@@ -336,3 +336,15 @@ def test_a_drain_reason_in_any_script_with_spaces_is_taken():
     rig = fake_service("dgx-1")
     change = rig.service.maintenance_drain("1", "carte à changer — ticket OPS-12 (ファン)", "uid 0, pid 1")
     assert change.reason == "carte à changer — ticket OPS-12 (ファン)"
+
+
+@pytest.mark.root
+@pytest.mark.cgroup_v1
+def test_a_symlink_to_the_bridge_socket_elsewhere_points_to_the_grpc_socket_beside_its_target(sidecar, tmp_path):
+    """Before: a link to '<socket>.bridge' in another directory was named the bridge's socket, with no
+    socket to use (nothing answering gRPC beside the link)."""
+    link = tmp_path / "isolator"
+    os.symlink(sidecar.bridge_socket, link)
+    rc, _out, err = _cli(str(link), "gpus")
+    assert rc == cli.EXIT_UNREACHABLE, err
+    assert "command-module bridge's socket" in err and f"use --socket '{sidecar.socket}'" in err, err

@@ -167,7 +167,16 @@ def _answers(path: str, timeout: float = 2.0) -> str:
 
 def _grpc_beside(path: str) -> str | None:
     """The gRPC socket that goes with ``path``: ``<socket>`` for its ``<socket>.bridge`` or
-    ``<socket>.lock``, else a socket in the same directory that answers gRPC."""
+    ``<socket>.lock``, else a socket in the same directory that answers gRPC; for a symbolic link,
+    the same beside what it points to when nothing answers beside the link."""
+    found = _grpc_beside_path(path)
+    real = os.path.realpath(path)
+    if found is None and real != os.path.abspath(path):
+        found = _grpc_beside_path(real)
+    return found
+
+
+def _grpc_beside_path(path: str) -> str | None:
     for suffix in (".bridge", ".lock"):
         if path.endswith(suffix):
             base = path[: -len(suffix)]

@@ -348,3 +348,21 @@ def test_a_symlink_to_the_bridge_socket_elsewhere_points_to_the_grpc_socket_besi
     rc, _out, err = _cli(str(link), "gpus")
     assert rc == cli.EXIT_UNREACHABLE, err
     assert "command-module bridge's socket" in err and f"use --socket '{sidecar.socket}'" in err, err
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("unix:relative.sock", "a unix socket path must be absolute"),
+        ("localhost:99999", "expected HOST:PORT, :PORT or unix:/path"),
+        ("nonsense", "expected HOST:PORT, :PORT or unix:/path"),
+        ("[]:9416", "an empty host"),
+    ],
+)
+def test_config_check_refuses_a_metrics_address_serve_would_refuse(tmp_path, value, why):
+    """Before: config check called such a file valid (exit 0) and serve then refused it (exit 78)."""
+    path = tmp_path / "c.toml"
+    path.write_text(f'# metrics\nmetrics-address = "{value}"\n')
+    result = _run(["config", "check", str(path)])
+    assert result.returncode == cli.EXIT_CONFIG, result.stdout
+    assert f"line 2 value for metrics-address: {why}" in result.stderr, result.stderr

@@ -215,6 +215,15 @@ def _nvidia_gpu_devices(value: Any) -> tuple[int, ...]:
     return items
 
 
+def _metrics_address(value: Any) -> str:
+    text = _text(value)
+    if text.strip():
+        from isolator.exporters.metrics import address_of  # only when one is given, as serve does
+
+        address_of(text)
+    return text
+
+
 def _cdi_kind(value: Any) -> str:
     from isolator.errors import InvalidArgument
     from isolator.exporters.cdi import check_kind
@@ -253,7 +262,7 @@ PARSERS: dict[str, Any] = {
     "max_message_bytes": _positive_int,
     "log_level": _choice(LOG_LEVELS),
     "log_format": _choice(LOG_FORMATS),
-    "metrics_address": _text,
+    "metrics_address": _metrics_address,
     "job_mapping_dir": _text,
     "allowed_uids": _int_list,
     "allowed_gids": _int_list,

@@ -366,3 +366,28 @@ def test_config_check_refuses_a_metrics_address_serve_would_refuse(tmp_path, val
     result = _run(["config", "check", str(path)])
     assert result.returncode == cli.EXIT_CONFIG, result.stdout
     assert f"line 2 value for metrics-address: {why}" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("settings", "why"),
+    [
+        (
+            'cgroups_hierarchy = "relative/path"',
+            "cgroups_hierarchy (config file '{path}', line 2) 'relative/path' must be an absolute path",
+        ),
+        (
+            "nvidia-gpu-devices = [0]",
+            "'--nvidia-gpu-devices' cannot be set without also setting 'gpus' in '--resources'",
+        ),
+        ('resources = "gpus:abc"', "The 'gpus' resource must be a scalar, got 'abc'"),
+        ('resources = "cpus:4;gpus:2"', "The 'gpus' resource cannot be set without also setting"),
+    ],
+)
+def test_config_check_refuses_gpu_flags_and_a_hierarchy_serve_would_refuse(tmp_path, settings, why):
+    """Before: config check called these valid; serve then refused the GPU flags (78) and stopped on a
+    relative --cgroups-hierarchy with a ValueError traceback (exit 1)."""
+    path = tmp_path / "c.toml"
+    path.write_text(f"# x\n{settings}\n")
+    result = _run(["config", "check", str(path)])
+    assert result.returncode == cli.EXIT_CONFIG, result.stdout
+    assert why.format(path=path) in result.stderr and "Traceback" not in result.stderr, result.stderr

@@ -492,10 +492,30 @@ def _check_combinations(config: Config, spelled: dict[str, str] | None = None) -
         for name, own in (("socket", config.socket), ("bridge_socket", bridge)):
             if own and path == os.path.realpath(own):
                 raise ConfigError(f"{n('metrics_address')} '{metrics}' must differ from {n(name)}")
+    if not os.path.isabs(config.cgroups_hierarchy):
+        # The daemon compares it with where the devices hierarchy is mounted (isolator/daemon/main.py):
+        # a relative path stopped the start with a traceback.
+        raise ConfigError(
+            f"{n('cgroups_hierarchy')} '{config.cgroups_hierarchy}' must be an absolute path, as the agent's"
+            " --cgroups_hierarchy (default /sys/fs/cgroup)"
+        )
     if config.cgroups_root.startswith("/") or ".." in Path(config.cgroups_root).parts:
         raise ConfigError(
             f"{n('cgroups_root')} '{config.cgroups_root}' must be relative to the hierarchy, without '..'"
         )
+
+
+def check_gpu_flags(config: Config) -> None:
+    """The checks of --nvidia-gpu-devices and --resources that need no NVML (isolator/policy/gpuflags.py,
+    Mesos's messages), for ``config check``, which refuses what ``serve`` would. ``resolve`` leaves them
+    to the inventory at start (see ``_nvidia_gpu_devices``); what depends on the GPUs is decided there."""
+    from isolator.errors import GpusUnavailable
+    from isolator.policy.gpuflags import decide
+
+    try:
+        decide(config.resources, config.nvidia_gpu_devices, available=None)
+    except GpusUnavailable:
+        pass  # "NVML not found": available=None stands for the machine, which is not looked at here
 
 
 def _absolutise(config: Config) -> Config:

@@ -365,7 +365,7 @@ def test_config_check_refuses_a_metrics_address_serve_would_refuse(tmp_path, val
     path.write_text(f'# metrics\nmetrics-address = "{value}"\n')
     result = _run(["config", "check", str(path)])
     assert result.returncode == cli.EXIT_CONFIG, result.stdout
-    assert f"line 2 value for metrics-address: {why}" in result.stderr, result.stderr
+    assert f"--metrics-address '{value}': {why}" in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize(

@@ -1014,7 +1014,7 @@ def _run_config(args: argparse.Namespace) -> int:
         _emit(configmod.default_file_text())
         return EXIT_OK
     config = configmod.resolve({"config_file": args.file})
-    configmod.check_gpu_flags(config)
+    configmod.check_at_start(config)
     changed = configmod.non_defaults(config)
     count = f"{len(changed)} setting{'' if len(changed) == 1 else 's'} differ" + ("s" if len(changed) == 1 else "")
     summary = f"{count} from the defaults" if changed else "every setting is the default"

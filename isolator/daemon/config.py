@@ -215,15 +215,6 @@ def _nvidia_gpu_devices(value: Any) -> tuple[int, ...]:
     return items
 
 
-def _metrics_address(value: Any) -> str:
-    text = _text(value)
-    if text.strip():
-        from isolator.exporters.metrics import address_of  # only when one is given, as serve does
-
-        address_of(text)
-    return text
-
-
 def _cdi_kind(value: Any) -> str:
     from isolator.errors import InvalidArgument
     from isolator.exporters.cdi import check_kind
@@ -262,7 +253,7 @@ PARSERS: dict[str, Any] = {
     "max_message_bytes": _positive_int,
     "log_level": _choice(LOG_LEVELS),
     "log_format": _choice(LOG_FORMATS),
-    "metrics_address": _metrics_address,
+    "metrics_address": _text,
     "job_mapping_dir": _text,
     "allowed_uids": _int_list,
     "allowed_gids": _int_list,
@@ -505,13 +496,19 @@ def _check_combinations(config: Config, spelled: dict[str, str] | None = None) -
         )
 
 
-def check_gpu_flags(config: Config) -> None:
-    """The checks of --nvidia-gpu-devices and --resources that need no NVML (isolator/policy/gpuflags.py,
-    Mesos's messages), for ``config check``, which refuses what ``serve`` would. ``resolve`` leaves them
-    to the inventory at start (see ``_nvidia_gpu_devices``); what depends on the GPUs is decided there."""
+def check_at_start(config: Config) -> None:
+    """For ``config check``, which refuses what ``serve`` would: the checks ``serve`` makes at start that
+    need no machine, and which ``resolve`` leaves to it: the metrics address (its error is logged as
+    the daemon logs, JSON included) and the checks of --nvidia-gpu-devices and --resources that need no
+    NVML (isolator/policy/gpuflags.py, Mesos's messages; the inventory makes them at start, see
+    ``_nvidia_gpu_devices``)."""
     from isolator.errors import GpusUnavailable
     from isolator.policy.gpuflags import decide
 
+    if config.metrics_address:
+        from isolator.exporters.metrics import parse_address
+
+        parse_address(config.metrics_address)
     try:
         decide(config.resources, config.nvidia_gpu_devices, available=None)
     except GpusUnavailable:

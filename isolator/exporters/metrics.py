@@ -259,21 +259,11 @@ def parse_address(value: str) -> tuple[str, Any]:
     ``:9100``): an operator who copies that form means the network. A bare ``PORT`` binds localhost:
     metrics name containers, so they are not published to the network unless an address says so.
     """
-    try:
-        return address_of(value)
-    except ValueError as exc:
-        raise ConfigError(f"--metrics-address '{value}': {exc}") from None
-
-
-def address_of(value: str) -> tuple[str, Any]:
-    """``parse_address`` raising ValueError with the reason alone: the config file's parser
-    (isolator/daemon/config.py) names the key as the file spells it, so ``config check`` refuses
-    what ``serve`` would."""
     text = value.strip()
     if text.startswith("unix:"):
         path = text[len("unix:") :]
         if not path.startswith("/"):
-            raise ValueError("a unix socket path must be absolute")
+            raise ConfigError(f"--metrics-address '{value}': a unix socket path must be absolute")
         return "unix", path
     host, sep, port = text.rpartition(":")
     if not sep:
@@ -283,9 +273,9 @@ def address_of(value: str) -> tuple[str, Any]:
     else:
         host = host.strip("[]")
         if not host:
-            raise ValueError("an empty host; ':PORT' means every interface")
+            raise ConfigError(f"--metrics-address '{value}': an empty host; ':PORT' means every interface")
     if not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError("expected HOST:PORT, :PORT or unix:/path")
+        raise ConfigError(f"--metrics-address '{value}': expected HOST:PORT, :PORT or unix:/path")
     return "tcp", (host, int(port))
 
 

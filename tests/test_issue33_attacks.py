@@ -381,6 +381,7 @@ def test_config_check_refuses_a_metrics_address_serve_would_refuse(tmp_path, val
         ),
         ('resources = "gpus:abc"', "The 'gpus' resource must be a scalar, got 'abc'"),
         ('resources = "cpus:4;gpus:2"', "The 'gpus' resource cannot be set without also setting"),
+        ('socket_group = "no-such-group-a33"', "--socket-group 'no-such-group-a33': no group of that name"),
     ],
 )
 def test_config_check_refuses_gpu_flags_and_a_hierarchy_serve_would_refuse(tmp_path, settings, why):

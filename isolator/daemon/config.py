@@ -498,10 +498,10 @@ def _check_combinations(config: Config, spelled: dict[str, str] | None = None) -
 
 def check_at_start(config: Config) -> None:
     """For ``config check``, which refuses what ``serve`` would: the checks ``serve`` makes at start that
-    need no machine, and which ``resolve`` leaves to it: the metrics address (its error is logged as
-    the daemon logs, JSON included) and the checks of --nvidia-gpu-devices and --resources that need no
-    NVML (isolator/policy/gpuflags.py, Mesos's messages; the inventory makes them at start, see
-    ``_nvidia_gpu_devices``)."""
+    need no GPU, and which ``resolve`` leaves to it: the metrics address (its error is logged as the
+    daemon logs, JSON included), the socket's group (looked up when the socket is bound), and the
+    checks of --nvidia-gpu-devices and --resources that need no NVML (isolator/policy/gpuflags.py,
+    Mesos's messages; the inventory makes them at start, see ``_nvidia_gpu_devices``)."""
     from isolator.errors import GpusUnavailable
     from isolator.policy.gpuflags import decide
 
@@ -509,6 +509,13 @@ def check_at_start(config: Config) -> None:
         from isolator.exporters.metrics import parse_address
 
         parse_address(config.metrics_address)
+    if config.socket_group:
+        import grp
+
+        try:
+            grp.getgrnam(config.socket_group)  # as the server looks it up when it binds
+        except KeyError:
+            raise ConfigError(f"--socket-group '{config.socket_group}': no group of that name") from None
     try:
         decide(config.resources, config.nvidia_gpu_devices, available=None)
     except GpusUnavailable:

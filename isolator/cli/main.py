@@ -76,6 +76,17 @@ def _seconds(value: str) -> float:
     return seconds
 
 
+def _add_output(p: argparse.ArgumentParser) -> None:
+    """``-o`` beside a command's ``--json`` (kubectl's formats): every command that prints JSON takes it."""
+    p.add_argument(
+        "-o",
+        "--output",
+        choices=OUTPUT_FORMATS,
+        default=None,
+        help="json (as --json), yaml (the same shape) or wide (the table with more columns)",
+    )
+
+
 def build_parser() -> Parser:
     parser = Parser(
         prog="gpu-isolator",
@@ -115,13 +126,7 @@ def build_parser() -> Parser:
             help=f"the sidecar's socket (default: ${SOCKET_ENV}, else {configmod.DEFAULT_SOCKET})",
         )
         p.add_argument("--json", action="store_true", help="print JSON (a stable shape) instead of a table")
-        p.add_argument(
-            "-o",
-            "--output",
-            choices=OUTPUT_FORMATS,
-            default=None,
-            help="json (as --json), yaml (the same shape) or wide (the table with more columns)",
-        )
+        _add_output(p)
         p.add_argument("--timeout", type=_seconds, default=10.0, help="seconds to wait for an answer (default 10)")
         return p
 
@@ -161,6 +166,7 @@ def build_parser() -> Parser:
         help="a spec directory, lowest priority first; repeat for several (default /etc/cdi then /var/run/cdi)",
     )
     listing.add_argument("--json", action="store_true", help="print JSON: each device and the spec defining it")
+    _add_output(listing)
 
     resources = sub.add_parser(
         "resources", help="the agent's --resources entries for the GPUs and MIG devices (offline: reads NVML)"
@@ -169,12 +175,14 @@ def build_parser() -> Parser:
     resources.add_argument(
         "--json", action="store_true", help="print JSON: the string and each entry's count, and the attributes"
     )
+    _add_output(resources)
     attributes = sub.add_parser(
         "attributes",
         help="the agent's --attributes for its GPUs: model, memory, driver, CUDA, MIG (offline: reads NVML)",
     )
     configmod.add_serve_arguments(attributes, configmod.INVENTORY_FLAGS)
     attributes.add_argument("--json", action="store_true", help="print JSON: the string and each value, typed")
+    _add_output(attributes)
 
     admin("gpus", help_text="every GPU, its health and its holder")
     admin("topology", help_text="the interconnect matrix, as nvidia-smi topo -m")
@@ -224,7 +232,7 @@ def build_parser() -> Parser:
         "check",
         help="validate FILE as serve would read it (exit 0: valid, 78: not) and print what it changes",
     )
-    check.add_argument("file", metavar="FILE", help="the TOML config file")
+    check.add_argument("file", metavar="FILE", help="the TOML config file; - reads standard input")
     config_sub.add_parser("default", help="print the full default config file, every key commented")
     return parser
 
@@ -331,13 +339,17 @@ def _output_format(args: argparse.Namespace) -> str:
 
 def formatted(command: str, data: dict[str, Any], output: str, now: float) -> str:
     """The answer as ``-o`` asks: JSON and YAML carry the same stable shape (docs/cli.md), keys sorted."""
+    if output in ("json", "yaml"):
+        return _structured(data, output)
+    return render(command, data, now=now, wide=output == "wide")
+
+
+def _structured(data: dict[str, Any], output: str) -> str:
     if output == "json":
         return json.dumps(data, indent=2, sort_keys=True)
-    if output == "yaml":
-        import yaml  # only here and in CDI: the other commands do not pay for the import
+    import yaml  # only here and in CDI: the other commands do not pay for the import
 
-        return str(yaml.safe_dump(data, sort_keys=True, default_flow_style=False, allow_unicode=True))
-    return render(command, data, now=now, wide=output == "wide")
+    return str(yaml.safe_dump(data, sort_keys=True, default_flow_style=False, allow_unicode=True))
 
 
 def _fail(message: str) -> None:
@@ -784,6 +796,10 @@ def _topology_matrix(data: dict[str, Any]) -> str:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    if args.config_file == configmod.STDIN:
+        raise UsageError(
+            "gpu-isolator serve: --config - is not a file; SIGHUP reads the config file again, give its path"
+        )
     config = configmod.resolve(args)  # a configuration error stops the start before the daemon is loaded
     from isolator.daemon import main as daemon
 
@@ -808,7 +824,8 @@ def _run_resources(args: argparse.Namespace) -> int:
     from isolator.daemon import main as daemon
     from isolator.policy import attributes
 
-    flags = {k: v for k, v in vars(args).items() if k not in ("command", "json")}
+    output = _output_format(args)
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "json", "output")}
     line, pairs = daemon.agent_flags(configmod.resolve(flags))
     if args.command == "attributes":
         text = attributes.render(pairs)
@@ -817,7 +834,7 @@ def _run_resources(args: argparse.Namespace) -> int:
         text = line
         entries = {name: int(count) for name, _, count in (e.rpartition(":") for e in line.split(";"))}
         data = {"resources": line, "entries": entries, "attributes": attributes.render(pairs)}
-    _emit(json.dumps(data, indent=2) if args.json else text)
+    _emit(_structured(data, output) if output in ("json", "yaml") else text)
     return EXIT_OK
 
 
@@ -853,12 +870,13 @@ def _run_cdi_list(args: argparse.Namespace) -> int:
     each problem that cost devices (an unreadable spec, a conflict) on stderr, and then exit 1."""
     from isolator.exporters import cdi
 
+    output = _output_format(args)
     listing = cdi.read_spec_dirs(args.spec_dirs or CDI_SPEC_DIRS)
     for problem in listing.problems:
         _fail(f"cdi list: {problem}")
-    if args.json:
+    if output in ("json", "yaml"):
         devices = [{"name": n, "spec": p} for n, p in listing.devices.items()]
-        _emit(json.dumps({"devices": devices, "problems": list(listing.problems)}, indent=2, sort_keys=True))
+        _emit(_structured({"devices": devices, "problems": list(listing.problems)}, output))
     elif listing.devices:
         _emit("\n".join(listing.devices))
     else:
@@ -1035,6 +1053,7 @@ def _run_config(args: argparse.Namespace) -> int:
         _emit(configmod.default_file_text())
         return EXIT_OK
     config = configmod.resolve({"config_file": args.file})
+    configmod.check_at_start(config)
     changed = configmod.non_defaults(config)
     count = f"{len(changed)} setting{'' if len(changed) == 1 else 's'} differ" + ("s" if len(changed) == 1 else "")
     summary = f"{count} from the defaults" if changed else "every setting is the default"

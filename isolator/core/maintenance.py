@@ -16,7 +16,7 @@ from typing import Protocol
 
 from isolator.core.booking import Booking
 from isolator.core.ports import Clock, GpuInventory, RecordStore
-from isolator.errors import FailedPrecondition, InvalidArgument
+from isolator.errors import FailedPrecondition, InvalidArgument, NotFound
 from isolator.model import DrainRecord, Gpu, MaintenanceChange, MaintenanceMark
 
 LOG = logging.getLogger(__name__)
@@ -59,7 +59,10 @@ def checked_reason(reason: str) -> str:
         )
     if len(text) > MAX_REASON:
         raise InvalidArgument(f"the reason is {len(text)} characters; at most {MAX_REASON}")
-    if any(ord(c) < 32 or ord(c) == 127 for c in text):
+    # str.isprintable: C0 and C1 controls (NEL, 8-bit CSI), line and paragraph separators (U+2028, which
+    # str.splitlines splits at) and format characters (a right-to-left override that shows the reason
+    # reversed in gpus, describe and health) are refused with the tab and the newline.
+    if not text.replace(" ", "x").isprintable():
         raise InvalidArgument("the reason must be one line of printable text (no control characters)")
     return text
 
@@ -126,7 +129,12 @@ class Maintenance:
 
     def undrain(self, name: str, by: str) -> MaintenanceChange:
         core = self.core
-        gpu = core.handover.find(name)
+        try:
+            gpu = core.handover.find(name)
+        except NotFound:
+            if name not in self.view():
+                raise
+            return self._undrain_unmanaged(name, by)
         with self._changing:
             old = self.marks.get(gpu.uuid)
             if old is None:
@@ -154,6 +162,25 @@ class Maintenance:
             gpu.index, gpu.minor, gpu.uuid, False, True, old.reason, old.since, old.by, detail, holders
         )
 
+    def _undrain_unmanaged(self, uuid: str, by: str) -> MaintenanceChange:
+        """End the recorded drain of a GPU this sidecar does not manage now (left out by a changed
+        --nvidia-gpu-devices, or gone from the host): by its UUID, the one name it still has here.
+        Otherwise the drain could only be ended once the GPU is managed again, and it would come back
+        drained. Index and minor stay 0: the GPU has neither here."""
+        with self._changing:
+            old = self.marks.get(uuid)
+            if old is None:
+                raise NotFound(f"no managed GPU '{uuid}' (give its index, its UUID or minor:<N>)")
+            self.core.store.clear_maintenance(uuid)
+            with self.core.booking.lock:
+                self.marks.pop(uuid, None)
+        detail = (
+            f"the drain of GPU {uuid}, not managed here, is ended (it was drained since {_when(old.since)},"
+            f" {old.by}: {old.reason})"
+        )
+        LOG.info("admin (%s): %s", by, detail)
+        return MaintenanceChange(0, 0, uuid, False, True, old.reason, old.since, old.by, detail)
+
     # ---- views ----------------------------------------------------------------------------------
 
     def view(self) -> dict[str, MaintenanceMark]:
@@ -165,12 +192,20 @@ class Maintenance:
         marks = self.view()
         by_uuid = {g.uuid: g for g in self.core.gpus.values()}
         drained = [(by_uuid[u], m) for u, m in marks.items() if u in by_uuid]
-        if not drained:
+        # Recorded drains of GPUs not managed now are shown too: they apply again when the GPU does.
+        elsewhere = sorted((u, m) for u, m in marks.items() if u not in by_uuid)
+        if not drained and not elsewhere:
             return "no GPU drained for maintenance"
-        return "; ".join(
+        lines = [
             f"GPU {g.index} drained for maintenance since {_when(m.since)} ({m.by}): {m.reason}"
             for g, m in sorted(drained, key=lambda gm: gm[0].index)
-        )
+        ]
+        lines += [
+            f"GPU {u} (not managed here; it comes back drained, 'gpu-isolator undrain {u}' ends that) drained for"
+            f" maintenance since {_when(m.since)} ({m.by}): {m.reason}"
+            for u, m in elsewhere
+        ]
+        return "; ".join(lines)
 
     def _holders(self, gpu: Gpu) -> list[str]:
         """Containers holding the GPU whole or a MIG device on it (they keep it)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,9 @@ PRIVATE_SUFFIX = ".d"
 PRIVATE_EXTRA = 7
 
 DEFAULT_SOCKET = "/run/gpu-isolator/isolator.sock"
+# A config file named "-" is read from standard input (``config check -``); ``serve`` refuses it, since
+# SIGHUP reads its file again.
+STDIN = "-"
 # The command-module bridge listens next to the gRPC socket unless told otherwise: BRIDGE_SUFFIX,
 # from isolator/transport/settings.py (the bridge executable's default in isolator/bridge/command.py
 # must agree).
@@ -343,8 +347,11 @@ def _read_file(path: str) -> tuple[dict[str, Any], dict[str, tuple[str, str]]]:
     import tomllib  # only where a config file is given: every start and admin command imports this module
 
     try:
-        with open(path, "rb") as fh:
-            raw = fh.read()
+        if path == STDIN:  # `gpu-isolator config default | gpu-isolator config check -`
+            raw = sys.stdin.buffer.read()
+        else:
+            with open(path, "rb") as fh:
+                raw = fh.read()
         data = tomllib.loads(raw.decode("utf-8"))
     except OSError as exc:
         raise ConfigError(f"failed to read config file '{path}': {exc.strerror}") from exc
@@ -467,10 +474,52 @@ def _check_combinations(config: Config, spelled: dict[str, str] | None = None) -
         )
     if bridge and os.path.abspath(bridge) == os.path.abspath(config.socket):
         raise ConfigError(f"{n('bridge_socket')} '{bridge}' must differ from {n('socket')}")
+    # A unix: metrics path on one of the daemon's own sockets would be claimed twice by the daemon
+    # itself (isolator/daemon/ownership.py) and refused as if another daemon held it. Compared with
+    # the directories resolved, as the lock files beside the sockets are found.
+    metrics = config.metrics_address.strip()
+    if metrics.startswith("unix:"):
+        path = os.path.realpath(metrics[len("unix:") :])
+        for name, own in (("socket", config.socket), ("bridge_socket", bridge)):
+            if own and path == os.path.realpath(own):
+                raise ConfigError(f"{n('metrics_address')} '{metrics}' must differ from {n(name)}")
+    if not os.path.isabs(config.cgroups_hierarchy):
+        # The daemon compares it with where the devices hierarchy is mounted (isolator/daemon/main.py):
+        # a relative path stopped the start with a traceback.
+        raise ConfigError(
+            f"{n('cgroups_hierarchy')} '{config.cgroups_hierarchy}' must be an absolute path, as the agent's"
+            " --cgroups_hierarchy (default /sys/fs/cgroup)"
+        )
     if config.cgroups_root.startswith("/") or ".." in Path(config.cgroups_root).parts:
         raise ConfigError(
             f"{n('cgroups_root')} '{config.cgroups_root}' must be relative to the hierarchy, without '..'"
         )
+
+
+def check_at_start(config: Config) -> None:
+    """For ``config check``, which refuses what ``serve`` would: the checks ``serve`` makes at start that
+    need no GPU, and which ``resolve`` leaves to it: the metrics address (its error is logged as the
+    daemon logs, JSON included), the socket's group (looked up when the socket is bound), and the
+    checks of --nvidia-gpu-devices and --resources that need no NVML (isolator/policy/gpuflags.py,
+    Mesos's messages; the inventory makes them at start, see ``_nvidia_gpu_devices``)."""
+    from isolator.errors import GpusUnavailable
+    from isolator.policy.gpuflags import decide
+
+    if config.metrics_address:
+        from isolator.exporters.metrics import parse_address
+
+        parse_address(config.metrics_address)
+    if config.socket_group:
+        import grp
+
+        try:
+            grp.getgrnam(config.socket_group)  # as the server looks it up when it binds
+        except KeyError:
+            raise ConfigError(f"--socket-group '{config.socket_group}': no group of that name") from None
+    try:
+        decide(config.resources, config.nvidia_gpu_devices, available=None)
+    except GpusUnavailable:
+        pass  # "NVML not found": available=None stands for the machine, which is not looked at here
 
 
 def _absolutise(config: Config) -> Config:

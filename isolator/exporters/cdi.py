@@ -267,10 +267,56 @@ class Listing:
     problems: tuple[str, ...]
 
 
+# The fields a CDI library loads (specs-go/config.go's JSON tags at spec 1.1.0); loading fails on any other.
+_SPEC_FIELDS = frozenset({"cdiVersion", "kind", "annotations", "devices", "containerEdits"})
+_DEVICE_FIELDS = frozenset({"name", "annotations", "containerEdits"})
+_EDITS_FIELDS = frozenset({"env", "deviceNodes", "mounts", "hooks", "intelRdt", "additionalGids", "netDevices"})
+_ITEM_FIELDS = {
+    "deviceNodes": frozenset({"path", "hostPath", "type", "major", "minor", "fileMode", "permissions", "uid", "gid"}),
+    "mounts": frozenset({"hostPath", "containerPath", "options", "type"}),
+    "hooks": frozenset({"hookName", "path", "args", "env", "timeout"}),
+}
+
+
+def _check_fields(value: Any, known: frozenset[str], where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"{where} is not a mapping")
+    unknown = sorted(str(k) for k in value if k not in known)
+    if unknown:
+        raise InvalidArgument(f"unknown field '{unknown[0]}' in {where}")
+    return value
+
+
+def _check_edits(edits: Any, where: str) -> None:
+    edits = _check_fields(edits, _EDITS_FIELDS, where)
+    for key, fields in _ITEM_FIELDS.items():
+        items = edits.get(key) or []
+        if not isinstance(items, list):
+            raise InvalidArgument(f"{key} in {where} is not a list")
+        for item in items:
+            _check_fields(item, fields, f"{key} of {where}")
+
+
+def _check_version(spec: dict[str, Any]) -> None:
+    """As the CDI library's validateVersion: a known version, and at least what the fields need."""
+    declared = spec.get("cdiVersion")
+    if declared is None:
+        raise InvalidArgument("no cdiVersion")
+    if str(declared) not in VERSIONS:
+        raise InvalidArgument(f"unknown cdiVersion '{declared}' (known: {', '.join(VERSIONS)})")
+    needed = minimum_version(spec)
+    if VERSIONS.index(str(declared)) < VERSIONS.index(needed):
+        raise InvalidArgument(f"cdiVersion {declared} is below {needed}, which the spec's fields need")
+
+
 def device_names(spec: Any) -> list[str]:
-    """The qualified names a spec defines; InvalidArgument when a runtime would refuse the spec."""
+    """The qualified names a spec defines; InvalidArgument when a runtime would refuse the spec: an
+    unknown field, an unknown cdiVersion or one below what the fields need, a bad kind or name."""
     if not isinstance(spec, dict):
         raise InvalidArgument("not a CDI spec: not a mapping")
+    unknown = sorted(str(k) for k in spec if k not in _SPEC_FIELDS)
+    if unknown:
+        raise InvalidArgument(f"unknown field '{unknown[0]}'")
     kind = spec.get("kind")
     if not isinstance(kind, str):
         raise InvalidArgument("not a CDI spec: no kind")
@@ -278,14 +324,20 @@ def device_names(spec: Any) -> list[str]:
     devices = spec.get("devices")
     if not isinstance(devices, list) or not devices:
         raise InvalidArgument("a CDI spec needs at least one device")
+    if "containerEdits" in spec:
+        _check_edits(spec["containerEdits"], "containerEdits")
     out = []
     for device in devices:
         name = device.get("name") if isinstance(device, dict) else None
         if not isinstance(name, str) or not _DEVICE_NAME.fullmatch(name):
             raise InvalidArgument(f"invalid CDI device name {name!r}")
+        _check_fields(device, _DEVICE_FIELDS, f"device '{name}'")
+        if "containerEdits" in device:
+            _check_edits(device["containerEdits"], f"containerEdits of device '{name}'")
         out.append(f"{kind}={name}")
     if len(out) != len(set(out)):
         raise InvalidArgument("a device name is defined twice")
+    _check_version(spec)
     return out
 
 

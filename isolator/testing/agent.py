@@ -147,7 +147,9 @@ def cgroups_v2_unsupported(home: str) -> str | None:
 def native_module(mesos_home: str) -> str:
     """Our module built for ``mesos_home``'s version (``make module MESOS_HOME=...``); an agent loads
     a module only of its own version."""
-    path = os.path.join(REPO, "build", f"mesos-{'.'.join(map(str, mesos_version(mesos_home)))}", "libgpu_isolator_module.so")
+    path = os.path.join(
+        REPO, "build", f"mesos-{'.'.join(map(str, mesos_version(mesos_home)))}", "libgpu_isolator_module.so"
+    )
     if not os.path.exists(path):
         raise MesosNotFound(f"{path} is missing: run `make module MESOS_HOME={mesos_home}`")
     return path

@@ -78,6 +78,7 @@ def probe(socket_path: str, timeout: float = 5.0) -> None:
     path to use, instead of a wait for the deadline or gRPC's HTTP/2 parse errors.
     """
     where = f"cannot reach the sidecar at '{socket_path}'"
+    _check_private(socket_path, where)
     _check_path(socket_path, where)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
@@ -166,7 +167,16 @@ def _answers(path: str, timeout: float = 2.0) -> str:
 
 def _grpc_beside(path: str) -> str | None:
     """The gRPC socket that goes with ``path``: ``<socket>`` for its ``<socket>.bridge`` or
-    ``<socket>.lock``, else a socket in the same directory that answers gRPC."""
+    ``<socket>.lock``, else a socket in the same directory that answers gRPC; for a symbolic link,
+    the same beside what it points to when nothing answers beside the link."""
+    found = _grpc_beside_path(path)
+    real = os.path.realpath(path)
+    if found is None and real != os.path.abspath(path):
+        found = _grpc_beside_path(real)
+    return found
+
+
+def _grpc_beside_path(path: str) -> str | None:
     for suffix in (".bridge", ".lock"):
         if path.endswith(suffix):
             base = path[: -len(suffix)]
@@ -199,6 +209,25 @@ def _use(grpc_socket: str | None) -> str:
     if grpc_socket is not None:
         return f"use --socket '{grpc_socket}'"
     return "give --socket the sidecar's gRPC socket (its --socket; the bridge's is <socket>.bridge)"
+
+
+def _check_private(path: str, where: str) -> None:
+    """Refuse the socket's private directory ``<socket>.d`` and the sockets in it (the peer gate's,
+    isolator/transport/peergate.py): the ``deny`` socket answers every call PERMISSION_DENIED for an
+    unknown caller, and ``grpc`` is the server the gate splices allowed callers to, never a path to use."""
+    from isolator.transport.peergate import ALLOWED_NAME, DENIED_NAME, PRIVATE_SUFFIX
+
+    directory = path.rstrip("/") or "/"
+    if os.path.basename(directory) in (ALLOWED_NAME, DENIED_NAME):
+        directory = os.path.dirname(directory)
+    if not directory.endswith(PRIVATE_SUFFIX):
+        return
+    public = directory[: -len(PRIVATE_SUFFIX)]
+    if _is_socket(public) and os.path.isdir(directory):
+        raise Unreachable(
+            f"{where}: '{path}' is in the sidecar's private directory, where gRPC listens behind the peer gate"
+            f" that checks each caller; use --socket '{public}'"
+        )
 
 
 def _check_path(path: str, where: str) -> None:
@@ -246,12 +275,20 @@ class Client:
         self._channel = grpc.insecure_channel("unix:" + os.path.abspath(socket_path))
         self.isolator = pb_grpc.IsolatorStub(self._channel)
         self.admin = pb_grpc.AdminStub(self._channel)
+        self._deadline: float | None = None
 
     def check_reachable(self) -> None:
+        """Probe the socket (``probe``). The probe's wait counts against ``timeout``: the call after it
+        gets what is left, so a socket that accepts and never answers (a stopped sidecar) is given up on
+        after ``timeout`` seconds in all, as the CLI's --timeout and its message say."""
+        self._deadline = time.monotonic() + self.timeout
         probe(self.socket_path, timeout=min(self.timeout, 5.0))
 
     def call(self, stub: Any, method: str, request: Any) -> Any:
-        return getattr(stub, method)(request, timeout=self.timeout, metadata=deadline_metadata(self.timeout))
+        timeout = self.timeout
+        if self._deadline is not None:
+            timeout = max(self._deadline - time.monotonic(), 0.001)
+        return getattr(stub, method)(request, timeout=timeout, metadata=deadline_metadata(timeout))
 
     def close(self) -> None:
         self._channel.close()

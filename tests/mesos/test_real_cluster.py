@@ -45,14 +45,18 @@ def test_both_orders_of_isolation_keep_the_agents_devices_and_leak_no_gpu(
     assert not os.path.exists(os.path.join(agent.cgroups_mount(), agent.cgroups_root, cid))
 
 
-def test_three_agents_a_burst_larger_than_the_cluster_every_gpu_used_none_twice(mesos_home: str, cgroups: str, route: str) -> None:
+def test_three_agents_a_burst_larger_than_the_cluster_every_gpu_used_none_twice(
+    mesos_home: str, cgroups: str, route: str
+) -> None:
     """Three agents, each with its own sidecar, simulated 4-GPU host and cgroups root; eight
     gpus:2 tasks for six pairs: six run at once, two wait for a pair to be freed.
 
     The agents' resources are exactly two tasks' worth: mesos-execute declines an offer that does not
     fit and then suppresses offers for good (it never revives), so a leftover without GPUs offered to
     a waiting framework would strand it; with whole slots only, every offer fits."""
-    with Cluster(mesos_home, agents=3, host="workstation-4", resources="cpus:2;mem:256", cgroups=cgroups, route=route) as cluster:
+    with Cluster(
+        mesos_home, agents=3, host="workstation-4", resources="cpus:2;mem:256", cgroups=cgroups, route=route
+    ) as cluster:
         pending = [probe(cluster, gpus=2, seconds=3, cpus=1, mem=128) for _ in range(8)]
         runs, raced, finished = [], [], []
         while pending:

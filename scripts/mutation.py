@@ -48,6 +48,7 @@ MODULES = (
     Module("allocator", "isolator/policy/allocator.py", ("tests/test_allocator.py",)),
     Module("handover", "isolator/policy/handover.py", ("tests/test_handover_policy.py",)),
     Module("affinity", "isolator/policy/affinity.py", ("tests/test_affinity_policy.py",)),
+    Module("shares", "isolator/policy/shares.py", ("tests/test_shares_policy.py",)),
 )
 
 # Verdicts that count as "the tests noticed": a failing test, or a hang the timeout caught (a mutant

@@ -324,20 +324,26 @@ def generate_cdi(config: Config) -> dict[str, Any]:
 
 
 def agent_resources(config: Config) -> str:
-    """``gpu-isolator resources``: ``gpus:N;mig-<profile>:M;...`` for the agent's ``--resources``.
+    """``gpu-isolator resources``: ``gpus:N;gpu_shares:S;mig-<profile>:M;...`` for the agent's ``--resources``.
 
-    ``gpus`` counts the managed GPUs that are not in MIG mode (docs/mig.md, "Configuring the agent").
+    ``gpus`` counts the managed GPUs that are neither in MIG mode (docs/mig.md, "Configuring the
+    agent") nor shared; ``gpu_shares`` the shares of the shared ones (docs/sharing.md).
     """
-    from isolator.policy import mig
+    from isolator.policy import mig, shares
 
     host = simulated_host(config) if config.simulate else None
     inventory = build_inventory(config, host=host, watch=False)
     if inventory is None:
+        if config.shared_gpus:
+            raise ConfigError("--shared-gpus names GPUs but GPU discovery is off ('--resources' specifies 0 GPUs)")
         return "gpus:0"
     try:
         records = inventory.records
-        whole = sum(1 for r in records if not r.mig_enabled)
-        return mig.agent_resources(whole, [d for r in records if r.mig_enabled for d in r.mig_devices])
+        shared = shares.resolve(config.shared_gpus, [(r.gpu.index, r.gpu.minor, r.mig_enabled) for r in records])
+        whole = sum(1 for r in records if not r.mig_enabled and r.gpu.minor not in shared)
+        line = mig.agent_resources(whole, [d for r in records if r.mig_enabled for d in r.mig_devices])
+        head, sep, rest = line.partition(";")
+        return shares.agent_resources(int(head.removeprefix("gpus:")), shared) + sep + rest
     finally:
         inventory.close()
 

@@ -34,5 +34,9 @@ def difference(old: Config, new: Config) -> tuple[dict[str, tuple[Any, Any]], li
 def describe(value: Any) -> str:
     """A setting's value as the reload log line shows it (lists comma-separated, ``none`` if empty)."""
     if isinstance(value, tuple):
+        from isolator.policy.shares import ShareSpec, format_shared_gpus
+
+        if value and all(isinstance(v, ShareSpec) for v in value):
+            return format_shared_gpus(value)
         return ",".join(str(v) for v in value) or "none"
     return f"{value:g}" if isinstance(value, float) else str(value)

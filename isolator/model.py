@@ -333,6 +333,16 @@ class ContainerRecord:
     # "" when none is enforced (docs/affinity.md). Recorded before the cpuset is written.
     cpus: str = ""
     mems: str = ""
+    # gpu_shares (docs/sharing.md): ``shares`` of GPU ``share_gpu``, shared in ``share_mode``; 0 shares
+    # when it holds none. Kept apart from ``gpus``: a shared GPU has several holders, a whole one one.
+    share_gpu: int = -1
+    shares: int = 0
+    share_mode: str = ""
+
+    @property
+    def shared(self) -> frozenset[int]:
+        """The shared GPU it holds shares of, as a set (empty when none): granted like a whole GPU."""
+        return frozenset((self.share_gpu,)) if self.shares else frozenset()
 
     @property
     def mig_uuids(self) -> frozenset[str]:
@@ -355,7 +365,8 @@ class RecoverResult:
 @dataclass(frozen=True)
 class Limitation:
     """Watch's answer when a container must be told something: ``gpus`` of its GPUs became unusable,
-    and ``mig`` (resource name, count) of its MIG devices (their parent GPU did)."""
+    and ``mig`` (resource name, count) of its MIG devices (their parent GPU did) and of its
+    ``gpu_shares`` (their shared GPU did)."""
 
     gpus: int
     message: str

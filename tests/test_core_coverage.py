@@ -34,8 +34,9 @@ CORE_TESTS = (
     "test_core_volume_users.py",
     "test_core_affinity.py",
     "test_core_handover.py",
+    "test_core_shares.py",
 )
-CONTRACT_TESTS = ("test_contracts.py",)
+CONTRACT_TESTS = ("test_contracts.py", "test_state_shares.py")
 
 
 def called(files: tuple[str, ...]) -> set[str]:

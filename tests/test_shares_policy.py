@@ -439,3 +439,49 @@ def test_a_shared_gpu_may_grow_or_shrink_down_to_what_is_held():
 
 def test_module_exports_the_resource_name():
     assert shares.RESOURCE == "gpu_shares"
+
+
+# ---- what the errors carry -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["x" * 100, -5, 0.5, math.nan])
+def test_a_refused_count_names_the_value_as_given_cut_to_40_characters(value):
+    with pytest.raises(InvalidShareCount) as err:
+        checked_share_count(value)
+    assert err.value.fields == {"value": repr(value)[:40], "most": MAX_REQUEST}
+    assert str(err.value).endswith(f"got {repr(value)[:40]}")
+
+
+def test_a_long_refused_value_is_cut_at_exactly_40_characters():
+    with pytest.raises(InvalidShareCount) as err:
+        checked_share_count(10**60)
+    assert err.value.fields["value"] == repr(10**60)[:40] and len(err.value.fields["value"]) == 40
+
+
+def test_refused_limits_name_the_gpu_share_count():
+    with pytest.raises(InvalidShareCount) as err:
+        limits(5, 4, 1 << 30)
+    assert err.value.fields == {"value": "5 of 4", "most": 4}
+    assert "from 1 to 4, got 5 of 4" in str(err.value)
+
+
+def test_limits_round_memory_down_to_whole_mib():
+    assert limits(1, 2, 3 * 1024 * 1024 + 512 * 1024) == (50, 1)
+    assert limits(1, 3, 10 * 1024 * 1024 + 1) == (33, 3)
+    assert type(limits(1, 3, 10 * 1024 * 1024 + 1)[1]) is int
+    assert limits(1, 2, 1) == (50, 1)
+
+
+def test_exhausted_counts_gpus_missing_from_the_held_map_as_empty():
+    gpus = {1: SharedGpu(1, 1, 2), 2: SharedGpu(2, 2, 2)}
+    with pytest.raises(SharesExhausted) as err:
+        place(2, gpus, {2: 1}, blocked=[1])
+    assert err.value.fields["free"] == "GPU 1: 2 (not usable), GPU 2: 1"
+
+
+def test_several_role_problems_are_joined_in_one_message():
+    with pytest.raises(RoleChangeRefused) as err:
+        check_roles(four(4), {}, [], {4: 1, 5: 2})
+    assert err.value.fields["problems"] == (
+        "GPU 4 has 1 gpu_shares held and cannot become whole; GPU 5 has 2 gpu_shares held and cannot become whole"
+    )

@@ -359,7 +359,7 @@ class Admin:
                 out.append(f"container {cid}: {in_force.source.removeprefix('none: ')}")
                 continue
             granted = core.grants.granted(in_force.rules)
-            if granted != sorted(rec.gpus | rec.mig_parents):
+            if granted != sorted(rec.gpus | rec.mig_parents | rec.shared):
                 out.append(f"container {cid}: recorded GPUs {sorted(rec.gpus)}, kernel grants {granted}")
         return out
 

@@ -39,6 +39,7 @@ from isolator.core.ports import (
 from isolator.crashpoints import crashpoint
 from isolator.errors import NotFound
 from isolator.model import ContainerId, ContainerRecord, Gpu, key_root
+from isolator.policy.shares import ShareSpec
 
 LOG = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ class Settings:
     drain_memory_bytes: int = 256 << 20
     drain_timeout_s: float = 600.0
     default_compute_mode: int = 0
+    # --shared-gpus (docs/sharing.md): GPUs cut into shares, by NVML index.
+    shared_gpus: tuple[ShareSpec, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,7 @@ class Core:
         self.repairs = 0  # kernel rules re-applied by the drift audit since start
         self.changes = Changes()  # what a Watch waits on: health changes, containers gone
         # Which GPUs and MIG devices are held (core/booking.py), under its own checked lock.
-        self.booking = Booking(edges.inventory, edges.inventory.topology(), settings.policy)
+        self.booking = Booking(edges.inventory, edges.inventory.topology(), settings.policy, settings.shared_gpus)
         # What the kernel grants each container (core/grant.py): its devices cgroups and cpuset.
         self.grants = KernelGrants(
             booking=self.booking,
@@ -155,6 +158,11 @@ class Core:
             released = rec.gpus & self.booking.allocator.allocated
             self.booking.allocator.deallocate(released)
             self.booking.free_mig(rec.mig_uuids)
+            freed = self.booking.free_shares(cid.key())
+            if freed is not None and freed[1]:
+                # The last sharer is gone: the shared GPU goes through the handover check before
+                # anyone shares it again (while sharers remain, the GPU is theirs to share).
+                released = released | {freed[0]}
             self.handover.mark_pending(released)
         self.changes.notify(cid)
         if released:

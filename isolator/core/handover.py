@@ -91,14 +91,16 @@ class Handover:
                 LOG.warning("--drain-check off: GPUs %s are no longer kept out as draining", sorted(rows))
             return
         with core.booking.lock:
-            held = core.booking.allocator.allocated
+            # A shared GPU without sharers is booked but held by nobody: checked like a free one.
+            idle = frozenset(m for m, n in core.booking.shares_held().items() if not n)
+            held = core.booking.allocator.allocated - idle
             stale = [m for m in rows if m not in core.gpus or m in held]
             for minor, row in rows.items():
                 if minor not in stale:
                     self.marks[minor] = row
                     self._persisted.add(minor)
             self.apply_marks()
-            free = sorted(core.booking.allocator.total - core.booking.allocator.allocated)
+            free = sorted(core.booking.allocator.total - held)
         for minor in stale:
             core.store.clear_drain(minor)
         self.check(free, marked_only=False)

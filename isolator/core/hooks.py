@@ -44,6 +44,7 @@ from isolator.model import (
     gpu_count,
 )
 from isolator.policy import mig as migunits
+from isolator.policy import shares as sharing
 from isolator.policy.affinity import Affinity, format_list
 from volumes.errors import VolumeError
 from volumes.inject import DriverFacts, Image, check_cuda, should_inject, volume_injection
@@ -87,27 +88,43 @@ class Hooks:
         core = self.core
         count = gpu_count(config.resources)
         mig_request = migunits.requests(config.resources)
+        share_count = sharing.share_request(config.resources)
+        if share_count and (count or mig_request):
+            # One kind per container: under MPS its CUDA would reach every GPU through the MPS
+            # daemon of its shared one, and a whole GPU beside a share gains nothing (docs/sharing.md).
+            raise InvalidArgument(
+                f"container {container_id} asks for {sharing.RESOURCE} together with whole GPUs or MIG devices;"
+                " a container holds shares of one GPU, or whole GPUs and MIG devices, not both"
+            )
         image_plan = self._image_plan(config)
+        holder = container_id.key()
         with core.locks.hold(container_id):
             if core.store.get(container_id) is not None:
                 raise AlreadyExists(f"container {container_id} has already been prepared")
             core.changes.forget_ended(container_id)
             self._refuse_populated(container_id)
-            if count or mig_request:
+            if count or mig_request or share_count:
                 core.handover.recheck()  # a draining GPU that is clear now may be chosen (docs/handover.md)
             with core.booking.lock:
-                choice = core.booking.allocate_whole(count)
+                placed = core.booking.place_shares(holder, share_count) if share_count else None
+                try:
+                    choice = core.booking.allocate_whole(count)
+                except BaseException:
+                    core.booking.free_shares(holder)
+                    raise
                 try:
                     units = core.booking.choose_mig(mig_request)
                 except BaseException:
                     core.booking.allocator.deallocate(choice.gpus)
+                    core.booking.free_shares(holder)
                     raise
             minors = frozenset(choice.gpus)
-            undo: Undo = [lambda: self._deallocate(minors, units)]
+            shared = frozenset((placed.minor,)) if placed is not None else frozenset()
+            undo: Undo = [lambda: self._deallocate(minors, units, holder)]
             try:
-                aff = core.grants.affinity(container_id, minors, units)
+                aff = core.grants.affinity(container_id, minors | shared, units)
                 held = aff if core.grants.enforcing else None  # recorded with the GPUs, applied after their rules
-                grant = core.grants.compute(minors, units)
+                grant = core.grants.compute(minors | shared, units)
                 rules = grant.rules
                 core.store.record(
                     ContainerRecord(
@@ -122,6 +139,9 @@ class Hooks:
                         mig=frozenset((d.uuid, d.parent_minor) for d in units),
                         cpus=held.cpu_list if held is not None else "",
                         mems=held.mem_list if held is not None else "",
+                        share_gpu=placed.minor if placed is not None else -1,
+                        shares=placed.shares if placed is not None else 0,
+                        share_mode=placed.mode if placed is not None else "",
                     )
                 )
                 undo.append(lambda: self._forget(container_id))
@@ -140,7 +160,9 @@ class Hooks:
                 self._undo(container_id, undo)
                 raise
         mig_note = f", MIG devices [{migunits.visible_devices(units)}]" if units else ""
-        LOG.info("prepared %s (%s)%s", core.describe(container_id, minors), choice.policy, mig_note)
+        if placed is not None:
+            mig_note += f", {placed.shares} of the {placed.total} shares of GPU {placed.minor} ({placed.mode})"
+        LOG.info("prepared %s (%s)%s", core.describe(container_id, minors | shared), choice.policy, mig_note)
         return info
 
     def _refuse_populated(self, cid: ContainerId) -> None:
@@ -167,12 +189,14 @@ class Hooks:
         if config.container_class == "DEBUG":
             with core.locks.hold(cid):
                 root = self._require_top_level(cid)
-                self._rules_for_nested(cid, config, lambda: core.grants.compute(root.gpus, core.grants.mig_of(root)))
+                self._rules_for_nested(
+                    cid, config, lambda: core.grants.compute(root.gpus | root.shared, core.grants.mig_of(root))
+                )
             return None
         image_plan = self._image_plan(config)
         with core.locks.hold(cid):
             root = self._require_top_level(cid)
-            minors = root.gpus
+            minors = root.gpus | root.shared
             undo: Undo = []
             try:
                 units = core.grants.mig_of(root)
@@ -311,10 +335,12 @@ class Hooks:
             mounts.append(Mount(target=target, source=spec.source, flags=spec.flags))
         return mounts, tuple(sorted(injection.env.items()))
 
-    def _deallocate(self, minors: frozenset[int], units: tuple[MigDevice, ...] = ()) -> None:
+    def _deallocate(self, minors: frozenset[int], units: tuple[MigDevice, ...] = (), holder: str = "") -> None:
         with self.core.booking.lock:
             self.core.booking.allocator.deallocate(minors)
             self.core.booking.free_mig(d.uuid for d in units)
+            if holder:
+                self.core.booking.free_shares(holder)
 
     def _undo(self, cid: ContainerId, undo: Undo) -> None:
         for step in reversed(undo):
@@ -453,8 +479,15 @@ class Hooks:
             raise FailedPrecondition(f"update is not supported for nested containers ({container_id})")
         target = gpu_count(resources)
         wanted = migunits.requests(resources)
+        wanted_shares = sharing.share_request(resources)
         with core.locks.hold(container_id):
             rec = core.require(container_id)
+            if wanted_shares != rec.shares or (rec.shares and target):
+                raise FailedPrecondition(
+                    f"container {container_id} holds {rec.shares} {sharing.RESOURCE}; shares are fixed at launch"
+                    f" and never mixed with whole GPUs (update asks for {wanted_shares} {sharing.RESOURCE},"
+                    f" {target} gpus)"
+                )
             held: dict[str, int] = {}
             for dev in core.grants.mig_of(rec):
                 name = migunits.resource_name(dev.profile) or dev.profile
@@ -573,7 +606,9 @@ class Hooks:
                     raise ContainerGone(container=str(container_id))
                 raise NotFound(f"unknown container {container_id}")
             with core.booking.lock:
-                sick = sorted(m for m in rec.gpus | rec.mig_parents if m in core.booking.allocator.unhealthy)
+                sick = sorted(
+                    m for m in rec.gpus | rec.mig_parents | rec.shared if m in core.booking.allocator.unhealthy
+                )
             if sick:
                 return self._limitation(container_id, sick, rec)
             remaining = None if deadline is None else deadline - core.clock.monotonic()
@@ -594,17 +629,22 @@ class Hooks:
                 units.setdefault(migunits.resource_name(dev.profile) or dev.profile, []).append(dev.uuid)
         if units:
             detail += "; its MIG devices " + ", ".join(u for us in units.values() for u in us)
+        # A sharer loses its shares (the limitation's resources: ``gpu_shares``, beside the MIG units).
+        lost = [(name, len(uuids)) for name, uuids in sorted(units.items())]
+        if rec.shares and rec.share_gpu in sick:
+            detail += f"; its {rec.shares} {sharing.RESOURCE} of GPU {rec.share_gpu} ({rec.share_mode})"
+            lost.append((sharing.RESOURCE, rec.shares))
         return Limitation(
             gpus=len([m for m in sick if m in rec.gpus]),
             message=f"container {cid} holds a GPU that became unhealthy: {detail}",
-            mig=tuple((name, len(uuids)) for name, uuids in sorted(units.items())),
+            mig=tuple(lost),
         )
 
     def usage(self, container_id: ContainerId) -> Usage:
         core = self.core
         rec = core.require(container_id.root)
         gpus = []
-        for minor in sorted(rec.gpus):
+        for minor in sorted(rec.gpus | rec.shared):
             gpu = core.gpus.get(minor)
             if gpu is None:
                 continue
@@ -615,7 +655,7 @@ class Hooks:
     def status(self, container_id: ContainerId) -> ContainerStatus:
         core = self.core
         rec = core.require(container_id.root)
-        uuids = tuple(core.gpus[m].uuid for m in sorted(rec.gpus) if m in core.gpus)
+        uuids = tuple(core.gpus[m].uuid for m in sorted(rec.gpus | rec.shared) if m in core.gpus)
         return ContainerStatus(uuids + tuple(sorted(rec.mig_uuids)), rec.state)
 
     # ---- cleanup ----------------------------------------------------------------------------------

@@ -175,6 +175,9 @@ class StateStore(Protocol):
 
     def mig_holders(self) -> dict[str, tuple[ContainerId, int]]: ...
 
+    # Container -> (shared GPU minor, shares, mode) of every holder of gpu_shares (docs/sharing.md).
+    def share_holders(self) -> dict[ContainerId, tuple[int, int, str]]: ...
+
     # GPUs kept out by the handover check (docs/handover.md), by minor; one row each.
     def drains(self) -> dict[int, DrainRecord]: ...
 

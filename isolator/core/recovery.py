@@ -14,6 +14,7 @@ from isolator.crashpoints import crashpoint
 from isolator.errors import CgroupVanished, FailedPrecondition, IsolatorError
 from isolator.model import AuditReport, ContainerId, ContainerRecord, ContainerState, RecoverResult, key_root
 from isolator.policy import devices as devrules
+from isolator.policy import shares as sharing
 from isolator.policy.devices import NVIDIA_MAJOR, KernelRules
 from isolator.policy.reconcile import Kind, reconcile
 
@@ -41,7 +42,7 @@ class Recovery:
         with core.locks.exclusive():
             records = core.store.load()
             for cid, rec in sorted(records.items(), key=lambda kv: kv[0].chain()):
-                self._enforce_record(cid, rec.gpus, rec.mig_parents)
+                self._enforce_record(cid, rec.gpus, rec.mig_parents | rec.shared)
             unrecorded = [c for c in core.cgroups.containers() if c not in records]
             self._adopt_or_deny(unrecorded, records)
             self._reconcile_cpusets(core.store.load())  # records rebuilt from the kernel included
@@ -55,6 +56,15 @@ class Recovery:
         with core.booking.lock:
             core.booking.reset(core.inventory.topology())
             core.sync_health()
+            # --shared-gpus naming a GPU a container holds whole: refused, never both (docs/sharing.md).
+            shared = core.booking.shared
+            clash = sorted((m, str(r.container_id)) for r in live.values() for m in r.gpus if m in shared)
+            if clash:
+                raise sharing.RoleChangeRefused(
+                    problems="; ".join(
+                        f"GPU {m} is held whole by container {c} and cannot become shared" for m, c in clash
+                    )
+                )
             for rec in live.values():
                 known = rec.gpus & core.booking.allocator.total
                 if known != rec.gpus:
@@ -66,6 +76,8 @@ class Recovery:
                     )
                 core.booking.allocator.restore(known)
                 core.booking.hold_mig(rec.mig, restore=True)
+                if rec.shares:
+                    core.booking.restore_shares(rec.container_id.key(), rec.share_gpu, rec.shares)
 
     def _reconcile_cpusets(self, records: dict[ContainerId, ContainerRecord]) -> None:
         """Each recorded cpuset as recorded (a kill between recording and writing it, or a cpuset
@@ -129,7 +141,8 @@ class Recovery:
     def _adopt_or_deny(self, unrecorded: list[ContainerId], records: dict[ContainerId, ContainerRecord]) -> None:
         core = self.core
         # A MIG holder's parent GPU counts as recorded: an unrecorded cgroup granting it is revoked.
-        recorded = {m: cid for cid, rec in records.items() for m in rec.gpus | rec.mig_parents}
+        # So does a sharer's shared GPU.
+        recorded = {m: cid for cid, rec in records.items() for m in rec.gpus | rec.mig_parents | rec.shared}
         kernel = {c: core.cgroups.in_force(c) for c in unrecorded}
         explicit = {c: self._explicit_grants(kernel[c]) for c in unrecorded}
         claimants: dict[int, list[ContainerId]] = {}
@@ -238,7 +251,7 @@ class Recovery:
         with core.locks.exclusive():
             loaded = core.store.load()
             # A MIG holder's cgroup grants its MIG devices' parents' nodes: those count as recorded.
-            records = {cid: rec.gpus | rec.mig_parents for cid, rec in loaded.items()}
+            records = {cid: rec.gpus | rec.mig_parents | rec.shared for cid, rec in loaded.items()}
             kernel: dict[ContainerId, frozenset[int]] = {}
             for cid in records:
                 if core.settings.mode == "standalone":
@@ -330,7 +343,8 @@ class Recovery:
         extra = (
             [] if core.settings.mode == "mesos" else [str(r) for r in kernel.rules if not devrules.permits(recorded, r)]
         )
-        expected = sorted(rec.gpus | rec.mig_parents)  # a MIG holder is granted its devices' parents
+        # A MIG holder is granted its devices' parents, a sharer its shared GPU.
+        expected = sorted(rec.gpus | rec.mig_parents | rec.shared)
         if granted == expected and not missing and not extra:
             return None
         parts = [f"kernel grants GPUs {granted} (recorded {expected})"]

@@ -35,6 +35,7 @@ from isolator.core.recovery import Recovery
 from isolator.model import (
     ContainerId,
 )
+from isolator.policy.shares import ShareSpec
 
 
 class IsolatorService(Hooks, Recovery, Admin):
@@ -61,6 +62,13 @@ class IsolatorService(Hooks, Recovery, Admin):
         """Call ``callback`` on each change that may end a Watch of ``container``; returns the
         unsubscribe function. A Watch re-checks with ``watch(cid, 0)`` when called back."""
         return self.core.changes.subscribe(callback, container)
+
+    def share_gpus(self, specs: tuple[ShareSpec, ...]) -> None:
+        """A reload of ``--shared-gpus`` (docs/sharing.md): these GPUs are shared from now on, or
+        RoleChangeRefused (ConfigError for a GPU not managed or in MIG mode) and nothing changes."""
+        with self.core.booking.lock:
+            self.core.booking.share(specs)
+        self.core.changes.notify()
 
     def recheck_draining(self) -> None:
         """Check the draining GPUs again (the daemon's probe loop, docs/handover.md)."""

@@ -195,6 +195,7 @@ def build_service(
                 drain_memory_bytes=config.drain_memory_mib << 20,
                 drain_timeout_s=config.drain_timeout,
                 default_compute_mode=COMPUTE_MODES[config.default_compute_mode],
+                shared_gpus=config.shared_gpus,
             ),
             cpus=cpus,
             cpusets=cpusets,
@@ -444,12 +445,14 @@ class Reloader:
         server: SidecarServer,
         nvml: Inventory | None,
         audit: AuditLoop,
+        share: Callable[[tuple[Any, ...]], None] | None = None,
     ) -> None:
         self.config = config
         self._read = read
         self._server = server
         self._nvml = nvml
         self._audit = audit
+        self._share = share  # the service's share_gpus (docs/sharing.md)
 
     def reload(self) -> bool:
         """True when the file loaded (whether or not anything changed)."""
@@ -463,6 +466,17 @@ class Reloader:
             LOG.error("SIGHUP: failed to reload: %s; keeping every current setting", exc.message)
             return False
         changed, restart = policy.difference(self.config, new)
+        if "shared_gpus" in changed:
+            # Taken over by the books first, under their lock: refused as a whole when it would switch a
+            # held GPU between whole and shared, and then the old value stays (never both at once).
+            try:
+                if self._share is None:
+                    raise ConfigError("no GPUs are managed here")
+                self._share(new.shared_gpus)
+            except IsolatorError as exc:
+                old = policy.describe(self.config.shared_gpus)
+                LOG.error("SIGHUP: shared-gpus not changed (still %s): %s", old, exc.message)
+                del changed["shared_gpus"]
         # The whole new state first: allowed uids and gids go to the gate together.
         self.config = replace(self.config, **{name: value for name, (_, value) in changed.items()})
         for name in changed:
@@ -651,7 +665,7 @@ def _serve(config: Config, hup: threading.Event, reread: Callable[[], Config]) -
     LOG.info("%s", startup_line(config, core))
     notifier.ready(serving)
     nvml = _nvml_of(service)
-    reloader = Reloader(config, reread, server, nvml, audit)
+    reloader = Reloader(config, reread, server, nvml, audit, service.share_gpus if core.gpus else None)
     answering = True
     rescans = nvml.rescans if nvml is not None else 0
     tick = 0.5 if notifier.watchdog_s is None else min(0.5, notifier.watchdog_s / 2)

@@ -216,7 +216,7 @@ def place(
     if not room:
         free = {g.minor: g.shares - held.get(g.minor, 0) for g in sorted(shared.values())}
         detail = ", ".join(f"GPU {m}: {f}" + (" (not usable)" if m in out else "") for m, f in free.items())
-        raise SharesExhausted(requested=n, free=detail or "nothing is shared")
+        raise SharesExhausted(requested=n, free=detail)  # not empty: with nothing shared, n > most above
 
     def key(g: SharedGpu) -> tuple[int, int, int]:
         remote = 0 if nodes is None or g.numa in nodes else 1

@@ -1,0 +1,310 @@
+"""gpu_shares in the core, in-process over the shipped fakes (docs/sharing.md): Prepare books shares on
+one shared GPU and grants exactly it, recorded before granted; refusals leave nothing; Cleanup frees;
+a restart recovers; an XID ends every sharer; a shared GPU is never handed out whole; reloads that
+would switch a held GPU are refused."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from isolator.errors import FailedPrecondition, GpusExhausted, InvalidArgument, StateError
+from isolator.model import ContainerConfig, ContainerId, Resource
+from isolator.policy.devices import NVIDIA_MAJOR, DeviceRule, permits
+from isolator.policy.shares import (
+    InvalidShareCount,
+    RoleChangeRefused,
+    ShareRequestTooLarge,
+    SharesExhausted,
+    parse_shared_gpus,
+)
+from isolator.testing import Rig, fake_service
+
+SHARED = parse_shared_gpus("4-7:4:mps")  # dgx-1: GPUs 0-3 whole, 4-7 cut four ways
+
+
+def cid(text: str) -> ContainerId:
+    return ContainerId.from_chain(text.split("."))
+
+
+def shares(n: float) -> ContainerConfig:
+    return ContainerConfig(resources=(Resource("gpu_shares", n), Resource("cpus", 1.0)))
+
+
+def gpus(n: float) -> ContainerConfig:
+    return ContainerConfig(resources=(Resource("gpus", n),))
+
+
+def granted(rig: Rig, c: ContainerId) -> list[int] | None:
+    rules = rig.cgroups.rules_of(c)
+    if rules is None:
+        return None
+    return [m for m in range(16) if permits(rules, DeviceRule.char(NVIDIA_MAJOR, m, "rw"))]
+
+
+def minor_of(rig: Rig, index: int) -> int:
+    return next(g.minor for g in rig.inventory.topology().gpus if g.index == index)
+
+
+@pytest.fixture(params=["v1", "v2"])
+def rig(request) -> Rig:
+    rig = fake_service("dgx-1", version=request.param)
+    rig.settings = replace(rig.settings, shared_gpus=SHARED)
+    rig.restart()
+    return rig
+
+
+def booked(rig: Rig) -> dict[int, int]:
+    booking = rig.service.core.booking
+    with booking.lock:
+        return booking.shares_held()
+
+
+def test_four_one_share_tasks_spread_over_the_shared_gpus_each_granted_exactly_its_own(rig: Rig) -> None:
+    shared = [minor_of(rig, i) for i in (4, 5, 6, 7)]
+    for name in "abcd":
+        rig.service.prepare(cid(name), shares(1))
+    got = {name: granted(rig, cid(name)) for name in "abcd"}
+    assert got == {"a": [shared[0]], "b": [shared[1]], "c": [shared[2]], "d": [shared[3]]}, "fewest shares first"
+    rig.service.prepare(cid("e"), shares(1))
+    assert granted(rig, cid("e")) == [shared[0]], "then the lowest minor among the equally loaded"
+    rec = rig.store.get(cid("e"))
+    assert rec is not None and (rec.share_gpu, rec.shares, rec.share_mode) == (shared[0], 1, "mps")
+    assert rec.gpus == frozenset()
+    assert booked(rig) == {shared[0]: 2, shared[1]: 1, shared[2]: 1, shared[3]: 1}
+
+
+def test_shares_fill_one_gpu_then_move_to_the_next(rig: Rig) -> None:
+    shared = [minor_of(rig, i) for i in (4, 5, 6, 7)]
+    rig.service.prepare(cid("big"), shares(4))
+    for name in "abc":
+        rig.service.prepare(cid(name), shares(4))
+    assert [granted(rig, cid(n)) for n in ("big", "a", "b", "c")] == [[m] for m in shared]
+    with pytest.raises(SharesExhausted, match="Requested 1 gpu_shares but no shared GPU has that many free"):
+        rig.service.prepare(cid("x"), shares(1))
+    assert rig.store.get(cid("x")) is None and not rig.cgroups.exists(cid("x"))
+
+
+def test_whole_gpu_requests_never_get_a_shared_gpu(rig: Rig) -> None:
+    shared = {minor_of(rig, i) for i in (4, 5, 6, 7)}
+    rig.service.prepare(cid("w"), gpus(4))
+    assert not set(granted(rig, cid("w")) or []) & shared
+    with pytest.raises(GpusExhausted):
+        rig.service.prepare(cid("x"), gpus(1))
+    assert rig.store.get(cid("x")) is None
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, 0.5, float("nan"), float("inf"), 1e12])
+def test_hostile_share_counts_are_refused_before_anything_is_booked(rig: Rig, value: float) -> None:
+    with pytest.raises(InvalidShareCount):
+        rig.service.prepare(cid("a"), shares(value))
+    assert rig.store.get(cid("a")) is None and not rig.cgroups.exists(cid("a"))
+    assert sum(booked(rig).values()) == 0
+
+
+def test_a_request_larger_than_one_gpu_is_refused_clearly(rig: Rig) -> None:
+    with pytest.raises(ShareRequestTooLarge, match="a shared GPU here holds at most 4"):
+        rig.service.prepare(cid("a"), shares(5))
+    assert rig.store.get(cid("a")) is None
+
+
+def test_shares_with_whole_gpus_in_one_container_are_refused(rig: Rig) -> None:
+    config = ContainerConfig(resources=(Resource("gpus", 1.0), Resource("gpu_shares", 1.0)))
+    with pytest.raises(InvalidArgument, match="not both"):
+        rig.service.prepare(cid("a"), config)
+    assert rig.store.get(cid("a")) is None and sum(booked(rig).values()) == 0
+
+
+@pytest.mark.parametrize(("edge", "step"), [("store", "record"), ("cgroups", "prepare"), ("cgroups", "apply")])
+def test_a_failure_half_way_through_prepare_frees_the_shares(rig: Rig, edge: str, step: str) -> None:
+    getattr(rig, edge).faults.fail_at(step)
+    with pytest.raises(Exception, match="injected fault"):
+        rig.service.prepare(cid("a"), shares(2))
+    assert rig.store.get(cid("a")) is None and not rig.cgroups.exists(cid("a"))
+    assert sum(booked(rig).values()) == 0
+    rig.service.prepare(cid("a"), shares(2))
+    assert sum(booked(rig).values()) == 2
+
+
+def test_cleanup_frees_the_shares_and_the_last_sharer_hands_the_gpu_over(rig: Rig) -> None:
+    first = minor_of(rig, 4)
+    rig.service.prepare(cid("a"), shares(3))
+    rig.service.prepare(cid("b"), shares(3))  # on the next GPU: a's has 1 left
+    rig.service.prepare(cid("c"), shares(1))  # the fewest held: GPUs 6 and 7 hold none
+    assert booked(rig)[first] == 3
+    index = 4
+    rig.inventory.start_process(index, 4242, memory_used=1 << 30)  # something of a's still runs
+    rig.service.cleanup(cid("a"))
+    assert booked(rig)[first] == 0
+    assert first in rig.service.core.booking.allocator.draining, "checked after its last sharer"
+    rig.inventory.stop_process(index, 4242)
+    rig.service.core.handover.recheck()
+    assert first not in rig.service.core.booking.allocator.draining
+    assert first in rig.service.core.booking.allocator.allocated, "still booked for sharing, never whole"
+
+
+def test_the_handover_waits_for_the_last_sharer(rig: Rig) -> None:
+    first = minor_of(rig, 4)
+    rig.service.prepare(cid("a"), shares(2))
+    rig.service.prepare(cid("b"), shares(2))
+    rig.service.prepare(cid("c"), shares(2))  # GPU 6
+    rig.service.prepare(cid("d"), shares(2))  # GPU 7
+    rig.service.prepare(cid("e"), shares(2))  # back on GPU 4, beside a
+    assert granted(rig, cid("e")) == [first]
+    rig.inventory.start_process(4, 4242, memory_used=1 << 30)
+    rig.service.cleanup(cid("a"))
+    assert first not in rig.service.core.booking.allocator.draining, "e still shares it"
+    rig.service.cleanup(cid("e"))
+    assert first in rig.service.core.booking.allocator.draining
+
+
+def test_a_restart_recovers_the_sharers_and_their_grants(rig: Rig) -> None:
+    for name in "abcde":
+        rig.service.prepare(cid(name), shares(1))
+    before = {n: granted(rig, cid(n)) for n in "abcde"}
+    held = booked(rig)
+    rig.restart()
+    assert booked(rig) == held
+    assert {n: granted(rig, cid(n)) for n in "abcde"} == before
+    rig.service.prepare(cid("f"), shares(1))
+    assert granted(rig, cid("f")) == [minor_of(rig, 5)], "placed against the recovered books"
+
+
+def test_the_start_up_audit_puts_back_a_sharers_grant(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), shares(1))
+    rig.cgroups.apply(cid("a"), ())  # someone took the grant away while we were down
+    rig.restart()
+    assert granted(rig, cid("a")) == [minor_of(rig, 4)]
+    rig.cgroups.apply(cid("a"), ())
+    report = rig.service.audit()
+    assert report.repaired and granted(rig, cid("a")) == [minor_of(rig, 4)]
+
+
+def test_an_xid_on_a_shared_gpu_limits_every_sharer_and_nobody_else(rig: Rig) -> None:
+    for name in "abcde":
+        rig.service.prepare(cid(name), shares(1))  # a and e on GPU 4
+    rig.service.prepare(cid("w"), gpus(1))
+    rig.inventory.xid(4, 79)
+    for name in "ae":
+        lim = rig.service.watch(cid(name), 0)
+        assert lim is not None, name
+        assert lim.gpus == 0 and lim.mig == (("gpu_shares", 1),)
+        assert f"its 1 gpu_shares of GPU {minor_of(rig, 4)} (mps)" in lim.message
+        assert "XID 79" in lim.message
+    for name in "bcdw":
+        assert rig.service.watch(cid(name), 0) is None, name
+    with pytest.raises(SharesExhausted):
+        # GPU 4 is out; GPUs 5-7 have room for 3 each but not for 4.
+        rig.service.prepare(cid("x"), shares(4))
+
+
+def test_update_never_changes_shares(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), shares(2))
+    with pytest.raises(FailedPrecondition, match="shares are fixed at launch"):
+        rig.service.update(cid("a"), [Resource("gpu_shares", 3.0)])
+    with pytest.raises(FailedPrecondition, match="shares are fixed at launch"):
+        rig.service.update(cid("a"), [Resource("gpu_shares", 2.0), Resource("gpus", 1.0)])
+    rig.service.update(cid("a"), [Resource("gpu_shares", 2.0), Resource("cpus", 2.0)])  # unchanged: fine
+    assert granted(rig, cid("a")) == [minor_of(rig, 4)]
+    rig.service.prepare(cid("w"), gpus(1))
+    with pytest.raises(FailedPrecondition, match="holds 0 gpu_shares"):
+        rig.service.update(cid("w"), [Resource("gpus", 1.0), Resource("gpu_shares", 1.0)])
+
+
+def test_nested_containers_get_their_top_level_sharers_gpu() -> None:
+    rig = fake_service("dgx-1", mode="mesos", version="v1")
+    rig.settings = replace(rig.settings, shared_gpus=SHARED)
+    rig.restart()
+    a = cid("a")
+    rig.cgroups.mesos_creates(a)  # Mesos makes the cgroup before the isolators prepare
+    rig.service.prepare(a, shares(1))
+    child = cid("a.b")
+    rig.cgroups.mesos_creates(child)  # share_cgroups=false: a/mesos/b
+    rig.service.prepare(child, ContainerConfig(share_cgroups=False))
+    assert granted(rig, child) == [minor_of(rig, 4)]
+
+
+def test_status_and_usage_name_the_shared_gpu(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), shares(1))
+    uuid = rig.service.core.gpus[minor_of(rig, 4)].uuid
+    assert rig.service.status(cid("a")).gpu_uuids == (uuid,)
+    assert [g.uuid for g in rig.service.usage(cid("a")).gpus] == [uuid]
+
+
+# ---- the operator's choice, at start and at reload ------------------------------------------------
+
+
+def test_a_restart_that_shares_a_gpu_held_whole_is_refused_naming_it() -> None:
+    rig = fake_service("dgx-1")
+    rig.service.prepare(cid("w"), gpus(8))
+    rig.settings = replace(rig.settings, shared_gpus=SHARED)
+    with pytest.raises(RoleChangeRefused, match=r"held whole by container w and cannot become shared"):
+        rig.restart()
+
+
+def test_a_restart_that_stops_sharing_a_gpu_with_sharers_is_refused(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), shares(1))
+    rig.settings = replace(rig.settings, shared_gpus=parse_shared_gpus("5-7:4:mps"))
+    with pytest.raises(FailedPrecondition, match="which is not shared"):
+        rig.restart()
+
+
+def test_a_reload_may_change_gpus_nobody_holds(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), shares(1))  # GPU 4
+    booking = rig.service.core.booking
+    rig.service.share_gpus(parse_shared_gpus("4:4:mps,5:2:time-slice,3:8"))
+    assert sorted(booking.shared) == sorted(minor_of(rig, i) for i in (3, 4, 5))
+    assert minor_of(rig, 6) in booking.allocator.available, "GPU 6 is whole again"
+    assert minor_of(rig, 3) not in booking.allocator.available, "GPU 3 is shared now"
+    rig.service.prepare(cid("w"), gpus(5))
+    assert minor_of(rig, 3) not in (granted(rig, cid("w")) or [])
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("5-7:4:mps", "GPU {m4} has 1 gpu_shares held and cannot become whole"),
+        ("4:4,5-7:4:mps", "cannot switch from mps to time-slice"),
+        ("0-7:4:mps", "GPU {m0} is held whole and cannot become shared"),
+    ],
+)
+def test_a_reload_that_would_switch_a_held_gpu_is_refused_and_changes_nothing(rig: Rig, spec: str, says: str) -> None:
+    rig.service.prepare(cid("a"), shares(1))  # GPU 4
+    rig.service.prepare(cid("w"), gpus(4))  # GPUs 0-3
+    booking = rig.service.core.booking
+    before = (booking.shared, booking.allocator.allocated, booking.share_specs)
+    with booking.lock, pytest.raises(RoleChangeRefused) as err:
+        booking.share(parse_shared_gpus(spec))
+    assert says.format(m4=minor_of(rig, 4), m0=minor_of(rig, 0)) in str(err.value)
+    assert (booking.shared, booking.allocator.allocated, booking.share_specs) == before
+
+
+def test_store_failures_leave_no_shares_booked(rig: Rig) -> None:
+    rig.store.faults.fail_at("record")
+    with pytest.raises(StateError):
+        rig.service.prepare(cid("a"), shares(1))
+    assert sum(booked(rig).values()) == 0
+
+
+# ---- the booking's methods -----------------------------------------------------------------------
+
+
+def test_the_booking_places_restores_and_frees_shares_under_its_lock(rig: Rig) -> None:
+    from isolator.core.locks import LockNotHeld
+
+    booking = rig.service.core.booking
+    m4, m5 = minor_of(rig, 4), minor_of(rig, 5)
+    assert set(booking.resolve_shared(parse_shared_gpus("4:2"))) == {m4}
+    with pytest.raises(LockNotHeld):
+        booking.place_shares("x", 1)
+    with booking.lock:
+        assert booking.place_shares("x", 2).minor == m4
+        booking.restore_shares("y", m4, 1)
+        assert booking.share_holders(m4) == {"x": 2, "y": 1}
+        assert booking.free_shares("x") == (m4, False)
+        assert booking.free_shares("y") == (m4, True)
+        assert booking.free_shares("y") is None
+        assert booking.place_shares("z", 4, near=[1]).minor == m4
+        assert booking.shares_held()[m4] == 4
+        assert booking.place_shares("v", 1).minor == m5

@@ -36,7 +36,7 @@ CORE_TESTS = (
     "test_core_handover.py",
     "test_core_shares.py",
 )
-CONTRACT_TESTS = ("test_contracts.py", "test_state_shares.py")
+CONTRACT_TESTS = ("test_contracts.py", "test_state_shares.py", "test_mps_control.py")
 
 
 def called(files: tuple[str, ...]) -> set[str]:
@@ -88,6 +88,7 @@ INDIRECT = {
     "affinity": "prepare",  # --cpu-affinity (tests/test_core_affinity.py)
     "locality": "describe_container",
     "apply_cpuset": "update",
+    "idle_share": "cleanup",  # of the last sharer of a GPU in mps mode (tests/test_core_shares.py)
 }
 
 

@@ -308,3 +308,145 @@ def test_the_booking_places_restores_and_frees_shares_under_its_lock(rig: Rig) -
         assert booking.place_shares("z", 4, near=[1]).minor == m4
         assert booking.shares_held()[m4] == 4
         assert booking.place_shares("v", 1).minor == m5
+
+
+# ---- MPS (docs/sharing.md, "The two modes") --------------------------------------------------------
+
+
+def uuid_of(rig: Rig, index: int) -> str:
+    return next(g.uuid for g in rig.inventory.topology().gpus if g.index == index)
+
+
+def test_the_first_mps_sharer_starts_the_gpus_daemon_in_exclusive_process_mode(rig: Rig) -> None:
+    assert rig.mps.running() == frozenset()
+    info = rig.service.prepare(cid("a"), shares(1))
+    assert rig.mps.running() == {uuid_of(rig, 4)}
+    assert rig.inventory.settings(4)[0] == 3, "EXCLUSIVE_PROCESS"
+    assert rig.service.core.mps.state(minor_of(rig, 4)) == "running"
+    memory = rig.service.core.gpus[minor_of(rig, 4)].memory_total
+    assert info is not None
+    assert dict(info.environment) == {
+        "CUDA_MPS_PIPE_DIRECTORY": f"/fake/mps/{uuid_of(rig, 4)}/pipe",
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25",
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={memory // (1 << 20) // 4}M",
+    }
+    rig.service.prepare(cid("b"), shares(3))  # GPU 5: three of four shares
+    assert rig.mps.starts == {uuid_of(rig, 4): 1, uuid_of(rig, 5): 1}
+    info_b = rig.service.prepare(cid("e"), shares(1))  # GPU 6: its own daemon
+    assert info_b is not None and dict(info_b.environment)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+
+
+def test_a_second_sharer_uses_the_running_daemon(rig: Rig) -> None:
+    for name in "abcde":
+        rig.service.prepare(cid(name), shares(1))  # a and e on GPU 4
+    assert rig.mps.starts[uuid_of(rig, 4)] == 1
+
+
+def test_an_image_sharer_gets_the_pipe_directory_mounted_at_cudas_default(rig: Rig) -> None:
+    rig.filesystem.make_dirs("/rootfs/a")
+    config = ContainerConfig(resources=(Resource("gpu_shares", 2.0),), rootfs="/rootfs/a", image_env=("A=1",))
+    info = rig.service.prepare(cid("a"), config)
+    assert info is not None
+    pipe = f"/fake/mps/{uuid_of(rig, 4)}/pipe"
+    assert next(m for m in info.mounts if m.source == pipe).target.endswith("/tmp/nvidia-mps")
+    env = dict(info.environment)
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps"
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+
+
+def test_a_command_task_sharer_gets_its_mps_environment_as_task_environment(rig: Rig) -> None:
+    config = ContainerConfig(resources=(Resource("gpu_shares", 1.0),), command_task=True)
+    info = rig.service.prepare(cid("a"), config)
+    assert info is not None and "CUDA_MPS_PIPE_DIRECTORY" in dict(info.task_environment)
+
+
+def test_time_sliced_sharers_get_no_mps(rig: Rig) -> None:
+    rig.settings = replace(rig.settings, shared_gpus=parse_shared_gpus("4-7:4"))
+    rig.restart()
+    assert rig.service.prepare(cid("a"), shares(1)) is None
+    assert rig.mps.running() == frozenset()
+    assert rig.inventory.settings(4)[0] == 0
+
+
+def test_the_daemon_stops_after_the_last_sharer_before_the_handover_check(rig: Rig) -> None:
+    for name in "abcde":
+        rig.service.prepare(cid(name), shares(1))  # a and e on GPU 4
+    rig.service.cleanup(cid("a"))
+    assert uuid_of(rig, 4) in rig.mps.running(), "e still shares it"
+    rig.service.cleanup(cid("e"))
+    assert uuid_of(rig, 4) not in rig.mps.running()
+    assert rig.mps.commands[uuid_of(rig, 4)] == ["quit"]
+    assert rig.service.core.mps.state(minor_of(rig, 4)) == "stopped"
+    assert rig.inventory.settings(4)[0] == 0, "the handover check set the compute mode back"
+    assert minor_of(rig, 4) not in rig.service.core.booking.allocator.draining
+    rig.service.prepare(cid("f"), shares(1))
+    assert rig.mps.starts[uuid_of(rig, 4)] == 2 and rig.inventory.settings(4)[0] == 3
+
+
+def test_a_daemon_that_cannot_start_refuses_the_sharer_and_leaves_nothing(rig: Rig) -> None:
+    rig.mps.faults.fail_at("start")
+    with pytest.raises(FailedPrecondition, match="injected fault"):
+        rig.service.prepare(cid("a"), shares(1))
+    assert rig.store.get(cid("a")) is None and not rig.cgroups.exists(cid("a"))
+    assert sum(booked(rig).values()) == 0
+    assert rig.service.core.mps.state(minor_of(rig, 4)).startswith("failed: ")
+    rig.service.prepare(cid("a"), shares(1))
+    assert rig.mps.running() == {uuid_of(rig, 4)}
+
+
+def test_a_compute_mode_that_cannot_be_set_refuses_the_sharer(rig: Rig) -> None:
+    rig.inventory.fail_gpu(4, "nvmlDeviceSetComputeMode", 4)
+    with pytest.raises(FailedPrecondition, match=r"compute mode of GPU 4 .* to EXCLUSIVE_PROCESS"):
+        rig.service.prepare(cid("a"), shares(1))
+    assert rig.store.get(cid("a")) is None and rig.mps.running() == frozenset()
+
+
+def test_a_killed_daemon_is_started_again_under_its_sharers(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), shares(1))
+    rig.service.prepare(cid("b"), shares(1))
+    rig.mps.kill(uuid_of(rig, 4))
+    rig.service.supervise_mps()
+    assert rig.mps.running() == {uuid_of(rig, 4), uuid_of(rig, 5)}
+    assert rig.service.core.mps.restarts[minor_of(rig, 4)] == 1
+    rig.service.supervise_mps()
+    assert rig.service.core.mps.restarts[minor_of(rig, 4)] == 1, "nothing to do when it runs"
+    rig.mps.kill(uuid_of(rig, 4))
+    rig.mps.faults.fail_at("start")
+    rig.service.supervise_mps()  # logged, retried at the next pass
+    assert uuid_of(rig, 4) not in rig.mps.running()
+    rig.service.supervise_mps()
+    assert uuid_of(rig, 4) in rig.mps.running()
+
+
+def test_a_restart_adopts_live_daemons_restarts_dead_ones_and_stops_idle_ones(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), shares(1))  # GPU 4
+    rig.service.prepare(cid("b"), shares(1))  # GPU 5
+    rig.service.prepare(cid("c"), shares(1))  # GPU 6
+    rig.mps.kill(uuid_of(rig, 5))  # died while the sidecar was down
+    rig.store.remove(cid("c"))  # c's record is lost (a state file restored from an old backup)
+    rig.restart()
+    assert granted(rig, cid("c")) == [], "a lost sharer's GPU is revoked, never rebuilt as held whole"
+    assert rig.store.get(cid("c")) is None
+    assert rig.mps.running() == {uuid_of(rig, 4), uuid_of(rig, 5)}
+    assert rig.mps.starts == {uuid_of(rig, 4): 1, uuid_of(rig, 5): 2, uuid_of(rig, 6): 1}
+
+
+def test_no_mps_edge_refuses_mps_sharers_clearly() -> None:
+    from isolator.core.service import IsolatorService
+
+    rig = fake_service("dgx-1")
+    rig.settings = replace(rig.settings, shared_gpus=SHARED)
+    service = IsolatorService(
+        inventory=rig.inventory,
+        cgroups=rig.cgroups,
+        devices=rig.devices,
+        store=rig.store,
+        volumes=rig.volumes,
+        processes=rig.processes,
+        filesystem=rig.filesystem,
+        clock=rig.clock,
+        settings=rig.settings,
+    )
+    with pytest.raises(FailedPrecondition, match="shared in mps mode but this sidecar has no nvidia-cuda-mps-control"):
+        service.prepare(cid("a"), shares(1))
+    assert rig.store.get(cid("a")) is None

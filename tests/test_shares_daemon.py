@@ -119,3 +119,73 @@ def test_sharers_through_the_daemon_restart_and_reload(short_tmp):
         assert sidecar.terminate() == 0
     finally:
         sidecar.stop()
+
+
+def _stand_ins(work: str) -> dict[str, int]:
+    """GPU UUID -> pid of each live stand-in MPS control daemon under the work dir."""
+    from isolator.host.mps import MpsControl
+
+    root = os.path.join(work, "mps")
+    control = MpsControl("", root)
+    out = {}
+    for uuid_ in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        pid = control.pid(uuid_)
+        if pid is not None:
+            out[uuid_] = pid
+    return out
+
+
+def test_mps_daemons_through_the_daemon_started_supervised_and_stopped(short_tmp):
+    import time
+
+    root = f"{TEST_PARENT}/{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    extra = ("--shared-gpus", "4-5:4:mps", "--gpu-probe-interval", "0.2")
+    sidecar = Sidecar(work=short_tmp, host="dgx-1", cgroup_version="v1", cgroups_root=root, extra=extra)
+    sidecar.start()
+    try:
+        isolator = GrpcIsolator(sidecar.socket)
+        c = Containerizer(isolator, short_tmp)
+        try:
+            info = isolator.prepare(container_id("a"), _shares(c, 2))
+            assert info is not None
+            env = {e["name"]: e.get("value", "") for e in info["environment"]["variables"]}
+            running = _stand_ins(short_tmp)
+            assert len(running) == 1, running
+            (gpu_uuid,) = running
+            assert env["CUDA_MPS_PIPE_DIRECTORY"] == os.path.join(short_tmp, "mps", gpu_uuid, "pipe")
+            assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+            assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"].startswith("0=") and env[
+                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+            ].endswith("M")
+            with open(os.path.join(short_tmp, "mps", gpu_uuid, "log", "control.log")) as fh:
+                assert f"Startup: CUDA_VISIBLE_DEVICES={gpu_uuid}" in fh.read()
+            assert sidecar.sim.settings(4)[0] == 3, "EXCLUSIVE_PROCESS"
+
+            # Killed under its sharer: the supervisor starts it again.
+            os.kill(running[gpu_uuid], signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while _stand_ins(short_tmp).get(gpu_uuid) in (None, running[gpu_uuid]):
+                assert time.monotonic() < deadline, sidecar.log()
+                time.sleep(0.05)
+            _wait(sidecar, "its MPS control daemon was gone; started it again", 0)
+
+            # The sidecar restarted with the sharer live: the daemon is adopted, not started twice.
+            pid = _stand_ins(short_tmp)[gpu_uuid]
+            assert sidecar.terminate() == 0
+            sidecar.start()
+            assert _stand_ins(short_tmp) == {gpu_uuid: pid}
+            isolator.close()
+            isolator = GrpcIsolator(sidecar.socket)
+
+            # The last sharer gone: the daemon quits.
+            isolator.cleanup(container_id("a"))
+            assert _stand_ins(short_tmp) == {}
+            with open(os.path.join(short_tmp, "mps", gpu_uuid, "log", "control.log")) as fh:
+                assert fh.read().rstrip().endswith("Shutdown")
+        finally:
+            isolator.close()
+        assert sidecar.terminate() == 0
+    finally:
+        sidecar.stop()
+        for pid in _stand_ins(short_tmp).values():  # ours, started by the daemon under test
+            os.kill(pid, signal.SIGKILL)

@@ -23,6 +23,7 @@ from isolator.core.changes import Changes
 from isolator.core.grant import KernelGrants
 from isolator.core.handover import Handover
 from isolator.core.locks import ContainerLocks
+from isolator.core.mps import Mps
 from isolator.core.ports import (
     CgroupBackend,
     Clock,
@@ -32,6 +33,7 @@ from isolator.core.ports import (
     Filesystem,
     HealthEvent,
     Inventory,
+    MpsDaemons,
     Processes,
     StateStore,
     VolumeBuilder,
@@ -82,6 +84,7 @@ class Edges:
     clock: Clock
     cpus: CpuTopology | None = None  # what the machine has online; None: no affinity at all
     cpusets: Cpusets | None = None  # the cpuset hierarchy, when one is bound
+    mps: MpsDaemons | None = None  # nvidia-cuda-mps-control, for GPUs shared in mps mode (docs/sharing.md)
 
 
 class Core:
@@ -114,6 +117,7 @@ class Core:
             cpusets=edges.cpusets,
         )
         self.handover = Handover(self)
+        self.mps = Mps(edges.mps, edges.inventory)  # one control daemon per shared GPU in mps mode
         with self.booking.lock:
             self.sync_health()
         edges.inventory.on_health_change(self._on_health_change)
@@ -167,7 +171,25 @@ class Core:
         self.changes.notify(cid)
         if released:
             crashpoint("handover.pending")
+        if freed is not None and freed[1] and rec.share_mode == "mps" and freed[0] in self.gpus:
+            # Its MPS server would be a process on the GPU: stopped before the handover check looks.
+            self.mps.stop(self.gpus[freed[0]], lambda: self.idle_share(freed[0]))
         self.handover.check(released)
+
+    def idle_share(self, minor: int) -> bool:
+        """Whether shared GPU ``minor`` has no sharer now."""
+        with self.booking.lock:
+            return not self.booking.share_holders(minor)
+
+    def supervise_mps(self) -> None:
+        """Each shared GPU in mps mode with sharers has a live MPS control daemon; one without has none."""
+        with self.booking.lock:
+            held = self.booking.shares_held()
+            shared = self.booking.shared
+        mps = [m for m, g in sorted(shared.items()) if g.mode == "mps" and m in self.gpus]
+        wanted = [self.gpus[m] for m in mps if held.get(m)]
+        idle = [self.gpus[m] for m in mps if not held.get(m)]
+        self.mps.supervise(wanted, idle, self.idle_share)
 
     def release_gpus(self, minors: frozenset[int]) -> None:
         """Give back GPUs a running container no longer holds (a shrinking Update): through the

@@ -13,6 +13,7 @@ import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from isolator.core import mps as mpsdaemons
 from isolator.core.context import Core
 from isolator.core.grant import Grant
 from isolator.crashpoints import crashpoint
@@ -65,6 +66,16 @@ class ImagePlan:
     image: Image
     facts: DriverFacts
     reason: str  # why it takes the volume (should_inject): decided once, before anything is allocated
+
+
+@dataclass(frozen=True)
+class MpsClient:
+    """An MPS sharer's part of its launch: the host pipe directory, its shares of ``total``, the GPU's memory."""
+
+    pipe_dir: str
+    shares: int
+    total: int
+    memory_bytes: int
 
 
 def _below(path: str, top: str) -> bool:
@@ -155,7 +166,18 @@ class Hooks:
                     undo.append(lambda: core.grants.remove_cpuset(container_id))
                     crashpoint("cpuset.recorded")
                     core.grants.apply_cpuset(container_id, held)
-                info = self._launch_info(container_id, config, grant, image_plan, undo, units, aff)
+                if placed is not None and placed.mode == sharing.MPS:
+                    core.mps.ensure(core.gpus[placed.minor])  # fail closed: no sharer without its daemon
+                info = self._launch_info(
+                    container_id,
+                    config,
+                    grant,
+                    image_plan,
+                    undo,
+                    units,
+                    aff,
+                    self._mps_client(core.store.get(container_id)),
+                )
             except BaseException:
                 self._undo(container_id, undo)
                 raise
@@ -204,7 +226,7 @@ class Hooks:
                 if self._rules_for_nested(cid, config, lambda: grant):
                     undo.append(lambda: core.grants.revoke(cid))
                 aff = core.grants.affinity(cid, minors, units) if core.settings.cpu_affinity != "off" else None
-                info = self._launch_info(cid, config, grant, image_plan, undo, units, aff)
+                info = self._launch_info(cid, config, grant, image_plan, undo, units, aff, self._mps_client(root))
             except BaseException:
                 self._undo(cid, undo)
                 raise
@@ -273,18 +295,29 @@ class Hooks:
         undo: Undo,
         units: tuple[MigDevice, ...] = (),
         aff: Affinity | None = None,
+        mps: MpsClient | None = None,
     ) -> LaunchInfo | None:
         # MIG holders are told which devices are theirs (docs/mig.md), with or without an image.
         visible = (("NVIDIA_VISIBLE_DEVICES", migunits.visible_devices(units)),) if units else ()
         # --cpu-affinity hint/enforce: the GPUs' local CPUs and NUMA nodes (docs/affinity.md); to a
         # command task through task_environment, like the volume's PATH (its executor's is not its own).
         local = aff.environment() if aff is not None else ()
+        # An MPS sharer: the pipe directory and its limits (docs/sharing.md), the same way.
+        if mps is not None:
+            pipe = mps.pipe_dir if not config.has_image else mpsdaemons.CONTAINER_PIPE_DIR
+            local += mpsdaemons.environment(pipe, mps.shares, mps.total, mps.memory_bytes)
         if not config.has_image:
             # The host's /dev and libraries, access gated by the cgroup (Mesos).
             if config.command_task and local:
                 return LaunchInfo(environment=visible, task_environment=local)
             return LaunchInfo(environment=visible + local) if visible or local else None
         mounts = self._device_mounts(config.rootfs, grant)
+        if mps is not None:
+            # The daemon's pipe directory at CUDA's default path in the image, writable (clients make
+            # their own pipes there), as k8s-device-plugin mounts it.
+            rel = mpsdaemons.CONTAINER_PIPE_DIR.lstrip("/")
+            target = self.core.edges.filesystem.make_dirs_in(config.rootfs, rel)
+            mounts.append(Mount(target=target, source=mps.pipe_dir, flags=MS_BIND))
         env: tuple[tuple[str, str], ...] = ()
         if image_plan is not None:
             mounts_v, env = self._volume(cid, config, image_plan, undo)
@@ -296,6 +329,16 @@ class Hooks:
             # there); in `environment` the image's PATH and LD_LIBRARY_PATH would win over ours.
             return LaunchInfo(task_environment=env, mounts=tuple(mounts))
         return LaunchInfo(environment=env, mounts=tuple(mounts))
+
+    def _mps_client(self, rec: ContainerRecord | None) -> MpsClient | None:
+        """What an MPS sharer's launch needs; None for anyone else."""
+        if rec is None or not rec.shares or rec.share_mode != sharing.MPS:
+            return None
+        core = self.core
+        gpu = core.gpus[rec.share_gpu]
+        with core.booking.lock:
+            total = core.booking.shared[rec.share_gpu].shares
+        return MpsClient(core.mps.pipe_dir(gpu), rec.shares, total, gpu.memory_total)
 
     def _device_mounts(self, rootfs: str, grant: Grant) -> list[Mount]:
         """Bind mounts of the grant's nodes: exactly the allocated GPUs, the control devices and the MIG

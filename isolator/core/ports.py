@@ -240,6 +240,20 @@ class Inventory(Protocol):
     def close(self) -> None: ...
 
 
+class MpsDaemons(Protocol):
+    """MPS control daemons, one per shared GPU in mps mode, by GPU UUID (isolator/host/mps.py)."""
+
+    def pipe_dir(self, uuid: str) -> str: ...
+
+    def start(self, uuid: str) -> int: ...  # its pid; MpsError when it cannot start
+
+    def command(self, uuid: str, text: str) -> str: ...  # one control command's answer
+
+    def alive(self, uuid: str) -> bool: ...  # its process lives and it answers
+
+    def stop(self, uuid: str) -> None: ...  # quit, then kill; none running: no-op
+
+
 class DeviceNodes(Protocol):
     """The NVIDIA device nodes under a dev root (their numbers are partly dynamic)."""
 

@@ -47,6 +47,7 @@ class Recovery:
             self._adopt_or_deny(unrecorded, records)
             self._reconcile_cpusets(core.store.load())  # records rebuilt from the kernel included
             self.book()
+            core.supervise_mps()  # sharers' daemons adopted or started again, idle ones stopped
             core.handover.start()  # every free GPU passes the handover check before it is handed out
 
     def book(self) -> None:
@@ -143,11 +144,14 @@ class Recovery:
         # A MIG holder's parent GPU counts as recorded: an unrecorded cgroup granting it is revoked.
         # So does a sharer's shared GPU.
         recorded = {m: cid for cid, rec in records.items() for m in rec.gpus | rec.mig_parents | rec.shared}
+        # A shared GPU is never rebuilt as a whole holder's: how many shares a lost sharer had is unknown.
+        with core.booking.lock:
+            shared = frozenset(core.booking.shared)
         kernel = {c: core.cgroups.in_force(c) for c in unrecorded}
         explicit = {c: self._explicit_grants(kernel[c]) for c in unrecorded}
         claimants: dict[int, list[ContainerId]] = {}
         for c, minors in explicit.items():
-            for m in minors - recorded.keys():
+            for m in minors - recorded.keys() - shared:
                 claimants.setdefault(m, []).append(c)
         ambiguous = {m: cs for m, cs in claimants.items() if len(cs) > 1}
         if ambiguous:
@@ -167,8 +171,17 @@ class Recovery:
                     sorted(stolen),
                     ", ".join(sorted({str(recorded[m]) for m in stolen})),
                 )
-                core.grants.write(c, core.grants.rules(minors - stolen))
-            keep = minors - stolen
+            lost_shares = (minors & shared) - stolen
+            if lost_shares:
+                LOG.warning(
+                    "start: cgroup '%s' has no record and is granted shared GPUs %s; its shares are unknown,"
+                    " so they are revoked, never rebuilt (docs/sharing.md)",
+                    core.cgroups.cgroup_path(c),
+                    sorted(lost_shares),
+                )
+            if stolen or lost_shares:
+                core.grants.write(c, core.grants.rules(minors - stolen - lost_shares))
+            keep = minors - stolen - lost_shares
             if keep:
                 self._rebuild(c, keep)
             elif core.settings.mode == "standalone" and self._allows_everything(kernel[c]):

@@ -27,6 +27,7 @@ from isolator.core.ports import (
     DeviceNodes,
     Filesystem,
     Inventory,
+    MpsDaemons,
     Processes,
     StateStore,
     VolumeBuilder,
@@ -53,8 +54,9 @@ class IsolatorService(Hooks, Recovery, Admin):
         settings: Settings | None = None,
         cpus: CpuTopology | None = None,
         cpusets: Cpusets | None = None,
+        mps: MpsDaemons | None = None,
     ) -> None:
-        edges = Edges(inventory, cgroups, devices, store, volumes, processes, filesystem, clock, cpus, cpusets)
+        edges = Edges(inventory, cgroups, devices, store, volumes, processes, filesystem, clock, cpus, cpusets, mps)
         self.core = Core(edges, settings or Settings())
         self.start()
 
@@ -69,6 +71,11 @@ class IsolatorService(Hooks, Recovery, Admin):
         with self.core.booking.lock:
             self.core.booking.share(specs)
         self.core.changes.notify()
+
+    def supervise_mps(self) -> None:
+        """The periodic pass over the MPS control daemons (the daemon's probe loop, docs/sharing.md):
+        restarted where sharers need one and it is gone, stopped where no sharer is left."""
+        self.core.supervise_mps()
 
     def recheck_draining(self) -> None:
         """Check the draining GPUs again (the daemon's probe loop, docs/handover.md)."""

@@ -199,12 +199,33 @@ def build_service(
             ),
             cpus=cpus,
             cpusets=cpusets,
+            mps=mps_control(config, host),
         )
     except BaseException:
         store.close()
         if inventory is not None:
             inventory.close()
         raise
+
+
+def mps_control(config: Config, host: SimulatedHost | None) -> Any:
+    """The MPS control edge (docs/sharing.md): the simulated host's stand-in, or the driver's
+    ``nvidia-cuda-mps-control`` (under --driver-root, else on PATH); None when nothing is shared in
+    mps mode. Daemons live in ``<work-dir>/mps/<GPU UUID>/{pipe,log}``."""
+    import shutil
+
+    from isolator.host.mps import MpsControl
+
+    if not any(s.mode == "mps" for s in config.shared_gpus):
+        return None
+    if host is not None:
+        executable = host.mps_control
+    else:
+        bundled = os.path.join(config.driver_root, "usr/bin/nvidia-cuda-mps-control")
+        executable = bundled if os.path.exists(bundled) else shutil.which("nvidia-cuda-mps-control") or ""
+    if not executable:
+        raise ConfigError("--shared-gpus names GPUs in mps mode but nvidia-cuda-mps-control is not installed")
+    return MpsControl(executable, os.path.join(config.work_dir, "mps"))
 
 
 def cpu_edges(config: Config) -> tuple[SysCpus | None, CpusetController | None]:
@@ -511,6 +532,14 @@ class Reloader:
             self._server.set_allowed(config.allowed_uids, config.allowed_gids)
 
 
+def _mps_loop(supervise: Callable[[], None], stop: threading.Event, interval: float) -> None:
+    while not stop.wait(interval):
+        try:
+            supervise()
+        except Exception:
+            LOG.exception("supervising the MPS control daemons failed; retrying in %s s", interval)
+
+
 def _drain_loop(recheck: Callable[[], None], stop: threading.Event, interval: float) -> None:
     while not stop.wait(interval):
         try:
@@ -655,6 +684,10 @@ def _serve(config: Config, hup: threading.Event, reread: Callable[[], Config]) -
             reaped(len(service.reap_vanished()))
         except Exception:
             LOG.exception("the first reconciliation failed; the reaper retries in %s s", config.reap_interval)
+    if core.gpus and config.shared_gpus:
+        # MPS control daemons found dead are started again, as often as the GPUs are probed (docs/sharing.md).
+        supervise = (service.supervise_mps, stop, config.gpu_probe_interval)
+        threading.Thread(target=_mps_loop, args=supervise, name="mps", daemon=True).start()
     if core.gpus and config.drain_check == "on":
         # Draining GPUs are looked at again as often as the GPUs are probed (docs/handover.md).
         recheck = (service.recheck_draining, stop, config.gpu_probe_interval)

@@ -423,6 +423,13 @@ class GpuInfo:
     drain_memory_used_bytes: int = 0
     # What the last handover reset (or failed to reset), one line each.
     last_reset: tuple[str, ...] = ()
+    # Shares (docs/sharing.md): 0 total when not shared; holders as (container, shares); the MPS
+    # control daemon's state in mps mode ("" before its first sharer).
+    shares_total: int = 0
+    shares_held: int = 0
+    share_mode: str = ""
+    share_holders: tuple[tuple[str, int], ...] = ()
+    mps_state: str = ""
 
 
 @dataclass(frozen=True)
@@ -479,6 +486,13 @@ class ContainerInfo:
     state: str = ""
     created: float = 0.0
     mig_uuids: tuple[str, ...] = ()
+    # gpu_shares it holds (docs/sharing.md), of its shared GPU (not in gpu_minors); 0 when none.
+    shares: int = 0
+    shares_total: int = 0
+    share_mode: str = ""
+    share_gpu_minor: int = -1
+    share_gpu_index: int = -1
+    share_gpu_uuid: str = ""
 
     @property
     def nested(self) -> bool:

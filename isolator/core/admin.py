@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 from isolator.core.context import Core
 from isolator.errors import CgroupVanished, FailedPrecondition, IsolatorError, NotFound
@@ -30,7 +31,9 @@ from isolator.model import (
 )
 from isolator.policy import devices as devrules
 from isolator.policy import mig as migunits
+from isolator.policy import shares as sharing
 from isolator.policy.affinity import Affinity
+from isolator.policy.shares import SharedGpu
 
 LOG = logging.getLogger(__name__)
 
@@ -48,6 +51,11 @@ class Admin:
         mig_holders = {u: str(c) for u, (c, _m) in self.core.store.mig_holders().items()}
         marks = self.core.handover.view()
         resets = dict(self.core.handover.resets)
+        sharers: dict[int, list[tuple[str, int]]] = {}
+        for c, (m, n, _mode) in sorted(self.core.store.share_holders().items(), key=lambda kv: kv[0].chain()):
+            sharers.setdefault(m, []).append((str(c), n))
+        with self.core.booking.lock:
+            shared = self.core.booking.shared
         gpus = []
         for r in inv.records:
             g = r.gpu
@@ -79,9 +87,25 @@ class Admin:
                     drain_reason=drain.reason if drain is not None else "",
                     drain_memory_used_bytes=drain.memory_used if drain is not None else 0,
                     last_reset=resets.get(g.minor, ()) if g.uuid else (),
+                    **self._share_view(g.minor, shared, sharers),
                 )
             )
         return GpuList(inv.driver_version, inv.cuda_driver_version, tuple(gpus))
+
+    def _share_view(
+        self, minor: int, shared: dict[int, SharedGpu], sharers: dict[int, list[tuple[str, int]]]
+    ) -> dict[str, Any]:
+        gpu = shared.get(minor)
+        holders = tuple(sharers.get(minor, ()))
+        if gpu is None and not holders:
+            return {}
+        return {
+            "shares_total": gpu.shares if gpu is not None else 0,
+            "shares_held": sum(n for _h, n in holders),
+            "share_mode": gpu.mode if gpu is not None else "",
+            "share_holders": holders,
+            "mps_state": self.core.mps.state(minor) if gpu is not None and gpu.mode == sharing.MPS else "",
+        }
 
     def topology(self) -> TopologyView:
         topo = self.core.inventory.topology()
@@ -125,7 +149,23 @@ class Admin:
             state=rec.state,
             created=rec.created,
             mig_uuids=tuple(sorted(rec.mig_uuids)),
+            **self._share_info(rec),
         )
+
+    def _share_info(self, rec: ContainerRecord) -> dict[str, Any]:
+        if not rec.shares:
+            return {}
+        gpu = self.core.gpus.get(rec.share_gpu)
+        with self.core.booking.lock:
+            total = self.core.booking.shared.get(rec.share_gpu)
+        return {
+            "shares": rec.shares,
+            "shares_total": total.shares if total is not None else 0,
+            "share_mode": rec.share_mode,
+            "share_gpu_minor": rec.share_gpu,
+            "share_gpu_index": gpu.index if gpu is not None else -1,
+            "share_gpu_uuid": gpu.uuid if gpu is not None else "",
+        }
 
     def _nested_info(self, cid: ContainerId, root: ContainerRecord, volume_of: dict[str, str]) -> ContainerInfo:
         info = self._info(cid, root)
@@ -140,6 +180,7 @@ class Admin:
             state=info.state,
             created=info.created,
             mig_uuids=info.mig_uuids,
+            **self._share_info(root),
         )
 
     def _volume_users(self) -> dict[str, str]:
@@ -217,7 +258,7 @@ class Admin:
             only_kernel=only_kernel,
             kernel_gpu_minors=tuple(core.grants.granted(kernel)),
             pids=pids,
-            gpus=tuple(listed[m] for m in sorted(rec.gpus) if m in listed),
+            gpus=tuple(listed[m] for m in sorted(rec.gpus | rec.shared) if m in listed),
             nested=tuple(self._nested_info(c, rec, volume_of) for c in nested),
             cpu_affinity=core.settings.cpu_affinity,
             local_cpus=local.cpu_list if local is not None else "",

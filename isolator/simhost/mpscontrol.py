@@ -42,8 +42,18 @@ def _serve(pipe: str, log_dir: str, listener: socket.socket) -> None:
     limits: dict[str, str] = {}
     devices = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     _log(log_dir, f"Startup: CUDA_VISIBLE_DEVICES={devices}")
+    control = os.path.join(pipe, CONTROL)
+    listener.settimeout(1.0)
     while True:
-        conn, _ = listener.accept()
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            # Unlike the real one, the stand-in never outlives its simulated host: once its control
+            # endpoint is gone (the host's directory removed by a test's teardown), it exits.
+            if not os.path.exists(control):
+                return
+            continue
+        conn.settimeout(None)
         with conn:
             data = b""
             while not data.endswith(b"\n"):

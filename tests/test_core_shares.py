@@ -450,3 +450,45 @@ def test_no_mps_edge_refuses_mps_sharers_clearly() -> None:
     with pytest.raises(FailedPrecondition, match="shared in mps mode but this sidecar has no nvidia-cuda-mps-control"):
         service.prepare(cid("a"), shares(1))
     assert rig.store.get(cid("a")) is None
+
+
+# ---- placement near the task's CPUs (--cpu-affinity hint/enforce) ---------------------------------
+
+
+def test_shares_go_near_the_numa_node_of_the_cpus_the_task_may_run_on() -> None:
+    from isolator.policy.affinity import Machine
+
+    rig = fake_service("dgx-1", cpu_affinity="hint")
+    rig.settings = replace(rig.settings, shared_gpus=parse_shared_gpus("2-5:2"))  # 2, 3 on node 0; 4, 5 on node 1
+    rig.cpusets.set_machine(
+        Machine(
+            cpus=frozenset(range(4)), mems=frozenset({0, 1}), node_cpus={0: frozenset({0, 1}), 1: frozenset({2, 3})}
+        )
+    )
+    rig.restart()
+    rig.cpusets.parent_cpus = frozenset({2, 3})  # the agent lets the task run on node 1's CPUs only
+    rig.service.prepare(cid("a"), shares(1))
+    assert granted(rig, cid("a")) == [minor_of(rig, 4)], "node 1's GPU first, though GPU 2 has a lower minor"
+    rig.service.prepare(cid("b"), shares(1))
+    assert granted(rig, cid("b")) == [minor_of(rig, 5)]
+    rig.service.prepare(cid("c"), shares(1))
+    assert granted(rig, cid("c")) == [minor_of(rig, 2)], "the fewest shares held comes before the node"
+    rig.cpusets.parent_cpus = None  # nothing restricts it: every node is near, the lowest minor wins
+    rig.service.prepare(cid("d"), shares(1))
+    assert granted(rig, cid("d")) == [minor_of(rig, 3)]
+
+
+def test_without_affinity_the_tasks_cpus_do_not_matter() -> None:
+    from isolator.policy.affinity import Machine
+
+    rig = fake_service("dgx-1")  # --cpu-affinity off
+    rig.settings = replace(rig.settings, shared_gpus=parse_shared_gpus("2-5:2"))
+    rig.cpusets.set_machine(
+        Machine(
+            cpus=frozenset(range(4)), mems=frozenset({0, 1}), node_cpus={0: frozenset({0, 1}), 1: frozenset({2, 3})}
+        )
+    )
+    rig.restart()
+    rig.cpusets.parent_cpus = frozenset({2, 3})
+    rig.service.prepare(cid("a"), shares(1))
+    assert granted(rig, cid("a")) == [minor_of(rig, 2)]

@@ -485,3 +485,13 @@ def test_several_role_problems_are_joined_in_one_message():
     assert err.value.fields["problems"] == (
         "GPU 4 has 1 gpu_shares held and cannot become whole; GPU 5 has 2 gpu_shares held and cannot become whole"
     )
+
+
+def test_nodes_of_a_tasks_cpus():
+    from isolator.policy.shares import nodes_of
+
+    node_cpus = {0: [0, 1], 1: [2, 3], 2: []}
+    assert nodes_of({1}, node_cpus) == {0}
+    assert nodes_of({1, 2}, node_cpus) == {0, 1}
+    assert nodes_of({9}, node_cpus) == frozenset()
+    assert nodes_of((), node_cpus) == frozenset()

@@ -28,6 +28,7 @@ from isolator.model import ContainerId, ContainerRecord, MigDevice
 from isolator.policy import affinity as affinities
 from isolator.policy import devices as devrules
 from isolator.policy import mig as migunits
+from isolator.policy import shares as sharing
 from isolator.policy.devices import NVIDIA_MAJOR
 
 LOG = logging.getLogger(__name__)
@@ -258,6 +259,17 @@ class KernelGrants:
                 raise
             LOG.warning("container %s: no CPU affinity hint: %s", cid, exc.message)
             return None
+
+    def task_nodes(self, cid: ContainerId) -> frozenset[int] | None:
+        """The NUMA nodes of the CPUs ``cid`` may run on (its cpuset's parent's: what the agent or the
+        operator's slice allows it), for placing its gpu_shares near them (docs/sharing.md); None
+        when affinity is off, there is no cpuset hierarchy, or nothing restricts it."""
+        if self.cpu_affinity == "off" or self.cpus is None or self.cpusets is None:
+            return None
+        allowed = self.cpusets.allowed(cid)
+        if not allowed:
+            return None
+        return sharing.nodes_of(allowed, self.cpus.machine().node_cpus)
 
     def locality(self, minors: frozenset[int], units: Iterable[MigDevice] = ()) -> affinities.Affinity | None:
         """``affinity.decide`` for these GPUs on this machine, whatever the mode (the admin views)."""

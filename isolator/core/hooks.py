@@ -116,8 +116,9 @@ class Hooks:
             self._refuse_populated(container_id)
             if count or mig_request or share_count:
                 core.handover.recheck()  # a draining GPU that is clear now may be chosen (docs/handover.md)
+            near = core.grants.task_nodes(container_id) if share_count else None
             with core.booking.lock:
-                placed = core.booking.place_shares(holder, share_count) if share_count else None
+                placed = core.booking.place_shares(holder, share_count, near) if share_count else None
                 try:
                     choice = core.booking.allocate_whole(count)
                 except BaseException:

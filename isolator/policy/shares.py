@@ -226,6 +226,12 @@ def place(
     return Placement(best.minor, n, best.mode, best.shares)
 
 
+def nodes_of(cpus: Iterable[int], node_cpus: Mapping[int, Iterable[int]]) -> frozenset[int]:
+    """The NUMA nodes holding any of ``cpus`` (a task's CPUs): ``place``'s ``near``."""
+    wanted = frozenset(cpus)
+    return frozenset(node for node, members in node_cpus.items() if wanted & frozenset(members))
+
+
 def limits(shares: int, total: int, memory_bytes: int) -> tuple[int, int]:
     """MPS limits of ``shares`` out of ``total``: (active thread percentage, pinned device memory in
     MiB), each in proportion and at least 1. A GPU of unknown memory (0) gets no memory limit (0)."""

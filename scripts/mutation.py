@@ -52,6 +52,7 @@ MODULES = (
     Module("adopt", "isolator/policy/adopt.py", ("tests/test_policy_adopt.py",)),
     Module("placement", "isolator/policy/placement.py", ("tests/test_policy_placement.py",)),
     Module("launch", "isolator/policy/launch.py", ("tests/test_policy_launch.py",)),
+    Module("shares", "isolator/policy/shares.py", ("tests/test_shares_policy.py",)),
 )
 
 # Verdicts that count as "the tests noticed": a failing test, or a hang the timeout caught (a mutant

@@ -40,8 +40,9 @@ CORE_TESTS = (
     "test_core_affinity.py",
     "test_core_handover.py",
     "test_core_maintenance.py",
+    "test_core_shares.py",
 )
-CONTRACT_TESTS = ("test_contracts.py", "test_processes_hostile.py")
+CONTRACT_TESTS = ("test_contracts.py", "test_processes_hostile.py", "test_state_shares.py", "test_mps_control.py")
 
 
 def called(files: tuple[str, ...]) -> set[str]:
@@ -94,6 +95,8 @@ INDIRECT = {
     "drain_for_maintenance": "maintenance_drain",  # an operator's drain (tests/test_core_maintenance.py)
     "end_maintenance": "maintenance_undrain",
     "release": "cleanup",  # a top-level container's cpuset (tests/test_core_affinity.py)
+    "idle_share": "cleanup",  # of the last sharer of a GPU in mps mode (tests/test_core_shares.py)
+    "task_nodes": "prepare",  # of a sharer under --cpu-affinity hint (tests/test_core_shares.py)
 }
 
 

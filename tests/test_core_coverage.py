@@ -88,8 +88,8 @@ INDIRECT = {
     "affinity": "prepare",  # --cpu-affinity (tests/test_core_affinity.py)
     "locality": "describe_container",
     "apply_cpuset": "update",
-    "idle_share": "cleanup",
-    "task_nodes": "prepare",  # of a sharer under --cpu-affinity hint (tests/test_core_shares.py)  # of the last sharer of a GPU in mps mode (tests/test_core_shares.py)
+    "idle_share": "cleanup",  # of the last sharer of a GPU in mps mode (tests/test_core_shares.py)
+    "task_nodes": "prepare",  # of a sharer under --cpu-affinity hint (tests/test_core_shares.py)
 }
 
 

@@ -504,3 +504,18 @@ def test_a_daemon_of_a_gpu_no_longer_shared_in_mps_mode_is_stopped(rig: Rig) -> 
     rig.mps.start(uuid_of(rig, 0))  # one in our directory for a GPU never shared: stopped too
     rig.service.supervise_mps()
     assert rig.mps.running() == frozenset()
+
+
+def test_recover_releasing_the_last_sharer_stops_its_mps_daemon() -> None:
+    from isolator.model import ContainerState
+
+    rig = fake_service("dgx-1", mode="mesos")
+    rig.settings = replace(rig.settings, shared_gpus=SHARED)
+    rig.restart()
+    for name in ("a", "b"):
+        rig.cgroups.mesos_creates(cid(name))
+        rig.service.prepare(cid(name), shares(1))  # GPUs 4 and 5
+    result = rig.service.recover([ContainerState(cid("b"))], [])  # Mesos no longer knows a
+    assert result.released == 1 and rig.store.get(cid("a")) is None
+    assert rig.mps.running() == {uuid_of(rig, 5)}
+    assert booked(rig)[minor_of(rig, 4)] == 0

@@ -290,6 +290,7 @@ class Recovery:
                 crashpoint("recover.action")
             # Rebuild the allocator from what the store now says.
             self.book()
+            core.supervise_mps()  # a released sharer may have been its GPU's last (docs/sharing.md)
             live = core.store.load()
             result.recovered = len(live)
             if core.volumes is not None:

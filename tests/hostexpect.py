@@ -67,6 +67,12 @@ def gpus_json(spec: HostSpec) -> list[dict[str, Any]]:
                 "drain_reason": "",
                 "drain_memory_used_bytes": "0",
                 "last_reset": [],
+                # Shares (docs/sharing.md): nothing is shared unless --shared-gpus says so.
+                "shares_total": 0,
+                "shares_held": 0,
+                "share_mode": "",
+                "share_holders": [],
+                "mps_state": "",
             }
         )
     return out

@@ -492,3 +492,30 @@ def test_without_affinity_the_tasks_cpus_do_not_matter() -> None:
     rig.cpusets.parent_cpus = frozenset({2, 3})
     rig.service.prepare(cid("a"), shares(1))
     assert granted(rig, cid("a")) == [minor_of(rig, 2)]
+
+
+def test_a_daemon_of_a_gpu_no_longer_shared_in_mps_mode_is_stopped(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), shares(1))  # GPU 4's daemon
+    rig.service.cleanup(cid("a"))
+    rig.mps.start(uuid_of(rig, 4))  # left running (a crash between the record and the stop, then a reload)
+    rig.service.share_gpus(parse_shared_gpus("5-7:4:mps"))
+    rig.service.supervise_mps()
+    assert uuid_of(rig, 4) not in rig.mps.running()
+    rig.mps.start(uuid_of(rig, 0))  # one in our directory for a GPU never shared: stopped too
+    rig.service.supervise_mps()
+    assert rig.mps.running() == frozenset()
+
+
+def test_recover_releasing_the_last_sharer_stops_its_mps_daemon() -> None:
+    from isolator.model import ContainerState
+
+    rig = fake_service("dgx-1", mode="mesos")
+    rig.settings = replace(rig.settings, shared_gpus=SHARED)
+    rig.restart()
+    for name in ("a", "b"):
+        rig.cgroups.mesos_creates(cid(name))
+        rig.service.prepare(cid(name), shares(1))  # GPUs 4 and 5
+    result = rig.service.recover([ContainerState(cid("b"))], [])  # Mesos no longer knows a
+    assert result.released == 1 and rig.store.get(cid("a")) is None
+    assert rig.mps.running() == {uuid_of(rig, 5)}
+    assert booked(rig)[minor_of(rig, 4)] == 0

@@ -98,3 +98,13 @@ def test_metrics_export_shares_and_the_mps_daemon(rig: Rig) -> None:
     rig.service.supervise_mps()
     text = generate_latest(Metrics(rig.service).registry).decode()
     assert f'gpu_isolator_mps_daemon_up{{UUID="{uuid4}",gpu="4",minor="4",state="failed"}} 0.0' in text
+
+
+def test_the_dcgm_job_mapping_lists_every_sharer_in_its_gpus_file(rig: Rig, tmp_path) -> None:
+    from isolator.exporters.jobmap import JobMapping
+
+    wanted = JobMapping(str(tmp_path), rig.service, rig.inventory).wanted()
+    assert wanted["4"] == ["a", "c"] and wanted["5"] == ["b"]
+    (whole,) = rig.store.holders()  # w's GPU (dgx-1: minor == index)
+    assert [k for k, v in wanted.items() if v] == sorted({"4", "5", str(whole)})
+    assert wanted[str(whole)] == ["w"]

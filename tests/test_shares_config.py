@@ -99,3 +99,27 @@ def test_resources_refuses_a_mig_gpu_and_an_unmanaged_one(short_tmp, capsys):
     assert "GPU 0, which is in MIG mode" in capsys.readouterr().err
     assert cli.main(_resources(short_tmp, "dgx-1", "--shared-gpus", "8:2")) != 0
     assert "GPU 8, which is not managed (managed indices: 0,1,2,3,4,5,6,7)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("host", "value", "says"),
+    [
+        ("dgx-a100", "0:2", "GPU 0, which is in MIG mode"),
+        ("dgx-1", "9:2", "GPU 9, which is not managed"),
+        ("dgx-1", "3:1", "a GPU is shared 2 to 64 ways"),
+    ],
+)
+def test_serve_stops_with_ex_config_naming_a_shared_gpu_it_cannot_share(short_tmp, host, value, says):
+    import subprocess
+    import sys
+
+    from isolator.cli.main import EXIT_CONFIG
+    from isolator.testing.cgroupfs import TEST_PARENT
+
+    argv = [sys.executable, "-m", "isolator", "serve", "--socket", os.path.join(short_tmp, "s.sock")]
+    argv += ["--work-dir", short_tmp, "--mode", "standalone", "--simulate", host, "--shared-gpus", value]
+    argv += ["--cgroups-root", f"{TEST_PARENT}/shares-{os.getpid()}"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert result.returncode == EXIT_CONFIG, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("gpu-isolator:")]
+    assert len(errors) == 1 and says in errors[0], result.stderr

@@ -105,6 +105,7 @@ def test_parse_refuses_what_is_not_text():
         parse_shared_gpus(4)
 
 
+@settings(deadline=None)  # timing is the benchmarks' business, not a test's (a loaded machine)
 @given(
     st.dictionaries(st.integers(0, 63), st.tuples(st.sampled_from([TIME_SLICE, MPS]), st.integers(2, 48)), max_size=8)
 )
@@ -495,3 +496,31 @@ def test_nodes_of_a_tasks_cpus():
     assert nodes_of({1, 2}, node_cpus) == {0, 1}
     assert nodes_of({9}, node_cpus) == frozenset()
     assert nodes_of((), node_cpus) == frozenset()
+
+
+def test_the_mig_refusal_says_what_is_offered_instead():
+    with pytest.raises(ConfigError) as err:
+        resolve(parse_shared_gpus("1:2"), [(1, 1, True)])
+    assert str(err.value) == (
+        "--shared-gpus names GPU 1, which is in MIG mode; its MIG devices are offered as"
+        " mig-<profile> resources and are not shared (docs/sharing.md)"
+    )
+
+
+def test_the_book_places_near_the_tasks_nodes():
+    book = ShareBook(four(numa=(0, 0, 1, 1)))
+    assert book.place("a", 1, near=[1]).minor == 6
+    assert book.place("b", 1).minor == 4
+
+
+def test_role_problems_treat_a_gpu_missing_from_the_held_map_as_empty():
+    assert role_problems(four(4), {}, whole_held=[], shares_held={}) == []
+    assert role_problems(four(4), {}, whole_held=[], shares_held={6: 2}) == [
+        "GPU 6 has 2 gpu_shares held and cannot become whole"
+    ]
+
+
+def test_a_refused_float_names_its_repr_whole():
+    with pytest.raises(InvalidShareCount) as err:
+        checked_share_count(-1.2345678901234567e300)
+    assert err.value.fields["value"] == "-1.2345678901234567e+300"

@@ -205,14 +205,19 @@ class Core:
             return not self.booking.share_holders(minor)
 
     def supervise_mps(self) -> None:
-        """Each shared GPU in mps mode with sharers has a live MPS control daemon; one without has none."""
+        """Each shared GPU in mps mode with sharers has a live MPS control daemon; every other GPU
+        (no sharer, time-sliced, no longer shared after a reload or a restart) has none. Without
+        nvidia-cuda-mps-control (core/absent.py) nothing runs, and a recorded mps sharer is logged as
+        having no daemon."""
         with self.booking.lock:
             held = self.booking.shares_held()
             shared = self.booking.shared
-        mps = [m for m, g in sorted(shared.items()) if g.mode == "mps" and m in self.gpus]
-        wanted = [self.gpus[m] for m in mps if held.get(m)]
-        idle = [self.gpus[m] for m in mps if not held.get(m)]
-        self.mps.supervise(wanted, idle, self.idle_share)
+        wanted = {m for m, g in shared.items() if g.mode == "mps" and held.get(m) and m in self.gpus}
+        self.mps.supervise(
+            [self.gpus[m] for m in sorted(wanted)],
+            [g for m, g in sorted(self.gpus.items()) if m not in wanted],
+            self.idle_share,
+        )
 
     def release_gpus(self, minors: frozenset[int]) -> None:
         """Give back GPUs a running container no longer holds (a shrinking Update): through the

@@ -87,7 +87,8 @@ class Mps:
 
     def supervise(self, wanted: list[Gpu], idle: list[Gpu], is_idle: Callable[[int], bool]) -> None:
         """The periodic pass: each GPU of ``wanted`` (in mps mode, with sharers) has a live daemon,
-        restarted when found dead; each of ``idle`` (shared in mps mode, no sharer) has none."""
+        restarted when found dead; each of ``idle`` (every other GPU) has none, stopped if it has
+        (and ``is_idle(minor)`` still says no sharer holds it)."""
         for gpu in wanted:
             try:
                 if self.ensure(gpu):

@@ -251,6 +251,7 @@ class Recovery:
                 crashpoint("recover.action")
             # Rebuild the allocator from what the store now says.
             self.book()
+            core.supervise_mps()  # a released sharer may have been its GPU's last (docs/sharing.md)
             live = core.store.load()
             result.recovered = len(live)
             # Keep the users of live top-level containers and of everything nested in them:

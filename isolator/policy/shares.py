@@ -174,7 +174,7 @@ def checked_share_count(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidShareCount(value=repr(value)[:40], most=MAX_REQUEST)
     if isinstance(value, float) and (not math.isfinite(value) or value != math.floor(value)):
-        raise InvalidShareCount(value=repr(value)[:40], most=MAX_REQUEST)
+        raise InvalidShareCount(value=repr(value), most=MAX_REQUEST)  # a float's repr is short
     if value < 1 or value > MAX_REQUEST:
         raise InvalidShareCount(value=repr(value)[:40], most=MAX_REQUEST)
     return int(value)
@@ -183,16 +183,14 @@ def checked_share_count(value: object) -> int:
 def share_request(resources: Iterable[Resource]) -> int:
     """The ``gpu_shares`` a container asks for: 0 when it names none. Several entries (one per
     role) are added; each must be a valid count, and so must the sum."""
-    total = 0
-    found = False
+    counts = []
     for res in resources:
         if res.name != RESOURCE:
             continue
         if res.type != "SCALAR":
             raise InvalidShareCount(f"The '{RESOURCE}' resource must be a scalar")
-        total += checked_share_count(res.value)
-        found = True
-    return checked_share_count(total) if found else 0
+        counts.append(checked_share_count(res.value))
+    return checked_share_count(sum(counts)) if counts else 0
 
 
 def place(
@@ -218,9 +216,9 @@ def place(
         detail = ", ".join(f"GPU {m}: {f}" + (" (not usable)" if m in out else "") for m, f in free.items())
         raise SharesExhausted(requested=n, free=detail)  # not empty: with nothing shared, n > most above
 
-    def key(g: SharedGpu) -> tuple[int, int, int]:
-        remote = 0 if nodes is None or g.numa in nodes else 1
-        return (held.get(g.minor, 0), remote, g.minor)
+    def key(g: SharedGpu) -> tuple[int, bool, int]:
+        near_it = nodes is None or g.numa in nodes
+        return (held.get(g.minor, 0), not near_it, g.minor)
 
     best = min(room, key=key)
     return Placement(best.minor, n, best.mode, best.shares)
@@ -254,10 +252,11 @@ class ShareBook:
         self._holders: dict[str, tuple[int, int]] = {}
 
     def held(self) -> dict[int, int]:
-        """Shares held per shared GPU (every shared GPU, 0 when none)."""
+        """Shares held per shared GPU (every shared GPU, 0 when none). Every holder's GPU is shared:
+        ``place`` and ``restore`` book nothing else, and a GPU stops being shared only without holders."""
         out = dict.fromkeys(self.shared, 0)
         for minor, n in self._holders.values():
-            out[minor] = out.get(minor, 0) + n
+            out[minor] += n
         return out
 
     def holders(self, minor: int) -> dict[str, int]:
@@ -288,7 +287,7 @@ class ShareBook:
         if holder in self._holders:
             raise FailedPrecondition(f"container {holder} is booked twice for {RESOURCE}")
         n = checked_share_count(shares)
-        if self.held().get(minor, 0) + n > gpu.shares:
+        if self.held()[minor] + n > gpu.shares:
             raise FailedPrecondition(
                 f"container {holder} holds {n} {RESOURCE} of GPU {minor}, more than are left of its {gpu.shares}"
             )
@@ -318,7 +317,7 @@ def role_problems(
     whole = set(whole_held)
     for minor in sorted(set(old) | set(new)):
         before, after = old.get(minor), new.get(minor)
-        held = shares_held.get(minor, 0)
+        held = shares_held.get(minor) or 0
         if after is not None and before is None and minor in whole:
             problems.append(f"GPU {minor} is held whole and cannot become shared")
         elif before is not None and held:

@@ -104,3 +104,53 @@ def test_the_master_offers_gpu_shares_and_the_sidecar_places_and_isolates_them(s
         task.teardown()
     assert agent.proc is not None and agent.proc.poll() is None, "the agent died"
     assert "Check failed" not in agent.log()
+
+
+def _shares_held(cluster: Cluster) -> dict[int, list[str]]:
+    gpus = cluster.agents[0].sidecar_json("gpus")["gpus"]
+    return {int(g["index"]): sorted(h["holder"] for h in g["share_holders"]) for g in gpus if int(g["shares_total"])}
+
+
+def test_the_agent_and_the_sidecar_restarted_with_sharers_live_keep_every_share(shared: Cluster) -> None:
+    """After the first scenario GPU 7 is out (its XID); GPUs 4-6 are free once its tasks are gone."""
+    import time
+
+    agent = shared.agents[0]
+    deadline = time.monotonic() + 120
+    while any(_shares_held(shared).values()):
+        assert time.monotonic() < deadline, _shares_held(shared)
+        time.sleep(0.5)
+    tasks = [run(shared, shares=1) for _ in range(4)]  # GPUs 4, 5, 6, then 4 again
+    opened = [opened_gpus(t.stdout()) for t in tasks]
+    assert opened == [{4}, {5}, {6}, {4}], opened
+    before = _shares_held(shared)
+    assert before[4] == sorted([tasks[0].container_id(), tasks[3].container_id()])
+    rules = {t.name: t.devices_list() for t in tasks}
+
+    agent.restart()  # the module reloads its contexts, the sidecar keeps its books
+    assert _shares_held(shared) == before
+    for t in tasks:
+        assert t.devices_list() == rules[t.name]
+        assert t.state == "TASK_RUNNING", t.updates()
+
+    assert agent.sidecar is not None
+    agent.sidecar.terminate()
+    agent.start_sidecar()  # the books rebuilt from the records, the MPS daemons adopted
+    assert _shares_held(shared) == before
+    gpus = {int(g["index"]): g for g in agent.sidecar_json("gpus")["gpus"]}
+    assert [gpus[i]["mps_state"] for i in (4, 5, 6)] == ["running"] * 3
+    for t in tasks:
+        assert t.devices_list() == rules[t.name]
+        assert t.state == "TASK_RUNNING", t.updates()
+
+    # Recovered sharers are still cleaned up through the module; GPU 4 keeps its second sharer.
+    tasks[0].teardown()
+    tasks[0].wait_gone()
+    assert _shares_held(shared)[4] == [tasks[3].container_id()]
+    for t in tasks[1:]:
+        t.teardown()
+        t.wait_gone()
+    assert not any(_shares_held(shared).values())
+    gpus = {int(g["index"]): g for g in agent.sidecar_json("gpus")["gpus"]}
+    assert [gpus[i]["mps_state"] for i in (4, 5, 6)] == ["stopped"] * 3
+    assert "Check failed" not in agent.log()

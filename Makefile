@@ -78,7 +78,8 @@ UNIT_TESTS := tests/test_core_hooks.py tests/test_core_recovery.py tests/test_co
 	tests/test_core_affinity.py tests/test_affinity_policy.py tests/test_cpuset_edge.py \
 	tests/test_policy_drift.py tests/test_policy_adopt.py tests/test_policy_placement.py tests/test_policy_launch.py \
 	tests/test_transport_handlers.py \
-	tests/test_shares_policy.py tests/test_core_shares.py tests/test_state_shares.py tests/test_state_schema_chain.py tests/test_shares_maintenance.py
+	tests/test_shares_policy.py tests/test_core_shares.py tests/test_state_shares.py tests/test_state_schema_chain.py tests/test_shares_maintenance.py \
+	tests/test_policy_shared_gpus.py
 
 test-unit: install build
 	$(PY) -m pytest -p no:cacheprovider $(UNIT_TESTS) $(PYTEST_ARGS)

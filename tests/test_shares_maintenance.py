@@ -1,7 +1,6 @@
 """gpu_shares beside the rest of the redesigned core (the merge of issue 32 into integ): a maintenance
-drain of a shared GPU keeps its sharers and grants it to no one new; the pure start-up adoption
-revokes a shared GPU from an unrecorded cgroup instead of rebuilding it; the record-against-kernel
-comparison expects a sharer's GPU; no nvidia-cuda-mps-control refuses an mps sharer and touches nothing."""
+drain of a shared GPU keeps its sharers and grants it to no one new; no nvidia-cuda-mps-control
+refuses an mps sharer and touches nothing (the pure policies' part: tests/test_policy_shared_gpus.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +11,6 @@ import pytest
 from isolator.core.absent import NoMpsDaemons
 from isolator.errors import FailedPrecondition
 from isolator.model import ContainerConfig, ContainerId, Resource
-from isolator.policy import adopt, drift
-from isolator.policy.devices import NVIDIA_MAJOR, DeviceRule, KernelRules
 from isolator.policy.shares import SharesExhausted, parse_shared_gpus
 from isolator.testing import Rig, fake_service
 
@@ -53,32 +50,6 @@ def test_a_refusal_with_no_drained_shared_gpu_says_nothing_of_maintenance():
     with pytest.raises(SharesExhausted) as err:
         rig.service.prepare(ContainerId("b"), shares(1))
     assert "maintenance" not in err.value.message
-
-
-def _rw(minor: int) -> DeviceRule:
-    return DeviceRule.char(NVIDIA_MAJOR, minor, "rw")
-
-
-def test_adoption_revokes_a_shared_gpu_from_an_unrecorded_cgroup_and_rebuilds_only_whole_ones():
-    lost = ContainerId("lost")
-    kernel = {lost: KernelRules((_rw(2), _rw(5)), "v1")}
-    (step,) = adopt.plan(kernel, {}, range(8), standalone=True, shared={5})
-    assert (step.keep, step.lost_shares, step.stolen, step.deny_all) == ({2}, {5}, frozenset(), False)
-    (only,) = adopt.plan({lost: KernelRules((_rw(5),), "v1")}, {}, range(8), standalone=False, shared={5})
-    assert (only.keep, only.lost_shares) == (frozenset(), {5})
-
-
-def test_two_unrecorded_cgroups_on_one_shared_gpu_do_not_stop_the_start():
-    kernel = {ContainerId(n): KernelRules((_rw(5),), "v1") for n in "xy"}
-    steps = adopt.plan(kernel, {}, range(8), standalone=False, shared={5})
-    assert [s.lost_shares for s in steps] == [{5}, {5}], "both revoked; neither is a lost whole holder"
-
-
-def test_the_drift_comparison_expects_a_sharers_gpu():
-    kernel = KernelRules((_rw(5),), "v1")
-    found = drift.compare((_rw(5),), frozenset(), frozenset(), kernel, range(8), shared=frozenset({5}))
-    assert found.gpu_finding() is None and found.expected == (5,)
-    assert drift.compare((_rw(5),), frozenset(), frozenset(), kernel, range(8)).gpu_finding() is not None
 
 
 def test_without_mps_control_an_mps_sharer_is_refused_before_the_compute_mode_is_touched():

@@ -333,6 +333,16 @@ class ContainerRecord:
     # "" when none is enforced (docs/affinity.md). Recorded before the cpuset is written.
     cpus: str = ""
     mems: str = ""
+    # gpu_shares (docs/sharing.md): ``shares`` of GPU ``share_gpu``, shared in ``share_mode``; 0 shares
+    # when it holds none. Kept apart from ``gpus``: a shared GPU has several holders, a whole one one.
+    share_gpu: int = -1
+    shares: int = 0
+    share_mode: str = ""
+
+    @property
+    def shared(self) -> frozenset[int]:
+        """The shared GPU it holds shares of, as a set (empty when none): granted like a whole GPU."""
+        return frozenset((self.share_gpu,)) if self.shares else frozenset()
 
     @property
     def mig_uuids(self) -> frozenset[str]:
@@ -355,7 +365,8 @@ class RecoverResult:
 @dataclass(frozen=True)
 class Limitation:
     """Watch's answer when a container must be told something: ``gpus`` of its GPUs became unusable,
-    and ``mig`` (resource name, count) of its MIG devices (their parent GPU did)."""
+    and ``mig`` (resource name, count) of its MIG devices (their parent GPU did) and of its
+    ``gpu_shares`` (their shared GPU did)."""
 
     gpus: int
     message: str
@@ -419,6 +430,13 @@ class GpuInfo:
     maintenance_reason: str = ""
     maintenance_since: float = 0.0
     maintenance_by: str = ""
+    # Shares (docs/sharing.md): 0 total when not shared; holders as (container, shares); the MPS
+    # control daemon's state in mps mode ("" before its first sharer).
+    shares_total: int = 0
+    shares_held: int = 0
+    share_mode: str = ""
+    share_holders: tuple[tuple[str, int], ...] = ()
+    mps_state: str = ""
 
 
 @dataclass(frozen=True)
@@ -475,6 +493,13 @@ class ContainerInfo:
     state: str = ""
     created: float = 0.0
     mig_uuids: tuple[str, ...] = ()
+    # gpu_shares it holds (docs/sharing.md), of its shared GPU (not in gpu_minors); 0 when none.
+    shares: int = 0
+    shares_total: int = 0
+    share_mode: str = ""
+    share_gpu_minor: int = -1
+    share_gpu_index: int = -1
+    share_gpu_uuid: str = ""
 
     @property
     def nested(self) -> bool:

@@ -167,6 +167,8 @@ def part_allocator(s: dict[str, Any], log: Callable[[str], None]) -> dict[str, A
     fragmented = bench_allocator.fragmented(topologies, views, samples=max(10, s["allocator_patterns"] * 5))
     log("allocator: decision times on 16 and 32 GPUs")
     times = bench_allocator.decision_times(patterns=s["allocator_patterns"])
+    log("allocator: shares stream (arrivals and departures of 1-4 gpu_shares)")
+    shares = bench_allocator.shares_stream(topologies, arrivals=s["allocator_arrivals"])
     from isolator.simhost.host import load_host
 
     nvswitch = [name for name in hosts if load_host(name).switches]
@@ -178,6 +180,7 @@ def part_allocator(s: dict[str, Any], log: Callable[[str], None]) -> dict[str, A
         "stream": stream,
         "fragmented": fragmented,
         "decision_times": times,
+        "shares": shares,
     }
 
 
@@ -456,6 +459,30 @@ def render_allocator(a: dict[str, Any]) -> list[str]:
         )
     if "stream" in a:
         out.extend(render_stream(a))
+    if "shares" in a:
+        out.extend(render_shares(a))
+    return out
+
+
+def render_shares(a: dict[str, Any]) -> list[str]:
+    """Issue 32: the shares stream, with its three goals (each a count that must be 0)."""
+    from bench_allocator import SHARE_SIZES, shares_table
+
+    out = [
+        f"## Allocator shares stream: {a['stream_arrivals']} arrivals of {SHARE_SIZES[0]}-{SHARE_SIZES[-1]} gpu_shares"
+        " per host (the upper half of its GPUs not in MIG mode shared four ways; seeded arrivals and departures)",
+        "   twice: a GPU over its shares or the books disagreeing with the oracle; refused.room: refused while",
+        "   a shared GPU had room; not.fewest: placed on a GPU holding more shares than another with room;",
+        "   tie.wrong: among the fewest, not the NUMA-near one or not the lowest minor",
+    ]
+    out.extend("   " + line for line in shares_table(a["shares"]).splitlines())
+    for key, goal in (
+        ("granted_twice", "no share granted twice"),
+        ("refused_with_room", "no request refused while a shared GPU had room"),
+        ("not_fewest", "every placement on a GPU holding the fewest shares among those with room"),
+    ):
+        worst = sum(r[key] for r in a["shares"].values())
+        out.append(f"   goal: {goal}: {worst} violations, {_verdict(worst == 0)}")
     return out
 
 

@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
@@ -616,6 +617,113 @@ def table(result: dict) -> str:
                 value = row[key]
                 cells.append(("-" if value is None else f"{value:g}").rjust(width))
             lines.append("  " + " ".join(cells))
+    return "\n".join(lines)
+
+
+# ---- shares of GPUs (docs/sharing.md) -------------------------------------------------------------
+
+SHARE_SIZES = (1, 2, 3, 4)
+SHARES_PER_GPU = 4
+
+
+def shares_stream(
+    topologies: dict[str, Topology], arrivals: int = 1000, seed: int = 20240611, book: Callable[..., Any] | None = None
+) -> dict:
+    """Arrivals and departures of 1-4 shares on each shipped host whose upper half of GPUs is shared
+    four ways, through the policy the sidecar books with (isolator.policy.shares.ShareBook), against an
+    independent oracle: no share granted twice (no GPU over its shares, no holder twice), no request
+    refused while a shared GPU had room for it, and every placement on a GPU that held the fewest
+    shares among those with room, ties to a GPU on the request's NUMA node, then the lowest minor.
+    Half the requests carry a NUMA node (as with --cpu-affinity), drawn from the host's nodes.
+    ``book``: another book class to judge (the tests check that the oracle catches a wrong one)."""
+    from isolator.policy.shares import TIME_SLICE, ShareBook, SharedGpu, SharesExhausted
+    from isolator.simhost.host import load_host
+
+    out: dict[str, dict] = {}
+    for name, topology in sorted(topologies.items()):
+        mig = {g.index for g in load_host(name).gpus if g.mig} if name in _shipped() else set()
+        gpus = sorted((g for g in topology.gpus if g.index not in mig), key=lambda g: g.minor)  # MIG: not shared
+        shared = {
+            g.minor: SharedGpu(g.minor, g.index, SHARES_PER_GPU, TIME_SLICE, g.numa_node)
+            for g in gpus[len(gpus) // 2 :]
+        }
+        nodes = sorted({g.numa for g in shared.values() if g.numa is not None}) or [0]
+        rng = random.Random(f"{seed}-{name}")
+        books = (book or ShareBook)(shared)
+        live: list[str] = []
+        held = dict.fromkeys(shared, 0)
+        owner: dict[str, tuple[int, int]] = {}
+        counts = {"arrivals": 0, "placed": 0, "refused_no_room": 0}
+        bad = {"granted_twice": 0, "refused_with_room": 0, "not_fewest": 0, "tie_broken_wrong": 0}
+        seconds: list[float] = []
+        while counts["arrivals"] < arrivals:
+            if live and rng.random() < 0.45:
+                gone = live.pop(rng.randrange(len(live)))
+                minor, n = books.release(gone)
+                held[minor] -= n
+                del owner[gone]
+                continue
+            n = rng.choice(SHARE_SIZES)
+            near = [rng.choice(nodes)] if rng.random() < 0.5 else None
+            holder = f"c{counts['arrivals']}"
+            counts["arrivals"] += 1
+            room = [g for g in shared.values() if g.shares - held[g.minor] >= n]
+            started = time.perf_counter()
+            try:
+                got = books.place(holder, n, (), near)
+            except SharesExhausted:
+                seconds.append(time.perf_counter() - started)
+                counts["refused_no_room"] += 1
+                bad["refused_with_room"] += 1 if room else 0
+                continue
+            seconds.append(time.perf_counter() - started)
+            counts["placed"] += 1
+            fewest = min(held[g.minor] for g in room) if room else None
+            if not room or held[got.minor] != fewest:
+                bad["not_fewest"] += 1
+            else:
+                ties = [g for g in room if held[g.minor] == fewest]
+                if near is not None and any(g.numa in near for g in ties):
+                    ties = [g for g in ties if g.numa in near]
+                if got.minor != min(g.minor for g in ties):
+                    bad["tie_broken_wrong"] += 1
+            held[got.minor] += n
+            owner[holder] = (got.minor, n)
+            live.append(holder)
+            if held[got.minor] > shared[got.minor].shares or books.held() != held:
+                bad["granted_twice"] += 1
+        seconds.sort()
+        out[name] = {
+            "shared_gpus": len(shared),
+            "shares": SHARES_PER_GPU * len(shared),
+            **counts,
+            **bad,
+            "p50_us": round(seconds[len(seconds) // 2] * 1e6, 2) if seconds else None,
+            "p99_us": round(seconds[min(len(seconds) - 1, int(len(seconds) * 0.99))] * 1e6, 2) if seconds else None,
+        }
+    return out
+
+
+def _shipped() -> frozenset[str]:
+    from isolator.simhost.host import shipped_hosts
+
+    return frozenset(shipped_hosts())
+
+
+SHARES_HEADERS = (
+    "host          shared arrivals placed no.room | twice refused.room not.fewest tie.wrong | p50 us  p99 us"
+)
+
+
+def shares_table(result: dict) -> str:
+    lines = [SHARES_HEADERS]
+    for host, r in result.items():
+        lines.append(
+            f"{host:13s} {r['shared_gpus']:3d}x{SHARES_PER_GPU} {r['arrivals']:8d} {r['placed']:6d}"
+            f" {r['refused_no_room']:7d} |"
+            f" {r['granted_twice']:5d} {r['refused_with_room']:12d} {r['not_fewest']:10d} {r['tie_broken_wrong']:9d} |"
+            f" {r['p50_us']:6.1f} {r['p99_us']:7.1f}"
+        )
     return "\n".join(lines)
 
 

@@ -50,10 +50,19 @@ MODULES = (
     Module("search", "isolator/policy/search.py", ("tests/unit/policy/test_allocator.py",)),
     Module("handover", "isolator/policy/handover.py", ("tests/unit/policy/test_handover.py",)),
     Module("affinity", "isolator/policy/affinity.py", ("tests/unit/policy/test_affinity.py",)),
-    Module("drift", "isolator/policy/drift.py", ("tests/unit/policy/test_drift.py",)),
-    Module("adopt", "isolator/policy/adopt.py", ("tests/unit/policy/test_adopt.py",)),
+    Module(
+        "drift",
+        "isolator/policy/drift.py",
+        ("tests/unit/policy/test_drift.py", "tests/unit/policy/test_shared_gpus.py"),
+    ),
+    Module(
+        "adopt",
+        "isolator/policy/adopt.py",
+        ("tests/unit/policy/test_adopt.py", "tests/unit/policy/test_shared_gpus.py"),
+    ),
     Module("placement", "isolator/policy/placement.py", ("tests/unit/policy/test_placement.py",)),
     Module("launch", "isolator/policy/launch.py", ("tests/unit/policy/test_launch.py",)),
+    Module("shares", "isolator/policy/shares.py", ("tests/unit/policy/test_shares.py",)),
 )
 
 # Verdicts that count as "the tests noticed": a failing test, or a hang the timeout caught (a mutant

@@ -72,6 +72,12 @@ def gpus_json(spec: HostSpec) -> list[dict[str, Any]]:
                 "maintenance_reason": "",
                 "maintenance_since": 0.0,
                 "maintenance_by": "",
+                # Shares (docs/sharing.md): nothing is shared unless --shared-gpus says so.
+                "shares_total": 0,
+                "shares_held": 0,
+                "share_mode": "",
+                "share_holders": [],
+                "mps_state": "",
             }
         )
     return out

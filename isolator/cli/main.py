@@ -461,6 +461,10 @@ def _container_rows(containers: list[dict[str, Any]], now: float) -> list[dict[s
         indices = c.get("gpu_indices", [])
         # How many, then which (NVML indices): "1 [0]" is one GPU, GPU 0; a bare index read as a count.
         gpus = f"{len(indices)} [{_list(indices)}]" if indices else "0 (none asked)"
+        if c.get("shares"):
+            # gpu_shares (docs/sharing.md): "1/4 of [4]" is one of GPU 4's four shares.
+            gpus = f"{c['shares']}/{c.get('shares_total', 0)} of [{c.get('share_gpu_index', 0)}]"
+            indices = [c.get("share_gpu_index", 0)]
         rows.append(
             dict(
                 c,
@@ -519,12 +523,26 @@ def _gpu_rows(gpus: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 numa="N/A" if numa < 0 else numa,
                 health=_health_text(g),
                 mig="on" if g.get("mig_enabled") else "-",
-                holder=g.get("holder") or "-",
+                holder=g.get("holder") or _sharers_text(g) or "-",
                 handover=_handover_text(g),
                 maintenance="DRAINED" if g.get("maintenance") else "-",
+                shares=_shares_text(g),
             )
         )
     return rows
+
+
+def _shares_text(g: dict[str, Any]) -> str:
+    """``2/4 mps (running)``: shares held of the GPU's total, its mode and MPS daemon (docs/sharing.md)."""
+    total = int(g.get("shares_total") or 0)
+    if not total:
+        return "-"
+    text = f"{int(g.get('shares_held') or 0)}/{total} {g.get('share_mode', '')}"
+    return text + (f" ({g['mps_state']})" if g.get("mps_state") else "")
+
+
+def _sharers_text(g: dict[str, Any]) -> str:
+    return ",".join(f"{h.get('holder', '')}:{int(h.get('shares') or 0)}" for h in g.get("share_holders") or ())
 
 
 def _handover_text(g: dict[str, Any]) -> str:
@@ -585,6 +603,7 @@ def _gpus_table(data: dict[str, Any], wide: bool = False) -> str:
             ("health", "HEALTH"),
             ("maintenance", "MAINTENANCE"),
             ("handover", "HANDOVER"),
+            ("shares", "SHARES"),
             ("holder", "HOLDER"),
             *([("cpu_affinity", "CPU AFFINITY")] if wide else []),
         ],
@@ -641,6 +660,7 @@ def _describe_text(data: dict[str, Any], now: float) -> str:
         ("Created", f"{_when(created)} ({_age(created, now)} ago)"),
         ("Cgroup", c.get("cgroup", "")),
         ("Volume", c.get("volume_version") or "-"),
+        ("Shares", _container_shares_text(c)),  # gpu_shares (docs/sharing.md)
         ("Processes", _list(data.get("pids", []))),
         ("Affinity", _affinity_text(data)),  # --cpu-affinity (docs/affinity.md)
     ]
@@ -680,6 +700,15 @@ def _describe_text(data: dict[str, Any], now: float) -> str:
             )
         )
     return "\n".join(lines)
+
+
+def _container_shares_text(c: dict[str, Any]) -> str:
+    if not c.get("shares"):
+        return "-"
+    return (
+        f"{c['shares']} of the {c.get('shares_total', 0)} shares of GPU {c.get('share_gpu_index', 0)}"
+        f" ({c.get('share_gpu_uuid', '')}, {c.get('share_mode', '')})"
+    )
 
 
 def _affinity_text(data: dict[str, Any]) -> str:

@@ -1,4 +1,5 @@
-"""Null objects for the optional edges: no volume root, no CPU view, no cpuset hierarchy.
+"""Null objects for the optional edges: no volume root, no CPU view, no cpuset hierarchy, no MPS
+control daemon.
 
 The core is always handed an object for each port; where the machine has none of these (or the
 operator turned it off), one of these stands in and answers as "nothing here", so the core asks no
@@ -76,3 +77,26 @@ class NoCpusets:
 
     def remove(self, container: ContainerId) -> None:
         return None  # nothing to remove
+
+
+class NoMpsDaemons:
+    """No ``nvidia-cuda-mps-control`` (docs/sharing.md): no daemon runs, and none can be started, so
+    a GPU shared in mps mode gets no sharer (fail closed)."""
+
+    def _refuse(self, uuid: str) -> FailedPrecondition:
+        return FailedPrecondition(f"{uuid} is shared in mps mode but this sidecar has no nvidia-cuda-mps-control")
+
+    def pipe_dir(self, uuid: str) -> str:
+        raise self._refuse(uuid)
+
+    def start(self, uuid: str) -> int:
+        raise self._refuse(uuid)
+
+    def command(self, uuid: str, text: str) -> str:
+        raise self._refuse(uuid)
+
+    def alive(self, uuid: str) -> bool:
+        return False
+
+    def stop(self, uuid: str) -> None:
+        return None  # nothing runs: nothing to stop

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 from isolator.core.context import Core
 from isolator.errors import CgroupVanished, FailedPrecondition, IsolatorError, NotFound
@@ -33,7 +34,9 @@ from isolator.model import (
 from isolator.policy import devices as devrules
 from isolator.policy import drift
 from isolator.policy import mig as migunits
+from isolator.policy import shares as sharing
 from isolator.policy.affinity import Affinity
+from isolator.policy.shares import SharedGpu
 
 LOG = logging.getLogger(__name__)
 
@@ -52,6 +55,11 @@ class Admin:
         marks = self.core.handover.view()
         resets = dict(self.core.handover.resets)
         maintenance = self.core.maintenance.view()
+        sharers: dict[int, list[tuple[str, int]]] = {}
+        for c, (m, n, _mode) in sorted(self.core.store.share_holders().items(), key=lambda kv: kv[0].chain()):
+            sharers.setdefault(m, []).append((str(c), n))
+        with self.core.booking.lock:
+            shared = self.core.booking.shared
         gpus = []
         for r in inv.records:
             g = r.gpu
@@ -88,9 +96,25 @@ class Admin:
                     maintenance_reason=out.reason if out is not None else "",
                     maintenance_since=out.since if out is not None else 0.0,
                     maintenance_by=out.by if out is not None else "",
+                    **self._share_view(g.minor, shared, sharers),
                 )
             )
         return GpuList(inv.driver_version, inv.cuda_driver_version, tuple(gpus))
+
+    def _share_view(
+        self, minor: int, shared: dict[int, SharedGpu], sharers: dict[int, list[tuple[str, int]]]
+    ) -> dict[str, Any]:
+        gpu = shared.get(minor)
+        holders = tuple(sharers.get(minor, ()))
+        if gpu is None and not holders:
+            return {}
+        return {
+            "shares_total": gpu.shares if gpu is not None else 0,
+            "shares_held": sum(n for _h, n in holders),
+            "share_mode": gpu.mode if gpu is not None else "",
+            "share_holders": holders,
+            "mps_state": self.core.mps.state(minor) if gpu is not None and gpu.mode == sharing.MPS else "",
+        }
 
     def topology(self) -> TopologyView:
         topo = self.core.inventory.topology()
@@ -134,7 +158,23 @@ class Admin:
             state=rec.state,
             created=rec.created,
             mig_uuids=tuple(sorted(rec.mig_uuids)),
+            **self._share_info(rec),
         )
+
+    def _share_info(self, rec: ContainerRecord) -> dict[str, Any]:
+        if not rec.shares:
+            return {}
+        gpu = self.core.gpus.get(rec.share_gpu)
+        with self.core.booking.lock:
+            total = self.core.booking.shared.get(rec.share_gpu)
+        return {
+            "shares": rec.shares,
+            "shares_total": total.shares if total is not None else 0,
+            "share_mode": rec.share_mode,
+            "share_gpu_minor": rec.share_gpu,
+            "share_gpu_index": gpu.index if gpu is not None else -1,
+            "share_gpu_uuid": gpu.uuid if gpu is not None else "",
+        }
 
     def _nested_info(self, cid: ContainerId, root: ContainerRecord, volume_of: dict[str, str]) -> ContainerInfo:
         info = self._info(cid, root)
@@ -149,6 +189,7 @@ class Admin:
             state=info.state,
             created=info.created,
             mig_uuids=info.mig_uuids,
+            **self._share_info(root),
         )
 
     def _volume_users(self) -> dict[str, str]:
@@ -206,7 +247,12 @@ class Admin:
             # Both sides shown sorted, each rule once (policy.drift compares them as given).
             recorded, kernel = _sorted_rules(rec.rules), _sorted_rules(in_force.rules)
             found = drift.compare(
-                recorded, rec.gpus, rec.mig_parents, dataclasses.replace(in_force, rules=kernel), core.gpus
+                recorded,
+                rec.gpus,
+                rec.mig_parents,
+                dataclasses.replace(in_force, rules=kernel),
+                core.gpus,
+                shared=rec.shared,
             )
             try:
                 pids = tuple(sorted(core.cgroups.pids(target)))
@@ -227,7 +273,7 @@ class Admin:
             only_kernel=tuple(str(r) for r in found.extra),
             kernel_gpu_minors=found.granted,
             pids=pids,
-            gpus=tuple(listed[m] for m in sorted(rec.gpus) if m in listed),
+            gpus=tuple(listed[m] for m in sorted(rec.gpus | rec.shared) if m in listed),
             nested=tuple(self._nested_info(c, rec, volume_of) for c in nested),
             cpu_affinity=core.settings.cpu_affinity,
             local_cpus=local.cpu_list if local is not None else "",
@@ -382,7 +428,9 @@ class Admin:
                 if rec is None:
                     continue
                 in_force = core.cgroups.in_force(cid)
-            finding = drift.compare(rec.rules, rec.gpus, rec.mig_parents, in_force, core.gpus).gpu_finding()
+            finding = drift.compare(
+                rec.rules, rec.gpus, rec.mig_parents, in_force, core.gpus, shared=rec.shared
+            ).gpu_finding()
             if finding is not None:
                 out.append(f"container {cid}: {finding}")
         return out

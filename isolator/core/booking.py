@@ -1,4 +1,5 @@
-"""Which GPUs and MIG devices are held: the allocator, the MIG holdings and the GPUs' health in it.
+"""Which GPUs and MIG devices are held: the allocator, the MIG holdings, the shares of shared GPUs
+(docs/sharing.md) and the GPUs' health in it.
 
 One job, one lock of its own (``lock``, an OwnedLock): every method that changes the books checks
 that its caller holds it, so a decision and its booking happen in one short section, never across
@@ -10,13 +11,14 @@ event offers what NVML reports now.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from isolator.core.locks import OwnedLock
 from isolator.core.ports import GpuInventory
 from isolator.errors import IsolatorError
 from isolator.model import Gpu, MigDevice, Topology
 from isolator.policy import mig as migunits
+from isolator.policy import shares as sharing
 from isolator.policy.allocator import Allocator, Choice, UpdatePlan
 
 
@@ -30,7 +32,9 @@ def mig_devices_of(inventory: GpuInventory, minors: frozenset[int]) -> tuple[Mig
 
 
 class Booking:
-    def __init__(self, inventory: GpuInventory, topology: Topology, policy: str) -> None:
+    def __init__(
+        self, inventory: GpuInventory, topology: Topology, policy: str, shared: tuple[sharing.ShareSpec, ...] = ()
+    ) -> None:
         self.lock = OwnedLock("booking")
         self.inventory = inventory
         self.policy = policy
@@ -40,6 +44,12 @@ class Booking:
         # in the whole-GPU allocator because some of their MIG devices are held.
         self.mig_held: dict[str, int] = {}
         self.mig_booked: set[int] = set()
+        # Shares (docs/sharing.md): the operator's --shared-gpus, and the book of their holders. A
+        # shared GPU is booked in the whole-GPU allocator for as long as it is shared, so that it is
+        # never also handed out whole.
+        self.share_specs = shared
+        self._shares = sharing.ShareBook({})
+        self._book_shared(self.resolve_shared(shared))
 
     def reset(self, topology: Topology) -> None:
         """Empty books over ``topology`` (start-up booking rebuilds them from the records)."""
@@ -48,6 +58,8 @@ class Booking:
         self._allocator = Allocator(topology, self.policy)
         self.mig_held = {}
         self.mig_booked = set()
+        self._shares = sharing.ShareBook({})
+        self._book_shared(self.resolve_shared(self.share_specs))
 
     # ---- views (snapshots; read them under the lock to act on them) ------------------------------
 
@@ -195,3 +207,84 @@ class Booking:
             finally:
                 self._allocator.deallocate(mig_gpus)
         return self._allocator.allocate(count)
+
+    # ---- shares of GPUs (docs/sharing.md) ---------------------------------------------------------
+
+    def resolve_shared(self, specs: tuple[sharing.ShareSpec, ...]) -> dict[int, sharing.SharedGpu]:
+        """``--shared-gpus`` over the managed GPUs as the inventory reports them now (ConfigError for a
+        GPU not managed or in MIG mode)."""
+        mig = {r.gpu.minor for r in self.inventory.records if r.mig_enabled}
+        managed = [(g.index, g.minor, g.minor in mig) for g in self.gpus.values()]
+        return sharing.resolve(specs, managed, {g.minor: g.numa_node for g in self.gpus.values()})
+
+    def _book_shared(self, shared: Mapping[int, sharing.SharedGpu]) -> None:
+        leaving = frozenset(self._shares.shared) - frozenset(shared)
+        joining = frozenset(shared) - frozenset(self._shares.shared)
+        if leaving:
+            self._allocator.deallocate(leaving)
+        if joining:
+            self._allocator.restore(joining)  # healthy or not, draining or not: kept from whole use
+        self._shares.shared = dict(shared)
+
+    @property
+    def shared(self) -> dict[int, sharing.SharedGpu]:
+        """The shared GPUs by minor."""
+        return dict(self._shares.shared)
+
+    @property
+    def whole_held(self) -> frozenset[int]:
+        """GPUs held whole by a container (not booked for MIG devices or for sharing)."""
+        return self._allocator.allocated - self.mig_booked - frozenset(self._shares.shared)
+
+    def share(self, specs: tuple[sharing.ShareSpec, ...]) -> dict[int, sharing.SharedGpu]:
+        """Share the GPUs of ``specs`` from now on (a reload); RoleChangeRefused, changing nothing,
+        when that would switch a held GPU between whole and shared, change the mode of a GPU with
+        sharers or cut it into fewer shares than are held. Returns the new shared GPUs."""
+        self.lock.require("share")
+        new = self.resolve_shared(specs)
+        sharing.check_roles(self._shares.shared, new, self.whole_held | self.mig_booked, self._shares.held())
+        self._book_shared(new)
+        self.share_specs = specs
+        return new
+
+    def place_shares(self, holder: str, count: int, near: Iterable[int] | None = None) -> sharing.Placement:
+        """Choose and book ``count`` shares for ``holder`` on one shared GPU that is healthy, not draining
+        and not drained for maintenance (sharing.place: the fewest shares held, then ``near`` NUMA
+        nodes, then the lowest minor). A maintenance drain keeps a shared GPU's sharers, as it keeps a
+        whole GPU's holder, and grants it to no one new (core/maintenance.py)."""
+        self.lock.require("place_shares")
+        drained = self._allocator.maintenance
+        blocked = self._allocator.unhealthy | self._allocator.draining | drained
+        try:
+            return self._shares.place(holder, count, blocked, near)
+        except sharing.SharesExhausted as exc:
+            shared_drained = sorted(frozenset(self._shares.shared) & drained)
+            if not shared_drained:
+                raise
+            names = ", ".join(f"GPU {self.gpus[m].index} ({self.gpus[m].uuid})" for m in shared_drained)
+            raise sharing.SharesExhausted(
+                f"{exc.message}; drained for maintenance: {names} (gpu-isolator undrain ends it)", **exc.fields
+            ) from None
+
+    def restore_shares(self, holder: str, minor: int, count: int) -> None:
+        """Book a recorded holding at start-up (FailedPrecondition when the flags cannot hold it)."""
+        self.lock.require("restore_shares")
+        self._shares.restore(holder, minor, count)
+
+    def free_shares(self, holder: str) -> tuple[int, bool] | None:
+        """Free ``holder``'s shares: (the GPU, whether it was the last holder), None when it held none."""
+        self.lock.require("free_shares")
+        if self._shares.of(holder) is None:
+            return None
+        minor, _n = self._shares.release(holder)
+        return minor, not self._shares.holders(minor)
+
+    def share_holders(self, minor: int) -> dict[str, int]:
+        """Holders of shared GPU ``minor`` (container key -> shares)."""
+        self.lock.require("share_holders")
+        return self._shares.holders(minor)
+
+    def shares_held(self) -> dict[int, int]:
+        """Shares held per shared GPU."""
+        self.lock.require("shares_held")
+        return self._shares.held()

@@ -26,6 +26,7 @@ from isolator.core.grant import KernelGrants
 from isolator.core.handover import Handover
 from isolator.core.locks import ContainerLocks
 from isolator.core.maintenance import Maintenance
+from isolator.core.mps import Mps
 from isolator.core.ports import (
     CgroupBackend,
     Clock,
@@ -36,12 +37,14 @@ from isolator.core.ports import (
     Filesystem,
     GpuInventory,
     HealthEvent,
+    MpsDaemons,
     Processes,
     RecordStore,
 )
 from isolator.crashpoints import crashpoint
 from isolator.errors import NotFound
 from isolator.model import ContainerId, ContainerRecord, Gpu, key_root
+from isolator.policy.shares import ShareSpec
 
 LOG = logging.getLogger(__name__)
 
@@ -66,6 +69,8 @@ class Settings:
     drain_memory_bytes: int = 256 << 20
     drain_timeout_s: float = 600.0
     default_compute_mode: int = 0
+    # --shared-gpus (docs/sharing.md): GPUs cut into shares, by NVML index.
+    shared_gpus: tuple[ShareSpec, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,7 @@ class Edges:
     clock: Clock
     cpus: CpuTopology | None = None  # what the machine has online; None: no affinity at all
     cpusets: Cpusets | None = None  # the cpuset hierarchy, when one is bound
+    mps: MpsDaemons | None = None  # nvidia-cuda-mps-control, for GPUs shared in mps mode (docs/sharing.md)
 
 
 class Core:
@@ -99,7 +105,7 @@ class Core:
         self.repairs = 0  # kernel rules re-applied by the drift audit since start
         self.changes = Changes()  # what a Watch waits on: health changes, containers gone
         # Which GPUs and MIG devices are held (core/booking.py), under its own checked lock.
-        self.booking = Booking(edges.inventory, edges.inventory.topology(), settings.policy)
+        self.booking = Booking(edges.inventory, edges.inventory.topology(), settings.policy, settings.shared_gpus)
         # What the kernel grants each container: its cpuset (core/cpuset.py) and its devices
         # cgroups (core/grant.py), which let the cpuset go with the rest at cleanup.
         self.cpuset = CpusetGrant(
@@ -132,6 +138,7 @@ class Core:
         # An operator's maintenance drains (core/maintenance.py), read before the books are first filled.
         self.maintenance = Maintenance(self)
         self.maintenance.load()
+        self.mps = Mps(edges.mps, edges.inventory)  # one control daemon per shared GPU in mps mode
         with self.booking.lock:
             self.sync_health()
         edges.inventory.on_health_change(self._on_health_change)
@@ -178,11 +185,39 @@ class Core:
             released = rec.gpus & self.booking.allocated
             self.booking.deallocate(released)
             self.booking.free_mig(rec.mig_uuids)
+            freed = self.booking.free_shares(cid.key())
+            if freed is not None and freed[1]:
+                # The last sharer is gone: the shared GPU goes through the handover check before
+                # anyone shares it again (while sharers remain, the GPU is theirs to share).
+                released = released | {freed[0]}
             self.handover.mark_pending(released)
         self.changes.notify(cid)
         if released:
             crashpoint("handover.pending")
+        if freed is not None and freed[1] and rec.share_mode == "mps" and freed[0] in self.gpus:
+            # Its MPS server would be a process on the GPU: stopped before the handover check looks.
+            self.mps.stop(self.gpus[freed[0]], lambda: self.idle_share(freed[0]))
         self.handover.check(released)
+
+    def idle_share(self, minor: int) -> bool:
+        """Whether shared GPU ``minor`` has no sharer now."""
+        with self.booking.lock:
+            return not self.booking.share_holders(minor)
+
+    def supervise_mps(self) -> None:
+        """Each shared GPU in mps mode with sharers has a live MPS control daemon; every other GPU
+        (no sharer, time-sliced, no longer shared after a reload or a restart) has none. Without
+        nvidia-cuda-mps-control (core/absent.py) nothing runs, and a recorded mps sharer is logged as
+        having no daemon."""
+        with self.booking.lock:
+            held = self.booking.shares_held()
+            shared = self.booking.shared
+        wanted = {m for m, g in shared.items() if g.mode == "mps" and held.get(m) and m in self.gpus}
+        self.mps.supervise(
+            [self.gpus[m] for m in sorted(wanted)],
+            [g for m, g in sorted(self.gpus.items()) if m not in wanted],
+            self.idle_share,
+        )
 
     def release_gpus(self, minors: frozenset[int]) -> None:
         """Give back GPUs a running container no longer holds (a shrinking Update): through the

@@ -21,6 +21,7 @@ from isolator.errors import AffinityEmpty, AffinityUnknown, CgroupBusy
 from isolator.model import ContainerId, ContainerRecord, MigDevice
 from isolator.policy import affinity as affinities
 from isolator.policy import mig as migunits
+from isolator.policy import shares as sharing
 
 LOG = logging.getLogger(__name__)
 
@@ -81,6 +82,17 @@ class CpusetGrant:
         held = sorted(minors | migunits.parents(tuple(units)))
         local = [affinities.GpuLocality(m, gpus[m].numa_node, gpus[m].cpu_affinity) for m in held if m in gpus]
         return affinities.decide(local, self.cpus.machine())
+
+    def task_nodes(self, cid: ContainerId) -> frozenset[int] | None:
+        """The NUMA nodes of the CPUs ``cid`` may run on (its cpuset's parent's: what the agent or the
+        operator's slice allows it), for placing its gpu_shares near them (docs/sharing.md); None
+        when affinity is off, there is no cpuset hierarchy, or nothing restricts it."""
+        if self.cpu_affinity == "off" or not self._cpus_known or not self._cpuset_bound:
+            return None
+        allowed = self.cpusets.allowed(cid)
+        if not allowed:
+            return None
+        return sharing.nodes_of(allowed, self.cpus.machine().node_cpus)
 
     def apply_cpuset(self, cid: ContainerId, aff: affinities.Affinity, before: frozenset[int] | None = None) -> None:
         """Hold ``cid``'s cpuset to ``aff`` (recorded first by the caller), saying so when it narrows

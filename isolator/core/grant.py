@@ -127,7 +127,10 @@ class KernelGrants:
         """Make the kernel grant exactly ``minors`` and MIG ``units`` to ``cid`` (None: the MIG devices
         its record holds), then record the rules granted."""
         self._require(cid, "apply")
-        rules = self.rules(minors, self.mig_of(self.store.get(cid)) if units is None else units)
+        rec = self.store.get(cid)
+        # A sharer's GPU comes from its record, always: shares never change after Prepare.
+        shared = rec.shared if rec is not None else frozenset()
+        rules = self.rules(minors | shared, self.mig_of(rec) if units is None else units)
         self.cgroups.apply(cid, rules)
         if self.mode == "mesos" and not cid.nested:
             self._apply_nested(cid, rules)  # in the kernel before the record, as the container's own

@@ -108,14 +108,16 @@ class Handover:
                 LOG.warning("--drain-check off: GPUs %s are no longer kept out as draining", sorted(rows))
             return
         with self.booking.lock:
-            held = self.booking.allocated
+            # A shared GPU without sharers is booked but held by nobody: checked like a free one.
+            idle = frozenset(m for m, n in self.booking.shares_held().items() if not n)
+            held = self.booking.allocated - idle
             stale = [m for m in rows if m not in self.booking.gpus or m in held]
             for minor, row in rows.items():
                 if minor not in stale:
                     self.marks[minor] = row
                     self._persisted.add(minor)
             self.apply_marks()
-            free = sorted(self.booking.total - self.booking.allocated)
+            free = sorted(self.booking.total - held)
         for minor in stale:
             self.store.clear_drain(minor)
         self.check(free, marked_only=False)

@@ -208,7 +208,7 @@ class Maintenance:
         return "; ".join(lines)
 
     def _holders(self, gpu: Gpu) -> list[str]:
-        """Containers holding the GPU whole or a MIG device on it (they keep it)."""
+        """Containers holding the GPU whole, a MIG device on it or shares of it (they keep it)."""
         store = self.core.store
         out = set()
         whole = store.holders().get(gpu.minor)
@@ -216,6 +216,9 @@ class Maintenance:
             out.add(f"container {whole}")
         for cid, parent in store.mig_holders().values():
             if parent == gpu.minor:
+                out.add(f"container {cid}")
+        for cid, (minor, _shares, _mode) in store.share_holders().items():
+            if minor == gpu.minor:
                 out.add(f"container {cid}")
         return sorted(out)
 

@@ -179,6 +179,9 @@ class RecordStore(Protocol):
 
     def mig_holders(self) -> dict[str, tuple[ContainerId, int]]: ...
 
+    # Container -> (shared GPU minor, shares, mode) of every holder of gpu_shares (docs/sharing.md).
+    def share_holders(self) -> dict[ContainerId, tuple[int, int, str]]: ...
+
     # GPUs kept out by the handover check (docs/handover.md), by minor; one row each.
     def drains(self) -> dict[int, DrainRecord]: ...
 
@@ -247,6 +250,20 @@ class GpuInventory(Protocol):
     def reset_settings(self, index: int, compute_mode: int) -> tuple[ResetStep, ...]: ...
 
     def close(self) -> None: ...
+
+
+class MpsDaemons(Protocol):
+    """MPS control daemons, one per shared GPU in mps mode, by GPU UUID (isolator/host/mps.py)."""
+
+    def pipe_dir(self, uuid: str) -> str: ...
+
+    def start(self, uuid: str) -> int: ...  # its pid; MpsError when it cannot start
+
+    def command(self, uuid: str, text: str) -> str: ...  # one control command's answer
+
+    def alive(self, uuid: str) -> bool: ...  # its process lives and it answers
+
+    def stop(self, uuid: str) -> None: ...  # quit, then kill; none running: no-op
 
 
 class DeviceNodes(Protocol):

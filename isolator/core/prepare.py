@@ -13,6 +13,7 @@ import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from isolator.core import mps as mpsdaemons
 from isolator.core.context import Core
 from isolator.core.grant import Grant
 from isolator.crashpoints import crashpoint
@@ -37,6 +38,7 @@ from isolator.model import (
 )
 from isolator.policy import launch
 from isolator.policy import mig as migunits
+from isolator.policy import shares as sharing
 from isolator.policy.affinity import Affinity
 from volumes.errors import VolumeError
 from volumes.inject import DriverFacts, Image, check_cuda, should_inject, volume_injection
@@ -57,6 +59,16 @@ class ImagePlan:
     reason: str  # why it takes the volume (should_inject): decided once, before anything is allocated
 
 
+@dataclass(frozen=True)
+class MpsClient:
+    """An MPS sharer's part of its launch: the host pipe directory, its shares of ``total``, the GPU's memory."""
+
+    pipe_dir: str
+    shares: int
+    total: int
+    memory_bytes: int
+
+
 def _volume_error(exc: VolumeError) -> IsolatorError:
     return from_code(exc.code, str(exc))
 
@@ -72,7 +84,16 @@ class PrepareHook:
         core = self.core
         count = gpu_count(config.resources)
         mig_request = migunits.requests(config.resources)
+        share_count = sharing.share_request(config.resources)
+        if share_count and (count or mig_request):
+            # One kind per container: under MPS its CUDA would reach every GPU through the MPS
+            # daemon of its shared one, and a whole GPU beside a share gains nothing (docs/sharing.md).
+            raise InvalidArgument(
+                f"container {container_id} asks for {sharing.RESOURCE} together with whole GPUs or MIG devices;"
+                " a container holds shares of one GPU, or whole GPUs and MIG devices, not both"
+            )
         image_plan = self._image_plan(config)
+        holder = container_id.key()
         with core.locks.hold(container_id):
             if core.store.get(container_id) is not None:
                 raise AlreadyExists(f"container {container_id} has already been prepared")
@@ -84,21 +105,29 @@ class PrepareHook:
                     " and is refused (Mesos never reuses a container ID)"
                 )
             self._refuse_populated(container_id)
-            if count or mig_request:
+            if count or mig_request or share_count:
                 core.handover.recheck()  # a draining GPU that is clear now may be chosen (docs/handover.md)
+            near = core.cpuset.task_nodes(container_id) if share_count else None
             with core.booking.lock:
-                choice = core.booking.allocate_whole(count)
+                placed = core.booking.place_shares(holder, share_count, near) if share_count else None
+                try:
+                    choice = core.booking.allocate_whole(count)
+                except BaseException:
+                    core.booking.free_shares(holder)
+                    raise
                 try:
                     units = core.booking.choose_mig(mig_request)
                 except BaseException:
                     core.booking.deallocate(choice.gpus)
+                    core.booking.free_shares(holder)
                     raise
             minors = frozenset(choice.gpus)
-            undo: Undo = [lambda: self._deallocate(minors, units)]
+            shared = frozenset((placed.minor,)) if placed is not None else frozenset()
+            undo: Undo = [lambda: self._deallocate(minors, units, holder)]
             try:
-                aff = core.cpuset.affinity(container_id, minors, units)
+                aff = core.cpuset.affinity(container_id, minors | shared, units)
                 held = aff if core.cpuset.enforcing else None  # recorded with the GPUs, applied after their rules
-                grant = core.grants.compute(minors, units)
+                grant = core.grants.compute(minors | shared, units)
                 rules = grant.rules
                 core.store.record(
                     ContainerRecord(
@@ -113,6 +142,9 @@ class PrepareHook:
                         mig=frozenset((d.uuid, d.parent_minor) for d in units),
                         cpus=held.cpu_list if held is not None else "",
                         mems=held.mem_list if held is not None else "",
+                        share_gpu=placed.minor if placed is not None else -1,
+                        shares=placed.shares if placed is not None else 0,
+                        share_mode=placed.mode if placed is not None else "",
                     )
                 )
                 undo.append(lambda: self._forget(container_id))
@@ -126,12 +158,25 @@ class PrepareHook:
                     undo.append(lambda: core.cpuset.remove_cpuset(container_id))
                     crashpoint("cpuset.recorded")
                     core.cpuset.apply_cpuset(container_id, held)
-                info = self._launch_info(container_id, config, grant, image_plan, undo, units, aff)
+                if placed is not None and placed.mode == sharing.MPS:
+                    core.mps.ensure(core.gpus[placed.minor])  # fail closed: no sharer without its daemon
+                info = self._launch_info(
+                    container_id,
+                    config,
+                    grant,
+                    image_plan,
+                    undo,
+                    units,
+                    aff,
+                    self._mps_client(core.store.get(container_id)),
+                )
             except BaseException:
                 self._undo(container_id, undo)
                 raise
         mig_note = f", MIG devices [{migunits.visible_devices(units)}]" if units else ""
-        LOG.info("prepared %s (%s)%s", core.describe(container_id, minors), choice.policy, mig_note)
+        if placed is not None:
+            mig_note += f", {placed.shares} of the {placed.total} shares of GPU {placed.minor} ({placed.mode})"
+        LOG.info("prepared %s (%s)%s", core.describe(container_id, minors | shared), choice.policy, mig_note)
         return info
 
     def _refuse_populated(self, cid: ContainerId) -> None:
@@ -158,12 +203,14 @@ class PrepareHook:
         if config.container_class == "DEBUG":
             with core.locks.hold(cid):
                 root = self._require_top_level(cid)
-                self._rules_for_nested(cid, config, lambda: core.grants.compute(root.gpus, core.grants.mig_of(root)))
+                self._rules_for_nested(
+                    cid, config, lambda: core.grants.compute(root.gpus | root.shared, core.grants.mig_of(root))
+                )
             return None
         image_plan = self._image_plan(config)
         with core.locks.hold(cid):
             root = self._require_top_level(cid)
-            minors = root.gpus
+            minors = root.gpus | root.shared
             undo: Undo = []
             try:
                 units = core.grants.mig_of(root)
@@ -171,7 +218,7 @@ class PrepareHook:
                 if self._rules_for_nested(cid, config, lambda: grant):
                     undo.append(lambda: core.grants.revoke(cid))
                 aff = core.cpuset.affinity(cid, minors, units) if core.settings.cpu_affinity != "off" else None
-                info = self._launch_info(cid, config, grant, image_plan, undo, units, aff)
+                info = self._launch_info(cid, config, grant, image_plan, undo, units, aff, self._mps_client(root))
             except BaseException:
                 self._undo(cid, undo)
                 raise
@@ -240,17 +287,39 @@ class PrepareHook:
         undo: Undo,
         units: tuple[MigDevice, ...] = (),
         aff: Affinity | None = None,
+        mps: MpsClient | None = None,
     ) -> LaunchInfo | None:
         """What the launch gets (decided in isolator/policy/launch.py); an image's mounts are made here."""
         visible, local = launch.visible_env(units), launch.locality_env(aff)
+        if mps is not None:
+            # An MPS sharer: the pipe directory and its limits (docs/sharing.md), the same way as the
+            # locality (a command task's through task_environment).
+            pipe = mps.pipe_dir if not config.has_image else mpsdaemons.CONTAINER_PIPE_DIR
+            local += mpsdaemons.environment(pipe, mps.shares, mps.total, mps.memory_bytes)
         if not config.has_image:
             return launch.on_host(config.command_task, visible, local)
         mounts = self._device_mounts(config.rootfs, grant)
+        if mps is not None:
+            # The daemon's pipe directory at CUDA's default path in the image, writable (clients make
+            # their own pipes there), as k8s-device-plugin mounts it.
+            rel = mpsdaemons.CONTAINER_PIPE_DIR.lstrip("/")
+            target = self.core.edges.filesystem.make_dirs_in(config.rootfs, rel)
+            mounts.append(Mount(target=target, source=mps.pipe_dir, flags=MS_BIND))
         env: tuple[tuple[str, str], ...] = ()
         if image_plan is not None:
             mounts_v, env = self._volume(cid, config, image_plan, undo)
             mounts = mounts_v + mounts
         return launch.in_image(config.command_task, mounts, env, visible, local)
+
+    def _mps_client(self, rec: ContainerRecord | None) -> MpsClient | None:
+        """What an MPS sharer's launch needs; None for anyone else."""
+        if rec is None or not rec.shares or rec.share_mode != sharing.MPS:
+            return None
+        core = self.core
+        gpu = core.gpus[rec.share_gpu]
+        with core.booking.lock:
+            total = core.booking.shared[rec.share_gpu].shares
+        return MpsClient(core.mps.pipe_dir(gpu), rec.shares, total, gpu.memory_total)
 
     def _device_mounts(self, rootfs: str, grant: Grant) -> list[Mount]:
         """Bind mounts of the grant's nodes: exactly the allocated GPUs, the control devices and the MIG
@@ -288,10 +357,12 @@ class PrepareHook:
             mounts.append(Mount(target=target, source=spec.source, flags=spec.flags))
         return mounts, tuple(sorted(injection.env.items()))
 
-    def _deallocate(self, minors: frozenset[int], units: tuple[MigDevice, ...] = ()) -> None:
+    def _deallocate(self, minors: frozenset[int], units: tuple[MigDevice, ...] = (), holder: str = "") -> None:
         with self.core.booking.lock:
             self.core.booking.deallocate(minors)
             self.core.booking.free_mig(d.uuid for d in units)
+            if holder:
+                self.core.booking.free_shares(holder)
 
     def _undo(self, cid: ContainerId, undo: Undo) -> None:
         for step in reversed(undo):

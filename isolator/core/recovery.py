@@ -16,6 +16,7 @@ from isolator.crashpoints import crashpoint
 from isolator.errors import CgroupVanished, IsolatorError
 from isolator.model import AuditReport, ContainerId, ContainerRecord, ContainerState, RecoverResult, key_root
 from isolator.policy import adopt, drift
+from isolator.policy import shares as sharing
 from isolator.policy.reconcile import Kind, reconcile
 
 LOG = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class Recovery:
             self._adopt_or_deny(unrecorded, records)
             self._reconcile_cpusets(core.store.load())  # records rebuilt from the kernel included
             self.book()
+            core.supervise_mps()  # sharers' daemons adopted or started again, idle ones stopped
             core.handover.start()  # every free GPU passes the handover check before it is handed out
 
     def book(self) -> None:
@@ -56,6 +58,15 @@ class Recovery:
         with core.booking.lock:
             core.booking.reset(core.inventory.topology())
             core.sync_health()
+            # --shared-gpus naming a GPU a container holds whole: refused, never both (docs/sharing.md).
+            shared = core.booking.shared
+            clash = sorted((m, str(r.container_id)) for r in live.values() for m in r.gpus if m in shared)
+            if clash:
+                raise sharing.RoleChangeRefused(
+                    problems="; ".join(
+                        f"GPU {m} is held whole by container {c} and cannot become shared" for m, c in clash
+                    )
+                )
             for rec in live.values():
                 known = rec.gpus & core.booking.total
                 if known != rec.gpus:
@@ -67,6 +78,8 @@ class Recovery:
                     )
                 core.booking.restore(known)
                 core.booking.hold_mig(rec.mig, restore=True)
+                if rec.shares:
+                    core.booking.restore_shares(rec.container_id.key(), rec.share_gpu, rec.shares)
 
     def _reconcile_cpusets(self, records: dict[ContainerId, ContainerRecord]) -> None:
         """Each recorded cpuset as recorded (a kill between recording and writing it, or a cpuset
@@ -99,7 +112,9 @@ class Recovery:
     def _compare(self, cid: ContainerId, rec: ContainerRecord) -> drift.Drift:
         """The record against the rules in force on its cgroup (the one comparison: policy.drift)."""
         core = self.core
-        return drift.compare(rec.rules, rec.gpus, rec.mig_parents, core.cgroups.in_force(cid), core.gpus)
+        return drift.compare(
+            rec.rules, rec.gpus, rec.mig_parents, core.cgroups.in_force(cid), core.gpus, shared=rec.shared
+        )
 
     def _enforce_record(self, cid: ContainerId, rec: ContainerRecord) -> None:
         """Make the kernel grant what is recorded: its GPUs whole, plus its MIG devices (their
@@ -123,9 +138,13 @@ class Recovery:
     def _adopt_or_deny(self, unrecorded: list[ContainerId], records: dict[ContainerId, ContainerRecord]) -> None:
         core = self.core
         # A MIG holder's parent GPU counts as recorded: an unrecorded cgroup granting it is revoked.
-        recorded = {m: cid for cid, rec in records.items() for m in rec.gpus | rec.mig_parents}
+        # So does a sharer's shared GPU.
+        recorded = {m: cid for cid, rec in records.items() for m in rec.gpus | rec.mig_parents | rec.shared}
+        # A shared GPU is never rebuilt as a whole holder's: how many shares a lost sharer had is unknown.
+        with core.booking.lock:
+            shared = frozenset(core.booking.shared)
         kernel = {c: core.cgroups.in_force(c) for c in unrecorded}
-        for step in adopt.plan(kernel, recorded, core.gpus, core.settings.mode == "standalone"):
+        for step in adopt.plan(kernel, recorded, core.gpus, core.settings.mode == "standalone", shared):
             c = step.container
             if step.stolen:
                 LOG.warning(
@@ -134,6 +153,14 @@ class Recovery:
                     sorted(step.stolen),
                     ", ".join(map(str, step.owners)),
                 )
+            if step.lost_shares:
+                LOG.warning(
+                    "start: cgroup '%s' has no record and is granted shared GPUs %s; its shares are unknown,"
+                    " so they are revoked, never rebuilt (docs/sharing.md)",
+                    core.cgroups.cgroup_path(c),
+                    sorted(step.lost_shares),
+                )
+            if step.stolen or step.lost_shares:
                 core.grants.write(c, core.grants.rules(step.keep))
             if step.keep:
                 self._rebuild(c, step.keep)
@@ -198,7 +225,7 @@ class Recovery:
         with core.locks.exclusive():
             loaded = core.store.load()
             # A MIG holder's cgroup grants its MIG devices' parents' nodes: those count as recorded.
-            records = {cid: rec.gpus | rec.mig_parents for cid, rec in loaded.items()}
+            records = {cid: rec.gpus | rec.mig_parents | rec.shared for cid, rec in loaded.items()}
             kernel: dict[ContainerId, frozenset[int]] = {}
             for cid in records:
                 if core.settings.mode == "standalone":
@@ -224,6 +251,7 @@ class Recovery:
                 crashpoint("recover.action")
             # Rebuild the allocator from what the store now says.
             self.book()
+            core.supervise_mps()  # a released sharer may have been its GPU's last (docs/sharing.md)
             live = core.store.load()
             result.recovered = len(live)
             # Keep the users of live top-level containers and of everything nested in them:

@@ -28,6 +28,7 @@ from isolator.core.ports import (
     DriverVolumes,
     Filesystem,
     GpuInventory,
+    MpsDaemons,
     Processes,
     RecordStore,
 )
@@ -35,6 +36,7 @@ from isolator.core.recovery import Recovery
 from isolator.model import (
     ContainerId,
 )
+from isolator.policy.shares import ShareSpec
 
 
 class IsolatorService(Hooks, Recovery, Admin):
@@ -52,8 +54,9 @@ class IsolatorService(Hooks, Recovery, Admin):
         settings: Settings | None = None,
         cpus: CpuTopology | None = None,
         cpusets: Cpusets | None = None,
+        mps: MpsDaemons | None = None,
     ) -> None:
-        edges = Edges(inventory, cgroups, devices, store, volumes, processes, filesystem, clock, cpus, cpusets)
+        edges = Edges(inventory, cgroups, devices, store, volumes, processes, filesystem, clock, cpus, cpusets, mps)
         self.core = Core(edges, settings or Settings())
         self.start()
 
@@ -61,6 +64,18 @@ class IsolatorService(Hooks, Recovery, Admin):
         """Call ``callback`` on each change that may end a Watch of ``container``; returns the
         unsubscribe function. A Watch asks again with ``watch(cid)`` when called back."""
         return self.core.changes.subscribe(callback, container)
+
+    def share_gpus(self, specs: tuple[ShareSpec, ...]) -> None:
+        """A reload of ``--shared-gpus`` (docs/sharing.md): these GPUs are shared from now on, or
+        RoleChangeRefused (ConfigError for a GPU not managed or in MIG mode) and nothing changes."""
+        with self.core.booking.lock:
+            self.core.booking.share(specs)
+        self.core.changes.notify()
+
+    def supervise_mps(self) -> None:
+        """The periodic pass over the MPS control daemons (the daemon's probe loop, docs/sharing.md):
+        restarted where sharers need one and it is gone, stopped where no sharer is left."""
+        self.core.supervise_mps()
 
     def recheck_draining(self) -> None:
         """Check the draining GPUs again (the daemon's probe loop, docs/handover.md)."""

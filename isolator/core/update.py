@@ -12,6 +12,7 @@ from isolator.crashpoints import crashpoint
 from isolator.errors import CgroupVanished, FailedPrecondition, IsolatorError
 from isolator.model import ContainerId, ContainerRecord, Resource, gpu_count
 from isolator.policy import mig as migunits
+from isolator.policy import shares as sharing
 from isolator.policy.affinity import Affinity
 
 LOG = logging.getLogger(__name__)
@@ -28,8 +29,15 @@ class UpdateHook:
             raise FailedPrecondition(f"update is not supported for nested containers ({container_id})")
         target = gpu_count(resources)
         wanted = migunits.requests(resources)
+        wanted_shares = sharing.share_request(resources)
         with core.locks.hold(container_id):
             rec = core.require(container_id)
+            if wanted_shares != rec.shares or (rec.shares and target):
+                raise FailedPrecondition(
+                    f"container {container_id} holds {rec.shares} {sharing.RESOURCE}; shares are fixed at launch"
+                    f" and never mixed with whole GPUs (update asks for {wanted_shares} {sharing.RESOURCE},"
+                    f" {target} gpus)"
+                )
             held: dict[str, int] = {}
             for dev in core.grants.mig_of(rec):
                 name = migunits.resource_name(dev.profile) or dev.profile

@@ -10,6 +10,7 @@ from isolator.core.context import Core
 from isolator.errors import ContainerGone, NotFound
 from isolator.model import ContainerId, ContainerRecord, ContainerStatus, GpuUsage, Limitation, Usage
 from isolator.policy import mig as migunits
+from isolator.policy import shares as sharing
 
 LOG = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ class WatchHook:
                 raise ContainerGone(container=str(container_id))
             raise NotFound(f"unknown container {container_id}")
         with core.booking.lock:
-            sick = sorted(m for m in rec.gpus | rec.mig_parents if m in core.booking.unhealthy)
+            sick = sorted(m for m in rec.gpus | rec.mig_parents | rec.shared if m in core.booking.unhealthy)
         if sick:
             return self._limitation(container_id, sick, rec)
         return None
@@ -51,17 +52,22 @@ class WatchHook:
                 units.setdefault(migunits.resource_name(dev.profile) or dev.profile, []).append(dev.uuid)
         if units:
             detail += "; its MIG devices " + ", ".join(u for us in units.values() for u in us)
+        # A sharer loses its shares (the limitation's resources: ``gpu_shares``, beside the MIG units).
+        lost = [(name, len(uuids)) for name, uuids in sorted(units.items())]
+        if rec.shares and rec.share_gpu in sick:
+            detail += f"; its {rec.shares} {sharing.RESOURCE} of GPU {rec.share_gpu} ({rec.share_mode})"
+            lost.append((sharing.RESOURCE, rec.shares))
         return Limitation(
             gpus=len([m for m in sick if m in rec.gpus]),
             message=f"container {cid} holds a GPU that became unhealthy: {detail}",
-            mig=tuple((name, len(uuids)) for name, uuids in sorted(units.items())),
+            mig=tuple(lost),
         )
 
     def usage(self, container_id: ContainerId) -> Usage:
         core = self.core
         rec = core.require(container_id.root)
         gpus = []
-        for minor in sorted(rec.gpus):
+        for minor in sorted(rec.gpus | rec.shared):
             gpu = core.gpus.get(minor)
             if gpu is None:
                 continue
@@ -72,5 +78,5 @@ class WatchHook:
     def status(self, container_id: ContainerId) -> ContainerStatus:
         core = self.core
         rec = core.require(container_id.root)
-        uuids = tuple(core.gpus[m].uuid for m in sorted(rec.gpus) if m in core.gpus)
+        uuids = tuple(core.gpus[m].uuid for m in sorted(rec.gpus | rec.shared) if m in core.gpus)
         return ContainerStatus(uuids + tuple(sorted(rec.mig_uuids)), rec.state)

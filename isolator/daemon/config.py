@@ -17,6 +17,7 @@ from typing import Any
 
 from isolator.errors import ConfigError
 from isolator.gpu.xids import DEFAULT_IGNORED_XIDS
+from isolator.policy.shares import ShareSpec, parse_shared_gpus
 from isolator.transport.settings import BRIDGE_SUFFIX, ServerSettings
 
 # Mirrors isolator.transport.peergate.PRIVATE_EXTRA (".d/grpc"); a test keeps them equal. Not imported from
@@ -92,6 +93,8 @@ class Config:
     drain_memory_mib: int = 256
     drain_timeout: float = 600.0  # 0: a draining GPU is never reported unhealthy
     default_compute_mode: str = "DEFAULT"
+    # GPUs cut into shares (docs/sharing.md): they leave the gpus pool for gpu_shares.
+    shared_gpus: tuple[ShareSpec, ...] = ()
     config_file: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -215,6 +218,13 @@ def _nvidia_gpu_devices(value: Any) -> tuple[int, ...]:
     return items
 
 
+def _shared_gpus(value: Any) -> tuple[ShareSpec, ...]:
+    try:
+        return parse_shared_gpus(value)
+    except ConfigError as exc:
+        raise ValueError(exc.message.removeprefix("--shared-gpus ")) from None
+
+
 def _cdi_kind(value: Any) -> str:
     from isolator.errors import InvalidArgument
     from isolator.exporters.cdi import check_kind
@@ -264,6 +274,7 @@ PARSERS: dict[str, Any] = {
     "drain_memory_mib": _mib,
     "drain_timeout": _seconds_or_off,
     "default_compute_mode": _choice(COMPUTE_MODE_NAMES),
+    "shared_gpus": _shared_gpus,
 }
 
 HELP = {
@@ -313,12 +324,14 @@ HELP = {
     "drain_timeout": "seconds after which a GPU still draining is reported unhealthy (default 600; 0: never)",
     "default_compute_mode": "compute mode a released GPU is set back to: DEFAULT (default), EXCLUSIVE_PROCESS"
     " or PROHIBITED",
+    "shared_gpus": "GPUs cut into shares, offered as gpu_shares instead of gpus: INDEX[-LAST]:SHARES[:MODE],"
+    " comma-separated, MODE time-slice (default) or mps, e.g. 4-7:4:mps (docs/sharing.md)",
 }
 
 
 # The flags the offline commands read (``resources``, ``cdi generate``): they find and read the GPUs
 # (and, for CDI, the device nodes and the driver volume) but serve nothing.
-INVENTORY_FLAGS = ("work_dir", "simulate", "nvml_library", "nvidia_gpu_devices", "resources")
+INVENTORY_FLAGS = ("work_dir", "simulate", "nvml_library", "nvidia_gpu_devices", "resources", "shared_gpus")
 CDI_FLAGS = (*INVENTORY_FLAGS, "dev_root", "driver_root", "volume_root", "cdi_kind")
 
 

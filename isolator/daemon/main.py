@@ -213,15 +213,37 @@ def build_service(
                 drain_memory_bytes=config.drain_memory_mib << 20,
                 drain_timeout_s=config.drain_timeout,
                 default_compute_mode=COMPUTE_MODES[config.default_compute_mode],
+                shared_gpus=config.shared_gpus,
             ),
             cpus=cpus,
             cpusets=cpusets,
+            mps=mps_control(config, host),
         )
     except BaseException:
         store.close()
         if inventory is not None:
             inventory.close()
         raise
+
+
+def mps_control(config: Config, host: SimulatedHost | None) -> Any:
+    """The MPS control edge (docs/sharing.md): the simulated host's stand-in, or the driver's
+    ``nvidia-cuda-mps-control`` (under --driver-root, else on PATH); None when nothing is shared in
+    mps mode. Daemons live in ``<work-dir>/mps/<GPU UUID>/{pipe,log}``."""
+    import shutil
+
+    from isolator.host.mps import MpsControl
+
+    if not any(s.mode == "mps" for s in config.shared_gpus):
+        return None
+    if host is not None:
+        executable = host.mps_control
+    else:
+        bundled = os.path.join(config.driver_root, "usr/bin/nvidia-cuda-mps-control")
+        executable = bundled if os.path.exists(bundled) else shutil.which("nvidia-cuda-mps-control") or ""
+    if not executable:
+        raise ConfigError("--shared-gpus names GPUs in mps mode but nvidia-cuda-mps-control is not installed")
+    return MpsControl(executable, os.path.join(config.work_dir, "mps"))
 
 
 def cpu_edges(config: Config) -> tuple[SysCpus | None, CpusetController | None]:
@@ -346,9 +368,10 @@ def generate_cdi(config: Config, names: Sequence[str] = ("index", "uuid")) -> di
 
 
 def agent_resources(config: Config) -> str:
-    """``gpu-isolator resources``: ``gpus:N;mig-<profile>:M;...`` for the agent's ``--resources``.
+    """``gpu-isolator resources``: ``gpus:N;gpu_shares:S;mig-<profile>:M;...`` for the agent's ``--resources``.
 
-    ``gpus`` counts the managed GPUs that are not in MIG mode (docs/mig.md, "Configuring the agent").
+    ``gpus`` counts the managed GPUs that are neither in MIG mode (docs/mig.md, "Configuring the
+    agent") nor shared; ``gpu_shares`` the shares of the shared ones (docs/sharing.md).
     """
     return agent_flags(config)[0]
 
@@ -356,16 +379,21 @@ def agent_resources(config: Config) -> str:
 def agent_flags(config: Config) -> tuple[str, list[tuple[str, str]]]:
     """The agent's ``--resources`` string and its ``--attributes`` pairs (isolator/policy/attributes.py),
     from one reading of NVML (offline, as ``gpu-isolator resources`` and ``attributes``)."""
-    from isolator.policy import attributes, mig
+    from isolator.policy import attributes, mig, shares
 
     host = simulated_host(config) if config.simulate else None
     inventory = build_inventory(config, host=host, watch=False)
     if inventory is None:
+        if config.shared_gpus:
+            raise ConfigError("--shared-gpus names GPUs but GPU discovery is off ('--resources' specifies 0 GPUs)")
         return "gpus:0", attributes.attributes([], "", "")
     try:
         records = inventory.records
-        whole = sum(1 for r in records if not r.mig_enabled)
-        resources = mig.agent_resources(whole, [d for r in records if r.mig_enabled for d in r.mig_devices])
+        shared = shares.resolve(config.shared_gpus, [(r.gpu.index, r.gpu.minor, r.mig_enabled) for r in records])
+        whole = sum(1 for r in records if not r.mig_enabled and r.gpu.minor not in shared)
+        line = mig.agent_resources(whole, [d for r in records if r.mig_enabled for d in r.mig_devices])
+        head, sep, rest = line.partition(";")
+        resources = shares.agent_resources(int(head.removeprefix("gpus:")), shared) + sep + rest
         pairs = attributes.attributes(records, inventory.driver_version, inventory.cuda_driver_version)
         return resources, pairs
     finally:
@@ -461,12 +489,14 @@ class Reloader:
         server: SidecarServer,
         nvml: Inventory | None,
         audit: AuditLoop,
+        share: Callable[[tuple[Any, ...]], None] | None = None,
     ) -> None:
         self.config = config
         self._read = read
         self._server = server
         self._nvml = nvml
         self._audit = audit
+        self._share = share  # the service's share_gpus (docs/sharing.md)
 
     def reload(self) -> bool:
         """True when the file loaded (whether or not anything changed)."""
@@ -480,6 +510,17 @@ class Reloader:
             LOG.error("SIGHUP: failed to reload: %s; keeping every current setting", exc.message)
             return False
         changed, restart = policy.difference(self.config, new)
+        if "shared_gpus" in changed:
+            # Taken over by the books first, under their lock: refused as a whole when it would switch a
+            # held GPU between whole and shared, and then the old value stays (never both at once).
+            try:
+                if self._share is None:
+                    raise ConfigError("no GPUs are managed here")
+                self._share(new.shared_gpus)
+            except IsolatorError as exc:
+                old = policy.describe(self.config.shared_gpus)
+                LOG.error("SIGHUP: shared-gpus not changed (still %s): %s", old, exc.message)
+                del changed["shared_gpus"]
         # The whole new state first: allowed uids and gids go to the gate together.
         self.config = replace(self.config, **{name: value for name, (_, value) in changed.items()})
         for name in changed:
@@ -656,6 +697,10 @@ def _serve(config: Config, hup: threading.Event, reread: Callable[[], Config], o
             reaped(len(service.reap_vanished()))
         except Exception:
             LOG.exception("the first reconciliation failed; the reaper retries in %s s", config.reap_interval)
+    if core.gpus and config.shared_gpus:
+        # MPS control daemons found dead are started again, as often as the GPUs are probed (docs/sharing.md).
+        interval, failure = config.gpu_probe_interval, "supervising the MPS control daemons failed"
+        every(interval, stop, service.supervise_mps, "mps", failure)
     if core.gpus and config.drain_check == "on":
         # Draining GPUs are looked at again as often as the GPUs are probed (docs/handover.md).
         interval, failure = config.gpu_probe_interval, "re-checking the draining GPUs failed"
@@ -666,7 +711,7 @@ def _serve(config: Config, hup: threading.Event, reread: Callable[[], Config], o
     LOG.info("%s", startup_line(config, core))
     notifier.ready(serving)
     nvml = _nvml_of(service)
-    reloader = Reloader(config, reread, server, nvml, audit)
+    reloader = Reloader(config, reread, server, nvml, audit, service.share_gpus if core.gpus else None)
     answering = True
     rescans = nvml.rescans if nvml is not None else 0
     tick = 0.5 if notifier.watchdog_s is None else min(0.5, notifier.watchdog_s / 2)

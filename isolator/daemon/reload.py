@@ -16,7 +16,17 @@ from isolator.daemon.config import Config
 # built once at start (sockets, cgroup hierarchy and mode, state and volume paths, the NVML
 # library, GPU selection, server bounds, the log format, the metrics and job-mapping exporters,
 # the reaper's and the CDI keeper's period), so a change there needs a restart.
-RELOADABLE = ("log_level", "audit_interval", "gpu_probe_interval", "ignored_xids", "allowed_uids", "allowed_gids")
+# --shared-gpus too, through the booking (docs/sharing.md): a change that would switch a held GPU
+# between whole and shared is refused and the old value kept.
+RELOADABLE = (
+    "log_level",
+    "audit_interval",
+    "gpu_probe_interval",
+    "ignored_xids",
+    "allowed_uids",
+    "allowed_gids",
+    "shared_gpus",
+)
 _NOT_SETTINGS = ("config_file", "extra")
 
 
@@ -34,5 +44,9 @@ def difference(old: Config, new: Config) -> tuple[dict[str, tuple[Any, Any]], li
 def describe(value: Any) -> str:
     """A setting's value as the reload log line shows it (lists comma-separated, ``none`` if empty)."""
     if isinstance(value, tuple):
+        from isolator.policy.shares import ShareSpec, format_shared_gpus
+
+        if value and all(isinstance(v, ShareSpec) for v in value):
+            return format_shared_gpus(value)
         return ",".join(str(v) for v in value) or "none"
     return f"{value:g}" if isinstance(value, float) else str(value)

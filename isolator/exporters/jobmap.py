@@ -66,6 +66,8 @@ class JobMapping:
                 continue  # nested containers share their top-level container's GPUs and ID prefix
             for index in c.gpu_indices:
                 holders.setdefault(int(index), set()).add(str(c.container_id))
+            if c.shares and c.share_gpu_index >= 0:  # every sharer has work on its GPU (docs/sharing.md)
+                holders.setdefault(c.share_gpu_index, set()).add(str(c.container_id))
             for uuid in c.mig_uuids:
                 unit_holders.setdefault(uuid, set()).add(str(c.container_id))
         out: dict[str, list[str]] = {}

@@ -224,7 +224,38 @@ class _ServiceCollector(Collector):
         for c in containers:
             mig_held.add_metric([str(c.container_id)], len(c.mig_uuids))
         yield from (mig_total, mig_used, mig_held)
+        yield from self._shares(gpus, containers)
         yield self._health_checks(service)
+
+    def _shares(self, gpus: list[Any], containers: list[Any]) -> Iterator[Metric]:
+        """Shares of the shared GPUs (docs/sharing.md): what each is cut into, what is held, its MPS daemon."""
+        labels = ("gpu", "UUID", "minor", "mode")
+        total = GaugeMetricFamily(f"{PREFIX}_gpu_shares", "Shares a shared GPU is cut into (gpu_shares)", labels=labels)
+        held = GaugeMetricFamily(
+            f"{PREFIX}_gpu_shares_held", "Shares of a shared GPU held by containers", labels=labels
+        )
+        mps = GaugeMetricFamily(
+            f"{PREFIX}_mps_daemon_up",
+            "1 while the MPS control daemon of a shared GPU in mps mode runs, else 0; state: running, stopped,"
+            " failed, or none before its first sharer",
+            labels=("gpu", "UUID", "minor", "state"),
+        )
+        for g in gpus:
+            if not g.shares_total:
+                continue
+            key = [str(g.index), g.uuid, str(g.minor), g.share_mode]
+            total.add_metric(key, g.shares_total)
+            held.add_metric(key, g.shares_held)
+            if g.share_mode == "mps":
+                state = g.mps_state.split(":", 1)[0] or "none"
+                mps.add_metric([str(g.index), g.uuid, str(g.minor), state], 1 if state == "running" else 0)
+        per_container = GaugeMetricFamily(
+            f"{PREFIX}_container_gpu_shares", "gpu_shares each container holds", labels=("container_id",)
+        )
+        for c in containers:
+            if c.shares:
+                per_container.add_metric([str(c.container_id)], c.shares)
+        yield from (total, held, mps, per_container)
 
     def _health_checks(self, service: Any) -> Metric:
         """`gpu-isolator health`'s checks (nvml, cgroups, state, consistency): 1 passing, 0 failing."""

@@ -50,7 +50,7 @@ LOG = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DB_FILE = "allocations.sqlite3"
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 # The oldest schema whose sidecar reads and writes a store of SCHEMA_VERSION correctly. An additive
 # migration (new tables or columns that an older sidecar may ignore: rows tied to a container by
 # ON DELETE CASCADE, columns with defaults; and newer code that copes with rows an older sidecar
@@ -60,7 +60,7 @@ SCHEMA_VERSION = 7
 # their holders). A new migration: bump SCHEMA_VERSION, add an `if version <= <previous>:` step.
 MIN_SCHEMA = 2
 # The tables schemas after 2 added, newest last (tests rewind a store to schema 2 by dropping them).
-TABLES_AFTER_2 = ("schema_meta", "cpuset", "drain", "gpu_health_mark", "gpu_maintenance")
+TABLES_AFTER_2 = ("schema_meta", "cpuset", "drain", "gpu_health_mark", "gpu_maintenance", "share_allocation")
 STATES = ("prepared", "isolated", "orphan")
 CGROUP_VERSIONS = (1, 2)
 
@@ -167,6 +167,29 @@ CREATE TABLE gpu_maintenance (
     since  REAL NOT NULL,
     by     TEXT NOT NULL
 ) WITHOUT ROWID;
+"""
+
+
+# Version 8: shares of a GPU (docs/sharing.md), one row per holder. A GPU is never both held whole
+# and shared: the triggers refuse either while the other is recorded. Additive, and safe to roll back
+# past: a sidecar of schema 7 or older does not see the sharers, so at start it revokes their GPU
+# (their record grants none: it fails closed) and its whole-GPU inserts of that GPU meet the trigger.
+# The trigger on ``allocation`` outlives a dropped ``share_allocation`` (tests rewind stores so),
+# hence IF NOT EXISTS.
+_SCHEMA_V8 = """
+CREATE TABLE share_allocation (
+    container TEXT PRIMARY KEY REFERENCES container (key) ON DELETE CASCADE,
+    minor     INTEGER NOT NULL CHECK (minor >= 0),
+    shares    INTEGER NOT NULL CHECK (shares >= 1),
+    mode      TEXT NOT NULL CHECK (mode IN ('time-slice', 'mps'))
+) WITHOUT ROWID;
+CREATE INDEX share_allocation_by_minor ON share_allocation (minor);
+CREATE TRIGGER IF NOT EXISTS whole_gpu_not_while_shared BEFORE INSERT ON allocation
+WHEN EXISTS (SELECT 1 FROM share_allocation WHERE minor = NEW.minor)
+BEGIN SELECT RAISE(ABORT, 'share-conflict: GPU has shares held'); END;
+CREATE TRIGGER share_not_while_whole_gpu_held BEFORE INSERT ON share_allocation
+WHEN EXISTS (SELECT 1 FROM allocation WHERE minor = NEW.minor)
+BEGIN SELECT RAISE(ABORT, 'share-conflict: GPU is held whole'); END;
 """
 
 
@@ -278,6 +301,9 @@ class StateStore:
             if version <= 6:
                 for statement in _split_sql(_SCHEMA_V7):
                     self._db.execute(statement)
+            if version <= 7:
+                for statement in _split_sql(_SCHEMA_V8):
+                    self._db.execute(statement)
             self._db.execute("INSERT OR REPLACE INTO schema_meta VALUES ('min_schema', ?)", (MIN_SCHEMA,))
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             self._db.execute("COMMIT")
@@ -367,6 +393,7 @@ class StateStore:
                 raise ContainerAlreadyRecorded(container=str(rec.container_id)) from exc
             self._insert_gpus(db, rec.container_id, rec.gpus)
             self._insert_mig(db, rec.container_id, rec.mig)
+            self._insert_shares(db, rec)
             self._put_cpuset(db, rec.container_id, rec.cpus, rec.mems)
 
         self._write("record container", write)
@@ -544,9 +571,15 @@ class StateStore:
             for uuid, parent, key in db.execute("SELECT uuid, parent_minor, container FROM mig_allocation"):
                 migs.setdefault(key, set()).add((uuid, parent))
             cpusets = {k: (c, m) for k, c, m in db.execute("SELECT container, cpus, mems FROM cpuset")}
+            shared = {
+                k: {"share_gpu": m, "shares": n, "share_mode": mode}
+                for k, m, n, mode in db.execute("SELECT container, minor, shares, mode FROM share_allocation")
+            }
             out: dict[ContainerId, ContainerRecord] = {}
             for row in db.execute("SELECT * FROM container"):
                 rec = self._row(row, frozenset(held.get(row[0], ())), frozenset(migs.get(row[0], ())))
+                if row[0] in shared:
+                    rec = replace(rec, **shared[row[0]])
                 cpus, mems = cpusets.get(row[0], ("", ""))
                 out[rec.container_id] = replace(rec, cpus=cpus, mems=mems) if cpus else rec
             return out
@@ -664,6 +697,10 @@ class StateStore:
                     row = db.execute(
                         "SELECT container FROM mig_allocation WHERE parent_minor = ? ORDER BY uuid", (minor,)
                     ).fetchone()
+                if row is None:  # the trigger: shares of this GPU are held
+                    row = db.execute(
+                        "SELECT container FROM share_allocation WHERE minor = ? ORDER BY container", (minor,)
+                    ).fetchone()
                 holder = str(_container_id(row[0])) if row else "?"
                 LOG.error("state: refused GPU %d for %s: already held by %s", minor, cid, holder)
                 raise GpuAlreadyHeld(gpu=minor, container=str(cid), holder=holder) from exc
@@ -686,6 +723,35 @@ class StateStore:
                 LOG.error("state: refused MIG device %s for %s: already held by %s", uuid, cid, holder)
                 raise GpuAlreadyHeld(gpu=uuid, container=str(cid), holder=holder) from exc
 
+    def _insert_shares(self, db: sqlite3.Connection, rec: ContainerRecord) -> None:
+        if not rec.shares:
+            return
+        minor, n = rec.share_gpu, rec.shares
+        if isinstance(minor, bool) or not isinstance(minor, int) or minor < 0:
+            raise InvalidArgument(f"shared GPU minor {minor!r} is not a non-negative integer")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InvalidArgument(f"share count {n!r} of GPU {minor} is not a positive integer")
+        if rec.share_mode not in ("time-slice", "mps"):
+            raise InvalidArgument(f"unknown sharing mode {rec.share_mode!r} of GPU {minor}")
+        try:
+            db.execute(
+                "INSERT INTO share_allocation VALUES (?, ?, ?, ?)", (_key(rec.container_id), minor, n, rec.share_mode)
+            )
+        except sqlite3.IntegrityError as exc:
+            row = db.execute("SELECT container FROM allocation WHERE minor = ?", (minor,)).fetchone()
+            holder = str(_container_id(row[0])) if row else "?"
+            raise GpuAlreadyHeld(gpu=f"{minor} (shared)", container=str(rec.container_id), holder=holder) from exc
+
+    def _shares_of(self, db: sqlite3.Connection, key: str) -> dict[str, Any]:
+        row = db.execute("SELECT minor, shares, mode FROM share_allocation WHERE container = ?", (key,)).fetchone()
+        return {} if row is None else {"share_gpu": row[0], "shares": row[1], "share_mode": row[2]}
+
+    def share_holders(self) -> dict[ContainerId, tuple[int, int, str]]:
+        """Container -> (shared GPU minor, shares, mode) of every share holder."""
+        with self._reading("read share allocations") as db:
+            rows = db.execute("SELECT container, minor, shares, mode FROM share_allocation")
+            return {_container_id(k): (m, n, mode) for k, m, n, mode in rows}
+
     def _require(self, db: sqlite3.Connection, cid: ContainerId) -> None:
         if db.execute("SELECT 1 FROM container WHERE key = ?", (_key(cid),)).fetchone() is None:
             raise ContainerNotRecorded(container=str(cid))
@@ -700,7 +766,7 @@ class StateStore:
             (u, m) for u, m in db.execute("SELECT uuid, parent_minor FROM mig_allocation WHERE container = ?", (key,))
         )
         cpuset = db.execute("SELECT cpus, mems FROM cpuset WHERE container = ?", (key,)).fetchone()
-        rec = self._row(row, gpus, mig)
+        rec = replace(self._row(row, gpus, mig), **self._shares_of(db, key))
         return replace(rec, cpus=cpuset[0], mems=cpuset[1]) if cpuset else rec
 
     def _put_cpuset(self, db: sqlite3.Connection, cid: ContainerId, cpus: str, mems: str) -> None:

@@ -53,6 +53,7 @@ class Adoption:
     stolen: frozenset[int]  # of those, GPUs recorded for others: its rules are rewritten without them
     owners: tuple[ContainerId, ...]  # whose records hold the stolen GPUs
     keep: frozenset[int]  # its record is rebuilt from the kernel with these (none: no record)
+    lost_shares: frozenset[int]  # shared GPUs it is granted: how many shares it had is unknown, so revoked
     deny_all: bool  # standalone, nothing kept and nothing restricts it: deny every device
 
 
@@ -61,15 +62,19 @@ def plan(
     recorded: Mapping[int, ContainerId],
     known: Iterable[int],
     standalone: bool,
+    shared: Iterable[int] = (),
 ) -> list[Adoption]:
     """One ``Adoption`` per unrecorded cgroup (``kernel``: what each holds, in the order given), given
-    which container's record holds each GPU (``recorded``; a MIG holder's parent GPU counts). Raises
-    ``FailedPrecondition`` when several of them claim one GPU no record holds."""
+    which container's record holds each GPU (``recorded``; a MIG holder's parent GPU and a sharer's
+    shared GPU count). A ``shared`` GPU (--shared-gpus, docs/sharing.md) is never rebuilt as a whole
+    holder's: it is revoked. Raises ``FailedPrecondition`` when several of them claim one GPU no
+    record holds."""
     known = frozenset(known)
+    shared = frozenset(shared)
     explicit = {c: explicit_grants(k, known) for c, k in kernel.items()}
     claimants: dict[int, list[ContainerId]] = {}
     for c, minors in explicit.items():
-        for m in minors - recorded.keys():
+        for m in minors - recorded.keys() - shared:
             claimants.setdefault(m, []).append(c)
     ambiguous = {m: cs for m, cs in claimants.items() if len(cs) > 1}
     if ambiguous:
@@ -83,7 +88,8 @@ def plan(
     for c, k in kernel.items():
         minors = explicit[c]
         stolen = minors & recorded.keys()
-        keep = minors - stolen
+        lost_shares = (minors & shared) - stolen
+        keep = minors - stolen - lost_shares
         out.append(
             Adoption(
                 container=c,
@@ -91,6 +97,7 @@ def plan(
                 stolen=stolen,
                 owners=tuple(sorted({recorded[m] for m in stolen})),
                 keep=keep,
+                lost_shares=lost_shares,
                 deny_all=not keep and standalone and allows_everything(k, known),
             )
         )

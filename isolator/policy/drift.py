@@ -79,9 +79,11 @@ def compare(
     mig_parents: frozenset[int],
     kernel: KernelRules,
     known: Iterable[int],
+    shared: frozenset[int] = frozenset(),
 ) -> Drift:
-    """A record (its ``rules``, its whole ``gpus`` and its MIG devices' parents) against what the
-    kernel holds, over the ``known`` GPUs. Rules are compared in the order given."""
+    """A record (its ``rules``, its whole ``gpus``, its MIG devices' parents and a sharer's ``shared``
+    GPU, docs/sharing.md) against what the kernel holds, over the ``known`` GPUs. Rules are compared
+    in the order given."""
     recorded = tuple(rules)
     in_force = kernel.rules
     return Drift(
@@ -89,7 +91,7 @@ def compare(
         source=kernel.source,
         granted=granted(in_force, known),
         recorded=tuple(sorted(gpus)),
-        expected=tuple(sorted(gpus | mig_parents)),
+        expected=tuple(sorted(gpus | mig_parents | shared)),
         missing=tuple(r for r in recorded if not permits(in_force, r)),
         extra=tuple(r for r in in_force if not permits(recorded, r)),
     )

@@ -403,7 +403,7 @@ class CleanupResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GpuInfo(_message.Message):
-    __slots__ = ("index", "minor", "uuid", "name", "pci_bus_id", "memory_total_bytes", "numa_node", "cpu_affinity", "healthy", "last_xid", "last_xid_time", "health_reason", "holder", "mig_enabled", "mig_devices", "drain_state", "drain_since", "drain_pids", "drain_reason", "drain_memory_used_bytes", "last_reset", "maintenance", "maintenance_reason", "maintenance_since", "maintenance_by")
+    __slots__ = ("index", "minor", "uuid", "name", "pci_bus_id", "memory_total_bytes", "numa_node", "cpu_affinity", "healthy", "last_xid", "last_xid_time", "health_reason", "holder", "mig_enabled", "mig_devices", "drain_state", "drain_since", "drain_pids", "drain_reason", "drain_memory_used_bytes", "last_reset", "maintenance", "maintenance_reason", "maintenance_since", "maintenance_by", "shares_total", "shares_held", "share_mode", "share_holders", "mps_state")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     MINOR_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
@@ -429,6 +429,11 @@ class GpuInfo(_message.Message):
     MAINTENANCE_REASON_FIELD_NUMBER: _ClassVar[int]
     MAINTENANCE_SINCE_FIELD_NUMBER: _ClassVar[int]
     MAINTENANCE_BY_FIELD_NUMBER: _ClassVar[int]
+    SHARES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SHARES_HELD_FIELD_NUMBER: _ClassVar[int]
+    SHARE_MODE_FIELD_NUMBER: _ClassVar[int]
+    SHARE_HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    MPS_STATE_FIELD_NUMBER: _ClassVar[int]
     index: int
     minor: int
     uuid: str
@@ -454,7 +459,20 @@ class GpuInfo(_message.Message):
     maintenance_reason: str
     maintenance_since: float
     maintenance_by: str
-    def __init__(self, index: _Optional[int] = ..., minor: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., pci_bus_id: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., numa_node: _Optional[int] = ..., cpu_affinity: _Optional[str] = ..., healthy: _Optional[bool] = ..., last_xid: _Optional[int] = ..., last_xid_time: _Optional[float] = ..., health_reason: _Optional[str] = ..., holder: _Optional[str] = ..., mig_enabled: _Optional[bool] = ..., mig_devices: _Optional[_Iterable[_Union[MigDeviceInfo, _Mapping]]] = ..., drain_state: _Optional[str] = ..., drain_since: _Optional[float] = ..., drain_pids: _Optional[_Iterable[int]] = ..., drain_reason: _Optional[str] = ..., drain_memory_used_bytes: _Optional[int] = ..., last_reset: _Optional[_Iterable[str]] = ..., maintenance: _Optional[bool] = ..., maintenance_reason: _Optional[str] = ..., maintenance_since: _Optional[float] = ..., maintenance_by: _Optional[str] = ...) -> None: ...
+    shares_total: int
+    shares_held: int
+    share_mode: str
+    share_holders: _containers.RepeatedCompositeFieldContainer[ShareHolder]
+    mps_state: str
+    def __init__(self, index: _Optional[int] = ..., minor: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., pci_bus_id: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., numa_node: _Optional[int] = ..., cpu_affinity: _Optional[str] = ..., healthy: _Optional[bool] = ..., last_xid: _Optional[int] = ..., last_xid_time: _Optional[float] = ..., health_reason: _Optional[str] = ..., holder: _Optional[str] = ..., mig_enabled: _Optional[bool] = ..., mig_devices: _Optional[_Iterable[_Union[MigDeviceInfo, _Mapping]]] = ..., drain_state: _Optional[str] = ..., drain_since: _Optional[float] = ..., drain_pids: _Optional[_Iterable[int]] = ..., drain_reason: _Optional[str] = ..., drain_memory_used_bytes: _Optional[int] = ..., last_reset: _Optional[_Iterable[str]] = ..., maintenance: _Optional[bool] = ..., maintenance_reason: _Optional[str] = ..., maintenance_since: _Optional[float] = ..., maintenance_by: _Optional[str] = ..., shares_total: _Optional[int] = ..., shares_held: _Optional[int] = ..., share_mode: _Optional[str] = ..., share_holders: _Optional[_Iterable[_Union[ShareHolder, _Mapping]]] = ..., mps_state: _Optional[str] = ...) -> None: ...
+
+class ShareHolder(_message.Message):
+    __slots__ = ("holder", "shares")
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
+    holder: str
+    shares: int
+    def __init__(self, holder: _Optional[str] = ..., shares: _Optional[int] = ...) -> None: ...
 
 class MigDeviceInfo(_message.Message):
     __slots__ = ("uuid", "profile", "resource", "gpu_instance_id", "compute_instance_id", "memory_total_bytes", "caps_minors", "slot", "holder")
@@ -522,7 +540,7 @@ class TopologyResponse(_message.Message):
     def __init__(self, indices: _Optional[_Iterable[int]] = ..., links: _Optional[_Iterable[_Union[TopologyResponse.Link, _Mapping]]] = ..., numa_nodes: _Optional[_Iterable[int]] = ..., cpu_affinity: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ContainerInfo(_message.Message):
-    __slots__ = ("container_id", "gpu_uuids", "gpu_minors", "cgroup", "mode", "volume_version", "state", "created", "id", "gpu_indices", "nested", "mig_uuids")
+    __slots__ = ("container_id", "gpu_uuids", "gpu_minors", "cgroup", "mode", "volume_version", "state", "created", "id", "gpu_indices", "nested", "mig_uuids", "shares", "shares_total", "share_mode", "share_gpu_minor", "share_gpu_index", "share_gpu_uuid")
     CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
     GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
     GPU_MINORS_FIELD_NUMBER: _ClassVar[int]
@@ -535,6 +553,12 @@ class ContainerInfo(_message.Message):
     GPU_INDICES_FIELD_NUMBER: _ClassVar[int]
     NESTED_FIELD_NUMBER: _ClassVar[int]
     MIG_UUIDS_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
+    SHARES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SHARE_MODE_FIELD_NUMBER: _ClassVar[int]
+    SHARE_GPU_MINOR_FIELD_NUMBER: _ClassVar[int]
+    SHARE_GPU_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SHARE_GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     container_id: ContainerID
     gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
     gpu_minors: _containers.RepeatedScalarFieldContainer[int]
@@ -547,7 +571,13 @@ class ContainerInfo(_message.Message):
     gpu_indices: _containers.RepeatedScalarFieldContainer[int]
     nested: bool
     mig_uuids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, container_id: _Optional[_Union[ContainerID, _Mapping]] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., gpu_minors: _Optional[_Iterable[int]] = ..., cgroup: _Optional[str] = ..., mode: _Optional[str] = ..., volume_version: _Optional[str] = ..., state: _Optional[str] = ..., created: _Optional[float] = ..., id: _Optional[str] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., nested: _Optional[bool] = ..., mig_uuids: _Optional[_Iterable[str]] = ...) -> None: ...
+    shares: int
+    shares_total: int
+    share_mode: str
+    share_gpu_minor: int
+    share_gpu_index: int
+    share_gpu_uuid: str
+    def __init__(self, container_id: _Optional[_Union[ContainerID, _Mapping]] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., gpu_minors: _Optional[_Iterable[int]] = ..., cgroup: _Optional[str] = ..., mode: _Optional[str] = ..., volume_version: _Optional[str] = ..., state: _Optional[str] = ..., created: _Optional[float] = ..., id: _Optional[str] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., nested: _Optional[bool] = ..., mig_uuids: _Optional[_Iterable[str]] = ..., shares: _Optional[int] = ..., shares_total: _Optional[int] = ..., share_mode: _Optional[str] = ..., share_gpu_minor: _Optional[int] = ..., share_gpu_index: _Optional[int] = ..., share_gpu_uuid: _Optional[str] = ...) -> None: ...
 
 class ListContainersRequest(_message.Message):
     __slots__ = ()

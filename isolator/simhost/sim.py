@@ -24,7 +24,7 @@ from dataclasses import replace
 
 from isolator.errors import IsolatorError
 from isolator.gpu import uevents
-from isolator.simhost import devnodes
+from isolator.simhost import devnodes, mpscontrol
 from isolator.simhost.host import HostSpec, load_host, mig_minors_text, render_state
 
 LOG = logging.getLogger(__name__)
@@ -91,6 +91,8 @@ class SimulatedHost:
         self.driver_root = os.path.join(self.root, "driver")
         self.device_numbers: devnodes.DeviceNumbers | None = None
         self.uevents_path = os.path.join(self.control_dir, "uevents")
+        # The stand-in nvidia-cuda-mps-control (isolator/simhost/mpscontrol.py), run as the real one is.
+        self.mps_control = os.path.join(self.root, "bin", "nvidia-cuda-mps-control")
 
     def setup(self, make_devices: bool | None = None) -> SimulatedHost:
         """Write the library, its state, mig-minors and (as root, or when asked) the device nodes.
@@ -103,6 +105,7 @@ class SimulatedHost:
         for name in ("fail", "usage", "absent", "uevents", "processes"):
             if not os.path.exists(os.path.join(self.control_dir, name)):
                 self._write(os.path.join(self.control_dir, name), "")
+        mpscontrol.install(self.mps_control)
         caps_dir = os.path.join(self.proc_root, "driver", "nvidia-caps")
         os.makedirs(caps_dir, exist_ok=True)
         mig_capable = [g.minor for g in self.spec.gpus if g.mig is not None]

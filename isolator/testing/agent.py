@@ -857,11 +857,13 @@ class Cluster:
         env: dict[str, str] | None = None,
         kill_after: str | None = None,
         extra: Iterable[str] = (),
+        shares: int = 0,
     ) -> Task:
         """Launch a command task through mesos-execute (a framework of its own with GPU_RESOURCES,
-        checkpointing, so that it survives an agent restart)."""
+        checkpointing, so that it survives an agent restart). ``shares``: ``gpu_shares`` (docs/sharing.md)."""
         name = name or f"t-{uuid.uuid4().hex[:8]}"
         resources = f"cpus:{cpus};mem:{mem}" + (f";gpus:{gpus}" if gpus else "")
+        resources += f";gpu_shares:{shares}" if shares else ""
         args = [f"--name={name}", f"--command={command}", f"--resources={resources}", *extra]
         if env:
             args.append("--env=" + json.dumps(env))

@@ -30,6 +30,7 @@ class FakeCpusets:
         self.sets: dict[ContainerId, Affinity] = {}
         self.members: dict[int, ContainerId] = {}  # pid -> the cpuset it is in
         self.applied: list[tuple[ContainerId, Affinity]] = []
+        self.parent_cpus: frozenset[int] | None = None  # what a cpuset's parent allows; None: the machine
         self.faults = Faults(
             lambda step, c: CgroupError(op=step, path=self.path(c) if c else self.root, cause="injected fault")
         )
@@ -73,7 +74,7 @@ class FakeCpusets:
             return self.sets.get(container.root)
 
     def allowed(self, container: ContainerId) -> frozenset[int]:
-        return self._machine.cpus
+        return self._machine.cpus if self.parent_cpus is None else self.parent_cpus
 
     def pids(self, container: ContainerId) -> tuple[int, ...]:
         with self._lock:

@@ -15,6 +15,7 @@ from isolator.core.service import IsolatorService
 from isolator.testing.cgroups import FakeCgroups
 from isolator.testing.cpusets import FakeCpusets
 from isolator.testing.inventory import FakeInventory
+from isolator.testing.mps import FakeMps
 from isolator.testing.store import FakeStore
 from isolator.testing.system import FakeDeviceNodes, FakeFilesystem, FakeProcesses, ManualClock
 from isolator.testing.volumes import FakeVolumes
@@ -32,6 +33,7 @@ class Rig:
     devices: FakeDeviceNodes
     settings: Settings
     cpusets: FakeCpusets = field(default_factory=FakeCpusets)  # also the machine's CPUs (CpuTopology)
+    mps: FakeMps = field(default_factory=FakeMps)  # MPS control daemons (docs/sharing.md)
     service: IsolatorService = field(init=False)
 
     def __post_init__(self) -> None:
@@ -50,6 +52,7 @@ class Rig:
             settings=self.settings,
             cpus=self.cpusets,
             cpusets=self.cpusets,
+            mps=self.mps,
         )
 
     def restart(self) -> IsolatorService:

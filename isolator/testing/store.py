@@ -53,6 +53,7 @@ class FakeStore:
                 raise ContainerAlreadyRecorded(container=str(rec.container_id))
             self._check_free(rec.container_id, rec.gpus)
             self._check_mig_free(rec.container_id, rec.mig)
+            self._check_shares(rec)
             self._records[rec.container_id] = replace(rec, gpus=frozenset(rec.gpus), mig=frozenset(rec.mig))
             self.commits += 1
 
@@ -170,6 +171,11 @@ class FakeStore:
         with self._lock:
             return {m: cid for cid, rec in self._records.items() for m in rec.gpus}
 
+    def share_holders(self) -> dict[ContainerId, tuple[int, int, str]]:
+        self.faults.check("share_holders")
+        with self._lock:
+            return {c: (r.share_gpu, r.shares, r.share_mode) for c, r in self._records.items() if r.shares}
+
     def mig_holders(self) -> dict[str, tuple[ContainerId, int]]:
         self.faults.check("mig_holders")
         with self._lock:
@@ -205,6 +211,22 @@ class FakeStore:
             for other, rec in self._records.items():
                 if minor in rec.gpus or minor in rec.mig_parents:  # never whole and through its MIG devices
                     raise GpuAlreadyHeld(gpu=minor, container=str(cid), holder=str(other))
+                if minor in rec.shared:  # nor whole and shared (docs/sharing.md)
+                    raise GpuAlreadyHeld(gpu=minor, container=str(cid), holder=str(other))
+
+    def _check_shares(self, rec: ContainerRecord) -> None:
+        if not rec.shares:
+            return
+        minor, n = rec.share_gpu, rec.shares
+        if isinstance(minor, bool) or not isinstance(minor, int) or minor < 0:
+            raise InvalidArgument(f"shared GPU minor {minor!r} is not a non-negative integer")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InvalidArgument(f"share count {n!r} of GPU {minor} is not a positive integer")
+        if rec.share_mode not in ("time-slice", "mps"):
+            raise InvalidArgument(f"unknown sharing mode {rec.share_mode!r} of GPU {minor}")
+        for other, held in self._records.items():
+            if minor in held.gpus:
+                raise GpuAlreadyHeld(gpu=f"{minor} (shared)", container=str(rec.container_id), holder=str(other))
 
     def _check_mig_free(self, cid: ContainerId, mig: frozenset[tuple[str, int]]) -> None:
         for uuid, parent in sorted(mig):

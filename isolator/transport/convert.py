@@ -145,6 +145,11 @@ def gpu_info_to_proto(g: model.GpuInfo) -> pb.GpuInfo:
         maintenance_reason=g.maintenance_reason,
         maintenance_since=g.maintenance_since,
         maintenance_by=g.maintenance_by,
+        shares_total=g.shares_total,
+        shares_held=g.shares_held,
+        share_mode=g.share_mode,
+        share_holders=[pb.ShareHolder(holder=h, shares=n) for h, n in g.share_holders],
+        mps_state=g.mps_state,
     )
 
 
@@ -183,6 +188,12 @@ def container_info_to_proto(c: model.ContainerInfo) -> pb.ContainerInfo:
         state=c.state,
         created=c.created,
         mig_uuids=c.mig_uuids,
+        shares=c.shares,
+        shares_total=c.shares_total,
+        share_mode=c.share_mode,
+        share_gpu_minor=max(c.share_gpu_minor, 0),
+        share_gpu_index=max(c.share_gpu_index, 0),
+        share_gpu_uuid=c.share_gpu_uuid,
     )
 
 

@@ -44,11 +44,15 @@ def test_metrics_export_every_gpus_maintenance_state_with_dcgm_labels():
 
 
 def test_a_schema_6_store_gains_the_maintenance_table_and_keeps_its_records(tmp_path):
-    assert SCHEMA_VERSION == 7 and TABLES_AFTER_2[-1] == "gpu_maintenance"
+    assert SCHEMA_VERSION >= 7 and TABLES_AFTER_2[7 - 3] == "gpu_maintenance"  # schema 7 added it
     with StateStore(str(tmp_path)) as s:
         s.record(ContainerRecord(ContainerId("a"), frozenset({1})))
     db = sqlite3.connect(os.path.join(str(tmp_path), DB_FILE))
-    db.executescript("DROP TABLE gpu_maintenance; PRAGMA user_version=6;")  # as schema 6 left it
+    # As schema 6 left it: neither the maintenance table of 7 nor the shares of 8.
+    db.executescript(
+        "DROP TABLE share_allocation; DROP TRIGGER whole_gpu_not_while_shared;"
+        " DROP TABLE gpu_maintenance; PRAGMA user_version=6;"
+    )
     db.close()
     with StateStore(str(tmp_path)) as s:
         assert s.holders() == {1: ContainerId("a")} and s.maintenance() == {}

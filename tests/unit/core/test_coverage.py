@@ -33,7 +33,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # The core's unit tests are this directory's (tests/unit/core/); the contract suite is tests/contract/.
 CORE_TESTS = tuple(sorted(n for n in os.listdir(HERE) if n.startswith("test_") and n != "test_coverage.py"))
 CONTRACT_TESTS = tuple(
-    os.path.join("..", "..", "contract", n) for n in ("test_contracts.py", "test_processes_hostile.py")
+    os.path.join("..", "..", "contract", n)
+    for n in ("test_contracts.py", "test_processes_hostile.py", "test_state_shares.py", "test_mps_control.py")
 )
 
 
@@ -85,6 +86,10 @@ INDIRECT = {
     "locality": "describe_container",
     "apply_cpuset": "update",
     "release": "cleanup",  # a top-level container's cpuset (tests/unit/core/test_affinity.py)
+    "drain_for_maintenance": "maintenance_drain",  # an operator's drain (tests/unit/core/test_maintenance.py)
+    "end_maintenance": "maintenance_undrain",
+    "idle_share": "cleanup",  # of the last sharer of a GPU in mps mode (tests/unit/core/test_shares.py)
+    "task_nodes": "prepare",  # of a sharer under --cpu-affinity hint (tests/unit/core/test_shares.py)
 }
 
 

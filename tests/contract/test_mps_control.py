@@ -1,0 +1,107 @@
+"""The MPS control edge (isolator/host/mps.py) against the simulated host's stand-in
+nvidia-cuda-mps-control (isolator/simhost/mpscontrol.py), and the shipped FakeMps against the same
+contract: start, answer control commands, liveness, a kill behind our back, stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from isolator.host.mps import PID_FILE, MpsControl, MpsError
+from isolator.simhost import mpscontrol
+from isolator.testing.mps import FakeMps
+
+UUID = "GPU-11111111-2222-3333-4444-555555555555"
+
+
+@pytest.fixture(params=["stand-in", "fake"])
+def daemons(request, short_tmp):
+    if request.param == "fake":
+        yield FakeMps()
+        return
+    exe = mpscontrol.install(os.path.join(short_tmp, "bin", "nvidia-cuda-mps-control"))
+    real = MpsControl(exe, os.path.join(short_tmp, "mps"))
+    yield real
+    real.stop(UUID)
+
+
+def _kill(daemons, uuid: str) -> None:
+    if isinstance(daemons, FakeMps):
+        daemons.kill(uuid)
+        return
+    pid = daemons.pid(uuid)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while daemons.pid(uuid) is not None:  # reaped by init: its /proc entry goes
+        assert time.monotonic() < deadline, "the killed daemon is still there"
+        time.sleep(0.02)
+
+
+def test_start_answer_kill_restart_and_stop(daemons):
+    assert not daemons.alive(UUID)
+    pid = daemons.start(UUID)
+    assert pid > 0 and daemons.alive(UUID)
+    daemons.command(UUID, "set_default_active_thread_percentage 25")
+    with pytest.raises(MpsError, match="already running"):
+        daemons.start(UUID)
+    _kill(daemons, UUID)
+    assert not daemons.alive(UUID)
+    with pytest.raises(MpsError):
+        daemons.command(UUID, "get_server_list")
+    assert daemons.start(UUID) != pid
+    assert daemons.alive(UUID)
+    daemons.stop(UUID)
+    assert not daemons.alive(UUID)
+    daemons.stop(UUID)  # nothing to stop: no-op
+    assert daemons.pipe_dir(UUID).endswith(f"{UUID}/pipe")
+
+
+def test_the_stand_in_is_started_as_the_real_one_and_logs_what_it_was_told(short_tmp):
+    exe = mpscontrol.install(os.path.join(short_tmp, "bin", "nvidia-cuda-mps-control"))
+    control = MpsControl(exe, os.path.join(short_tmp, "mps"))
+    try:
+        pid = control.start(UUID)
+        pipe, log = control.pipe_dir(UUID), control.log_dir(UUID)
+        assert oct(os.stat(pipe).st_mode & 0o777) == "0o755"
+        with open(os.path.join(pipe, PID_FILE)) as fh:
+            assert int(fh.read()) == pid
+        with open(f"/proc/{pid}/status") as fh:
+            ppid = int(next(line for line in fh if line.startswith("PPid:")).split()[1])
+        assert ppid != os.getpid() and os.getsid(pid) != os.getsid(0), "a daemon in a session of its own"
+        assert control.command(UUID, "get_default_active_thread_percentage") == "100.0"
+        assert control.command(UUID, "set_default_active_thread_percentage 25") == "25.0"
+        assert control.command(UUID, "get_default_active_thread_percentage") == "25.0"
+        control.command(UUID, "set_default_device_pinned_mem_limit 0 20480M")
+        assert control.command(UUID, "get_default_device_pinned_mem_limit 0") == "20480M"
+        assert control.command(UUID, "get_server_list") == ""
+        assert control.command(UUID, "frobnicate") == "Unrecognized command: frobnicate"
+        control.stop(UUID)
+        assert control.pid(UUID) is None and not os.path.exists(os.path.join(pipe, "control"))
+        with open(os.path.join(log, "control.log")) as fh:
+            text = fh.read()
+        assert f"Startup: CUDA_VISIBLE_DEVICES={UUID}" in text
+        for line in ("Control: set_default_active_thread_percentage 25", "Control: frobnicate", "Control: quit"):
+            assert line in text, text
+        assert text.rstrip().endswith("Shutdown")
+    finally:
+        control.stop(UUID)
+
+
+def test_a_stale_pid_file_naming_another_process_is_not_a_daemon(short_tmp):
+    exe = mpscontrol.install(os.path.join(short_tmp, "bin", "nvidia-cuda-mps-control"))
+    control = MpsControl(exe, os.path.join(short_tmp, "mps"))
+    os.makedirs(control.pipe_dir(UUID))
+    with open(os.path.join(control.pipe_dir(UUID), PID_FILE), "w") as fh:
+        fh.write(f"{os.getpid()}\n")  # this test's own pid: alive, but no MPS control daemon
+    assert control.pid(UUID) is None and not control.alive(UUID)
+    control.stop(UUID)  # and never killed
+
+
+def test_a_missing_executable_is_a_clear_error(short_tmp):
+    control = MpsControl(os.path.join(short_tmp, "no-such-binary"), os.path.join(short_tmp, "mps"))
+    with pytest.raises(MpsError, match="failed to start the MPS control daemon of GPU"):
+        control.start(UUID)

@@ -1,0 +1,191 @@
+"""gpu_shares through a real daemon on a simulated dgx-1 with real v1 devices cgroups (docs/sharing.md):
+Prepare over gRPC with the agent's JSON, the kernel's whitelist, a restart with sharers live, and a
+SIGHUP that would switch a held GPU (refused, old value kept) or changes only free GPUs (taken)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+
+import pytest
+
+from isolator.testing.cgroupfs import TEST_PARENT
+from isolator.testing.mesos import Containerizer, GrpcIsolator, HookFailed, container_id
+from isolator.testing.sidecar import Sidecar
+
+pytestmark = [pytest.mark.root, pytest.mark.cgroup_v1]
+
+
+def _granted(sidecar: Sidecar, name: str) -> list[int]:
+    """The GPU minors the kernel's v1 whitelist of container ``name`` lets it open (c 195:N)."""
+    with open(os.path.join(sidecar.cgroup_parent, name, "devices.list")) as fh:
+        out = []
+        for line in fh.read().split("\n"):
+            kind, _, rest = line.partition(" ")
+            number = rest.split(" ")[0]
+            major, _, minor = number.partition(":")
+            if kind == "c" and major == "195" and minor.isdigit() and int(minor) < 255:
+                out.append(int(minor))
+        return sorted(out)
+
+
+def _shares(containerizer: Containerizer, n: float | str) -> dict:
+    config = containerizer.config(gpus=None, image=False)
+    config["resources"] = [
+        *config.get("resources", []),
+        {"name": "gpu_shares", "type": "SCALAR", "scalar": {"value": n}},
+    ]
+    return config
+
+
+def _wait(sidecar: Sidecar, text: str, offset: int) -> str:
+    from test_daemon_lifecycle import _wait_for_log
+
+    return _wait_for_log(sidecar, text, offset)
+
+
+def _size(sidecar: Sidecar) -> int:
+    with open(sidecar.log_path) as fh:
+        return len(fh.read())
+
+
+def test_sharers_through_the_daemon_restart_and_reload(short_tmp):
+    config = os.path.join(short_tmp, "config.toml")
+    with open(config, "w") as fh:
+        fh.write('shared-gpus = "4-7:4:mps"\n')
+    root = f"{TEST_PARENT}/{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    sidecar = Sidecar(work=short_tmp, host="dgx-1", cgroup_version="v1", cgroups_root=root, extra=("--config", config))
+    sidecar.start()
+    try:
+        isolator = GrpcIsolator(sidecar.socket)
+        c = Containerizer(isolator, short_tmp)
+        try:
+            for name in ("a", "b", "c", "d", "e"):
+                isolator.prepare(container_id(name), _shares(c, 1))
+            with pytest.raises(HookFailed) as err:
+                isolator.prepare(container_id("big"), _shares(c, 5))
+            assert err.value.code == "INVALID_ARGUMENT" and "holds at most 4" in str(err.value)
+            with pytest.raises(HookFailed) as err:
+                isolator.prepare(container_id("nan"), _shares(c, "NaN"))
+            assert err.value.code == "INVALID_ARGUMENT"
+            isolator.prepare(container_id("w"), c.config(gpus=4, image=False))
+        finally:
+            isolator.close()
+        got = {n: _granted(sidecar, n) for n in ("a", "b", "c", "d", "e", "w")}
+        shared = [got[n][0] for n in ("a", "b", "c", "d")]
+        assert all(len(got[n]) == 1 for n in "abcde"), got
+        assert len(set(shared)) == 4 and got["e"] == got["a"], got
+        assert not set(got["w"]) & set(shared), got
+        assert shared == [4, 5, 6, 7], "dgx-1's minors are its indices"
+
+        # A reload that would make GPU 4 (two sharers) whole is refused whole; the old value stays.
+        with open(config, "w") as fh:
+            fh.write('shared-gpus = "5-7:4:mps"\n')
+        offset = _size(sidecar)
+        assert sidecar.proc is not None
+        sidecar.proc.send_signal(signal.SIGHUP)
+        log = _wait(sidecar, "shared-gpus not changed", offset)
+        assert "still 4:4:mps,5:4:mps,6:4:mps,7:4:mps" in log and "has 2 gpu_shares held" in log, log
+
+        # A restart with sharers live: the same grants, the same books (a sixth share goes to GPU 5).
+        with open(config, "w") as fh:
+            fh.write('shared-gpus = "4-7:4:mps"\n')
+        assert sidecar.terminate() == 0
+        sidecar.start()
+        assert {n: _granted(sidecar, n) for n in ("a", "b", "c", "d", "e", "w")} == got
+        isolator = GrpcIsolator(sidecar.socket)
+        try:
+            isolator.prepare(container_id("f"), _shares(c, 1))
+            assert _granted(sidecar, "f") == got["b"]
+            for name in ("a", "b", "c", "d", "e", "f"):
+                isolator.cleanup(container_id(name))
+        finally:
+            isolator.close()
+
+        # Nobody shares any more: a reload may make GPU 7 whole and share GPU 3... which w holds: refused.
+        with open(config, "w") as fh:
+            fh.write('shared-gpus = "3-6:4:mps"\n')
+        offset = _size(sidecar)
+        sidecar.proc.send_signal(signal.SIGHUP)
+        log = _wait(sidecar, "shared-gpus not changed", offset)
+        assert "is held whole and cannot become shared" in log, log
+        with open(config, "w") as fh:
+            fh.write('shared-gpus = "4-6:2:time-slice"\n')
+        offset = _size(sidecar)
+        sidecar.proc.send_signal(signal.SIGHUP)
+        log = _wait(sidecar, "SIGHUP: reloaded", offset)
+        assert "shared_gpus 4:4:mps,5:4:mps,6:4:mps,7:4:mps -> 4:2:time-slice,5:2:time-slice,6:2:time-slice" in log
+        assert sidecar.terminate() == 0
+    finally:
+        sidecar.stop()
+
+
+def _stand_ins(work: str) -> dict[str, int]:
+    """GPU UUID -> pid of each live stand-in MPS control daemon under the work dir."""
+    from isolator.host.mps import MpsControl
+
+    root = os.path.join(work, "mps")
+    control = MpsControl("", root)
+    out = {}
+    for uuid_ in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        pid = control.pid(uuid_)
+        if pid is not None:
+            out[uuid_] = pid
+    return out
+
+
+def test_mps_daemons_through_the_daemon_started_supervised_and_stopped(short_tmp):
+    import time
+
+    root = f"{TEST_PARENT}/{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    extra = ("--shared-gpus", "4-5:4:mps", "--gpu-probe-interval", "0.2")
+    sidecar = Sidecar(work=short_tmp, host="dgx-1", cgroup_version="v1", cgroups_root=root, extra=extra)
+    sidecar.start()
+    try:
+        isolator = GrpcIsolator(sidecar.socket)
+        c = Containerizer(isolator, short_tmp)
+        try:
+            info = isolator.prepare(container_id("a"), _shares(c, 2))
+            assert info is not None
+            env = {e["name"]: e.get("value", "") for e in info["environment"]["variables"]}
+            running = _stand_ins(short_tmp)
+            assert len(running) == 1, running
+            (gpu_uuid,) = running
+            assert env["CUDA_MPS_PIPE_DIRECTORY"] == os.path.join(short_tmp, "mps", gpu_uuid, "pipe")
+            assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+            assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"].startswith("0=") and env[
+                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+            ].endswith("M")
+            with open(os.path.join(short_tmp, "mps", gpu_uuid, "log", "control.log")) as fh:
+                assert f"Startup: CUDA_VISIBLE_DEVICES={gpu_uuid}" in fh.read()
+            assert sidecar.sim.settings(4)[0] == 3, "EXCLUSIVE_PROCESS"
+
+            # Killed under its sharer: the supervisor starts it again.
+            os.kill(running[gpu_uuid], signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while _stand_ins(short_tmp).get(gpu_uuid) in (None, running[gpu_uuid]):
+                assert time.monotonic() < deadline, sidecar.log()
+                time.sleep(0.05)
+            _wait(sidecar, "its MPS control daemon was gone; started it again", 0)
+
+            # The sidecar restarted with the sharer live: the daemon is adopted, not started twice.
+            pid = _stand_ins(short_tmp)[gpu_uuid]
+            assert sidecar.terminate() == 0
+            sidecar.start()
+            assert _stand_ins(short_tmp) == {gpu_uuid: pid}
+            isolator.close()
+            isolator = GrpcIsolator(sidecar.socket)
+
+            # The last sharer gone: the daemon quits.
+            isolator.cleanup(container_id("a"))
+            assert _stand_ins(short_tmp) == {}
+            with open(os.path.join(short_tmp, "mps", gpu_uuid, "log", "control.log")) as fh:
+                assert fh.read().rstrip().endswith("Shutdown")
+        finally:
+            isolator.close()
+        assert sidecar.terminate() == 0
+    finally:
+        sidecar.stop()
+        for pid in _stand_ins(short_tmp).values():  # ours, started by the daemon under test
+            os.kill(pid, signal.SIGKILL)

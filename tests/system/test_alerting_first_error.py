@@ -11,12 +11,12 @@ import re
 import grpc
 import pytest
 from prometheus_client import generate_latest
-from test_alerting import RULES_TEST, rule_exprs
 
 from isolator.exporters.metrics import Metrics
 from isolator.rpc import isolator_pb2 as pb
 from isolator.testing.mesos import Containerizer, GrpcIsolator, HookFailed, container_id
 from isolator.testing.sidecar import running_sidecar
+from system.test_alerting import RULES_TEST, rule_exprs
 
 # Every RPC method the daemon serves, read from the proto (isolator.transport.server.HOOKS is the same).
 HOOKS = tuple(m.name for s in ("Isolator", "Admin") for m in pb.DESCRIPTOR.services_by_name[s].methods)
@@ -96,7 +96,7 @@ def test_the_rule_unit_test_starts_every_counter_absent_and_one_first_seen_at_on
 @pytest.mark.root
 @pytest.mark.cgroup_v1
 def test_a_real_daemon_exports_the_alerted_error_series_at_zero_and_counts_the_first_error(short_tmp):
-    from test_metrics import _UnixHTTP, scrape
+    from system.test_metrics import _UnixHTTP, scrape
 
     path = os.path.join(short_tmp, "metrics.sock")
     with running_sidecar("dgx-1", "v1", extra=("--metrics-address", f"unix:{path}")) as sidecar:

@@ -11,12 +11,12 @@ import sys
 
 import pytest
 import yaml
-from test_cdi import check_spec
 
 from isolator.cli import main as cli
 from isolator.errors import InvalidArgument
 from isolator.exporters import cdi
 from isolator.model import MigDevice
+from system.test_cdi import check_spec
 
 UUID0 = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 UUID1 = "GPU-bbbbbbbb-0000-0000-0000-000000000000"

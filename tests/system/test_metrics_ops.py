@@ -103,7 +103,7 @@ def test_every_per_gpu_series_carries_dcgm_exporters_identity_labels():
 
 
 def test_gpus_out_of_service_both_ways_have_an_alert_and_a_dashboard_panel():
-    from test_alerting import dashboard_exprs, rule_exprs, selectors
+    from system.test_alerting import dashboard_exprs, rule_exprs, selectors
 
     ruled = {name for expr in rule_exprs() for name, _ in selectors(expr)}
     assert "gpu_isolator_gpu_maintenance_seconds" in ruled, "an operator's maintenance drain alerts"

@@ -40,7 +40,7 @@ def _shares(containerizer: Containerizer, n: float | str) -> dict:
 
 
 def _wait(sidecar: Sidecar, text: str, offset: int) -> str:
-    from test_daemon_lifecycle import _wait_for_log
+    from system.test_daemon_lifecycle import _wait_for_log
 
     return _wait_for_log(sidecar, text, offset)
 

@@ -286,9 +286,11 @@ def test_cli_md_options_table_names_every_option_the_admin_commands_share():
 class _Recording:
     def __init__(self) -> None:
         self.timeouts: list[float] = []
+        self.metadata: list[Any] = []
 
-    def Health(self, request: Any, timeout: float) -> str:  # a gRPC stub's method name
+    def Health(self, request: Any, timeout: float, metadata: Any = ()) -> str:  # a gRPC stub's method name
         self.timeouts.append(timeout)
+        self.metadata.append(metadata)
         return "answer"
 
 
@@ -310,6 +312,8 @@ def test_the_probes_wait_counts_against_the_timeout_of_the_call_after_it(tmp_pat
         client.check_reachable()
         assert client.call(stub, "Health", None) == "answer"
     assert stub.timeouts == [6.0]
+    # The absolute deadline sent beside it (docs/operations.md, "Stale hooks") is the same 6 s away.
+    assert stub.metadata == [((clientmod.DEADLINE_METADATA, str(int((1004.0 + 6.0) * 1000))),)]
 
 
 # ---- item 7: a drain reason that is not one line of printable text ------------------------------------

@@ -435,10 +435,8 @@ private:
       if (!status.error_message().empty() && status.error_message() != "Deadline Exceeded") {
         out << ": " << status.error_message();
       }
-    } else if (status.error_code() == grpc::RESOURCE_EXHAUSTED) {
-      out << status.error_message();
     } else {
-      out << status.error_message();
+      out << status.error_message();  // The sidecar's own words (isolator/errors.py's messages).
     }
     return out.str();
   }

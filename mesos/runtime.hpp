@@ -118,6 +118,16 @@ process::Future<Reply<Response>> Runtime::call(
   call->context.set_wait_for_ready(true);
   if (deadline.isSome()) {
     call->context.set_deadline(deadline.get());
+    // gRPC sends the deadline relative (grpc-timeout), so a sidecar that was stopped (SIGSTOP, a
+    // stalled disk) counts it from when it reads the call and would still run a call whose caller
+    // gave up. The deadline itself goes beside it, on CLOCK_MONOTONIC (libstdc++'s steady_clock on
+    // Linux, Python's time.monotonic()), in milliseconds: the sidecar keeps the earlier of the two
+    // and answers a call found past it DEADLINE_EXCEEDED unserved (docs/operations.md, "Stale hooks").
+    const auto left = deadline.get() - std::chrono::system_clock::now();
+    const auto at = std::chrono::steady_clock::now().time_since_epoch() + left;
+    call->context.AddMetadata(
+        "gpu-isolator-deadline-ms",
+        std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(at).count()));
   }
   process::Future<Reply<Response>> future = call->promise.future();
 

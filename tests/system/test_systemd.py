@@ -18,6 +18,7 @@ import pytest
 
 from isolator.cli.main import unit_text
 from isolator.daemon.sdnotify import Notifier
+from isolator.testing.cgroupfs import TEST_PARENT, unique_name
 
 
 def _messages(sock: socket.socket, until: float, enough: Callable[[list[str]], bool]) -> list[str]:
@@ -41,6 +42,7 @@ def test_the_daemon_sends_ready_after_it_serves_then_watchdog_pings_then_stoppin
     sock_path = os.path.join(short_tmp, "s.sock")
     env = dict(os.environ, NOTIFY_SOCKET=name, WATCHDOG_USEC="200000")
     argv = [sys.executable, "-m", "isolator", "serve", "--socket", sock_path, "--work-dir", short_tmp]
+    argv += ["--cgroups-root", unique_name(TEST_PARENT)]  # one daemon per cgroups root (issue 33)
     argv += ["--volume-root", os.path.join(short_tmp, "v"), "--simulate", "single", "--mode", "standalone"]
     proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
     try:

@@ -351,7 +351,10 @@ def drive(
 
     With ``daemon_pid``, also the cores the daemon and this client process kept busy meanwhile.
     """
-    callers = [Client(socket_path, f"{tag}-c{k}") for k in range(clients)]
+    # Container IDs are never reused (as Mesos's UUIDs): the sidecar refuses a Prepare of an ID it
+    # cleaned up (docs/reliability.md, "Stale hooks"), and the drives of one round share a daemon.
+    run = uuid.uuid4().hex[:8]
+    callers = [Client(socket_path, f"{tag}-{run}-c{k}") for k in range(clients)]
     samples: list[list[float]] = [[] for _ in range(clients)]
     errors: list[BaseException] = []
     barrier = threading.Barrier(clients + 1)

@@ -10,6 +10,7 @@ namespace); Mesos releases without cgroups v2 (1.11.0) skip the v2 ones, saying 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Iterator
@@ -94,7 +95,38 @@ def cluster(mesos_home: str, cgroups: str, route: str) -> Iterator[Cluster]:
     the 8 the sidecar has, so that a task can ask for more than are free. One per layout and route:
     pytest runs every scenario on each, tearing one down before the next starts."""
     with Cluster(mesos_home, gpus=9, cgroups=cgroups, route=route) as c:
-        yield c
+        _SHARED.append(c)
+        try:
+            yield c
+        finally:
+            _SHARED.remove(c)
+            _CHECKED.pop(id(c), None)
+
+
+_SHARED: list[Cluster] = []  # the live shared ``cluster`` (one at a time)
+_CHECKED: dict[int, int] = {}  # id(cluster) -> how many of its tasks were checked after their test
+
+
+@pytest.fixture(autouse=True)
+def _no_task_outlives_its_test() -> Iterator[None]:
+    """Tear down what a scenario left running on the shared cluster (one that failed half-way).
+
+    Otherwise its task keeps its GPUs, and every later scenario on that agent fails too ("holders
+    not empty", "Requested 7 gpus but only 5 available"), which reads as a leak in cleanup."""
+    yield
+    for c in _SHARED:
+        start, _CHECKED[id(c)] = _CHECKED.get(id(c), 0), len(c.tasks)
+        left = []
+        for task in c.tasks[start:]:
+            executor = c.find_executor(task.name)
+            if executor is not None and not executor.get("completed"):
+                # Its framework may have ended already (a finished task being cleaned up): then the
+                # master refuses the teardown, and waiting for the agent is all there is to do.
+                with contextlib.suppress(OSError):
+                    task.teardown()
+                left.append(task)
+        for task in left:
+            task.wait_gone()
 
 
 def probe(cluster: Cluster, gpus: int, seconds: float = 0, agent: int = 0, **kw: Any) -> Task:

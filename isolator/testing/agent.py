@@ -454,6 +454,7 @@ class Agent:
     sidecar: Sidecar | None = None
     agent_id: str = ""
     stopped: bool = False  # stopped on purpose (stop/restart/teardown), not died
+    log_mark: int = 0  # len(log()) when the sidecar last started (start_sidecar)
     _log: Any = field(default=None, repr=False)
 
     @property
@@ -558,6 +559,10 @@ class Agent:
                     if compiled is None:
                         raise RuntimeError("build/gpu-isolator-bridge is missing: run `make build` (it needs gcc)")
                 install(self.bin_dir, self.sidecar.bridge_socket, timeout=25, compiled=compiled)
+        # Where the agent's log stood when this sidecar started: its memory of the containers Mesos
+        # cleaned up lately is in memory (core/changes.py), so a poll for one of them that reaches a
+        # restarted sidecar reads NOT_FOUND once; tests of steady-state noise read from here.
+        self.log_mark = len(self.log()) if os.path.exists(self.log_path) else 0
         self.sidecar.start()
 
     def argv(self) -> list[str]:

@@ -1101,11 +1101,13 @@ def test_no_free_gpu_is_final_the_bridge_fails_at_once_without_retrying(short_tm
 
 
 class ScriptedListener:
-    """A bridge socket that answers each connection with the next scripted reply (then the last)."""
+    """A bridge socket that answers each connection with the next scripted reply (then the last).
+
+    ``requests`` holds what ``record`` makes of each request's bytes (the bytes themselves here)."""
 
     def __init__(self, path: str, replies: list[bytes]) -> None:
         self.replies = replies
-        self.requests: list[bytes] = []
+        self.requests: list[Any] = []
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(path)
         self.sock.listen(16)
@@ -1122,8 +1124,11 @@ class ScriptedListener:
                 data = b""
                 while chunk := conn.recv(65536):
                     data += chunk
-                self.requests.append(data)
+                self.requests.append(self.record(data))
                 conn.sendall(self.replies[min(len(self.requests), len(self.replies)) - 1])
+
+    def record(self, data: bytes) -> Any:
+        return data
 
     def close(self) -> None:
         self.sock.shutdown(socket.SHUT_RDWR)

@@ -44,6 +44,7 @@ from isolator.transport.client import DEADLINE_METADATA, deadline_metadata
 from isolator.transport.handlers import BRIDGE, GRPC, CallFacts, IsolatorHandlers
 from isolator.transport.server import SidecarServer
 from isolator.transport.settings import ServerSettings
+from system.test_bridge import ScriptedListener
 
 WAIT = 60.0
 
@@ -226,35 +227,12 @@ def test_a_malformed_deadline_header_is_refused_with_the_shape_expected(data, er
         frame(data)
 
 
-class Listener:
+class Listener(ScriptedListener):
     """A bridge socket that records each request's header with our clock's reading as it arrived,
     and answers each with the next scripted reply (then the last)."""
 
-    def __init__(self, path: str, replies: list[bytes]) -> None:
-        self.replies = replies
-        self.requests: list[tuple[float, bytes]] = []
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(path)
-        self.sock.listen(16)
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                data = b""
-                while chunk := conn.recv(65536):
-                    data += chunk
-                self.requests.append((time.monotonic(), data.partition(b"\n")[0]))
-                conn.sendall(self.replies[min(len(self.requests), len(self.replies)) - 1])
-
-    def close(self) -> None:
-        self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
+    def record(self, data: bytes) -> tuple[float, bytes]:
+        return time.monotonic(), data.partition(b"\n")[0]
 
 
 @pytest.fixture(params=["python", "c"])

@@ -646,7 +646,11 @@ class Agent:
                 self.port = free_port()
             self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
             self.stopped = False
-            self.proc = subprocess.Popen(self.argv(), stdout=self._log, stderr=subprocess.STDOUT, env=env)
+            # Under a reaper of the orphans below it, as an init that reaps at once (isolator/testing/
+            # reaper.py: this machine's PID 1 reaps them every ~2 s, and each container's destroy
+            # waits for its killed processes to be gone).
+            argv = [sys.executable, "-m", "isolator.testing.reaper", "--", *self.argv()]
+            self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
             try:
                 self.agent_id = _wait(f"agent {self.index} to register", self._registered, timeout, 0.2)
                 return

@@ -1,14 +1,22 @@
-"""Issue 33's stale prepare under the real agent: the sidecar stopped past the bridge's deadline.
+"""Issue 33's stale prepare under the real agent: the sidecar stopped past the caller's deadline.
 
-The agent's prepare (through our bridge, criteo's command module) gives up while the sidecar is
-stopped; the agent fails the task and runs cleanup, which waits for the sidecar; the sidecar is
-continued. Before, it ran that cleanup first and then the stale prepare, booking two GPUs for a
-container that no longer existed, so the next task asking for every GPU failed.
+The agent's prepare gives up while the sidecar is stopped; the agent fails the task and runs cleanup,
+which waits for the sidecar; the sidecar is continued. Before, it ran that cleanup first and then the
+stale prepare, booking two GPUs for a container that no longer existed, so the next task asking for
+every GPU failed. Through each route: criteo's command module running our bridge (which sends its
+absolute deadline in the bridge protocol) and our own module (which sends it as gRPC metadata,
+``gpu-isolator-deadline-ms``, beside gRPC's relative one that a stopped server would count afresh).
+On our module's route the stale Prepare never reaches a handler (seen in the sidecar's debug log): the
+module cancels the call at its deadline, and the continued sidecar reads the cancellation with the
+call. The absolute deadline is for a call read before the stop and queued behind others, which
+tests/system/test_stale_hooks.py makes happen; here what is asserted is what the agent and the next
+task see.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections.abc import Callable
@@ -18,6 +26,7 @@ from conftest import probe
 
 from isolator.bridge.command import TIMEOUT_ENV
 from isolator.testing.agent import Cluster
+from isolator.testing.sidecar import Sidecar
 
 
 def running(command: str) -> bool:
@@ -33,6 +42,24 @@ def running(command: str) -> bool:
         if command.encode() in argv:
             return True
     return False
+
+
+def stop(sidecar: Sidecar) -> int:
+    """SIGSTOP the sidecar (by the pid we started) and wait until every thread of it has stopped:
+    kill(2) returns before they all have, and a call read in that gap would be no stale call."""
+    assert sidecar.proc is not None
+    pid = sidecar.proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    until(lambda: all(_state(pid, t) == "T" for t in os.listdir(f"/proc/{pid}/task")), "the sidecar stopped")
+    return pid
+
+
+def _state(pid: int, task: str) -> str:
+    try:
+        with open(f"/proc/{pid}/task/{task}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "T"  # a thread that is gone runs nothing
 
 
 def until(predicate: Callable[[], bool], what: str, budget: float = 120.0) -> None:
@@ -72,5 +99,37 @@ def test_a_prepare_that_gave_up_while_the_sidecar_was_stopped_books_nothing(
         assert "not run: its caller's deadline passed" in settled(), settled()
         assert all(holder == "" for holder in agent.holders().values()), agent.holders()
         # Every GPU is free for the next task (the issue's gpus:7 failed here).
+        big = probe(cluster, gpus=8)
+        big.wait("TASK_FINISHED", timeout=120)
+
+
+def test_a_prepare_our_module_gave_up_on_while_the_sidecar_was_stopped_books_nothing(mesos_home: str) -> None:
+    cluster = Cluster(mesos_home, route="native")
+    cluster.module_params = {"prepare_timeout": "8secs"}
+    with cluster:
+        agent = cluster.agents[0]
+        sidecar = agent.sidecar
+        assert sidecar is not None
+        mark = len(agent.log())
+        pid = stop(sidecar)
+        try:
+            task = probe(cluster, gpus=2)
+            # The module gives up after 8 s and says so; the agent then destroys the container, whose
+            # cleanup (forwarded after the failed prepare, in order) waits for the sidecar.
+            until(
+                lambda: "gpu-isolator Prepare: DEADLINE_EXCEEDED" in agent.log()[mark:], "the module's prepare gave up"
+            )
+            until(lambda: "from PREPARING to DESTROYING" in agent.log()[mark:], "the agent destroying the container")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        update = task.wait("TASK_FAILED", timeout=120)
+        assert "gpu-isolator Prepare: DEADLINE_EXCEEDED: no answer from the sidecar" in update.message, update
+        assert "within 8secs" in update.message, update
+        task.wait_gone()
+        started = re.search(r"Starting container (\S+)", agent.log()[mark:])
+        assert started is not None
+        assert f"prepared container {started.group(1)}" not in sidecar.log()
+        assert all(holder == "" for holder in agent.holders().values()), agent.holders()
+        # Every GPU is free for the next task.
         big = probe(cluster, gpus=8)
         big.wait("TASK_FINISHED", timeout=120)

@@ -261,7 +261,7 @@ def part_agent(s: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
     import bench_agent
 
     quick = s["agent_tasks"] < 10  # --quick: a few tasks, one burst round, two XIDs
-    return bench_agent.measure(s["agent_tasks"], log=log, burst_rounds=1 if quick else 3, xid_rounds=2 if quick else 8)
+    return bench_agent.measure(s["agent_tasks"], log=log, burst_rounds=1 if quick else 3, xid_rounds=2 if quick else 40)
 
 
 RUNNERS: dict[str, Callable[[dict[str, Any], Callable[[str], None]], dict[str, Any]]] = {

@@ -18,7 +18,11 @@ agent on loopback per configuration (isolator/testing/agent.py), ``tasks`` comma
 Issue 36's goals, beside them: the native module's submit -> TASK_RUNNING within 10 ms of "none"
 and no slower than ``gpu-nvidia``; a burst of 8 ``gpus:1`` tasks submitted at once, the last RUNNING
 within 1.05x of "none" (median of ``burst_rounds`` rounds; the compiled bridge's ratio beside); an XID
-on a running task's GPU -> TASK_FAILED at the master, p99 <= 1 s (``xid_rounds`` rounds, native).
+on a running task's GPU -> TASK_FAILED at the master, p99 <= 1 s (``xid_rounds`` rounds, native, the
+GPU reset after each).
+
+Every agent runs under isolator/testing/reaper.py, which reaps orphans at once as systemd does: this
+machine's PID 1 takes about 2 s, and every container's destroy waits for its killed processes.
 
 Per configuration: submit -> TASK_RUNNING and submit -> TASK_FINISHED (median, p90), from
 mesos-execute's own output, read every few milliseconds. Per hook: the time the module spent on each
@@ -51,6 +55,7 @@ GOAL_PER_HOOK_MS = 5.0
 GOAL_NATIVE_OVER_NONE_MS = 10.0
 GOAL_BURST_RATIO = 1.05
 GOAL_XID_P99_S = 1.0
+GLOG_TIME = re.compile(r"^[IWE](\d{4})(\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6}) ")
 HOOK_LINE = re.compile(
     r"^[IWE](?:\d{4})?(\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6}) +\d+ \S+\] \[TASK=([^,\]]*), METHOD=(\w+)\] "
     r"(Calling command|Removing temp files)"
@@ -202,25 +207,58 @@ def burst(mesos_home: str, config: str, rounds: int, size: int = 8, log: Any = p
     return out
 
 
-def xid_latency(mesos_home: str, rounds: int, log: Any = print) -> list[float]:
-    """Seconds from an XID written to a running gpus:1 task's GPU to its TASK_FAILED at the master
-    (native route). Each round uses a GPU not yet marked unhealthy: at most 8 on the DGX-1."""
-    out = []
+def xid_latency(mesos_home: str, rounds: int, log: Any = print) -> dict[str, list[float]]:
+    """Per round, seconds from an XID written to a running gpus:1 task's GPU to the task's TASK_FAILED
+    at the master ("failed"), and to the agent logging our module's limitation ("limitation": the
+    sidecar's and the module's share; the rest is the agent destroying the container and sending the
+    update). Native route. After each round the GPU is reset (unbound and bound again, as an operator
+    would) and the next round starts once the sidecar holds it healthy, so rounds are not bounded by
+    the host's 8 GPUs."""
+    out: dict[str, list[float]] = {"failed": [], "limitation": []}
     with make_cluster(mesos_home, "native") as cluster:
-        sidecar = cluster.agents[0].sidecar
+        agent = cluster.agents[0]
+        sidecar = agent.sidecar
         assert sidecar is not None
-        for r in range(min(rounds, 8)):
+        for r in range(rounds):
             task = cluster.submit("sleep 600", gpus=1, name=f"xid-{r}")
             _wait_state(task.log_path, "TASK_RUNNING", task.name, 120)
             cid = task.container_id()
-            (index,) = [i for i, h in cluster.agents[0].holders().items() if h == cid]
+            (index,) = [i for i, h in agent.holders().items() if h == cid]
             injected = time.time()
             sidecar.sim.inject_xid(index, 79)
             task.wait("TASK_FAILED", timeout=60)
-            out.append(task.status_times()["TASK_FAILED"] - injected)
-            log(f"agent: xid round {r + 1}: TASK_FAILED after {out[-1] * 1000:.0f} ms")
+            out["failed"].append(task.status_times()["TASK_FAILED"] - injected)
+            limited = _logged_at(agent.log(), f"gpu-isolator: container {cid} met a limitation")
+            if limited is not None:
+                out["limitation"].append(limited - injected)
+            log(f"agent: xid round {r + 1}/{rounds}: TASK_FAILED after {out['failed'][-1] * 1000:.0f} ms")
             task.wait_gone(60)
+            sidecar.sim.unbind(index)
+            sidecar.sim.bind(index)
+            _wait_healthy(agent, index)
     return out
+
+
+def _logged_at(log: str, needle: str) -> float | None:
+    """time.time() of the first line of a glog log holding ``needle`` (local time, microseconds)."""
+    for line in log.splitlines():
+        if needle in line:
+            m = GLOG_TIME.match(line)
+            if m:
+                year, month, day, hh, mm, ss, us = (int(g) for g in m.groups())
+                return datetime.datetime(year, month, day, hh, mm, ss, us).timestamp()
+    return None
+
+
+def _wait_healthy(agent: Any, index: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        gpus = {int(g["index"]): g for g in agent.sidecar_json("gpus")["gpus"]}
+        if gpus[index]["healthy"]:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"GPU {index} not healthy again {timeout:g} s after its reset: {gpus[index]}")
+        time.sleep(0.1)
 
 
 def measure(
@@ -228,10 +266,10 @@ def measure(
     configs: tuple[str, ...] = CONFIGS,
     log: Any = print,
     burst_rounds: int = 3,
-    xid_rounds: int = 8,
+    xid_rounds: int = 40,
 ) -> dict[str, Any]:
     mesos_home = find_mesos_home()
-    out: dict[str, Any] = {"tasks": tasks, "mesos_home": mesos_home, "configs": {}, "burst": {}, "xid": []}
+    out: dict[str, Any] = {"tasks": tasks, "mesos_home": mesos_home, "configs": {}, "burst": {}, "xid": {}}
     for config in configs:
         log(f"agent: configuration {config}")
         try:
@@ -338,12 +376,20 @@ def render_goals(a: dict[str, Any]) -> list[str]:
     else:
         lines.append(f"   2. burst of 8: not measured ({burst_figures})")
     xid = a.get("xid")
-    if isinstance(xid, list) and xid:
-        p99 = _percentile(xid, 0.99)
+    failed = xid.get("failed") if isinstance(xid, dict) else None
+    if failed:
+        p99 = _percentile(failed, 0.99)
         verdict = "met" if p99 <= GOAL_XID_P99_S else "MISSED"
+        limited = xid.get("limitation") or []
+        ours = (
+            f"; of which XID -> the module's limitation in the agent's log: median"
+            f" {statistics.median(limited) * 1000:.0f} ms, p99 {_percentile(limited, 0.99) * 1000:.0f} ms"
+            if limited
+            else ""
+        )
         lines.append(
-            f"   3. XID -> TASK_FAILED over {len(xid)} rounds: median {statistics.median(xid) * 1000:.0f} ms,"
-            f" p99 {p99 * 1000:.0f} ms; goal p99 <= {GOAL_XID_P99_S * 1000:.0f} ms: {verdict}"
+            f"   3. XID -> TASK_FAILED over {len(failed)} rounds: median {statistics.median(failed) * 1000:.0f} ms,"
+            f" p99 {p99 * 1000:.0f} ms; goal p99 <= {GOAL_XID_P99_S * 1000:.0f} ms: {verdict}{ours}"
         )
     else:
         lines.append(f"   3. XID -> TASK_FAILED: not measured ({xid})")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
 import subprocess
 
@@ -38,23 +39,32 @@ class BuildError(Exception):
     """The compiled bridge cannot be built here: no compiler, no source, or the compiler failed."""
 
 
-def compiler(environ: dict[str, str] | None = None) -> str:
-    """``$CC`` (a bare name or a path, as make takes it), else gcc, found on ``$PATH``."""
+def compiler(environ: dict[str, str] | None = None) -> list[str]:
+    """``$CC`` split as a shell would (a bare name or a path, with its own arguments as make takes
+    them: ``CC="ccache gcc"``, ``CC="gcc -m64"``), else gcc; its program found on ``$PATH``."""
     env = os.environ if environ is None else environ
-    name = env.get("CC", "").strip() or "gcc"
-    found = shutil.which(name.split()[0], path=env.get("PATH", os.defpath))
+    text = env.get("CC", "").strip() or "gcc"
+    try:
+        words = shlex.split(text)
+    except ValueError as exc:
+        raise BuildError(f"CC={text!r} cannot be split into words: {exc}") from None
+    if not words:
+        words = ["gcc"]
+    found = shutil.which(words[0], path=env.get("PATH", os.defpath))
     if found is None:
-        raise BuildError(f"the C compiler '{name}' was not found on PATH (install gcc, or set CC)")
-    return found
+        raise BuildError(f"the C compiler '{words[0]}' was not found on PATH (install gcc, or set CC)")
+    return [found, *words[1:]]
 
 
 def build(output: str, environ: dict[str, str] | None = None) -> str:
-    """Compile bridge.c into ``output`` (written whole or not at all); returns the compiler used."""
+    """Compile bridge.c into ``output`` (written whole or not at all); returns the compiler used (its
+    command line)."""
     if not os.path.isfile(SOURCE):
         raise BuildError(f"the bridge's source '{SOURCE}' is not installed with this package")
-    cc = compiler(environ)
+    command = compiler(environ)
+    cc = " ".join(command)
     partial = f"{output}.tmp{os.getpid()}"
-    argv = [cc, *CFLAGS, f'-DBRIDGE_VERSION="{__version__}"', "-o", partial, SOURCE]
+    argv = [*command, *CFLAGS, f'-DBRIDGE_VERSION="{__version__}"', "-o", partial, SOURCE]
     try:
         result = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=environ)
     except (OSError, subprocess.TimeoutExpired) as exc:

@@ -218,6 +218,16 @@ def _nvidia_gpu_devices(value: Any) -> tuple[int, ...]:
     return items
 
 
+def _ids(value: Any) -> tuple[int, ...]:
+    # uids and gids are unsigned 32-bit; (uid_t)-1 means "no id" to the kernel's calls and is no
+    # caller's id (a peer's SO_PEERCRED never reads it).
+    items = _int_list(value)
+    for n in items:
+        if not 0 <= n < 2**32 - 1:
+            raise ValueError(f"{n} is not a user or group id (0 to {2**32 - 2})")
+    return items
+
+
 def _shared_gpus(value: Any) -> tuple[ShareSpec, ...]:
     try:
         return parse_shared_gpus(value)
@@ -265,8 +275,8 @@ PARSERS: dict[str, Any] = {
     "log_format": _choice(LOG_FORMATS),
     "metrics_address": _text,
     "job_mapping_dir": _text,
-    "allowed_uids": _int_list,
-    "allowed_gids": _int_list,
+    "allowed_uids": _ids,
+    "allowed_gids": _ids,
     "cdi_dir": _text,
     "cdi_kind": _cdi_kind,
     "cpu_affinity": _choice(CPU_AFFINITY),

@@ -51,6 +51,19 @@ def test_nvidia_gpu_devices_flag_is_a_list_of_indices():
         resolve("--nvidia-gpu-devices", "-1")
 
 
+@pytest.mark.parametrize("key", ["allowed_uids", "allowed_gids"])
+def test_allowed_ids_are_user_or_group_ids_in_the_file_and_on_the_command_line(tmp_path, key):
+    flag = "--" + key.replace("_", "-")
+    assert getattr(resolve(flag, "0,65534,4294967294"), key) == (0, 65534, 4294967294)
+    for bad in ("-5", "4294967295", "4294967296"):
+        with pytest.raises(ConfigError, match=f"{bad} is not a user or group id"):
+            resolve(flag, bad)
+    path = tmp_path / "ids.toml"
+    path.write_text(f"{key} = [0, -5]\n")
+    with pytest.raises(ConfigError, match="-5 is not a user or group id"):
+        resolve("--config", str(path))
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -50,12 +50,21 @@ def text_value(raw: str) -> str:
     return text or "unknown"
 
 
+def model_text(raw: str) -> str:
+    """A GPU model name as ``gpu_model``'s text: ``text_value``, and ``gpu-`` before one that Mesos
+    would read as a number or refuse (``1080``, ``1e5``, ``inf``): the attribute's type must not
+    depend on the model, or a framework's constraint on it breaks on some nodes."""
+    text = text_value(raw)
+    return text if mesos_type(text) == "text" else f"gpu-{text}"
+
+
 def attributes(records: Sequence[GpuRecord], driver_version: str, cuda_version: str) -> list[tuple[str, str]]:
     """(name, value) in a fixed order. With no GPUs only ``gpu_count:0``.
 
     * ``gpu_count``: the GPUs this sidecar manages (scalar);
-    * ``gpu_model``: their model as text, or ``mixed`` when they differ: the allocator, not the
-      framework, chooses which GPUs a task gets, so on a mixed node no model can be promised;
+    * ``gpu_model``: their model as text (``model_text``), or ``mixed`` when they differ: the
+      allocator, not the framework, chooses which GPUs a task gets, so on a mixed node no model can
+      be promised;
     * ``gpu_memory_mib``: the smallest GPU's memory in MiB (scalar): what any task can count on;
     * ``gpu_mig_capable``: ``true``, ``false`` or ``mixed``;
     * ``nvidia_driver``: the driver version as NVML reports it (``535.104.05``, text; a two-part
@@ -66,7 +75,7 @@ def attributes(records: Sequence[GpuRecord], driver_version: str, cuda_version: 
     out: list[tuple[str, str]] = [("gpu_count", str(len(records)))]
     if not records:
         return out
-    models = sorted({text_value(r.gpu.name) for r in records})
+    models = sorted({model_text(r.gpu.name) for r in records})
     out.append(("gpu_model", models[0] if len(models) == 1 else MIXED))
     memory = min(r.gpu.memory_total for r in records) // 2**20
     out.append(("gpu_memory_mib", str(memory)))

@@ -67,6 +67,16 @@ def test_a_model_name_becomes_text_in_mesos_alphabet_without_losing_its_words(nv
     assert attrs.TEXT_ALPHABET.fullmatch(text) and attrs.mesos_type(text) == "text"
 
 
+@pytest.mark.parametrize(
+    ("nvml_name", "text"), [("1080", "gpu-1080"), ("1e5", "gpu-1e5"), ("-5", "gpu-5"), ("inf", "gpu-inf"), ("A1", "A1")]
+)
+def test_a_model_name_that_mesos_would_read_as_a_number_stays_text(nvml_name, text):
+    pairs = attrs.attributes([_record(0, nvml_name, 1024)], "550.54.15", "12.4")
+    assert dict(pairs)["gpu_model"] == text
+    assert attrs.typed(pairs)["gpu_model"] == text
+    attrs.render(pairs)
+
+
 def _record(index: int, name: str, mib: int, mig: bool = False) -> GpuRecord:
     gpu = Gpu(index=index, minor=index, uuid=f"GPU-{index}", name=name, memory_total=mib * 2**20)
     return GpuRecord(gpu=gpu, mig_capable=mig)

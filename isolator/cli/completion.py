@@ -55,6 +55,13 @@ def _options(parser: argparse.ArgumentParser) -> list[str]:
     return sorted(s for a in parser._actions for s in a.option_strings if s.startswith("--") or len(s) == 2)
 
 
+def _takes_a_path(parser: argparse.ArgumentParser) -> bool:
+    """Whether ``parser`` has a positional argument that is a path (and no subcommands)."""
+    return not _subcommands(parser) and any(
+        not a.option_strings and a.dest in PATH_DESTS and a.nargs != 0 for a in parser._actions
+    )
+
+
 def bash(parser: argparse.ArgumentParser, prog: str = "gpu-isolator") -> str:
     """A bash completion script: commands, each command's flags, the choices of flags that have
     them (``-o json|yaml|wide``, ``--mode``...) and file names after flags that take a path."""
@@ -98,6 +105,13 @@ def bash(parser: argparse.ArgumentParser, prog: str = "gpu-isolator") -> str:
         sub = _parser_at(parser, path)
         words = " ".join([*_subcommands(sub), *_options(sub)])
         key = "/" + "/".join(path) if path else ""
+        if _takes_a_path(sub):
+            # A positional path (``config check FILE``): file names, and the flags once "-" is typed.
+            lines.append(
+                f'        "{key}") if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "{words}" -- "$cur"));'
+                ' else COMPREPLY=($(compgen -f -- "$cur")); fi ;;'
+            )
+            continue
         lines.append(f'        "{key}") COMPREPLY=($(compgen -W "{words}" -- "$cur")) ;;')
     lines += ["    esac", "}", f"complete -o default -F {func} {prog}", ""]
     return "\n".join(lines)

@@ -179,6 +179,14 @@ def test_completion_offers_a_commands_flags_and_a_flags_choices(script):
     assert "--format" in _complete(script, ["gpu-isolator", "cdi", "generate", "--f"])
 
 
+def test_completion_offers_file_names_where_a_command_takes_a_path_and_flags_after_a_dash(script, tmp_path):
+    (tmp_path / "sidecar.toml").write_text("")
+    (tmp_path / "sidecar.d").mkdir()
+    offered = _complete(script, ["gpu-isolator", "config", "check", str(tmp_path / "side")])
+    assert sorted(offered) == [str(tmp_path / "sidecar.d"), str(tmp_path / "sidecar.toml")]
+    assert _complete(script, ["gpu-isolator", "config", "check", "--h"]) == ["--help"]
+
+
 def test_completion_offers_file_names_after_a_flag_that_takes_a_path(script, tmp_path):
     (tmp_path / "isolator.sock").touch()
     offered = _complete(script, ["gpu-isolator", "gpus", "--socket", str(tmp_path / "iso")])

@@ -22,13 +22,18 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from isolator.cgroups import bpf
+from isolator.daemon.crashpoints import ENV
 from isolator.errors import BpfError
+from isolator.rpc import isolator_pb2 as pb
+from isolator.rpc import isolator_pb2_grpc as pb_grpc
 from isolator.testing import forkserver
+from isolator.testing.mesos import Containerizer, GrpcIsolator, HookFailed, container_id
 from isolator.testing.sidecar import TEST_PARENT, Sidecar
 from isolator.transport.server import socket_is_live
 
@@ -283,3 +288,53 @@ def quick_sidecar(
     finally:
         sidecar.stop()
         shutil.rmtree(work, ignore_errors=True)
+
+
+@dataclass
+class Recovered:
+    """A sidecar restarted after a SIGKILL at a crash point, recovered as the agent does."""
+
+    isolator: GrpcIsolator  # reconnected to the restarted daemon
+    containerizer: Containerizer
+    admin: pb_grpc.AdminStub
+    listed: list[str]  # the containers the sidecar lists after recovery
+
+
+@contextlib.contextmanager
+def killed_and_recovered(
+    host: str, cgroup_version: str, point: str, config: Any, extra: tuple[str, ...] = ()
+) -> Iterator[Recovered]:
+    """The crash tests' common part: container "crashy" prepared (``config(containerizer)``) and
+    cleaned up with the daemon set to die at ``point``; the daemon must die there. It is started again
+    and Recover called, as the agent does; then the records and the kernel must agree (the
+    consistency health check), and a "crashy" still listed has rules that agree with its record.
+    The caller checks what is particular to its resource (nothing lost, nothing granted twice)."""
+    with quick_sidecar(host, cgroup_version, extra=extra, env={ENV: f"{point}:1"}) as sidecar:
+        isolator = GrpcIsolator(sidecar.socket)
+        containerizer = Containerizer(isolator, sidecar.work)
+        crashy = container_id("crashy")
+        try:
+            isolator.prepare(crashy, config(containerizer))
+            isolator.cleanup(crashy)
+        except HookFailed:
+            pass
+        assert sidecar.died(timeout=10) is not None, f"the daemon did not die at {point}"
+        sidecar.env = {}
+        sidecar.start()
+        isolator.__init__(sidecar.socket)
+        isolator.recover([], [])
+        channel = grpc.insecure_channel(sidecar.address)
+        admin = pb_grpc.AdminStub(channel)
+        try:
+            health = {c.name: (c.ok, c.detail) for c in admin.Health(pb.HealthRequest(), timeout=10).checks}
+            assert health["consistency"][0], health["consistency"][1]
+            listed = [c.id for c in admin.ListContainers(pb.ListContainersRequest(), timeout=10).containers]
+            if "crashy" in listed:
+                described = admin.DescribeContainer(
+                    pb.DescribeContainerRequest(container_id=pb.ContainerID(value="crashy")), timeout=10
+                )
+                assert described.rules_agree, described
+            yield Recovered(isolator, containerizer, admin, listed)
+        finally:
+            channel.close()
+            isolator.close()

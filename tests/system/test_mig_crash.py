@@ -8,14 +8,11 @@ held by the crashed container or free, never lost.
 
 from __future__ import annotations
 
-import grpc
 import pytest
-from invariants import quick_sidecar
+from invariants import killed_and_recovered
 
-from isolator.daemon.crashpoints import ENV
 from isolator.rpc import isolator_pb2 as pb
-from isolator.rpc import isolator_pb2_grpc as pb_grpc
-from isolator.testing.mesos import Containerizer, GrpcIsolator, HookFailed, container_id
+from isolator.testing.mesos import Containerizer, container_id
 
 pytestmark = [pytest.mark.root]
 VERSIONS = [pytest.param("v1", marks=pytest.mark.cgroup_v1), pytest.param("v2", marks=pytest.mark.cgroup_v2)]
@@ -31,39 +28,16 @@ def mig_config(containerizer: Containerizer) -> dict:
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("point", POINTS)
 def test_mig_holder_survives_a_kill_at(point, version):
-    with quick_sidecar("dgx-a100", version, env={ENV: f"{point}:1"}) as sidecar:
-        isolator = GrpcIsolator(sidecar.socket)
-        containerizer = Containerizer(isolator, sidecar.work)
-        cid = container_id("crashy")
-        try:
-            isolator.prepare(cid, mig_config(containerizer))
-            isolator.cleanup(cid)
-        except HookFailed:
-            pass
-        assert sidecar.died(timeout=10) is not None, f"the daemon did not die at {point}"
-        sidecar.env = {}
-        sidecar.start()
-        isolator.__init__(sidecar.socket)
-        isolator.recover([], [])
-        channel = grpc.insecure_channel(sidecar.address)
-        admin = pb_grpc.AdminStub(channel)
-        try:
-            health = {c.name: (c.ok, c.detail) for c in admin.Health(pb.HealthRequest(), timeout=10).checks}
-            assert health["consistency"][0], health["consistency"][1]
-            holders = [m.holder for g in admin.ListGpus(pb.ListGpusRequest(), timeout=10).gpus for m in g.mig_devices]
-            listed = [c.id for c in admin.ListContainers(pb.ListContainersRequest(), timeout=10).containers]
-            assert set(h for h in holders if h) <= {"crashy"} and holders.count("crashy") == listed.count("crashy")
-            if "crashy" in listed:
-                described = admin.DescribeContainer(
-                    pb.DescribeContainerRequest(container_id=pb.ContainerID(value="crashy")), timeout=10
-                )
-                assert described.rules_agree, described
-                assert len(described.container.mig_uuids) == 1
-            isolator.cleanup(cid)
-            # Nothing leaked: the only 1g.10gb goes to the next container.
-            again = container_id("after")
-            isolator.prepare(again, mig_config(containerizer))
-            isolator.cleanup(again)
-        finally:
-            channel.close()
-            isolator.close()
+    with killed_and_recovered("dgx-a100", version, point, mig_config) as after:
+        holders = [m.holder for g in after.admin.ListGpus(pb.ListGpusRequest(), timeout=10).gpus for m in g.mig_devices]
+        assert set(h for h in holders if h) <= {"crashy"} and holders.count("crashy") == after.listed.count("crashy")
+        if "crashy" in after.listed:
+            described = after.admin.DescribeContainer(
+                pb.DescribeContainerRequest(container_id=pb.ContainerID(value="crashy")), timeout=10
+            )
+            assert len(described.container.mig_uuids) == 1
+        after.isolator.cleanup(container_id("crashy"))
+        # Nothing leaked: the only 1g.10gb goes to the next container.
+        again = container_id("after")
+        after.isolator.prepare(again, mig_config(after.containerizer))
+        after.isolator.cleanup(again)

@@ -9,14 +9,10 @@ cleaned up, exactly two one-share containers fit again and a third is refused.
 
 from __future__ import annotations
 
-import grpc
 import pytest
-from invariants import quick_sidecar
+from invariants import killed_and_recovered
 
-from isolator.daemon.crashpoints import ENV
-from isolator.rpc import isolator_pb2 as pb
-from isolator.rpc import isolator_pb2_grpc as pb_grpc
-from isolator.testing.mesos import Containerizer, GrpcIsolator, HookFailed, container_id
+from isolator.testing.mesos import Containerizer, HookFailed, container_id
 
 pytestmark = [pytest.mark.root]
 VERSIONS = [pytest.param("v1", marks=pytest.mark.cgroup_v1), pytest.param("v2", marks=pytest.mark.cgroup_v2)]
@@ -40,41 +36,14 @@ def share_config(containerizer: Containerizer, n: int = 1) -> dict:
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("point", POINTS)
 def test_a_sharer_survives_a_kill_at(point, version):
-    extra = ("--shared-gpus", "4:2:mps")
-    with quick_sidecar("dgx-1", version, extra=extra, env={ENV: f"{point}:1"}) as sidecar:
-        isolator = GrpcIsolator(sidecar.socket)
-        containerizer = Containerizer(isolator, sidecar.work)
-        crashy = container_id("crashy")
-        try:
-            isolator.prepare(crashy, share_config(containerizer))
-            isolator.cleanup(crashy)
-        except HookFailed:
-            pass
-        assert sidecar.died(timeout=10) is not None, f"the daemon did not die at {point}"
-        sidecar.env = {}
-        sidecar.start()
-        isolator.__init__(sidecar.socket)
-        isolator.recover([], [])
-        channel = grpc.insecure_channel(sidecar.address)
-        admin = pb_grpc.AdminStub(channel)
-        try:
-            health = {c.name: (c.ok, c.detail) for c in admin.Health(pb.HealthRequest(), timeout=10).checks}
-            assert health["consistency"][0], health["consistency"][1]
-            listed = [c.id for c in admin.ListContainers(pb.ListContainersRequest(), timeout=10).containers]
-            if "crashy" in listed:
-                described = admin.DescribeContainer(
-                    pb.DescribeContainerRequest(container_id=pb.ContainerID(value="crashy")), timeout=10
-                )
-                assert described.rules_agree, described
-            isolator.cleanup(crashy)
-            # Nothing leaked and nothing doubled: GPU 4's two shares, and no third.
-            for name in ("one", "two"):
-                isolator.prepare(container_id(name), share_config(containerizer))
-            with pytest.raises(HookFailed) as err:
-                isolator.prepare(container_id("three"), share_config(containerizer))
-            assert err.value.code == "RESOURCE_EXHAUSTED", err.value
-            for name in ("one", "two"):
-                isolator.cleanup(container_id(name))
-        finally:
-            channel.close()
-            isolator.close()
+    with killed_and_recovered("dgx-1", version, point, share_config, extra=("--shared-gpus", "4:2:mps")) as after:
+        isolator = after.isolator
+        isolator.cleanup(container_id("crashy"))
+        # Nothing leaked and nothing doubled: GPU 4's two shares, and no third.
+        for name in ("one", "two"):
+            isolator.prepare(container_id(name), share_config(after.containerizer))
+        with pytest.raises(HookFailed) as err:
+            isolator.prepare(container_id("three"), share_config(after.containerizer))
+        assert err.value.code == "RESOURCE_EXHAUSTED", err.value
+        for name in ("one", "two"):
+            isolator.cleanup(container_id(name))

@@ -167,6 +167,10 @@ class Framework:
                 self._handle(event)
         except (OSError, ValueError, RuntimeError):
             return  # the master closed the stream (teardown) or refused a call: no more events
+        except AttributeError:
+            # http.client's reader, when close() took its file from under it (teardown).
+            if not self._closing:
+                raise
 
     def _handle(self, event: dict[str, Any]) -> None:
         kind = event.get("type")

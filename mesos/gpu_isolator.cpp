@@ -308,11 +308,14 @@ public:
   {
     v1::StatusRequest request;
     *request.mutable_container_id() = contractId(containerId);
-    // The sidecar's answer (GPU UUIDs, state) has no place in Mesos's ContainerStatus: the call
-    // says that the sidecar knows the container, and its failure is logged by the containerizer.
-    return forward("Status", stringify(containerId), &v1::Isolator::Stub::PrepareAsyncStatus,
-                   request, settings.status_timeout)
-      .then([]() { return ContainerStatus(); });
+    // The sidecar's answer (GPU UUIDs, state) has no place in Mesos's ContainerStatus, so the agent
+    // is answered at once and the call goes on without it: the agent asks on every status update of
+    // the container, and waiting would hold each update (TASK_RUNNING's too) for a round trip, and
+    // for up to status_timeout while the sidecar is away. The call still says whether the sidecar
+    // knows the container: a failure is logged by `attempt`, as the containerizer would have.
+    forward("Status", stringify(containerId), &v1::Isolator::Stub::PrepareAsyncStatus,
+            request, settings.status_timeout);
+    return ContainerStatus();
   }
 
   Future<Nothing> cleanup(const ContainerID& containerId)

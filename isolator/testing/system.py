@@ -146,6 +146,7 @@ class ManualClock:
         self._wall = start
         self._mono = 1000.0
         self.slept = 0.0
+        self.sleeps: list[float] = []  # each sleep asked for, in order
 
     def time(self) -> float:
         with self._lock:
@@ -159,6 +160,7 @@ class ManualClock:
         self.advance(seconds)
         with self._lock:
             self.slept += seconds
+            self.sleeps.append(seconds)
 
     def advance(self, seconds: float) -> None:
         with self._lock:

@@ -12,12 +12,13 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import stat
 import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import assert_sees_exactly, gpu_rules, opened_gpus, probe, probe_command
+from conftest import assert_sees_exactly, gpu_rules, opened_gpus, probe, probe_command, stop_sidecar
 
 from isolator.testing.agent import Cluster, Task, devices_hierarchy, read_lines
 from isolator.testing.grpcproxy import GrpcProxy
@@ -349,6 +350,34 @@ def test_an_xid_ends_the_task_without_a_watch_poll(route: str, clusters: dict[st
     # Reported, not asserted (timing goals live in `make bench`): XID -> TASK_FAILED at the master.
     print(f"XID -> TASK_FAILED: {task.status_times()['TASK_FAILED'] - injected:.3f} s ({route})")
     task.wait_gone()
+
+
+# ---- status: the agent's status updates never wait for the sidecar ---------------------------------
+
+
+def test_a_stopped_sidecar_does_not_hold_a_tasks_status_updates(mesos_home: str, gate_dir: str) -> None:
+    # The agent asks every isolator for the container's status on each status update and waits for
+    # all of them. Our module answers at once (nothing of the sidecar's answer goes into Mesos's
+    # ContainerStatus) and lets the call go on: with status_timeout at 10 minutes, a module that
+    # waited would hold this TASK_FINISHED for 10 minutes while the sidecar is stopped.
+    go = os.path.join(gate_dir, "finish")
+    cluster = Cluster(mesos_home, route="native", sidecar_flags=NO_REAPER)
+    cluster.module_params = {"status_timeout": "10mins"}
+    with cluster:
+        agent = cluster.agents[0]
+        assert agent.sidecar is not None
+        task = cluster.submit(f"while [ ! -e {go} ]; do sleep 0.05; done", gpus=1, name="held-status")
+        task.wait("TASK_RUNNING")
+        pid = stop_sidecar(agent.sidecar)
+        try:
+            open(go, "w").close()
+            task.wait("TASK_FINISHED", timeout=60)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(go)
+        task.wait_gone()
+        _free(cluster)
 
 
 # ---- the sidecar restarts under a running agent -------------------------------------------------

@@ -22,11 +22,10 @@ import time
 from collections.abc import Callable
 
 import pytest
-from conftest import probe
+from conftest import probe, stop_sidecar
 
 from isolator.bridge.command import TIMEOUT_ENV
 from isolator.testing.agent import Cluster
-from isolator.testing.sidecar import Sidecar
 
 
 def running(command: str) -> bool:
@@ -42,24 +41,6 @@ def running(command: str) -> bool:
         if command.encode() in argv:
             return True
     return False
-
-
-def stop(sidecar: Sidecar) -> int:
-    """SIGSTOP the sidecar (by the pid we started) and wait until every thread of it has stopped:
-    kill(2) returns before they all have, and a call read in that gap would be no stale call."""
-    assert sidecar.proc is not None
-    pid = sidecar.proc.pid
-    os.kill(pid, signal.SIGSTOP)
-    until(lambda: all(_state(pid, t) == "T" for t in os.listdir(f"/proc/{pid}/task")), "the sidecar stopped")
-    return pid
-
-
-def _state(pid: int, task: str) -> str:
-    try:
-        with open(f"/proc/{pid}/task/{task}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "T"  # a thread that is gone runs nothing
 
 
 def until(predicate: Callable[[], bool], what: str, budget: float = 120.0) -> None:
@@ -111,7 +92,7 @@ def test_a_prepare_our_module_gave_up_on_while_the_sidecar_was_stopped_books_not
         sidecar = agent.sidecar
         assert sidecar is not None
         mark = len(agent.log())
-        pid = stop(sidecar)
+        pid = stop_sidecar(sidecar)
         try:
             task = probe(cluster, gpus=2)
             # The module gives up after 8 s and says so; the agent then destroys the container, whose

@@ -453,7 +453,8 @@ def render_goals(a: dict[str, Any]) -> list[str]:
     else:
         lines.append(f"   2. burst of 8: not measured ({burst_figures})")
     xid = a.get("xid")
-    failed = xid.get("failed") if isinstance(xid, dict) else None
+    xid = xid if isinstance(xid, dict) else {"error": xid}
+    failed = xid.get("failed")
     if failed:
         p99 = _percentile(failed, 0.99)
         verdict = "met" if p99 <= GOAL_XID_P99_S else "MISSED"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -112,6 +113,25 @@ class Sidecar:
         with open(self.log_path) as fh:
             return fh.read()[-4000:]
 
+    @contextlib.contextmanager
+    def frozen(self, timeout: float = 30) -> Iterator[None]:
+        """The daemon stopped (SIGSTOP, by the pid we started) for the block, then continued.
+
+        kill(2) returns before every thread has stopped, and a request sent in that gap could still
+        be read and started in time (no stale call): the block starts once each thread is stopped."""
+        assert self.proc is not None
+        pid = self.proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + timeout
+            while not all(_thread_state(pid, task) == "T" for task in os.listdir(f"/proc/{pid}/task")):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the sidecar (pid {pid}) did not stop within {timeout:g} s")
+                time.sleep(0.01)
+            yield
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
     def kill(self) -> None:
         """SIGKILL: a crash, nothing cleaned."""
         if self.proc is not None and self.proc.poll() is None:
@@ -150,6 +170,15 @@ class Sidecar:
         for parent in self.cpuset_parents:
             if parent != self.cgroup_parent and f"/{TEST_PARENT}/" in parent:
                 remove_cgroup_tree(parent)
+
+
+def _thread_state(pid: int, task: str) -> str:
+    """A thread's state letter from /proc (``T``: stopped by a signal); "T" for one that is gone."""
+    try:
+        with open(f"/proc/{pid}/task/{task}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "T"
 
 
 def wait_for_listener(

@@ -13,8 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,7 +31,6 @@ from isolator.testing.agent import (
     native_module,
 )
 from isolator.testing.cgroupfs import cgroup_mount
-from isolator.testing.sidecar import Sidecar
 
 PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe.py")
 CONTROL = {"nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"}
@@ -140,28 +137,6 @@ def probe(cluster: Cluster, gpus: int, seconds: float = 0, agent: int = 0, **kw:
     its container and run our cleanup (docs/mesos-agent.md, section 7)."""
     devdir = cluster.agents[agent].sidecar.dev_root  # type: ignore[union-attr]
     return cluster.submit(f"python3 {PROBE} {devdir} {seconds:g}", gpus=gpus, **kw)
-
-
-def stop_sidecar(sidecar: Sidecar, timeout: float = 30) -> int:
-    """SIGSTOP the sidecar (by the pid we started) and wait until every thread of it has stopped
-    (kill(2) returns before they all have, and a call read in that gap would still be served); its pid,
-    for the SIGCONT."""
-    assert sidecar.proc is not None
-    pid = sidecar.proc.pid
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + timeout
-    while not all(_thread_state(pid, t) == "T" for t in os.listdir(f"/proc/{pid}/task")):
-        assert time.monotonic() < deadline, "the sidecar did not stop"
-        time.sleep(0.01)
-    return pid
-
-
-def _thread_state(pid: int, task: str) -> str:
-    try:
-        with open(f"/proc/{pid}/task/{task}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "T"  # a thread that is gone runs nothing
 
 
 def seen(stdout: str) -> dict[str, str]:

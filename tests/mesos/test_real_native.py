@@ -12,13 +12,12 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import stat
 import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import assert_sees_exactly, gpu_rules, opened_gpus, probe, probe_command, stop_sidecar
+from conftest import assert_sees_exactly, gpu_rules, opened_gpus, probe, probe_command
 
 from isolator.testing.agent import Cluster, Task, devices_hierarchy, read_lines
 from isolator.testing.grpcproxy import GrpcProxy
@@ -368,12 +367,11 @@ def test_a_stopped_sidecar_does_not_hold_a_tasks_status_updates(mesos_home: str,
         assert agent.sidecar is not None
         task = cluster.submit(f"while [ ! -e {go} ]; do sleep 0.05; done", gpus=1, name="held-status")
         task.wait("TASK_RUNNING")
-        pid = stop_sidecar(agent.sidecar)
         try:
-            open(go, "w").close()
-            task.wait("TASK_FINISHED", timeout=60)
+            with agent.sidecar.frozen():
+                open(go, "w").close()
+                task.wait("TASK_FINISHED", timeout=60)
         finally:
-            os.kill(pid, signal.SIGCONT)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(go)
         task.wait_gone()

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import time
 from collections.abc import Callable
 
 import pytest
-from conftest import probe, stop_sidecar
+from conftest import probe
 
 from isolator.bridge.command import TIMEOUT_ENV
 from isolator.testing.agent import Cluster
@@ -60,13 +59,10 @@ def test_a_prepare_that_gave_up_while_the_sidecar_was_stopped_books_nothing(
         sidecar = agent.sidecar
         assert sidecar is not None and sidecar.proc is not None
         cleanup = os.path.join(agent.bin_dir, "gpu-isolator-cleanup")
-        os.kill(sidecar.proc.pid, signal.SIGSTOP)
-        try:
+        with sidecar.frozen():
             task = probe(cluster, gpus=2)
             # The prepare gives up (exit 4), the agent destroys the container: its cleanup waits for us.
             until(lambda: running(cleanup), "the agent's cleanup after the failed prepare")
-        finally:
-            os.kill(sidecar.proc.pid, signal.SIGCONT)
         update = task.wait("TASK_FAILED", timeout=120)
         assert "no answer from the sidecar" in update.message, update
         task.wait_gone()
@@ -92,8 +88,7 @@ def test_a_prepare_our_module_gave_up_on_while_the_sidecar_was_stopped_books_not
         sidecar = agent.sidecar
         assert sidecar is not None
         mark = len(agent.log())
-        pid = stop_sidecar(sidecar)
-        try:
+        with sidecar.frozen():
             task = probe(cluster, gpus=2)
             # The module gives up after 8 s and says so; the agent then destroys the container, whose
             # cleanup (forwarded after the failed prepare, in order) waits for the sidecar.
@@ -101,15 +96,14 @@ def test_a_prepare_our_module_gave_up_on_while_the_sidecar_was_stopped_books_not
                 lambda: "gpu-isolator Prepare: DEADLINE_EXCEEDED" in agent.log()[mark:], "the module's prepare gave up"
             )
             until(lambda: "from PREPARING to DESTROYING" in agent.log()[mark:], "the agent destroying the container")
-        finally:
-            os.kill(pid, signal.SIGCONT)
         update = task.wait("TASK_FAILED", timeout=120)
         assert "gpu-isolator Prepare: DEADLINE_EXCEEDED: no answer from the sidecar" in update.message, update
         assert "within 8secs" in update.message, update
         task.wait_gone()
         started = re.search(r"Starting container (\S+)", agent.log()[mark:])
         assert started is not None
-        assert f"prepared container {started.group(1)}" not in sidecar.log()
+        with open(sidecar.log_path) as fh:  # the whole log (Sidecar.log() is its tail)
+            assert f"prepared container {started.group(1)}" not in fh.read()
         assert all(holder == "" for holder in agent.holders().values()), agent.holders()
         # Every GPU is free for the next task.
         big = probe(cluster, gpus=8)

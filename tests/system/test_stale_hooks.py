@@ -15,17 +15,15 @@ The first part runs in-process (no root); the second freezes a real daemon on a 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
-import signal
 import socket
 import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -304,30 +302,6 @@ def sidecar():
         yield daemon
 
 
-@contextlib.contextmanager
-def frozen(daemon: Sidecar) -> Iterator[None]:
-    """The daemon stopped (SIGSTOP, by the pid we started) for the block, then continued."""
-    assert daemon.proc is not None
-    pid = daemon.proc.pid
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        # kill(2) returns before every thread has stopped: a request sent before then could still be
-        # read and started in time, which is no stale call.
-        until(lambda: all(state(pid, task) == "T" for task in os.listdir(f"/proc/{pid}/task")), "the daemon stopped")
-        yield
-    finally:
-        os.kill(daemon.proc.pid, signal.SIGCONT)
-
-
-def state(pid: int, task: str) -> str:
-    """A thread's state letter from /proc (``T``: stopped by a signal); "T" for one that is gone."""
-    try:
-        with open(f"/proc/{pid}/task/{task}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "T"
-
-
 def holdings(daemon: Sidecar) -> dict[str, list[int]]:
     with grpc.insecure_channel(daemon.address) as channel:
         listed = pb_grpc.AdminStub(channel).ListContainers(pb.ListContainersRequest(), timeout=WAIT)
@@ -400,7 +374,7 @@ def test_the_issues_story_a_bridge_prepare_that_gave_up_while_the_sidecar_was_st
     name = f"story-{os.urandom(3).hex()}"
     quick, patient = bridges(1.0), bridges(WAIT)
     body = {"container_id": container_id(name), "container_config": mesos_config(sidecar, 2)}
-    with frozen(sidecar):
+    with sidecar.frozen():
         status, _, err = run_bridge(quick, "prepare", body)
         assert status == 4 and "no answer from the sidecar" in err, err  # EXIT_DEADLINE, as the agent saw
         cleanup, cleaned = in_background(lambda: run_bridge(patient, "cleanup", {"container_id": container_id(name)}))
@@ -425,7 +399,7 @@ def test_a_bridge_prepare_read_after_its_callers_deadline_is_answered_deadline_e
     reaches the sidecar, which refuses the call it reads too late."""
     name = f"late-{os.urandom(3).hex()}"
     body = {"container_id": container_id(name), "container_config": mesos_config(sidecar, 2)}
-    with frozen(sidecar):
+    with sidecar.frozen():
         status, _, err = run_bridge(bridges(1.0), "prepare", body)
     assert status == 4, err
     outcome = settled(sidecar, name)
@@ -446,7 +420,7 @@ def test_a_grpc_prepare_that_gave_up_while_the_sidecar_was_stopped_books_nothing
     with grpc.insecure_channel(sidecar.address) as channel:
         stub = pb_grpc.IsolatorStub(channel)
         grpc_prepare(stub, f"warm-{name}", mesos_config(sidecar, 0), WAIT).result()  # the connection is up
-        with frozen(sidecar):
+        with sidecar.frozen():
             late = grpc_prepare(stub, name, mesos_config(sidecar, 2), 1.0)
             with pytest.raises(grpc.RpcError) as gave_up:
                 late.result()
@@ -499,7 +473,7 @@ def test_a_cleanup_that_overtakes_its_containers_queued_prepare_leaves_nothing_b
         stub = pb_grpc.IsolatorStub(channel)
         grpc_prepare(stub, f"warm-{name}", zero, WAIT).result()
         try:
-            with frozen(sidecar):
+            with sidecar.frozen():
                 if route == GRPC:
                     calls = [grpc_prepare(stub, f, zero, WAIT) for f in fillers]
                     prepare = grpc_prepare(stub, name, two, WAIT)

@@ -63,11 +63,38 @@ GOAL_PER_HOOK_MS = 5.0
 GOAL_NATIVE_OVER_NONE_MS = 10.0
 GOAL_BURST_RATIO = 1.05
 GOAL_XID_P99_S = 1.0
-GLOG_TIME = re.compile(r"^[IWE](\d{4})(\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6}) ")
-HOOK_LINE = re.compile(
-    r"^[IWE](?:\d{4})?(\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6}) +\d+ \S+\] \[TASK=([^,\]]*), METHOD=(\w+)\] "
-    r"(Calling command|Removing temp files)"
-)
+# glog's line prefix: severity, [year]monthday, local time with microseconds (the year since glog 0.6).
+GLOG_TIME = re.compile(r"^[IWE](\d{4})?(\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6}) ")
+HOOK_LINE = re.compile(r" +\d+ \S+\] \[TASK=([^,\]]*), METHOD=(\w+)\] (Calling command|Removing temp files)")
+# What the agent logs of a task and a container, by name or ID (the first such line is the one).
+ASSIGNED = re.compile(r"Got assigned task '([^']+)'")
+RUNNING_OUT = re.compile(r"Forwarding the update TASK_RUNNING \(.*\) for task (\S+) of")
+LIMITED = re.compile(r"gpu-isolator: container (\S+) met a limitation")
+
+
+def glog_time(line: str) -> float | None:
+    """time.time() of a glog line (local time; this year where the line has none), or None."""
+    m = GLOG_TIME.match(line)
+    if m is None:
+        return None
+    year, month, day, hh, mm, ss, us = m.groups()
+    when = datetime.datetime(
+        int(year) if year else datetime.date.today().year, int(month), int(day), int(hh), int(mm), int(ss), int(us)
+    )
+    return when.timestamp()
+
+
+def first_times(log: str, pattern: re.Pattern[str]) -> dict[str, float]:
+    """For each value of ``pattern``'s group, the time of the first line of ``log`` it matches: one
+    pass over the log, however many tasks or containers are looked up in it."""
+    out: dict[str, float] = {}
+    for line in log.splitlines():
+        m = pattern.search(line)
+        if m is not None and m.group(1) not in out:
+            at = glog_time(line)
+            if at is not None:
+                out[m.group(1)] = at
+    return out
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -83,15 +110,15 @@ def _summary(values: list[float]) -> dict[str, Any]:
 
 def hook_times(log: str) -> dict[str, list[float]]:
     """Seconds per module call, by method, from the module's debug lines in an agent's log."""
-    year = datetime.date.today().year
     open_calls: dict[tuple[str, str], list[float]] = {}
     out: dict[str, list[float]] = {}
     for line in log.splitlines():
-        m = HOOK_LINE.match(line)
-        if not m:
+        prefix = GLOG_TIME.match(line)
+        m = HOOK_LINE.match(line, prefix.end() - 1) if prefix else None
+        at = glog_time(line) if m else None
+        if m is None or at is None:
             continue
-        month, day, hh, mm, ss, us, task, method, what = m.groups()
-        at = datetime.datetime(year, int(month), int(day), int(hh), int(mm), int(ss), int(us)).timestamp()
+        task, method, what = m.groups()
         key = (task, method)
         if what == "Calling command":
             open_calls.setdefault(key, []).append(at)
@@ -206,48 +233,49 @@ def _turns(configs: list[str], i: int) -> list[str]:
     return configs[k:] + configs[:k]
 
 
-def one_task(cluster: Cluster, config: str, i: int) -> tuple[float, float, float | None]:
+def one_task(cluster: Cluster, name: str) -> tuple[float, float]:
     """A ``true`` task with ``gpus:1``: seconds from submit to TASK_RUNNING and to TASK_FINISHED as
-    mesos-execute shows them, and the agent's own time from the task's arrival ("Got assigned task")
-    to its TASK_RUNNING leaving for the master ("Forwarding the update TASK_RUNNING"), from the agent's
-    log (None if a line is missing): the part that no framework or allocation cycle adds noise to."""
-    name = f"bench-{config}-{i}"
+    mesos-execute shows them."""
     submitted = time.monotonic()
     task = cluster.submit("true", gpus=1, name=name)
     running = _wait_state(task.log_path, "TASK_RUNNING", name, 120) - submitted
     finished = _wait_state(task.log_path, "TASK_FINISHED", name, 120) - submitted
     task.proc.wait(60)
-    log_text = cluster.agents[0].log()
-    assigned = _logged_at(log_text, f"Got assigned task '{name}'")
-    forwarded = _logged_at(log_text, "Forwarding the update TASK_RUNNING", f"for task {name} of")
-    inside = forwarded - assigned if assigned is not None and forwarded is not None else None
-    return running, finished, inside
+    return running, finished
+
+
+def inside_the_agent(log: str, names: list[str]) -> list[float]:
+    """Per task, the agent's own time from its arrival ("Got assigned task") to its TASK_RUNNING
+    leaving for the master ("Forwarding the update TASK_RUNNING"), from the agent's log (a task with
+    a line missing is left out): the part that no framework or allocation cycle adds noise to."""
+    assigned, out = first_times(log, ASSIGNED), first_times(log, RUNNING_OUT)
+    return [out[n] - assigned[n] for n in names if n in assigned and n in out]
 
 
 def tasks_in_turn(clusters: dict[str, Cluster], tasks: int, out: dict[str, Any], log: Any) -> None:
     """``tasks`` tasks per configuration, the configurations taking turns (``_turns``)."""
-    samples: dict[str, dict[str, list[float]]] = {c: {"running": [], "finished": [], "agent": []} for c in clusters}
+    samples: dict[str, dict[str, list[float]]] = {c: {"running": [], "finished": []} for c in clusters}
     alive = list(clusters)
     for i in range(tasks):
         for config in _turns(alive, i):
             try:
-                running, finished, inside = one_task(clusters[config], config, i)
+                running, finished = one_task(clusters[config], f"bench-{config}-{i}")
             except Exception as exc:
                 out["configs"][config] = {"error": f"{type(exc).__name__}: {str(exc)[-500:]}"}
                 alive.remove(config)
                 continue
             samples[config]["running"].append(running)
             samples[config]["finished"].append(finished)
-            if inside is not None:
-                samples[config]["agent"].append(inside)
             log(f"agent: {config} task {i + 1}/{tasks}: running {running * 1000:.0f} ms")
     time.sleep(1.5)  # the last cleanups' debug lines (a report, not a test)
     for config in alive:
-        per_hook = hook_times(clusters[config].agents[0].log())
+        agent_log = clusters[config].agents[0].log()
+        per_hook = hook_times(agent_log)
+        inside = inside_the_agent(agent_log, [f"bench-{config}-{i}" for i in range(tasks)])
         out["configs"][config] = {
             "running": _summary(samples[config]["running"]),
             "finished": _summary(samples[config]["finished"]),
-            "agent_running": _summary(samples[config]["agent"]),
+            "agent_running": _summary(inside),
             "hooks": {method: _summary(times) for method, times in sorted(per_hook.items())},
         }
 
@@ -284,6 +312,7 @@ def xid_latency(mesos_home: str, rounds: int, log: Any = print) -> dict[str, lis
     would) and the next round starts once the sidecar holds it healthy, so rounds are not bounded by
     the host's 8 GPUs."""
     out: dict[str, list[float]] = {"failed": [], "limitation": []}
+    injected_at: dict[str, float] = {}  # container ID -> when its GPU had the XID
     with make_cluster(mesos_home, "native") as cluster:
         agent = cluster.agents[0]
         sidecar = agent.sidecar
@@ -293,31 +322,18 @@ def xid_latency(mesos_home: str, rounds: int, log: Any = print) -> dict[str, lis
             _wait_state(task.log_path, "TASK_RUNNING", task.name, 120)
             cid = task.container_id()
             (index,) = [i for i, h in agent.holders().items() if h == cid]
-            injected = time.time()
+            injected = injected_at[cid] = time.time()
             sidecar.sim.inject_xid(index, 79)
             task.wait("TASK_FAILED", timeout=60)
             out["failed"].append(task.status_times()["TASK_FAILED"] - injected)
-            limited = _logged_at(agent.log(), f"gpu-isolator: container {cid} met a limitation")
-            if limited is not None:
-                out["limitation"].append(limited - injected)
             log(f"agent: xid round {r + 1}/{rounds}: TASK_FAILED after {out['failed'][-1] * 1000:.0f} ms")
             task.wait_gone(60)
             sidecar.sim.unbind(index)
             sidecar.sim.bind(index)
             _wait_healthy(agent, index)
+        limited = first_times(agent.log(), LIMITED)
+        out["limitation"] = [limited[cid] - at for cid, at in injected_at.items() if cid in limited]
     return out
-
-
-def _logged_at(log: str, *needles: str) -> float | None:
-    """time.time() of the first line of a glog log holding every one of ``needles`` (local time,
-    microseconds)."""
-    for line in log.splitlines():
-        if all(n in line for n in needles):
-            m = GLOG_TIME.match(line)
-            if m:
-                year, month, day, hh, mm, ss, us = (int(g) for g in m.groups())
-                return datetime.datetime(year, month, day, hh, mm, ss, us).timestamp()
-    return None
 
 
 def _wait_healthy(agent: Any, index: int, timeout: float = 60) -> None:

@@ -11,7 +11,7 @@ import posixpath
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from enum import IntEnum
+from enum import IntEnum, StrEnum
 
 from isolator.devicerule import DeviceRule
 from isolator.errors import InvalidArgument, InvalidGpuCount
@@ -24,6 +24,46 @@ MAX_NESTING = 32
 # Isolate's caller: a remote caller whose pid could not be told (no pid is 0). None means an
 # in-process call, which has no peer to check (docs/security.md, "Who can call").
 UNKNOWN_CALLER = 0
+
+
+class Mode(StrEnum):
+    """Who creates each container's cgroup: the agent (``mesos``) or the sidecar (``standalone``)."""
+
+    MESOS = "mesos"
+    STANDALONE = "standalone"
+
+
+class CgroupVersion(StrEnum):
+    """The devices controller's generation: a whitelist (v1) or an eBPF device program (v2)."""
+
+    V1 = "v1"
+    V2 = "v2"
+
+    @property
+    def number(self) -> int:
+        """1 or 2, as a container record stores it."""
+        return 1 if self is CgroupVersion.V1 else 2
+
+    @classmethod
+    def of_number(cls, number: int) -> CgroupVersion:
+        if number not in (1, 2):
+            raise InvalidArgument(f"cgroup version must be 1 or 2, not {number!r}")
+        return cls.V1 if number == 1 else cls.V2
+
+
+class ShareMode(StrEnum):
+    """How a shared GPU's sharers run on it (docs/sharing.md)."""
+
+    TIME_SLICE = "time-slice"
+    MPS = "mps"
+
+
+class RecordState(StrEnum):
+    """Where a container record stands: prepared, isolated (a pid is in its cgroup), or an orphan."""
+
+    PREPARED = "prepared"
+    ISOLATED = "isolated"
+    ORPHAN = "orphan"
 
 
 @dataclass(frozen=True, order=True)

@@ -2,6 +2,8 @@
 # Check a GPU agent before it takes work: run the `gpu` test suite against the machine's own
 # driver, NVML, device nodes and cgroups (no simulated host). Needs root. Prints the driver
 # version and GPU models first, then what passed and what skipped and why.
+# The sidecars the suite starts run with --drain-check off (no handover resets); the MPS test sets
+# GPU 0's compute mode and back: GI_GPU_KEEP_SETTINGS=1 skips it (a shared or lent GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "$(id -u)" -ne 0 ]; then

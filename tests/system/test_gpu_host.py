@@ -99,7 +99,13 @@ def real_agent():
         version = detect().version
     except Exception as exc:
         pytest.skip(f"no cgroup hierarchy with device isolation on this host: {exc}")
-    with running_sidecar(host="", cgroup_version=version) as sidecar:
+    # --drain-check off: with the check on, every GPU released by a test (and every free GPU at
+    # start) goes through the handover check, which resets application clocks and sets the compute
+    # mode (nvmlDeviceResetApplicationsClocks, nvmlDeviceSetComputeMode) where they differ from the
+    # defaults. This suite must never change a GPU's settings (a lent or shared machine): it checks
+    # discovery, devices and volumes, not the handover (tests/system/test_handover.py does that on
+    # the simulated host).
+    with running_sidecar(host="", cgroup_version=version, extra=("--drain-check", "off")) as sidecar:
         isolator = GrpcIsolator(sidecar.socket)
         yield sidecar, isolator, Containerizer(isolator, sidecar.work)
         isolator.close()

@@ -1,8 +1,11 @@
-"""The Mesos command-module route's client side: the executable an agent runs per hook (command,
-and bridge.c, its compiled twin) and its installer. The sidecar's end is isolator/transport/bridge.py.
+"""The Mesos command-module route's client side: the executable an agent runs per hook and its installer.
 
-The package's face is the executable's: ``from isolator.bridge import main, install``. Importing it
-loads ``command`` only (stdlib built-ins, no json, no grpc), so the per-call start stays cheap.
+    command.py   the executable (stdlib built-ins only); bridge.c is its compiled twin
+    build.py     builds bridge.c with the machine's C compiler, for ``install --compiled``
+
+The sidecar's end is isolator/transport/bridge.py. The package's face is the executable's:
+``from isolator.bridge import main, install``. Importing it loads ``command`` only (no json, no
+grpc), so the per-call start stays cheap.
 """
 
 from isolator.bridge.command import METHODS, PROTOCOL, _install_main, install, main

@@ -1,5 +1,13 @@
 """Device isolation in the kernel: hierarchy detection, the v1 whitelist and the v2 eBPF program.
 
+    detect.py    which hierarchy enforces device access (a pure parse of /proc/self/mounts)
+    base.py      what both device controllers share: Mesos's cgroup layout and files
+    v1.py        the v1 devices whitelist: diff, write, read back, roll back
+    v2.py        the v2 eBPF device program: checkpoint, ancestors, attach or replace
+    bpfprog.py   device rules -> BPF_PROG_TYPE_CGROUP_DEVICE instructions, and an evaluator (pure)
+    bpf.py       the only bpf(2) caller
+    cpuset.py    a top-level container's cpuset cgroup
+
 ``controller_for`` is the one place that picks a concrete controller for a hierarchy; both implement
 ``isolator.core.ports.CgroupBackend``.
 """

@@ -1,5 +1,11 @@
 """The simulated GPU host: real everywhere except the GPU itself.
 
-A fake NVML library that the real pynvml loads, device nodes made with mknod, and a driver
-installation with a real ld.so.cache. Used by tests, ``make demo`` and ``serve --simulate``.
+    sim.py         one simulated host under a root directory: the fake NVML, its state, /proc, /dev
+    host.py        host descriptions (TOML): parse, validate, render the fake's state
+    devnodes.py    character device nodes made with mknod under a dev root
+    driver.py      a driver installation: real ELF files and a real ld.so.cache
+    mpscontrol.py  a stand-in ``nvidia-cuda-mps-control``
+
+The fake NVML library itself is fakenvml.c, which the real pynvml loads. Used by tests, ``make
+demo`` and ``serve --simulate``.
 """

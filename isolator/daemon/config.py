@@ -33,10 +33,12 @@ from isolator.daemon.options import (
     flag_value,
 )
 from isolator.errors import ConfigError
+from isolator.transport.settings import BRIDGE_SUFFIX
 
 # The names other modules read here (the cli, the tests, the benchmarks).
 __all__ = [
     "AUTO",
+    "BRIDGE_SUFFIX",
     "DEFAULT_CGROUPS_HIERARCHY",
     "DEFAULT_CGROUPS_ROOT",
     "DEFAULT_SOCKET",

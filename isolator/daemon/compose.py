@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from isolator.daemon.config import Config
 from isolator.errors import ConfigError, FailedPrecondition, GpusUnavailable, NvmlNotFound
+from isolator.model import CgroupVersion, Mode, ShareMode
 from isolator.policy import gpuflags
 
 # The core and the gRPC server are imported where they are built, after the GPUs, the flags and the
@@ -220,7 +221,7 @@ def mps_control(config: Config, host: SimulatedHost | None) -> Any:
 
     from isolator.host.mps import MpsControl
 
-    if not any(s.mode == "mps" for s in config.shared_gpus):
+    if not any(s.mode == ShareMode.MPS for s in config.shared_gpus):
         return None
     if host is not None:
         executable = host.mps_control
@@ -247,7 +248,7 @@ def cpu_edges(config: Config) -> tuple[SysCpus | None, CpusetController | None]:
     problem = ""
     if found is None:
         problem = "no cpuset controller is bound (neither a cgroup v1 'cpuset' hierarchy nor cgroup2's 'cpuset')"
-    elif found[0] == "v2" and config.mode == "mesos":
+    elif found[0] is CgroupVersion.V2 and config.mode is Mode.MESOS:
         # One cgroup per process on v2, and the container's is Mesos's: none of our own can hold it.
         problem = (
             "in mesos mode it needs a cgroup v1 'cpuset' hierarchy (on cgroup v2 the container's cgroup is Mesos's)"
@@ -258,7 +259,9 @@ def cpu_edges(config: Config) -> tuple[SysCpus | None, CpusetController | None]:
             raise ConfigError(f"--cpu-affinity enforce: {problem}; use hint or off")
         return cpus, None
     version, mount = found
-    root = config.cgroups_root if config.mode == "standalone" else config.cgroups_root.rstrip("/") + MESOS_CPUSET_SUFFIX
+    root = (
+        config.cgroups_root if config.mode is Mode.STANDALONE else config.cgroups_root.rstrip("/") + MESOS_CPUSET_SUFFIX
+    )
     return cpus, CpusetController(mount, root, version)
 
 

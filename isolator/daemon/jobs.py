@@ -45,7 +45,7 @@ def periodic_jobs(
 ) -> tuple[Job, ...]:
     """Every periodic job of a serving daemon, in the order they start. ``reaped`` and ``audited`` hear how
     many containers a reap released and an audit repaired (the metrics, the job mapping)."""
-    gpus, mesos = bool(service.core.gpus), config.mode == Mode.MESOS
+    gpus, mesos = bool(service.core.gpus), config.mode is Mode.MESOS
     reap, audit = service.reap_vanished, service.audit
     rows: tuple[tuple[Job, bool], ...] = (
         # The CDI spec follows a changed volume or inventory (--cdi-dir).

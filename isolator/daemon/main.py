@@ -222,7 +222,7 @@ def _serve(config: Config, hup: threading.Event, reread: Callable[[], Config], o
     core = service.core
     keeper = _cdi_keeper(config, core)
     jobs = Jobs(periodic_jobs(config, service, keeper, exporters.reaped, exporters.audited)).start()
-    if config.mode == Mode.MESOS:
+    if config.mode is Mode.MESOS:
         # The first reconciliation against Mesos's cgroups before READY=1: containers destroyed
         # while the sidecar was down give their GPUs back before systemd starts the agent.
         try:

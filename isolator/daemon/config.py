@@ -25,7 +25,6 @@ from isolator.daemon.options import (
     DEFAULT_SOCKET,
     DEFAULT_VOLUME_ROOT,
     DEFAULT_WORK_DIR,
-    HELP,
     OPTIONS,
     PARSERS,
     Config,
@@ -44,7 +43,6 @@ __all__ = [
     "DEFAULT_SOCKET",
     "DEFAULT_VOLUME_ROOT",
     "DEFAULT_WORK_DIR",
-    "HELP",
     "OPTIONS",
     "PARSERS",
     "Config",
@@ -264,7 +262,7 @@ def _check_combinations(config: Config, spelled: dict[str, str] | None = None) -
             if own and path == os.path.realpath(own):
                 raise ConfigError(f"{n('metrics_address')} '{metrics}' must differ from {n(name)}")
     if not os.path.isabs(config.cgroups_hierarchy):
-        # The daemon compares it with where the devices hierarchy is mounted (isolator/daemon/main.py):
+        # The daemon compares it with where the devices hierarchy is mounted (isolator/daemon/compose.py):
         # a relative path stopped the start with a traceback.
         raise ConfigError(
             f"{n('cgroups_hierarchy')} '{config.cgroups_hierarchy}' must be an absolute path, as the agent's"

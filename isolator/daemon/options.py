@@ -320,4 +320,3 @@ def _options() -> dict[str, Option]:
 OPTIONS: dict[str, Option] = _options()
 # Option name -> its parser (the flag's completion offers a choice parser's ``choices``).
 PARSERS: dict[str, Callable[[Any], Any]] = {name: o.parse for name, o in OPTIONS.items()}
-HELP: dict[str, str] = {name: o.help for name, o in OPTIONS.items()}

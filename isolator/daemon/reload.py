@@ -1,6 +1,6 @@
 """What a SIGHUP may change: the settings the running daemon can take over without a restart, and
 the difference between the configuration it runs with and the one it re-read. Pure: applying the
-change is the composition root's (isolator/daemon/main.py)."""
+change is the serving lifecycle's (``Reloader`` in isolator/daemon/main.py)."""
 
 from __future__ import annotations
 

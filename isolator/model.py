@@ -625,6 +625,18 @@ class GpuHealth:
 
 
 @dataclass(frozen=True)
+class HealthMark:
+    """A GPU marked unhealthy by an XID or a double-bit ECC error (``source``: "xid" or "ecc"), as the
+    state store keeps it across restarts (isolator/core/healthmarks.py)."""
+
+    uuid: str
+    source: str
+    reason: str
+    xid: int
+    at: float
+
+
+@dataclass(frozen=True)
 class GpuRecord:
     """Everything known about one GPU. ``errors`` lists the queries that failed (then: degraded)."""
 

@@ -208,14 +208,15 @@ def in_process_service(version: str, host_file: str, relative_root: str, work: s
     """IsolatorService from the composition root, logging at info to a file as the daemon does."""
     from isolator.daemon.config import Config
     from isolator.daemon.main import build_service
+    from isolator.model import CgroupVersion, Mode
 
     config = Config(
         socket=os.path.join(work, "s.sock"),
         work_dir=os.path.join(work, "work"),
         volume_root=os.path.join(work, "volumes"),
         simulate=host_file,
-        mode="standalone",
-        cgroup_version=version,
+        mode=Mode.STANDALONE,
+        cgroup_version=CgroupVersion(version),
         cgroups_root=relative_root,
     )
     handler = logging.FileHandler(os.path.join(work, "in-process.log"))

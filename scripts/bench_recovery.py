@@ -31,7 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from isolator.devicerule import DeviceRule  # noqa: E402
 from isolator.host.state import ContainerRecord, StateStore  # noqa: E402
-from isolator.model import ContainerId  # noqa: E402
+from isolator.model import CgroupVersion, ContainerId  # noqa: E402
 from isolator.rpc import isolator_pb2 as pb  # noqa: E402
 from isolator.rpc import isolator_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -143,7 +143,9 @@ def measure(
                 work = os.path.join(tmp, f"n{count}")
                 os.makedirs(work, exist_ok=True)
                 root = f"gpu-isolator-test/recovery-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-                side = Sidecar(work=work, host=HOST, cgroup_version="v1", cgroups_root=root, extra=("--mode", "mesos"))
+                side = Sidecar(
+                    work=work, host=HOST, cgroup_version=CgroupVersion.V1, cgroups_root=root, extra=("--mode", "mesos")
+                )
                 state_dir = os.path.join(work, "state")
                 shutil.rmtree(state_dir, ignore_errors=True)
                 ids = populate(state_dir, count, root)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from isolator.cgroups.detect import Hierarchy
+from isolator.model import CgroupVersion, Mode
 from isolator.policy.devices import MESOS_DEFAULT_WHITELIST, DeviceRule
 
 if TYPE_CHECKING:
@@ -29,13 +30,13 @@ def controller_for(
     hierarchy: Hierarchy,
     state_dir: str,
     cgroups_root: str = "mesos",
-    mode: str = "mesos",
+    mode: Mode = Mode.MESOS,
     base: Iterable[DeviceRule] = MESOS_DEFAULT_WHITELIST,
     nvidia_majors: Callable[[], Iterable[int]] | None = None,
     device_path: Callable[[str, int, int], str | None] | None = None,
 ) -> V1DeviceController | V2DeviceController:
     # Each version's module only where it is used: v2 brings the eBPF program builder and bpf(2).
-    if hierarchy.version == "v1":
+    if hierarchy.version is CgroupVersion.V1:
         from isolator.cgroups.v1 import V1DeviceController
 
         return V1DeviceController(hierarchy.mount, cgroups_root, mode, base, nvidia_majors)

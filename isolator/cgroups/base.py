@@ -14,12 +14,12 @@ import os
 from collections.abc import Callable, Iterable
 
 from isolator.errors import CgroupError, CgroupVanished, InvalidArgument, IsolatorError
-from isolator.model import ContainerId
+from isolator.model import ContainerId, Mode
 from isolator.policy.devices import NVIDIA_MAJOR
 
 LOG = logging.getLogger(__name__)
 
-MODES = ("mesos", "standalone")
+MODES = tuple(Mode)
 
 
 # Names the cgroup filesystem gives its own files (cgroup v1 core and devices controller, cgroup v2
@@ -51,10 +51,11 @@ def container_dir(hierarchy: str, cgroups_root: str, container: ContainerId) -> 
     return os.path.join(hierarchy, cgroups_root.strip("/"), mesos_relative_path(container))
 
 
-def check_mode(mode: str) -> str:
+def check_mode(mode: Mode | str) -> Mode:
+    """``mode`` as its enum (a word is taken too); ValueError for anything else."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
-    return mode
+    return Mode(mode)
 
 
 def child_names(top: str) -> tuple[str, ...]:

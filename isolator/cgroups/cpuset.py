@@ -13,7 +13,7 @@ import os
 from isolator.cgroups.base import container_dir, read_pids, top_level_ids, write_pid
 from isolator.cgroups.detect import read_mounts
 from isolator.errors import CgroupBusy, CgroupError, CgroupVanished, HierarchyError, IsolatorError
-from isolator.model import ContainerId
+from isolator.model import CgroupVersion, ContainerId
 from isolator.policy.affinity import Affinity, format_list, parse_list
 
 LOG = logging.getLogger(__name__)
@@ -24,12 +24,12 @@ MESOS_CPUSET_SUFFIX = "-gpu-isolator"
 
 # File names differ between the versions (Documentation/admin-guide/cgroup-v1/cpusets.rst, cgroup-v2.rst).
 EFFECTIVE = {
-    "v1": ("cpuset.effective_cpus", "cpuset.effective_mems"),
-    "v2": ("cpuset.cpus.effective", "cpuset.mems.effective"),
+    CgroupVersion.V1: ("cpuset.effective_cpus", "cpuset.effective_mems"),
+    CgroupVersion.V2: ("cpuset.cpus.effective", "cpuset.mems.effective"),
 }
 
 
-def find_cpuset(mounts_path: str = "/proc/self/mounts") -> tuple[str, str] | None:
+def find_cpuset(mounts_path: str = "/proc/self/mounts") -> tuple[CgroupVersion, str] | None:
     """(version, mount) of the hierarchy the cpuset controller is bound to: a v1 ``cpuset`` mount,
     else the cgroup2 mount when its root offers ``cpuset``; None when neither."""
     try:
@@ -40,13 +40,13 @@ def find_cpuset(mounts_path: str = "/proc/self/mounts") -> tuple[str, str] | Non
     for line in text.splitlines():
         parts = line.split()
         if len(parts) >= 4 and parts[2] == "cgroup" and "cpuset" in parts[3].split(","):
-            return "v1", parts[1]
+            return CgroupVersion.V1, parts[1]
     v2 = read_mounts(mounts_path).v2
     if v2 is not None:
         try:
             with open(os.path.join(v2, "cgroup.controllers")) as fh:
                 if "cpuset" in fh.read().split():
-                    return "v2", v2
+                    return CgroupVersion.V2, v2
         except OSError:
             return None
     return None
@@ -86,13 +86,13 @@ class CpusetController:
         self,
         mount: str,
         root: str,
-        version: str = "v1",
+        version: CgroupVersion | str = CgroupVersion.V1,
     ) -> None:
         if version not in EFFECTIVE:
             raise ValueError(f"cpuset version {version!r} is not v1 or v2")
         self.mount = mount
         self.root = root.strip("/")
-        self.version = version
+        self.version = CgroupVersion(version)
 
     # ---- paths ------------------------------------------------------------------------------
 
@@ -171,7 +171,7 @@ class CpusetController:
                 raise CgroupError(op="create", path=path, cause=f"the cpuset hierarchy '{self.mount}' is not mounted")
             missing.append(walk)
             walk = os.path.dirname(walk)
-        if self.version == "v2":
+        if self.version is CgroupVersion.V2:
             self._enable_v2(path)
         else:
             # Directories made by someone else (mkdir -p of the cgroups root) are empty cpusets too.
@@ -185,9 +185,9 @@ class CpusetController:
                 pass
             except OSError as exc:
                 raise CgroupError(op="create", path=directory, cause=exc.strerror or str(exc)) from exc
-            if self.version == "v1" and directory != path:
+            if self.version is CgroupVersion.V1 and directory != path:
                 self._inherit_v1(directory)
-            elif self.version == "v2" and directory != path:
+            elif self.version is CgroupVersion.V2 and directory != path:
                 self._subtree_cpuset(directory)
 
     def _ancestors(self, path: str) -> list[str]:

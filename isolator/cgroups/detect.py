@@ -9,8 +9,10 @@ import re
 from dataclasses import dataclass
 
 from isolator.errors import HierarchyError
+from isolator.model import CgroupVersion
 
-VERSIONS = ("auto", "v1", "v2")
+AUTO = "auto"  # the version of the hierarchy the devices controller is bound to
+VERSIONS = (AUTO, *CgroupVersion)
 
 
 @dataclass(frozen=True)
@@ -30,10 +32,13 @@ class CgroupMounts:
 
 @dataclass(frozen=True)
 class Hierarchy:
-    """The hierarchy the sidecar will use: ``version`` is ``v1`` or ``v2``; ``mount`` its mount point."""
+    """The hierarchy the sidecar will use: its ``version`` and its mount point."""
 
-    version: str
+    version: CgroupVersion
     mount: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "version", CgroupVersion(self.version))  # also when spelled "v1"
 
 
 def _unescape(field: str) -> str:
@@ -57,26 +62,29 @@ def parse_mounts(text: str) -> CgroupMounts:
     return CgroupMounts(v1_devices=v1, v2=v2)
 
 
-def select(mounts: CgroupMounts, override: str = "auto", source: str = "/proc/self/mounts") -> Hierarchy:
-    """Pick the hierarchy; ``auto`` follows the devices controller.
+def select(
+    mounts: CgroupMounts, override: CgroupVersion | str | None = None, source: str = "/proc/self/mounts"
+) -> Hierarchy:
+    """Pick the hierarchy; None (``auto``) follows the devices controller.
 
     On a hybrid host the ``devices`` controller is bound to v1, so that is where the kernel (and
     Mesos, whose ``cgroups2::mounted()`` only looks at /sys/fs/cgroup) enforces the whitelist;
     ``auto`` picks v1 there. An explicit ``v2`` on a hybrid host still works: eBPF device programs
     on the unified hierarchy are checked in addition to the v1 whitelist.
     """
-    if override not in VERSIONS:
+    if override not in (None, *VERSIONS):
         raise HierarchyError(path=source, cause=f"cgroup version {override!r} is not one of {', '.join(VERSIONS)}")
-    if override == "v1" or (override == "auto" and mounts.v1_devices):
+    wanted = None if override in (None, AUTO) else CgroupVersion(override)
+    if wanted is CgroupVersion.V1 or (wanted is None and mounts.v1_devices):
         if not mounts.v1_devices:
             raise HierarchyError(path=source, cause="v1 was requested but no cgroup v1 'devices' hierarchy is mounted")
-        return Hierarchy("v1", mounts.v1_devices)
+        return Hierarchy(CgroupVersion.V1, mounts.v1_devices)
     if not mounts.v2:
         cause = "v2 was requested but no cgroup2 hierarchy is mounted"
-        if override == "auto":
+        if wanted is None:
             cause = "did not find a cgroup2 mount, nor a cgroup v1 'devices' hierarchy"
         raise HierarchyError(path=source, cause=cause)
-    return Hierarchy("v2", mounts.v2)
+    return Hierarchy(CgroupVersion.V2, mounts.v2)
 
 
 def read_mounts(path: str = "/proc/self/mounts") -> CgroupMounts:
@@ -87,5 +95,5 @@ def read_mounts(path: str = "/proc/self/mounts") -> CgroupMounts:
         raise HierarchyError(path=path, cause=exc.strerror or str(exc)) from exc
 
 
-def detect(mounts_path: str = "/proc/self/mounts", override: str = "auto") -> Hierarchy:
+def detect(mounts_path: str = "/proc/self/mounts", override: CgroupVersion | None = None) -> Hierarchy:
     return select(read_mounts(mounts_path), override, mounts_path)

@@ -28,7 +28,7 @@ from isolator.cgroups.base import (
 from isolator.crashpoints import crashpoint
 from isolator.devicerule import ACCESS_ORDER, DeviceRule
 from isolator.errors import CgroupBusy, CgroupError, CgroupVanished, InvalidArgument, RuleParseError
-from isolator.model import ContainerId
+from isolator.model import CgroupVersion, ContainerId, Mode
 from isolator.policy.devices import (
     MESOS_DEFAULT_WHITELIST,
     KernelRules,
@@ -170,13 +170,13 @@ class V1DeviceController:
     standalone mode: we create the cgroup, deny everything, then allow the full set.
     """
 
-    version = "v1"
+    version = CgroupVersion.V1
 
     def __init__(
         self,
         hierarchy: str,
         cgroups_root: str = "mesos",
-        mode: str = "mesos",
+        mode: Mode = Mode.MESOS,
         base: Iterable[DeviceRule] = MESOS_DEFAULT_WHITELIST,
         nvidia_majors: Callable[[], Iterable[int]] | None = None,
     ) -> None:
@@ -188,7 +188,7 @@ class V1DeviceController:
 
     def _owned(self, rules: Iterable[DeviceRule]) -> Callable[[DeviceRule], bool]:
         """Which entries are ours to write: all in standalone mode, NVIDIA's in mesos mode."""
-        if self.mode != "mesos":
+        if self.mode is not Mode.MESOS:
             return lambda _rule: True
         majors = owned_majors(rules, self.base, known_majors(self.nvidia_majors))
         return lambda rule: is_owned(rule, majors)
@@ -239,7 +239,7 @@ class V1DeviceController:
 
     def _require_whitelist(self, cgroup: str, rules: tuple[DeviceRule, ...]) -> None:
         if any(r.type == "a" for r in rules):
-            hint = "is Mesos's cgroups/devices isolator enabled?" if self.mode == "mesos" else "was it prepared?"
+            hint = "is Mesos's cgroups/devices isolator enabled?" if self.mode is Mode.MESOS else "was it prepared?"
             raise CgroupError(
                 op="use",
                 path=os.path.join(cgroup, "devices.list"),
@@ -270,7 +270,7 @@ class V1DeviceController:
 
     def prepare(self, container: ContainerId) -> None:
         cgroup = self.cgroup_path(container)
-        if self.mode == "mesos":
+        if self.mode is Mode.MESOS:
             if not os.path.isdir(cgroup):
                 raise CgroupVanished(op="prepare", path=cgroup)
             self._require_whitelist(cgroup, self._read_list(cgroup))
@@ -352,7 +352,7 @@ class V1DeviceController:
         cgroup = self.cgroup_path(container)
         if not os.path.isdir(cgroup):
             return
-        if self.mode == "mesos":
+        if self.mode is Mode.MESOS:
             try:
                 current = self._read_list(cgroup)
             except CgroupVanished:

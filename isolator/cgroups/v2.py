@@ -37,7 +37,7 @@ from isolator.errors import (
     DeviceProgramConflict,
     RuleParseError,
 )
-from isolator.model import ContainerId
+from isolator.model import CgroupVersion, ContainerId, Mode
 from isolator.policy.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, KernelRules, owned_majors, parse_rules
 
 LOG = logging.getLogger(__name__)
@@ -98,14 +98,14 @@ class V2DeviceController:
     create ``<mount>/<cgroups_root>/<id>``, attach a deny-all program, and processes live there.
     """
 
-    version = "v2"
+    version = CgroupVersion.V2
 
     def __init__(
         self,
         mount: str,
         state_dir: str,
         cgroups_root: str = "mesos",
-        mode: str = "mesos",
+        mode: Mode = Mode.MESOS,
         base: Iterable[DeviceRule] = MESOS_DEFAULT_WHITELIST,
         prog_name: str = PROG_NAME,
         nvidia_majors: Callable[[], Iterable[int]] | None = None,
@@ -126,7 +126,7 @@ class V2DeviceController:
         """Our program for ``rules``. In mesos mode it decides for NVIDIA's character majors only and
         allows every other device, which the agent's program on ``<id>`` decides (all programs on a
         cgroup and its ancestors must allow): the agent's --allowed_devices stay in force."""
-        if self.mode != "mesos":
+        if self.mode is not Mode.MESOS:
             return _program(tuple(rules), None)
         return _program(tuple(rules), frozenset(owned_majors(rules, self.base, known_majors(self.nvidia_majors))))
 
@@ -137,7 +137,7 @@ class V2DeviceController:
 
     def cgroup_path(self, container: ContainerId) -> str:
         top = self.container_dir(container)
-        return os.path.join(top, "leaf") if self.mode == "mesos" else top
+        return os.path.join(top, "leaf") if self.mode is Mode.MESOS else top
 
     def exists(self, container: ContainerId) -> bool:
         return os.path.isdir(self.cgroup_path(container))
@@ -336,7 +336,7 @@ class V2DeviceController:
                 rules = " ".join(f"'{r.type} {r.major}:{r.minor} rwm'" for r in devices)
                 if prog.name == self.prog_name:
                     remedy = "grant these devices to the parent container first"
-                elif self.mode == "mesos":
+                elif self.mode is Mode.MESOS:
                     remedy = (
                         f"{allowed_devices_remedy(devices, self.device_path)}; or detach program {prog.id} "
                         f"(e.g. bpftool cgroup detach {at} device id {prog.id})"
@@ -395,7 +395,7 @@ class V2DeviceController:
 
     def prepare(self, container: ContainerId) -> None:
         path = self.cgroup_path(container)
-        if self.mode == "mesos":
+        if self.mode is Mode.MESOS:
             if not os.path.isdir(path):
                 raise CgroupVanished(op="prepare", path=path)
             return
@@ -436,7 +436,7 @@ class V2DeviceController:
 
     def cleanup(self, container: ContainerId) -> None:
         path = self.cgroup_path(container)
-        if self.mode == "standalone" and os.path.isdir(path):
+        if self.mode is Mode.STANDALONE and os.path.isdir(path):
             busy: set[int] = set()
             for root, _dirs, _files in os.walk(path):
                 with contextlib.suppress(CgroupVanished):
@@ -459,7 +459,7 @@ class V2DeviceController:
                             raise
         finally:
             os.close(cgroup_fd)
-        if self.mode == "standalone":
+        if self.mode is Mode.STANDALONE:
             rmdir_tree(path)
         self._remove_checkpoint(container)
         LOG.info("container %s: device programs on '%s' removed", container, path)

@@ -1082,12 +1082,12 @@ def _run_config(args: argparse.Namespace) -> int:
         _emit(configmod.default_file_text())
         return EXIT_OK
     config = configmod.resolve({"config_file": args.file})
-    configmod.check_at_start(config)
+    warnings = configmod.check_at_start(config)  # what it could not check offline
     changed = configmod.non_defaults(config)
     count = f"{len(changed)} setting{'' if len(changed) == 1 else 's'} differ" + ("s" if len(changed) == 1 else "")
     summary = f"{count} from the defaults" if changed else "every setting is the default"
     lines = [f"config file '{args.file}' is valid: {summary}"]
-    lines += [f"  {name} = {value}" for name, value in changed]
+    lines += [f"  {name} = {value}" for name, value in changed] + [f"warning: {w}" for w in warnings]
     _emit("\n".join(lines))
     return EXIT_OK
 

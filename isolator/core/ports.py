@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from isolator.model import (
+    CgroupVersion,
     ContainerId,
     ContainerRecord,
     DrainRecord,
@@ -34,6 +35,7 @@ from isolator.model import (
     GpuUsageSample,
     HealthEvent,
     MaintenanceMark,
+    Mode,
     Occupancy,
     ResetStep,
     Topology,
@@ -67,8 +69,8 @@ class CgroupBackend(Protocol):
     * ``cleanup(c)``: remove exactly what we added; a missing cgroup is success. Idempotent.
     """
 
-    version: str  # "v1" or "v2"
-    mode: str  # "mesos" or "standalone"
+    version: CgroupVersion
+    mode: Mode
 
     def cgroup_path(self, container: ContainerId) -> str: ...
 
@@ -122,7 +124,9 @@ class Cpusets(Protocol):
     * ``remove(c)``: a missing cgroup is success; one with processes is ``CgroupBusy``. Idempotent.
     """
 
-    version: str  # "v1" or "v2"
+    # The cgroup version of the cpuset hierarchy (a ``CgroupVersion``); "" when none is bound (absent.py).
+    @property
+    def version(self) -> str: ...
 
     def path(self, container: ContainerId) -> str: ...
 

@@ -1,1 +1,2 @@
-"""The daemon: composition root (main), configuration, sd_notify, log formats, crash points."""
+"""The daemon: the composition root (compose), the periodic jobs (jobs), the serving lifecycle (main), the
+options and the configuration (options, parsers, config), SIGHUP, sd_notify, log formats, crash points."""

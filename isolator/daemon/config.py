@@ -1,9 +1,11 @@
-"""The daemon's configuration: flags, an optional TOML file, and defaults, resolved once at start.
+"""The daemon's configuration: flags, an optional TOML file, and defaults, resolved once at start,
+and the checks of ``config check``; the options themselves are options.py's table.
 
 Precedence is flag > file > default. Names mirror the Mesos agent's flags where they mean the same
 thing (``--nvidia-gpu-devices``, ``--resources``, ``--cgroups-root``, ``--cgroups-hierarchy``).
-Nothing here touches the machine beyond reading the config file; checks that need the filesystem
-(the socket directory) happen in the server when it binds.
+Nothing here touches the machine beyond reading the config file (and, for ``config check``, counting
+the GPUs NVML shows); checks that need the filesystem (the socket directory) happen in the server
+when it binds.
 """
 
 from __future__ import annotations
@@ -11,332 +13,49 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from isolator.daemon import parsers as p
+from isolator.daemon.options import (
+    AUTO,
+    DEFAULT_CGROUPS_HIERARCHY,
+    DEFAULT_CGROUPS_ROOT,
+    DEFAULT_SOCKET,
+    DEFAULT_VOLUME_ROOT,
+    DEFAULT_WORK_DIR,
+    OPTIONS,
+    PARSERS,
+    Config,
+    Option,
+    flag_value,
+)
 from isolator.errors import ConfigError
-from isolator.gpu.xids import DEFAULT_IGNORED_XIDS
-from isolator.policy.shares import ShareSpec, parse_shared_gpus
-from isolator.transport.settings import BRIDGE_SUFFIX, ServerSettings
+from isolator.transport.settings import BRIDGE_SUFFIX
+
+# The names other modules read here (the cli, the tests, the benchmarks).
+__all__ = [
+    "AUTO",
+    "BRIDGE_SUFFIX",
+    "DEFAULT_CGROUPS_HIERARCHY",
+    "DEFAULT_CGROUPS_ROOT",
+    "DEFAULT_SOCKET",
+    "DEFAULT_VOLUME_ROOT",
+    "DEFAULT_WORK_DIR",
+    "OPTIONS",
+    "PARSERS",
+    "Config",
+    "Option",
+]
 
 # Mirrors isolator.transport.peergate.PRIVATE_EXTRA (".d/grpc"); a test keeps them equal. Not imported from
 # there so that reading the configuration does not import grpc.
 PRIVATE_SUFFIX = ".d"
 PRIVATE_EXTRA = 7
-
-DEFAULT_SOCKET = "/run/gpu-isolator/isolator.sock"
 # A config file named "-" is read from standard input (``config check -``); ``serve`` refuses it, since
 # SIGHUP reads its file again.
 STDIN = "-"
-# The command-module bridge listens next to the gRPC socket unless told otherwise: BRIDGE_SUFFIX,
-# from isolator/transport/settings.py (the bridge executable's default in isolator/bridge/command.py
-# must agree).
-DEFAULT_WORK_DIR = "/var/lib/gpu-isolator"
-# Mesos keeps its driver volumes here (src/slave/containerizer/mesos/isolators/gpu/volume.cpp).
-DEFAULT_VOLUME_ROOT = "/var/run/mesos/isolators/gpu"
-# Mesos agent defaults: --cgroups_hierarchy=/sys/fs/cgroup, --cgroups_root=mesos.
-DEFAULT_CGROUPS_HIERARCHY = "/sys/fs/cgroup"
-DEFAULT_CGROUPS_ROOT = "mesos"
-
-MODES = ("mesos", "standalone")
-CGROUP_VERSIONS = ("auto", "v1", "v2")
-POLICIES = ("topology", "first-fit")
-LOG_LEVELS = ("debug", "info", "warning", "error")
-LOG_FORMATS = ("text", "json")
-CPU_AFFINITY = ("off", "hint", "enforce")
-ON_OFF = ("on", "off")
-# nvmlComputeMode_t names (isolator.model.COMPUTE_MODES); EXCLUSIVE_THREAD is gone since CUDA 8.
-COMPUTE_MODE_NAMES = ("DEFAULT", "EXCLUSIVE_PROCESS", "PROHIBITED")
-
-
-@dataclass(frozen=True)
-class Config:
-    socket: str = DEFAULT_SOCKET
-    socket_mode: int = 0o600
-    socket_group: str = ""
-    # None: ``<socket>.bridge``; "": no bridge listener.
-    bridge_socket: str | None = None
-    work_dir: str = DEFAULT_WORK_DIR
-    volume_root: str = DEFAULT_VOLUME_ROOT
-    cgroups_hierarchy: str = DEFAULT_CGROUPS_HIERARCHY
-    cgroups_root: str = DEFAULT_CGROUPS_ROOT
-    cgroup_version: str = "auto"
-    mode: str = "mesos"
-    nvidia_gpu_devices: tuple[int, ...] | None = None
-    resources: str = ""
-    allocation_policy: str = "topology"
-    simulate: str = ""
-    nvml_library: str = ""
-    dev_root: str = "/dev"
-    driver_root: str = "/"
-    ignored_xids: tuple[int, ...] = DEFAULT_IGNORED_XIDS
-    max_workers: int = 16
-    reap_interval: float = 60.0
-    audit_interval: float = 300.0  # 0: no periodic audit (gpu-isolator audit still runs one)
-    gpu_probe_interval: float = 30.0
-    max_concurrent_rpcs: int = 256
-    max_connections: int = 256
-    # A Mesos ContainerConfig with a large Docker manifest is tens of KiB (docs/reliability.md).
-    max_message_bytes: int = 256 * 1024
-    log_level: str = "info"
-    log_format: str = "text"
-    metrics_address: str = ""
-    job_mapping_dir: str = ""
-    allowed_uids: tuple[int, ...] = (0,)
-    allowed_gids: tuple[int, ...] = ()
-    cdi_dir: str = ""
-    cdi_kind: str = "nvidia.com/gpu"
-    cpu_affinity: str = "hint"  # docs/affinity.md
-    # The handover check of released GPUs (docs/handover.md).
-    drain_check: str = "on"
-    drain_memory_mib: int = 256
-    drain_timeout: float = 600.0  # 0: a draining GPU is never reported unhealthy
-    default_compute_mode: str = "DEFAULT"
-    # GPUs cut into shares (docs/sharing.md): they leave the gpus pool for gpu_shares.
-    shared_gpus: tuple[ShareSpec, ...] = ()
-    config_file: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def state_dir(self) -> str:
-        return os.path.join(self.work_dir, "state")
-
-    @property
-    def bridge_path(self) -> str:
-        """Where the command-module bridge listens; empty when it is disabled."""
-        return self.socket + BRIDGE_SUFFIX if self.bridge_socket is None else self.bridge_socket
-
-    def server_settings(self) -> ServerSettings:
-        """What the server of both routes is told (isolator/transport/settings.py)."""
-        return ServerSettings(
-            socket=self.socket,
-            bridge_socket=self.bridge_socket,
-            socket_mode=self.socket_mode,
-            socket_group=self.socket_group,
-            allowed_uids=self.allowed_uids,
-            allowed_gids=self.allowed_gids,
-            max_workers=self.max_workers,
-            max_concurrent_rpcs=self.max_concurrent_rpcs,
-            max_connections=self.max_connections,
-            max_message_bytes=self.max_message_bytes,
-            mode=self.mode,
-        )
-
-
-# Flag name -> (Config field, parser). The parser turns a flag or file value into the field's type
-# and raises ValueError with a reason on bad input.
-def _octal_mode(value: Any) -> int:
-    if isinstance(value, int):
-        mode = value
-    else:
-        text = str(value).strip()
-        if not text or any(c not in "01234567" for c in text.removeprefix("0o")):
-            raise ValueError(f"{value!r} is not an octal file mode (e.g. 0600)")
-        mode = int(text.removeprefix("0o"), 8)
-    if mode & ~0o777:
-        raise ValueError(f"{oct(mode)} has bits outside 0777")
-    if mode & 0o007:
-        raise ValueError(f"{oct(mode)} would let every local user steer the sidecar")
-    return mode
-
-
-def _int_list(value: Any) -> tuple[int, ...]:
-    if isinstance(value, (list, tuple)):
-        items = list(value)
-    else:
-        items = [v for v in str(value).replace(" ", "").split(",") if v != ""]
-    out = []
-    for item in items:
-        try:
-            out.append(int(item))
-        except (TypeError, ValueError):
-            raise ValueError(f"{item!r} is not an integer") from None
-    return tuple(out)
-
-
-def _positive_int(value: Any) -> int:
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{value!r} is not an integer") from None
-    if n <= 0:
-        raise ValueError(f"{n} must be positive")
-    return n
-
-
-def _positive_float(value: Any) -> float:
-    try:
-        x = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{value!r} is not a number") from None
-    if not x > 0 or x != x or x == float("inf"):
-        raise ValueError(f"{value!r} must be a positive number of seconds")
-    return x
-
-
-def _mib(value: Any) -> int:
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{value!r} is not a whole number of MiB") from None
-    if n < 0:
-        raise ValueError(f"{n} must not be negative")
-    return n
-
-
-def _seconds_or_off(value: Any) -> float:
-    if str(value).strip() == "0":
-        return 0.0
-    return _positive_float(value)
-
-
-def _choice(choices: tuple[str, ...]) -> Any:
-    def parse(value: Any) -> str:
-        if value not in choices:
-            raise ValueError(f"{value!r} is not one of {', '.join(choices)}")
-        return str(value)
-
-    parse.choices = choices  # type: ignore[attr-defined]  # what shell completion offers (isolator/cli/completion.py)
-    return parse
-
-
-def _text(value: Any) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"{value!r} is not a string")
-    return value
-
-
-def _nvidia_gpu_devices(value: Any) -> tuple[int, ...]:
-    # Mesos parses this flag as a list of unsigned ints; the semantic checks (duplicates, indices
-    # that do not exist, the need for --resources gpus:N) belong to the inventory, which knows
-    # the machine.
-    items = _int_list(value)
-    for n in items:
-        if n < 0:
-            raise ValueError(f"{n} is not a valid NVML index")
-    return items
-
-
-def _ids(value: Any) -> tuple[int, ...]:
-    # uids and gids are unsigned 32-bit; (uid_t)-1 means "no id" to the kernel's calls and is no
-    # caller's id (a peer's SO_PEERCRED never reads it).
-    items = _int_list(value)
-    for n in items:
-        if not 0 <= n < 2**32 - 1:
-            raise ValueError(f"{n} is not a user or group id (0 to {2**32 - 2})")
-    return items
-
-
-def _shared_gpus(value: Any) -> tuple[ShareSpec, ...]:
-    try:
-        return parse_shared_gpus(value)
-    except ConfigError as exc:
-        raise ValueError(exc.message.removeprefix("--shared-gpus ")) from None
-
-
-def _cdi_kind(value: Any) -> str:
-    from isolator.errors import InvalidArgument
-    from isolator.exporters.cdi import check_kind
-
-    try:
-        return check_kind(_text(value))
-    except InvalidArgument as exc:
-        raise ValueError(exc.message) from None
-
-
-PARSERS: dict[str, Any] = {
-    "socket": _text,
-    "socket_mode": _octal_mode,
-    "socket_group": _text,
-    "bridge_socket": _text,
-    "work_dir": _text,
-    "volume_root": _text,
-    "cgroups_hierarchy": _text,
-    "cgroups_root": _text,
-    "cgroup_version": _choice(CGROUP_VERSIONS),
-    "mode": _choice(MODES),
-    "nvidia_gpu_devices": _nvidia_gpu_devices,
-    "resources": _text,
-    "allocation_policy": _choice(POLICIES),
-    "simulate": _text,
-    "nvml_library": _text,
-    "dev_root": _text,
-    "driver_root": _text,
-    "ignored_xids": _int_list,
-    "max_workers": _positive_int,
-    "reap_interval": _positive_float,
-    "audit_interval": _seconds_or_off,
-    "gpu_probe_interval": _positive_float,
-    "max_concurrent_rpcs": _positive_int,
-    "max_connections": _positive_int,
-    "max_message_bytes": _positive_int,
-    "log_level": _choice(LOG_LEVELS),
-    "log_format": _choice(LOG_FORMATS),
-    "metrics_address": _text,
-    "job_mapping_dir": _text,
-    "allowed_uids": _ids,
-    "allowed_gids": _ids,
-    "cdi_dir": _text,
-    "cdi_kind": _cdi_kind,
-    "cpu_affinity": _choice(CPU_AFFINITY),
-    "drain_check": _choice(ON_OFF),
-    "drain_memory_mib": _mib,
-    "drain_timeout": _seconds_or_off,
-    "default_compute_mode": _choice(COMPUTE_MODE_NAMES),
-    "shared_gpus": _shared_gpus,
-}
-
-HELP = {
-    "socket": f"Unix socket to serve on (default {DEFAULT_SOCKET})",
-    "socket_mode": "octal mode of the socket (default 0600; world bits are refused)",
-    "socket_group": "group that owns the socket, for non-root callers in the allow-list",
-    "bridge_socket": "socket of the command-module bridge (default <socket>.bridge; empty: no bridge)",
-    "work_dir": f"work directory; state lives in <work-dir>/state (default {DEFAULT_WORK_DIR})",
-    "volume_root": f"where nvidia_<version> driver volumes are built (default {DEFAULT_VOLUME_ROOT};"
-    " with --simulate, <work-dir>/volumes)",
-    "cgroups_hierarchy": f"cgroup mount root, as the agent's flag (default {DEFAULT_CGROUPS_HIERARCHY})",
-    "cgroups_root": f"cgroup under which containers live, as the agent's flag (default {DEFAULT_CGROUPS_ROOT})",
-    "cgroup_version": "devices cgroup to use: auto (detect), v1 or v2 (default auto)",
-    "mode": "mesos: Mesos creates each container's cgroup; standalone: the sidecar does (default mesos)",
-    "nvidia_gpu_devices": "comma-separated NVML indices to manage, as the agent's flag (needs --resources gpus:N)",
-    "resources": "the agent's --resources string; its gpus:N entry is honoured",
-    "allocation_policy": "topology (default) or first-fit (Mesos's lowest-minor-first)",
-    "simulate": "run on a simulated GPU host: a host description file or a shipped host's name",
-    "nvml_library": "path of libnvidia-ml.so.1 when it is not where the dynamic loader finds it",
-    "dev_root": "directory holding the nvidia device nodes (default /dev)",
-    "driver_root": "root of the driver installation the volume is built from (default /)",
-    "ignored_xids": f"XIDs that do not mark a GPU unhealthy (default {','.join(map(str, DEFAULT_IGNORED_XIDS))})",
-    "max_workers": "worker threads of both sockets' calls (default 16)",
-    "reap_interval": "seconds between checks for containers whose Mesos cgroup vanished (default 60)",
-    "audit_interval": "seconds between drift audits of every container's kernel rules (default 300; 0: off)",
-    "gpu_probe_interval": "seconds between probes of the GPUs for loss or a MIG mode change (default 30)",
-    "max_concurrent_rpcs": (
-        "requests in flight on both sockets together (open Watch calls aside; Cleanup never refused)"
-        " before load shedding: RESOURCE_EXHAUSTED, RETRY on the bridge (default 256)"
-    ),
-    "max_connections": "connections of allowed callers open at once per socket, one uid at most half (default 256)",
-    "max_message_bytes": "largest request accepted, in bytes (default 256 KiB)",
-    "log_level": "debug, info, warning or error (default info)",
-    "log_format": "text (default) or json: one object per line with stable keys (docs/metrics.md)",
-    "metrics_address": "serve Prometheus metrics on HOST:PORT, :PORT (every interface), PORT (localhost) or"
-    " unix:/path (default: off; docs/metrics.md suggests port 9416)",
-    "job_mapping_dir": "write dcgm-exporter's HPC job mapping here: one file per GPU index listing its containers",
-    "allowed_uids": "uids allowed to call the socket (default 0)",
-    "allowed_gids": "gids allowed to call the socket (default none)",
-    "cdi_dir": "keep a CDI spec of the managed GPUs in this directory, e.g. /var/run/cdi (default: none)",
-    "cdi_kind": "the CDI spec's kind (default nvidia.com/gpu)",
-    "cpu_affinity": "off, hint (default: the GPUs' local CPUs and NUMA nodes in the container's environment) or"
-    " enforce (also a cpuset holding the container to them); docs/affinity.md",
-    "drain_check": "on (default): a released GPU is handed out again only when NVML shows no process on it"
-    " and little memory in use, after its clocks and compute mode are reset; off: at once (docs/handover.md)",
-    "drain_memory_mib": "memory in use, in MiB, from which a released GPU counts as busy (default 256)",
-    "drain_timeout": "seconds after which a GPU still draining is reported unhealthy (default 600; 0: never)",
-    "default_compute_mode": "compute mode a released GPU is set back to: DEFAULT (default), EXCLUSIVE_PROCESS"
-    " or PROHIBITED",
-    "shared_gpus": "GPUs cut into shares, offered as gpu_shares instead of gpus: INDEX[-LAST]:SHARES[:MODE],"
-    " comma-separated, MODE time-slice (default) or mps, e.g. 4-7:4:mps (docs/sharing.md)",
-}
 
 
 # The flags the offline commands read (``resources``, ``cdi generate``): they find and read the GPUs
@@ -349,9 +68,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser, names: tuple[str, ...] 
     """Flags of ``gpu-isolator serve`` (or only ``names`` of them). Every default is None so the file
     can fill it in."""
     parser.add_argument("--config", dest="config_file", metavar="FILE", help="TOML config file")
-    for name in PARSERS if names is None else names:
-        flag = "--" + name.replace("_", "-")
-        parser.add_argument(flag, dest=name, default=None, help=HELP[name], metavar=name.upper())
+    for name in OPTIONS if names is None else names:
+        o = OPTIONS[name]
+        parser.add_argument(o.flag, dest=name, default=None, help=o.help, metavar=name.upper())
 
 
 def load_file(path: str) -> dict[str, Any]:
@@ -381,7 +100,7 @@ def _read_file(path: str) -> tuple[dict[str, Any], dict[str, tuple[str, str]]]:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"failed to parse config file '{path}': not UTF-8 text ({exc.reason})") from exc
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"failed to parse config file '{path}': {exc}") from exc
+        raise ConfigError(f"failed to parse config file '{path}'{_parse_problem(raw, str(exc))}") from exc
     text = raw.decode("utf-8")
     out: dict[str, Any] = {}
     written: dict[str, str] = {}
@@ -398,6 +117,30 @@ def _read_file(path: str) -> tuple[dict[str, Any], dict[str, tuple[str, str]]]:
         out[name] = value
         written[name] = key
     return out, {name: (f"config file '{path}'{_at(text, key)}", key) for name, key in written.items()}
+
+
+def _parse_problem(raw: bytes, problem: str) -> str:
+    """What TOML refused, said for a person: a key given twice is named with both its lines (tomllib
+    says only "Cannot overwrite a value" and where the second one is)."""
+    import re
+
+    at = re.search(r"\(at line (\d+), column \d+\)", problem)
+    if problem.startswith("Cannot overwrite a value") and at:
+        lines = raw.decode("utf-8", errors="replace").splitlines()
+        lineno = int(at.group(1))
+        key = _assigned_key(lines[lineno - 1]) if 0 < lineno <= len(lines) else None
+        first = next((n for n, line in enumerate(lines[: lineno - 1], 1) if _assigned_key(line) == key), None)
+        if key is not None and first is not None:
+            return f", line {lineno}: key '{key}' is given twice (first on line {first}); keep one of them"
+    return f": {problem}"
+
+
+def _assigned_key(line: str) -> str | None:
+    """The key a ``key = value`` line sets (bare or quoted), or None."""
+    import re
+
+    m = re.match(r"""^[ \t]*(?:"([^"]*)"|'([^']*)'|([A-Za-z0-9_-]+))[ \t]*=""", line)
+    return next((g for g in m.groups() if g is not None), None) if m else None
 
 
 def _key_line(text: str, key: str) -> tuple[int, str] | None:
@@ -421,17 +164,29 @@ def _at(text: str, key: str) -> str:
 def _toml_mode(path: str, text: str, key: str, value: int) -> int:
     """``socket_mode = 0o660`` is the mode 0660; ``socket_mode = 660`` is TOML's decimal 660 (0o1224),
     never what was meant, and ``440`` would even pass as 0o670. So an integer mode must be an octal
-    literal; anything else is refused with the spelling that works."""
+    literal; anything else is refused with a spelling that works: the digits read as octal when that is
+    a mode ``serve`` accepts, else that reading without its refused bits (666: 0o660), else the default."""
     found = _key_line(text, key)
     literal = found[1] if found else ""
     if literal.startswith("0o"):
         return value
     where = f", line {found[0]}" if found else ""
     digits = str(value)
-    meant = f"0o{digits}" if all(c in "01234567" for c in digits) else f"0o{value:o}"
+    octal = int(digits, 8) if all(c in "01234567" for c in digits) else None
+    why = ""
+    if octal is None:
+        meant = Config.socket_mode
+        why = f"; {digits} has no octal reading"
+    else:
+        try:
+            meant = p.octal_mode(octal)
+        except ValueError as exc:
+            meant = octal & 0o770 if octal <= 0o777 else Config.socket_mode
+            why = f"; read as octal it would be refused too ({exc})"
     raise ConfigError(
         f"invalid config file '{path}'{where} value for {key}: {literal or value} is a decimal integer in TOML"
-        f' ({value} = {oct(value)}), not an octal mode; write {key} = {meant} or {key} = "{meant[2:].rjust(4, "0")}"'
+        f" ({value} = {oct(value)}), not an octal mode{why}; write {key} = 0o{meant:o} or"
+        f' {key} = "{meant:04o}"'
     )
 
 
@@ -507,7 +262,7 @@ def _check_combinations(config: Config, spelled: dict[str, str] | None = None) -
             if own and path == os.path.realpath(own):
                 raise ConfigError(f"{n('metrics_address')} '{metrics}' must differ from {n(name)}")
     if not os.path.isabs(config.cgroups_hierarchy):
-        # The daemon compares it with where the devices hierarchy is mounted (isolator/daemon/main.py):
+        # The daemon compares it with where the devices hierarchy is mounted (isolator/daemon/compose.py):
         # a relative path stopped the start with a traceback.
         raise ConfigError(
             f"{n('cgroups_hierarchy')} '{config.cgroups_hierarchy}' must be an absolute path, as the agent's"
@@ -519,12 +274,14 @@ def _check_combinations(config: Config, spelled: dict[str, str] | None = None) -
         )
 
 
-def check_at_start(config: Config) -> None:
+def check_at_start(config: Config) -> list[str]:
     """For ``config check``, which refuses what ``serve`` would: the checks ``serve`` makes at start that
     need no GPU, and which ``resolve`` leaves to it: the metrics address (its error is logged as the
     daemon logs, JSON included), the socket's group (looked up when the socket is bound), and the
     checks of --nvidia-gpu-devices and --resources that need no NVML (isolator/policy/gpuflags.py,
-    Mesos's messages; the inventory makes them at start, see ``_nvidia_gpu_devices``)."""
+    Mesos's messages; the inventory makes them at start, see ``parsers.nvidia_gpu_devices``).
+
+    Returns the warnings: what it could not check here (``host_gpus``)."""
     from isolator.errors import GpusUnavailable
     from isolator.policy.gpuflags import decide
 
@@ -543,6 +300,49 @@ def check_at_start(config: Config) -> None:
         decide(config.resources, config.nvidia_gpu_devices, available=None)
     except GpusUnavailable:
         pass  # "NVML not found": available=None stands for the machine, which is not looked at here
+    return _check_shared_gpus(config)
+
+
+def _check_shared_gpus(config: Config) -> list[str]:
+    """``--shared-gpus`` names GPUs by NVML index: one beyond the host's GPUs stops ``serve``. Offline, the
+    host's count is known from the simulated host's description (``simulate``) or from NVML when it
+    loads here; otherwise the indices are not checked, and the warning says so."""
+    if not config.shared_gpus:
+        return []
+    count, source = host_gpus(config)
+    named = sorted({s.index for s in config.shared_gpus})
+    if count is None:
+        return [f"shared_gpus names GPU(s) {','.join(map(str, named))}, not checked against the host's GPUs: {source}"]
+    beyond = [i for i in named if i >= count]
+    if beyond:
+        raise ConfigError(
+            f"shared_gpus names GPU(s) {','.join(map(str, beyond))}, but {source} has {count} GPU(s)"
+            f" (NVML indices 0 to {count - 1})"
+        )
+    return []
+
+
+def host_gpus(config: Config) -> tuple[int | None, str]:
+    """(how many GPUs NVML shows, what showed them), or (None, why it could not be known), offline."""
+    from isolator.errors import IsolatorError
+
+    if config.simulate:
+        from isolator.simhost.host import load_host
+
+        try:
+            return len(load_host(config.simulate).gpus), f"the simulated host '{config.simulate}'"
+        except IsolatorError as exc:
+            return None, exc.message
+    from isolator.gpu.nvml import Inventory
+
+    inventory = Inventory(library=config.nvml_library)
+    try:
+        inventory.open()
+        return inventory.device_count(), "this host's NVML"
+    except IsolatorError as exc:
+        return None, f"no usable NVML here ({exc.message})"
+    finally:
+        inventory.close()
 
 
 def _absolutise(config: Config) -> Config:
@@ -559,19 +359,14 @@ def _absolutise(config: Config) -> Config:
 
 # ---- the default file (``gpu-isolator config default``) ----------------------------------------------
 
-# Settings written commented out in the default file: their default is "unset" or follows another
-# setting, which no value in the file can say (writing one would pin it).
-_UNSET_IN_FILE = {
-    "bridge_socket": '"/run/gpu-isolator/isolator.sock.bridge"',
-    "nvidia_gpu_devices": "[0, 1]",
-    "volume_root": f'"{DEFAULT_VOLUME_ROOT}"',
-}
-
 
 def toml_value(name: str, value: Any) -> str:
-    """A setting's value as the config file spells it (``socket_mode = 0o600``, lists as arrays)."""
+    """A setting's value as the config file spells it (``socket_mode = 0o600``, lists as arrays,
+    ``shared_gpus`` as its flag's text)."""
     if name == "socket_mode":
         return f"0o{value:o}"
+    if name in ("shared_gpus", "cgroup_version"):
+        return toml_value("", flag_value(name, value))
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (list, tuple)):
@@ -587,22 +382,21 @@ def toml_value(name: str, value: Any) -> str:
 
 def default_file_text() -> str:
     """The full default config file: every key ``serve`` reads, its help as a comment, its default as the
-    value (commented out where the default is "unset"). ``config check`` accepts it, and it yields
-    the same settings as no file at all (tests/system/test_config_file.py)."""
-    defaults = Config()
+    value (commented out, as its example, where the default is "unset"). ``config check`` accepts it,
+    and it yields the same settings as no file at all (tests/system/test_config_file.py)."""
     lines = [
         "# gpu-isolator serve: every setting with its default (`gpu-isolator config default`).",
         "# Keys are the flags without their leading dashes, spelled with underscores (work_dir) or",
         "# dashes (work-dir), not both; a flag given to serve wins over the file. Check a file with",
         "# `gpu-isolator config check FILE`; SIGHUP re-reads it (docs/operations.md).",
     ]
-    for name in PARSERS:
+    for name, o in OPTIONS.items():
         lines.append("")
-        lines += [f"# {line}" for line in _wrap(HELP[name])]
-        if name in _UNSET_IN_FILE:
-            lines.append(f"# {name} = {_UNSET_IN_FILE[name]}")
+        lines += [f"# {line}" for line in _wrap(o.help)]
+        if o.example:
+            lines.append(f"# {name} = {o.example}")
         else:
-            lines.append(f"{name} = {toml_value(name, getattr(defaults, name))}")
+            lines.append(f"{name} = {toml_value(name, o.default)}")
     return "\n".join(lines) + "\n"
 
 
@@ -617,6 +411,6 @@ def non_defaults(config: Config) -> list[tuple[str, str]]:
     base = resolve({})
     return [
         (name, toml_value(name, getattr(config, name)))
-        for name in PARSERS
+        for name in OPTIONS
         if getattr(config, name) != getattr(base, name)
     ]

@@ -1,32 +1,24 @@
 """What a SIGHUP may change: the settings the running daemon can take over without a restart, and
 the difference between the configuration it runs with and the one it re-read. Pure: applying the
-change is the composition root's (isolator/daemon/main.py)."""
+change is the serving lifecycle's (``Reloader`` in isolator/daemon/main.py)."""
 
 from __future__ import annotations
 
 from dataclasses import fields
 from typing import Any
 
-from isolator.daemon.config import Config
+from isolator.daemon.options import OPTIONS, Config
 
-# Each is read afresh where it is used, so a new value takes effect at once or at the next pass:
-# the log level (the root logger's), the audit period (the audit loop is restarted), the GPU probe
-# period and the ignored XIDs (read by the health watch on each probe and event), the allow-lists
-# (checked per new connection by the gate and the bridge). Everything else is wired into objects
-# built once at start (sockets, cgroup hierarchy and mode, state and volume paths, the NVML
-# library, GPU selection, server bounds, the log format, the metrics and job-mapping exporters,
-# the reaper's and the CDI keeper's period), so a change there needs a restart.
-# --shared-gpus too, through the booking (docs/sharing.md): a change that would switch a held GPU
-# between whole and shared is refused and the old value kept.
-RELOADABLE = (
-    "log_level",
-    "audit_interval",
-    "gpu_probe_interval",
-    "ignored_xids",
-    "allowed_uids",
-    "allowed_gids",
-    "shared_gpus",
-)
+# The options declared ``reloadable`` (isolator/daemon/options.py). Each is read afresh where it is used,
+# so a new value takes effect at once or at the next pass: the log level (the root logger's), the
+# audit period (the audit job is restarted), the GPU probe period and the ignored XIDs (read by the
+# health watch on each probe and event), the allow-lists (checked per new connection by the gate and
+# the bridge). Everything else is wired into objects built once at start (sockets, cgroup hierarchy
+# and mode, state and volume paths, the NVML library, GPU selection, server bounds, the log format,
+# the metrics and job-mapping exporters, the reaper's and the CDI keeper's period), so a change there
+# needs a restart. --shared-gpus too, through the booking (docs/sharing.md): a change that would
+# switch a held GPU between whole and shared is refused and the old value kept.
+RELOADABLE = tuple(name for name, o in OPTIONS.items() if o.reloadable)
 _NOT_SETTINGS = ("config_file", "extra")
 
 

@@ -42,7 +42,7 @@ from isolator.errors import (
     StateReadOnly,
     StateStorageFull,
 )
-from isolator.model import ContainerId, ContainerRecord, DrainRecord, MaintenanceMark
+from isolator.model import ContainerId, ContainerRecord, DrainRecord, HealthMark, MaintenanceMark
 from isolator.policy.devices import parse_rules
 
 LOG = logging.getLogger(__name__)
@@ -191,17 +191,6 @@ CREATE TRIGGER share_not_while_whole_gpu_held BEFORE INSERT ON share_allocation
 WHEN EXISTS (SELECT 1 FROM allocation WHERE minor = NEW.minor)
 BEGIN SELECT RAISE(ABORT, 'share-conflict: GPU is held whole'); END;
 """
-
-
-@dataclass(frozen=True)
-class HealthMark:
-    """A GPU marked unhealthy by an XID or a double-bit ECC error (``source``: "xid" or "ecc")."""
-
-    uuid: str
-    source: str
-    reason: str
-    xid: int
-    at: float
 
 
 def _rules_text(rules: Iterable[DeviceRule]) -> str:

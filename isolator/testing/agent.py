@@ -64,6 +64,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from isolator.model import CgroupVersion, Mode
 from isolator.testing.cgroupfs import TEST_PARENT, cgroup_mount, remove_cgroup_tree
 from isolator.testing.sidecar import Sidecar
 
@@ -545,10 +546,10 @@ class Agent:
             self.sidecar = Sidecar(
                 work=side_work,
                 host=self.host,
-                cgroup_version=self.cgroups,
+                cgroup_version=CgroupVersion(self.cgroups),
                 cgroups_root=self.cgroups_root,
                 extra=self.cluster.sidecar_flags,
-                mode="mesos",
+                mode=Mode.MESOS,
             )
             if self.hooks in ("bridge", "bridge-c") and self.route == "criteo":
                 from isolator.bridge.command import compiled_bridge, install

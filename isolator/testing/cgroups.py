@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from isolator.cgroups.base import check_mode, mesos_relative_path
 from isolator.errors import CgroupBusy, CgroupError, CgroupVanished, InvalidArgument
-from isolator.model import ContainerId
+from isolator.model import CgroupVersion, ContainerId, Mode
 from isolator.policy.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, KernelRules, permits
 from isolator.testing.faults import Faults
 
@@ -22,15 +22,15 @@ from isolator.testing.faults import Faults
 class FakeCgroups:
     def __init__(
         self,
-        mode: str = "standalone",
-        version: str = "v1",
+        mode: Mode | str = Mode.STANDALONE,
+        version: CgroupVersion | str = CgroupVersion.V1,
         root: str = "/fake/cgroup/devices/mesos",
         base: Iterable[DeviceRule] = MESOS_DEFAULT_WHITELIST,
     ) -> None:
         if version not in ("v1", "v2"):
             raise ValueError(f"version {version!r} is not v1 or v2")
         self.mode = check_mode(mode)
-        self.version = version
+        self.version = CgroupVersion(version)
         self.root = root.rstrip("/")
         self.base = tuple(base)
         self._lock = threading.Lock()

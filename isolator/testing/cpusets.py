@@ -13,13 +13,13 @@ import threading
 
 from isolator.cgroups.base import mesos_relative_path
 from isolator.errors import CgroupBusy, CgroupError, CgroupVanished
-from isolator.model import ContainerId
+from isolator.model import CgroupVersion, ContainerId
 from isolator.policy.affinity import Affinity, Machine, format_list
 from isolator.testing.faults import Faults
 
 
 class FakeCpusets:
-    version = "v1"
+    version = CgroupVersion.V1
 
     def __init__(self, machine: Machine | None = None, root: str = "/fake/cgroup/cpuset/mesos") -> None:
         self._machine = machine or Machine(

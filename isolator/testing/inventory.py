@@ -201,13 +201,25 @@ class FakeInventory:
 
     def xid(self, index: int, xid: int, when: float = 0.0) -> None:
         """A critical XID on GPU ``index``: it becomes unhealthy and subscribers hear of it."""
-        reason = f"XID {xid}"
+        self.mark_unhealthy(index, f"XID {xid}", xid, when)
+
+    def mark_unhealthy(self, index: int, reason: str, xid: int = 0, when: float = 0.0, source: str = "xid") -> None:
+        """As the real inventory's (isolator/gpu/health.py): GPU ``index`` unhealthy for ``source``."""
+        self._set_health(index, GpuHealth(False, reason, xid, when, source))
+
+    def reset(self, index: int) -> None:
+        """GPU ``index`` was reset (unbound and bound again): healthy, and subscribers hear of it."""
+        self._set_health(index, GpuHealth())
+
+    def _set_health(self, index: int, health: GpuHealth) -> None:
         with self._lock:
-            rec = self._records[index]
-            self._records[index] = replace(rec, health=GpuHealth(False, reason, xid, when))
+            rec = self._records.get(index)
+            if rec is None:
+                return
+            self._records[index] = replace(rec, health=health)
             callbacks = list(self._callbacks)
         for cb in callbacks:
-            cb(HealthEvent(index, rec.gpu.uuid, False, reason, xid, when))
+            cb(HealthEvent(index, rec.gpu.uuid, health.healthy, health.reason, health.last_xid, health.last_xid_time))
 
     def set_usage(self, index: int, memory_used: int, utilization: int) -> None:
         with self._lock:

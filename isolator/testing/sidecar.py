@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from isolator.model import CgroupVersion, Mode
 from isolator.simhost.sim import SimulatedHost
 from isolator.testing import forkserver
 from isolator.testing.cgroupfs import TEST_PARENT, cgroup_mount, remove_cgroup_tree
@@ -34,13 +35,18 @@ __all__ = ["TEST_PARENT", "Sidecar", "cgroup_mount", "running_sidecar", "wait_fo
 class Sidecar:
     work: str
     host: str
-    cgroup_version: str
+    cgroup_version: CgroupVersion
     cgroups_root: str
     extra: tuple[str, ...] = ()
-    mode: str = "standalone"
+    mode: Mode = Mode.STANDALONE
     proc: subprocess.Popen[str] | forkserver.ForkedDaemon | None = None
     log_path: str = ""
     _log: object = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        # Tests name them as the flags do ("v1", "mesos").
+        self.cgroup_version = CgroupVersion(self.cgroup_version)
+        self.mode = Mode(self.mode)
 
     @property
     def socket(self) -> str:
@@ -206,7 +212,7 @@ def wait_for_listener(
 @contextlib.contextmanager
 def running_sidecar(
     host: str = "dgx-1",
-    cgroup_version: str = "v1",
+    cgroup_version: CgroupVersion | str = CgroupVersion.V1,
     extra: tuple[str, ...] = (),
     work: str | None = None,
     parent: str = TEST_PARENT,
@@ -214,7 +220,8 @@ def running_sidecar(
     own = work is None
     work = work or tempfile.mkdtemp(prefix="gi-", dir="/tmp")
     root = f"{parent}/{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    sidecar = Sidecar(work=work, host=host, cgroup_version=cgroup_version, cgroups_root=root, extra=extra)
+    version = CgroupVersion(cgroup_version)
+    sidecar = Sidecar(work=work, host=host, cgroup_version=version, cgroups_root=root, extra=extra)
     try:
         yield sidecar.start()
     finally:

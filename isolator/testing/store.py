@@ -23,7 +23,7 @@ from isolator.errors import (
     StateError,
 )
 from isolator.host.state import CGROUP_VERSIONS, STATES
-from isolator.model import ContainerId, ContainerRecord, DrainRecord, MaintenanceMark
+from isolator.model import ContainerId, ContainerRecord, DrainRecord, HealthMark, MaintenanceMark
 from isolator.testing.faults import Faults
 
 
@@ -34,6 +34,7 @@ class FakeStore:
         self._records: dict[ContainerId, ContainerRecord] = {}
         self._drains: dict[int, DrainRecord] = {}
         self._maintenance: dict[str, MaintenanceMark] = {}
+        self._health_marks: dict[str, HealthMark] = {}
         self.closed = False
         self.commits = 0  # successful writes: what the real store would fsync
         self.faults = Faults(lambda step, cid: StateError(op=step, path=self.path, cause="injected fault"))
@@ -144,7 +145,23 @@ class FakeStore:
             self._maintenance.pop(uuid, None)
             self.commits += 1
 
+    def put_health_mark(self, mark: HealthMark) -> None:
+        self.faults.check("put_health_mark")
+        with self._lock:
+            self._health_marks[mark.uuid] = mark
+            self.commits += 1
+
+    def drop_health_mark(self, uuid: str) -> None:
+        self.faults.check("drop_health_mark")
+        with self._lock:
+            self._health_marks.pop(uuid, None)
+            self.commits += 1
+
     # ---- reads --------------------------------------------------------------------------------------
+
+    def health_marks(self) -> list[HealthMark]:
+        with self._lock:
+            return list(self._health_marks.values())
 
     def maintenance(self) -> dict[str, MaintenanceMark]:
         self.faults.check("maintenance")

@@ -1,12 +1,14 @@
 """What the server side of both routes is told at start: its sockets, who may call, its bounds.
 
 The daemon builds it from its configuration (``isolator.daemon.config.Config.server_settings``), as it
-builds the core's ``Settings``; the transport reads nothing else of the daemon's. Stdlib only.
+builds the core's ``Settings``; the transport reads nothing else of the daemon's. Stdlib and the vocabulary only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from isolator.model import Mode
 
 # The command-module bridge listens next to the gRPC socket unless told otherwise (the bridge
 # executable's default in isolator/bridge/command.py must agree).
@@ -26,7 +28,7 @@ class ServerSettings:
     max_concurrent_rpcs: int = 256
     max_connections: int = 256
     max_message_bytes: int = 256 * 1024
-    mode: str = "mesos"  # what Health says the answering sidecar runs as
+    mode: Mode = Mode.MESOS  # what Health says the answering sidecar runs as
 
     @property
     def bridge_path(self) -> str:

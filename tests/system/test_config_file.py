@@ -94,10 +94,11 @@ def test_one_setting_in_two_spellings_is_refused_not_silently_one_of_them(tmp_pa
 
 @pytest.mark.parametrize(
     ("literal", "meant"),
-    [("660", "0o660"), ("600", "0o600"), ("440", "0o440"), ("432", "0o432")],
+    [("660", "0o660"), ("600", "0o600"), ("440", "0o440"), ("432", "0o430")],
 )
 def test_a_decimal_socket_mode_is_refused_with_the_octal_spelling(tmp_path, literal, meant):
-    # 440 would otherwise pass as 0o670 (group-writable), 432 as 0o660: never what was written.
+    # 440 would otherwise pass as 0o670 (group-writable), 432 as 0o660: never what was written. 0o432
+    # has a world bit, which serve refuses, so the spelling offered is without it.
     path = tmp_path / "c.toml"
     path.write_text(f"socket_mode = {literal}\n")
     with pytest.raises(ConfigError) as err:
@@ -124,3 +125,70 @@ def test_a_contradiction_names_each_setting_as_its_source_spells_it(tmp_path):
     with pytest.raises(ConfigError) as err:
         configmod.resolve({"config_file": str(path), "driver_root": "/x"})
     assert "and --driver-root contradict" in err.value.message
+
+
+# ---- issue 44, item 5: `config check` where it matters -------------------------------------------------
+
+
+def test_a_key_given_twice_is_named_with_both_its_lines(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('mode = "mesos"\n# later\nmax_workers = 4\nmode = "standalone"\n')
+    result = _check(str(path))
+    assert result.returncode == cli.EXIT_CONFIG
+    assert result.stderr.strip() == (
+        f"gpu-isolator: failed to parse config file '{path}', line 4: key 'mode' is given twice (first on line 1);"
+        " keep one of them"
+    )
+
+
+@pytest.mark.parametrize("literal", ["666", "777", "664", "608", "1777", "660"])
+def test_the_spelling_a_decimal_socket_mode_suggests_is_one_serve_accepts(tmp_path, literal):
+    import re
+
+    path = tmp_path / "c.toml"
+    path.write_text(f"socket_mode = {literal}\n")
+    with pytest.raises(ConfigError) as err:
+        configmod.resolve({"config_file": str(path)})
+    suggested = re.findall(r"write (socket_mode = \S+) or (socket_mode = \"\d+\")", err.value.message)
+    assert suggested, err.value.message
+    for spelling in suggested[0]:
+        path.write_text(spelling + "\n")
+        mode = configmod.resolve({"config_file": str(path)}).socket_mode
+        assert mode & 0o007 == 0 and mode == int(suggested[0][1].split('"')[1], 8)
+
+
+def test_config_check_echoes_shared_gpus_as_toml_that_reads_back_the_same(tmp_path):
+    import tomllib
+
+    path = tmp_path / "c.toml"
+    path.write_text('simulate = "dgx-1"\nshared_gpus = "4-5:4:mps,7:2"\n')
+    result = _check(str(path))
+    assert result.returncode == cli.EXIT_OK, result.stderr
+    echoed = next(line.strip() for line in result.stdout.splitlines() if line.strip().startswith("shared_gpus"))
+    assert echoed == 'shared_gpus = "4:4:mps,5:4:mps,7:2:time-slice"'
+    again = tmp_path / "again.toml"
+    again.write_text(f'simulate = "dgx-1"\n{echoed}\n')
+    assert tomllib.loads(echoed)["shared_gpus"]
+    first, second = (configmod.resolve({"config_file": str(p)}) for p in (path, again))
+    assert first.shared_gpus == second.shared_gpus
+    assert "warning" not in result.stdout
+
+
+def test_config_check_refuses_shared_gpus_beyond_a_simulated_hosts_gpus(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('simulate = "dgx-1"\nshared_gpus = "6-9:2"\n')
+    result = _check(str(path))
+    assert result.returncode == cli.EXIT_CONFIG
+    assert "shared_gpus names GPU(s) 8,9, but the simulated host 'dgx-1' has 8 GPU(s)" in result.stderr
+
+
+def test_config_check_says_when_it_could_not_check_shared_gpus_against_the_host(tmp_path):
+    # No simulated host and no NVML to ask: never a silent pass.
+    path = tmp_path / "c.toml"
+    path.write_text(f'nvml_library = "{tmp_path}/no-libnvidia-ml.so.1"\nshared_gpus = "9:4"\n')
+    result = _check(str(path))
+    assert result.returncode == cli.EXIT_OK, result.stderr
+    warning = result.stdout.splitlines()[-1]
+    assert warning.startswith(
+        "warning: shared_gpus names GPU(s) 9, not checked against the host's GPUs: no usable NVML"
+    )

@@ -1,5 +1,6 @@
-"""The docs that list what the code defines are checked against the code (issue 33, item 13): the
-README's flags table against ``serve``'s flags, its shipped hosts against isolator/simhost/hosts/,
+"""The docs that list what the code defines are checked against the code (issue 33, item 13):
+docs/configuration.md's table against ``serve``'s options (each with its true default and whether
+SIGHUP takes it over), the README's shipped hosts against isolator/simhost/hosts/,
 docs/metrics.md's metrics and labels against what the exporter registers, the health checks in
 docs/cli.md and docs/metrics.md against what ``health`` runs, docs/cli.md's commands against the
 CLI's parser, and the demo's first line against the CLI. Each list is read from the code, so a flag,
@@ -39,19 +40,60 @@ def _section(text: str, heading: str) -> str:
     return text[start : start + ends[0]] if ends else text[start:]
 
 
-# ---- README: serve's flags ---------------------------------------------------------------------------
+# ---- docs/configuration.md: serve's options ---------------------------------------------------------
 
 
-def _readme_flag_rows() -> list[str]:
+def _option_rows() -> dict[str, list[str]]:
+    """Flag -> the cells (flag, meaning, default, SIGHUP) of each row of docs/configuration.md's table."""
+    rows = {}
+    for line in _read("docs/configuration.md").splitlines():
+        if line.startswith("| `--"):
+            cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+            flag = re.match(r"`(--[a-z][a-z0-9-]*)", cells[0])
+            assert flag and len(cells) == 4, line
+            assert flag.group(1) not in rows, f"{flag.group(1)} has two rows"
+            rows[flag.group(1)] = cells
+    return rows
+
+
+def test_configuration_md_documents_every_option_and_no_other():
+    documented = set(_option_rows())
+    code = {o.flag for o in configmod.OPTIONS.values()} | {"--config"}
+    assert sorted(code - documented) == [], "options missing from docs/configuration.md"
+    assert sorted(documented - code) == [], "options in docs/configuration.md that serve does not have"
+
+
+def test_configuration_md_gives_each_option_its_true_default_and_whether_sighup_takes_it():
+    rows = _option_rows()
+    wrong = {
+        o.flag: (rows[o.flag][2:], [o.documented_default, "yes" if o.reloadable else "no"])
+        for o in configmod.OPTIONS.values()
+        if o.flag in rows and rows[o.flag][2:] != [o.documented_default, "yes" if o.reloadable else "no"]
+    }
+    assert wrong == {}, "(documented, true) default and SIGHUP cells"
+
+
+def test_an_option_whose_default_is_unset_says_what_that_means():
+    # An empty default is documented in words ("off", "none"...), never as an empty value.
+    bare = [o.name for o in configmod.OPTIONS.values() if o.documented_default in ("", "``")]
+    assert bare == []
+
+
+def test_the_option_table_feeds_the_flags_and_the_reload():
+    from isolator.daemon.reload import RELOADABLE
+
+    parser = argparse.ArgumentParser()
+    configmod.add_serve_arguments(parser)
+    flags = {a.option_strings[0]: a.help for a in parser._actions if a.option_strings and a.dest != "help"}
+    assert flags == {"--config": "TOML config file"} | {o.flag: o.help for o in configmod.OPTIONS.values()}
+    assert set(RELOADABLE) == {o.name for o in configmod.OPTIONS.values() if o.reloadable}
+    assert "{default}" not in "".join(flags.values())
+
+
+def test_the_readme_sends_the_reader_to_configuration_md_for_the_options():
     body = _section(_read("README.md"), "## Running the sidecar")
-    return [re.split(r"(?<!\\)\|", line)[1] for line in body.splitlines() if line.startswith("| `--")]
-
-
-def test_the_readme_flags_table_names_every_serve_flag_and_no_other():
-    named = {flag for row in _readme_flag_rows() for flag in re.findall(r"`(--[a-z][a-z0-9-]*)", row)}
-    code = {"--" + name.replace("_", "-") for name in configmod.PARSERS} | {"--config"}
-    assert sorted(code - named) == [], "serve flags missing from the README's flags table"
-    assert sorted(named - code) == [], "flags in the README's table that serve does not have"
+    assert "(docs/configuration.md)" in body
+    assert not [line for line in body.splitlines() if line.startswith("| `--")], "the flags table moved"
 
 
 # ---- README: shipped simulated hosts -----------------------------------------------------------------

@@ -1,1 +1,1 @@
-"""The daemon's configuration (isolator/daemon/config.py)."""
+"""The daemon (isolator/daemon/): its configuration, its option table and its periodic jobs."""

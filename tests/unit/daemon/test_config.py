@@ -140,3 +140,25 @@ def test_simulate_without_volume_root_keeps_volumes_under_the_work_dir():
     assert config.volume_root == "/tmp/gi-work/volumes"
     assert resolve("--simulate", "dgx-1", "--work-dir", "/w", "--volume-root", "/v").volume_root == "/v"
     assert resolve("--work-dir", "/w").volume_root == "/var/run/mesos/isolators/gpu"
+
+
+def test_mode_and_cgroup_version_parse_into_their_enums(tmp_path):
+    from isolator.model import CgroupVersion, Mode
+
+    cfg = resolve("--mode", "standalone", "--cgroup-version", "v2")
+    assert cfg.mode is Mode.STANDALONE and cfg.cgroup_version is CgroupVersion.V2
+    assert resolve().cgroup_version is None and resolve("--cgroup-version", "auto").cgroup_version is None
+    path = tmp_path / "c.toml"
+    path.write_text('mode = "mesos"\ncgroup_version = "v1"\n')
+    from_file = configmod.resolve({"config_file": str(path)})
+    assert from_file.mode is Mode.MESOS and from_file.cgroup_version is CgroupVersion.V1
+    with pytest.raises(ConfigError, match="'v3' is not one of auto, v1, v2"):
+        resolve("--cgroup-version", "v3")
+
+
+def test_a_config_built_with_words_holds_the_enums():
+    from isolator.model import CgroupVersion, Mode
+
+    cfg = configmod.Config(mode="standalone", cgroup_version="v2")  # type: ignore[arg-type]
+    assert cfg.mode is Mode.STANDALONE and cfg.cgroup_version is CgroupVersion.V2
+    assert configmod.Config(cgroup_version="auto").cgroup_version is None  # type: ignore[arg-type]

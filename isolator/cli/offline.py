@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from isolator.cli.admin import output_format
@@ -14,7 +16,32 @@ from isolator.cli.exits import EXIT_ERROR, EXIT_OK, UsageError, exit_code_of
 from isolator.cli.parser import CDI_SPEC_DIRS, build_parser
 from isolator.cli.render import emit, fail, structured
 from isolator.daemon import config as configmod
+from isolator.daemon.config import Config
 from isolator.errors import IsolatorError
+
+
+@contextmanager
+def offline_config(flags: dict[str, Any]) -> Iterator[Config]:
+    """The settings of an offline command. It leaves nothing behind unless asked to: with ``--simulate``
+    and no work directory given (neither ``--work-dir`` nor the config file's ``work_dir``), the
+    simulated host (device nodes, its driver, the driver volume) is laid out in a temporary directory
+    removed when the command ends, never under the production ``/var/lib/gpu-isolator``."""
+    config = configmod.resolve(flags)
+    if not config.simulate or flags.get("work_dir") is not None or _file_names_work_dir(config):
+        yield config
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="gpu-isolator-offline-") as scratch:
+        yield configmod.resolve({**flags, "work_dir": scratch})
+
+
+def _file_names_work_dir(config: Config) -> bool:
+    if not config.config_file:
+        return False
+    if config.config_file == configmod.STDIN:  # read once already: judge by the value
+        return config.work_dir != os.path.abspath(configmod.DEFAULT_WORK_DIR)
+    return "work_dir" in configmod.load_file(config.config_file)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -48,7 +75,8 @@ def run_resources(args: argparse.Namespace) -> int:
 
     output = output_format(args)
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "json", "output")}
-    line, pairs = daemon.agent_flags(configmod.resolve(flags))
+    with offline_config(flags) as config:
+        line, pairs = daemon.agent_flags(config)
     if args.command == "attributes":
         text = attributes.render(pairs)
         data: dict[str, Any] = {"attributes": text, "values": attributes.typed(pairs)}
@@ -77,8 +105,8 @@ def run_cdi(args: argparse.Namespace) -> int:
     strategies = args.device_name_strategy or ["both"]
     names = list(dict.fromkeys(n for s in strategies for n in (("index", "uuid") if s == "both" else (s,))))
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "cdi_command", "output")}
-    config = configmod.resolve(flags)
-    spec = daemon.generate_cdi(config, names)
+    with offline_config(flags) as config:
+        spec = daemon.generate_cdi(config, names)
     if output == "-":
         emit(cdi.render(spec, fmt).rstrip("\n"))
     else:

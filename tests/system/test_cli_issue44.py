@@ -5,7 +5,10 @@ the code before (offline commands leave nothing behind, the bridge executables n
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -46,3 +49,49 @@ def test_the_python_and_compiled_bridges_name_a_method_alike(tmp_path, capsys):
     c = subprocess.run([link, "--version"], capture_output=True, text=True, timeout=60).stdout
     assert bridge.main([link, "--version"]) == 0
     assert capsys.readouterr().out == c
+
+
+# ---- item 3: an offline command leaves nothing behind unless asked to ------------------------------
+
+OFFLINE_SIMULATED = [
+    ["resources", "--simulate", "dgx-1"],
+    ["attributes", "--simulate", "dgx-1"],
+    ["attributes", "--simulate", "dgx-1", "--json"],
+    ["cdi", "generate", "--simulate", "dgx-1"],
+]
+
+
+def _in_sandbox(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """``gpu-isolator ARGV`` in a mount namespace where /var/lib and /tmp are empty tmpfs: the real
+    ones are never written, and what the command left there is listed after it (one path a line),
+    but for the simulated driver's build cache (a per-user cache in the temp dir, kept on purpose:
+    building the tree takes seconds, docs/simhost.md)."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) for a private mount namespace")
+    command = " ".join(shlex.quote(w) for w in [sys.executable, "-m", "isolator", *argv])
+    script = (
+        "mount -t tmpfs tmpfs /var/lib && mount -t tmpfs tmpfs /tmp || exit 99; "
+        f"{command} >/dev/null || exit $?; find /var/lib /tmp -mindepth 1 -maxdepth 3"
+        f" -not -path '/tmp/gpu-isolator-simdriver-{os.getuid()}*'"
+    )
+    return subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("argv", OFFLINE_SIMULATED, ids=lambda a: " ".join(a))
+def test_an_offline_command_with_simulate_leaves_nothing_under_the_default_work_dir(argv):
+    result = _in_sandbox(argv)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "", f"left behind:\n{result.stdout}"
+
+
+@pytest.mark.root
+def test_an_offline_command_keeps_the_simulated_host_where_work_dir_asks():
+    result = _in_sandbox(["attributes", "--simulate", "dgx-1", "--work-dir", "/var/lib/gpu-isolator"])
+    assert result.returncode == 0, result.stderr
+    assert "/var/lib/gpu-isolator/simhost" in result.stdout.splitlines()

@@ -206,9 +206,10 @@ def output_format(args: argparse.Namespace) -> str:
 
 
 def formatted(command: str, data: Data, output: str, now: float) -> str:
-    """The answer as ``-o`` asks: JSON and YAML carry the same stable shape (docs/cli.md), keys sorted."""
+    """The answer as ``-o`` asks: JSON and YAML carry the same stable shape (docs/cli.md), keys sorted,
+    times as ISO 8601 UTC as in the tables."""
     if output in ("json", "yaml"):
-        return render.structured(data, output)
+        return render.structured(render.with_iso_times(data), output)
     return render_table(command, data, now=now, wide=output == "wide")
 
 

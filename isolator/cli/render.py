@@ -25,6 +25,30 @@ def fail(message: str) -> None:
     print(f"gpu-isolator: {message}", file=sys.stderr)
 
 
+# The answers' times (proto ``double``, seconds since the epoch): every output format shows them as
+# ISO 8601 UTC, the tables as JSON and YAML; 0 (never) is null there and "-" in a table.
+TIME_FIELDS = frozenset({"created", "last_xid_time", "drain_since", "maintenance_since", "since", "timestamp"})
+
+
+def iso8601(seconds: float) -> str:
+    """``2026-11-25T15:37:05Z``: the sidecar's own messages write times so."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+
+
+def with_iso_times(data: Any) -> Any:
+    """``data`` with every time field (TIME_FIELDS, at any depth) as ISO 8601 UTC, or None when unset."""
+    if isinstance(data, dict):
+        return {
+            k: (iso8601(float(v)) if v else None)
+            if k in TIME_FIELDS and isinstance(v, int | float) and not isinstance(v, bool)
+            else with_iso_times(v)
+            for k, v in data.items()
+        }
+    if isinstance(data, list):
+        return [with_iso_times(v) for v in data]
+    return data
+
+
 def structured(data: dict[str, Any], output: str) -> str:
     """``-o json`` or ``-o yaml``: the same shape, keys sorted."""
     if output == "json":
@@ -97,7 +121,7 @@ def table(rows: list[dict[str, Any]], columns: Sequence[tuple[str, str]], indent
 
 
 def _when(seconds: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
+    return iso8601(seconds) if seconds else "-"
 
 
 def _age(created: float, now: float) -> str:

@@ -4,6 +4,7 @@ the code before (offline commands leave nothing behind, the bridge executables n
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -11,9 +12,11 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from isolator import __version__
 from isolator.bridge import command as bridge
+from isolator.cli import main as cli
 
 # ---- item 6e: every bridge executable names itself in --version ------------------------------------
 
@@ -95,3 +98,35 @@ def test_an_offline_command_keeps_the_simulated_host_where_work_dir_asks():
     result = _in_sandbox(["attributes", "--simulate", "dgx-1", "--work-dir", "/var/lib/gpu-isolator"])
     assert result.returncode == 0, result.stderr
     assert "/var/lib/gpu-isolator/simhost" in result.stdout.splitlines()
+
+
+# ---- item 6d: times in ISO 8601 UTC in every output format --------------------------------------------
+
+_CREATED = 1795244423.1992323  # 2026-11-21T07:00:23Z
+_CONTAINERS = {"containers": [{"id": "a", "container_id": {"value": "a"}, "gpu_indices": [], "created": _CREATED}]}
+_GPUS = {
+    "gpus": [
+        {"index": 0, "uuid": "GPU-1", "healthy": False, "last_xid": "79", "last_xid_time": _CREATED},
+        {"index": 1, "uuid": "GPU-2", "healthy": True, "last_xid_time": 0},
+        {"index": 2, "uuid": "GPU-3", "healthy": True, "maintenance": True, "maintenance_since": 60},
+    ]
+}
+
+
+@pytest.mark.parametrize("output", ["json", "yaml"])
+def test_structured_output_writes_times_as_iso_8601_utc(output):
+    load = json.loads if output == "json" else yaml.safe_load
+    containers = load(cli.formatted("containers", _CONTAINERS, output, now=_CREATED))["containers"]
+    assert containers[0]["created"] == "2026-11-21T07:00:23Z"
+    gpus = load(cli.formatted("gpus", _GPUS, output, now=_CREATED))["gpus"]
+    assert gpus[0]["last_xid_time"] == "2026-11-21T07:00:23Z"
+    assert gpus[1]["last_xid_time"] is None  # 0: never
+    assert gpus[2]["maintenance_since"] == "1970-01-01T00:01:00Z"
+
+
+def test_tables_write_the_same_iso_8601_utc_times():
+    table = cli.formatted("gpus", _GPUS, "", now=_CREATED)
+    assert "UNHEALTHY: XID 79 at 2026-11-21T07:00:23Z" in table
+    assert "since 1970-01-01T00:01:00Z" in table
+    describe = cli.formatted("describe", {"container": _CONTAINERS["containers"][0]}, "", now=_CREATED + 3)
+    assert "2026-11-21T07:00:23Z (3s ago)" in describe

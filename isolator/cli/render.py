@@ -226,7 +226,7 @@ def _gpu_rows(gpus: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 mig="on" if g.get("mig_enabled") else "-",
                 holder=g.get("holder") or _sharers_text(g) or "-",
                 handover=_handover_text(g),
-                maintenance="DRAINED" if g.get("maintenance") else "-",
+                drained="yes" if g.get("maintenance") else "-",
                 shares=_shares_text(g),
             )
         )
@@ -302,7 +302,7 @@ def _gpus_table(data: dict[str, Any], wide: bool = False) -> str:
             ("pci_bus_id", "BUS-ID"),
             ("mig", "MIG"),
             ("health", "HEALTH"),
-            ("maintenance", "MAINTENANCE"),
+            ("drained", "DRAINED"),
             ("handover", "HANDOVER"),
             ("shares", "SHARES"),
             ("holder", "HOLDER"),
@@ -380,7 +380,7 @@ def _describe_text(data: dict[str, Any], now: float) -> str:
                     ("uuid", "UUID"),
                     ("name", "NAME"),
                     ("health", "HEALTH"),
-                    ("maintenance", "MAINTENANCE"),
+                    ("drained", "DRAINED"),
                 ],
                 indent="  ",
             )

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -130,3 +132,53 @@ def test_tables_write_the_same_iso_8601_utc_times():
     assert "since 1970-01-01T00:01:00Z" in table
     describe = cli.formatted("describe", {"container": _CONTAINERS["containers"][0]}, "", now=_CREATED + 3)
     assert "2026-11-21T07:00:23Z (3s ago)" in describe
+
+
+# ---- item 4: names that say what they count, alike in the exporter, alerts, dashboard and docs ------
+
+
+def _renamed() -> dict[str, str]:
+    """docs/metrics.md's "Renamed" table: old name -> new name."""
+    text = (Path(__file__).parents[2] / "docs" / "metrics.md").read_text()
+    body = text[text.index("**Renamed (issue 44") :].split("**Label change:**", 1)[0]
+    return dict(re.findall(r"^\| `(gpu_isolator_[a-z_]+)` \| `(gpu_isolator_[a-z_]+)` \|$", body, re.M))
+
+
+def test_renamed_series_are_exported_under_their_new_names_only():
+    from prometheus_client import generate_latest
+
+    from isolator.exporters.metrics import Metrics
+    from isolator.model import ContainerConfig, ContainerId, Resource
+    from isolator.testing import fake_service
+
+    renamed = _renamed()
+    assert len(renamed) == 6
+    rig = fake_service("dgx-1")
+    rig.service.prepare(ContainerId("a"), ContainerConfig(resources=(Resource("gpus", 8.0),)))
+    rig.inventory.start_process(3, 33)
+    rig.service.cleanup(ContainerId("a"))  # GPU 3 is held for the handover check
+    rig.service.maintenance_drain("5", "board swap", "uid 0")
+    text = generate_latest(Metrics(rig.service).registry).decode()
+    exported = set(re.findall(r"^(gpu_isolator_[a-z_]+)[{ ]", text, re.M))
+    assert set(renamed.values()) <= exported
+    assert set(renamed) & exported == set()
+    # The command drain moves *_drained; the handover check *_held_for_handover.
+    assert re.search(r'^gpu_isolator_gpu_drained\{.*gpu="5".*\} 1\.0$', text, re.M)
+    assert re.search(r'^gpu_isolator_gpu_held_for_handover\{.*gpu="3".*state="draining"\} 1\.0$', text, re.M)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "isolator/data/prometheus-rules.yml",
+        "isolator/data/grafana-dashboard.json",
+        "tests/data/prometheus-rules-test.yml",
+        "docs/handover.md",
+        "docs/operations.md",
+        "docs/cli.md",
+    ],
+)
+def test_no_shipped_rule_dashboard_or_doc_names_a_series_by_its_old_name(path):
+    text = (Path(__file__).parents[2] / path).read_text()
+    old = [name for name in _renamed() if re.search(rf"\b{name}\b", text)]
+    assert old == [], f"{path} still names {old}"

@@ -264,6 +264,34 @@ def run(args: argparse.Namespace) -> int:
     return command.exit_status(data)
 
 
+# The hidden ``__complete`` waits this long at most: a shell waits for it at each TAB.
+VALUES_TIMEOUT = 2.0
+
+
+def run_values(args: argparse.Namespace) -> int:
+    """``gpu-isolator __complete containers|gpus``: the running sidecar's container IDs (``parent.child``)
+    or GPU indices, one a line, for the completion scripts. Whatever goes wrong (no sidecar, no
+    permission, a timeout), it prints nothing and exits 0: a completion never shows an error."""
+    try:
+        from isolator.rpc import isolator_pb2 as pb
+        from isolator.transport.client import Client, to_dict
+
+        resolve_socket(args)
+        method = "ListContainers" if args.kind == "containers" else "ListGpus"
+        with Client(args.socket, timeout=VALUES_TIMEOUT) as client:
+            client.check_reachable()
+            data = to_dict(client.call(client.admin, method, getattr(pb, f"{method}Request")()))
+    except Exception:  # quiet by design: a TAB must never print an error
+        return EXIT_OK
+    if args.kind == "containers":
+        values = [str(c.get("id", "")) for c in data.get("containers", [])]
+    else:
+        values = [str(g.get("index", 0)) for g in data.get("gpus", [])]
+    if values:
+        render.emit("\n".join(values))
+    return EXIT_OK
+
+
 def with_socket_check(data: Data, path: str) -> Data:
     """The socket is checked from this side: it answered, and this is who may use it."""
     checks = list(data.get("checks", []))

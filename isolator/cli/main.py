@@ -27,7 +27,14 @@ from isolator.cli.exits import (
     UsageError,
     exit_code_of,
 )
-from isolator.cli.parser import CDI_FORMATS, CDI_NAME_STRATEGIES, CDI_SPEC_DIRS, build_parser
+from isolator.cli.parser import (
+    CDI_FORMATS,
+    CDI_NAME_STRATEGIES,
+    CDI_SPEC_DIRS,
+    HIDDEN_VALUES,
+    build_parser,
+    build_values_parser,
+)
 from isolator.cli.render import fail
 from isolator.cli.unit import docs_url, unit_text
 from isolator.errors import IsolatorError
@@ -96,6 +103,8 @@ def _main(argv: list[str]) -> int:
         offline.emit(parser.format_help())
         return EXIT_OK
     try:
+        if argv[0] == HIDDEN_VALUES:  # the completion scripts' question (isolator.cli.completion)
+            return admin.run_values(build_values_parser().parse_args(argv[1:]))
         args = parser.parse_args(argv)
     except UsageError as exc:
         return _usage_error(exc)

@@ -152,5 +152,5 @@ def run_config(args: argparse.Namespace) -> int:
 def run_completion(args: argparse.Namespace) -> int:
     from isolator.cli import completion
 
-    emit(completion.bash(build_parser()))
+    emit(completion.SCRIPTS[args.shell](build_parser()))
     return EXIT_OK

@@ -18,7 +18,8 @@ from isolator.daemon import config as configmod
 CDI_FORMATS = ("yaml", "json")
 CDI_NAME_STRATEGIES = ("index", "uuid", "type-index")
 CDI_SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")
-SHELLS = ("bash",)
+SHELLS = ("bash", "zsh", "fish")
+HIDDEN_VALUES = "__complete"  # isolator.cli.completion.HIDDEN
 
 
 class Parser(argparse.ArgumentParser):
@@ -70,11 +71,12 @@ def build_parser() -> Parser:
 
     completion = sub.add_parser(
         "completion",
-        help="print the shell completion script",
-        description="Print a completion script generated from this command's own parser."
-        " Install: gpu-isolator completion bash > /etc/bash_completion.d/gpu-isolator",
+        help="print the shell completion script (bash, zsh or fish)",
+        description="Print a completion script generated from this command's own parser; container IDs and"
+        " GPU indices are asked of the running sidecar as you type. Install: gpu-isolator completion bash >"
+        " /etc/bash_completion.d/gpu-isolator; zsh and fish: docs/cli.md, 'Shell completion'",
     )
-    completion.add_argument("shell", choices=SHELLS, help="the shell (bash)")
+    completion.add_argument("shell", choices=SHELLS, help="the shell: bash, zsh or fish")
 
     config = sub.add_parser("config", help="check a config file, or print the default one (docs/operations.md)")
     config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", parser_class=Parser)
@@ -86,6 +88,17 @@ def build_parser() -> Parser:
     check.add_argument("file", metavar="FILE", help="the TOML config file; - reads standard input")
     config_sub.add_parser("default", help="print the full default config file, every key commented")
     return parser
+
+
+def build_values_parser() -> Parser:
+    """``gpu-isolator __complete containers|gpus [--socket PATH]``: what the completion scripts run for
+    the sidecar's values. Hidden: not a subcommand of ``build_parser`` (so no help, completion or docs
+    list it); ``main`` routes a command line starting with it here."""
+    values = Parser(prog=f"gpu-isolator {HIDDEN_VALUES}", add_help=False)
+    values.add_argument("kind", choices=("containers", "gpus"))
+    values.add_argument("--socket", default=None)
+    values.set_defaults(command=HIDDEN_VALUES)
+    return values
 
 
 def _add_cdi(sub: argparse._SubParsersAction[Parser]) -> None:

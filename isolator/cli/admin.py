@@ -231,10 +231,7 @@ def resolve_socket(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import grpc
-
     from isolator.rpc import isolator_pb2 as pb
-    from isolator.transport.client import Client, Unreachable, to_dict
 
     command = BY_NAME[args.command]
     resolve_socket(args)
@@ -242,10 +239,25 @@ def run(args: argparse.Namespace) -> int:
     method = command.variant(args) or command.method
     request = getattr(pb, f"{method}Request")()
     command.request(args, request)
+    answer = ask(args, method, request, command.error_exit)
+    if isinstance(answer, int):
+        return answer
+    data = command.shape(answer, args)
+    render.emit(formatted(args.command, data, output, now=time.time()))
+    return command.exit_status(data)
+
+
+def ask(args: argparse.Namespace, method: str, request: Any, error_exit: int = EXIT_ERROR) -> Data | int:
+    """The sidecar's answer to ``method`` as its JSON shape, or the exit code after saying on stderr why
+    there is none (``args.socket`` resolved, ``args.timeout`` the wait)."""
+    import grpc
+
+    from isolator.transport.client import Client, Unreachable, to_dict
+
     with Client(args.socket, timeout=args.timeout) as client:
         try:
             client.check_reachable()
-            reply = client.call(client.admin, method, request)
+            return to_dict(client.call(client.admin, method, request))
         except Unreachable as exc:
             render.fail(str(exc) + args.socket_from)
             return EXIT_UNREACHABLE
@@ -258,10 +270,7 @@ def run(args: argparse.Namespace) -> int:
                 render.fail(f"the sidecar at '{args.socket}' did not answer within {args.timeout:g} s (see --timeout)")
                 return EXIT_UNREACHABLE
             render.fail(f"{args.command}: {exc.details()} ({code.name})")
-            return command.error_exit
-    data = command.shape(to_dict(reply), args)
-    render.emit(formatted(args.command, data, output, now=time.time()))
-    return command.exit_status(data)
+            return error_exit
 
 
 # The hidden ``__complete`` waits this long at most: a shell waits for it at each TAB.

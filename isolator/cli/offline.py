@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from isolator.cli.admin import output_format
+from isolator.cli.admin import ask, output_format, resolve_socket
 from isolator.cli.exits import EXIT_ERROR, EXIT_OK, UsageError, exit_code_of
 from isolator.cli.parser import CDI_SPEC_DIRS, build_parser
 from isolator.cli.render import emit, fail, structured
@@ -74,9 +74,16 @@ def run_resources(args: argparse.Namespace) -> int:
     from isolator.policy import attributes
 
     output = output_format(args)
-    flags = {k: v for k, v in vars(args).items() if k not in ("command", "json", "output")}
-    with offline_config(flags) as config:
-        line, pairs = daemon.agent_flags(config)
+    if args.running or args.socket is not None:
+        asked = _ask_agent_flags(args)
+        if isinstance(asked, int):
+            return asked
+        line, pairs = asked
+    else:
+        skip = ("command", "json", "output", "running", "socket", "timeout")
+        flags = {k: v for k, v in vars(args).items() if k not in skip}
+        with offline_config(flags) as config:
+            line, pairs = daemon.agent_flags(config)
     if args.command == "attributes":
         text = attributes.render(pairs)
         data: dict[str, Any] = {"attributes": text, "values": attributes.typed(pairs)}
@@ -86,6 +93,22 @@ def run_resources(args: argparse.Namespace) -> int:
         data = {"resources": line, "entries": entries, "attributes": attributes.render(pairs)}
     emit(structured(data, output) if output in ("json", "yaml") else text)
     return EXIT_OK
+
+
+def _ask_agent_flags(args: argparse.Namespace) -> tuple[str, list[tuple[str, str]]] | int:
+    """The running sidecar's view (Admin AgentFlags): what it manages now, not what NVML would say
+    to a new start; the offline flags describe a host to read and contradict it."""
+    from isolator.rpc import isolator_pb2 as pb
+
+    given = [f"--{n.replace('_', '-')}" for n in ("config_file", *configmod.INVENTORY_FLAGS) if getattr(args, n, None)]
+    if given:
+        flag = "--config" if given[0] == "--config-file" else given[0]
+        raise UsageError(f"gpu-isolator {args.command}: --running asks the sidecar; {flag} is for reading NVML offline")
+    resolve_socket(args)
+    answer = ask(args, "AgentFlags", pb.AgentFlagsRequest())
+    if isinstance(answer, int):
+        return answer
+    return str(answer.get("resources", "")), [(a["name"], a["value"]) for a in answer.get("attributes", [])]
 
 
 def run_cdi(args: argparse.Namespace) -> int:

@@ -143,20 +143,39 @@ def _add_cdi(sub: argparse._SubParsersAction[Parser]) -> None:
 
 def _add_inventory(sub: argparse._SubParsersAction[Parser]) -> None:
     resources = sub.add_parser(
-        "resources", help="the agent's --resources entries for the GPUs and MIG devices (offline: reads NVML)"
+        "resources",
+        help="the agent's --resources entries for the GPUs and MIG devices (offline: reads NVML;"
+        " --running: the running sidecar's)",
     )
     configmod.add_serve_arguments(resources, configmod.INVENTORY_FLAGS)
     resources.add_argument(
         "--json", action="store_true", help="print JSON: the string and each entry's count, and the attributes"
     )
     admin.add_output(resources)
+    _add_running(resources)
     attributes = sub.add_parser(
         "attributes",
-        help="the agent's --attributes for its GPUs: model, memory, driver, CUDA, MIG (offline: reads NVML)",
+        help="the agent's --attributes for its GPUs: model, memory, driver, CUDA, MIG (offline: reads NVML;"
+        " --running: the running sidecar's)",
     )
     configmod.add_serve_arguments(attributes, configmod.INVENTORY_FLAGS)
     attributes.add_argument("--json", action="store_true", help="print JSON: the string and each value, typed")
     admin.add_output(attributes)
+    _add_running(attributes)
+
+
+def _add_running(parser: argparse.ArgumentParser) -> None:
+    """Ask the running sidecar (its GPUs and --shared-gpus now) instead of reading NVML offline."""
+    parser.add_argument(
+        "--running",
+        action="store_true",
+        help="ask the running sidecar instead of reading NVML (its socket: --socket, else $"
+        f"{admin.SOCKET_ENV}, else {configmod.DEFAULT_SOCKET})",
+    )
+    parser.add_argument("--socket", default=None, help="the running sidecar's socket (implies --running)")
+    parser.add_argument(
+        "--timeout", type=admin.seconds, default=10.0, help="seconds to wait for the sidecar (default 10)"
+    )
 
 
 DOCS_SUBDIR = "share/doc/gpu-isolator"  # setup.cfg [options.data_files]

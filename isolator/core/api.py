@@ -105,5 +105,9 @@ class IsolatorApi(Protocol):
     def maintenance_undrain(self, gpu: str, caller: str) -> MaintenanceChange:
         raise Unimplemented(hook="MaintenanceUndrain")
 
+    # What the managed GPUs offer an agent: its --resources string and --attributes pairs (docs/cli.md).
+    def agent_flags(self) -> tuple[str, tuple[tuple[str, str], ...]]:
+        raise Unimplemented(hook="AgentFlags")
+
     def close(self) -> None:
         return None

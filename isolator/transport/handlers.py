@@ -224,6 +224,11 @@ class AdminHandlers(Handlers):
     def Topology(self, request: pb.TopologyRequest, call: CallFacts) -> pb.TopologyResponse:
         return topology_to_proto(self._service.topology())
 
+    def AgentFlags(self, request: pb.AgentFlagsRequest, call: CallFacts) -> pb.AgentFlagsResponse:
+        resources, pairs = self._service.agent_flags()
+        attributes = [pb.AgentFlagsResponse.Attribute(name=n, value=v) for n, v in pairs]
+        return pb.AgentFlagsResponse(resources=resources, attributes=attributes)
+
     def ListContainers(self, request: pb.ListContainersRequest, call: CallFacts) -> pb.ListContainersResponse:
         containers = self._service.list_containers()
         return pb.ListContainersResponse(containers=[container_info_to_proto(c) for c in containers])

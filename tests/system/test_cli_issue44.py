@@ -318,3 +318,62 @@ def test_the_hidden_values_command_is_quiet_and_quick_when_no_sidecar_answers(sh
 def test_the_hidden_values_command_is_not_in_the_help():
     result = subprocess.run([sys.executable, "-m", "isolator", "--help"], capture_output=True, text=True, timeout=60)
     assert "__complete" not in result.stdout
+
+
+# ---- item 6c: resources and attributes ask the running sidecar -------------------------------------
+
+
+def _main(*argv: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    saved = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = cli.main(list(argv))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("command", ["resources", "attributes"])
+def test_resources_and_attributes_read_the_running_sidecars_view_as_offline_reads_the_host(sidecar, command):
+    rc, asked, err = _main(command, "--socket", sidecar)
+    assert rc == cli.EXIT_OK, err
+    rc, offline, err = _main(command, "--simulate", "dgx-1")
+    assert rc == cli.EXIT_OK, err
+    assert asked == offline and asked.strip()
+    rc, asked_json, err = _main(command, "--running", "--json", env={cli.SOCKET_ENV: sidecar})
+    assert rc == cli.EXIT_OK, err
+    assert json.loads(asked_json) == json.loads(_main(command, "--simulate", "dgx-1", "--json")[1])
+
+
+def test_resources_of_the_running_sidecar_counts_its_shared_gpus(short_tmp):
+    from dataclasses import replace
+
+    from isolator.policy.shares import parse_shared_gpus
+    from isolator.testing import fake_service
+    from isolator.transport.server import SidecarServer
+    from isolator.transport.settings import ServerSettings
+
+    rig = fake_service("dgx-1")
+    rig.settings = replace(rig.settings, shared_gpus=parse_shared_gpus("4-7:4"))
+    rig.restart()
+    server = SidecarServer(ServerSettings(socket=os.path.join(short_tmp, "s.sock"), bridge_socket=""), rig.service)
+    server.start()
+    try:
+        rc, out, err = _main("resources", "--socket", os.path.join(short_tmp, "s.sock"))
+    finally:
+        server.stop(grace=0)
+    assert (rc, out.strip()) == (cli.EXIT_OK, "gpus:4;gpu_shares:16"), err
+
+
+def test_running_and_an_offline_flag_contradict(short_tmp):
+    rc, _out, err = _main("resources", "--running", "--simulate", "dgx-1")
+    assert rc == cli.EXIT_USAGE and "--simulate is for reading NVML offline" in err
+
+
+def test_resources_running_without_a_sidecar_exits_3_naming_the_socket(short_tmp):
+    sock = os.path.join(short_tmp, "none.sock")
+    rc, out, err = _main("attributes", "--socket", sock)
+    assert (rc, out) == (cli.EXIT_UNREACHABLE, "") and sock in err

@@ -93,10 +93,19 @@ def _undrain_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="override the handover check (docs/handover.md) instead of ending a maintenance drain",
     )
+    parser.add_argument(
+        "--reason",
+        default="",
+        help="why the drain ends (one line; kept with the drain in drain-history)",
+    )
 
 
 def _undrain(args: argparse.Namespace, request: Any) -> None:
+    if args.handover and args.reason:
+        raise UsageError("gpu-isolator undrain: --reason is kept with a maintenance drain; --handover ends none")
     request.gpu = args.gpu
+    if not args.handover:
+        request.reason = args.reason
 
 
 def _volume_manifest(data: Data, args: argparse.Namespace) -> Data:
@@ -156,6 +165,12 @@ COMMANDS: tuple[AdminCommand, ...] = (
         renderer=render.undrain,
         arguments=_undrain_arguments,
         variant=lambda args: "Undrain" if args.handover else None,
+    ),
+    AdminCommand(
+        "drain-history",
+        "the maintenance drains that ended: who took each GPU out, why, and who returned it, and why",
+        "MaintenanceHistory",
+        renderer=render.drain_history,
     ),
 )
 BY_NAME: dict[str, AdminCommand] = {c.name: c for c in COMMANDS}

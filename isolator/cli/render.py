@@ -27,7 +27,7 @@ def fail(message: str) -> None:
 
 # The answers' times (proto ``double``, seconds since the epoch): every output format shows them as
 # ISO 8601 UTC, the tables as JSON and YAML; 0 (never) is null there and "-" in a table.
-TIME_FIELDS = frozenset({"created", "last_xid_time", "drain_since", "maintenance_since", "since", "timestamp"})
+TIME_FIELDS = frozenset({"created", "last_xid_time", "drain_since", "maintenance_since", "since", "ended", "timestamp"})
 
 
 def iso8601(seconds: float) -> str:
@@ -96,6 +96,32 @@ def undrain(data: dict[str, Any], now: float, wide: bool) -> str:
 
 def audit(data: dict[str, Any], now: float, wide: bool) -> str:
     return _audit_text(data)
+
+
+def drain_history(data: dict[str, Any], now: float, wide: bool) -> str:
+    """The ended maintenance drains, oldest end first: the audit trail of ``drain`` and ``undrain``."""
+    drains = data.get("drains", [])
+    if not drains:
+        return "No maintenance drain has ended."
+    rows = [
+        dict(
+            d,
+            since=_when(float(d.get("since") or 0)),
+            ended=_when(float(d.get("ended") or 0)),
+            end_reason=d.get("end_reason") or "-",
+        )
+        for d in drains
+    ]
+    columns = [
+        ("uuid", "GPU"),
+        ("since", "DRAINED"),
+        ("by", "BY"),
+        ("reason", "REASON"),
+        ("ended", "ENDED"),
+        ("ended_by", "ENDED BY"),
+        ("end_reason", "END REASON"),
+    ]
+    return table(rows, columns)
 
 
 # ---- the tables ---------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from isolator.model import (
     ContainerInfo,
     ContainerRecord,
     Description,
+    EndedDrain,
     GpuInfo,
     GpuList,
     GpuRecord,
@@ -371,9 +372,13 @@ class Admin:
         """Take a GPU out of service (``gpu-isolator drain GPU --reason TEXT``): by index, UUID or minor:N."""
         return self.core.maintenance.drain(gpu, reason, caller)
 
-    def maintenance_undrain(self, gpu: str, caller: str) -> MaintenanceChange:
-        """End a maintenance drain (``gpu-isolator undrain GPU``)."""
-        return self.core.maintenance.undrain(gpu, caller)
+    def maintenance_undrain(self, gpu: str, caller: str, reason: str = "") -> MaintenanceChange:
+        """End a maintenance drain (``gpu-isolator undrain GPU [--reason TEXT]``); it goes to the history."""
+        return self.core.maintenance.undrain(gpu, caller, reason)
+
+    def maintenance_history(self) -> list[EndedDrain]:
+        """The ended maintenance drains, oldest end first (``gpu-isolator drain-history``)."""
+        return self.core.maintenance.history()
 
     # ---- volume and health ------------------------------------------------------------------------
 

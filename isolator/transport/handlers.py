@@ -265,4 +265,21 @@ class AdminHandlers(Handlers):
 
     def MaintenanceUndrain(self, request: pb.MaintenanceUndrainRequest, call: CallFacts) -> pb.MaintenanceResponse:
         caller = peergate.caller_text(call.peer)
-        return maintenance_to_proto(self._service.maintenance_undrain(request.gpu, caller))
+        return maintenance_to_proto(self._service.maintenance_undrain(request.gpu, caller, request.reason))
+
+    def MaintenanceHistory(
+        self, request: pb.MaintenanceHistoryRequest, call: CallFacts
+    ) -> pb.MaintenanceHistoryResponse:
+        drains = [
+            pb.MaintenanceHistoryResponse.Drain(
+                uuid=d.uuid,
+                reason=d.reason,
+                since=d.since,
+                by=d.by,
+                ended=d.ended,
+                ended_by=d.ended_by,
+                end_reason=d.end_reason,
+            )
+            for d in self._service.maintenance_history()
+        ]
+        return pb.MaintenanceHistoryResponse(drains=drains)

@@ -377,3 +377,56 @@ def test_resources_running_without_a_sidecar_exits_3_naming_the_socket(short_tmp
     sock = os.path.join(short_tmp, "none.sock")
     rc, out, err = _main("attributes", "--socket", sock)
     assert (rc, out) == (cli.EXIT_UNREACHABLE, "") and sock in err
+
+
+# ---- item 6a: undrain --reason, and the ended drains kept as history -----------------------------------
+
+
+@pytest.fixture
+def fresh_sidecar(short_tmp) -> Iterator[str]:
+    """A real gRPC sidecar over the core with shipped fakes (the simulated DGX-1), for one test."""
+    from isolator.testing import fake_service
+    from isolator.transport.server import SidecarServer
+    from isolator.transport.settings import ServerSettings
+
+    rig = fake_service("dgx-1")
+    sock = os.path.join(short_tmp, "s.sock")
+    server = SidecarServer(ServerSettings(socket=sock, bridge_socket=""), rig.service)
+    server.start()
+    try:
+        yield sock
+    finally:
+        server.stop(grace=0)
+
+
+def test_undrain_takes_a_reason_and_drain_history_shows_who_drained_why_and_who_ended_it(fresh_sidecar):
+    sock = fresh_sidecar
+    assert _main("drain", "3", "--reason", "board swap, OPS-12", "--socket", sock)[0] == cli.EXIT_OK
+    rc, out, err = _main("undrain", "3", "--reason", "board replaced", "--socket", sock)
+    assert rc == cli.EXIT_OK, err
+    assert "back in service" in out and "ended: board replaced" in out
+    rc, out, err = _main("drain-history", "--json", "--socket", sock)
+    assert rc == cli.EXIT_OK, err
+    (entry,) = json.loads(out)["drains"]
+    me = f"uid {os.getuid()}, pid {os.getpid()}"
+    assert (entry["reason"], entry["by"], entry["ended_by"], entry["end_reason"]) == (
+        "board swap, OPS-12",
+        me,
+        me,
+        "board replaced",
+    )
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", entry["since"]) and entry["ended"] >= entry["since"]
+    rc, table, _ = _main("drain-history", "--socket", sock)
+    header, row = table.splitlines()
+    assert header.split()[:3] == ["GPU", "DRAINED", "BY"] and "board replaced" in row and entry["uuid"] in row
+
+
+def test_drain_history_is_empty_until_a_drain_ends(fresh_sidecar):
+    _main("drain", "1", "--reason", "still on", "--socket", fresh_sidecar)
+    rc, out, _ = _main("drain-history", "--socket", fresh_sidecar)
+    assert (rc, out.strip()) == (cli.EXIT_OK, "No maintenance drain has ended.")
+
+
+def test_undrain_handover_takes_no_reason():
+    rc, _out, err = _main("undrain", "3", "--handover", "--reason", "x", "--socket", "/nonexistent.sock")
+    assert rc == cli.EXIT_USAGE and "--handover ends none" in err

@@ -12,6 +12,7 @@ from isolator import __version__
 from isolator.cli import admin
 from isolator.cli.exits import UsageError
 from isolator.daemon import config as configmod
+from isolator.model import Mode
 
 # As isolator.exporters.cdi.FORMATS and NAME_STRATEGIES (a test keeps them equal); not imported from
 # there so that building the parser (every command) imports no exporter.
@@ -58,7 +59,7 @@ def build_parser() -> Parser:
         "--config",
         dest="unit_config",
         default="/etc/gpu-isolator/config.toml",
-        help='the config file ExecStart names; written with mode = "mesos" if missing'
+        help=f'the config file ExecStart names; written with mode = "{Mode.MESOS}" if missing'
         " (default /etc/gpu-isolator/config.toml)",
     )
 

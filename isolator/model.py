@@ -777,6 +777,20 @@ class MaintenanceMark:
 
 
 @dataclass(frozen=True)
+class EndedDrain:
+    """A maintenance drain an operator ended (``gpu-isolator undrain GPU [--reason TEXT]``), kept as the
+    audit trail: the drain (its reason, since when, who) and its end (when, who, why; "" if not said)."""
+
+    uuid: str
+    reason: str
+    since: float
+    by: str
+    ended: float
+    ended_by: str = ""
+    end_reason: str = ""
+
+
+@dataclass(frozen=True)
 class MaintenanceChange:
     """What ``gpu-isolator drain`` or ``undrain`` did to one GPU."""
 

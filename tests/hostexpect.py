@@ -38,7 +38,7 @@ def gpus_json(spec: HostSpec) -> list[dict[str, Any]]:
                 "cpu_affinity": cpus,
                 "healthy": True,
                 "last_xid": "0",
-                "last_xid_time": 0.0,
+                "last_xid_time": None,  # a time: ISO 8601 UTC, null when unset
                 "health_reason": "",
                 "holder": "",
                 "mig_enabled": bool(g.mig),
@@ -62,7 +62,7 @@ def gpus_json(spec: HostSpec) -> list[dict[str, Any]]:
                 else [],
                 # The handover check (docs/handover.md): nothing runs on a fresh host's GPUs.
                 "drain_state": "",
-                "drain_since": 0.0,
+                "drain_since": None,
                 "drain_pids": [],
                 "drain_reason": "",
                 "drain_memory_used_bytes": "0",
@@ -70,7 +70,7 @@ def gpus_json(spec: HostSpec) -> list[dict[str, Any]]:
                 # An operator's maintenance drain (docs/operations.md section 7): none on a fresh host.
                 "maintenance": False,
                 "maintenance_reason": "",
-                "maintenance_since": 0.0,
+                "maintenance_since": None,
                 "maintenance_by": "",
                 # Shares (docs/sharing.md): nothing is shared unless --shared-gpus says so.
                 "shares_total": 0,

@@ -1060,8 +1060,16 @@ static int deliver_pending_signals(void)
 int main(int argc, char **argv)
 {
 	if (argc == 2 && strcmp(argv[1], "--version") == 0) {
-		static const char version[] = LAUNCHER " " BRIDGE_VERSION "\n";
-		write_all(1, version, sizeof version - 1);
+		/* As every tool: its own name (gpu-isolator-prepare, the symlink it was run as), then the
+		 * version; any other name is the launcher's (as command.py). */
+		const char *self = argc > 0 ? basename_of(argv[0]) : "";
+		const char *tail = strrchr(self, '-');
+		if (strncmp(self, "gpu-isolator-", 13) != 0 || !tail || !is_method(tail + 1))
+			self = LAUNCHER;
+		struct buf line = {0};
+		buf_printf(&line, "%s %s\n", self, BRIDGE_VERSION);
+		write_all(1, line.data, line.len);
+		free(line.data);
 		return EXIT_OK;
 	}
 	if (argc == 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {

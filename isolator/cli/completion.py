@@ -1,14 +1,24 @@
-"""Shell completion for ``gpu-isolator``, generated from the argument parser itself, so a command or
-flag added to the parser completes without anyone editing a script. Pure: the parser in, the
-script's text out (``gpu-isolator completion bash`` prints it)."""
+"""Shell completion for ``gpu-isolator`` in bash, zsh and fish, generated from the argument parser
+itself, so a command or flag added to the parser completes without anyone editing a script. Pure:
+the parser in, the script's text out (``gpu-isolator completion bash|zsh|fish`` prints it).
+
+What the parser cannot know, the running sidecar's container IDs and GPU indices, each script asks
+at the moment of completion through the hidden ``gpu-isolator __complete containers|gpus`` (``values``
+below), with the ``--socket`` typed on the line if any: it prints one value a line, and nothing,
+quietly and at once, when no sidecar answers.
+"""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from isolator.daemon import config as configmod
 
+HIDDEN = "__complete"  # isolator.cli.parser.build_values_parser
+# Positional arguments whose values the running sidecar knows: the argument's dest -> what to ask.
+DYNAMIC = {"container": "containers", "gpu": "gpus"}
 # Flags whose value is a path: the shell completes file names there (bash's `compgen -f`).
 PATH_DESTS = frozenset(
     {
@@ -32,6 +42,33 @@ PATH_DESTS = frozenset(
 )
 
 
+@dataclass(frozen=True)
+class Flag:
+    names: tuple[str, ...]
+    value: str  # "" (a switch), "choices", "path" or "text"
+    choices: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Command:
+    """One command path (``()`` is ``gpu-isolator`` itself, ``("cdi", "generate")`` a subcommand's):
+    what may follow it. ``positional``: "" none, "path", "choices", or a DYNAMIC kind."""
+
+    path: tuple[str, ...]
+    subcommands: tuple[str, ...]
+    flags: tuple[Flag, ...]
+    positional: str = ""
+    choices: tuple[str, ...] = ()
+
+    @property
+    def key(self) -> str:
+        return "/" + "/".join(self.path) if self.path else ""
+
+    @property
+    def flag_names(self) -> list[str]:
+        return sorted(n for f in self.flags for n in f.names if n.startswith("--") or len(n) == 2)
+
+
 def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -39,38 +76,53 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
     return {}
 
 
-def _walk(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
-    yield path
-    for name, sub in _subcommands(parser).items():
-        yield from _walk(sub, (*path, name))
+def commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> Iterator[Command]:
+    """Every command path of ``parser`` with what completes after it."""
+    flags = []
+    positional = ""
+    choices: tuple[str, ...] = ()
+    for action in parser._actions:
+        if action.option_strings:
+            value_choices = action.choices or getattr(configmod.PARSERS.get(action.dest), "choices", None)
+            if action.nargs == 0:
+                value = ""
+            elif value_choices:
+                value = "choices"
+            else:
+                value = "path" if action.dest in PATH_DESTS else "text"
+            names = tuple(action.option_strings)
+            flags.append(Flag(names, value, tuple(str(c) for c in value_choices or ())))
+        elif not isinstance(action, argparse._SubParsersAction) and not positional:
+            if action.dest in DYNAMIC:
+                positional = DYNAMIC[action.dest]
+            elif action.choices:
+                positional, choices = "choices", tuple(str(c) for c in action.choices)
+            elif action.dest in PATH_DESTS:
+                positional = "path"
+    subs = _subcommands(parser)
+    yield Command(path, tuple(subs), tuple(flags), positional, choices)
+    for name, sub in subs.items():
+        yield from commands(sub, (*path, name))
 
 
-def _parser_at(parser: argparse.ArgumentParser, path: tuple[str, ...]) -> argparse.ArgumentParser:
-    for name in path:
-        parser = _subcommands(parser)[name]
-    return parser
+def _words(values: list[str] | tuple[str, ...]) -> str:
+    return " ".join(values)
 
 
-def _options(parser: argparse.ArgumentParser) -> list[str]:
-    return sorted(s for a in parser._actions for s in a.option_strings if s.startswith("--") or len(s) == 2)
-
-
-def _takes_a_path(parser: argparse.ArgumentParser) -> bool:
-    """Whether ``parser`` has a positional argument that is a path (and no subcommands)."""
-    return not _subcommands(parser) and any(
-        not a.option_strings and a.dest in PATH_DESTS and a.nargs != 0 for a in parser._actions
-    )
+# ---- bash ---------------------------------------------------------------------------------------------
 
 
 def bash(parser: argparse.ArgumentParser, prog: str = "gpu-isolator") -> str:
     """A bash completion script: commands, each command's flags, the choices of flags that have
-    them (``-o json|yaml|wide``, ``--mode``...) and file names after flags that take a path."""
+    them (``-o json|yaml|wide``, ``--mode``...), file names after flags that take a path, and the
+    running sidecar's container IDs and GPU indices where a command takes one."""
     func = "_" + prog.replace("-", "_")
+    tree = list(commands(parser))
     lines = [
         f"# bash completion for {prog}; generated by `{prog} completion bash` (docs/cli.md, 'Shell completion').",
         f"# Install: {prog} completion bash > /etc/bash_completion.d/{prog}  (or: source <({prog} completion bash))",
         f"{func}() {{",
-        '    local cur="${COMP_WORDS[COMP_CWORD]}" prev="" path="" i word',
+        '    local cur="${COMP_WORDS[COMP_CWORD]}" prev="" path="" socket="" i word',
         '    [ "$COMP_CWORD" -gt 0 ] && prev="${COMP_WORDS[COMP_CWORD-1]}"',
         "    # The command path: the words before the cursor that name subcommands (options come after them).",
         "    for ((i = 1; i < COMP_CWORD; i++)); do",
@@ -78,40 +130,182 @@ def bash(parser: argparse.ArgumentParser, prog: str = "gpu-isolator") -> str:
         '        case "$word" in -*) break ;; esac',
         '        case "$path/$word" in',
     ]
-    paths = [p for p in _walk(parser) if p]
-    lines += [f'            {"/" + "/".join(p)}) path="$path/{p[-1]}" ;;' for p in paths]
+    lines += [f'            {c.key}) path="$path/{c.path[-1]}" ;;' for c in tree if c.path]
     lines += ["            *) break ;;", "        esac", "    done"]
+    lines += [
+        "    # The socket typed on the line, for the values asked of the sidecar.",
+        "    for ((i = 1; i < COMP_CWORD - 1; i++)); do",
+        '        [ "${COMP_WORDS[i]}" = --socket ] && socket="${COMP_WORDS[i+1]}"',
+        "    done",
+    ]
     # Values of the flag before the cursor.
     lines += ['    case "$path $prev" in']
-    for path in [(), *paths]:
-        sub = _parser_at(parser, path)
-        key = "/" + "/".join(path) if path else ""
-        for action in sub._actions:
-            if not action.option_strings or action.nargs == 0:
+    for c in tree:
+        for flag in c.flags:
+            if not flag.value:
                 continue
-            flags = "|".join(f"'{key} {s}'" for s in action.option_strings)
-            choices = action.choices or getattr(configmod.PARSERS.get(action.dest), "choices", None)
-            if choices:
-                words = " ".join(str(c) for c in choices)
-                lines.append(f'        {flags}) COMPREPLY=($(compgen -W "{words}" -- "$cur")); return ;;')
-            elif action.dest in PATH_DESTS:
-                lines.append(f'        {flags}) COMPREPLY=($(compgen -f -- "$cur")); return ;;')
+            pattern = "|".join(f"'{c.key} {n}'" for n in flag.names)
+            if flag.value == "choices":
+                lines.append(
+                    f'        {pattern}) COMPREPLY=($(compgen -W "{_words(flag.choices)}" -- "$cur")); return ;;'
+                )
+            elif flag.value == "path":
+                lines.append(f'        {pattern}) COMPREPLY=($(compgen -f -- "$cur")); return ;;')
             else:
-                lines.append(f"        {flags}) COMPREPLY=(); return ;;")
+                lines.append(f"        {pattern}) COMPREPLY=(); return ;;")
     lines += ["    esac"]
-    # Otherwise: subcommands, or the command's flags.
+    # Otherwise: subcommands, or the command's flags, or its positional argument's values.
     lines += ['    case "$path" in']
-    for path in [(), *paths]:
-        sub = _parser_at(parser, path)
-        words = " ".join([*_subcommands(sub), *_options(sub)])
-        key = "/" + "/".join(path) if path else ""
-        if _takes_a_path(sub):
-            # A positional path (``config check FILE``): file names, and the flags once "-" is typed.
-            lines.append(
-                f'        "{key}") if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "{words}" -- "$cur"));'
-                ' else COMPREPLY=($(compgen -f -- "$cur")); fi ;;'
-            )
+    for c in tree:
+        words = _words([*c.subcommands, *c.flag_names])
+        flags = f'COMPREPLY=($(compgen -W "{words}" -- "$cur"))'
+        if c.positional == "path":
+            values = 'COMPREPLY=($(compgen -f -- "$cur"))'
+        elif c.positional == "choices":
+            values = f'COMPREPLY=($(compgen -W "{_words(c.choices)}" -- "$cur"))'
+        elif c.positional:
+            ask = f'{prog} {HIDDEN} {c.positional} ${{socket:+--socket "$socket"}} 2>/dev/null'
+            values = f'COMPREPLY=($(compgen -W "$({ask})" -- "$cur"))'
+        else:
+            lines.append(f'        "{c.key}") {flags} ;;')
             continue
-        lines.append(f'        "{key}") COMPREPLY=($(compgen -W "{words}" -- "$cur")) ;;')
+        # A positional (``config check FILE``, ``describe CONTAINER``): its values, the flags once "-" is typed.
+        lines.append(f'        "{c.key}") if [[ "$cur" == -* ]]; then {flags}; else {values}; fi ;;')
     lines += ["    esac", "}", f"complete -o default -F {func} {prog}", ""]
     return "\n".join(lines)
+
+
+# ---- zsh ----------------------------------------------------------------------------------------------
+
+
+def zsh(parser: argparse.ArgumentParser, prog: str = "gpu-isolator") -> str:
+    """A zsh completion function: the same as ``bash``, with zsh's ``compadd`` and ``_files``."""
+    func = "_" + prog.replace("-", "_")
+    tree = list(commands(parser))
+    lines = [
+        f"#compdef {prog}",
+        f"# zsh completion for {prog}; generated by `{prog} completion zsh` (docs/cli.md, 'Shell completion').",
+        f'# Install: {prog} completion zsh > "${{fpath[1]}}/{func}"  (or, after compinit:'
+        f" source <({prog} completion zsh))",
+        f"{func}() {{",
+        '    local cur="${words[CURRENT]}" prev="${words[CURRENT-1]}" cmdpath="" socket="" i word',
+        "    for ((i = 2; i < CURRENT; i++)); do",
+        '        word="${words[i]}"',
+        '        [[ "$word" == -* ]] && break',
+        '        case "$cmdpath/$word" in',
+    ]
+    lines += [f'            {c.key}) cmdpath="$cmdpath/{c.path[-1]}" ;;' for c in tree if c.path]
+    lines += ["            *) break ;;", "        esac", "    done"]
+    lines += [
+        "    for ((i = 2; i < CURRENT - 1; i++)); do",
+        '        [[ "${words[i]}" == --socket ]] && socket="${words[i+1]}"',
+        "    done",
+        '    case "$cmdpath $prev" in',
+    ]
+    for c in tree:
+        for flag in c.flags:
+            if not flag.value:
+                continue
+            pattern = "|".join(f"'{c.key} {n}'" for n in flag.names)
+            if flag.value == "choices":
+                lines.append(f"        {pattern}) compadd -- {_words(flag.choices)}; return ;;")
+            elif flag.value == "path":
+                lines.append(f"        {pattern}) _files; return ;;")
+            else:
+                lines.append(f"        {pattern}) return ;;")
+    lines += ["    esac", '    case "$cmdpath" in']
+    for c in tree:
+        flags = f"compadd -- {_words([*c.subcommands, *c.flag_names])}"
+        if c.positional == "path":
+            values = "_files"
+        elif c.positional == "choices":
+            values = f"compadd -- {_words(c.choices)}"
+        elif c.positional:
+            ask = f'{prog} {HIDDEN} {c.positional} ${{socket:+--socket}} ${{socket:+"$socket"}} 2>/dev/null'
+            values = f'compadd -- ${{${{(f)"$({ask})"}}:#}}'
+        else:
+            lines.append(f'        "{c.key}") {flags} ;;')
+            continue
+        lines.append(f'        "{c.key}") if [[ "$cur" == -* ]]; then {flags}; else {values}; fi ;;')
+    lines += [
+        "    esac",
+        "}",
+        f'if [[ "${{funcstack[1]}}" == "{func}" ]]; then',
+        f'    {func} "$@"',
+        "else",
+        f"    compdef {func} {prog}",
+        "fi",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# ---- fish ---------------------------------------------------------------------------------------------
+
+
+def fish(parser: argparse.ArgumentParser, prog: str = "gpu-isolator") -> str:
+    """fish completions: one ``complete`` line per subcommand, flag and value, each under the command
+    path it belongs to (found by ``__{prog}_path``, as the bash script's loop)."""
+    func = "__" + prog.replace("-", "_")
+    tree = list(commands(parser))
+    known = " ".join(f"'{c.key}'" for c in tree if c.path)
+    lines = [
+        f"# fish completion for {prog}; generated by `{prog} completion fish` (docs/cli.md, 'Shell completion').",
+        f"# Install: {prog} completion fish > ~/.config/fish/completions/{prog}.fish",
+        f"function {func}_path --description 'the {prog} command path typed so far'",
+        "    set -l path ''",
+        "    for word in (commandline -opc)[2..-1]",
+        "        string match -q -- '-*' $word; and break",
+        f'        contains -- "$path/$word" {known}; or break',
+        '        set path "$path/$word"',
+        "    end",
+        '    echo "$path"',
+        "end",
+        f"function {func}_at --argument-names want",
+        f'    test ({func}_path) = "$want"',
+        "end",
+        f"function {func}_values --argument-names kind --description 'asked of the running sidecar'",
+        "    set -l words (commandline -opc)",
+        "    set -l socket",
+        "    for i in (seq (count $words))",
+        '        test "$words[$i]" = --socket; and set -q words[(math $i + 1)]',
+        "        and set socket --socket $words[(math $i + 1)]",
+        "    end",
+        f"    {prog} {HIDDEN} $kind $socket 2>/dev/null",
+        "end",
+        f"complete -c {prog} -f",
+    ]
+    for c in tree:
+        at = f"-n '{func}_at \"{c.key}\"'"
+        helps = _helps(parser, c.path)
+        for name in c.subcommands:
+            text = helps.get(name, "").replace("'", "\\'")
+            lines.append(f"complete -c {prog} {at} -a {name} -d '{text[:80]}'")
+        for flag in c.flags:
+            spec = " ".join(f"-l {n[2:]}" if n.startswith("--") else f"-s {n[1:]}" for n in flag.names)
+            if flag.value == "choices":
+                spec += f" -x -a '{_words(flag.choices)}'"
+            elif flag.value == "path":
+                spec += " -r -F"
+            elif flag.value == "text":
+                spec += " -x"
+            lines.append(f"complete -c {prog} {at} {spec}")
+        if c.positional == "path":
+            lines.append(f"complete -c {prog} {at} -F")
+        elif c.positional == "choices":
+            lines.append(f"complete -c {prog} {at} -a '{_words(c.choices)}'")
+        elif c.positional:
+            lines.append(f"complete -c {prog} {at} -a '({func}_values {c.positional})'")
+    return "\n".join([*lines, ""])
+
+
+def _helps(parser: argparse.ArgumentParser, path: tuple[str, ...]) -> dict[str, str]:
+    for name in path:
+        parser = _subcommands(parser)[name]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return {a.dest: a.help or "" for a in action._choices_actions}
+    return {}
+
+
+SCRIPTS = {"bash": bash, "zsh": zsh, "fish": fish}

@@ -21,8 +21,10 @@ from isolator.model import (
     ContainerInfo,
     ContainerRecord,
     Description,
+    EndedDrain,
     GpuInfo,
     GpuList,
+    GpuRecord,
     HealthCheck,
     MaintenanceChange,
     Released,
@@ -115,6 +117,14 @@ class Admin:
             "share_holders": holders,
             "mps_state": self.core.mps.state(minor) if gpu is not None and gpu.mode == sharing.MPS else "",
         }
+
+    def agent_flags(self) -> tuple[str, tuple[tuple[str, str], ...]]:
+        """The agent's ``--resources`` entries and ``--attributes`` pairs for the GPUs this sidecar manages
+        now, with its --shared-gpus: ``gpu-isolator resources`` and ``attributes`` asking the sidecar."""
+        inv = self.core.inventory
+        with self.core.booking.lock:
+            shared = dict(self.core.booking.shared)
+        return agent_flags_of(inv.records, shared, inv.driver_version, inv.cuda_driver_version)
 
     def topology(self) -> TopologyView:
         topo = self.core.inventory.topology()
@@ -362,9 +372,13 @@ class Admin:
         """Take a GPU out of service (``gpu-isolator drain GPU --reason TEXT``): by index, UUID or minor:N."""
         return self.core.maintenance.drain(gpu, reason, caller)
 
-    def maintenance_undrain(self, gpu: str, caller: str) -> MaintenanceChange:
-        """End a maintenance drain (``gpu-isolator undrain GPU``)."""
-        return self.core.maintenance.undrain(gpu, caller)
+    def maintenance_undrain(self, gpu: str, caller: str, reason: str = "") -> MaintenanceChange:
+        """End a maintenance drain (``gpu-isolator undrain GPU [--reason TEXT]``); it goes to the history."""
+        return self.core.maintenance.undrain(gpu, caller, reason)
+
+    def maintenance_history(self) -> list[EndedDrain]:
+        """The ended maintenance drains, oldest end first (``gpu-isolator drain-history``)."""
+        return self.core.maintenance.history()
 
     # ---- volume and health ------------------------------------------------------------------------
 
@@ -434,6 +448,21 @@ class Admin:
             if finding is not None:
                 out.append(f"container {cid}: {finding}")
         return out
+
+
+def agent_flags_of(
+    records: Iterable[GpuRecord], shared: dict[int, SharedGpu], driver_version: str, cuda_version: str
+) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """``gpus:N;gpu_shares:S;mig-<profile>:M...`` and the attribute pairs, from the GPU records: ``gpus``
+    counts the GPUs neither in MIG mode nor shared (as isolator.daemon.main.agent_flags offline)."""
+    from isolator.policy import attributes
+
+    records = list(records)
+    whole = sum(1 for r in records if not r.mig_enabled and r.gpu.minor not in shared)
+    line = migunits.agent_resources(whole, [d for r in records if r.mig_enabled for d in r.mig_devices])
+    head, sep, rest = line.partition(";")
+    resources = sharing.agent_resources(int(head.removeprefix("gpus:")), shared) + sep + rest
+    return resources, tuple(attributes.attributes(records, driver_version, cuda_version))
 
 
 def _sorted_rules(rules: Iterable[devrules.DeviceRule]) -> tuple[devrules.DeviceRule, ...]:

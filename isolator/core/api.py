@@ -21,6 +21,7 @@ from isolator.model import (
     ContainerState,
     ContainerStatus,
     Description,
+    EndedDrain,
     GpuList,
     HealthCheck,
     LaunchInfo,
@@ -102,8 +103,16 @@ class IsolatorApi(Protocol):
     def maintenance_drain(self, gpu: str, reason: str, caller: str) -> MaintenanceChange:
         raise Unimplemented(hook="MaintenanceDrain")
 
-    def maintenance_undrain(self, gpu: str, caller: str) -> MaintenanceChange:
+    def maintenance_undrain(self, gpu: str, caller: str, reason: str = "") -> MaintenanceChange:
         raise Unimplemented(hook="MaintenanceUndrain")
+
+    # The ended drains, oldest first: who took each GPU out, why, and who returned it (the audit trail).
+    def maintenance_history(self) -> list[EndedDrain]:
+        raise Unimplemented(hook="MaintenanceHistory")
+
+    # What the managed GPUs offer an agent: its --resources string and --attributes pairs (docs/cli.md).
+    def agent_flags(self) -> tuple[str, tuple[tuple[str, str], ...]]:
+        raise Unimplemented(hook="AgentFlags")
 
     def close(self) -> None:
         return None

@@ -17,7 +17,7 @@ from typing import Protocol
 from isolator.core.booking import Booking
 from isolator.core.ports import Clock, GpuInventory, RecordStore
 from isolator.errors import FailedPrecondition, InvalidArgument, NotFound
-from isolator.model import DrainRecord, Gpu, MaintenanceChange, MaintenanceMark
+from isolator.model import DrainRecord, EndedDrain, Gpu, MaintenanceChange, MaintenanceMark
 
 LOG = logging.getLogger(__name__)
 
@@ -50,8 +50,11 @@ def label(gpu: Gpu) -> str:
     return f"GPU {gpu.index} ({gpu.uuid})"
 
 
-def checked_reason(reason: str) -> str:
+def checked_reason(reason: str, required: bool = True) -> str:
+    """A drain's reason (required) or its end's (``required=False``: "" when none is given)."""
     text = reason.strip()
+    if not text and not required:
+        return ""
     if not text:
         raise InvalidArgument(
             "a drain needs a reason (--reason TEXT): it is shown in gpus, describe and health, so whoever"
@@ -127,14 +130,16 @@ class Maintenance:
             gpu.index, gpu.minor, gpu.uuid, True, old is not None, text, mark.since, by, detail, tuple(holders)
         )
 
-    def undrain(self, name: str, by: str) -> MaintenanceChange:
+    def undrain(self, name: str, by: str, reason: str = "") -> MaintenanceChange:
+        """End a drain; it is kept in the history with who ended it, when, and ``reason`` if given."""
         core = self.core
+        why = checked_reason(reason, required=False)
         try:
             gpu = core.handover.find(name)
         except NotFound:
             if name not in self.view():
                 raise
-            return self._undrain_unmanaged(name, by)
+            return self._undrain_unmanaged(name, by, why)
         with self._changing:
             old = self.marks.get(gpu.uuid)
             if old is None:
@@ -148,11 +153,13 @@ class Maintenance:
                     )
                 detail = f"{_name(gpu)} was not drained for maintenance; nothing to do"
                 return MaintenanceChange(gpu.index, gpu.minor, gpu.uuid, False, False, "", 0.0, "", detail)
-            core.store.clear_maintenance(gpu.uuid)
+            core.store.end_maintenance(self._ended(old, by, why))
             with core.booking.lock:
                 self.marks.pop(gpu.uuid, None)
                 core.booking.end_maintenance(gpu.minor)
         detail = f"{_name(gpu)} is back in service (it was drained since {_when(old.since)}, {old.by}: {old.reason})"
+        if why:
+            detail += f"; ended: {why}"
         still = self._still_out(gpu)
         if still:
             detail += f"; still not handed out: {still}"
@@ -162,7 +169,14 @@ class Maintenance:
             gpu.index, gpu.minor, gpu.uuid, False, True, old.reason, old.since, old.by, detail, holders
         )
 
-    def _undrain_unmanaged(self, uuid: str, by: str) -> MaintenanceChange:
+    def _ended(self, mark: MaintenanceMark, by: str, why: str) -> EndedDrain:
+        return EndedDrain(mark.uuid, mark.reason, mark.since, mark.by, self.core.clock.time(), by, why)
+
+    def history(self) -> list[EndedDrain]:
+        """The ended drains, oldest end first (``gpu-isolator drain-history``)."""
+        return self.core.store.maintenance_history()
+
+    def _undrain_unmanaged(self, uuid: str, by: str, why: str = "") -> MaintenanceChange:
         """End the recorded drain of a GPU this sidecar does not manage now (left out by a changed
         --nvidia-gpu-devices, or gone from the host): by its UUID, the one name it still has here.
         Otherwise the drain could only be ended once the GPU is managed again, and it would come back
@@ -171,7 +185,7 @@ class Maintenance:
             old = self.marks.get(uuid)
             if old is None:
                 raise NotFound(f"no managed GPU '{uuid}' (give its index, its UUID or minor:<N>)")
-            self.core.store.clear_maintenance(uuid)
+            self.core.store.end_maintenance(self._ended(old, by, why))
             with self.core.booking.lock:
                 self.marks.pop(uuid, None)
         detail = (

@@ -31,6 +31,7 @@ from isolator.model import (
     ContainerId,
     ContainerRecord,
     DrainRecord,
+    EndedDrain,
     GpuRecord,
     GpuUsageSample,
     HealthEvent,
@@ -199,6 +200,11 @@ class RecordStore(Protocol):
     def set_maintenance(self, mark: MaintenanceMark) -> None: ...
 
     def clear_maintenance(self, uuid: str) -> None: ...  # no row is success
+
+    # End a drain and keep it in the history, in one write (the drain's row gone, its history row added).
+    def end_maintenance(self, ended: EndedDrain) -> None: ...
+
+    def maintenance_history(self) -> list[EndedDrain]: ...  # oldest first
 
     def check(self) -> str: ...
 

@@ -161,39 +161,39 @@ class _ServiceCollector(Collector):
             held.add_metric([str(c.container_id)], len(c.gpu_minors))
         yield from (total, used, healthy, per_gpu, held)
         # The handover check (docs/handover.md): free GPUs kept out because something still runs on them.
-        draining = GaugeMetricFamily(
-            f"{PREFIX}_gpus_draining",
-            "Free GPUs kept out by the handover check (draining, or drained past --drain-timeout)",
+        handover = GaugeMetricFamily(
+            f"{PREFIX}_gpus_held_for_handover",
+            "Free GPUs the handover check holds out (draining, or unhealthy past --drain-timeout)",
         )
-        draining.add_metric([], sum(1 for g in gpus if g.drain_state))
-        per_drain = GaugeMetricFamily(
-            f"{PREFIX}_gpu_draining",
-            "1 while the GPU is kept out by the handover check; state: draining, or unhealthy past --drain-timeout",
+        handover.add_metric([], sum(1 for g in gpus if g.drain_state))
+        per_handover = GaugeMetricFamily(
+            f"{PREFIX}_gpu_held_for_handover",
+            "1 while the handover check holds the GPU out; state: draining, or unhealthy past --drain-timeout",
             labels=(*GPU_LABELS, "state"),
         )
-        drain_age = GaugeMetricFamily(
-            f"{PREFIX}_gpu_drain_seconds",
-            "How long the GPU has been draining (only GPUs that are)",
+        handover_age = GaugeMetricFamily(
+            f"{PREFIX}_gpu_held_for_handover_seconds",
+            "How long the handover check has held the GPU out (only GPUs it holds)",
             labels=GPU_LABELS,
         )
         now = time.time()
         for g in gpus:
-            per_drain.add_metric([*gpu_labels(g), g.drain_state or "free"], 1 if g.drain_state else 0)
+            per_handover.add_metric([*gpu_labels(g), g.drain_state or "free"], 1 if g.drain_state else 0)
             if g.drain_state:
-                drain_age.add_metric(gpu_labels(g), max(0.0, now - g.drain_since))
-        yield from (draining, per_drain, drain_age)
-        # An operator's maintenance drains (gpu-isolator drain, docs/operations.md): every GPU has a
-        # series, 0 or 1, from the start, so that an alert on a drain sees it begin.
-        out = GaugeMetricFamily(f"{PREFIX}_gpus_maintenance", "GPUs drained for maintenance by an operator")
+                handover_age.add_metric(gpu_labels(g), max(0.0, now - g.drain_since))
+        yield from (handover, per_handover, handover_age)
+        # An operator's drains (gpu-isolator drain, docs/operations.md): every GPU has a series, 0 or 1,
+        # from the start, so that an alert on a drain sees it begin. Named as the command: drained.
+        out = GaugeMetricFamily(f"{PREFIX}_gpus_drained", "GPUs an operator drained (gpu-isolator drain)")
         out.add_metric([], sum(1 for g in gpus if g.maintenance))
         per_out = GaugeMetricFamily(
-            f"{PREFIX}_gpu_maintenance",
+            f"{PREFIX}_gpu_drained",
             "1 while an operator keeps the GPU out of service (gpu-isolator drain; gpus says why and who)",
             labels=GPU_LABELS,
         )
         out_age = GaugeMetricFamily(
-            f"{PREFIX}_gpu_maintenance_seconds",
-            "How long the GPU has been drained for maintenance (only GPUs that are)",
+            f"{PREFIX}_gpu_drained_seconds",
+            "How long the GPU has been drained by an operator (only GPUs that are)",
             labels=GPU_LABELS,
         )
         for g in gpus:

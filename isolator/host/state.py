@@ -42,7 +42,7 @@ from isolator.errors import (
     StateReadOnly,
     StateStorageFull,
 )
-from isolator.model import ContainerId, ContainerRecord, DrainRecord, HealthMark, MaintenanceMark
+from isolator.model import ContainerId, ContainerRecord, DrainRecord, EndedDrain, HealthMark, MaintenanceMark
 from isolator.policy.devices import parse_rules
 
 LOG = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ LOG = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DB_FILE = "allocations.sqlite3"
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 # The oldest schema whose sidecar reads and writes a store of SCHEMA_VERSION correctly. An additive
 # migration (new tables or columns that an older sidecar may ignore: rows tied to a container by
 # ON DELETE CASCADE, columns with defaults; and newer code that copes with rows an older sidecar
@@ -60,7 +60,15 @@ SCHEMA_VERSION = 8
 # their holders). A new migration: bump SCHEMA_VERSION, add an `if version <= <previous>:` step.
 MIN_SCHEMA = 2
 # The tables schemas after 2 added, newest last (tests rewind a store to schema 2 by dropping them).
-TABLES_AFTER_2 = ("schema_meta", "cpuset", "drain", "gpu_health_mark", "gpu_maintenance", "share_allocation")
+TABLES_AFTER_2 = (
+    "schema_meta",
+    "cpuset",
+    "drain",
+    "gpu_health_mark",
+    "gpu_maintenance",
+    "share_allocation",
+    "gpu_maintenance_history",
+)
 STATES = ("prepared", "isolated", "orphan")
 CGROUP_VERSIONS = (1, 2)
 
@@ -193,6 +201,23 @@ BEGIN SELECT RAISE(ABORT, 'share-conflict: GPU is held whole'); END;
 """
 
 
+# Version 9: maintenance drains an operator ended, kept as the audit trail (gpu-isolator drain-history):
+# the drain's reason, start and caller, and its end's time, caller and reason. Additive: an older
+# sidecar ignores the table (its undrains then leave no history). IF NOT EXISTS: tests rewind a
+# store to an older schema by dropping only the tables that schema lacked, and this one may stay.
+_SCHEMA_V9 = """
+CREATE TABLE IF NOT EXISTS gpu_maintenance_history (
+    uuid       TEXT NOT NULL CHECK (uuid <> ''),
+    reason     TEXT NOT NULL CHECK (reason <> ''),
+    since      REAL NOT NULL,
+    by         TEXT NOT NULL,
+    ended      REAL NOT NULL,
+    ended_by   TEXT NOT NULL,
+    end_reason TEXT NOT NULL
+);
+"""
+
+
 def _rules_text(rules: Iterable[DeviceRule]) -> str:
     """A record's rules as stored: one rule a line in the kernel's syntax (the format of every schema version)."""
     return "\n".join(map(str, rules))
@@ -292,6 +317,9 @@ class StateStore:
                     self._db.execute(statement)
             if version <= 7:
                 for statement in _split_sql(_SCHEMA_V8):
+                    self._db.execute(statement)
+            if version <= 8:
+                for statement in _split_sql(_SCHEMA_V9):
                     self._db.execute(statement)
             self._db.execute("INSERT OR REPLACE INTO schema_meta VALUES ('min_schema', ?)", (MIN_SCHEMA,))
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
@@ -530,6 +558,30 @@ class StateStore:
             db.execute("DELETE FROM gpu_maintenance WHERE uuid = ?", (uuid,))
 
         self._write("clear maintenance drain", write)
+
+    def end_maintenance(self, ended: EndedDrain) -> None:
+        """End a GPU's maintenance drain and keep it in the history, in one transaction."""
+        if not ended.uuid or not ended.reason:
+            raise InvalidArgument("an ended drain needs a GPU UUID and its reason")
+        row = (ended.uuid, ended.reason, float(ended.since), ended.by, float(ended.ended))
+
+        def write(db: sqlite3.Connection) -> None:
+            db.execute("DELETE FROM gpu_maintenance WHERE uuid = ?", (ended.uuid,))
+            db.execute(
+                "INSERT INTO gpu_maintenance_history VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (*row, ended.ended_by, ended.end_reason),
+            )
+
+        self._write("end maintenance drain", write)
+
+    def maintenance_history(self) -> list[EndedDrain]:
+        """The ended maintenance drains, oldest end first."""
+        with self._reading("read maintenance history") as db:
+            rows = db.execute(
+                "SELECT uuid, reason, since, by, ended, ended_by, end_reason FROM gpu_maintenance_history"
+                " ORDER BY ended, rowid"
+            )
+            return [EndedDrain(*row) for row in rows]
 
     def maintenance(self) -> dict[str, MaintenanceMark]:
         """GPU UUID -> its maintenance drain."""

@@ -745,10 +745,12 @@ class MaintenanceDrainRequest(_message.Message):
     def __init__(self, gpu: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class MaintenanceUndrainRequest(_message.Message):
-    __slots__ = ("gpu",)
+    __slots__ = ("gpu", "reason")
     GPU_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     gpu: str
-    def __init__(self, gpu: _Optional[str] = ...) -> None: ...
+    reason: str
+    def __init__(self, gpu: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class MaintenanceResponse(_message.Message):
     __slots__ = ("index", "minor", "uuid", "drained", "was_drained", "reason", "since", "by", "detail", "holders")
@@ -773,3 +775,49 @@ class MaintenanceResponse(_message.Message):
     detail: str
     holders: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, index: _Optional[int] = ..., minor: _Optional[int] = ..., uuid: _Optional[str] = ..., drained: _Optional[bool] = ..., was_drained: _Optional[bool] = ..., reason: _Optional[str] = ..., since: _Optional[float] = ..., by: _Optional[str] = ..., detail: _Optional[str] = ..., holders: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class MaintenanceHistoryRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MaintenanceHistoryResponse(_message.Message):
+    __slots__ = ("drains",)
+    class Drain(_message.Message):
+        __slots__ = ("uuid", "reason", "since", "by", "ended", "ended_by", "end_reason")
+        UUID_FIELD_NUMBER: _ClassVar[int]
+        REASON_FIELD_NUMBER: _ClassVar[int]
+        SINCE_FIELD_NUMBER: _ClassVar[int]
+        BY_FIELD_NUMBER: _ClassVar[int]
+        ENDED_FIELD_NUMBER: _ClassVar[int]
+        ENDED_BY_FIELD_NUMBER: _ClassVar[int]
+        END_REASON_FIELD_NUMBER: _ClassVar[int]
+        uuid: str
+        reason: str
+        since: float
+        by: str
+        ended: float
+        ended_by: str
+        end_reason: str
+        def __init__(self, uuid: _Optional[str] = ..., reason: _Optional[str] = ..., since: _Optional[float] = ..., by: _Optional[str] = ..., ended: _Optional[float] = ..., ended_by: _Optional[str] = ..., end_reason: _Optional[str] = ...) -> None: ...
+    DRAINS_FIELD_NUMBER: _ClassVar[int]
+    drains: _containers.RepeatedCompositeFieldContainer[MaintenanceHistoryResponse.Drain]
+    def __init__(self, drains: _Optional[_Iterable[_Union[MaintenanceHistoryResponse.Drain, _Mapping]]] = ...) -> None: ...
+
+class AgentFlagsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AgentFlagsResponse(_message.Message):
+    __slots__ = ("resources", "attributes")
+    class Attribute(_message.Message):
+        __slots__ = ("name", "value")
+        NAME_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        name: str
+        value: str
+        def __init__(self, name: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    RESOURCES_FIELD_NUMBER: _ClassVar[int]
+    ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
+    resources: str
+    attributes: _containers.RepeatedCompositeFieldContainer[AgentFlagsResponse.Attribute]
+    def __init__(self, resources: _Optional[str] = ..., attributes: _Optional[_Iterable[_Union[AgentFlagsResponse.Attribute, _Mapping]]] = ...) -> None: ...

@@ -464,6 +464,16 @@ class AdminStub:
                 request_serializer=gpuisolator_dot_v1_dot_isolator__pb2.MaintenanceUndrainRequest.SerializeToString,
                 response_deserializer=gpuisolator_dot_v1_dot_isolator__pb2.MaintenanceResponse.FromString,
                 _registered_method=True)
+        self.MaintenanceHistory = channel.unary_unary(
+                '/gpuisolator.v1.Admin/MaintenanceHistory',
+                request_serializer=gpuisolator_dot_v1_dot_isolator__pb2.MaintenanceHistoryRequest.SerializeToString,
+                response_deserializer=gpuisolator_dot_v1_dot_isolator__pb2.MaintenanceHistoryResponse.FromString,
+                _registered_method=True)
+        self.AgentFlags = channel.unary_unary(
+                '/gpuisolator.v1.Admin/AgentFlags',
+                request_serializer=gpuisolator_dot_v1_dot_isolator__pb2.AgentFlagsRequest.SerializeToString,
+                response_deserializer=gpuisolator_dot_v1_dot_isolator__pb2.AgentFlagsResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -535,6 +545,18 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MaintenanceHistory(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AgentFlags(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -592,6 +614,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.MaintenanceUndrain,
                     request_deserializer=gpuisolator_dot_v1_dot_isolator__pb2.MaintenanceUndrainRequest.FromString,
                     response_serializer=gpuisolator_dot_v1_dot_isolator__pb2.MaintenanceResponse.SerializeToString,
+            ),
+            'MaintenanceHistory': grpc.unary_unary_rpc_method_handler(
+                    servicer.MaintenanceHistory,
+                    request_deserializer=gpuisolator_dot_v1_dot_isolator__pb2.MaintenanceHistoryRequest.FromString,
+                    response_serializer=gpuisolator_dot_v1_dot_isolator__pb2.MaintenanceHistoryResponse.SerializeToString,
+            ),
+            'AgentFlags': grpc.unary_unary_rpc_method_handler(
+                    servicer.AgentFlags,
+                    request_deserializer=gpuisolator_dot_v1_dot_isolator__pb2.AgentFlagsRequest.FromString,
+                    response_serializer=gpuisolator_dot_v1_dot_isolator__pb2.AgentFlagsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -891,6 +923,60 @@ class Admin:
             '/gpuisolator.v1.Admin/MaintenanceUndrain',
             gpuisolator_dot_v1_dot_isolator__pb2.MaintenanceUndrainRequest.SerializeToString,
             gpuisolator_dot_v1_dot_isolator__pb2.MaintenanceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MaintenanceHistory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuisolator.v1.Admin/MaintenanceHistory',
+            gpuisolator_dot_v1_dot_isolator__pb2.MaintenanceHistoryRequest.SerializeToString,
+            gpuisolator_dot_v1_dot_isolator__pb2.MaintenanceHistoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AgentFlags(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuisolator.v1.Admin/AgentFlags',
+            gpuisolator_dot_v1_dot_isolator__pb2.AgentFlagsRequest.SerializeToString,
+            gpuisolator_dot_v1_dot_isolator__pb2.AgentFlagsResponse.FromString,
             options,
             channel_credentials,
             insecure,

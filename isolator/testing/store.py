@@ -23,7 +23,7 @@ from isolator.errors import (
     StateError,
 )
 from isolator.host.state import CGROUP_VERSIONS, STATES
-from isolator.model import ContainerId, ContainerRecord, DrainRecord, HealthMark, MaintenanceMark
+from isolator.model import ContainerId, ContainerRecord, DrainRecord, EndedDrain, HealthMark, MaintenanceMark
 from isolator.testing.faults import Faults
 
 
@@ -35,6 +35,7 @@ class FakeStore:
         self._drains: dict[int, DrainRecord] = {}
         self._maintenance: dict[str, MaintenanceMark] = {}
         self._health_marks: dict[str, HealthMark] = {}
+        self._history: list[EndedDrain] = []  # ended maintenance drains, the audit trail
         self.closed = False
         self.commits = 0  # successful writes: what the real store would fsync
         self.faults = Faults(lambda step, cid: StateError(op=step, path=self.path, cause="injected fault"))
@@ -156,6 +157,19 @@ class FakeStore:
         with self._lock:
             self._health_marks.pop(uuid, None)
             self.commits += 1
+    def end_maintenance(self, ended: EndedDrain) -> None:
+        self.faults.check("end_maintenance")
+        if not ended.uuid or not ended.reason:
+            raise InvalidArgument("an ended drain needs a GPU UUID and its reason")
+        with self._lock:
+            self._maintenance.pop(ended.uuid, None)
+            self._history.append(ended)
+            self.commits += 1
+
+    def maintenance_history(self) -> list[EndedDrain]:
+        self.faults.check("maintenance_history")
+        with self._lock:
+            return sorted(self._history, key=lambda e: e.ended)
 
     # ---- reads --------------------------------------------------------------------------------------
 
@@ -212,6 +226,7 @@ class FakeStore:
             self._records.clear()
             self._drains.clear()
             self._maintenance.clear()
+            self._history.clear()
 
     # ---- internals ----------------------------------------------------------------------------------
 

@@ -224,6 +224,11 @@ class AdminHandlers(Handlers):
     def Topology(self, request: pb.TopologyRequest, call: CallFacts) -> pb.TopologyResponse:
         return topology_to_proto(self._service.topology())
 
+    def AgentFlags(self, request: pb.AgentFlagsRequest, call: CallFacts) -> pb.AgentFlagsResponse:
+        resources, pairs = self._service.agent_flags()
+        attributes = [pb.AgentFlagsResponse.Attribute(name=n, value=v) for n, v in pairs]
+        return pb.AgentFlagsResponse(resources=resources, attributes=attributes)
+
     def ListContainers(self, request: pb.ListContainersRequest, call: CallFacts) -> pb.ListContainersResponse:
         containers = self._service.list_containers()
         return pb.ListContainersResponse(containers=[container_info_to_proto(c) for c in containers])
@@ -260,4 +265,21 @@ class AdminHandlers(Handlers):
 
     def MaintenanceUndrain(self, request: pb.MaintenanceUndrainRequest, call: CallFacts) -> pb.MaintenanceResponse:
         caller = peergate.caller_text(call.peer)
-        return maintenance_to_proto(self._service.maintenance_undrain(request.gpu, caller))
+        return maintenance_to_proto(self._service.maintenance_undrain(request.gpu, caller, request.reason))
+
+    def MaintenanceHistory(
+        self, request: pb.MaintenanceHistoryRequest, call: CallFacts
+    ) -> pb.MaintenanceHistoryResponse:
+        drains = [
+            pb.MaintenanceHistoryResponse.Drain(
+                uuid=d.uuid,
+                reason=d.reason,
+                since=d.since,
+                by=d.by,
+                ended=d.ended,
+                ended_by=d.ended_by,
+                end_reason=d.end_reason,
+            )
+            for d in self._service.maintenance_history()
+        ]
+        return pb.MaintenanceHistoryResponse(drains=drains)

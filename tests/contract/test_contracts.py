@@ -32,7 +32,7 @@ from isolator.errors import (
     NvmlError,
 )
 from isolator.host.system import LocalFilesystem, ProcProcesses, SystemClock
-from isolator.model import ContainerId, ContainerRecord, DrainRecord, MaintenanceMark, Topology
+from isolator.model import ContainerId, ContainerRecord, DrainRecord, EndedDrain, MaintenanceMark, Topology
 from isolator.policy.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, container_rules
 from isolator.testing import (
     FakeCgroups,
@@ -366,6 +366,21 @@ def test_store_keeps_maintenance_drains_by_gpu_uuid(store: FakeStore) -> None:
     assert store.maintenance() == {"GPU-1": MaintenanceMark("GPU-1", "a2", 1.0, "uid 5")}
     with pytest.raises(InvalidArgument):
         store.set_maintenance(MaintenanceMark("GPU-3", "", 1.0, ""))
+
+
+def test_store_ends_a_maintenance_drain_into_its_history_in_one_write(store: FakeStore) -> None:
+    assert store.maintenance_history() == []
+    store.set_maintenance(MaintenanceMark("GPU-1", "a", 1.0, "uid 0"))
+    store.set_maintenance(MaintenanceMark("GPU-2", "b", 2.0, "uid 0"))
+    store.end_maintenance(EndedDrain("GPU-2", "b", 2.0, "uid 0", ended=9.0, ended_by="uid 5", end_reason="fixed"))
+    store.end_maintenance(EndedDrain("GPU-1", "a", 1.0, "uid 0", ended=5.0))
+    assert store.maintenance() == {}
+    assert store.maintenance_history() == [
+        EndedDrain("GPU-1", "a", 1.0, "uid 0", 5.0, "", ""),
+        EndedDrain("GPU-2", "b", 2.0, "uid 0", 9.0, "uid 5", "fixed"),
+    ]
+    with pytest.raises(InvalidArgument):
+        store.end_maintenance(EndedDrain("", "a", 1.0, "", 2.0))
 
 
 def record(name: str, *gpus: int, **kwargs: object) -> ContainerRecord:

@@ -141,7 +141,7 @@ def test_gpus_json_names_each_gpus_holder_and_the_last_xid_with_its_time(world):
     holders = {g["holder"] for g in gpus} - {""}
     assert holders == {"train-a", "train-b"}
     assert sum(g["holder"] == "train-a" for g in gpus) == 2 and sum(g["holder"] == "train-b" for g in gpus) == 1
-    assert gpus[7]["healthy"] is False and gpus[7]["last_xid"] == "79" and gpus[7]["last_xid_time"] > 0
+    assert gpus[7]["healthy"] is False and gpus[7]["last_xid"] == "79" and gpus[7]["last_xid_time"].endswith("Z")
     assert set(gpus[0]) >= {"index", "minor", "uuid", "name", "memory_total_bytes", "numa_node", "holder"}
 
 
@@ -177,7 +177,7 @@ def test_containers_json_lists_nested_containers_right_after_their_parent(world)
     assert a["volume_version"] == nested["volume_version"] == load_host(HOST).driver_version
     assert b["volume_version"] == ""
     assert a["cgroup"] == os.path.join(world.sidecar.cgroup_parent, "train-a") and os.path.isdir(a["cgroup"])
-    assert a["mode"] == "standalone" and a["created"] <= time.time()
+    assert a["mode"] == "standalone" and a["created"] <= time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def test_containers_table_shows_a_nested_container_under_its_parent_with_the_parents_gpus(world):

@@ -28,15 +28,15 @@ def test_metrics_export_every_gpus_maintenance_state_with_dcgm_labels():
     rig = fake_service("dgx-1")
     metrics = Metrics(rig.service)
     before = generate_latest(metrics.registry).decode()
-    assert "gpu_isolator_gpus_maintenance 0.0" in before
-    assert len(re.findall(r"^gpu_isolator_gpu_maintenance\{.*\} 0\.0$", before, re.M)) == 8, "at 0 from the start"
+    assert "gpu_isolator_gpus_drained 0.0" in before
+    assert len(re.findall(r"^gpu_isolator_gpu_drained\{.*\} 0\.0$", before, re.M)) == 8, "at 0 from the start"
     rig.service.maintenance_drain("3", "x", OPERATOR)
     text = generate_latest(metrics.registry).decode()
-    assert "gpu_isolator_gpus_maintenance 1.0" in text
-    on = re.findall(r"^gpu_isolator_gpu_maintenance\{(.*)\} 1\.0$", text, re.M)
+    assert "gpu_isolator_gpus_drained 1.0" in text
+    on = re.findall(r"^gpu_isolator_gpu_drained\{(.*)\} 1\.0$", text, re.M)
     assert len(on) == 1 and 'gpu="3"' in on[0] and 'modelName="Tesla V100-SXM2-16GB"' in on[0]
     assert re.search(r'pci_bus_id="00000000:[0-9A-F]{2}:00\.0"', on[0])
-    ages = re.findall(r"^gpu_isolator_gpu_maintenance_seconds\{(.*)\} ", text, re.M)
+    ages = re.findall(r"^gpu_isolator_gpu_drained_seconds\{(.*)\} ", text, re.M)
     assert len(ages) == 1 and 'gpu="3"' in ages[0]
 
 
@@ -88,7 +88,7 @@ def test_drain_and_undrain_on_a_real_daemon_survive_a_sigkill_and_show_in_every_
         sidecar.kill()
         sidecar.start()
         rc, out, _ = _cli(sidecar.socket, "gpus")
-        assert rc == 0 and "MAINTENANCE" in out and "DRAINED" in out
+        assert rc == 0 and "DRAINED" in out and re.search(r"^3 .* yes ", out, re.M)
         assert re.search(r"GPU 3: since .* by uid 0, pid \d+: board swap OPS-12", out), out
         rc, out, _ = _cli(sidecar.socket, "gpus", "--json")
         drained = [g for g in json.loads(out)["gpus"] if g.get("maintenance")]

@@ -518,10 +518,10 @@ def test_draining_gpus_are_exported_with_their_state_and_age():
     rig.service.cleanup(ContainerId("a"))
     text = generate_latest(Metrics(rig.service).registry).decode()
     uuid = rig.service.list_gpus().gpus[3].uuid
-    assert "gpu_isolator_gpus_draining 1.0" in text
+    assert "gpu_isolator_gpus_held_for_handover 1.0" in text
     gpu3 = f'UUID="{uuid}",gpu="3",minor="3",modelName="Tesla V100-SXM2-16GB",pci_bus_id="00000000:'
-    assert re.search(rf'gpu_isolator_gpu_draining\{{{gpu3}[0-9A-F:.]+",state="draining"\}} 1.0', text)
+    assert re.search(rf'gpu_isolator_gpu_held_for_handover\{{{gpu3}[0-9A-F:.]+",state="draining"\}} 1.0', text)
     assert re.search(r'gpu="2",minor="2",modelName="[^"]+",pci_bus_id="[^"]+",state="free"', text)
-    assert f"gpu_isolator_gpu_drain_seconds{{{gpu3}" in text
-    ages = [line for line in text.splitlines() if line.startswith("gpu_isolator_gpu_drain_seconds{")]
+    assert f"gpu_isolator_gpu_held_for_handover_seconds{{{gpu3}" in text
+    ages = [line for line in text.splitlines() if line.startswith("gpu_isolator_gpu_held_for_handover_seconds{")]
     assert len(ages) == 1 and 'gpu="3"' in ages[0], "only the draining GPU has an age"

@@ -93,7 +93,11 @@ def test_every_per_gpu_series_carries_dcgm_exporters_identity_labels():
     rig.service.cleanup(ContainerId("a"))  # GPU 3 drains, so that every per-GPU family has a series
     gpus = {g.uuid: g for g in rig.service.list_gpus().gpus}
     families = _per_gpu_samples(generate_latest(Metrics(rig.service).registry).decode())
-    assert {"gpu_isolator_gpu_healthy", "gpu_isolator_gpu_draining", "gpu_isolator_gpu_drain_seconds"} <= set(families)
+    assert {
+        "gpu_isolator_gpu_healthy",
+        "gpu_isolator_gpu_held_for_handover",
+        "gpu_isolator_gpu_held_for_handover_seconds",
+    } <= set(families)
     for name, samples in families.items():
         for labels in samples:
             g = gpus[labels["UUID"]]
@@ -106,8 +110,8 @@ def test_gpus_out_of_service_both_ways_have_an_alert_and_a_dashboard_panel():
     from system.test_alerting import dashboard_exprs, rule_exprs, selectors
 
     ruled = {name for expr in rule_exprs() for name, _ in selectors(expr)}
-    assert "gpu_isolator_gpu_maintenance_seconds" in ruled, "an operator's maintenance drain alerts"
-    assert "gpu_isolator_gpu_drain_seconds" in ruled, "a GPU the handover check keeps out alerts"
+    assert "gpu_isolator_gpu_drained_seconds" in ruled, "an operator's maintenance drain alerts"
+    assert "gpu_isolator_gpu_held_for_handover_seconds" in ruled, "a GPU the handover check keeps out alerts"
     shown = {name for expr in dashboard_exprs() for name, _ in selectors(expr)}
-    assert {"gpu_isolator_gpus_maintenance", "gpu_isolator_gpus_draining"} <= shown
-    assert {"gpu_isolator_gpu_maintenance_seconds", "gpu_isolator_gpu_drain_seconds"} <= shown
+    assert {"gpu_isolator_gpus_drained", "gpu_isolator_gpus_held_for_handover"} <= shown
+    assert {"gpu_isolator_gpu_drained_seconds", "gpu_isolator_gpu_held_for_handover_seconds"} <= shown

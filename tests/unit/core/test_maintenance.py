@@ -187,3 +187,44 @@ def test_a_drain_is_logged_at_info_never_as_an_error(caplog):
     assert len(mine) == 2 and all(r.levelno == logging.INFO for r in mine)
     assert "drained for maintenance" in mine[0].getMessage() and OPERATOR in mine[0].getMessage()
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_an_ended_drain_stays_in_the_history_with_who_ended_it_when_and_why():
+    rig = fake_service("dgx-1")
+    svc = rig.service
+    uuid2 = svc.list_gpus().gpus[2].uuid
+    assert svc.maintenance_history() == []
+    svc.maintenance_drain("2", "cable reseat", OPERATOR)
+    since = svc.list_gpus().gpus[2].maintenance_since
+    rig.clock.advance(3600.0)
+    ended = svc.maintenance_undrain("2", "uid 1000, pid 7", "  reseated, link at x16  ")
+    assert ended.detail.endswith("; ended: reseated, link at x16")
+    (entry,) = svc.maintenance_history()
+    assert (entry.uuid, entry.reason, entry.since, entry.by) == (uuid2, "cable reseat", since, OPERATOR)
+    assert (entry.ended, entry.ended_by) == (since + 3600.0, "uid 1000, pid 7")
+    assert entry.end_reason == "reseated, link at x16"
+    # Without a reason it is kept all the same; an undrain of an undrained GPU adds nothing.
+    svc.maintenance_drain("2", "again", OPERATOR)
+    svc.maintenance_undrain("2", OPERATOR)
+    svc.maintenance_undrain("2", OPERATOR)
+    assert [(e.reason, e.end_reason) for e in svc.maintenance_history()] == [
+        ("cable reseat", "reseated, link at x16"),
+        ("again", ""),
+    ]
+    assert rig.restart().maintenance_history() == svc.maintenance_history(), "the store keeps it"
+
+
+def test_an_undrain_reason_must_be_one_printable_line_and_a_refused_one_ends_nothing():
+    rig = fake_service("dgx-1")
+    svc = rig.service
+    svc.maintenance_drain("2", "cable reseat", OPERATOR)
+    with pytest.raises(InvalidArgument, match="one line of printable text"):
+        svc.maintenance_undrain("2", OPERATOR, "done\nrm -rf")
+    assert svc.list_gpus().gpus[2].maintenance and svc.maintenance_history() == []
+
+
+def test_agent_flags_are_the_managed_gpus_whole_shared_and_mig():
+    rig = fake_service("dgx-a100")
+    resources, pairs = rig.service.agent_flags()
+    assert resources.startswith("gpus:3;mig-")
+    assert dict(pairs)["gpu_count"] == "8"

@@ -43,10 +43,14 @@ def _schema(directory: str) -> tuple[int, set[str], set[str]]:
         db.close()
 
 
-def test_the_chain_is_maintenance_at_7_then_shares_at_8():
-    assert SCHEMA_VERSION == 8
-    assert (INTRODUCED[7], INTRODUCED[8]) == ("gpu_maintenance", "share_allocation")
-    assert MIN_SCHEMA == 2, "both migrations are additive: a rollback past them still starts"
+def test_the_chain_is_maintenance_at_7_then_shares_at_8_then_drain_history_at_9():
+    assert SCHEMA_VERSION == 9
+    assert (INTRODUCED[7], INTRODUCED[8], INTRODUCED[9]) == (
+        "gpu_maintenance",
+        "share_allocation",
+        "gpu_maintenance_history",
+    )
+    assert MIN_SCHEMA == 2, "the migrations are additive: a rollback past them still starts"
 
 
 @pytest.mark.parametrize("version", range(2, SCHEMA_VERSION))

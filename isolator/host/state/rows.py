@@ -8,7 +8,6 @@ import logging
 import sqlite3
 from collections.abc import Iterable
 from dataclasses import replace
-from typing import Any
 
 from isolator.devicerule import DeviceRule
 from isolator.errors import (
@@ -19,10 +18,11 @@ from isolator.errors import (
     StateCorrupt,
 )
 from isolator.host.state.schema import CGROUP_VERSIONS, STATES
-from isolator.model import ContainerId, ContainerRecord
+from isolator.model import ContainerId, ContainerRecord, Holding, Mode, RecordState, Share, ShareMode
 from isolator.policy.devices import parse_rules
 
 LOG = logging.getLogger("isolator.host.state")
+MODES = tuple(ShareMode)
 
 
 def rules_text(rules: Iterable[DeviceRule]) -> str:
@@ -85,29 +85,37 @@ def insert_mig(db: sqlite3.Connection, cid: ContainerId, mig: frozenset[tuple[st
             raise GpuAlreadyHeld(gpu=uuid, container=str(cid), holder=holder) from exc
 
 
-def insert_shares(db: sqlite3.Connection, rec: ContainerRecord) -> None:
-    if not rec.shares:
-        return
-    minor, n = rec.share_gpu, rec.shares
+def insert_holding(db: sqlite3.Connection, cid: ContainerId, holding: Holding) -> None:
+    """The rows of what ``cid`` holds: a row per whole GPU, per MIG unit, and one for its shares."""
+    insert_gpus(db, cid, holding.gpus)
+    insert_mig(db, cid, holding.mig)
+    if holding.share is not None:
+        insert_share(db, cid, holding.share)
+
+
+def insert_share(db: sqlite3.Connection, cid: ContainerId, share: Share) -> None:
+    minor, n = share.gpu, share.count
     if isinstance(minor, bool) or not isinstance(minor, int) or minor < 0:
         raise InvalidArgument(f"shared GPU minor {minor!r} is not a non-negative integer")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise InvalidArgument(f"share count {n!r} of GPU {minor} is not a positive integer")
-    if rec.share_mode not in ("time-slice", "mps"):
-        raise InvalidArgument(f"unknown sharing mode {rec.share_mode!r} of GPU {minor}")
+    if share.mode not in MODES:
+        raise InvalidArgument(f"unknown sharing mode {share.mode!r} of GPU {minor}")
     try:
-        db.execute(
-            "INSERT INTO share_allocation VALUES (?, ?, ?, ?)", (cid_key(rec.container_id), minor, n, rec.share_mode)
-        )
+        db.execute("INSERT INTO share_allocation VALUES (?, ?, ?, ?)", (cid_key(cid), minor, n, str(share.mode)))
     except sqlite3.IntegrityError as exc:
         row = db.execute("SELECT container FROM allocation WHERE minor = ?", (minor,)).fetchone()
         holder = str(cid_of(row[0])) if row else "?"
-        raise GpuAlreadyHeld(gpu=f"{minor} (shared)", container=str(rec.container_id), holder=holder) from exc
+        raise GpuAlreadyHeld(gpu=f"{minor} (shared)", container=str(cid), holder=holder) from exc
 
 
-def shares_of(db: sqlite3.Connection, key: str) -> dict[str, Any]:
+def share_of(minor: int, count: int, mode: str) -> Share:
+    return Share(minor, count, ShareMode(mode))
+
+
+def shares_of(db: sqlite3.Connection, key: str) -> Share | None:
     row = db.execute("SELECT minor, shares, mode FROM share_allocation WHERE container = ?", (key,)).fetchone()
-    return {} if row is None else {"share_gpu": row[0], "shares": row[1], "share_mode": row[2]}
+    return None if row is None else share_of(*row)
 
 
 def require(db: sqlite3.Connection, cid: ContainerId) -> None:
@@ -125,7 +133,7 @@ def read(db: sqlite3.Connection, path: str, cid: ContainerId) -> ContainerRecord
         (u, m) for u, m in db.execute("SELECT uuid, parent_minor FROM mig_allocation WHERE container = ?", (key,))
     )
     cpuset = db.execute("SELECT cpus, mems FROM cpuset WHERE container = ?", (key,)).fetchone()
-    rec = replace(record_of(path, row, gpus, mig), **shares_of(db, key))
+    rec = record_of(path, row, Holding(gpus, mig, shares_of(db, key)))
     return replace(rec, cpus=cpuset[0], mems=cpuset[1]) if cpuset else rec
 
 
@@ -136,9 +144,7 @@ def put_cpuset(db: sqlite3.Connection, cid: ContainerId, cpus: str, mems: str) -
         db.execute("INSERT INTO cpuset VALUES (?, ?, ?)", (cid_key(cid), cpus, mems))
 
 
-def record_of(
-    path: str, row: tuple, gpus: frozenset[int], mig: frozenset[tuple[str, int]] = frozenset()
-) -> ContainerRecord:
+def record_of(path: str, row: tuple, holding: Holding) -> ContainerRecord:
     text, mode, cgroup, version, volume, state, created, rules = row
     try:
         cid = cid_of(text)
@@ -148,4 +154,8 @@ def record_of(
         parsed = parse_rules(rules.splitlines())  # parsed here, once: the core sees DeviceRules only
     except RuleParseError as exc:
         raise StateCorrupt(op="read", path=path, cause=f"container {cid}: {exc.message}") from exc
-    return ContainerRecord(cid, gpus, mode, cgroup, version, volume, state, created, parsed, mig)
+    try:
+        known_mode, known_state = Mode(mode), RecordState(state)
+    except ValueError as exc:
+        raise StateCorrupt(op="read", path=path, cause=f"container {cid}: {exc}") from exc
+    return ContainerRecord(cid, holding, known_mode, cgroup, version, volume, known_state, created, parsed)

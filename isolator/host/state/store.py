@@ -27,7 +27,7 @@ from isolator.host.state import rows
 from isolator.host.state.faults import os_error, sqlite_error
 from isolator.host.state.marks import Marks
 from isolator.host.state.schema import DB_FILE, STATES, migrate
-from isolator.model import ContainerId, ContainerRecord
+from isolator.model import ContainerId, ContainerRecord, Holding
 
 LOG = logging.getLogger("isolator.host.state")  # the name operators know from the logs (docs/operations.md)
 
@@ -105,9 +105,7 @@ class StateStore(Marks):
                 )
             except sqlite3.IntegrityError as exc:
                 raise ContainerAlreadyRecorded(container=str(rec.container_id)) from exc
-            rows.insert_gpus(db, rec.container_id, rec.gpus)
-            rows.insert_mig(db, rec.container_id, rec.mig)
-            rows.insert_shares(db, rec)
+            rows.insert_holding(db, rec.container_id, rec.holding)
             rows.put_cpuset(db, rec.container_id, rec.cpus, rec.mems)
 
         self._write("record container", write)
@@ -140,11 +138,12 @@ class StateStore(Marks):
 
         def write(db: sqlite3.Connection) -> ContainerRecord:
             rec = rows.read(db, self.path, cid)
-            stray = sorted(want - rec.gpus)
+            held = rec.holding.gpus
+            stray = sorted(want - held)
             if stray:
-                raise InvalidArgument(f"container {cid} does not hold GPUs {stray} (it holds {sorted(rec.gpus)})")
+                raise InvalidArgument(f"container {cid} does not hold GPUs {stray} (it holds {sorted(held)})")
             db.executemany("DELETE FROM allocation WHERE minor = ?", [(m,) for m in sorted(want)])
-            return replace(rec, gpus=rec.gpus - want)
+            return replace(rec, holding=rec.holding.with_gpus(held - want))
 
         return self._write("remove GPUs", write)
 
@@ -207,14 +206,14 @@ class StateStore(Marks):
                 migs.setdefault(key, set()).add((uuid, parent))
             cpusets = {k: (c, m) for k, c, m in db.execute("SELECT container, cpus, mems FROM cpuset")}
             shared = {
-                k: {"share_gpu": m, "shares": n, "share_mode": mode}
+                k: rows.share_of(m, n, mode)
                 for k, m, n, mode in db.execute("SELECT container, minor, shares, mode FROM share_allocation")
             }
             out: dict[ContainerId, ContainerRecord] = {}
             for row in db.execute("SELECT * FROM container"):
-                rec = rows.record_of(self.path, row, frozenset(held.get(row[0], ())), frozenset(migs.get(row[0], ())))
-                if row[0] in shared:
-                    rec = replace(rec, **shared[row[0]])
+                key = row[0]
+                holding = Holding(frozenset(held.get(key, ())), frozenset(migs.get(key, ())), shared.get(key))
+                rec = rows.record_of(self.path, row, holding)
                 cpus, mems = cpusets.get(row[0], ("", ""))
                 out[rec.container_id] = replace(rec, cpus=cpus, mems=mems) if cpus else rec
             return out

@@ -58,7 +58,7 @@ def granted(rig: Rig, c: ContainerId) -> list[int] | None:
 
 def held(rig: Rig, c: ContainerId) -> list[int]:
     rec = rig.store.get(c)
-    return sorted(rec.gpus) if rec is not None else []
+    return sorted(rec.holding.gpus) if rec is not None else []
 
 
 def free(rig: Rig) -> frozenset[int]:
@@ -154,7 +154,7 @@ def test_prepare_records_before_the_kernel_grants(rig: Rig) -> None:
 
     rig.cgroups.apply = apply  # type: ignore[method-assign]
     rig.service.prepare(cid("a"), gpus(1))
-    assert seen and seen[0] is not None and seen[0].gpus == frozenset(held(rig, cid("a")))
+    assert seen and seen[0] is not None and seen[0].holding.gpus == frozenset(held(rig, cid("a")))
 
 
 def test_prepare_with_an_image_mounts_the_volume_and_only_the_allocated_nodes(rig: Rig) -> None:

@@ -9,7 +9,7 @@ import logging
 from isolator.core.context import Core
 from isolator.crashpoints import crashpoint
 from isolator.errors import FailedPrecondition, InvalidArgument
-from isolator.model import UNKNOWN_CALLER, ContainerId, ContainerRecord, Mode
+from isolator.model import UNKNOWN_CALLER, ContainerId, ContainerRecord, Mode, RecordState
 from isolator.policy import placement
 from isolator.policy.affinity import format_list
 
@@ -58,8 +58,8 @@ class IsolateHook:
             else:
                 self._wait_for_pid(target, pid)
             self._join_cpuset(container_id, rec, pid)
-            if not container_id.nested and rec.state == "prepared":
-                core.store.update(container_id, state="isolated")
+            if not container_id.nested and rec.state == RecordState.PREPARED:
+                core.store.update(container_id, state=RecordState.ISOLATED)
         LOG.info("isolated pid %d in %s", pid, core.describe(container_id, rec.holding.gpus))
 
     def _move(self, cid: ContainerId, target: ContainerId, pid: int, caller: int | None) -> None:

@@ -35,6 +35,7 @@ from isolator.model import (
     HealthEvent,
     MaintenanceMark,
     Occupancy,
+    RecordState,
     ResetStep,
     Topology,
 )
@@ -162,7 +163,7 @@ class RecordStore(Protocol):
         self,
         cid: ContainerId,
         *,
-        state: str | None = None,
+        state: RecordState | None = None,
         volume_version: str | None = None,
         rules: tuple[DeviceRule, ...] | None = None,
     ) -> ContainerRecord: ...

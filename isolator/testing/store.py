@@ -23,7 +23,16 @@ from isolator.errors import (
     StateError,
 )
 from isolator.host.state import CGROUP_VERSIONS, STATES
-from isolator.model import ContainerId, ContainerRecord, DrainRecord, Holding, MaintenanceMark, Share, ShareMode
+from isolator.model import (
+    ContainerId,
+    ContainerRecord,
+    DrainRecord,
+    Holding,
+    MaintenanceMark,
+    RecordState,
+    Share,
+    ShareMode,
+)
 from isolator.testing.faults import Faults
 
 
@@ -86,7 +95,7 @@ class FakeStore:
         self,
         cid: ContainerId,
         *,
-        state: str | None = None,
+        state: RecordState | None = None,
         rules: tuple[DeviceRule, ...] | None = None,
         volume_version: str | None = None,
         cgroup: str | None = None,

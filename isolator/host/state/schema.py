@@ -16,6 +16,7 @@ import sqlite3
 
 from isolator.errors import StateCorrupt, StateIncompatible
 from isolator.host.state.faults import os_error
+from isolator.model import CgroupVersion, RecordState
 
 LOG = logging.getLogger("isolator.host.state")  # the name operators know from the logs (docs/operations.md)
 
@@ -31,8 +32,8 @@ SCHEMA_VERSION = 8
 MIN_SCHEMA = 2
 # The tables schemas after 2 added, newest last (tests rewind a store to schema 2 by dropping them).
 TABLES_AFTER_2 = ("schema_meta", "cpuset", "drain", "gpu_health_mark", "gpu_maintenance", "share_allocation")
-STATES = ("prepared", "isolated", "orphan")
-CGROUP_VERSIONS = (1, 2)
+STATES = tuple(RecordState)  # the container table's CHECK names the same three
+CGROUP_VERSIONS = tuple(v.number for v in CgroupVersion)
 
 # SQLite primary result codes (sqlite3.h); the extended code's low byte is the primary one.
 _SQLITE_READONLY = 8

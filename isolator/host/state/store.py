@@ -27,7 +27,7 @@ from isolator.host.state import rows
 from isolator.host.state.faults import os_error, sqlite_error
 from isolator.host.state.marks import Marks
 from isolator.host.state.schema import DB_FILE, STATES, migrate
-from isolator.model import ContainerId, ContainerRecord, Holding
+from isolator.model import ContainerId, ContainerRecord, Holding, RecordState
 
 LOG = logging.getLogger("isolator.host.state")  # the name operators know from the logs (docs/operations.md)
 
@@ -151,7 +151,7 @@ class StateStore(Marks):
         self,
         cid: ContainerId,
         *,
-        state: str | None = None,
+        state: RecordState | None = None,
         rules: tuple[DeviceRule, ...] | None = None,
         volume_version: str | None = None,
         cgroup: str | None = None,

@@ -249,15 +249,7 @@ class Admin:
             in_force = core.cgroups.in_force(target)
             # Both sides shown sorted, each rule once (policy.drift compares them as given).
             recorded, kernel = _sorted_rules(rec.rules), _sorted_rules(in_force.rules)
-            held = rec.holding
-            found = drift.compare(
-                recorded,
-                held.gpus,
-                held.mig_parents,
-                dataclasses.replace(in_force, rules=kernel),
-                core.gpus,
-                shared=held.shared,
-            )
+            found = drift.compare(recorded, rec.holding, dataclasses.replace(in_force, rules=kernel), core.gpus)
             try:
                 pids = tuple(sorted(core.cgroups.pids(target)))
             except CgroupVanished:
@@ -432,10 +424,7 @@ class Admin:
                 if rec is None:
                     continue
                 in_force = core.cgroups.in_force(cid)
-            held = rec.holding
-            finding = drift.compare(
-                rec.rules, held.gpus, held.mig_parents, in_force, core.gpus, shared=held.shared
-            ).gpu_finding()
+            finding = drift.compare(rec.rules, rec.holding, in_force, core.gpus).gpu_finding()
             if finding is not None:
                 out.append(f"container {cid}: {finding}")
         return out

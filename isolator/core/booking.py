@@ -128,8 +128,7 @@ class Booking:
         self.lock.require("free")
         released = holding.gpus & self._allocator.allocated
         self._allocator.deallocate(released)
-        if holding.mig:
-            self.free_mig(holding.mig_uuids)
+        self.free_mig(holding.mig_uuids)  # also lets a parent no unit holds any more go (as ever)
         freed = self.free_shares(holder) if holding.share is not None else None
         if freed is not None and freed[1]:
             released |= {freed[0]}

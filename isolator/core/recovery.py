@@ -118,10 +118,7 @@ class Recovery:
     def _compare(self, cid: ContainerId, rec: ContainerRecord) -> drift.Drift:
         """The record against the rules in force on its cgroup (the one comparison: policy.drift)."""
         core = self.core
-        held = rec.holding
-        return drift.compare(
-            rec.rules, held.gpus, held.mig_parents, core.cgroups.in_force(cid), core.gpus, shared=held.shared
-        )
+        return drift.compare(rec.rules, rec.holding, core.cgroups.in_force(cid), core.gpus)
 
     def _enforce_record(self, cid: ContainerId, rec: ContainerRecord) -> None:
         """Make the kernel grant what is recorded: its GPUs whole, plus its MIG devices (their

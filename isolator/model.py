@@ -429,13 +429,20 @@ class Holding:
         return Holding(frozenset(minors), self.mig, self.share)
 
     def __or__(self, other: Holding) -> Holding:
-        """Both holdings together (a grow's GPUs added to what was held)."""
-        share = other.share if self.share is None else self.share
+        """Both holdings together (a grow added to what was held): shares of the same GPU add up;
+        shares of two GPUs, or beside whole GPUs or MIG units, are InvalidArgument."""
+        share = self.share or other.share
+        if self.share is not None and other.share is not None:
+            if (self.share.gpu, self.share.mode) != (other.share.gpu, other.share.mode):
+                raise InvalidArgument("a container holds shares of one GPU, not of two")
+            share = self.share.resized(self.share.count + other.share.count)
         return Holding(self.gpus | other.gpus, self.mig | other.mig, share)
 
     def __sub__(self, other: Holding) -> Holding:
-        """What is left once ``other`` (a part of it) is let go."""
-        share = None if other.share is not None else self.share
+        """What is left once ``other`` (a part of it) is let go: shares are counted down, none at 0."""
+        share = self.share
+        if share is not None and other.share is not None:
+            share = share.resized(max(0, share.count - other.share.count))
         return Holding(self.gpus - other.gpus, self.mig - other.mig, share)
 
 

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from isolator.errors import GpusExhausted, InvalidArgument
-from isolator.model import ContainerId, Holding, Mode, RecordState, Share, ShareMode
+from isolator.errors import GpusExhausted
+from isolator.model import ContainerId, Holding, Mode, RecordState, ShareMode
 from isolator.policy.request import Request
 from isolator.policy.shares import parse_shared_gpus
 from isolator.testing.rig import fake_service
@@ -90,22 +90,6 @@ def test_restore_books_a_recorded_holding_and_leaves_out_gpus_this_host_lacks() 
     with booking.lock:
         kept = booking.restore("a", Holding.whole({1, 42}))
         assert kept == Holding.whole({1}) and 1 in booking.allocated
-
-
-def test_a_holding_never_holds_shares_beside_whole_gpus_or_mig_units() -> None:
-    with pytest.raises(InvalidArgument, match="not both"):
-        Holding(frozenset({1}), share=Share(4, 1, ShareMode.MPS))
-    with pytest.raises(InvalidArgument, match="not both"):
-        Holding(mig=frozenset({("MIG-1", 0)}), share=Share(4, 1, ShareMode.MPS))
-    both = Holding(frozenset({1}), frozenset({("MIG-1", 0)}))
-    assert both.touched == {0, 1} and both.granted == {1} and both.mig_uuids == {"MIG-1"}
-    assert Holding().empty and not both.empty and both.shares == 0
-
-
-def test_a_share_resized_to_zero_is_none() -> None:
-    share = Share(4, 2, ShareMode.TIME_SLICE)
-    assert share.resized(3) == Share(4, 3, ShareMode.TIME_SLICE)
-    assert share.resized(0) is None
 
 
 def test_new_record_builds_a_record_under_the_cores_settings_and_clock() -> None:

@@ -209,7 +209,7 @@ class DeviceProgramConflict(FailedPrecondition):
     )
 
 
-# ---- Allocation and allocation state (isolator/policy/allocator.py, isolator/host/state.py) ----------------
+# ---- Allocation and allocation state (isolator/policy/allocator.py, isolator/host/state/) ----------------
 
 
 class InvalidGpuCount(InvalidArgument, ValueError):

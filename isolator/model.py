@@ -355,34 +355,56 @@ class ContainerState:
 
 
 @dataclass(frozen=True)
-class ContainerRecord:
-    """What the sidecar knows about one container: its GPUs (device minors) and how it set it up."""
+class Share:
+    """``count`` shares of shared GPU ``gpu``, shared in ``mode`` (docs/sharing.md). The store checks
+    what it records (a minor, a count of at least 1); this type only carries them."""
 
-    container_id: ContainerId
+    gpu: int
+    count: int
+    mode: ShareMode
+
+    def resized(self, count: int) -> Share | None:
+        """The same GPU's shares at ``count``; None at 0 (nothing held)."""
+        return Share(self.gpu, count, self.mode) if count else None
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What a container holds, one value the books take and give back whole: whole GPUs (device
+    minors) and MIG units ((MIG UUID, parent GPU minor)), or shares of one GPU, or nothing.
+
+    A share is never held beside whole GPUs or MIG units: under MPS its CUDA would reach every GPU
+    through the shared GPU's daemon, and a whole GPU beside a share gains nothing (docs/sharing.md).
+    Whole GPUs and MIG units may be held together (docs/mig.md). A shared GPU has several holders, a
+    whole one one: ``gpus`` never includes it.
+    """
+
     gpus: frozenset[int] = frozenset()
-    mode: str = "mesos"
-    cgroup: str = ""
-    cgroup_version: int = 1
-    volume_version: str = ""
-    state: str = "prepared"
-    created: float = field(default_factory=time.time)  # the core passes its clock's time
-    # The devices cgroup rules granted, as data: the store parses them once where it reads a record.
-    rules: tuple[DeviceRule, ...] = ()
-    mig: frozenset[tuple[str, int]] = frozenset()  # held MIG devices: (MIG UUID, parent GPU minor)
-    # --cpu-affinity enforce: the CPUs and memory nodes its cpuset is held to (cpulist syntax);
-    # "" when none is enforced (docs/affinity.md). Recorded before the cpuset is written.
-    cpus: str = ""
-    mems: str = ""
-    # gpu_shares (docs/sharing.md): ``shares`` of GPU ``share_gpu``, shared in ``share_mode``; 0 shares
-    # when it holds none. Kept apart from ``gpus``: a shared GPU has several holders, a whole one one.
-    share_gpu: int = -1
-    shares: int = 0
-    share_mode: str = ""
+    mig: frozenset[tuple[str, int]] = frozenset()
+    share: Share | None = None
+
+    def __post_init__(self) -> None:
+        if self.share is not None and (self.gpus or self.mig):
+            raise InvalidArgument("a container holds shares of one GPU, or whole GPUs and MIG devices, not both")
+
+    @classmethod
+    def whole(cls, minors: Iterable[int]) -> Holding:
+        return cls(gpus=frozenset(minors))
+
+    @property
+    def empty(self) -> bool:
+        return not (self.gpus or self.mig or self.share)
 
     @property
     def shared(self) -> frozenset[int]:
         """The shared GPU it holds shares of, as a set (empty when none): granted like a whole GPU."""
-        return frozenset((self.share_gpu,)) if self.shares else frozenset()
+        return frozenset((self.share.gpu,)) if self.share is not None else frozenset()
+
+    @property
+    def granted(self) -> frozenset[int]:
+        """The GPUs whose /dev/nvidia<minor> the kernel grants it: whole ones and the shared one (a MIG
+        unit's parent node comes with its units' rules, core/grant.py)."""
+        return self.gpus | self.shared
 
     @property
     def mig_uuids(self) -> frozenset[str]:
@@ -391,6 +413,61 @@ class ContainerRecord:
     @property
     def mig_parents(self) -> frozenset[int]:
         return frozenset(m for _, m in self.mig)
+
+    @property
+    def touched(self) -> frozenset[int]:
+        """Every GPU it holds any part of: whole, as the parent of a MIG unit, or shared."""
+        return self.gpus | self.mig_parents | self.shared
+
+    @property
+    def shares(self) -> int:
+        """How many shares it holds (0: none)."""
+        return self.share.count if self.share is not None else 0
+
+    def with_gpus(self, minors: Iterable[int]) -> Holding:
+        """The same holding with exactly whole GPUs ``minors`` (an update's grow or shrink)."""
+        return Holding(frozenset(minors), self.mig, self.share)
+
+    def __or__(self, other: Holding) -> Holding:
+        """Both holdings together (a grow added to what was held): shares of the same GPU add up;
+        shares of two GPUs, or beside whole GPUs or MIG units, are InvalidArgument."""
+        share = self.share or other.share
+        if self.share is not None and other.share is not None:
+            if (self.share.gpu, self.share.mode) != (other.share.gpu, other.share.mode):
+                raise InvalidArgument("a container holds shares of one GPU, not of two")
+            share = self.share.resized(self.share.count + other.share.count)
+        return Holding(self.gpus | other.gpus, self.mig | other.mig, share)
+
+    def __sub__(self, other: Holding) -> Holding:
+        """What is left once ``other`` (a part of it) is let go: shares are counted down, none at 0."""
+        share = self.share
+        if share is not None and other.share is not None:
+            share = share.resized(max(0, share.count - other.share.count))
+        return Holding(self.gpus - other.gpus, self.mig - other.mig, share)
+
+
+NOTHING = Holding()
+
+
+@dataclass(frozen=True)
+class ContainerRecord:
+    """What the sidecar knows about one container: what it holds and how it set it up. Built in one
+    place in the core (``Core.new_record``), and by the store from its rows."""
+
+    container_id: ContainerId
+    holding: Holding = NOTHING
+    mode: Mode = Mode.MESOS
+    cgroup: str = ""
+    cgroup_version: int = 1
+    volume_version: str = ""
+    state: RecordState = RecordState.PREPARED
+    created: float = field(default_factory=time.time)  # the core passes its clock's time
+    # The devices cgroup rules granted, as data: the store parses them once where it reads a record.
+    rules: tuple[DeviceRule, ...] = ()
+    # --cpu-affinity enforce: the CPUs and memory nodes its cpuset is held to (cpulist syntax);
+    # "" when none is enforced (docs/affinity.md). Recorded before the cpuset is written.
+    cpus: str = ""
+    mems: str = ""
 
 
 @dataclass

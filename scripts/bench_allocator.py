@@ -26,7 +26,7 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-from isolator.model import Link, Topology  # noqa: E402
+from isolator.model import Holding, Link, Topology  # noqa: E402
 from isolator.policy.allocator import FIRST_FIT, TOPOLOGY, Fabric, choose  # noqa: E402
 from isolator.simhost.host import HostSpec  # noqa: E402
 
@@ -581,7 +581,9 @@ def state_recovery_seconds(count: int = 10_000) -> float:
     with tempfile.TemporaryDirectory(prefix="gi-bench-") as directory:
         with StateStore(directory, durable=False) as store:
             for i in range(count):
-                store.record(ContainerRecord(ContainerId.parse(f"c{i}"), frozenset({i}) if i % 2 else frozenset()))
+                store.record(
+                    ContainerRecord(ContainerId.parse(f"c{i}"), Holding(frozenset({i}) if i % 2 else frozenset()))
+                )
         start = time.perf_counter()
         with StateStore(directory) as store:
             loaded = store.load()
@@ -636,7 +638,8 @@ def shares_stream(
     shares among those with room, ties to a GPU on the request's NUMA node, then the lowest minor.
     Half the requests carry a NUMA node (as with --cpu-affinity), drawn from the host's nodes.
     ``book``: another book class to judge (the tests check that the oracle catches a wrong one)."""
-    from isolator.policy.shares import TIME_SLICE, ShareBook, SharedGpu, SharesExhausted
+    from isolator.model import ShareMode
+    from isolator.policy.shares import ShareBook, SharedGpu, SharesExhausted
     from isolator.simhost.host import load_host
 
     out: dict[str, dict] = {}
@@ -644,7 +647,7 @@ def shares_stream(
         mig = {g.index for g in load_host(name).gpus if g.mig} if name in _shipped() else set()
         gpus = sorted((g for g in topology.gpus if g.index not in mig), key=lambda g: g.minor)  # MIG: not shared
         shared = {
-            g.minor: SharedGpu(g.minor, g.index, SHARES_PER_GPU, TIME_SLICE, g.numa_node)
+            g.minor: SharedGpu(g.minor, g.index, SHARES_PER_GPU, ShareMode.TIME_SLICE, g.numa_node)
             for g in gpus[len(gpus) // 2 :]
         }
         nodes = sorted({g.numa for g in shared.values() if g.numa is not None}) or [0]

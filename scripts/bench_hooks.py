@@ -34,6 +34,7 @@ from isolator.cgroups import bpf, bpfprog  # noqa: E402
 from isolator.cgroups.detect import read_mounts  # noqa: E402
 from isolator.host.devices import HostDevices  # noqa: E402
 from isolator.policy.devices import DeviceRule, container_rules  # noqa: E402
+from isolator.policy.request import Request  # noqa: E402
 from isolator.testing.cgroupfs import TEST_PARENT, cgroup_mount  # noqa: E402
 
 HOST_GPUS = 64  # one GPU per client even at 64 clients; the fake NVML's limit (fakenvml.c MAX_GPUS)
@@ -270,9 +271,9 @@ def in_process_cycles(version: str, cycles: int, host_file: str, work: str, warm
                 for _ in range(50):
                     t0 = time.perf_counter()
                     with service.core.booking.lock:  # Booking is the books' one owner (issue 34)
-                        choice = service.core.booking.allocate_whole(1)
+                        holding = service.core.booking.book("bench", Request(gpus=1))
                         decisions.append(time.perf_counter() - t0)
-                        service.core.booking.deallocate(frozenset(choice.gpus))
+                        service.core.booking.free("bench", holding)
         finally:
             sleepers.close()
     out = summarize(samples, wall)

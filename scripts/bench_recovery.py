@@ -31,7 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from isolator.devicerule import DeviceRule  # noqa: E402
 from isolator.host.state import ContainerRecord, StateStore  # noqa: E402
-from isolator.model import CgroupVersion, ContainerId  # noqa: E402
+from isolator.model import CgroupVersion, ContainerId, Holding, Mode, RecordState  # noqa: E402
 from isolator.rpc import isolator_pb2 as pb  # noqa: E402
 from isolator.rpc import isolator_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -71,11 +71,11 @@ def populate(state_dir: str, count: int, cgroups_root: str) -> list[ContainerId]
             store.record(
                 ContainerRecord(
                     cid,
-                    gpus=frozenset({i}) if i < min(HOLDING, HOST_GPUS) else frozenset(),
-                    mode="mesos",
+                    Holding(frozenset({i}) if i < min(HOLDING, HOST_GPUS) else frozenset()),
+                    mode=Mode.MESOS,
                     cgroup=os.path.join(parent, cid.value),
                     cgroup_version=1,
-                    state="isolated",
+                    state=RecordState.ISOLATED,
                     rules=(DeviceRule.parse("c 195:255 rw"),),
                 )
             )

@@ -27,7 +27,10 @@ from isolator.model import (
     GpuRecord,
     HealthCheck,
     MaintenanceChange,
+    Mode,
     Released,
+    Share,
+    ShareMode,
     TopologyLink,
     TopologyView,
     Undrained,
@@ -115,7 +118,7 @@ class Admin:
             "shares_held": sum(n for _h, n in holders),
             "share_mode": gpu.mode if gpu is not None else "",
             "share_holders": holders,
-            "mps_state": self.core.mps.state(minor) if gpu is not None and gpu.mode == sharing.MPS else "",
+            "mps_state": self.core.mps.state(minor) if gpu is not None and gpu.mode == ShareMode.MPS else "",
         }
 
     def agent_flags(self) -> tuple[str, tuple[tuple[str, str], ...]]:
@@ -156,32 +159,33 @@ class Admin:
 
     def _info(self, cid: ContainerId, rec: ContainerRecord) -> ContainerInfo:
         gpus = self.core.gpus
-        minors = [m for m in sorted(rec.gpus) if m in gpus]
+        held = rec.holding
+        minors = [m for m in sorted(held.gpus) if m in gpus]
         return ContainerInfo(
             container_id=cid,
             gpu_uuids=tuple(gpus[m].uuid for m in minors),
-            gpu_minors=tuple(sorted(rec.gpus)),
+            gpu_minors=tuple(sorted(held.gpus)),
             gpu_indices=tuple(gpus[m].index for m in minors),
             cgroup=rec.cgroup,
             mode=rec.mode,
             volume_version=rec.volume_version,
             state=rec.state,
             created=rec.created,
-            mig_uuids=tuple(sorted(rec.mig_uuids)),
-            **self._share_info(rec),
+            mig_uuids=tuple(sorted(held.mig_uuids)),
+            **self._share_info(held.share),
         )
 
-    def _share_info(self, rec: ContainerRecord) -> dict[str, Any]:
-        if not rec.shares:
+    def _share_info(self, share: Share | None) -> dict[str, Any]:
+        if share is None:
             return {}
-        gpu = self.core.gpus.get(rec.share_gpu)
+        gpu = self.core.gpus.get(share.gpu)
         with self.core.booking.lock:
-            total = self.core.booking.shared.get(rec.share_gpu)
+            total = self.core.booking.shared.get(share.gpu)
         return {
-            "shares": rec.shares,
+            "shares": share.count,
             "shares_total": total.shares if total is not None else 0,
-            "share_mode": rec.share_mode,
-            "share_gpu_minor": rec.share_gpu,
+            "share_mode": share.mode,
+            "share_gpu_minor": share.gpu,
             "share_gpu_index": gpu.index if gpu is not None else -1,
             "share_gpu_uuid": gpu.uuid if gpu is not None else "",
         }
@@ -199,7 +203,7 @@ class Admin:
             state=info.state,
             created=info.created,
             mig_uuids=info.mig_uuids,
-            **self._share_info(root),
+            **self._share_info(root.holding.share),
         )
 
     def _volume_users(self) -> dict[str, str]:
@@ -256,14 +260,7 @@ class Admin:
             in_force = core.cgroups.in_force(target)
             # Both sides shown sorted, each rule once (policy.drift compares them as given).
             recorded, kernel = _sorted_rules(rec.rules), _sorted_rules(in_force.rules)
-            found = drift.compare(
-                recorded,
-                rec.gpus,
-                rec.mig_parents,
-                dataclasses.replace(in_force, rules=kernel),
-                core.gpus,
-                shared=rec.shared,
-            )
+            found = drift.compare(recorded, rec.holding, dataclasses.replace(in_force, rules=kernel), core.gpus)
             try:
                 pids = tuple(sorted(core.cgroups.pids(target)))
             except CgroupVanished:
@@ -283,7 +280,7 @@ class Admin:
             only_kernel=tuple(str(r) for r in found.extra),
             kernel_gpu_minors=found.granted,
             pids=pids,
-            gpus=tuple(listed[m] for m in sorted(rec.gpus | rec.shared) if m in listed),
+            gpus=tuple(listed[m] for m in sorted(rec.holding.granted) if m in listed),
             nested=tuple(self._nested_info(c, rec, volume_of) for c in nested),
             cpu_affinity=core.settings.cpu_affinity,
             local_cpus=local.cpu_list if local is not None else "",
@@ -299,7 +296,7 @@ class Admin:
         """The GPUs' locality on this machine (None: none, or nothing left) and the cpuset in force."""
         core = self.core
         try:
-            local = core.cpuset.locality(rec.gpus, core.grants.mig_of(rec))
+            local = core.cpuset.locality(rec.holding.gpus, core.grants.mig_of(rec))
         except IsolatorError:
             local = None
         current = core.cpusets.current(rec.container_id)
@@ -324,7 +321,7 @@ class Admin:
                     f"container {container_id} still has processes {list(pids)} in "
                     f"'{cgroup}'; use --force to release anyway"
                 )
-            if pids and core.settings.mode == "standalone":
+            if pids and core.settings.mode == Mode.STANDALONE:
                 # A forced release must not leave running processes with access: revoke, keep the cgroup.
                 core.grants.apply(container_id, frozenset(), units=())
                 action = "revoked-kept-cgroup"
@@ -334,14 +331,14 @@ class Admin:
                 action = "removed-cgroup"
                 did = (
                     f"removed our device rules from '{cgroup}'"
-                    if core.settings.mode == "mesos"
+                    if core.settings.mode == Mode.MESOS
                     else f"removed the cgroup '{cgroup}'"
                 )
                 if pids:
                     did += f" (its processes {list(pids)} keep running without GPU access)"
             core.drop(container_id, rec)
         core.release_volume(container_id)
-        minors = tuple(sorted(rec.gpus))
+        minors = tuple(sorted(rec.holding.gpus))
         detail = f"released GPUs {list(minors)} of container {container_id}: {did}"
         LOG.warning("admin: %s", detail)
         return Released(
@@ -442,9 +439,7 @@ class Admin:
                 if rec is None:
                     continue
                 in_force = core.cgroups.in_force(cid)
-            finding = drift.compare(
-                rec.rules, rec.gpus, rec.mig_parents, in_force, core.gpus, shared=rec.shared
-            ).gpu_finding()
+            finding = drift.compare(rec.rules, rec.holding, in_force, core.gpus).gpu_finding()
             if finding is not None:
                 out.append(f"container {cid}: {finding}")
         return out

@@ -1,5 +1,6 @@
 """Which GPUs and MIG devices are held: the allocator, the MIG holdings, the shares of shared GPUs
-(docs/sharing.md) and the GPUs' health in it.
+(docs/sharing.md) and the GPUs' health in it. The hooks book, free and restore a container's
+``Holding`` whole (``book``, ``resize``, ``free``, ``restore``); the kinds one by one stay in here.
 
 One job, one lock of its own (``lock``, an OwnedLock): every method that changes the books checks
 that its caller holds it, so a decision and its booking happen in one short section, never across
@@ -16,10 +17,11 @@ from collections.abc import Iterable, Mapping
 from isolator.core.locks import OwnedLock
 from isolator.core.ports import GpuInventory
 from isolator.errors import IsolatorError
-from isolator.model import Gpu, MigDevice, Topology
+from isolator.model import Gpu, Holding, MigDevice, Share, Topology
 from isolator.policy import mig as migunits
 from isolator.policy import shares as sharing
 from isolator.policy.allocator import Allocator, Choice, UpdatePlan
+from isolator.policy.request import Request
 
 
 def mig_devices_of(inventory: GpuInventory, minors: frozenset[int]) -> tuple[MigDevice, ...]:
@@ -88,10 +90,62 @@ class Booking:
 
     # ---- changes (call with the lock held) ---------------------------------------------------------
 
-    def restore(self, minors: Iterable[int]) -> frozenset[int]:
-        """Book recorded GPUs again at start-up, healthy or not."""
+    # ---- holdings: what the hooks, recovery and Core.drop book and free, whole ---------------------
+
+    def book(self, holder: str, request: Request, near: Iterable[int] | None = None) -> Holding:
+        """Book what a new container ``holder`` (its key) asks for, all or nothing: shares of one GPU
+        (placed ``near`` those NUMA nodes, see ``place_shares``), or whole GPUs and MIG units (whole
+        GPUs not in MIG mode first). An empty request books nothing. The request obeys the one-kind
+        rule (policy/request.py)."""
+        self.lock.require("book")
+        if request.shares:
+            placed = self.place_shares(holder, request.shares, near)
+            return Holding(share=Share(placed.minor, placed.shares, placed.mode))
+        choice = self.allocate_whole(request.gpus)
+        try:
+            units = self.choose_mig(dict(request.mig))
+        except BaseException:
+            self._allocator.deallocate(choice.gpus)
+            raise
+        return Holding(frozenset(choice.gpus), frozenset((d.uuid, d.parent_minor) for d in units))
+
+    def resize(self, holding: Holding, gpus: int) -> tuple[Holding, Holding]:
+        """An update of a container holding ``holding`` to ``gpus`` whole GPUs: (grown, shrunk). The
+        GPUs it grows by are booked here, all or nothing; those it shrinks by are only chosen: the
+        caller revokes them first, then ``free``s them."""
+        self.lock.require("resize")
+        plan = self._allocator.plan_update(holding.gpus, gpus)
+        add, release = frozenset(plan.add), frozenset(plan.release)
+        if add:
+            self._allocator.allocate_set(add)
+        return Holding(add), Holding(release)
+
+    def free(self, holder: str, holding: Holding) -> frozenset[int]:
+        """Let what ``holder`` holds go: its whole GPUs, its MIG units (a parent none of whose units is
+        held is free as a whole again) and its shares. Returns the GPUs free as a whole now that it
+        used: its whole GPUs, and its shared GPU when it was the last sharer (while sharers remain,
+        the GPU is theirs to share). Those go through the handover check (Core.drop, Core.release)."""
+        self.lock.require("free")
+        released = holding.gpus & self._allocator.allocated
+        self._allocator.deallocate(released)
+        self.free_mig(holding.mig_uuids)  # also lets a parent no unit holds any more go (as ever)
+        freed = self.free_shares(holder) if holding.share is not None else None
+        if freed is not None and freed[1]:
+            released |= {freed[0]}
+        return released
+
+    def restore(self, holder: str, holding: Holding) -> Holding:
+        """Book a recorded holding again at start-up, healthy or not (FailedPrecondition when the
+        flags cannot hold its shares). Returns what was booked: whole GPUs this host lacks are not."""
         self.lock.require("restore")
-        return self._allocator.restore(minors)
+        known = holding.gpus & self._allocator.total
+        self._allocator.restore(known)
+        self.hold_mig(holding.mig, restore=True)
+        if holding.share is not None:
+            self.restore_shares(holder, holding.share.gpu, holding.share.count)
+        return holding.with_gpus(known)
+
+    # ---- the kinds, one by one (call with the lock held) -------------------------------------------
 
     def allocate_set(self, minors: Iterable[int]) -> frozenset[int]:
         """Book exactly these GPUs, all or nothing (a grow's chosen GPUs)."""

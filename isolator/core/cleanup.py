@@ -8,7 +8,7 @@ import logging
 
 from isolator.core.context import Core
 from isolator.crashpoints import crashpoint
-from isolator.model import ContainerId
+from isolator.model import ContainerId, Mode
 
 LOG = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ class CleanupHook:
     def cleanup(self, container_id: ContainerId) -> None:
         core = self.core
         if container_id.nested:
-            if core.settings.mode == "mesos":
+            if core.settings.mode == Mode.MESOS:
                 with core.locks.hold(container_id):
                     core.grants.revoke(container_id)  # our rules in its own cgroup, if any
             core.release_volume(container_id)
@@ -40,4 +40,4 @@ class CleanupHook:
             return
         crashpoint("cleanup.record")
         core.release_volume(container_id)
-        LOG.info("cleaned up %s", core.describe(container_id, rec.gpus))
+        LOG.info("cleaned up %s", core.describe(container_id, rec.holding.gpus))

@@ -42,8 +42,20 @@ from isolator.core.ports import (
     RecordStore,
 )
 from isolator.crashpoints import crashpoint
+from isolator.devicerule import DeviceRule
 from isolator.errors import NotFound
-from isolator.model import ContainerId, ContainerRecord, Gpu, key_root
+from isolator.model import (
+    CgroupVersion,
+    ContainerId,
+    ContainerRecord,
+    Gpu,
+    Holding,
+    Mode,
+    RecordState,
+    ShareMode,
+    key_root,
+)
+from isolator.policy.affinity import Affinity
 from isolator.policy.shares import ShareSpec
 
 LOG = logging.getLogger(__name__)
@@ -51,9 +63,10 @@ LOG = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Settings:
-    """How the core behaves. ``mode``: mesos (Mesos owns the cgroups) or standalone (we do)."""
+    """How the core behaves. ``mode``: mesos (Mesos owns the cgroups) or standalone (we do); a string
+    (the daemon's configuration) is taken as its ``Mode``."""
 
-    mode: str = "standalone"
+    mode: Mode | str = Mode.STANDALONE
     policy: str = "topology"
     # Mesos's cgroups isolator may place the pid in the devices cgroup concurrently with our isolate
     # (isolate runs on every isolator in parallel), so mesos mode waits a little before declaring
@@ -71,6 +84,9 @@ class Settings:
     default_compute_mode: int = 0
     # --shared-gpus (docs/sharing.md): GPUs cut into shares, by NVML index.
     shared_gpus: tuple[ShareSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", Mode(self.mode))
 
 
 @dataclass(frozen=True)
@@ -175,28 +191,48 @@ class Core:
             raise NotFound(f"unknown container {cid}")
         return rec
 
+    def new_record(
+        self,
+        cid: ContainerId,
+        holding: Holding,
+        *,
+        rules: tuple[DeviceRule, ...],
+        state: RecordState = RecordState.PREPARED,
+        cpuset: Affinity | None = None,
+    ) -> ContainerRecord:
+        """The record of a container holding ``holding`` under our settings, now: the one place the
+        core builds one (prepare, and recovery's rebuild of a lost record)."""
+        return ContainerRecord(
+            cid,
+            holding,
+            mode=Mode(self.settings.mode),
+            cgroup=self.cgroups.cgroup_path(cid),
+            cgroup_version=CgroupVersion(self.cgroups.version).number,
+            state=state,
+            created=self.clock.time(),
+            rules=rules,
+            cpus=cpuset.cpu_list if cpuset is not None else "",
+            mems=cpuset.mem_list if cpuset is not None else "",
+        )
+
     def drop(self, cid: ContainerId, rec: ContainerRecord) -> None:
-        """Forget a container whose rules are already gone: its record, then its GPUs; wake watchers.
+        """Forget a container whose rules are already gone: its record, then what it holds; wake watchers.
 
         Its whole GPUs go back to the pool only through the handover check (docs/handover.md): out
-        of it in the same section that frees them, back once NVML shows nothing left on them."""
+        of it in the same section that frees them, back once NVML shows nothing left on them. So
+        does a shared GPU whose last sharer it was, before anyone shares it again."""
         self.store.remove(cid)
         with self.booking.lock:
-            released = rec.gpus & self.booking.allocated
-            self.booking.deallocate(released)
-            self.booking.free_mig(rec.mig_uuids)
-            freed = self.booking.free_shares(cid.key())
-            if freed is not None and freed[1]:
-                # The last sharer is gone: the shared GPU goes through the handover check before
-                # anyone shares it again (while sharers remain, the GPU is theirs to share).
-                released = released | {freed[0]}
+            released = self.booking.free(cid.key(), rec.holding)
             self.handover.mark_pending(released)
         self.changes.notify(cid)
         if released:
             crashpoint("handover.pending")
-        if freed is not None and freed[1] and rec.share_mode == "mps" and freed[0] in self.gpus:
+        share = rec.holding.share
+        if share is not None and share.gpu in released and share.mode == ShareMode.MPS and share.gpu in self.gpus:
             # Its MPS server would be a process on the GPU: stopped before the handover check looks.
-            self.mps.stop(self.gpus[freed[0]], lambda: self.idle_share(freed[0]))
+            minor = share.gpu
+            self.mps.stop(self.gpus[minor], lambda: self.idle_share(minor))
         self.handover.check(released)
 
     def idle_share(self, minor: int) -> bool:
@@ -212,21 +248,21 @@ class Core:
         with self.booking.lock:
             held = self.booking.shares_held()
             shared = self.booking.shared
-        wanted = {m for m, g in shared.items() if g.mode == "mps" and held.get(m) and m in self.gpus}
+        wanted = {m for m, g in shared.items() if g.mode == ShareMode.MPS and held.get(m) and m in self.gpus}
         self.mps.supervise(
             [self.gpus[m] for m in sorted(wanted)],
             [g for m, g in sorted(self.gpus.items()) if m not in wanted],
             self.idle_share,
         )
 
-    def release_gpus(self, minors: frozenset[int]) -> None:
-        """Give back GPUs a running container no longer holds (a shrinking Update): through the
-        handover check too, since a process that opened one before the revocation keeps using it
-        (the devices cgroup checks at open(2) only)."""
+    def release(self, cid: ContainerId, holding: Holding) -> None:
+        """Give back part of what a running container held (a shrinking Update), already revoked:
+        through the handover check too, since a process that opened a GPU before the revocation
+        keeps using it (the devices cgroup checks at open(2) only)."""
         with self.booking.lock:
-            self.booking.deallocate(minors)
-            self.handover.mark_pending(minors)
-        self.handover.check(minors)
+            released = self.booking.free(cid.key(), holding)
+            self.handover.mark_pending(released)
+        self.handover.check(released)
 
     def release_volume(self, cid: ContainerId) -> None:
         """Forget ``cid`` as a user of the driver volume; a top-level container takes the records of

@@ -26,7 +26,7 @@ from isolator.core.locks import ContainerLocks, require_kernel_write
 from isolator.core.ports import CgroupBackend, DeviceNodes, GpuInventory, RecordStore
 from isolator.crashpoints import crashpoint
 from isolator.errors import CgroupVanished, IsolatorError
-from isolator.model import ContainerId, ContainerRecord, MigDevice
+from isolator.model import ContainerId, ContainerRecord, Holding, MigDevice, Mode
 from isolator.policy import devices as devrules
 from isolator.policy import mig as migunits
 
@@ -55,7 +55,7 @@ class KernelGrants:
         cgroups: CgroupBackend,
         devices: DeviceNodes,
         store: RecordStore,
-        mode: str,
+        mode: Mode | str,
         cpuset: CpusetGrant,
     ) -> None:
         self.booking = booking  # the managed GPUs (``booking.gpus``) and the inventory's MIG view
@@ -96,19 +96,25 @@ class KernelGrants:
         """The allow-list alone (``compute``'s rules)."""
         return self.compute(minors, units).rules
 
-    def mig_of(self, rec: ContainerRecord | None) -> tuple[MigDevice, ...]:
-        """The MIG devices a record holds that the inventory knows (an unknown UUID grants nothing)."""
-        if rec is None:
-            return ()
+    def of(self, cid: ContainerId, holding: Holding) -> Grant:
+        """What ``cid`` holding ``holding`` is granted (``compute`` over its GPUs and MIG units)."""
+        return self.compute(holding.granted, self.mig_units(cid, holding))
+
+    def mig_units(self, cid: ContainerId, holding: Holding) -> tuple[MigDevice, ...]:
+        """The MIG devices ``cid`` holds that the inventory knows (an unknown UUID grants nothing)."""
         known = self.booking.mig
         out = []
-        for uuid in sorted(rec.mig_uuids):
+        for uuid in sorted(holding.mig_uuids):
             dev = known.get(uuid)
             if dev is None:
-                LOG.warning("container %s holds MIG device %s, unknown to the inventory", rec.container_id, uuid)
+                LOG.warning("container %s holds MIG device %s, unknown to the inventory", cid, uuid)
                 continue
             out.append(dev)
         return tuple(out)
+
+    def mig_of(self, rec: ContainerRecord | None) -> tuple[MigDevice, ...]:
+        """The MIG devices a record holds that the inventory knows (none without a record)."""
+        return self.mig_units(rec.container_id, rec.holding) if rec is not None else ()
 
     # ---- the devices cgroups ----------------------------------------------------------------------
 
@@ -129,10 +135,10 @@ class KernelGrants:
         self._require(cid, "apply")
         rec = self.store.get(cid)
         # A sharer's GPU comes from its record, always: shares never change after Prepare.
-        shared = rec.shared if rec is not None else frozenset()
+        shared = rec.holding.shared if rec is not None else frozenset()
         rules = self.rules(minors | shared, self.mig_of(rec) if units is None else units)
         self.cgroups.apply(cid, rules)
-        if self.mode == "mesos" and not cid.nested:
+        if self.mode == Mode.MESOS and not cid.nested:
             self._apply_nested(cid, rules)  # in the kernel before the record, as the container's own
         crashpoint("apply.kernel")
         self.store.update(cid, rules=rules)
@@ -205,7 +211,7 @@ class KernelGrants:
         programs are not below the parent's leaf, so nothing else would revoke them). Then the
         container's cpuset, if it has one."""
         self._require(cid, "cleanup")
-        if self.mode == "mesos":
+        if self.mode == Mode.MESOS:
             for child in reversed(self.nested_cgroups(cid)):
                 self.cgroups.cleanup(child)
         self.cgroups.cleanup(cid)

@@ -9,7 +9,7 @@ import logging
 from isolator.core.context import Core
 from isolator.crashpoints import crashpoint
 from isolator.errors import FailedPrecondition, InvalidArgument
-from isolator.model import UNKNOWN_CALLER, ContainerId, ContainerRecord
+from isolator.model import UNKNOWN_CALLER, ContainerId, ContainerRecord, Mode, RecordState
 from isolator.policy import placement
 from isolator.policy.affinity import format_list
 
@@ -52,15 +52,15 @@ class IsolateHook:
         with core.locks.hold(container_id):
             rec = core.require(container_id.root)
             target = core.grants.governing(container_id)
-            if core.settings.mode == "standalone":
+            if core.settings.mode == Mode.STANDALONE:
                 self._move(container_id, target, pid, caller)
                 crashpoint("isolate.placed")
             else:
                 self._wait_for_pid(target, pid)
             self._join_cpuset(container_id, rec, pid)
-            if not container_id.nested and rec.state == "prepared":
-                core.store.update(container_id, state="isolated")
-        LOG.info("isolated pid %d in %s", pid, core.describe(container_id, rec.gpus))
+            if not container_id.nested and rec.state == RecordState.PREPARED:
+                core.store.update(container_id, state=RecordState.ISOLATED)
+        LOG.info("isolated pid %d in %s", pid, core.describe(container_id, rec.holding.gpus))
 
     def _move(self, cid: ContainerId, target: ContainerId, pid: int, caller: int | None) -> None:
         """Standalone mode places the container's init itself, by the pid rule (isolator/policy/

@@ -38,6 +38,7 @@ from isolator.model import (
     MaintenanceMark,
     Mode,
     Occupancy,
+    RecordState,
     ResetStep,
     Topology,
 )
@@ -167,7 +168,7 @@ class RecordStore(Protocol):
         self,
         cid: ContainerId,
         *,
-        state: str | None = None,
+        state: RecordState | None = None,
         volume_version: str | None = None,
         rules: tuple[DeviceRule, ...] | None = None,
     ) -> ContainerRecord: ...

@@ -30,15 +30,17 @@ from isolator.model import (
     ContainerConfig,
     ContainerId,
     ContainerRecord,
+    Holding,
     LaunchInfo,
     MigDevice,
+    Mode,
     Mount,
+    ShareMode,
     check_rootfs,
-    gpu_count,
 )
 from isolator.policy import launch
 from isolator.policy import mig as migunits
-from isolator.policy import shares as sharing
+from isolator.policy import request as requests
 from isolator.policy.affinity import Affinity
 from volumes.errors import VolumeError
 from volumes.inject import DriverFacts, Image, check_cuda, should_inject, volume_injection
@@ -82,16 +84,7 @@ class PrepareHook:
         if container_id.nested:
             return self._prepare_nested(container_id, config)
         core = self.core
-        count = gpu_count(config.resources)
-        mig_request = migunits.requests(config.resources)
-        share_count = sharing.share_request(config.resources)
-        if share_count and (count or mig_request):
-            # One kind per container: under MPS its CUDA would reach every GPU through the MPS
-            # daemon of its shared one, and a whole GPU beside a share gains nothing (docs/sharing.md).
-            raise InvalidArgument(
-                f"container {container_id} asks for {sharing.RESOURCE} together with whole GPUs or MIG devices;"
-                " a container holds shares of one GPU, or whole GPUs and MIG devices, not both"
-            )
+        request = requests.for_prepare(container_id, config.resources)
         image_plan = self._image_plan(config)
         holder = container_id.key()
         with core.locks.hold(container_id):
@@ -105,48 +98,20 @@ class PrepareHook:
                     " and is refused (Mesos never reuses a container ID)"
                 )
             self._refuse_populated(container_id)
-            if count or mig_request or share_count:
+            if not request.empty:
                 core.handover.recheck()  # a draining GPU that is clear now may be chosen (docs/handover.md)
-            near = core.cpuset.task_nodes(container_id) if share_count else None
+            near = core.cpuset.task_nodes(container_id) if request.shares else None
             with core.booking.lock:
-                placed = core.booking.place_shares(holder, share_count, near) if share_count else None
-                try:
-                    choice = core.booking.allocate_whole(count)
-                except BaseException:
-                    core.booking.free_shares(holder)
-                    raise
-                try:
-                    units = core.booking.choose_mig(mig_request)
-                except BaseException:
-                    core.booking.deallocate(choice.gpus)
-                    core.booking.free_shares(holder)
-                    raise
-            minors = frozenset(choice.gpus)
-            shared = frozenset((placed.minor,)) if placed is not None else frozenset()
-            undo: Undo = [lambda: self._deallocate(minors, units, holder)]
+                holding = core.booking.book(holder, request, near)
+            undo: Undo = [lambda: self._unbook(holder, holding)]
             try:
-                aff = core.cpuset.affinity(container_id, minors | shared, units)
+                units = core.grants.mig_units(container_id, holding)
+                aff = core.cpuset.affinity(container_id, holding.granted, units)
                 held = aff if core.cpuset.enforcing else None  # recorded with the GPUs, applied after their rules
-                grant = core.grants.compute(minors | shared, units)
+                grant = core.grants.compute(holding.granted, units)
                 rules = grant.rules
-                core.store.record(
-                    ContainerRecord(
-                        container_id,
-                        gpus=minors,
-                        mode=core.settings.mode,
-                        cgroup=core.cgroups.cgroup_path(container_id),
-                        cgroup_version=1 if core.cgroups.version == "v1" else 2,
-                        state="prepared",
-                        created=core.clock.time(),
-                        rules=rules,
-                        mig=frozenset((d.uuid, d.parent_minor) for d in units),
-                        cpus=held.cpu_list if held is not None else "",
-                        mems=held.mem_list if held is not None else "",
-                        share_gpu=placed.minor if placed is not None else -1,
-                        shares=placed.shares if placed is not None else 0,
-                        share_mode=placed.mode if placed is not None else "",
-                    )
-                )
+                rec = core.new_record(container_id, holding, rules=rules, cpuset=held)
+                core.store.record(rec)
                 undo.append(lambda: self._forget(container_id))
                 undo.append(lambda: core.grants.revoke(container_id))
                 crashpoint("prepare.recorded")
@@ -158,8 +123,9 @@ class PrepareHook:
                     undo.append(lambda: core.cpuset.remove_cpuset(container_id))
                     crashpoint("cpuset.recorded")
                     core.cpuset.apply_cpuset(container_id, held)
-                if placed is not None and placed.mode == sharing.MPS:
-                    core.mps.ensure(core.gpus[placed.minor])  # fail closed: no sharer without its daemon
+                share = holding.share
+                if share is not None and share.mode is ShareMode.MPS:
+                    core.mps.ensure(core.gpus[share.gpu])  # fail closed: no sharer without its daemon
                 info = self._launch_info(
                     container_id,
                     config,
@@ -174,9 +140,12 @@ class PrepareHook:
                 self._undo(container_id, undo)
                 raise
         mig_note = f", MIG devices [{migunits.visible_devices(units)}]" if units else ""
-        if placed is not None:
-            mig_note += f", {placed.shares} of the {placed.total} shares of GPU {placed.minor} ({placed.mode})"
-        LOG.info("prepared %s (%s)%s", core.describe(container_id, minors | shared), choice.policy, mig_note)
+        if holding.share is not None:
+            share = holding.share
+            with core.booking.lock:
+                total = core.booking.shared[share.gpu].shares
+            mig_note += f", {share.count} of the {total} shares of GPU {share.gpu} ({share.mode})"
+        LOG.info("prepared %s (%s)%s", core.describe(container_id, holding.granted), core.booking.policy, mig_note)
         return info
 
     def _refuse_populated(self, cid: ContainerId) -> None:
@@ -203,17 +172,16 @@ class PrepareHook:
         if config.container_class == "DEBUG":
             with core.locks.hold(cid):
                 root = self._require_top_level(cid)
-                self._rules_for_nested(
-                    cid, config, lambda: core.grants.compute(root.gpus | root.shared, core.grants.mig_of(root))
-                )
+                held = root.holding
+                self._rules_for_nested(cid, config, lambda: core.grants.of(root.container_id, held))
             return None
         image_plan = self._image_plan(config)
         with core.locks.hold(cid):
             root = self._require_top_level(cid)
-            minors = root.gpus | root.shared
+            minors = root.holding.granted
             undo: Undo = []
             try:
-                units = core.grants.mig_of(root)
+                units = core.grants.mig_units(root.container_id, root.holding)
                 grant = core.grants.compute(minors, units)  # /dev and the MIG view read once for both uses
                 if self._rules_for_nested(cid, config, lambda: grant):
                     undo.append(lambda: core.grants.revoke(cid))
@@ -247,7 +215,7 @@ class PrepareHook:
         lock held.
         """
         core = self.core
-        if core.settings.mode != "mesos":
+        if core.settings.mode is not Mode.MESOS:
             return False  # standalone: nested containers run in their top-level container's cgroup
         if not core.cgroups.exists(cid):
             if not config.share_cgroups:
@@ -313,13 +281,14 @@ class PrepareHook:
 
     def _mps_client(self, rec: ContainerRecord | None) -> MpsClient | None:
         """What an MPS sharer's launch needs; None for anyone else."""
-        if rec is None or not rec.shares or rec.share_mode != sharing.MPS:
+        share = rec.holding.share if rec is not None else None
+        if share is None or share.mode is not ShareMode.MPS:
             return None
         core = self.core
-        gpu = core.gpus[rec.share_gpu]
+        gpu = core.gpus[share.gpu]
         with core.booking.lock:
-            total = core.booking.shared[rec.share_gpu].shares
-        return MpsClient(core.mps.pipe_dir(gpu), rec.shares, total, gpu.memory_total)
+            total = core.booking.shared[share.gpu].shares
+        return MpsClient(core.mps.pipe_dir(gpu), share.count, total, gpu.memory_total)
 
     def _device_mounts(self, rootfs: str, grant: Grant) -> list[Mount]:
         """Bind mounts of the grant's nodes: exactly the allocated GPUs, the control devices and the MIG
@@ -357,12 +326,10 @@ class PrepareHook:
             mounts.append(Mount(target=target, source=spec.source, flags=spec.flags))
         return mounts, tuple(sorted(injection.env.items()))
 
-    def _deallocate(self, minors: frozenset[int], units: tuple[MigDevice, ...] = (), holder: str = "") -> None:
+    def _unbook(self, holder: str, holding: Holding) -> None:
+        """Give back what a prepare that failed half-way booked: never granted, so no handover check."""
         with self.core.booking.lock:
-            self.core.booking.deallocate(minors)
-            self.core.booking.free_mig(d.uuid for d in units)
-            if holder:
-                self.core.booking.free_shares(holder)
+            self.core.booking.free(holder, holding)
 
     def _undo(self, cid: ContainerId, undo: Undo) -> None:
         for step in reversed(undo):

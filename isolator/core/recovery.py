@@ -14,7 +14,17 @@ import logging
 from isolator.core.context import Core
 from isolator.crashpoints import crashpoint
 from isolator.errors import CgroupVanished, IsolatorError
-from isolator.model import AuditReport, ContainerId, ContainerRecord, ContainerState, RecoverResult, key_root
+from isolator.model import (
+    AuditReport,
+    ContainerId,
+    ContainerRecord,
+    ContainerState,
+    Holding,
+    Mode,
+    RecordState,
+    RecoverResult,
+    key_root,
+)
 from isolator.policy import adopt, drift
 from isolator.policy import shares as sharing
 from isolator.policy.reconcile import Kind, reconcile
@@ -60,7 +70,7 @@ class Recovery:
             core.sync_health()
             # --shared-gpus naming a GPU a container holds whole: refused, never both (docs/sharing.md).
             shared = core.booking.shared
-            clash = sorted((m, str(r.container_id)) for r in live.values() for m in r.gpus if m in shared)
+            clash = sorted((m, str(r.container_id)) for r in live.values() for m in r.holding.gpus if m in shared)
             if clash:
                 raise sharing.RoleChangeRefused(
                     problems="; ".join(
@@ -68,18 +78,14 @@ class Recovery:
                     )
                 )
             for rec in live.values():
-                known = rec.gpus & core.booking.total
-                if known != rec.gpus:
+                kept = core.booking.restore(rec.container_id.key(), rec.holding)
+                if kept != rec.holding:
                     LOG.warning(
                         "container %s records GPUs %s that this host does not have; keeping %s",
                         rec.container_id,
-                        sorted(rec.gpus - known),
-                        sorted(known),
+                        sorted(rec.holding.gpus - kept.gpus),
+                        sorted(kept.gpus),
                     )
-                core.booking.restore(known)
-                core.booking.hold_mig(rec.mig, restore=True)
-                if rec.shares:
-                    core.booking.restore_shares(rec.container_id.key(), rec.share_gpu, rec.shares)
 
     def _reconcile_cpusets(self, records: dict[ContainerId, ContainerRecord]) -> None:
         """Each recorded cpuset as recorded (a kill between recording and writing it, or a cpuset
@@ -88,7 +94,7 @@ class Recovery:
         for cid, rec in sorted(records.items(), key=lambda kv: kv[0].chain()):
             drift = self._cpuset_drift(cid, rec)
             if drift is not None:
-                LOG.warning("start: %s: %s; applying the record", core.describe(cid, rec.gpus), drift)
+                LOG.warning("start: %s: %s; applying the record", core.describe(cid, rec.holding.gpus), drift)
                 aff = core.cpuset.recorded_affinity(rec)
                 assert aff is not None
                 core.cpuset.apply_cpuset(cid, aff)
@@ -112,16 +118,14 @@ class Recovery:
     def _compare(self, cid: ContainerId, rec: ContainerRecord) -> drift.Drift:
         """The record against the rules in force on its cgroup (the one comparison: policy.drift)."""
         core = self.core
-        return drift.compare(
-            rec.rules, rec.gpus, rec.mig_parents, core.cgroups.in_force(cid), core.gpus, shared=rec.shared
-        )
+        return drift.compare(rec.rules, rec.holding, core.cgroups.in_force(cid), core.gpus)
 
     def _enforce_record(self, cid: ContainerId, rec: ContainerRecord) -> None:
         """Make the kernel grant what is recorded: its GPUs whole, plus its MIG devices (their
         parents' nodes are what the GPU-level comparison sees of them)."""
         core = self.core
-        if core.settings.mode == "standalone":
-            self._restore_cgroup(cid, rec.gpus)
+        if core.settings.mode == Mode.STANDALONE:
+            self._restore_cgroup(cid, rec.holding.gpus)
         elif not core.cgroups.exists(cid):
             return  # Mesos has not made it yet, or destroyed it: the reaper's and Recover's business
         found = self._compare(cid, rec)
@@ -133,18 +137,18 @@ class Recovery:
                 found.source,
                 list(found.recorded),
             )
-            core.grants.apply(cid, rec.gpus)
+            core.grants.apply(cid, rec.holding.gpus)
 
     def _adopt_or_deny(self, unrecorded: list[ContainerId], records: dict[ContainerId, ContainerRecord]) -> None:
         core = self.core
         # A MIG holder's parent GPU counts as recorded: an unrecorded cgroup granting it is revoked.
         # So does a sharer's shared GPU.
-        recorded = {m: cid for cid, rec in records.items() for m in rec.gpus | rec.mig_parents | rec.shared}
+        recorded = {m: cid for cid, rec in records.items() for m in rec.holding.touched}
         # A shared GPU is never rebuilt as a whole holder's: how many shares a lost sharer had is unknown.
         with core.booking.lock:
             shared = frozenset(core.booking.shared)
         kernel = {c: core.cgroups.in_force(c) for c in unrecorded}
-        for step in adopt.plan(kernel, recorded, core.gpus, core.settings.mode == "standalone", shared):
+        for step in adopt.plan(kernel, recorded, core.gpus, core.settings.mode == Mode.STANDALONE, shared):
             c = step.container
             if step.stolen:
                 LOG.warning(
@@ -176,18 +180,8 @@ class Recovery:
         except CgroupVanished:
             return
         rules = core.cgroups.in_force(cid).rules
-        core.store.record(
-            ContainerRecord(
-                cid,
-                gpus=gpus,
-                mode=core.settings.mode,
-                cgroup=core.cgroups.cgroup_path(cid),
-                cgroup_version=1 if core.cgroups.version == "v1" else 2,
-                state="isolated" if pids else "prepared",
-                created=core.clock.time(),
-                rules=tuple(rules),
-            )
-        )
+        state = RecordState.ISOLATED if pids else RecordState.PREPARED
+        core.store.record(core.new_record(cid, Holding.whole(gpus), rules=tuple(rules), state=state))
         core.rebuilt.append(cid)
         LOG.warning(
             "start: rebuilt the lost record of %s from the kernel's rules (GPUs %s, %d processes)",
@@ -225,21 +219,21 @@ class Recovery:
         with core.locks.exclusive():
             loaded = core.store.load()
             # A MIG holder's cgroup grants its MIG devices' parents' nodes: those count as recorded.
-            records = {cid: rec.gpus | rec.mig_parents | rec.shared for cid, rec in loaded.items()}
+            records = {cid: rec.holding.touched for cid, rec in loaded.items()}
             kernel: dict[ContainerId, frozenset[int]] = {}
             for cid in records:
-                if core.settings.mode == "standalone":
-                    self._restore_cgroup(cid, loaded[cid].gpus)
+                if core.settings.mode == Mode.STANDALONE:
+                    self._restore_cgroup(cid, loaded[cid].holding.gpus)
                 granted = self.kernel_grants(cid)
                 if granted is not None:
                     kernel[cid] = granted
-            running = None if core.settings.mode == "standalone" else [s.container_id.root for s in states]
+            running = None if core.settings.mode == Mode.STANDALONE else [s.container_id.root for s in states]
             actions = reconcile(records, kernel, running, [o for o in orphans if not o.nested])
             result = RecoverResult()
             for action in actions:
                 cid = action.container_id
                 if action.kind in (Kind.REVOKE, Kind.REAPPLY):
-                    core.grants.apply(cid, loaded[cid].gpus if cid in loaded else frozenset())
+                    core.grants.apply(cid, loaded[cid].holding.gpus if cid in loaded else frozenset())
                 elif action.kind is Kind.RELEASE:
                     with contextlib.suppress(CgroupVanished):
                         core.grants.cleanup(cid)
@@ -247,7 +241,7 @@ class Recovery:
                     result.released += 1
                     core.release_volume(cid)
                 elif action.kind is Kind.MARK_ORPHAN and cid in records:
-                    core.store.update(cid, state="orphan")
+                    core.store.update(cid, state=RecordState.ORPHAN)
                 crashpoint("recover.action")
             # Rebuild the allocator from what the store now says.
             self.book()
@@ -286,7 +280,7 @@ class Recovery:
                 if drift is not None:
                     if not core.cgroups.exists(cid):
                         core.grants.create(cid)
-                    core.grants.apply(cid, rec.gpus)
+                    core.grants.apply(cid, rec.holding.gpus)
                     lines.append(f"container {cid}: {drift}; re-applied the recorded rules")
                 cpuset_drift = self._cpuset_drift(cid, rec)
                 if cpuset_drift is not None:
@@ -305,10 +299,10 @@ class Recovery:
     def _drift(self, cid: ContainerId, rec: ContainerRecord) -> str | None:
         core = self.core
         if not core.cgroups.exists(cid):
-            if core.settings.mode == "mesos":
+            if core.settings.mode == Mode.MESOS:
                 return None
             return f"its cgroup '{core.cgroups.cgroup_path(cid)}' is gone"
-        return self._compare(cid, rec).finding(strict=core.settings.mode == "standalone")
+        return self._compare(cid, rec).finding(strict=core.settings.mode == Mode.STANDALONE)
 
     def reap_vanished(self) -> list[ContainerId]:
         """Release containers whose Mesos cgroup is gone (mesos mode only).
@@ -319,7 +313,7 @@ class Recovery:
         record whose cgroup no longer exists therefore belongs to a dead container. Run periodically.
         """
         core = self.core
-        if core.settings.mode != "mesos":
+        if core.settings.mode != Mode.MESOS:
             return []
         reaped = []
         for cid in sorted(core.store.load(), key=ContainerId.chain):
@@ -332,7 +326,9 @@ class Recovery:
                 core.cpuset.remove_cpuset(cid)  # its processes died with its Mesos cgroups
                 core.drop(cid, rec)
             reaped.append(cid)
-            LOG.warning("released %s: its cgroup is gone (destroyed without a cleanup)", core.describe(cid, rec.gpus))
+            LOG.warning(
+                "released %s: its cgroup is gone (destroyed without a cleanup)", core.describe(cid, rec.holding.gpus)
+            )
         for cid in reaped:
             core.release_volume(cid)
         return reaped

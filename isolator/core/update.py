@@ -10,9 +10,9 @@ import logging
 from isolator.core.context import Core
 from isolator.crashpoints import crashpoint
 from isolator.errors import CgroupVanished, FailedPrecondition, IsolatorError
-from isolator.model import ContainerId, ContainerRecord, Resource, gpu_count
+from isolator.model import ContainerId, ContainerRecord, Holding, Resource
 from isolator.policy import mig as migunits
-from isolator.policy import shares as sharing
+from isolator.policy import request as requests
 from isolator.policy.affinity import Affinity
 
 LOG = logging.getLogger(__name__)
@@ -27,41 +27,23 @@ class UpdateHook:
         core = self.core
         if container_id.nested:
             raise FailedPrecondition(f"update is not supported for nested containers ({container_id})")
-        target = gpu_count(resources)
-        wanted = migunits.requests(resources)
-        wanted_shares = sharing.share_request(resources)
+        request = requests.read(resources)
         with core.locks.hold(container_id):
             rec = core.require(container_id)
-            if wanted_shares != rec.shares or (rec.shares and target):
-                raise FailedPrecondition(
-                    f"container {container_id} holds {rec.shares} {sharing.RESOURCE}; shares are fixed at launch"
-                    f" and never mixed with whole GPUs (update asks for {wanted_shares} {sharing.RESOURCE},"
-                    f" {target} gpus)"
-                )
-            held: dict[str, int] = {}
-            for dev in core.grants.mig_of(rec):
-                name = migunits.resource_name(dev.profile) or dev.profile
-                held[name] = held.get(name, 0) + 1
-            if wanted != held:
-                raise FailedPrecondition(
-                    f"container {container_id} holds MIG devices {held or '{}'}; MIG holdings are fixed at "
-                    f"launch (update asks for {wanted or '{}'})"
-                )
-            if target > len(rec.gpus):
+            held = rec.holding
+            requests.check_update(container_id, held, self._mig_counts(rec), request)
+            if request.gpus > len(held.gpus):
                 core.handover.recheck()
             with core.booking.lock:
-                plan = core.booking.plan_update(rec.gpus, target)
-                add, release = frozenset(plan.add), frozenset(plan.release)
-                if add:
-                    core.booking.allocate_set(add)
+                grown, shrunk = core.booking.resize(held, request.gpus)
+            add, release = grown.gpus, shrunk.gpus
             try:
                 # Decided before anything changes: an enforced locality that leaves nothing refuses the update.
                 moved = (
-                    core.cpuset.affinity(container_id, (rec.gpus | add) - release) if core.cpuset.enforcing else None
+                    core.cpuset.affinity(container_id, (held.gpus | add) - release) if core.cpuset.enforcing else None
                 )
             except BaseException:
-                if add:
-                    self._free(add)
+                self._unbook_grow(container_id, grown)
                 raise
             if add:
                 # Grow: book, record, then grant (never grant what is not recorded).
@@ -70,20 +52,28 @@ class UpdateHook:
                     core.store.add_gpus(container_id, add)
                     recorded = True
                     crashpoint("update.grown")
-                    core.grants.apply(container_id, rec.gpus | add)
+                    core.grants.apply(container_id, held.gpus | add)
                 except BaseException:
-                    self._undo_grow(container_id, rec.gpus, add, recorded)
+                    self._undo_grow(container_id, held.gpus, grown, recorded)
                     raise
             if release:
-                # Shrink: revoke, then let the record and the allocator go.
-                core.grants.apply(container_id, rec.gpus - release)
+                # Shrink: revoke, then let the record and the books go.
+                core.grants.apply(container_id, held.gpus - release)
                 crashpoint("update.revoked")
                 core.store.remove_gpus(container_id, release)
-                core.release_gpus(release)
-            final = (rec.gpus | add) - release
+                core.release(container_id, shrunk)
+            final = (held.gpus | add) - release
             if core.cpuset.enforcing and (add or release):
                 self._move_cpuset(container_id, rec, moved)
-        LOG.info("updated %s to %d GPUs", core.describe(container_id, frozenset(final)), target)
+        LOG.info("updated %s to %d GPUs", core.describe(container_id, frozenset(final)), request.gpus)
+
+    def _mig_counts(self, rec: ContainerRecord) -> dict[str, int]:
+        """The MIG units a record holds, per ``mig-<profile>`` resource (the profile when it has none)."""
+        held: dict[str, int] = {}
+        for dev in self.core.grants.mig_of(rec):
+            name = migunits.resource_name(dev.profile) or dev.profile
+            held[name] = held.get(name, 0) + 1
+        return held
 
     def _move_cpuset(self, cid: ContainerId, rec: ContainerRecord, held: Affinity | None) -> None:
         """After an update: record the cpuset of the GPUs now held, then write it. A container left
@@ -107,7 +97,7 @@ class UpdateHook:
                     for pid in core.cgroups.pids(member):
                         core.cpusets.join(cid, pid)
 
-    def _undo_grow(self, cid: ContainerId, kept: frozenset[int], add: frozenset[int], recorded: bool) -> None:
+    def _undo_grow(self, cid: ContainerId, kept: frozenset[int], grown: Holding, recorded: bool) -> None:
         """Take back a grow that failed half-way: revoke in the kernel, then forget, then free.
 
         The kernel may already grant ``add`` (the rules were applied, their record failed), so they
@@ -115,6 +105,7 @@ class UpdateHook:
         granted.
         """
         core = self.core
+        add = grown.gpus
         units = core.grants.mig_of(core.store.get(cid))  # MIG holdings never change in an update
         if recorded:
             try:
@@ -135,8 +126,9 @@ class UpdateHook:
                 return
             with contextlib.suppress(IsolatorError):
                 core.store.update(cid, rules=core.grants.rules(kept, units))
-        self._free(add)
+        self._unbook_grow(cid, grown)
 
-    def _free(self, minors: frozenset[int]) -> None:
+    def _unbook_grow(self, cid: ContainerId, grown: Holding) -> None:
+        """Give back a grow that never reached the kernel: no handover check."""
         with self.core.booking.lock:
-            self.core.booking.deallocate(minors)
+            self.core.booking.free(cid.key(), grown)

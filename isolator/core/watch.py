@@ -34,7 +34,7 @@ class WatchHook:
                 raise ContainerGone(container=str(container_id))
             raise NotFound(f"unknown container {container_id}")
         with core.booking.lock:
-            sick = sorted(m for m in rec.gpus | rec.mig_parents | rec.shared if m in core.booking.unhealthy)
+            sick = sorted(m for m in rec.holding.touched if m in core.booking.unhealthy)
         if sick:
             return self._limitation(container_id, sick, rec)
         return None
@@ -54,11 +54,12 @@ class WatchHook:
             detail += "; its MIG devices " + ", ".join(u for us in units.values() for u in us)
         # A sharer loses its shares (the limitation's resources: ``gpu_shares``, beside the MIG units).
         lost = [(name, len(uuids)) for name, uuids in sorted(units.items())]
-        if rec.shares and rec.share_gpu in sick:
-            detail += f"; its {rec.shares} {sharing.RESOURCE} of GPU {rec.share_gpu} ({rec.share_mode})"
-            lost.append((sharing.RESOURCE, rec.shares))
+        share = rec.holding.share
+        if share is not None and share.gpu in sick:
+            detail += f"; its {share.count} {sharing.RESOURCE} of GPU {share.gpu} ({share.mode})"
+            lost.append((sharing.RESOURCE, share.count))
         return Limitation(
-            gpus=len([m for m in sick if m in rec.gpus]),
+            gpus=len([m for m in sick if m in rec.holding.gpus]),
             message=f"container {cid} holds a GPU that became unhealthy: {detail}",
             mig=tuple(lost),
         )
@@ -67,7 +68,7 @@ class WatchHook:
         core = self.core
         rec = core.require(container_id.root)
         gpus = []
-        for minor in sorted(rec.gpus | rec.shared):
+        for minor in sorted(rec.holding.granted):
             gpu = core.gpus.get(minor)
             if gpu is None:
                 continue
@@ -78,5 +79,5 @@ class WatchHook:
     def status(self, container_id: ContainerId) -> ContainerStatus:
         core = self.core
         rec = core.require(container_id.root)
-        uuids = tuple(core.gpus[m].uuid for m in sorted(rec.gpus | rec.shared) if m in core.gpus)
-        return ContainerStatus(uuids + tuple(sorted(rec.mig_uuids)), rec.state)
+        uuids = tuple(core.gpus[m].uuid for m in sorted(rec.holding.granted) if m in core.gpus)
+        return ContainerStatus(uuids + tuple(sorted(rec.holding.mig_uuids)), rec.state)

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from isolator.devicerule import DeviceRule
+from isolator.model import Holding
 from isolator.policy.affinity import Affinity
 from isolator.policy.devices import NVIDIA_MAJOR, KernelRules, permits
 
@@ -73,25 +74,18 @@ class Drift:
         return None
 
 
-def compare(
-    rules: Iterable[DeviceRule],
-    gpus: frozenset[int],
-    mig_parents: frozenset[int],
-    kernel: KernelRules,
-    known: Iterable[int],
-    shared: frozenset[int] = frozenset(),
-) -> Drift:
-    """A record (its ``rules``, its whole ``gpus``, its MIG devices' parents and a sharer's ``shared``
-    GPU, docs/sharing.md) against what the kernel holds, over the ``known`` GPUs. Rules are compared
-    in the order given."""
+def compare(rules: Iterable[DeviceRule], holding: Holding, kernel: KernelRules, known: Iterable[int]) -> Drift:
+    """A record (its ``rules`` and what it holds: whole GPUs, MIG devices whose parents' nodes it is
+    granted, a sharer's shared GPU, docs/sharing.md) against what the kernel holds, over the ``known``
+    GPUs. Rules are compared in the order given."""
     recorded = tuple(rules)
     in_force = kernel.rules
     return Drift(
         present=kernel.present,
         source=kernel.source,
         granted=granted(in_force, known),
-        recorded=tuple(sorted(gpus)),
-        expected=tuple(sorted(gpus | mig_parents | shared)),
+        recorded=tuple(sorted(holding.gpus)),
+        expected=tuple(sorted(holding.touched)),
         missing=tuple(r for r in recorded if not permits(in_force, r)),
         extra=tuple(r for r in in_force if not permits(recorded, r)),
     )

@@ -13,18 +13,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from isolator.errors import ConfigError, FailedPrecondition, InvalidArgument, ResourceExhausted
-from isolator.model import Resource
+from isolator.model import Resource, ShareMode
 
 # The agent resource a framework asks for, as it asks for ``cpus`` (a Mesos scalar of our own: the
 # master refuses fractional ``gpus``, "The 'gpus' resource must be an unsigned integer").
 RESOURCE = "gpu_shares"
-TIME_SLICE = "time-slice"
-MPS = "mps"
-MODES = (TIME_SLICE, MPS)
 # Most shares one GPU is cut into. MPS: 48 client CUDA contexts per device on Volta and later (the
 # MPS documentation, "Limitations"); time-slicing has no hard limit, 64 keeps every share a useful
 # slice and keeps the per-share MPS limits (100/shares percent) above 1.
-MAX_SHARES = {TIME_SLICE: 64, MPS: 48}
+MAX_SHARES = {ShareMode.TIME_SLICE: 64, ShareMode.MPS: 48}
 # Most shares one request may name before it is judged: any larger count fits no GPU anyway.
 MAX_REQUEST = max(MAX_SHARES.values())
 
@@ -60,7 +57,7 @@ class ShareSpec:
 
     index: int
     shares: int
-    mode: str = TIME_SLICE
+    mode: ShareMode = ShareMode.TIME_SLICE
 
 
 @dataclass(frozen=True, order=True)
@@ -70,7 +67,7 @@ class SharedGpu:
     minor: int
     index: int
     shares: int
-    mode: str = TIME_SLICE
+    mode: ShareMode = ShareMode.TIME_SLICE
     numa: int | None = None
 
 
@@ -80,7 +77,7 @@ class Placement:
 
     minor: int
     shares: int
-    mode: str
+    mode: ShareMode
     total: int
 
 
@@ -110,9 +107,11 @@ def parse_shared_gpus(value: object) -> tuple[ShareSpec, ...]:
         first = int(m.group(1))
         last = first if m.group(2) is None else int(m.group(2))
         shares = int(m.group(3))
-        mode = m.group(4) or TIME_SLICE
-        if mode not in MODES:
-            raise ConfigError(f"--shared-gpus item {item!r}: mode {mode!r} is not one of {', '.join(MODES)}")
+        named = m.group(4) or ShareMode.TIME_SLICE
+        if named not in tuple(ShareMode):
+            known = ", ".join(ShareMode)
+            raise ConfigError(f"--shared-gpus item {item!r}: mode {named!r} is not one of {known}")
+        mode = ShareMode(named)
         if last < first:
             raise ConfigError(f"--shared-gpus item {item!r}: the range {first}-{last} is empty")
         if not 2 <= shares <= MAX_SHARES[mode]:

@@ -23,7 +23,18 @@ from isolator.errors import (
     StateError,
 )
 from isolator.host.state import CGROUP_VERSIONS, STATES
-from isolator.model import ContainerId, ContainerRecord, DrainRecord, EndedDrain, HealthMark, MaintenanceMark
+from isolator.model import (
+    ContainerId,
+    ContainerRecord,
+    DrainRecord,
+    EndedDrain,
+    HealthMark,
+    Holding,
+    MaintenanceMark,
+    RecordState,
+    Share,
+    ShareMode,
+)
 from isolator.testing.faults import Faults
 
 
@@ -53,10 +64,12 @@ class FakeStore:
         with self._lock:
             if rec.container_id in self._records:
                 raise ContainerAlreadyRecorded(container=str(rec.container_id))
-            self._check_free(rec.container_id, rec.gpus)
-            self._check_mig_free(rec.container_id, rec.mig)
-            self._check_shares(rec)
-            self._records[rec.container_id] = replace(rec, gpus=frozenset(rec.gpus), mig=frozenset(rec.mig))
+            held = rec.holding
+            self._check_free(rec.container_id, held.gpus)
+            self._check_mig_free(rec.container_id, held.mig)
+            self._check_share(rec.container_id, held.share)
+            holding = Holding(frozenset(held.gpus), frozenset(held.mig), held.share)
+            self._records[rec.container_id] = replace(rec, holding=holding)
             self.commits += 1
 
     def add_gpus(self, cid: ContainerId, minors: Iterable[int]) -> ContainerRecord:
@@ -65,7 +78,7 @@ class FakeStore:
         with self._lock:
             rec = self._require(cid)
             self._check_free(cid, want)
-            rec = self._records[cid] = replace(rec, gpus=rec.gpus | want)
+            rec = self._records[cid] = replace(rec, holding=rec.holding.with_gpus(rec.holding.gpus | want))
             self.commits += 1
             return rec
 
@@ -74,10 +87,11 @@ class FakeStore:
         want = frozenset(minors)
         with self._lock:
             rec = self._require(cid)
-            stray = sorted(want - rec.gpus)
+            held = rec.holding.gpus
+            stray = sorted(want - held)
             if stray:
-                raise InvalidArgument(f"container {cid} does not hold GPUs {stray} (it holds {sorted(rec.gpus)})")
-            rec = self._records[cid] = replace(rec, gpus=rec.gpus - want)
+                raise InvalidArgument(f"container {cid} does not hold GPUs {stray} (it holds {sorted(held)})")
+            rec = self._records[cid] = replace(rec, holding=rec.holding.with_gpus(held - want))
             self.commits += 1
             return rec
 
@@ -85,7 +99,7 @@ class FakeStore:
         self,
         cid: ContainerId,
         *,
-        state: str | None = None,
+        state: RecordState | None = None,
         rules: tuple[DeviceRule, ...] | None = None,
         volume_version: str | None = None,
         cgroup: str | None = None,
@@ -157,6 +171,7 @@ class FakeStore:
         with self._lock:
             self._health_marks.pop(uuid, None)
             self.commits += 1
+
     def end_maintenance(self, ended: EndedDrain) -> None:
         self.faults.check("end_maintenance")
         if not ended.uuid or not ended.reason:
@@ -200,17 +215,18 @@ class FakeStore:
     def holders(self) -> dict[int, ContainerId]:
         self.faults.check("holders")
         with self._lock:
-            return {m: cid for cid, rec in self._records.items() for m in rec.gpus}
+            return {m: cid for cid, rec in self._records.items() for m in rec.holding.gpus}
 
     def share_holders(self) -> dict[ContainerId, tuple[int, int, str]]:
         self.faults.check("share_holders")
         with self._lock:
-            return {c: (r.share_gpu, r.shares, r.share_mode) for c, r in self._records.items() if r.shares}
+            shares = {c: r.holding.share for c, r in self._records.items()}
+            return {c: (s.gpu, s.count, str(s.mode)) for c, s in shares.items() if s is not None}
 
     def mig_holders(self) -> dict[str, tuple[ContainerId, int]]:
         self.faults.check("mig_holders")
         with self._lock:
-            return {u: (cid, m) for cid, rec in self._records.items() for u, m in rec.mig}
+            return {u: (cid, m) for cid, rec in self._records.items() for u, m in rec.holding.mig}
 
     def check(self) -> str:
         self.faults.check("check")
@@ -241,24 +257,24 @@ class FakeStore:
             if isinstance(minor, bool) or not isinstance(minor, int) or minor < 0:
                 raise InvalidArgument(f"GPU minor {minor!r} is not a non-negative integer")
             for other, rec in self._records.items():
-                if minor in rec.gpus or minor in rec.mig_parents:  # never whole and through its MIG devices
+                if minor in rec.holding.gpus or minor in rec.holding.mig_parents:  # never whole and through MIG
                     raise GpuAlreadyHeld(gpu=minor, container=str(cid), holder=str(other))
-                if minor in rec.shared:  # nor whole and shared (docs/sharing.md)
+                if minor in rec.holding.shared:  # nor whole and shared (docs/sharing.md)
                     raise GpuAlreadyHeld(gpu=minor, container=str(cid), holder=str(other))
 
-    def _check_shares(self, rec: ContainerRecord) -> None:
-        if not rec.shares:
+    def _check_share(self, cid: ContainerId, share: Share | None) -> None:
+        if share is None:
             return
-        minor, n = rec.share_gpu, rec.shares
+        minor, n = share.gpu, share.count
         if isinstance(minor, bool) or not isinstance(minor, int) or minor < 0:
             raise InvalidArgument(f"shared GPU minor {minor!r} is not a non-negative integer")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise InvalidArgument(f"share count {n!r} of GPU {minor} is not a positive integer")
-        if rec.share_mode not in ("time-slice", "mps"):
-            raise InvalidArgument(f"unknown sharing mode {rec.share_mode!r} of GPU {minor}")
+        if share.mode not in tuple(ShareMode):
+            raise InvalidArgument(f"unknown sharing mode {share.mode!r} of GPU {minor}")
         for other, held in self._records.items():
-            if minor in held.gpus:
-                raise GpuAlreadyHeld(gpu=f"{minor} (shared)", container=str(rec.container_id), holder=str(other))
+            if minor in held.holding.gpus:
+                raise GpuAlreadyHeld(gpu=f"{minor} (shared)", container=str(cid), holder=str(other))
 
     def _check_mig_free(self, cid: ContainerId, mig: frozenset[tuple[str, int]]) -> None:
         for uuid, parent in sorted(mig):
@@ -267,7 +283,7 @@ class FakeStore:
             if not isinstance(parent, int) or parent < 0:
                 raise InvalidArgument(f"parent GPU minor {parent!r} of {uuid} is not a non-negative integer")
             for other, rec in self._records.items():
-                if uuid in rec.mig_uuids:
+                if uuid in rec.holding.mig_uuids:
                     raise GpuAlreadyHeld(gpu=uuid, container=str(cid), holder=str(other))
-                if parent in rec.gpus:
+                if parent in rec.holding.gpus:
                     raise GpuAlreadyHeld(gpu=f"{parent} (parent of {uuid})", container=str(cid), holder=str(other))

@@ -32,7 +32,7 @@ from isolator.errors import (
     NvmlError,
 )
 from isolator.host.system import LocalFilesystem, ProcProcesses, SystemClock
-from isolator.model import ContainerId, ContainerRecord, DrainRecord, EndedDrain, MaintenanceMark, Topology
+from isolator.model import ContainerId, ContainerRecord, DrainRecord, EndedDrain, Holding, MaintenanceMark, Topology
 from isolator.policy.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, container_rules
 from isolator.testing import (
     FakeCgroups,
@@ -383,8 +383,8 @@ def test_store_ends_a_maintenance_drain_into_its_history_in_one_write(store: Fak
         store.end_maintenance(EndedDrain("", "a", 1.0, "", 2.0))
 
 
-def record(name: str, *gpus: int, **kwargs: object) -> ContainerRecord:
-    return ContainerRecord(cid(name), gpus=frozenset(gpus), created=1.0, **kwargs)
+def record(name: str, *gpus: int, mig: frozenset[tuple[str, int]] = frozenset(), **kwargs: object) -> ContainerRecord:
+    return ContainerRecord(cid(name), Holding(frozenset(gpus), mig), created=1.0, **kwargs)  # type: ignore[arg-type]
 
 
 def test_store_records_reads_and_forgets(store: FakeStore) -> None:
@@ -394,14 +394,14 @@ def test_store_records_reads_and_forgets(store: FakeStore) -> None:
     assert store.get(cid("nobody")) is None
     assert set(store.load()) == {cid("a"), cid("b")}
     assert store.holders() == {0: cid("a"), 1: cid("a")}
-    assert store.remove(cid("a")).gpus == frozenset({0, 1})
+    assert store.remove(cid("a")).holding.gpus == frozenset({0, 1})
     assert store.holders() == {} and store.get(cid("a")) is None
     assert store.check() == "ok"
 
 
 def test_store_ids_with_dots_and_nesting_round_trip(store: FakeStore) -> None:
     odd = ContainerId.parse("b.1", ContainerId.parse("a.0"))
-    store.record(ContainerRecord(odd, gpus=frozenset({3}), created=1.0))
+    store.record(ContainerRecord(odd, Holding(frozenset({3})), created=1.0))
     assert store.get(odd) is not None and store.holders() == {3: odd}
     assert store.get(cid("a.0.b.1")) is None
 
@@ -419,18 +419,18 @@ def test_store_refuses_doubles_and_changes_nothing(store: FakeStore) -> None:
 
 def test_store_grows_and_shrinks(store: FakeStore) -> None:
     store.record(record("a", 0))
-    assert store.add_gpus(cid("a"), [1, 2]).gpus == frozenset({0, 1, 2})
-    assert store.remove_gpus(cid("a"), [0]).gpus == frozenset({1, 2})
+    assert store.add_gpus(cid("a"), [1, 2]).holding.gpus == frozenset({0, 1, 2})
+    assert store.remove_gpus(cid("a"), [0]).holding.gpus == frozenset({1, 2})
     with pytest.raises(InvalidArgument, match="does not hold"):
         store.remove_gpus(cid("a"), [0])
-    assert store.get(cid("a")).gpus == frozenset({1, 2})
+    assert store.get(cid("a")).holding.gpus == frozenset({1, 2})
 
 
 def test_store_updates_metadata_and_refuses_unknowns(store: FakeStore) -> None:
     store.record(record("a", 0))
     rules = (DeviceRule.char(195, 0),)
     rec = store.update(cid("a"), state="isolated", rules=rules, volume_version="535")
-    assert (rec.state, rec.rules, rec.volume_version, rec.gpus) == ("isolated", rules, "535", frozenset({0}))
+    assert (rec.state, rec.rules, rec.volume_version, rec.holding.gpus) == ("isolated", rules, "535", frozenset({0}))
     with pytest.raises(InvalidArgument, match="unknown container state"):
         store.update(cid("a"), state="running")
     with pytest.raises(InvalidArgument):
@@ -447,7 +447,7 @@ def test_store_updates_metadata_and_refuses_unknowns(store: FakeStore) -> None:
 
 def test_store_holds_mig_devices_once_and_never_with_their_gpu_whole(store: FakeStore) -> None:
     store.record(record("m", mig=frozenset({("MIG-1", 0), ("MIG-2", 0)})))
-    assert store.get(cid("m")).mig == frozenset({("MIG-1", 0), ("MIG-2", 0)})
+    assert store.get(cid("m")).holding.mig == frozenset({("MIG-1", 0), ("MIG-2", 0)})
     assert store.mig_holders() == {"MIG-1": (cid("m"), 0), "MIG-2": (cid("m"), 0)}
     with pytest.raises(GpuAlreadyHeld, match="held by m"):
         store.record(record("n", mig=frozenset({("MIG-1", 0)})))

@@ -11,28 +11,28 @@ import pytest
 
 from isolator.errors import GpuAlreadyHeld, InvalidArgument
 from isolator.host.state import DB_FILE, SCHEMA_VERSION, StateStore
-from isolator.model import ContainerId, ContainerRecord
+from isolator.model import ContainerId, ContainerRecord, Holding, Share
 from isolator.testing.store import FakeStore
 
 A, B, C = ContainerId("a"), ContainerId("b"), ContainerId("c")
 
 
 def sharer(cid: ContainerId, minor: int = 3, n: int = 1, mode: str = "mps") -> ContainerRecord:
-    return ContainerRecord(cid, share_gpu=minor, shares=n, share_mode=mode)
+    return ContainerRecord(cid, Holding(share=Share(minor, n, mode)))
 
 
 def test_shares_are_recorded_and_read_back_by_get_and_load(tmp_path):
     with StateStore(str(tmp_path)) as store:
         store.record(sharer(A, 3, 2, "mps"))
         store.record(sharer(B, 3, 1, "mps"))
-        store.record(ContainerRecord(C, frozenset({1})))
+        store.record(ContainerRecord(C, Holding(frozenset({1}))))
     with StateStore(str(tmp_path)) as store:
         a = store.get(A)
-        assert a is not None and (a.share_gpu, a.shares, a.share_mode) == (3, 2, "mps")
-        assert a.shared == {3} and a.gpus == frozenset()
+        assert a is not None and (a.holding.share.gpu, a.holding.shares, a.holding.share.mode) == (3, 2, "mps")
+        assert a.holding.shared == {3} and a.holding.gpus == frozenset()
         loaded = store.load()
-        assert loaded[B].shared == {3} and loaded[B].shares == 1
-        assert loaded[C].shared == frozenset() and loaded[C].shares == 0
+        assert loaded[B].holding.shared == {3} and loaded[B].holding.shares == 1
+        assert loaded[C].holding.shared == frozenset() and loaded[C].holding.shares == 0
         assert store.share_holders() == {A: (3, 2, "mps"), B: (3, 1, "mps")}
         assert store.holders() == {1: C}
 
@@ -48,33 +48,33 @@ def store(request, tmp_path):
 def test_a_gpu_is_never_recorded_whole_and_shared(store):
     store.record(sharer(A, 3))
     with pytest.raises(GpuAlreadyHeld, match=r"GPU 3 for container b: it is already held by a"):
-        store.record(ContainerRecord(B, frozenset({3})))
+        store.record(ContainerRecord(B, Holding(frozenset({3}))))
     assert store.get(B) is None
-    store.record(ContainerRecord(C, frozenset({4})))
+    store.record(ContainerRecord(C, Holding(frozenset({4}))))
     with pytest.raises(GpuAlreadyHeld, match=r"GPU 4 \(shared\) for container b: it is already held by c"):
         store.record(sharer(B, 4))
     assert store.get(B) is None
     with pytest.raises(GpuAlreadyHeld):
         store.add_gpus(C, {3})
-    assert store.get(C).gpus == {4}
+    assert store.get(C).holding.gpus == {4}
 
 
 def test_shares_go_with_their_container(store):
     store.record(sharer(A, 3))
     store.remove(A)
     assert store.share_holders() == {}
-    store.record(ContainerRecord(B, frozenset({3})))  # the GPU may be held whole again
+    store.record(ContainerRecord(B, Holding(frozenset({3}))))  # the GPU may be held whole again
     assert store.holders() == {3: B}
 
 
 @pytest.mark.parametrize(
     ("rec", "says"),
     [
-        (ContainerRecord(A, share_gpu=-1, shares=1, share_mode="mps"), "shared GPU minor -1"),
-        (ContainerRecord(A, share_gpu=True, shares=1, share_mode="mps"), "shared GPU minor True"),
-        (ContainerRecord(A, share_gpu=1, shares=-2, share_mode="mps"), "share count -2"),
-        (ContainerRecord(A, share_gpu=1, shares=1.5, share_mode="mps"), "share count 1.5"),  # type: ignore[arg-type]
-        (ContainerRecord(A, share_gpu=1, shares=1, share_mode="mig"), "unknown sharing mode 'mig'"),
+        (ContainerRecord(A, Holding(share=Share(-1, 1, "mps"))), "shared GPU minor -1"),
+        (ContainerRecord(A, Holding(share=Share(True, 1, "mps"))), "shared GPU minor True"),
+        (ContainerRecord(A, Holding(share=Share(1, -2, "mps"))), "share count -2"),
+        (ContainerRecord(A, Holding(share=Share(1, 1.5, "mps"))), "share count 1.5"),  # type: ignore[arg-type]
+        (ContainerRecord(A, Holding(share=Share(1, 1, "mig"))), "unknown sharing mode 'mig'"),
     ],
 )
 def test_bad_share_records_are_refused_and_leave_nothing(store, rec, says):
@@ -85,14 +85,14 @@ def test_bad_share_records_are_refused_and_leave_nothing(store, rec, says):
 
 def test_a_schema_7_store_is_migrated_and_keeps_its_records(tmp_path):
     with StateStore(str(tmp_path)) as store:
-        store.record(ContainerRecord(A, frozenset({1})))
+        store.record(ContainerRecord(A, Holding(frozenset({1}))))
     db = sqlite3.connect(os.path.join(str(tmp_path), DB_FILE))
     db.executescript("DROP TABLE share_allocation; DROP TRIGGER whole_gpu_not_while_shared; PRAGMA user_version=7;")
     db.close()
     with StateStore(str(tmp_path)) as store:
         assert store.holders() == {1: A}
         store.record(sharer(B, 2))
-        assert store.get(B).shared == {2}
+        assert store.get(B).holding.shared == {2}
     db = sqlite3.connect(os.path.join(str(tmp_path), DB_FILE))
     try:
         assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION >= 8

@@ -11,6 +11,7 @@ import uuid
 import pytest
 
 from isolator.cli.main import EXIT_CONFIG, EXIT_WORK_DIR_HELD
+from isolator.model import Holding
 from isolator.testing.cgroupfs import TEST_PARENT, unique_name
 from isolator.testing.sidecar import Sidecar
 
@@ -112,7 +113,7 @@ def test_a_gpu_taken_under_the_sidecar_is_failed_precondition_naming_the_holder(
     try:
         store = StateStore(os.path.join(short_tmp, "state"))
         try:
-            store.record(ContainerRecord(ContainerId.from_chain(["x2"]), gpus=frozenset({0}), mode="standalone"))
+            store.record(ContainerRecord(ContainerId.from_chain(["x2"]), Holding(frozenset({0})), mode="standalone"))
         finally:
             store.close()
         isolator = GrpcIsolator(sidecar.socket)

@@ -16,7 +16,7 @@ from prometheus_client import generate_latest
 
 from isolator.exporters.metrics import Metrics
 from isolator.host.state import DB_FILE, SCHEMA_VERSION, TABLES_AFTER_2, StateStore
-from isolator.model import ContainerId, ContainerRecord, MaintenanceMark
+from isolator.model import ContainerId, ContainerRecord, Holding, MaintenanceMark
 from isolator.testing import fake_service
 from isolator.testing.mesos import Containerizer, GrpcIsolator, HookFailed, container_id
 from isolator.testing.sidecar import running_sidecar
@@ -46,7 +46,7 @@ def test_metrics_export_every_gpus_maintenance_state_with_dcgm_labels():
 def test_a_schema_6_store_gains_the_maintenance_table_and_keeps_its_records(tmp_path):
     assert SCHEMA_VERSION >= 7 and TABLES_AFTER_2[7 - 3] == "gpu_maintenance"  # schema 7 added it
     with StateStore(str(tmp_path)) as s:
-        s.record(ContainerRecord(ContainerId("a"), frozenset({1})))
+        s.record(ContainerRecord(ContainerId("a"), Holding(frozenset({1}))))
     db = sqlite3.connect(os.path.join(str(tmp_path), DB_FILE))
     # As schema 6 left it: neither the maintenance table of 7 nor the shares of 8.
     db.executescript(

@@ -13,7 +13,8 @@ from isolator.cli.main import build_parser
 from isolator.daemon import config as configmod
 from isolator.daemon import reload as reloadpolicy
 from isolator.errors import ConfigError
-from isolator.policy.shares import MPS, TIME_SLICE, ShareSpec
+from isolator.model import ShareMode
+from isolator.policy.shares import ShareSpec
 
 
 def resolve(*argv: str) -> configmod.Config:
@@ -26,16 +27,16 @@ def test_nothing_is_shared_by_default():
 
 def test_the_flag_reads_indices_shares_and_modes():
     assert resolve("--shared-gpus", "4-5:4:mps,7:2").shared_gpus == (
-        ShareSpec(4, 4, MPS),
-        ShareSpec(5, 4, MPS),
-        ShareSpec(7, 2, TIME_SLICE),
+        ShareSpec(4, 4, ShareMode.MPS),
+        ShareSpec(5, 4, ShareMode.MPS),
+        ShareSpec(7, 2, ShareMode.TIME_SLICE),
     )
 
 
 def test_the_config_file_takes_a_string_or_a_list_and_the_flag_wins(tmp_path):
     path = tmp_path / "sidecar.toml"
     path.write_text('shared-gpus = ["1:2", "2:3:mps"]\n')
-    assert resolve("--config", str(path)).shared_gpus == (ShareSpec(1, 2), ShareSpec(2, 3, MPS))
+    assert resolve("--config", str(path)).shared_gpus == (ShareSpec(1, 2), ShareSpec(2, 3, ShareMode.MPS))
     path.write_text('shared-gpus = "0:4"\n')
     assert resolve("--config", str(path)).shared_gpus == (ShareSpec(0, 4),)
     assert resolve("--config", str(path), "--shared-gpus", "3:2").shared_gpus == (ShareSpec(3, 2),)
@@ -65,7 +66,7 @@ def test_a_bad_file_value_names_the_file(tmp_path):
 def test_shared_gpus_is_reloadable_and_described_as_its_flag():
     old, new = resolve(), resolve("--shared-gpus", "1:2:mps")
     changed, restart = reloadpolicy.difference(old, new)
-    assert changed == {"shared_gpus": ((), (ShareSpec(1, 2, MPS),))}
+    assert changed == {"shared_gpus": ((), (ShareSpec(1, 2, ShareMode.MPS),))}
     assert restart == []
     assert reloadpolicy.describe(new.shared_gpus) == "1:2:mps"
     assert reloadpolicy.describe(()) == "none"

@@ -13,14 +13,14 @@ import pytest
 
 from isolator.errors import StateError, StateIncompatible
 from isolator.host.state import DB_FILE, MIN_SCHEMA, SCHEMA_VERSION, TABLES_AFTER_2, StateStore, backup_path
-from isolator.model import ContainerId, ContainerRecord
+from isolator.model import ContainerId, ContainerRecord, Holding
 
 A, B = ContainerId("a"), ContainerId("b")
 
 
 def _store_with_a(directory: str) -> None:
     with StateStore(directory) as store:
-        store.record(ContainerRecord(A, gpus=frozenset({1}), state="isolated"))
+        store.record(ContainerRecord(A, Holding(frozenset({1})), state="isolated"))
 
 
 def _raw(directory: str, script: str) -> None:
@@ -53,8 +53,8 @@ def test_an_older_sidecar_opens_and_writes_a_newer_store_whose_changes_were_addi
         """,
     )
     with caplog.at_level(logging.WARNING, logger="isolator.host.state"), StateStore(directory) as store:
-        assert store.get(A).gpus == {1}
-        store.record(ContainerRecord(B, gpus=frozenset({2})))
+        assert store.get(A).holding.gpus == {1}
+        store.record(ContainerRecord(B, Holding(frozenset({2}))))
         store.remove(A)  # the newer table's rows go with it (ON DELETE CASCADE)
     assert f"schema {newer}" in caplog.text and "newer sidecar" in caplog.text
     assert f"needs schema {MIN_SCHEMA} or later" in caplog.text
@@ -98,8 +98,8 @@ def test_an_upgrade_keeps_a_copy_of_the_store_as_it_was_before_migrating(tmp_pat
     old = MIN_SCHEMA  # a store as the previous schema left it: no compatibility record
     _raw(directory, "".join(f"DROP TABLE {t};" for t in TABLES_AFTER_2) + f"PRAGMA user_version={old};")
     with StateStore(directory) as store:
-        assert store.get(A).gpus == {1}
-        store.record(ContainerRecord(B, gpus=frozenset({2})))
+        assert store.get(A).holding.gpus == {1}
+        store.record(ContainerRecord(B, Holding(frozenset({2}))))
     assert _user_version(directory) == SCHEMA_VERSION
     backup = backup_path(directory, old)
     assert os.path.basename(backup) == f"{DB_FILE}.schema-{old}.bak"

@@ -35,7 +35,7 @@ def enforcing(mode: str = "standalone", machine: Machine | None = None) -> Rig:
 def gpus_of(rig: Rig, c: ContainerId) -> frozenset[int]:
     rec = rig.store.get(c)
     assert rec is not None
-    return rec.gpus
+    return rec.holding.gpus
 
 
 # ---- hint ---------------------------------------------------------------------------------------

@@ -15,9 +15,10 @@ import pytest
 
 from isolator.core.locks import ContainerLocks, LockNotHeld, OwnedLock
 from isolator.errors import AlreadyExists, GpusExhausted
-from isolator.model import ContainerConfig, ContainerId, Resource
+from isolator.model import ContainerConfig, ContainerId, Holding, Resource
 from isolator.policy.affinity import Affinity
 from isolator.policy.devices import NVIDIA_MAJOR, DeviceRule, permits
+from isolator.policy.request import Request
 from isolator.testing import Rig, fake_service
 
 WAIT = 30.0  # seconds a thread may take before the test calls it stuck (a loaded machine is slow)
@@ -213,7 +214,10 @@ def test_booking_outside_the_booking_lock_is_refused_and_changes_nothing(rig: Ri
         core.sync_health,
         # Booking is the only way to the books: each of its changes checks the lock.
         lambda: core.booking.allocate_set({0}),
-        lambda: core.booking.restore({0}),
+        lambda: core.booking.restore("a", Holding.whole({0})),
+        lambda: core.booking.book("a", Request(gpus=1)),
+        lambda: core.booking.resize(Holding(), 1),
+        lambda: core.booking.free("a", Holding.whole({0})),
         lambda: core.booking.deallocate(set()),
         lambda: core.booking.set_draining(0, True),
         lambda: core.booking.plan_update((), 1),
@@ -264,7 +268,7 @@ def test_kernel_grant_writes_outside_the_container_lock_are_refused_and_change_n
     core = rig.service.core
     a = cid("a")
     rig.service.prepare(a, gpus(2))
-    minors = rig.store.get(a).gpus  # type: ignore[union-attr]
+    minors = rig.store.get(a).holding.gpus  # type: ignore[union-attr]
     before = rig.cgroups.rules_of(a)
     grants, cpuset = core.grants, core.cpuset
     writes: list[Callable[[], object]] = [
@@ -302,7 +306,7 @@ def test_kernel_grant_writes_outside_the_container_lock_are_refused_and_change_n
     finally:
         release.set()
         thread.join(WAIT)
-    assert rig.cgroups.rules_of(a) == before and rig.store.get(a).gpus == minors  # type: ignore[union-attr]
+    assert rig.cgroups.rules_of(a) == before and rig.store.get(a).holding.gpus == minors  # type: ignore[union-attr]
     with core.locks.hold(a):
         grants.apply(a, frozenset())  # the same call with the lock held revokes
     assert rig.cgroups.rules_of(a) == core.grants.rules(frozenset())

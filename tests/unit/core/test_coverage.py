@@ -58,7 +58,7 @@ INDIRECT = {
     "rules": "prepare",
     "compute": "prepare",
     "set_health": "recover",
-    "set_gpu_health": "cleanup",  # a health event (tests/unit/core/test_hooks.py watch tests)
+    "set_gpu_health": "cleanup",  # a health event (tests/unit/core/test_watch.py)
     "reset": "recover",
     "mark_ended": "cleanup",
     "recently_ended": "watch",  # and prepare

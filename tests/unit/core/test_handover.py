@@ -36,7 +36,7 @@ def rig() -> Rig:
 def held(rig: Rig, name: str) -> frozenset[int]:
     rec = rig.store.get(cid(name))
     assert rec is not None
-    return rec.gpus
+    return rec.holding.gpus
 
 
 def gpu(rig: Rig, index: int):  # type: ignore[no-untyped-def]

@@ -43,7 +43,7 @@ def test_a_mig_holder_is_granted_its_caps_and_parent_and_told_its_uuids():
         *((CAPS_MAJOR, c) for c in caps),
     }
     rec = rig.store.get(cid("a"))
-    assert rec.gpus == frozenset() and rec.mig == {(u, 1) for u in visible(info)}
+    assert rec.holding.gpus == frozenset() and rec.holding.mig == {(u, 1) for u in visible(info)}
     assert rig.service.status(cid("a")).gpu_uuids == tuple(sorted(visible(info)))
 
 
@@ -54,7 +54,7 @@ def test_whole_and_mig_exclude_each_other_until_released():
     with pytest.raises(ResourceExhausted, match="Requested 8 gpus but only 7 available"):
         svc.prepare(cid("whole"), config(gpus=8))
     svc.prepare(cid("seven"), config(gpus=7))
-    assert 0 not in rig.store.get(cid("seven")).gpus
+    assert 0 not in rig.store.get(cid("seven")).holding.gpus
     with pytest.raises(ResourceExhausted, match="on GPUs held whole or unhealthy"):
         svc.prepare(cid("more"), config(**{"2g_10gb": 2}))  # the other 2g.10gb is on GPU 3, held whole
     svc.cleanup(cid("seven"))
@@ -65,7 +65,7 @@ def test_whole_and_mig_exclude_each_other_until_released():
 def test_whole_requests_take_gpus_not_in_mig_mode_first():
     rig = fake_service("dgx-a100")
     rig.service.prepare(cid("w"), config(gpus=3))
-    assert rig.store.get(cid("w")).gpus == {g.minor for g in HOST.gpus if not g.mig}
+    assert rig.store.get(cid("w")).holding.gpus == {g.minor for g in HOST.gpus if not g.mig}
 
 
 def test_an_xid_on_the_parent_limits_its_mig_holders_only():
@@ -93,7 +93,7 @@ def test_mig_holdings_are_booked_again_after_a_restart_and_fixed_in_update():
     with pytest.raises(FailedPrecondition, match="MIG holdings are fixed at launch"):
         svc.update(cid("a"), [Resource("gpus", 1.0)])
     svc.update(cid("a"), [Resource("gpus", 1.0), Resource("mig-1g.10gb", 1.0)])  # grows whole GPUs only
-    assert len(rig.store.get(cid("a")).gpus) == 1
+    assert len(rig.store.get(cid("a")).holding.gpus) == 1
     svc.recover([], [])
     assert [c for c in svc.inconsistencies()] == []
     svc.cleanup(cid("a"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from isolator.errors import CgroupError, FailedPrecondition, GpusExhausted
-from isolator.model import ContainerConfig, ContainerId, ContainerRecord, ContainerState, Resource
+from isolator.model import ContainerConfig, ContainerId, ContainerRecord, ContainerState, Holding, Resource
 from isolator.policy.devices import NVIDIA_MAJOR, DeviceRule, container_rules, permits
 from isolator.testing import Rig, fake_service
 
@@ -31,7 +31,7 @@ def granted(rig: Rig, c: ContainerId) -> list[int] | None:
 
 def held(rig: Rig, c: ContainerId) -> list[int]:
     rec = rig.store.get(c)
-    return sorted(rec.gpus) if rec is not None else []
+    return sorted(rec.holding.gpus) if rec is not None else []
 
 
 def rules_granting(rig: Rig, *minors: int) -> tuple[DeviceRule, ...]:
@@ -56,7 +56,7 @@ def test_a_restart_books_every_recorded_gpu_before_the_first_request() -> None:
 
 def test_a_record_of_gpus_this_host_lacks_keeps_only_the_known_ones() -> None:
     rig = fake_service("dgx-1")
-    rig.store.record(ContainerRecord(cid("a"), gpus=frozenset({1, 42}), mode="standalone"))
+    rig.store.record(ContainerRecord(cid("a"), Holding(frozenset({1, 42})), mode="standalone"))
     service = rig.restart()
     assert service.core.booking.allocated == frozenset({1})
 
@@ -197,7 +197,7 @@ def test_a_start_repairs_a_recorded_cgroup_left_without_its_rules(version: str) 
     # Recover, and a retried Prepare is ALREADY_EXISTS, so Isolate would put a process in it.
     rig = fake_service("dgx-1", version=version)
     a = cid("a")
-    rig.store.record(ContainerRecord(a, gpus=frozenset({1}), mode="standalone", cgroup_version=int(version[1])))
+    rig.store.record(ContainerRecord(a, Holding(frozenset({1})), mode="standalone", cgroup_version=int(version[1])))
     if version == "v2":
         rig.cgroups.mesos_creates(a)  # exists, nothing of ours attached
     else:

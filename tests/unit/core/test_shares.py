@@ -70,8 +70,12 @@ def test_four_one_share_tasks_spread_over_the_shared_gpus_each_granted_exactly_i
     rig.service.prepare(cid("e"), shares(1))
     assert granted(rig, cid("e")) == [shared[0]], "then the lowest minor among the equally loaded"
     rec = rig.store.get(cid("e"))
-    assert rec is not None and (rec.share_gpu, rec.shares, rec.share_mode) == (shared[0], 1, "mps")
-    assert rec.gpus == frozenset()
+    assert rec is not None and (rec.holding.share.gpu, rec.holding.shares, rec.holding.share.mode) == (
+        shared[0],
+        1,
+        "mps",
+    )
+    assert rec.holding.gpus == frozenset()
     assert booked(rig) == {shared[0]: 2, shared[1]: 1, shared[2]: 1, shared[3]: 1}
 
 

@@ -37,10 +37,10 @@ def test_a_drained_shared_gpu_keeps_its_sharers_and_takes_no_new_one_until_undra
     with pytest.raises(SharesExhausted, match=r"drained for maintenance: GPU 6 .*gpu-isolator undrain"):
         svc.prepare(ContainerId("b"), shares(1))
     assert rig.store.get(ContainerId("b")) is None, "a refusal leaves nothing recorded"
-    assert rig.store.get(ContainerId("a")).shares == 1
+    assert rig.store.get(ContainerId("a")).holding.shares == 1
     svc.maintenance_undrain("6", OPERATOR)
     svc.prepare(ContainerId("b"), shares(1))
-    assert rig.store.get(ContainerId("b")).share_gpu == rig.store.get(ContainerId("a")).share_gpu
+    assert rig.store.get(ContainerId("b")).holding.share.gpu == rig.store.get(ContainerId("a")).holding.share.gpu
 
 
 def test_a_refusal_with_no_drained_shared_gpu_says_nothing_of_maintenance():

@@ -1,1 +1,1 @@
-"""The state store (isolator/host/state.py) on a temporary directory."""
+"""The state store (isolator/host/state/) on a temporary directory."""

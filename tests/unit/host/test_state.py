@@ -29,7 +29,7 @@ from isolator.errors import (
     StateStorageFull,
 )
 from isolator.host.state import DB_FILE, ContainerRecord, StateStore
-from isolator.model import ContainerId
+from isolator.model import ContainerId, Holding
 
 REPO = paths.ROOT
 
@@ -48,7 +48,7 @@ def test_a_record_round_trips_with_all_its_metadata(tmp_path):
     parent = cid("exec-1")
     rec = ContainerRecord(
         cid("task.with.dots", parent),
-        frozenset({3, 1}),
+        Holding(frozenset({3, 1})),
         mode="standalone",
         cgroup="/sys/fs/cgroup/mesos/exec-1",
         cgroup_version=2,
@@ -69,7 +69,9 @@ def test_rules_are_stored_as_the_kernel_prints_them_and_read_back_as_device_rule
     # The on-disk format is unchanged (one rule a line, kernel syntax): a record an older sidecar
     # wrote reads back structured, parsed once here; a record written now reads the same in SQL.
     with StateStore(str(tmp_path)) as s:
-        s.record(ContainerRecord(cid("new"), frozenset({0}), rules=(DeviceRule.char(195, 0), DeviceRule.parse("a"))))
+        s.record(
+            ContainerRecord(cid("new"), Holding(frozenset({0})), rules=(DeviceRule.char(195, 0), DeviceRule.parse("a")))
+        )
     raw = sqlite3.connect(str(tmp_path / DB_FILE))
     with raw:
         raw.execute(
@@ -103,24 +105,24 @@ def test_a_record_whose_rules_do_not_parse_is_corrupt_not_an_empty_grant(tmp_pat
 
 
 def test_a_gpu_is_never_recorded_for_two_containers(store):
-    store.record(ContainerRecord(cid("a"), frozenset({0, 1})))
+    store.record(ContainerRecord(cid("a"), Holding(frozenset({0, 1}))))
     with pytest.raises(GpuAlreadyHeld, match="GPU 1 for container b: it is already held by a"):
-        store.record(ContainerRecord(cid("b"), frozenset({1, 2})))
+        store.record(ContainerRecord(cid("b"), Holding(frozenset({1, 2}))))
     assert store.get(cid("b")) is None  # the whole record was rolled back, GPU 2 included
     assert store.holders() == {0: cid("a"), 1: cid("a")}
 
 
 def test_growing_into_a_held_gpu_is_refused_and_changes_nothing(store):
-    store.record(ContainerRecord(cid("a"), frozenset({0})))
-    store.record(ContainerRecord(cid("b"), frozenset({1})))
+    store.record(ContainerRecord(cid("a"), Holding(frozenset({0}))))
+    store.record(ContainerRecord(cid("b"), Holding(frozenset({1}))))
     with pytest.raises(GpuAlreadyHeld):
         store.add_gpus(cid("b"), {2, 0})
-    assert store.get(cid("b")).gpus == {1}
+    assert store.get(cid("b")).holding.gpus == {1}
 
 
 def test_the_database_itself_refuses_a_second_holder(store):
     # Even a bug that bypasses the store's methods cannot give a GPU two holders.
-    store.record(ContainerRecord(cid("a"), frozenset({4})))
+    store.record(ContainerRecord(cid("a"), Holding(frozenset({4}))))
     store.record(ContainerRecord(cid("b")))
     raw = sqlite3.connect(store.path)
     with pytest.raises(sqlite3.IntegrityError):
@@ -129,18 +131,18 @@ def test_the_database_itself_refuses_a_second_holder(store):
 
 
 def test_growing_adds_to_what_is_held_and_shrinking_releases_only_the_named_gpus(store):
-    store.record(ContainerRecord(cid("a"), frozenset({0})))
-    assert store.add_gpus(cid("a"), {2, 3}).gpus == {0, 2, 3}
-    assert store.remove_gpus(cid("a"), {2}).gpus == {0, 3}
+    store.record(ContainerRecord(cid("a"), Holding(frozenset({0}))))
+    assert store.add_gpus(cid("a"), {2, 3}).holding.gpus == {0, 2, 3}
+    assert store.remove_gpus(cid("a"), {2}).holding.gpus == {0, 3}
     with pytest.raises(InvalidArgument, match=r"does not hold GPUs \[5\]"):
         store.remove_gpus(cid("a"), {5, 0})
-    assert store.get(cid("a")).gpus == {0, 3}
+    assert store.get(cid("a")).holding.gpus == {0, 3}
 
 
 def test_removing_a_container_releases_its_gpus(store):
-    store.record(ContainerRecord(cid("a"), frozenset({0, 1})))
-    assert store.remove(cid("a")).gpus == {0, 1}
-    store.record(ContainerRecord(cid("b"), frozenset({0, 1})))
+    store.record(ContainerRecord(cid("a"), Holding(frozenset({0, 1}))))
+    assert store.remove(cid("a")).holding.gpus == {0, 1}
+    store.record(ContainerRecord(cid("b"), Holding(frozenset({0, 1}))))
     with pytest.raises(ContainerNotRecorded):
         store.remove(cid("a"))
 
@@ -148,14 +150,14 @@ def test_removing_a_container_releases_its_gpus(store):
 def test_recording_a_container_twice_is_refused(store):
     store.record(ContainerRecord(cid("a")))
     with pytest.raises(ContainerAlreadyRecorded):
-        store.record(ContainerRecord(cid("a"), frozenset({1})))
+        store.record(ContainerRecord(cid("a"), Holding(frozenset({1}))))
     assert store.holders() == {}
 
 
 def test_metadata_updates_keep_the_gpus_and_refuse_unknown_states(store):
-    store.record(ContainerRecord(cid("a"), frozenset({2})))
+    store.record(ContainerRecord(cid("a"), Holding(frozenset({2}))))
     rec = store.update(cid("a"), state="orphan", rules=(DeviceRule.char(195, 2),))
-    assert (rec.state, rec.rules, rec.gpus) == ("orphan", (DeviceRule.char(195, 2),), {2})
+    assert (rec.state, rec.rules, rec.holding.gpus) == ("orphan", (DeviceRule.char(195, 2),), {2})
     with pytest.raises(InvalidArgument, match="unknown container state 'gone'"):
         store.update(cid("a"), state="gone")
     with pytest.raises(ContainerNotRecorded):
@@ -165,7 +167,7 @@ def test_metadata_updates_keep_the_gpus_and_refuse_unknown_states(store):
 @pytest.mark.parametrize("minor", [-1, "3", True])
 def test_bad_gpu_minors_are_refused(store, minor):
     with pytest.raises(InvalidArgument):
-        store.record(ContainerRecord(cid("a"), frozenset({minor})))
+        store.record(ContainerRecord(cid("a"), Holding(frozenset({minor}))))
     assert store.get(cid("a")) is None
 
 
@@ -173,12 +175,12 @@ def test_ten_thousand_records_load_intact(tmp_path):
     directory = str(tmp_path)
     with StateStore(directory, durable=False) as s:
         for i in range(10_000):
-            s.record(ContainerRecord(cid(f"c{i}"), frozenset({i}) if i % 2 else frozenset(), state="isolated"))
+            s.record(ContainerRecord(cid(f"c{i}"), Holding(frozenset({i}) if i % 2 else frozenset()), state="isolated"))
     with StateStore(directory) as s:
         loaded = s.load()
     assert len(loaded) == 10_000
-    assert loaded[cid("c9999")].gpus == {9999}
-    assert sum(len(r.gpus) for r in loaded.values()) == 5_000
+    assert loaded[cid("c9999")].holding.gpus == {9999}
+    assert sum(len(r.holding.gpus) for r in loaded.values()) == 5_000
 
 
 def test_a_file_that_is_not_a_database_is_reported_as_corrupt(tmp_path):
@@ -203,7 +205,7 @@ def test_a_newer_schema_that_needs_a_newer_sidecar_is_refused_rather_than_misrea
 _WRITER = textwrap.dedent(
     """
     import sys
-    from isolator.model import ContainerId
+    from isolator.model import ContainerId, Holding
     from isolator.host.state import ContainerRecord, StateStore
     store = StateStore(sys.argv[1])
     i = int(sys.argv[2])
@@ -214,7 +216,7 @@ _WRITER = textwrap.dedent(
         holder = store.holders().get(max(pair))
         if holder is not None:
             store.remove(holder)
-        store.record(ContainerRecord(ContainerId.parse(f"c{i}"), frozenset(pair), state="isolated"))
+        store.record(ContainerRecord(ContainerId.parse(f"c{i}"), Holding(frozenset(pair)), state="isolated"))
         if i % 4 == 3:
             store.remove_gpus(ContainerId.parse(f"c{i}"), {min(pair)})
             store.add_gpus(ContainerId.parse(f"c{i}"), {min(pair)})
@@ -249,11 +251,11 @@ def test_state_survives_kill_9_at_any_instant_with_no_gpu_held_twice(tmp_path):
         with StateStore(directory) as s:
             assert s.check() == "ok"
             records = s.load()
-            held = [m for r in records.values() for m in r.gpus]
+            held = [m for r in records.values() for m in r.holding.gpus]
             assert len(held) == len(set(held))  # no GPU held twice
             assert set(held) <= set(range(8))
             # Every acknowledged commit is there; at most the one in flight is beyond it.
-            assert records[cid(f"c{last}")].gpus == {2 * (last % 4), 2 * (last % 4) + 1}
+            assert records[cid(f"c{last}")].holding.gpus == {2 * (last % 4), 2 * (last % 4) + 1}
             live = sorted(int(k.value[1:]) for k in records)
             assert live[-1] in (last, last + 1)
             assert all(r.state == "isolated" for r in records.values())
@@ -282,7 +284,9 @@ def test_a_full_disk_gives_a_typed_error_and_loses_nothing_committed():
             written = 0
             with pytest.raises(StateStorageFull, match=f"failed to record container '{directory}/{DB_FILE}'"):
                 for i in range(10_000):
-                    s.record(ContainerRecord(cid(f"c{i}"), frozenset({i}), rules=(DeviceRule.char(195, 0),) * 200))
+                    s.record(
+                        ContainerRecord(cid(f"c{i}"), Holding(frozenset({i})), rules=(DeviceRule.char(195, 0),) * 200)
+                    )
                     written += 1
             assert written > 0
             err_code = StateStorageFull.code
@@ -299,10 +303,10 @@ def test_a_read_only_disk_gives_a_typed_error():
     with tmpfs("1m") as mnt:
         directory = os.path.join(mnt, "state")
         with StateStore(directory) as s:
-            s.record(ContainerRecord(cid("a"), frozenset({0})))
+            s.record(ContainerRecord(cid("a"), Holding(frozenset({0}))))
         subprocess.run(["mount", "-o", "remount,ro", mnt], check=True)
         with pytest.raises(StateReadOnly, match="failed to"), StateStore(directory) as s:
-            s.record(ContainerRecord(cid("b"), frozenset({1})))
+            s.record(ContainerRecord(cid("b"), Holding(frozenset({1}))))
 
 
 @pytest.mark.root
@@ -348,7 +352,7 @@ def test_concurrent_writes_share_one_commit_and_each_is_durable(tmp_path):
     store = StateStore(directory)
     commits_before = store.commits
     outcomes = _staged_writers(
-        store, [lambda i=i: store.record(ContainerRecord(cid(f"c{i}"), frozenset({i}))) for i in range(8)]
+        store, [lambda i=i: store.record(ContainerRecord(cid(f"c{i}"), Holding(frozenset({i})))) for i in range(8)]
     )
     assert outcomes == [None] * 8
     assert store.commits - commits_before == 1, "eight writes, one transaction, one fsync"
@@ -359,15 +363,15 @@ def test_concurrent_writes_share_one_commit_and_each_is_durable(tmp_path):
 
 def test_a_refused_write_in_a_shared_commit_fails_alone(tmp_path):
     store = StateStore(str(tmp_path / "state"))
-    store.record(ContainerRecord(cid("old"), frozenset({5})))
+    store.record(ContainerRecord(cid("old"), Holding(frozenset({5}))))
     outcomes = _staged_writers(
         store,
         [
-            lambda: store.record(ContainerRecord(cid("a"), frozenset({0}))),
-            lambda: store.record(ContainerRecord(cid("b"), frozenset({0, 1}))),  # GPU 0: a got it first
+            lambda: store.record(ContainerRecord(cid("a"), Holding(frozenset({0})))),
+            lambda: store.record(ContainerRecord(cid("b"), Holding(frozenset({0, 1})))),  # GPU 0: a got it first
             lambda: store.add_gpus(cid("old"), [5]),  # already its own
             lambda: store.remove(cid("nobody")),
-            lambda: store.record(ContainerRecord(cid("c"), frozenset({2}))),
+            lambda: store.record(ContainerRecord(cid("c"), Holding(frozenset({2})))),
         ],
     )
     assert outcomes[0] is None and outcomes[4] is None
@@ -382,7 +386,7 @@ def test_a_version_2_store_gains_the_health_marks_and_keeps_its_records(tmp_path
     from isolator.host.state import TABLES_AFTER_2, HealthMark
 
     with StateStore(str(tmp_path)) as store:
-        store.record(ContainerRecord(ContainerId("a"), frozenset({1})))
+        store.record(ContainerRecord(ContainerId("a"), Holding(frozenset({1}))))
     db = sqlite3.connect(os.path.join(str(tmp_path), "allocations.sqlite3"))
     db.executescript("".join(f"DROP TABLE {t};" for t in TABLES_AFTER_2) + "PRAGMA user_version=2;")
     db.close()

@@ -11,7 +11,7 @@ import pytest
 
 from isolator.errors import GpuAlreadyHeld
 from isolator.host.state import DB_FILE, MIN_SCHEMA, SCHEMA_VERSION, TABLES_AFTER_2, StateStore, backup_path
-from isolator.model import ContainerId, ContainerRecord, MaintenanceMark
+from isolator.model import ContainerId, ContainerRecord, Holding, MaintenanceMark, Share
 
 A, B, C = ContainerId("a"), ContainerId("b"), ContainerId("c")
 # The table each schema after 2 added (schema 3 + i added TABLES_AFTER_2[i]).
@@ -57,7 +57,7 @@ def test_the_chain_is_maintenance_at_7_then_shares_at_8_then_drain_history_at_9(
 def test_a_store_at_each_older_schema_migrates_to_the_newest_and_keeps_what_it_held(tmp_path, version):
     directory = str(tmp_path)
     with StateStore(directory) as store:
-        store.record(ContainerRecord(A, frozenset({1}), state="isolated"))
+        store.record(ContainerRecord(A, Holding(frozenset({1})), state="isolated"))
         store.set_maintenance(MaintenanceMark("GPU-5", "fan replaced", 10.0, "uid 0"))
     _rewind(directory, version)
     assert _schema(directory)[0] == version
@@ -66,23 +66,23 @@ def test_a_store_at_each_older_schema_migrates_to_the_newest_and_keeps_what_it_h
         # Schema 7's drains survive a migration from 7; older stores had none to keep.
         assert list(store.maintenance()) == (["GPU-5"] if version >= 7 else [])
         store.set_maintenance(MaintenanceMark("GPU-6", "bad fan", 11.0, "uid 0"))
-        store.record(ContainerRecord(B, share_gpu=3, shares=2, share_mode="mps"))
+        store.record(ContainerRecord(B, Holding(share=Share(3, 2, "mps"))))
         with pytest.raises(GpuAlreadyHeld):
-            store.record(ContainerRecord(C, frozenset({3})))  # never whole while shared: the trigger is back
+            store.record(ContainerRecord(C, Holding(frozenset({3}))))  # never whole while shared: the trigger is back
     after, tables, triggers = _schema(directory)
     assert after == SCHEMA_VERSION
     assert set(TABLES_AFTER_2) <= tables and set(SHARE_TRIGGERS) <= triggers
     assert os.path.exists(backup_path(directory, version))
     with StateStore(directory) as store:
         assert store.share_holders() == {B: (3, 2, "mps")}
-        assert store.get(B).shared == {3} and store.get(C) is None
+        assert store.get(B).holding.shared == {3} and store.get(C) is None
         assert sorted(store.maintenance()) == (["GPU-5", "GPU-6"] if version >= 7 else ["GPU-6"])
 
 
 def test_a_schema_7_store_with_drains_and_holders_gains_only_the_shares(tmp_path):
     directory = str(tmp_path)
     with StateStore(directory) as store:
-        store.record(ContainerRecord(A, frozenset({1})))
+        store.record(ContainerRecord(A, Holding(frozenset({1}))))
         store.set_maintenance(MaintenanceMark("GPU-2", "ECC page retirement", 5.0, "uid 0, pid 42"))
     _rewind(directory, 7)
     _version, tables, triggers = _schema(directory)

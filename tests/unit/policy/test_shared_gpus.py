@@ -4,7 +4,7 @@ kernel comparison expects a sharer's GPU. In make mutation for policy/adopt.py a
 
 from __future__ import annotations
 
-from isolator.model import ContainerId
+from isolator.model import ContainerId, Holding, Share, ShareMode
 from isolator.policy import adopt, drift
 from isolator.policy.devices import NVIDIA_MAJOR, DeviceRule, KernelRules
 
@@ -30,6 +30,6 @@ def test_two_unrecorded_cgroups_on_one_shared_gpu_do_not_stop_the_start():
 
 def test_the_drift_comparison_expects_a_sharers_gpu():
     kernel = KernelRules((_rw(5),), "v1")
-    found = drift.compare((_rw(5),), frozenset(), frozenset(), kernel, range(8), shared=frozenset({5}))
+    found = drift.compare((_rw(5),), Holding(share=Share(5, 1, ShareMode.TIME_SLICE)), kernel, range(8))
     assert found.gpu_finding() is None and found.expected == (5,)
-    assert drift.compare((_rw(5),), frozenset(), frozenset(), kernel, range(8)).gpu_finding() is not None
+    assert drift.compare((_rw(5),), Holding(), kernel, range(8)).gpu_finding() is not None

@@ -10,14 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from isolator.errors import ConfigError, FailedPrecondition, InvalidArgument, ResourceExhausted
-from isolator.model import Resource
+from isolator.model import Resource, ShareMode
 from isolator.policy import shares
 from isolator.policy.shares import (
     MAX_REQUEST,
     MAX_SHARES,
-    MPS,
     RESOURCE,
-    TIME_SLICE,
     InvalidShareCount,
     Placement,
     RoleChangeRefused,
@@ -40,7 +38,9 @@ from isolator.policy.shares import (
 )
 
 
-def four(n: int = 4, mode: str = TIME_SLICE, first: int = 4, numa: tuple[int | None, ...] = ()) -> dict[int, SharedGpu]:
+def four(
+    n: int = 4, mode: str = ShareMode.TIME_SLICE, first: int = 4, numa: tuple[int | None, ...] = ()
+) -> dict[int, SharedGpu]:
     """GPUs ``first``.. ``first+3`` shared ``n`` ways (minor = index here)."""
     return {m: SharedGpu(m, m, n, mode, numa[m - first] if numa else None) for m in range(first, first + 4)}
 
@@ -49,19 +49,19 @@ def four(n: int = 4, mode: str = TIME_SLICE, first: int = 4, numa: tuple[int | N
 
 
 def test_parse_reads_index_shares_and_mode_with_time_slice_the_default():
-    assert parse_shared_gpus("4:4:mps, 5:2") == (ShareSpec(4, 4, MPS), ShareSpec(5, 2, TIME_SLICE))
+    assert parse_shared_gpus("4:4:mps, 5:2") == (ShareSpec(4, 4, ShareMode.MPS), ShareSpec(5, 2, ShareMode.TIME_SLICE))
 
 
 def test_parse_expands_ranges_and_sorts_by_index():
     assert parse_shared_gpus("6-7:3:time-slice,2:2:mps") == (
-        ShareSpec(2, 2, MPS),
-        ShareSpec(6, 3, TIME_SLICE),
-        ShareSpec(7, 3, TIME_SLICE),
+        ShareSpec(2, 2, ShareMode.MPS),
+        ShareSpec(6, 3, ShareMode.TIME_SLICE),
+        ShareSpec(7, 3, ShareMode.TIME_SLICE),
     )
 
 
 def test_parse_takes_a_toml_list_and_ignores_empty_items():
-    assert parse_shared_gpus(["1:2", "", " 3:4:mps "]) == (ShareSpec(1, 2), ShareSpec(3, 4, MPS))
+    assert parse_shared_gpus(["1:2", "", " 3:4:mps "]) == (ShareSpec(1, 2), ShareSpec(3, 4, ShareMode.MPS))
     assert parse_shared_gpus("") == ()
     assert parse_shared_gpus(",,") == ()
 
@@ -92,11 +92,11 @@ def test_parse_refuses_bad_items_naming_them(text, says):
 def test_parse_accepts_the_limits_of_each_mode():
     assert parse_shared_gpus("0:64,1:48:mps,2:2,3:2:mps") == (
         ShareSpec(0, 64),
-        ShareSpec(1, 48, MPS),
+        ShareSpec(1, 48, ShareMode.MPS),
         ShareSpec(2, 2),
-        ShareSpec(3, 2, MPS),
+        ShareSpec(3, 2, ShareMode.MPS),
     )
-    assert MAX_SHARES == {TIME_SLICE: 64, MPS: 48}
+    assert MAX_SHARES == {ShareMode.TIME_SLICE: 64, ShareMode.MPS: 48}
     assert MAX_REQUEST == 64
 
 
@@ -107,7 +107,11 @@ def test_parse_refuses_what_is_not_text():
 
 @settings(deadline=None)  # timing is the benchmarks' business, not a test's (a loaded machine)
 @given(
-    st.dictionaries(st.integers(0, 63), st.tuples(st.sampled_from([TIME_SLICE, MPS]), st.integers(2, 48)), max_size=8)
+    st.dictionaries(
+        st.integers(0, 63),
+        st.tuples(st.sampled_from([ShareMode.TIME_SLICE, ShareMode.MPS]), st.integers(2, 48)),
+        max_size=8,
+    )
 )
 def test_format_reads_back(specs):
     items = tuple(ShareSpec(i, n, mode) for i, (mode, n) in sorted(specs.items()))
@@ -122,8 +126,8 @@ def test_format_reads_back(specs):
 def test_resolve_maps_indices_to_minors_with_numa():
     managed = [(0, 10, False), (1, 11, False), (2, 12, False)]
     got = resolve(parse_shared_gpus("2:4:mps,1:2"), managed, numa={11: 0, 12: 1})
-    assert got == {11: SharedGpu(11, 1, 2, TIME_SLICE, 0), 12: SharedGpu(12, 2, 4, MPS, 1)}
-    assert resolve(parse_shared_gpus("1:2"), managed) == {11: SharedGpu(11, 1, 2, TIME_SLICE, None)}
+    assert got == {11: SharedGpu(11, 1, 2, ShareMode.TIME_SLICE, 0), 12: SharedGpu(12, 2, 4, ShareMode.MPS, 1)}
+    assert resolve(parse_shared_gpus("1:2"), managed) == {11: SharedGpu(11, 1, 2, ShareMode.TIME_SLICE, None)}
 
 
 def test_resolve_refuses_a_gpu_not_managed_naming_the_managed_ones():
@@ -142,7 +146,7 @@ def test_resolve_refuses_a_gpu_in_mig_mode_clearly():
 
 def test_agent_resources_lists_shares_beside_whole_gpus():
     assert agent_resources(4, four(4)) == "gpus:4;gpu_shares:16"
-    assert agent_resources(2, {1: SharedGpu(1, 1, 3), 2: SharedGpu(2, 2, 5, MPS)}) == "gpus:2;gpu_shares:8"
+    assert agent_resources(2, {1: SharedGpu(1, 1, 3), 2: SharedGpu(2, 2, 5, ShareMode.MPS)}) == "gpus:2;gpu_shares:8"
     assert agent_resources(8, {}) == "gpus:8"
     assert agent_resources(0, four(2)) == "gpus:0;gpu_shares:8"
 
@@ -192,7 +196,7 @@ def test_share_request_refuses_a_sum_out_of_range_and_non_scalars():
 
 
 def test_one_share_goes_to_the_lowest_minor_when_all_are_empty():
-    assert place(1, four(), {}) == Placement(4, 1, TIME_SLICE, 4)
+    assert place(1, four(), {}) == Placement(4, 1, ShareMode.TIME_SLICE, 4)
 
 
 def test_placement_prefers_the_gpu_holding_the_fewest_shares():
@@ -222,7 +226,7 @@ def test_placement_breaks_ties_by_numa_then_minor():
 
 
 def test_placement_carries_the_mode_and_total():
-    assert place(3, four(8, MPS), {4: 6}) == Placement(5, 3, MPS, 8)
+    assert place(3, four(8, ShareMode.MPS), {4: 6}) == Placement(5, 3, ShareMode.MPS, 8)
 
 
 def test_a_request_bigger_than_any_gpu_is_refused_as_never_satisfiable():
@@ -264,7 +268,7 @@ def test_place_refuses_hostile_counts(value):
     n=st.integers(1, 8),
 )
 def test_placement_is_the_best_gpu_with_room(sizes, fill, numa, blocked, near, n):
-    gpus = {m: SharedGpu(m, m, s, TIME_SLICE, numa[m]) for m, s in enumerate(sizes)}
+    gpus = {m: SharedGpu(m, m, s, ShareMode.TIME_SLICE, numa[m]) for m, s in enumerate(sizes)}
     held = {m: min(fill[m], g.shares) for m, g in gpus.items()}
     room = [g for g in gpus.values() if g.minor not in blocked and g.shares - held[g.minor] >= n]
     if n > max(sizes):
@@ -377,7 +381,7 @@ def test_book_never_grants_a_share_twice_and_never_refuses_with_room(ops, blocke
         assert sum(held.values()) == sum(book.of(h)[1] for h in live)
 
 
-# ---- MPS limits ----------------------------------------------------------------------------------
+# ---- ShareMode.MPS limits ----------------------------------------------------------------------------------
 
 
 def test_limits_are_in_proportion_to_the_shares():
@@ -405,7 +409,7 @@ def test_limits_refuse_shares_outside_the_gpu(n, total):
 
 def test_a_gpu_nobody_holds_may_change_role_freely():
     old = four(4)
-    new = {4: SharedGpu(4, 4, 2, MPS), 9: SharedGpu(9, 9, 4)}
+    new = {4: SharedGpu(4, 4, 2, ShareMode.MPS), 9: SharedGpu(9, 9, 4)}
     assert role_problems(old, new, whole_held=[1], shares_held={}) == []
     assert role_problems(old, {}, whole_held=[], shares_held={5: 0}) == []
     check_roles(old, new, [], {})
@@ -417,7 +421,7 @@ def test_a_gpu_held_whole_cannot_become_shared():
 
 def test_a_shared_gpu_with_sharers_cannot_become_whole_switch_mode_or_shrink_below_its_holders():
     old = four(4)
-    new = {5: SharedGpu(5, 5, 4, MPS), 6: SharedGpu(6, 6, 2), 7: SharedGpu(7, 7, 3)}
+    new = {5: SharedGpu(5, 5, 4, ShareMode.MPS), 6: SharedGpu(6, 6, 2), 7: SharedGpu(7, 7, 3)}
     got = role_problems(old, new, whole_held=[], shares_held={4: 1, 5: 2, 6: 3, 7: 3})
     assert got == [
         "GPU 4 has 1 gpu_shares held and cannot become whole",

@@ -1,0 +1,55 @@
+"""A container's request read once from its resources, and the rules on its kinds
+(isolator/policy/request.py): one kind at Prepare, kinds fixed at Update."""
+
+from __future__ import annotations
+
+import pytest
+
+from isolator.errors import FailedPrecondition, InvalidArgument, InvalidGpuCount
+from isolator.model import ContainerId, Holding, Resource, Share, ShareMode
+from isolator.policy import request as requests
+from isolator.policy.request import Request
+
+A = ContainerId("a")
+
+
+def test_read_counts_each_kind() -> None:
+    got = requests.read([Resource("gpus", 2.0), Resource("mig-1g.5gb", 1.0), Resource("cpus", 4.0)])
+    assert got == Request(gpus=2, mig={"mig-1g.5gb": 1}) and not got.empty
+    assert requests.read([Resource("cpus", 1.0)]).empty
+    assert requests.read([Resource("gpu_shares", 1.0), Resource("gpu_shares", 2.0)]).shares == 3
+
+
+def test_read_refuses_as_mesos_does() -> None:
+    with pytest.raises(InvalidGpuCount):
+        requests.read([Resource("gpus", 0.5)])
+
+
+@pytest.mark.parametrize("other", [Resource("gpus", 1.0), Resource("mig-1g.5gb", 1.0)])
+def test_prepare_refuses_shares_beside_another_kind(other: Resource) -> None:
+    with pytest.raises(InvalidArgument, match="container a asks for gpu_shares together with whole GPUs or MIG"):
+        requests.for_prepare(A, [Resource("gpu_shares", 1.0), other])
+
+
+def test_prepare_takes_whole_gpus_with_mig_units() -> None:
+    assert requests.for_prepare(A, [Resource("gpus", 1.0), Resource("mig-1g.5gb", 2.0)]) == Request(
+        gpus=1, mig={"mig-1g.5gb": 2}
+    )
+
+
+def test_update_may_change_whole_gpus_only() -> None:
+    whole = Holding.whole({0})
+    requests.check_update(A, whole, {}, Request(gpus=3))
+    with pytest.raises(FailedPrecondition, match="holds 0 gpu_shares"):
+        requests.check_update(A, whole, {}, Request(gpus=1, shares=1))
+    with pytest.raises(FailedPrecondition, match="MIG holdings are fixed at launch"):
+        requests.check_update(A, whole, {}, Request(gpus=1, mig={"mig-1g.5gb": 1}))
+    requests.check_update(A, whole, {"mig-1g.5gb": 1}, Request(mig={"mig-1g.5gb": 1}))
+
+
+def test_update_keeps_shares_as_they_are() -> None:
+    sharer = Holding(share=Share(4, 2, ShareMode.MPS))
+    requests.check_update(A, sharer, {}, Request(shares=2))
+    for changed in (Request(shares=3), Request(shares=0), Request(gpus=1, shares=2)):
+        with pytest.raises(FailedPrecondition, match="shares are fixed at launch"):
+            requests.check_update(A, sharer, {}, changed)

@@ -27,7 +27,7 @@ class FakeCgroups:
         root: str = "/fake/cgroup/devices/mesos",
         base: Iterable[DeviceRule] = MESOS_DEFAULT_WHITELIST,
     ) -> None:
-        if version not in ("v1", "v2"):
+        if version not in tuple(CgroupVersion):
             raise ValueError(f"version {version!r} is not v1 or v2")
         self.mode = check_mode(mode)
         self.version = CgroupVersion(version)
@@ -76,7 +76,7 @@ class FakeCgroups:
 
     def cgroup_path(self, container: ContainerId) -> str:
         path = f"{self.root}/{mesos_relative_path(container)}"
-        return f"{path}/leaf" if self.version == "v2" and self.mode == "mesos" else path
+        return f"{path}/leaf" if self.version is CgroupVersion.V2 and self.mode is Mode.MESOS else path
 
     def exists(self, container: ContainerId) -> bool:
         with self._lock:
@@ -93,7 +93,7 @@ class FakeCgroups:
     def prepare(self, container: ContainerId) -> None:
         self.faults.check("prepare", container)
         with self._lock:
-            if self.mode == "mesos":
+            if self.mode is Mode.MESOS:
                 if container not in self.cgroups:
                     raise CgroupVanished(op="prepare", path=self.cgroup_path(container))
                 self._require_whitelist(container, "is Mesos's cgroups/devices isolator enabled?")
@@ -241,7 +241,7 @@ class FakeCgroups:
         with self._lock:
             if container not in self.cgroups:
                 return
-            if self.mode == "mesos":
+            if self.mode is Mode.MESOS:
                 self.cgroups[container] = None  # our rules go, Mesos's cgroup stays
                 self._propagate(container)
                 return

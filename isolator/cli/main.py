@@ -914,7 +914,7 @@ def _run_cdi_list(args: argparse.Namespace) -> int:
 
 
 DEFAULT_CONFIG_TEXT = """\
-# gpu-isolator serve settings; keys are the flags without their dashes (README "Running the sidecar").
+# gpu-isolator serve settings; keys are the flags without their dashes (docs/configuration.md).
 mode = "mesos"
 socket = "/run/gpu-isolator/isolator.sock"
 work_dir = "/var/lib/gpu-isolator"

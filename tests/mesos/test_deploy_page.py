@@ -137,5 +137,6 @@ def test_deploy_page_runs_as_written_to_a_gpu_task_through_our_module(mesos_home
         assert len(opened_gpus(run.stdout)) == 1, said
         assert {seen(run.stdout)[name] for name in CONTROL} == {"ENXIO"}, said  # the control devices too
         log = agent_log()
-        assert "Registered with master" in log and "org_gpuisolator_GpuIsolator" in log, log[-3000:]
+        assert "Finished recovery" in log and "Registered with master" in log, log[-3000:]  # as the page says
+        assert "org_gpuisolator_GpuIsolator" in log, log[-3000:]
         assert not re.search(r"gpu-isolator (Recover|Prepare|Isolate|Update|Watch|Cleanup)", log), log[-3000:]

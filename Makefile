@@ -90,14 +90,15 @@ test-gpu: install build
 # this Mesos); tests/mesos/test_real_native.py holds those only our module passes.
 ALLOW_NO_MESOS ?=
 test-mesos: install build
-	@# Mesos (../shared/mesos/setup.sh unpacks it and installs its runtime and headers), then what the
+	@# Mesos (../shared/mesos/setup.sh unpacks it and installs its runtime and headers), our module (its build
+	@# dependencies installed and named: MODULE_INSTALL_DEPS=1, mesos/module.mk), then what the
 	@# tests need beside it: rapidjson-dev (stout's jsonify, for the JSON check) and busybox-static (the
 	@# image scenarios build their images from it).
 	@home="$(MESOS_HOME)"; \
 	if [ -z "$$home" ] && [ -d ../shared/mesos ]; then home=$$(../shared/mesos/setup.sh --dev) || exit 1; fi; \
 	if [ -z "$$home" ] && [ "$(ALLOW_NO_MESOS)" != 1 ]; then \
 		echo "make test-mesos: no Mesos (set MESOS_HOME, provide ../shared/mesos, or ALLOW_NO_MESOS=1 to skip)" >&2; exit 1; fi; \
-	if [ -n "$$home" ]; then $(MAKE) --no-print-directory module MESOS_HOME="$$home" || exit 1; fi; \
+	if [ -n "$$home" ]; then $(MAKE) --no-print-directory module MESOS_HOME="$$home" MODULE_INSTALL_DEPS=1 || exit 1; fi; \
 	if [ -n "$$home" ]; then \
 		missing=""; for p in rapidjson-dev busybox-static; do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 		if [ -n "$$missing" ]; then { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \

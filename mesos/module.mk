@@ -22,13 +22,25 @@ LDFLAGS_MODULE := -shared -Wl,--no-undefined -Wl,-rpath,$(MODULE_MESOS_HOME)/lib
 	$(shell pkg-config --libs grpc++_unsecure protobuf 2>/dev/null) -lglog -lpthread
 
 # What compiling against the headers needs beyond `setup.sh --dev`: stout/net.hpp includes <curl/curl.h>.
-MODULE_BUILD_DEPS := libcurl4-openssl-dev
+# A build does not change the host unasked: without them it names them and stops. With
+# MODULE_INSTALL_DEPS=1 it installs those packages only (apt-get may have to upgrade what they depend
+# on at the same version, e.g. libcurl4 and curl for libcurl4-openssl-dev), prints apt-get's plan
+# first and says what it installed.
+MODULE_BUILD_DEPS ?= libcurl4-openssl-dev
+MODULE_INSTALL_DEPS ?=
 
 .PHONY: module module-deps
 module-deps:
 	@missing=""; for p in $(MODULE_BUILD_DEPS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
-	if [ -n "$$missing" ]; then { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-		apt-get install -y -qq --no-install-recommends $$missing; } >&2 || exit 1; fi
+	[ -z "$$missing" ] && exit 0; \
+	if [ "$(MODULE_INSTALL_DEPS)" != 1 ]; then \
+		echo "make module: needs the Debian package(s)$$missing (not installed). Install them, e.g." \
+			"apt-get install --no-install-recommends$$missing, or run again with MODULE_INSTALL_DEPS=1" >&2; exit 2; fi; \
+	echo "make module: installing$$missing (MODULE_INSTALL_DEPS=1); apt-get's plan:" >&2; \
+	apt-get update -qq >&2 || exit 1; \
+	apt-get install -s --no-install-recommends $$missing | sed -n 's/^Inst /  install or upgrade: /p' >&2; \
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null || exit 1; \
+	echo "make module: installed$$missing" >&2
 
 module: $(MODULE_SO)
 	@[ -n "$(MODULE_MESOS_VERSION)" ] || { echo "make module: no Mesos at MESOS_HOME='$(MODULE_MESOS_HOME)'" >&2; exit 1; }

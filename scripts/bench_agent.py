@@ -2,7 +2,7 @@
 """What the sidecar costs a task under a real Mesos agent (issue 25, `make bench` part ``agent``).
 
 The same Mesos (``MESOS_HOME`` or ``../shared/mesos/setup.sh``) on this machine, one master and one
-agent on loopback per configuration (isolator/testing/agent.py), ``tasks`` command tasks with
+agent on loopback per configuration (isolator/testing/cluster.py), ``tasks`` command tasks with
 ``gpus:1`` submitted one after the other through mesos-execute:
 
 * ``none``: no module (the agent's own ``cgroups/devices`` only): what a task pays without us;
@@ -55,7 +55,8 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from isolator.testing.agent import Cluster, find_mesos_home  # noqa: E402
+from isolator.testing.cluster import Cluster  # noqa: E402
+from isolator.testing.mesoshome import find_mesos_home  # noqa: E402
 
 CONFIGS = ("none", "noop", "python", "c", "native", "gpu-nvidia")
 BURST_CONFIGS = ("none", "c", "native")

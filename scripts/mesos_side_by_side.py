@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The same GPU tasks through Mesos's own ``gpu/nvidia`` isolator and through ours (issue 25, deliverable 5).
 
-One master and one agent on loopback per route (isolator/testing/agent.py), on the simulated DGX-1:
+One master and one agent on loopback per route (isolator/testing/cluster.py), on the simulated DGX-1:
 
 * ``mesos``: ``--isolation=cgroups/devices,filesystem/linux,gpu/nvidia``, no module, no sidecar. The
   agent finds "NVML" by ``dlopen("libnvidia-ml.so.1")``: the simulated host's fake NVML is preloaded
@@ -17,7 +17,7 @@ one after another: which GPUs each task could open (the probe in tests/mesos/pro
 submit -> TASK_RUNNING (median), and the exact error where the route could not run at all.
 Prints a Markdown table for docs/mesos-agent.md. Needs root, cgroup v1 and MESOS_HOME.
 
-``--cgroups v2`` runs both agents on the pure cgroup2 layout (isolator/testing/agent.py,
+``--cgroups v2`` runs both agents on the pure cgroup2 layout (isolator/testing/cluster.py,
 ``cgroups="v2"``; Mesos master only): Mesos's ``gpu/nvidia`` then grants through its device manager's
 program on ``<id>``; ours through the agent's program on ``<id>`` (its ``--allowed_devices`` listing
 the NVIDIA nodes) and the sidecar's on ``<id>/leaf``. The kernel column then shows, per cgroup, the
@@ -43,7 +43,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from isolator.simhost.sim import SimulatedHost  # noqa: E402
-from isolator.testing.agent import Agent, Cluster, device_programs, find_mesos_home  # noqa: E402
+from isolator.testing.agent import Agent  # noqa: E402
+from isolator.testing.cluster import Cluster  # noqa: E402
+from isolator.testing.mesoshome import device_programs, find_mesos_home  # noqa: E402
 
 PROBE = os.path.join(ROOT, "tests", "mesos", "probe.py")
 

@@ -76,7 +76,7 @@ static const char HELP[] =
 	"Install it for an agent with\n"
 	"    python -m isolator.bridge install /usr/libexec/gpu-isolator [--socket PATH] [--timeout S] [--compiled]\n"
 	"which writes this launcher and one gpu-isolator-<method> link per method; name those paths in the\n"
-	"agent's modules.json (README \"Configuring a Mesos agent\", docs/mesos-agent.md).\n"
+	"agent's modules.json (docs/mesos-agent.md, \"The two routes in brief\" and section 3).\n"
 	"\n"
 	"Environment: GPU_ISOLATOR_BRIDGE_SOCKET (default /run/gpu-isolator/isolator.sock.bridge),\n"
 	"GPU_ISOLATOR_BRIDGE_TIMEOUT (seconds, default 25).\n";

@@ -227,7 +227,7 @@ and a non-zero exit status (1 refused, 2 usage, 3 unreachable, 4 deadline, 5 sig
 Install it for an agent with
     python -m isolator.bridge install /usr/libexec/gpu-isolator [--socket PATH] [--timeout S] [--compiled]
 which writes this launcher and one gpu-isolator-<method> link per method; name those paths in the
-agent's modules.json (README "Configuring a Mesos agent", docs/mesos-agent.md).
+agent's modules.json (docs/mesos-agent.md, "The two routes in brief" and section 3).
 
 Environment: GPU_ISOLATOR_BRIDGE_SOCKET (default /run/gpu-isolator/isolator.sock.bridge),
 GPU_ISOLATOR_BRIDGE_TIMEOUT (seconds, default 25).

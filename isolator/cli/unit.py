@@ -14,7 +14,7 @@ from isolator.cli.render import fail
 from isolator.model import Mode
 
 DEFAULT_CONFIG_TEXT = f"""\
-# gpu-isolator serve settings; keys are the flags without their dashes (README "Running the sidecar").
+# gpu-isolator serve settings; keys are the flags without their dashes (docs/configuration.md).
 mode = "{Mode.MESOS}"
 socket = "/run/gpu-isolator/isolator.sock"
 work_dir = "/var/lib/gpu-isolator"

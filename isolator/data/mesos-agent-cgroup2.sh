@@ -1,7 +1,7 @@
 #!/bin/sh
 # mesos-agent-cgroup2.sh AGENT [FLAGS...]: run a Mesos agent on cgroup v2 alone (Mesos master of
 # 2024-08 on, the first with the cgroups2 isolators; no release up to 1.11.0 has them). What
-# `make test-mesos` runs for its v2 scenarios (isolator/testing/agent.py, cgroups="v2").
+# `make test-mesos` runs for its v2 scenarios (isolator/testing/cluster.py, cgroups="v2").
 #
 # * The agent aborts at its first launch unless its --cgroups_root exists (`Check failed:
 #   cgroups2::exists(flags.cgroups_root)`): created here first (default root: mesos).

@@ -1,4 +1,4 @@
-"""A CDI spec of the GPUs, MIG devices and driver volume this sidecar manages (docs: README, "CDI").
+"""A CDI spec of the GPUs, MIG devices and driver volume this sidecar manages (docs/cdi.md).
 
 ``build_spec`` is pure: inventory records and host facts in, the spec as a dict out. ``write_spec``
 is the one edge (an atomic write into a CDI spec directory). Facts from the CDI specification

@@ -35,7 +35,7 @@ from isolator.errors import ConfigError, SocketError
 LOG = logging.getLogger(__name__)
 
 PREFIX = "gpu_isolator"
-# Hook latencies: a cycle is milliseconds (README "Performance"); Watch may wait up to its deadline.
+# Hook latencies: a cycle is milliseconds (docs/bench.md); Watch may wait up to its deadline.
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # Anyone who can connect is answered (on TCP, any local user): a connection silent for this long is
 # dropped, and at most this many are answered at once (more are closed as they are accepted).

@@ -18,8 +18,9 @@ tests as the real edge (tests/contract/test_contracts.py); ``fake_service`` wire
 For system tests, the demo and the benchmark (need root and cgroups; imported on their own):
 ``isolator.testing.mesos`` plays the Mesos containerizer over gRPC or the bridge executables,
 ``isolator.testing.sidecar`` runs a real daemon on a simulated host, ``isolator.testing.cgroupfs``
-makes throwaway cgroups under ``gpu-isolator-test/``, ``isolator.testing.agent`` runs a real Mesos
-master and agents with the sidecar behind criteo's command module (``make test-mesos``).
+makes throwaway cgroups under ``gpu-isolator-test/``, ``isolator.testing.cluster`` runs a real Mesos
+master and agents with the sidecar behind criteo's command module or ours (``make test-mesos``; its
+``Agent`` in ``agent.py``, its ``Task`` in ``task.py``, the Mesos it finds in ``mesoshome.py``).
 """
 
 from isolator.testing.cgroups import FakeCgroups

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import grpc
 from google.protobuf import json_format
 
+from isolator.model import CgroupVersion
 from isolator.policy.devices import MESOS_DEFAULT_WHITELIST
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
@@ -270,14 +271,14 @@ class MesosCgroups:
     """
 
     def __init__(self, version: str, parent: str) -> None:
-        self.version = version
+        self.version = CgroupVersion(version)
         self.parent = parent
 
     def path(self, chain: list[str]) -> str:
         return os.path.join(self.parent, "/mesos/".join(chain))
 
     def _own(self, chain: list[str], config: dict[str, Any]) -> bool:
-        if len(chain) == 1 or self.version == "v2":
+        if len(chain) == 1 or self.version is CgroupVersion.V2:
             return True
         return config.get("container_info", {}).get("linux_info", {}).get("share_cgroups", True) is False
 
@@ -286,7 +287,7 @@ class MesosCgroups:
             return
         path = self.path(chain)
         os.makedirs(path)
-        if self.version == "v2":
+        if self.version is CgroupVersion.V2:
             os.mkdir(os.path.join(path, "leaf"))
             return
         with open(os.path.join(path, "devices.deny"), "w") as fh:
@@ -298,7 +299,7 @@ class MesosCgroups:
     def place(self, chain: list[str], pid: int) -> str:
         """Put ``pid`` where the agent would, and return that cgroup."""
         target = self.path(chain)
-        if self.version == "v2":
+        if self.version is CgroupVersion.V2:
             target = os.path.join(target, "leaf")
         else:
             while not os.path.isdir(target):  # shared: the nearest ancestor's cgroup

@@ -1,6 +1,6 @@
 """A real Mesos cluster for tests/mesos/ (``make test-mesos``; marker ``mesos``).
 
-Mesos comes from ``MESOS_HOME`` or ``../shared/mesos/setup.sh`` (isolator/testing/agent.py). Without
+Mesos comes from ``MESOS_HOME`` or ``../shared/mesos/setup.sh`` (isolator/testing/mesoshome.py). Without
 one every test here fails, unless ``ALLOW_NO_MESOS=1`` turns that into a skip.
 
 Every scenario that takes the ``cgroups`` fixture runs on both layouts the agent can see: ``v1``
@@ -18,19 +18,21 @@ from typing import Any
 
 import pytest
 
-from isolator.testing.agent import (
+from isolator.model import CgroupVersion
+from isolator.testing.cgroupfs import cgroup_mount
+from isolator.testing.cluster import Cluster
+from isolator.testing.mesoshome import (
     CGROUPS,
     ROUTES,
-    Cluster,
     MesosNotFound,
     Program,
-    Task,
+    Route,
     cgroups_v2_unsupported,
     device_programs,
     find_mesos_home,
     native_module,
 )
-from isolator.testing.cgroupfs import cgroup_mount
+from isolator.testing.task import Task
 
 PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe.py")
 CONTROL = {"nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"}
@@ -46,8 +48,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(pytest.mark.root)
         # The v2 layout needs a cgroup2 mount on the host (the sidecar's view of the agent's).
         params = getattr(item, "callspec", None)
-        layout = params.params.get("cgroups", "v1") if params is not None else "v1"
-        item.add_marker(pytest.mark.cgroup_v2 if layout == "v2" else pytest.mark.cgroup_v1)
+        layout = params.params.get("cgroups", CgroupVersion.V1) if params is not None else CgroupVersion.V1
+        item.add_marker(pytest.mark.cgroup_v2 if layout == CgroupVersion.V2 else pytest.mark.cgroup_v1)
         applies = params is None or "cgroups" not in params.params
         (keep if applies or layout in getattr(item.module, "LAYOUTS", CGROUPS) else drop).append(item)
     if drop:
@@ -66,10 +68,10 @@ def mesos_home() -> str:
 
 
 @pytest.fixture(scope="session", params=CGROUPS)
-def cgroups(request: pytest.FixtureRequest, mesos_home: str) -> str:
+def cgroups(request: pytest.FixtureRequest, mesos_home: str) -> CgroupVersion:
     """The cgroup layout the agent sees: ``v1`` or ``v2`` (``Cluster(cgroups=...)``)."""
-    layout = str(request.param)
-    if layout == "v2":
+    layout = CgroupVersion(request.param)
+    if layout == CgroupVersion.V2:
         reason = cgroups_v2_unsupported(mesos_home)
         if reason is not None:
             pytest.skip(f"[cgroup_v2] {reason}")
@@ -77,19 +79,19 @@ def cgroups(request: pytest.FixtureRequest, mesos_home: str) -> str:
 
 
 @pytest.fixture(scope="session", params=ROUTES)
-def route(request: pytest.FixtureRequest, mesos_home: str) -> str:
+def route(request: pytest.FixtureRequest, mesos_home: str) -> Route:
     """How the agent reaches the sidecar: criteo's command module running our bridge, or our own
     module (mesos/, built by `make module` for this Mesos version). Every scenario runs through both."""
-    if request.param == "native":
+    if request.param == Route.NATIVE:
         try:
             native_module(mesos_home)
         except MesosNotFound as exc:
             pytest.fail(f"[mesos] {exc}", pytrace=False)
-    return str(request.param)
+    return Route(request.param)
 
 
 @pytest.fixture(scope="session")
-def cluster(mesos_home: str, cgroups: str, route: str) -> Iterator[Cluster]:
+def cluster(mesos_home: str, cgroups: CgroupVersion, route: Route) -> Iterator[Cluster]:
     """One master and one agent on a simulated DGX-1, shared by the scenarios that leave it as found
     (test_real_health.py, last, does not: it marks GPUs unhealthy). The agent advertises 9 GPUs for
     the 8 the sidecar has, so that a task can ask for more than are free. One per layout and route:
@@ -175,7 +177,7 @@ def probe_command(cluster: Cluster, seconds: float = 0, agent: int = 0) -> str:
 
 def programs_along(cgroup: str) -> list[Program]:
     """The device programs on a cgroup2 path and each of its ancestors up to the mount."""
-    stop = os.path.normpath(cgroup_mount("v2"))
+    stop = os.path.normpath(cgroup_mount(CgroupVersion.V2))
     path = os.path.normpath(cgroup)
     out = []
     while True:
@@ -191,11 +193,11 @@ def v2_allows(cgroup: str, type_: str, major: int, minor: int, access: str = "rw
     return all(p.allows(type_, major, minor, access) for p in programs_along(cgroup))
 
 
-def granted_at(cgroup: str, layout: str) -> set[int]:
+def granted_at(cgroup: str, layout: CgroupVersion) -> set[int]:
     """GPU minors (major 195, below 255) that the kernel lets a process in ``cgroup`` open
     read-write: v1 from its devices.list, v2 from the device programs on it and its ancestors."""
-    if layout == "v1":
-        from isolator.testing.agent import read_lines
+    if layout == CgroupVersion.V1:
+        from isolator.testing.mesoshome import read_lines
 
         return gpu_rules(read_lines(os.path.join(cgroup, "devices.list")))
     progs = programs_along(cgroup)
@@ -205,7 +207,7 @@ def granted_at(cgroup: str, layout: str) -> set[int]:
 def granted(task: Task, *nested: str) -> set[int]:
     """GPU minors the kernel lets the task's container open (v1: its cgroup; v2: its leaf)."""
     agent = task.agent()
-    where = task.cgroup(*nested) if agent.cgroups == "v1" else task.leaf(*nested)
+    where = task.cgroup(*nested) if agent.cgroups == CgroupVersion.V1 else task.leaf(*nested)
     return granted_at(where, agent.cgroups)
 
 
@@ -213,7 +215,7 @@ def kernel_allows(task: Task, rule: str) -> bool:
     """``rule`` (``"c 195:255 rwm"``) in the v1 devices.list, or on v2 allowed (``rw``) by every
     program on the task's leaf and its ancestors."""
     agent = task.agent()
-    if agent.cgroups == "v1":
+    if agent.cgroups == CgroupVersion.V1:
         return rule in task.devices_list()
     type_, numbers, _access = rule.split()
     major, minor = numbers.split(":")
@@ -225,23 +227,23 @@ def kernel_view(task: Task) -> Any:
     """What the kernel holds for the task, to compare across a restart: v1 its devices.list; v2 the
     names of the programs on ``<id>`` and ``<id>/leaf`` and the GPUs they let through."""
     agent = task.agent()
-    if agent.cgroups == "v1":
+    if agent.cgroups == CgroupVersion.V1:
         return task.devices_list()
     names = {where: sorted(p.name for p in device_programs(where)) for where in (task.cgroup(), task.leaf())}
     return names, granted(task)
 
 
-def container_cgroup(stdout: str, layout: str) -> str:
+def container_cgroup(stdout: str, layout: CgroupVersion) -> str:
     """The cgroup the probe ran in: v1 its devices cgroup, v2 its cgroup2 one, as a host path."""
-    if layout == "v1":
+    if layout == CgroupVersion.V1:
         return devices_cgroup(stdout)
     (path,) = re.findall(r"^cgroup2 (\S+)$", stdout, re.M)
-    return os.path.join(cgroup_mount("v2"), path.lstrip("/"))
+    return os.path.join(cgroup_mount(CgroupVersion.V2), path.lstrip("/"))
 
 
 def devices_cgroup(stdout: str) -> str:
     """The devices cgroup the probe ran in, as a path in the v1 devices hierarchy."""
-    from isolator.testing.agent import devices_hierarchy
+    from isolator.testing.mesoshome import devices_hierarchy
 
     (path,) = re.findall(r"^cgroup (\S+)$", stdout, re.M)
     return os.path.join(devices_hierarchy(), path.lstrip("/"))

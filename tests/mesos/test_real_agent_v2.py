@@ -18,10 +18,12 @@ from typing import Any
 import pytest
 from conftest import PROBE, assert_sees_exactly, granted, granted_at, probe_command
 
-from isolator.testing.agent import Cluster, Program, Task, device_programs
-from isolator.testing.agent import _wait as wait_for
+from isolator.model import CgroupVersion
+from isolator.testing.cluster import Cluster
+from isolator.testing.mesoshome import Program, Route, device_programs, wait_for
+from isolator.testing.task import Task
 
-LAYOUTS = ("v2",)  # conftest: these scenarios apply to cgroup v2 only
+LAYOUTS = (CgroupVersion.V2,)  # conftest: these scenarios apply to cgroup v2 only
 
 OURS = "gpu_isolator"
 # Beside the GPUs: in Mesos's default whitelist (/dev/null, /dev/zero), and not (/dev/kmsg, c 1:11).
@@ -95,7 +97,7 @@ CONTROL_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
 
 
 @pytest.fixture(scope="module", params=["control-only", "no-flag"])
-def narrow(request: pytest.FixtureRequest, mesos_home: str, cgroups: str) -> Iterator[Cluster]:
+def narrow(request: pytest.FixtureRequest, mesos_home: str, cgroups: CgroupVersion) -> Iterator[Cluster]:
     """An agent whose --allowed_devices holds the NVIDIA control nodes but no GPU, or that has no
     --allowed_devices at all (the agent's defaults alone)."""
     c = Cluster(mesos_home, cgroups=cgroups)
@@ -135,7 +137,7 @@ def test_without_the_gpus_in_the_agents_allowed_devices_a_gpu_task_fails_naming_
 
 
 def test_agent_restart_the_agent_reattaches_its_program_ours_stays_and_the_task_opens_the_same(
-    cluster: Cluster, route: str
+    cluster: Cluster, route: Route
 ) -> None:
     agent = cluster.agents[0]
     task = probe_loop(cluster, gpus=2)
@@ -156,7 +158,7 @@ def test_agent_restart_the_agent_reattaches_its_program_ours_stays_and_the_task_
     assert mesos_after.id != mesos_before.id and mesos_after.insns == mesos_before.insns
     ours_after = the(device_programs(task.leaf()), OURS)
     assert ours_after.insns == ours_before.insns
-    if route == "criteo":
+    if route == Route.CRITEO:
         assert ours_after.id == ours_before.id
     assert agent.holders() == {i: (cid if i in held else h) for i, h in agent.holders().items()}
     assert granted(task) == held
@@ -202,7 +204,7 @@ def test_nested_containers_each_get_a_leaf_with_our_program_and_the_agents_only_
     child = path.rstrip("/").split("/")[-2]
     assert path.endswith(f"/{cid}/mesos/{child}/leaf"), path
     assert layout(group, child) == {"root": [], "container": [] if share_cgroups else [""], "leaf": [OURS]}
-    assert granted_at(group.leaf(child), "v2") == held
+    assert granted_at(group.leaf(child), CgroupVersion.V2) == held
     group.teardown()
     group.wait_gone()
     assert cid not in agent.holders().values()
@@ -240,7 +242,7 @@ def test_a_debug_container_gets_a_leaf_with_our_program_and_opens_its_parents_gp
     child = wait_for("the DEBUG container's leaf with our program", lambda: debug_leaf() or result.get("error"), 60)
     assert not isinstance(child, BaseException), child
     assert layout(task, child) == {"root": [], "container": [], "leaf": [OURS]}
-    assert granted_at(task.leaf(child), "v2") == held
+    assert granted_at(task.leaf(child), CgroupVersion.V2) == held
     thread.join(90)
     assert "error" not in result, result.get("error")
     assert result["child"] == child

@@ -9,7 +9,9 @@ from collections.abc import Iterator
 import pytest
 from conftest import assert_sees_exactly, granted, kernel_allows, opened_gpus, probe
 
-from isolator.testing.agent import MODULE, Cluster
+from isolator.model import CgroupVersion
+from isolator.testing.cluster import Cluster
+from isolator.testing.mesoshome import MODULE, Route
 
 # Mesos's default devices whitelist (cgroups/devices): /dev/null, zero, full, tty, urandom, random,
 # console, ptmx, pts/*, net/tun. None of it may be lost to our rules.
@@ -17,14 +19,14 @@ AGENT_DEFAULTS = ("c 1:3 rwm", "c 1:5 rwm", "c 1:7 rwm", "c 5:0 rwm", "c 1:9 rwm
 
 
 @pytest.fixture(scope="module")
-def module_first(mesos_home: str, cgroups: str, route: str) -> Iterator[Cluster]:
+def module_first(mesos_home: str, cgroups: CgroupVersion, route: Route) -> Iterator[Cluster]:
     with Cluster(mesos_home, isolation=(MODULE, "cgroups/devices"), cgroups=cgroups, route=route) as c:
         yield c
 
 
 @pytest.mark.parametrize("which", ["cluster", "module_first"], ids=["devices-first", "module-first"])
 def test_both_orders_of_isolation_keep_the_agents_devices_and_leak_no_gpu(
-    request: pytest.FixtureRequest, which: str, cgroups: str, route: str
+    request: pytest.FixtureRequest, which: str, cgroups: CgroupVersion, route: Route
 ) -> None:
     # `route` is named so that the fixtures fetched by name below are parametrized by it.
     ordered: Cluster = request.getfixturevalue(which)  # on the layout of ``cgroups``
@@ -46,7 +48,7 @@ def test_both_orders_of_isolation_keep_the_agents_devices_and_leak_no_gpu(
 
 
 def test_three_agents_a_burst_larger_than_the_cluster_every_gpu_used_none_twice(
-    mesos_home: str, cgroups: str, route: str
+    mesos_home: str, cgroups: CgroupVersion, route: Route
 ) -> None:
     """Three agents, each with its own sidecar, simulated 4-GPU host and cgroups root; eight
     gpus:2 tasks for six pairs: six run at once, two wait for a pair to be freed.

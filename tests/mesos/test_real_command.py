@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from conftest import assert_sees_exactly, granted, kernel_allows, kernel_view, opened_gpus, probe, seen
 
-from isolator.testing.agent import Cluster
+from isolator.testing.cluster import Cluster
 
 
 def test_gpus_1_opens_exactly_its_gpu_and_the_control_devices(cluster: Cluster) -> None:

@@ -7,7 +7,8 @@ import os
 import pytest
 from conftest import assert_sees_exactly, container_cgroup, granted, granted_at, probe_command
 
-from isolator.testing.agent import Cluster
+from isolator.model import CgroupVersion
+from isolator.testing.cluster import Cluster
 
 
 @pytest.mark.parametrize("share_cgroups", [True, False], ids=["shared-cgroups", "own-cgroups"])
@@ -40,11 +41,11 @@ def test_a_task_group_gets_its_gpus_in_every_nested_container(cluster: Cluster, 
     assert granted(group) == held
     for out in outs.values():
         cgroup = container_cgroup(out, layout)
-        if share_cgroups and layout == "v1":
+        if share_cgroups and layout == CgroupVersion.V1:
             assert cgroup == top
         else:
             assert cgroup.startswith(top + "/mesos/"), cgroup
-            assert os.path.basename(cgroup) == ("leaf" if layout == "v2" else os.path.basename(cgroup))
+            assert os.path.basename(cgroup) == ("leaf" if layout == CgroupVersion.V2 else os.path.basename(cgroup))
             assert granted_at(cgroup, layout) == held
     group.teardown()
     group.wait_gone()

@@ -12,7 +12,7 @@ import time
 import pytest
 from conftest import assert_sees_exactly, opened_gpus, probe
 
-from isolator.testing.agent import Cluster
+from isolator.testing.cluster import Cluster
 
 
 @pytest.fixture

@@ -19,7 +19,9 @@ from collections.abc import Iterator
 import pytest
 from conftest import granted
 
-from isolator.testing.agent import MODULE, Cluster
+from isolator.model import CgroupVersion
+from isolator.testing.cluster import Cluster
+from isolator.testing.mesoshome import MODULE, Route
 
 BUSYBOX = "/bin/busybox"
 APPLETS = ("sh", "ls", "cat", "grep", "echo", "touch", "env", "test", "[")
@@ -72,7 +74,7 @@ def image_tarball(path: str, name: str, labels: dict[str, str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def imaged(mesos_home: str, cgroups: str, route: str) -> Iterator[Cluster]:
+def imaged(mesos_home: str, cgroups: CgroupVersion, route: Route) -> Iterator[Cluster]:
     if not os.path.exists(BUSYBOX):
         pytest.fail("image tasks need Debian's busybox-static (/bin/busybox): apt-get install busybox-static")
     with tempfile.TemporaryDirectory(prefix="gi-registry-") as registry:

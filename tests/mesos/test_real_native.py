@@ -19,10 +19,13 @@ from collections.abc import Iterator
 import pytest
 from conftest import assert_sees_exactly, granted_at, opened_gpus, probe, probe_command
 
-from isolator.testing.agent import Cluster, Task, cgroups_v2_unsupported
+from isolator.model import CgroupVersion
+from isolator.testing.cluster import Cluster
 from isolator.testing.grpcproxy import GrpcProxy
+from isolator.testing.mesoshome import Route, cgroups_v2_unsupported
 from isolator.testing.scheduler import Framework
 from isolator.testing.scheduler import task as task_info
+from isolator.testing.task import Task
 
 # The sidecar's periodic release of records whose Mesos cgroup vanished (the criteo route's only
 # way to learn of a destroyed container it was not told of), off: 10^6 s.
@@ -30,7 +33,7 @@ NO_REAPER = ("--reap-interval", "1000000")
 
 
 def criteo_fails(reason: str) -> list[object]:
-    return ["native", pytest.param("criteo", marks=pytest.mark.xfail(strict=True, reason=reason))]
+    return [Route.NATIVE, pytest.param(Route.CRITEO, marks=pytest.mark.xfail(strict=True, reason=reason))]
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +70,7 @@ def _criteo_hooks(cluster: Cluster, gate_dir: str) -> None:
 @pytest.fixture(scope="module")
 def proxied(mesos_home: str) -> Iterator[tuple[Cluster, GrpcProxy]]:
     """A native agent whose module reaches the sidecar through a proxy that can hold or refuse calls."""
-    cluster = Cluster(mesos_home, gpus=8, route="native", sidecar_flags=NO_REAPER)
+    cluster = Cluster(mesos_home, gpus=8, route=Route.NATIVE, sidecar_flags=NO_REAPER)
     agent = cluster.agents[0]
     proxy = GrpcProxy(os.path.join(agent.work, "sidecar", "s.sock"), os.path.join(cluster.work, "proxy.sock"))
     cluster.module_socket = proxy.path
@@ -85,16 +88,16 @@ def clusters(mesos_home: str, gate_dir: str) -> Iterator[dict[str, Cluster]]:
     """One agent per route, started when a test first asks for it."""
     made: dict[str, Cluster] = {}
 
-    def make(route: str) -> Cluster:
+    def make(route: Route) -> Cluster:
         if route not in made:
             cluster = Cluster(mesos_home, gpus=8, route=route, sidecar_flags=NO_REAPER, watch_frequence=3600)
-            if route == "criteo":
+            if route == Route.CRITEO:
                 _criteo_hooks(cluster, gate_dir)
             made[route] = cluster.start()
         return made[route]
 
     class Lazy(dict[str, Cluster]):
-        def __missing__(self, route: str) -> Cluster:
+        def __missing__(self, route: Route) -> Cluster:
             return make(route)
 
         def values(self) -> list[Cluster]:  # type: ignore[override]
@@ -142,15 +145,15 @@ def _held_by(cluster: Cluster, task: Task) -> set[int]:
 
 @pytest.mark.parametrize("route", criteo_fails("criteo's module runs one hook command at a time for the whole agent"))
 def test_a_slow_prepare_of_one_container_does_not_delay_another_containers_launch(
-    route: str, clusters: dict[str, Cluster], proxied: tuple[Cluster, GrpcProxy], gate_dir: str
+    route: Route, clusters: dict[Route, Cluster], proxied: tuple[Cluster, GrpcProxy], gate_dir: str
 ) -> None:
-    if route == "native":
+    if route == Route.NATIVE:
         cluster, proxy = proxied
         before = proxy.calls["Prepare"]
         gate = proxy.hold("Prepare")
         release = gate.set
     else:
-        cluster = clusters["criteo"]
+        cluster = clusters[Route.CRITEO]
         open(os.path.join(gate_dir, "hold"), "w").close()
 
         def release() -> None:
@@ -158,7 +161,7 @@ def test_a_slow_prepare_of_one_container_does_not_delay_another_containers_launc
 
     try:
         slow = probe(cluster, gpus=1, seconds=60)
-        if route == "native":
+        if route == Route.NATIVE:
             deadline = time.monotonic() + 60
             while proxy.calls["Prepare"] <= before:  # the slow one's Prepare is held at the proxy
                 assert time.monotonic() < deadline
@@ -237,7 +240,7 @@ def _checkpointed_run(cluster: Cluster, task: Task) -> str:
     criteo_fails("criteo's module forwards no recover: an orphan's cleanup is skipped and its GPUs stay held"),
 )
 def test_after_an_agent_restart_the_survivors_keep_their_gpus_and_an_orphans_gpus_are_released(
-    route: str, clusters: dict[str, Cluster]
+    route: Route, clusters: dict[Route, Cluster]
 ) -> None:
     cluster = clusters[route]
     agent = cluster.agents[0]
@@ -264,7 +267,7 @@ def test_after_an_agent_restart_the_survivors_keep_their_gpus_and_an_orphans_gpu
     assert all(holders[i] == "" for i in orphaned), (holders, orphaned)
     assert keep.devices_list() == keep_rules
     assert keep.state == "TASK_RUNNING"
-    if route == "native":
+    if route == Route.NATIVE:
         assert "recovering 1 containers and 1 orphans" in agent.log()
     keep.teardown()
     keep.wait_gone()
@@ -278,7 +281,7 @@ def test_after_an_agent_restart_the_survivors_keep_their_gpus_and_an_orphans_gpu
     "route", criteo_fails("criteo's module forwards no update: an executor keeps the GPUs it had at launch")
 )
 def test_a_second_gpu_task_sent_to_a_running_executor_gets_its_gpu_and_loses_it_when_it_ends(
-    route: str, clusters: dict[str, Cluster]
+    route: Route, clusters: dict[Route, Cluster]
 ) -> None:
     _second_task_to_a_running_executor(clusters[route])
 
@@ -291,7 +294,7 @@ def test_on_cgroup_v2_a_second_gpu_task_sent_to_a_running_executor_gets_its_gpu_
     reason = cgroups_v2_unsupported(mesos_home)
     if reason is not None:
         pytest.skip(f"[cgroup_v2] {reason}")
-    with Cluster(mesos_home, gpus=8, route="native", cgroups="v2", sidecar_flags=NO_REAPER) as cluster:
+    with Cluster(mesos_home, gpus=8, route=Route.NATIVE, cgroups=CgroupVersion.V2, sidecar_flags=NO_REAPER) as cluster:
         _second_task_to_a_running_executor(cluster)
 
 
@@ -316,7 +319,7 @@ def _second_task_to_a_running_executor(cluster: Cluster) -> None:
         assert executor is not None
         cid = executor["container"]
         where = os.path.join(agent.cgroups_mount(), agent.cgroups_root, cid)
-        if agent.cgroups == "v2":
+        if agent.cgroups == CgroupVersion.V2:
             where = os.path.join(where, "leaf")  # where the executor's processes are, and our program
         one = wait_held(cid, 1)
         assert granted_at(where, agent.cgroups) == one
@@ -351,7 +354,7 @@ def _second_task_to_a_running_executor(cluster: Cluster) -> None:
 @pytest.mark.parametrize(
     "route", criteo_fails("criteo's module polls watch every isolator_watch_frequence (here an hour)")
 )
-def test_an_xid_ends_the_task_without_a_watch_poll(route: str, clusters: dict[str, Cluster]) -> None:
+def test_an_xid_ends_the_task_without_a_watch_poll(route: Route, clusters: dict[Route, Cluster]) -> None:
     cluster = clusters[route]
     agent = cluster.agents[0]
     assert agent.sidecar is not None
@@ -378,7 +381,7 @@ def test_a_stopped_sidecar_does_not_hold_a_tasks_status_updates(mesos_home: str,
     # ContainerStatus) and lets the call go on: with status_timeout at 10 minutes, a module that
     # waited would hold this TASK_FINISHED for 10 minutes while the sidecar is stopped.
     go = os.path.join(gate_dir, "finish")
-    cluster = Cluster(mesos_home, route="native", sidecar_flags=NO_REAPER)
+    cluster = Cluster(mesos_home, route=Route.NATIVE, sidecar_flags=NO_REAPER)
     cluster.module_params = {"status_timeout": "10mins"}
     with cluster:
         agent = cluster.agents[0]
@@ -403,7 +406,7 @@ def test_a_stopped_sidecar_does_not_hold_a_tasks_status_updates(mesos_home: str,
     "route", criteo_fails("criteo's bridge fails a hook at once when the sidecar is not there; nothing waits")
 )
 def test_a_launch_during_a_sidecar_restart_waits_for_it_and_running_tasks_stay_watched(
-    route: str, clusters: dict[str, Cluster]
+    route: Route, clusters: dict[Route, Cluster]
 ) -> None:
     cluster = clusters[route]
     agent = cluster.agents[0]
@@ -440,14 +443,14 @@ def test_a_launch_during_a_sidecar_restart_waits_for_it_and_running_tasks_stay_w
 def test_an_agent_restarted_with_our_module_instead_of_criteos_keeps_its_containers_grants(mesos_home: str) -> None:
     """The sidecar's records are the same whichever route wrote them: an agent restarted with the other
     module recovers its running containers through it, and their GPUs stay theirs until cleanup."""
-    with Cluster(mesos_home, gpus=8, route="criteo") as cluster:
+    with Cluster(mesos_home, gpus=8, route=Route.CRITEO) as cluster:
         agent = cluster.agents[0]
         running = probe(cluster, gpus=2, seconds=300)
         running.wait("TASK_RUNNING")
         running.wait_stdout("probed")
         before, rules = _held_by(cluster, running), running.devices_list()
         agent.stop()
-        agent.route = "native"  # the same sidecar, the agent now loads our module
+        agent.route = Route.NATIVE  # the same sidecar, the agent now loads our module
         agent.start()
         assert "recovering 1 containers and 0 orphans" in agent.log()
         assert _held_by(cluster, running) == before

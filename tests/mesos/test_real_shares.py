@@ -17,7 +17,8 @@ from collections.abc import Iterator
 import pytest
 from conftest import PROBE, assert_sees_exactly, opened_gpus
 
-from isolator.testing.agent import Cluster, Task
+from isolator.testing.cluster import Cluster
+from isolator.testing.task import Task
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,8 @@ import pytest
 from conftest import probe
 
 from isolator.bridge.command import TIMEOUT_ENV
-from isolator.testing.agent import Cluster
+from isolator.testing.cluster import Cluster
+from isolator.testing.mesoshome import Route
 
 
 def running(command: str) -> bool:
@@ -81,7 +82,7 @@ def test_a_prepare_that_gave_up_while_the_sidecar_was_stopped_books_nothing(
 
 
 def test_a_prepare_our_module_gave_up_on_while_the_sidecar_was_stopped_books_nothing(mesos_home: str) -> None:
-    cluster = Cluster(mesos_home, route="native")
+    cluster = Cluster(mesos_home, route=Route.NATIVE)
     cluster.module_params = {"prepare_timeout": "8secs"}
     with cluster:
         agent = cluster.agents[0]

@@ -38,6 +38,13 @@ def test_the_wheel_holds_license_unit_hosts_and_bridge_executables(tmp_path):
     assert "isolator/simhost/hosts/dgx-1.toml" in names and "isolator/simhost/fakenvml.c" in names
     for method in ("bridge", "prepare", "isolate", "watch", "usage", "cleanup"):
         assert f"gpu-isolator-{method} = isolator.bridge.command:main" in entry_points
+    # What building our Mesos module needs (issue 44, item 2), and the command that builds it.
+    data = f"{info.removesuffix('.dist-info')}.data/data/share/gpu-isolator"
+    shipped = {n.removeprefix(data + "/") for n in names if n.startswith(data + "/")}
+    module_sources = {f"mesos/{n}" for n in os.listdir(os.path.join(ROOT, "mesos")) if n.endswith((".cpp", ".hpp"))}
+    needed = {"mesos/module.mk", "mesos/modules.json.in", "proto/gpuisolator/v1/isolator.proto"} | module_sources
+    assert needed <= shipped, sorted(needed - shipped)
+    assert "gpu-isolator-module = isolator.bridge.module:main" in entry_points
     assert not any("__pycache__" in n or n.startswith("tests/") for n in names)
 
 
@@ -102,3 +109,42 @@ def test_every_relative_link_in_the_docs_points_inside_the_repository():
             if not path.startswith(ROOT + os.sep) or not os.path.exists(path):
                 bad.append(f"{page}: {target}")
     assert not bad, bad
+
+
+def _module_deps(tmp_path, *make_args: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    """``make -f mesos/module.mk module-deps`` with an apt-get on PATH that only records its calls."""
+    calls = tmp_path / "apt-get.calls"
+    fake = tmp_path / "bin" / "apt-get"
+    fake.parent.mkdir()
+    fake.write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> {calls}\n'
+        'case " $* " in *" -s "*) for p; do case $p in -*|install) ;;\n'
+        '  *) echo "Inst $p (1.0 fake)";; esac; done;; esac\n'
+    )
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
+    result = subprocess.run(
+        # MESOS_HOME set: the makefile does not look for ../shared/mesos.
+        ["make", "--no-print-directory", "-f", "mesos/module.mk", "module-deps", "MESOS_HOME=/nonexistent",
+         "MODULE_BUILD_DEPS=gpu-isolator-absent-package", *make_args],
+        capture_output=True, text=True, timeout=60, cwd=ROOT, env=env,
+    )  # fmt: skip
+    return result, calls.read_text() if calls.exists() else ""
+
+
+def test_make_module_names_a_missing_build_dependency_and_stops_without_touching_the_host(tmp_path):
+    """Issue 44, item 2: `make module` ran apt-get and upgraded curl and libcurl without saying so."""
+    result, calls = _module_deps(tmp_path)
+    assert result.returncode != 0
+    assert "gpu-isolator-absent-package" in result.stderr and "MODULE_INSTALL_DEPS=1" in result.stderr
+    assert calls == "", f"apt-get ran unasked: {calls}"
+
+
+def test_make_module_installs_only_what_it_named_when_asked_and_says_what_it_did(tmp_path):
+    result, calls = _module_deps(tmp_path, "MODULE_INSTALL_DEPS=1")
+    assert result.returncode == 0, result.stderr
+    installs = [line.split() for line in calls.splitlines() if "install" in line.split()]
+    assert installs and all(words[-1] == "gpu-isolator-absent-package" for words in installs), calls
+    assert "plan" in result.stderr and "gpu-isolator-absent-package (1.0 fake)" in result.stderr
+    assert "installed gpu-isolator-absent-package" in result.stderr

@@ -112,6 +112,43 @@ def test_install_compiled_without_a_compiler_fails_loudly_and_installs_nothing(i
     assert not os.path.exists(os.path.join(target, "gpu-isolator-bridge")), "fell back to another launcher"
 
 
+def _module_command(inst: Installed, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [os.path.join(inst.bindir, "gpu-isolator-module"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=inst.cwd,
+    )
+
+
+def test_the_module_builds_from_the_installed_package_with_its_own_makefile(installed, tmp_path):
+    """Issue 44, item 2: the wheel carried neither mesos/ nor modules.json.in. A Mesos install stood in
+    by its layout (lib/libmesos-<version>.so, include/mesos): the dry run shows the shipped makefile
+    compiling the shipped sources for that version; the real build is docs/deploy.md's (tests/mesos)."""
+    sources = _module_command(installed, "sources")
+    assert sources.returncode == 0 and sources.stdout.strip().startswith(os.path.dirname(installed.bindir)), sources
+    home = tmp_path / "mesos"
+    (home / "lib").mkdir(parents=True)
+    (home / "lib" / "libmesos-1.12.0.so").write_bytes(b"")
+    (home / "include" / "mesos").mkdir(parents=True)
+    dry = _module_command(installed, "build", "--mesos-home", str(home), "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    for source in ("mesos/gpu_isolator.cpp", "mesos/runtime.cpp", "mesos/module.cpp", "isolator.proto"):
+        assert source in dry.stdout, dry.stdout
+    assert f"-isystem {home}/include" in dry.stdout and "build/mesos-1.12.0/libgpu_isolator_module.so" in dry.stdout
+    missing = _module_command(installed, "build", "--mesos-home", str(tmp_path / "nothing"))
+    assert missing.returncode == 1 and "failed to read" in missing.stderr and "nothing/lib" in missing.stderr
+    module = str(tmp_path / "libgpu_isolator_module.so")
+    conf = _module_command(installed, "modules-json", "--module", module, "--socket", "/run/gpu-isolator/isolator.sock")
+    assert conf.returncode == 0, conf.stderr
+    import json
+
+    [library] = json.loads(conf.stdout)["libraries"]
+    assert library["file"] == module and library["modules"][0]["name"] == "org_gpuisolator_GpuIsolator"
+    assert {"key": "socket", "value": "/run/gpu-isolator/isolator.sock"} in library["modules"][0]["parameters"]
+
+
 def test_the_docs_the_help_texts_and_the_unit_cite_exist_after_install(installed, tmp_path):
     helped = subprocess.run(
         [installed.python, "-m", "isolator", "serve", "--help"],

@@ -15,12 +15,21 @@ tests as the real edge (tests/contract/test_contracts.py); ``fake_service`` wire
     ManualClock      Clock           time that moves when told
     StubService      IsolatorApi     a whole-service double answering UNIMPLEMENTED
 
+One port a module: cgroups.py, cpusets.py, store.py, volumes.py, inventory.py, system.py (the small
+edges and the clock), mps.py, stub.py; faults.py holds their fault points, rig.py ``fake_service``,
+rules.py helpers for looking at rule sets.
+
 For system tests, the demo and the benchmark (need root and cgroups; imported on their own):
 ``isolator.testing.mesos`` plays the Mesos containerizer over gRPC or the bridge executables,
 ``isolator.testing.sidecar`` runs a real daemon on a simulated host, ``isolator.testing.cgroupfs``
 makes throwaway cgroups under ``gpu-isolator-test/``, ``isolator.testing.cluster`` runs a real Mesos
 master and agents with the sidecar behind criteo's command module or ours (``make test-mesos``; its
 ``Agent`` in ``agent.py``, its ``Task`` in ``task.py``, the Mesos it finds in ``mesoshome.py``).
+Beside them: ``mesos_json`` (the ContainerConfig JSON an agent hands criteo's module), ``forkserver``
+(test daemons forked from a process that imported the daemon once), ``grpcproxy`` (a proxy between
+our module and the sidecar), ``reaper`` (a child subreaper, as systemd reaps), ``sandbox`` (the unit's
+process sandbox rebuilt), ``scheduler`` (a minimal v1 framework) and ``container/`` (what runs inside
+a test container).
 """
 
 from isolator.testing.cgroups import FakeCgroups

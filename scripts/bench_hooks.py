@@ -33,6 +33,7 @@ if ROOT not in sys.path:
 from isolator.cgroups import bpf, bpfprog  # noqa: E402
 from isolator.cgroups.detect import read_mounts  # noqa: E402
 from isolator.host.devices import HostDevices  # noqa: E402
+from isolator.model import CgroupVersion  # noqa: E402
 from isolator.policy.devices import DeviceRule, container_rules  # noqa: E402
 from isolator.policy.request import Request  # noqa: E402
 from isolator.testing.cgroupfs import TEST_PARENT, cgroup_mount  # noqa: E402
@@ -181,7 +182,7 @@ def raw_cycles(version: str, cycles: int, dev_root: str) -> dict[str, float]:
                 t0 = time.perf_counter()
                 path = os.path.join(parent, f"raw-{i}")
                 os.mkdir(path)
-                if version == "v1":
+                if CgroupVersion(version) is CgroupVersion.V1:
                     _write(os.path.join(path, "devices.deny"), "a")
                     for line in lines:
                         _write(os.path.join(path, "devices.allow"), line)
@@ -209,7 +210,7 @@ def in_process_service(version: str, host_file: str, relative_root: str, work: s
     """IsolatorService from the composition root, logging at info to a file as the daemon does."""
     from isolator.daemon.config import Config
     from isolator.daemon.main import build_service
-    from isolator.model import CgroupVersion, Mode
+    from isolator.model import Mode
 
     config = Config(
         socket=os.path.join(work, "s.sock"),

@@ -42,6 +42,7 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from isolator.model import CgroupVersion  # noqa: E402
 from isolator.simhost.sim import SimulatedHost  # noqa: E402
 from isolator.testing.agent import Agent  # noqa: E402
 from isolator.testing.cluster import Cluster  # noqa: E402
@@ -86,7 +87,7 @@ def _kernel(task: Any) -> list[str]:
     """v1: the devices.list entries for major 195; v2: each cgroup from the container's down to its
     leaf with the programs on it, and the GPU minors every program on the way allows (rw)."""
     agent = task.agent()
-    if agent.cgroups == "v1":
+    if agent.cgroups is CgroupVersion.V1:
         return [r for r in task.devices_list() if "195:" in r or r.startswith("a ")]
     out = []
     along: list[Any] = []

@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 
 from isolator import __version__
 from isolator.errors import ConfigError, SocketError
+from isolator.model import ShareMode
 
 LOG = logging.getLogger(__name__)
 
@@ -246,7 +247,7 @@ class _ServiceCollector(Collector):
             key = [str(g.index), g.uuid, str(g.minor), g.share_mode]
             total.add_metric(key, g.shares_total)
             held.add_metric(key, g.shares_held)
-            if g.share_mode == "mps":
+            if g.share_mode == ShareMode.MPS:
                 state = g.mps_state.split(":", 1)[0] or "none"
                 mps.add_metric([str(g.index), g.uuid, str(g.minor), state], 1 if state == "running" else 0)
         per_container = GaugeMetricFamily(

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Iterator
 
 from isolator.cgroups.detect import read_mounts
+from isolator.model import CgroupVersion
 
 TEST_PARENT = "gpu-isolator-test"
 
@@ -29,9 +30,9 @@ def hierarchy_mounts() -> tuple[str | None, str | None]:
     return mounts.v1_devices, mounts.v2
 
 
-def cgroup_mount(version: str) -> str:
+def cgroup_mount(version: CgroupVersion | str) -> str:
     v1, v2 = hierarchy_mounts()
-    mount = v1 if version == "v1" else v2
+    mount = v1 if CgroupVersion(version) is CgroupVersion.V1 else v2
     if mount is None:
         raise RuntimeError(f"no cgroup {version} devices hierarchy on this machine")
     return mount

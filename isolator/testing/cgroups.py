@@ -102,13 +102,13 @@ class FakeCgroups:
             if rules is None:
                 self._made(container)
                 self.cgroups[container] = ()  # created, everything denied
-            elif self.version == "v1" and any(r.type == "a" for r in rules):
+            elif self.version is CgroupVersion.V1 and any(r.type == "a" for r in rules):
                 self.cgroups[container] = ()  # v1 writes 'a' to devices.deny: a whitelist again
                 self._propagate(container)
 
     def _require_whitelist(self, container: ContainerId, hint: str) -> None:
         """v1 refuses to work on a list that allows every device, as the real controller does."""
-        if self.version == "v1" and any(r.type == "a" for r in self._in_force(container)):
+        if self.version is CgroupVersion.V1 and any(r.type == "a" for r in self._in_force(container)):
             raise CgroupError(
                 op="use",
                 path=f"{self.cgroup_path(container)}/devices.list",
@@ -118,14 +118,14 @@ class FakeCgroups:
     def apply(self, container: ContainerId, rules: Iterable[DeviceRule]) -> None:
         rules = tuple(rules)
         self.faults.check("apply", container)
-        if self.version == "v1" and any(r.type == "a" for r in rules):
+        if self.version is CgroupVersion.V1 and any(r.type == "a" for r in rules):
             raise InvalidArgument(f"failed to apply 'a' rules to '{self.cgroup_path(container)}'")
         with self._lock:
             if container not in self.cgroups:
                 raise CgroupVanished(op="write", path=self.cgroup_path(container))
-            hint = "is Mesos's cgroups/devices isolator enabled?" if self.mode == "mesos" else "was it prepared?"
+            hint = "is Mesos's cgroups/devices isolator enabled?" if self.mode is Mode.MESOS else "was it prepared?"
             self._require_whitelist(container, hint)
-            if self.version == "v1" and container.parent in self.between:
+            if self.version is CgroupVersion.V1 and container.parent in self.between:
                 self._check_within(container, rules, self.between[container.parent])
             self.cgroups[container] = rules
             self.applied.append((container, rules))
@@ -134,7 +134,7 @@ class FakeCgroups:
     def apply_nested(self, container: ContainerId, rules: Iterable[DeviceRule]) -> None:
         rules = tuple(rules)
         self.faults.check("apply_nested", container)
-        if self.version == "v1" and container.parent is not None:
+        if self.version is CgroupVersion.V1 and container.parent is not None:
             with self._lock:
                 if container.parent not in self.cgroups or container not in self.cgroups:
                     raise CgroupVanished(op="write", path=self.cgroup_path(container))
@@ -146,7 +146,12 @@ class FakeCgroups:
     def _made(self, container: ContainerId) -> None:
         """A cgroup is created: on v1 its ``<parent>/mesos`` copies the parent's list the first time."""
         parent = container.parent
-        if self.version == "v1" and parent is not None and parent in self.cgroups and parent not in self.between:
+        if (
+            self.version is CgroupVersion.V1
+            and parent is not None
+            and parent in self.cgroups
+            and parent not in self.between
+        ):
             self.between[parent] = self._in_force(parent)
 
     def _check_within(
@@ -161,7 +166,7 @@ class FakeCgroups:
     def _propagate(self, container: ContainerId) -> None:
         """v1: what a cgroup no longer allows goes from every cgroup below it too (the kernel's
         revalidation of its children's exceptions)."""
-        if self.version != "v1":
+        if self.version is not CgroupVersion.V1:
             return
         bound = self._in_force(container)
         if container in self.between:
@@ -183,7 +188,7 @@ class FakeCgroups:
     def _in_force(self, container: ContainerId) -> tuple[DeviceRule, ...]:
         rules = self.cgroups[container]
         if rules is None:  # Mesos's own: its default whitelist
-            return self.base if self.version == "v1" else ()
+            return self.base if self.version is CgroupVersion.V1 else ()
         return rules
 
     def recover(self, container: ContainerId) -> tuple[DeviceRule, ...]:
@@ -199,7 +204,7 @@ class FakeCgroups:
         with self._lock:
             if container not in self.cgroups:
                 return KernelRules((), f"none: the cgroup '{path}' does not exist", present=False)
-            if self.version == "v2" and self.cgroups[container] is None:
+            if self.version is CgroupVersion.V2 and self.cgroups[container] is None:
                 return KernelRules((), f"none: no device program of ours is attached to '{path}'", present=False)
             return KernelRules(self._in_force(container), f"fake rules of '{path}'")
 

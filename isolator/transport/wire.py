@@ -6,17 +6,23 @@ them, and every other user, to these."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 
 from isolator.rpc import wire_pb2
+
+# The `(wire)` extension; the generated stub types it as a plain FieldDescriptor, which the
+# options' HasExtension and Extensions do not take.
+_WIRE: Any = wire_pb2.wire
 
 
 def wire_name(enum: EnumTypeWrapper, number: int) -> str:
     """The exact string on the wire of ``enum``'s value ``number``."""
     options = enum.DESCRIPTOR.values_by_number[number].GetOptions()
-    if not options.HasExtension(wire_pb2.wire):
+    if not options.HasExtension(_WIRE):
         raise LookupError(f"{enum.DESCRIPTOR.full_name} value {number} has no (wire) name in wire.proto")
-    return str(options.Extensions[wire_pb2.wire])
+    return str(options.Extensions[_WIRE])
 
 
 # gRPC metadata: the absolute deadline our clients send beside gRPC's relative one (request), and

@@ -75,9 +75,11 @@ def offending(literals: list[str | bytes]) -> list[str | bytes]:
     found: list[str | bytes] = []
     for literal in literals:
         text = literal.decode("latin-1") if isinstance(literal, bytes) else literal
-        if any(name in text for name in NAMES.values() if len(name) > 5) or LOOKALIKES.search(text):
-            found.append(literal)
-        elif isinstance(literal, bytes) and REPLY_BYTES.match(literal):
+        if (
+            any(name in text for name in NAMES.values() if len(name) > 5)
+            or LOOKALIKES.search(text)
+            or (isinstance(literal, bytes) and REPLY_BYTES.match(literal))
+        ):
             found.append(literal)
     return found
 
@@ -103,17 +105,17 @@ def test_the_contract_names_each_convention_once():
 def test_the_python_server_and_clients_use_the_contracts_names():
     assert client.DEADLINE_METADATA == serving.DEADLINE_METADATA == NAMES["METADATA_KEY_DEADLINE"]
     assert status.RETRY_PUSHBACK == grpcproxy.RETRY_PUSHBACK == NAMES["METADATA_KEY_RETRY_PUSHBACK"]
-    assert bridge.PROTOCOL == NAMES["BRIDGE_PROTOCOL_1"].encode()
-    assert bridge.PROTOCOL_2 == NAMES["BRIDGE_PROTOCOL_2"].encode()
+    assert NAMES["BRIDGE_PROTOCOL_1"].encode() == bridge.PROTOCOL
+    assert NAMES["BRIDGE_PROTOCOL_2"].encode() == bridge.PROTOCOL_2
     assert (wire.BRIDGE_OK, wire.BRIDGE_ERROR, wire.BRIDGE_RETRY) == (b"OK", b"ERROR", b"RETRY")
     assert client.deadline_metadata(1.0)[0][0] == NAMES["METADATA_KEY_DEADLINE"]
 
 
 def test_the_python_bridge_executable_spells_the_contracts_names():
-    assert command.PROTOCOL == NAMES["BRIDGE_PROTOCOL_2"].encode()
-    assert command.REPLY_OK == NAMES["BRIDGE_REPLY_OK"].encode()
-    assert command.REPLY_ERROR == NAMES["BRIDGE_REPLY_ERROR"].encode()
-    assert command.REPLY_RETRY == NAMES["BRIDGE_REPLY_RETRY"].encode()
+    assert NAMES["BRIDGE_PROTOCOL_2"].encode() == command.PROTOCOL
+    assert NAMES["BRIDGE_REPLY_OK"].encode() == command.REPLY_OK
+    assert NAMES["BRIDGE_REPLY_ERROR"].encode() == command.REPLY_ERROR
+    assert NAMES["BRIDGE_REPLY_RETRY"].encode() == command.REPLY_RETRY
 
 
 def test_the_c_bridge_executable_spells_the_contracts_names():

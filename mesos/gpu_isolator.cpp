@@ -1,18 +1,14 @@
-// Each hook becomes one call of the sidecar's Isolator service (proto/gpuisolator/v1); this file
-// only translates, retries within the hook's deadline and says what went wrong. It must not decide
-// anything about GPUs: an answer is passed on as the sidecar gave it.
-//
-// Translation is by the wire: the contract's messages are subsets of Mesos's own with Mesos's
-// field numbers (proto/gpuisolator/v1/isolator.proto), so a Mesos message serialized and parsed as
-// the contract's keeps exactly the fields the sidecar reads, and the sidecar's answer parses back
-// into Mesos's message. No field is copied by hand, and no message is defined twice.
+// Each hook becomes one call of the sidecar's Isolator service
+// (proto/gpuisolator/v1); this file only forwards: it builds the request
+// (translate.hpp), retries within the hook's deadline (retry.hpp) and says
+// what went wrong. It must not decide anything about GPUs: an answer is
+// passed on as the sidecar gave it.
 
 #include "gpu_isolator.hpp"
 
 #include <chrono>
 #include <functional>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -26,14 +22,17 @@
 #include <process/delay.hpp>
 #include <process/dispatch.hpp>
 #include <process/id.hpp>
+#include <process/owned.hpp>
 #include <process/process.hpp>
+#include <process/sequence.hpp>
 
-#include <stout/foreach.hpp>
 #include <stout/hashmap.hpp>
 #include <stout/stringify.hpp>
 
 #include "gpuisolator/v1/isolator.grpc.pb.h"
+#include "retry.hpp"
 #include "runtime.hpp"
+#include "translate.hpp"
 
 namespace v1 = gpuisolator::v1;
 
@@ -49,7 +48,9 @@ using mesos::slave::ContainerState;
 using process::defer;
 using process::Failure;
 using process::Future;
+using process::Owned;
 using process::Promise;
+using process::Sequence;
 
 using std::string;
 using std::vector;
@@ -60,126 +61,27 @@ namespace {
 
 using Clock = std::chrono::system_clock;
 
-// A pause before trying again a call that the sidecar could not take (UNAVAILABLE: it is stopping
-// or restarting, or the connection broke under the call). The sidecar's hooks are idempotent
-// (docs/mesos-agent.md), so a call that may or may not have run is sent again.
-const Duration UNAVAILABLE_RETRY = Milliseconds(100);
 
-
-// `from` as the message `To` that shares its field numbers; `discard`: keep only `To`'s fields.
-template <typename To, typename From>
-Try<To> rewire(const From& from, bool discard)
-{
-  To to;
-  if (!to.ParsePartialFromString(from.SerializePartialAsString())) {
-    return Error(
-        "cannot read a " + from.GetTypeName() + " as " + to.GetTypeName());
-  }
-  if (discard) {
-    to.DiscardUnknownFields();
-  }
-  return to;
-}
-
-
-// A Mesos message made from the sidecar's answer must hold every field Mesos requires.
-template <typename T>
-Try<T> toMesos(const google::protobuf::Message& answer)
-{
-  Try<T> message = rewire<T>(answer, false);
-  if (message.isError()) {
-    return Error(message.error());
-  }
-  return message;
-}
-
-
-v1::ContainerID contractId(const ContainerID& containerId)
-{
-  return rewire<v1::ContainerID>(containerId, true).get();
-}
-
-
-const char* codeName(grpc::StatusCode code)
-{
-  switch (code) {
-    case grpc::OK: return "OK";
-    case grpc::CANCELLED: return "CANCELLED";
-    case grpc::UNKNOWN: return "UNKNOWN";
-    case grpc::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
-    case grpc::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
-    case grpc::NOT_FOUND: return "NOT_FOUND";
-    case grpc::ALREADY_EXISTS: return "ALREADY_EXISTS";
-    case grpc::PERMISSION_DENIED: return "PERMISSION_DENIED";
-    case grpc::UNAUTHENTICATED: return "UNAUTHENTICATED";
-    case grpc::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
-    case grpc::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
-    case grpc::ABORTED: return "ABORTED";
-    case grpc::OUT_OF_RANGE: return "OUT_OF_RANGE";
-    case grpc::UNIMPLEMENTED: return "UNIMPLEMENTED";
-    case grpc::INTERNAL: return "INTERNAL";
-    case grpc::UNAVAILABLE: return "UNAVAILABLE";
-    case grpc::DATA_LOSS: return "DATA_LOSS";
-    default: return "UNKNOWN";
-  }
-}
-
-
-const char* channelState(grpc_connectivity_state state)
+Option<string> channelState(grpc_connectivity_state state)
 {
   switch (state) {
-    case GRPC_CHANNEL_IDLE: return "idle";
-    case GRPC_CHANNEL_CONNECTING: return "connecting";
-    case GRPC_CHANNEL_READY: return "connected";
-    case GRPC_CHANNEL_TRANSIENT_FAILURE: return "unreachable";
-    case GRPC_CHANNEL_SHUTDOWN: return "shut down";
+    case GRPC_CHANNEL_READY: return None();
+    case GRPC_CHANNEL_IDLE: return string("idle");
+    case GRPC_CHANNEL_CONNECTING: return string("connecting");
+    case GRPC_CHANNEL_TRANSIENT_FAILURE: return string("unreachable");
+    case GRPC_CHANNEL_SHUTDOWN: return string("shut down");
   }
-  return "in an unknown state";
+  return string("in an unknown state");
 }
 
 
 template <typename Request, typename Response>
-using AsyncMethod = std::unique_ptr<grpc::ClientAsyncResponseReader<Response>> (
-    v1::Isolator::Stub::*)(grpc::ClientContext*, const Request&, grpc::CompletionQueue*);
+using AsyncMethod =
+  std::unique_ptr<grpc::ClientAsyncResponseReader<Response>> (
+      v1::Isolator::Stub::*)(
+          grpc::ClientContext*, const Request&, grpc::CompletionQueue*);
 
 } // namespace {
-
-
-Try<Settings> Settings::parse(const mesos::Parameters& parameters)
-{
-  Settings settings;
-  foreach (const mesos::Parameter& parameter, parameters.parameter()) {
-    const string& key = parameter.key();
-    const string& value = parameter.value();
-    if (key == "socket") {
-      if (value.empty()) {
-        return Error("parameter 'socket' is empty");
-      }
-      settings.socket = value;
-      continue;
-    }
-    Duration* target = nullptr;
-    if (key == "recover_timeout") target = &settings.recover_timeout;
-    else if (key == "prepare_timeout") target = &settings.prepare_timeout;
-    else if (key == "isolate_timeout") target = &settings.isolate_timeout;
-    else if (key == "update_timeout") target = &settings.update_timeout;
-    else if (key == "cleanup_timeout") target = &settings.cleanup_timeout;
-    else if (key == "usage_timeout") target = &settings.usage_timeout;
-    else if (key == "status_timeout") target = &settings.status_timeout;
-    else if (key == "watch_retry_interval") target = &settings.watch_retry_interval;
-    if (target == nullptr) {
-      return Error("unknown parameter '" + key + "'");
-    }
-    Try<Duration> duration = Duration::parse(value);
-    if (duration.isError() || duration.get() <= Duration::zero()) {
-      return Error(
-          "parameter '" + key + "': '" + value + "' is not a positive duration"
-          " (e.g. '30secs', '500ms')");
-    }
-    *target = duration.get();
-  }
-  return settings;
-}
 
 
 class GpuIsolatorProcess : public process::Process<GpuIsolatorProcess>
@@ -190,12 +92,15 @@ public:
       settings(_settings)
   {
     grpc::ChannelArguments arguments;
-    // Reconnect soon after a sidecar restart: gRPC's default backoff grows to 120 s.
+    // Reconnect soon after a sidecar restart: gRPC's default backoff grows
+    // to 120 s.
     arguments.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
     arguments.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
     arguments.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
     channel = grpc::CreateCustomChannel(
-        "unix:" + settings.socket, grpc::InsecureChannelCredentials(), arguments);
+        "unix:" + settings.socket,
+        grpc::InsecureChannelCredentials(),
+        arguments);
     stub = v1::Isolator::NewStub(channel);
   }
 
@@ -203,20 +108,24 @@ public:
       const vector<ContainerState>& states,
       const hashset<ContainerID>& orphans)
   {
-    v1::RecoverRequest request;
-    foreach (const ContainerState& state, states) {
-      *request.add_states() = rewire<v1::ContainerState>(state, true).get();
+    Try<v1::RecoverRequest> request = recoverRequest(states, orphans);
+    if (request.isError()) {
+      return Failure("gpu-isolator Recover: " + request.error());
     }
-    foreach (const ContainerID& orphan, orphans) {
-      *request.add_orphans() = contractId(orphan);
-    }
-    LOG(INFO) << "gpu-isolator: recovering " << states.size() << " containers and "
-              << orphans.size() << " orphans through the sidecar at '" << settings.socket << "'";
-    return forward("Recover", "", &v1::Isolator::Stub::PrepareAsyncRecover, request,
-                   settings.recover_timeout)
+    LOG(INFO) << "gpu-isolator: recovering " << states.size()
+              << " containers and " << orphans.size()
+              << " orphans through the sidecar at '" << settings.socket
+              << "'";
+    return forward(
+        "Recover",
+        "",
+        &v1::Isolator::Stub::PrepareAsyncRecover,
+        request.get(),
+        settings.recover_timeout)
       .then([](const v1::RecoverResponse& response) -> Future<Nothing> {
-        LOG(INFO) << "gpu-isolator: the sidecar recovered " << response.recovered()
-                  << " containers and released " << response.released();
+        LOG(INFO) << "gpu-isolator: the sidecar recovered "
+                  << response.recovered() << " containers and released "
+                  << response.released();
         return Nothing();
       });
   }
@@ -225,25 +134,24 @@ public:
       const ContainerID& containerId,
       const ContainerConfig& containerConfig)
   {
-    v1::PrepareRequest request;
-    *request.mutable_container_id() = contractId(containerId);
-    Try<v1::ContainerConfig> config = rewire<v1::ContainerConfig>(containerConfig, true);
-    if (config.isError()) {
-      return Failure("gpu-isolator Prepare: " + config.error());
+    Try<v1::PrepareRequest> request =
+      prepareRequest(containerId, containerConfig);
+    if (request.isError()) {
+      return Failure("gpu-isolator Prepare: " + request.error());
     }
-    *request.mutable_container_config() = config.get();
+    const v1::PrepareRequest message = request.get();
     return inOrder<Option<ContainerLaunchInfo>>(containerId, [=]() {
-      return forward("Prepare", stringify(containerId), &v1::Isolator::Stub::PrepareAsyncPrepare,
-                     request, settings.prepare_timeout)
-        .then([](const v1::PrepareResponse& response) -> Future<Option<ContainerLaunchInfo>> {
-          if (!response.has_launch_info()) {
-            return None();
-          }
-          Try<ContainerLaunchInfo> info = toMesos<ContainerLaunchInfo>(response.launch_info());
-          if (info.isError() || !info->IsInitialized()) {
-            return Failure(
-                "gpu-isolator Prepare: the sidecar's launch info is not a Mesos ContainerLaunchInfo: " +
-                (info.isError() ? info.error() : info->InitializationErrorString()));
+      return forward(
+          "Prepare",
+          stringify(containerId),
+          &v1::Isolator::Stub::PrepareAsyncPrepare,
+          message,
+          settings.prepare_timeout)
+        .then([](const v1::PrepareResponse& response)
+                  -> Future<Option<ContainerLaunchInfo>> {
+          Try<Option<ContainerLaunchInfo>> info = launchInfoOf(response);
+          if (info.isError()) {
+            return Failure("gpu-isolator Prepare: " + info.error());
           }
           return info.get();
         });
@@ -252,53 +160,78 @@ public:
 
   Future<Nothing> isolate(const ContainerID& containerId, pid_t pid)
   {
-    v1::IsolateRequest request;
-    *request.mutable_container_id() = contractId(containerId);
-    request.set_pid(static_cast<uint64_t>(pid));
+    Try<v1::IsolateRequest> request = isolateRequest(containerId, pid);
+    if (request.isError()) {
+      return Failure("gpu-isolator Isolate: " + request.error());
+    }
+    const v1::IsolateRequest message = request.get();
     return inOrder<Nothing>(containerId, [=]() {
-      return forward("Isolate", stringify(containerId), &v1::Isolator::Stub::PrepareAsyncIsolate,
-                     request, settings.isolate_timeout)
+      return forward(
+          "Isolate",
+          stringify(containerId),
+          &v1::Isolator::Stub::PrepareAsyncIsolate,
+          message,
+          settings.isolate_timeout)
         .then([]() { return Nothing(); });
     });
   }
 
   Future<ContainerLimitation> watch(const ContainerID& containerId)
   {
+    Try<v1::WatchRequest> request =
+      containerRequest<v1::WatchRequest>(containerId);
+    if (request.isError()) {
+      return Failure("gpu-isolator Watch: " + request.error());
+    }
     if (watchers.contains(containerId)) {
       stopWatch(containerId);
     }
     std::shared_ptr<Watcher> watcher(new Watcher());
+    watcher->request = request.get();
     watchers[containerId] = watcher;
     armWatch(containerId, watcher);
     return watcher->promise.future();
   }
 
-  Future<Nothing> update(const ContainerID& containerId, const Resources& resourceRequests)
+  Future<Nothing> update(
+      const ContainerID& containerId,
+      const Resources& resourceRequests)
   {
-    v1::UpdateRequest request;
-    *request.mutable_container_id() = contractId(containerId);
-    foreach (const mesos::Resource& resource, resourceRequests) {
-      *request.add_resource_requests() = rewire<v1::Resource>(resource, true).get();
+    Try<v1::UpdateRequest> request =
+      updateRequest(containerId, resourceRequests);
+    if (request.isError()) {
+      return Failure("gpu-isolator Update: " + request.error());
     }
+    const v1::UpdateRequest message = request.get();
     return inOrder<Nothing>(containerId, [=]() {
-      return forward("Update", stringify(containerId), &v1::Isolator::Stub::PrepareAsyncUpdate,
-                     request, settings.update_timeout)
+      return forward(
+          "Update",
+          stringify(containerId),
+          &v1::Isolator::Stub::PrepareAsyncUpdate,
+          message,
+          settings.update_timeout)
         .then([]() { return Nothing(); });
     });
   }
 
   Future<ResourceStatistics> usage(const ContainerID& containerId)
   {
-    v1::UsageRequest request;
-    *request.mutable_container_id() = contractId(containerId);
-    return forward("Usage", stringify(containerId), &v1::Isolator::Stub::PrepareAsyncUsage,
-                   request, settings.usage_timeout)
-      .then([](const v1::UsageResponse& response) -> Future<ResourceStatistics> {
-        // Mesos's ResourceStatistics has no field for per-GPU figures (they are on the sidecar's
-        // own Usage and `gpu-isolator containers`); what it has, it gets.
-        Try<ResourceStatistics> statistics = toMesos<ResourceStatistics>(response.statistics());
-        if (statistics.isError() || !statistics->IsInitialized()) {
-          return Failure("gpu-isolator Usage: the sidecar's statistics lack a timestamp");
+    Try<v1::UsageRequest> request =
+      containerRequest<v1::UsageRequest>(containerId);
+    if (request.isError()) {
+      return Failure("gpu-isolator Usage: " + request.error());
+    }
+    return forward(
+        "Usage",
+        stringify(containerId),
+        &v1::Isolator::Stub::PrepareAsyncUsage,
+        request.get(),
+        settings.usage_timeout)
+      .then([](const v1::UsageResponse& response)
+                -> Future<ResourceStatistics> {
+        Try<ResourceStatistics> statistics = statisticsOf(response);
+        if (statistics.isError()) {
+          return Failure("gpu-isolator Usage: " + statistics.error());
         }
         return statistics.get();
       });
@@ -306,15 +239,24 @@ public:
 
   Future<ContainerStatus> status(const ContainerID& containerId)
   {
-    v1::StatusRequest request;
-    *request.mutable_container_id() = contractId(containerId);
-    // The sidecar's answer (GPU UUIDs, state) has no place in Mesos's ContainerStatus, so the agent
-    // is answered at once and the call goes on without it: the agent asks on every status update of
-    // the container, and waiting would hold each update (TASK_RUNNING's too) for a round trip, and
-    // for up to status_timeout while the sidecar is away. The call still says whether the sidecar
-    // knows the container: a failure is logged by `attempt`, as the containerizer would have.
-    forward("Status", stringify(containerId), &v1::Isolator::Stub::PrepareAsyncStatus,
-            request, settings.status_timeout);
+    Try<v1::StatusRequest> request =
+      containerRequest<v1::StatusRequest>(containerId);
+    if (request.isError()) {
+      return Failure("gpu-isolator Status: " + request.error());
+    }
+    // The sidecar's answer (GPU UUIDs, state) has no place in Mesos's
+    // ContainerStatus, so the agent is answered at once and the call goes on
+    // without it: the agent asks on every status update of the container,
+    // and waiting would hold each update (TASK_RUNNING's too) for a round
+    // trip, and for up to status_timeout while the sidecar is away. The call
+    // still says whether the sidecar knows the container: a failure is
+    // logged by `attempt`, as the containerizer would have.
+    forward(
+        "Status",
+        stringify(containerId),
+        &v1::Isolator::Stub::PrepareAsyncStatus,
+        request.get(),
+        settings.status_timeout);
     return ContainerStatus();
   }
 
@@ -323,11 +265,19 @@ public:
     if (watchers.contains(containerId)) {
       stopWatch(containerId);
     }
-    v1::CleanupRequest request;
-    *request.mutable_container_id() = contractId(containerId);
+    Try<v1::CleanupRequest> request =
+      containerRequest<v1::CleanupRequest>(containerId);
+    if (request.isError()) {
+      return Failure("gpu-isolator Cleanup: " + request.error());
+    }
+    const v1::CleanupRequest message = request.get();
     return inOrder<Nothing>(containerId, [=]() {
-      return forward("Cleanup", stringify(containerId), &v1::Isolator::Stub::PrepareAsyncCleanup,
-                     request, settings.cleanup_timeout)
+      return forward(
+          "Cleanup",
+          stringify(containerId),
+          &v1::Isolator::Stub::PrepareAsyncCleanup,
+          message,
+          settings.cleanup_timeout)
         .then([]() { return Nothing(); });
     });
   }
@@ -335,38 +285,52 @@ public:
 private:
   struct Watcher
   {
+    v1::WatchRequest request;
     Promise<ContainerLimitation> promise;
     Future<Reply<v1::WatchResponse>> call;
     bool stopped = false;
   };
 
-  // One container's hooks run one after the other, in the order the agent called them; those of
-  // different containers run at once. A hook runs when the previous one ended, however it ended.
-  template <typename T>
-  Future<T> inOrder(const ContainerID& containerId, const std::function<Future<T>()>& hook)
+  // A container's hooks in flight, run one after the other by libprocess's
+  // Sequence; `pending` counts them so that the sequence goes once the last
+  // one ended.
+  struct Hooks
   {
-    Future<Nothing> previous = tails.contains(containerId)
-      ? tails.at(containerId) : Future<Nothing>(Nothing());
-    std::shared_ptr<Promise<T>> promise(new Promise<T>());
-    std::shared_ptr<Promise<Nothing>> finished(new Promise<Nothing>());
-    tails[containerId] = finished->future();
+    Hooks() : sequence(new Sequence("gpu-isolator-hooks")) {}
 
-    previous.onAny(defer(self(), [=](const Future<Nothing>&) {
-      Future<T> result = hook();
-      promise->associate(result);
-      result.onAny([=](const Future<T>&) { finished->set(Nothing()); });
-    }));
+    Owned<Sequence> sequence;
+    size_t pending = 0;
+  };
 
-    finished->future().onAny(defer(self(), [=](const Future<Nothing>&) {
-      if (tails.contains(containerId) && tails.at(containerId) == finished->future()) {
-        tails.erase(containerId);
+  // One container's hooks run one after the other, in the order the agent
+  // called them; those of different containers run at once. A hook runs
+  // when the previous one ended, however it ended (Sequence's `add`).
+  template <typename T>
+  Future<T> inOrder(
+      const ContainerID& containerId,
+      const std::function<Future<T>()>& hook)
+  {
+    if (!ordered.contains(containerId)) {
+      ordered.put(containerId, Owned<Hooks>(new Hooks()));
+    }
+    Owned<Hooks> hooks = ordered.at(containerId);
+    hooks->pending++;
+
+    // The hook runs on this process, as every other of its calls.
+    Future<T> result = hooks->sequence->add<T>(defer(self(), hook));
+
+    result.onAny(defer(self(), [=](const Future<T>&) {
+      if (ordered.contains(containerId) &&
+          ordered.at(containerId) == hooks && --hooks->pending == 0) {
+        ordered.erase(containerId);
       }
     }));
-    return promise->future();
+    return result;
   }
 
-  // One call of `method`, tried again within `timeout` while the sidecar asks to (load shedding's
-  // `grpc-retry-pushback-ms`) or cannot take it (UNAVAILABLE); anything else is the answer.
+  // One call of `method`, tried again within `timeout` while the sidecar asks
+  // to (load shedding's `grpc-retry-pushback-ms`) or cannot take it
+  // (UNAVAILABLE); anything else is the answer.
   template <typename Request, typename Response>
   Future<Response> forward(
       const string& hook,
@@ -390,79 +354,66 @@ private:
       const Clock::time_point& deadline)
   {
     v1::Isolator::Stub* client = stub.get();
-    std::function<std::unique_ptr<grpc::ClientAsyncResponseReader<Response>>(
-        grpc::ClientContext*, grpc::CompletionQueue*)> start =
-      [client, method, request](grpc::ClientContext* context, grpc::CompletionQueue* queue) {
-        return (client->*method)(context, request, queue);
-      };
+    Start<Response> start = [client, method, request](
+        grpc::ClientContext* context, grpc::CompletionQueue* queue) {
+      return (client->*method)(context, request, queue);
+    };
 
     return runtime.call<Response>(start, deadline)
-      .then(defer(self(), [=](const Reply<Response>& reply) -> Future<Response> {
+      .then(defer(self(), [=](const Reply<Response>& reply)
+                              -> Future<Response> {
         if (reply.status.ok()) {
           return reply.response;
         }
         const grpc::StatusCode code = reply.status.error_code();
-        Option<Duration> wait = None();
-        if (code == grpc::RESOURCE_EXHAUSTED && reply.pushback_ms.isSome()) {
-          wait = Milliseconds(reply.pushback_ms.get());
-        } else if (code == grpc::UNAVAILABLE) {
-          wait = UNAVAILABLE_RETRY;
-        }
-        if (wait.isSome() &&
-            Clock::now() + std::chrono::nanoseconds(wait->ns()) < deadline) {
-          VLOG(1) << "gpu-isolator " << hook << (container.empty() ? "" : " of container ")
-                  << container << ": " << codeName(code) << ", trying again in " << wait.get();
+        const Option<Duration> wait =
+          retryAfter(code, reply.pushback_ms, Clock::now(), deadline);
+        const string of = container.empty() ? "" : " of container ";
+        if (wait.isSome()) {
+          VLOG(1) << "gpu-isolator " << hook << of << container << ": "
+                  << codeName(code) << ", trying again in " << wait.get();
           return process::after(wait.get())
             .then(defer(self(), [=]() {
-              return attempt(hook, container, method, request, timeout, deadline);
+              return attempt(
+                  hook, container, method, request, timeout, deadline);
             }));
         }
-        const string message = describe(hook, reply.status, timeout);
-        LOG(WARNING) << message << (container.empty() ? "" : " (container " + container + ")");
+        const string message = describe(
+            hook,
+            code,
+            reply.status.error_message(),
+            settings.socket,
+            timeout,
+            channelState(channel->GetState(false)));
+        LOG(WARNING) << message
+                     << (container.empty()
+                           ? "" : " (container " + container + ")");
         return Failure(message);
       }));
   }
 
-  // What an operator reads in the agent's log and in the task's status message.
-  string describe(const string& hook, const grpc::Status& status, const Duration& timeout)
-  {
-    std::ostringstream out;
-    out << "gpu-isolator " << hook << ": " << codeName(status.error_code()) << ": ";
-    if (status.error_code() == grpc::DEADLINE_EXCEEDED ||
-        (status.error_code() == grpc::UNAVAILABLE && status.error_message().empty())) {
-      const grpc_connectivity_state state = channel->GetState(false);
-      out << "no answer from the sidecar at '" << settings.socket << "' within " << timeout;
-      if (state != GRPC_CHANNEL_READY) {
-        out << " (it is " << channelState(state) << ": is 'gpu-isolator serve' running?)";
-      }
-      if (!status.error_message().empty() && status.error_message() != "Deadline Exceeded") {
-        out << ": " << status.error_message();
-      }
-    } else {
-      out << status.error_message();  // The sidecar's own words (isolator/errors.py's messages).
-    }
-    return out.str();
-  }
-
-  void armWatch(const ContainerID& containerId, const std::shared_ptr<Watcher>& watcher)
+  void armWatch(
+      const ContainerID& containerId,
+      const std::shared_ptr<Watcher>& watcher)
   {
     if (watcher->stopped) {
       return;
     }
-    v1::WatchRequest request;
-    *request.mutable_container_id() = contractId(containerId);
     v1::Isolator::Stub* client = stub.get();
-    std::function<std::unique_ptr<grpc::ClientAsyncResponseReader<v1::WatchResponse>>(
-        grpc::ClientContext*, grpc::CompletionQueue*)> start =
-      [client, request](grpc::ClientContext* context, grpc::CompletionQueue* queue) {
-        return client->PrepareAsyncWatch(context, request, queue);
-      };
-    // No deadline: the call ends when the sidecar reports a limitation, or when it cannot go on
-    // (the sidecar stopped, the container is gone); there is no polling period.
+    const v1::WatchRequest request = watcher->request;
+    Start<v1::WatchResponse> start = [client, request](
+        grpc::ClientContext* context, grpc::CompletionQueue* queue) {
+      return client->PrepareAsyncWatch(context, request, queue);
+    };
+    // No deadline: the call ends when the sidecar reports a limitation, or
+    // when it cannot go on (the sidecar stopped, the container is gone);
+    // there is no polling period.
     watcher->call = runtime.call<v1::WatchResponse>(start, None());
-    watcher->call.onAny(defer(self(), [=](const Future<Reply<v1::WatchResponse>>& call) {
-      watched(containerId, watcher, call);
-    }));
+    watcher->call.onAny(defer(
+        self(),
+        [=](const Future<Reply<v1::WatchResponse>>& call) {
+          watched(containerId, watcher, call);
+        }));
   }
 
   void watched(
@@ -473,52 +424,58 @@ private:
     if (watcher->stopped) {
       return;
     }
-    if (!call.isReady()) {
-      LOG(WARNING) << "gpu-isolator Watch of container " << containerId << ": "
-                   << (call.isFailed() ? call.failure() : "discarded") << "; watching again in "
-                   << settings.watch_retry_interval;
-      process::delay(settings.watch_retry_interval, self(), &GpuIsolatorProcess::armWatch,
-                     containerId, watcher);
-      return;
-    }
-    const Reply<v1::WatchResponse>& reply = call.get();
-    if (reply.status.ok()) {
-      if (!reply.response.has_limitation()) {
-        armWatch(containerId, watcher);  // Ended without a limitation: wait again.
+    const bool ended = call.isReady();
+    const grpc::StatusCode code =
+      ended ? call->status.error_code() : grpc::UNKNOWN;
+    const bool limited = ended && call->response.has_limitation();
+    const string where =
+      "gpu-isolator Watch of container " + stringify(containerId) + ": ";
+
+    switch (watchNext(ended, code, limited)) {
+      case WatchNext::WATCH_NOW: {
+        armWatch(containerId, watcher);
         return;
       }
-      Try<ContainerLimitation> limitation = toMesos<ContainerLimitation>(reply.response.limitation());
-      if (limitation.isError()) {
-        LOG(ERROR) << "gpu-isolator Watch of container " << containerId << ": " << limitation.error();
-        watcher->promise.fail("gpu-isolator Watch: " + limitation.error());
-        return;
-      }
-      // proto3 leaves a SCALAR type (its zero) off the wire; Mesos requires the field.
-      foreach (mesos::Resource& resource, *limitation->mutable_resources()) {
-        if (!resource.has_type()) {
-          resource.set_type(mesos::Value::SCALAR);
+      case WatchNext::LIMITED: {
+        Try<ContainerLimitation> limitation = limitationOf(call->response);
+        if (limitation.isError()) {
+          LOG(ERROR) << where << limitation.error();
+          watchers.erase(containerId);
+          watcher->promise.fail("gpu-isolator Watch: " + limitation.error());
+          return;
         }
+        LOG(INFO) << "gpu-isolator: container " << containerId
+                  << " met a limitation: " << limitation->message();
+        watchers.erase(containerId);
+        watcher->promise.set(limitation.get());
+        return;
       }
-      LOG(INFO) << "gpu-isolator: container " << containerId << " met a limitation: "
-                << limitation->message();
-      watchers.erase(containerId);
-      watcher->promise.set(limitation.get());
-      return;
+      case WatchNext::STOP: {
+        // The sidecar holds nothing for it: there is nothing it could report.
+        // The container is left running (a failed watch would make the agent
+        // destroy it).
+        LOG(WARNING) << where << "NOT_FOUND: " << call->status.error_message()
+                     << "; not watched";
+        return;
+      }
+      case WatchNext::WATCH_LATER: {
+        // The sidecar stopped or restarted under the call, or refused it for
+        // now: a failed watch would make the agent destroy a healthy
+        // container, so watch again once it is back.
+        const string why = !ended
+          ? (call.isFailed() ? call.failure() : string("discarded"))
+          : string(codeName(code)) + ": " + call->status.error_message();
+        LOG(WARNING) << where << why << "; watching again in "
+                     << settings.watch_retry_interval;
+        process::delay(
+            settings.watch_retry_interval,
+            self(),
+            &GpuIsolatorProcess::armWatch,
+            containerId,
+            watcher);
+        return;
+      }
     }
-    if (reply.status.error_code() == grpc::NOT_FOUND) {
-      // The sidecar holds nothing for it: there is nothing it could report. The container is
-      // left running (a failed watch would make the agent destroy it).
-      LOG(WARNING) << "gpu-isolator Watch of container " << containerId << ": NOT_FOUND: "
-                   << reply.status.error_message() << "; not watched";
-      return;
-    }
-    // The sidecar stopped or restarted under the call, or refused it for now: a failed watch
-    // would make the agent destroy a healthy container, so watch again once it is back.
-    LOG(WARNING) << "gpu-isolator Watch of container " << containerId << ": "
-                 << codeName(reply.status.error_code()) << ": " << reply.status.error_message()
-                 << "; watching again in " << settings.watch_retry_interval;
-    process::delay(settings.watch_retry_interval, self(), &GpuIsolatorProcess::armWatch,
-                   containerId, watcher);
   }
 
   void stopWatch(const ContainerID& containerId)
@@ -526,14 +483,14 @@ private:
     std::shared_ptr<Watcher> watcher = watchers.at(containerId);
     watchers.erase(containerId);
     watcher->stopped = true;
-    watcher->call.discard();  // Cancels the open call; its promise stays pending.
+    watcher->call.discard(); // Cancels the open call; its promise stays.
   }
 
   const Settings settings;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::Isolator::Stub> stub;
   Runtime runtime;
-  hashmap<ContainerID, Future<Nothing>> tails;
+  hashmap<ContainerID, Owned<Hooks>> ordered;
   hashmap<ContainerID, std::shared_ptr<Watcher>> watchers;
 };
 
@@ -568,7 +525,8 @@ Future<Nothing> GpuIsolator::recover(
     const vector<ContainerState>& states,
     const hashset<ContainerID>& orphans)
 {
-  return process::dispatch(process.get(), &GpuIsolatorProcess::recover, states, orphans);
+  return process::dispatch(
+      process.get(), &GpuIsolatorProcess::recover, states, orphans);
 }
 
 
@@ -577,19 +535,24 @@ Future<Option<ContainerLaunchInfo>> GpuIsolator::prepare(
     const ContainerConfig& containerConfig)
 {
   return process::dispatch(
-      process.get(), &GpuIsolatorProcess::prepare, containerId, containerConfig);
+      process.get(),
+      &GpuIsolatorProcess::prepare,
+      containerId,
+      containerConfig);
 }
 
 
 Future<Nothing> GpuIsolator::isolate(const ContainerID& containerId, pid_t pid)
 {
-  return process::dispatch(process.get(), &GpuIsolatorProcess::isolate, containerId, pid);
+  return process::dispatch(
+      process.get(), &GpuIsolatorProcess::isolate, containerId, pid);
 }
 
 
 Future<ContainerLimitation> GpuIsolator::watch(const ContainerID& containerId)
 {
-  return process::dispatch(process.get(), &GpuIsolatorProcess::watch, containerId);
+  return process::dispatch(
+      process.get(), &GpuIsolatorProcess::watch, containerId);
 }
 
 
@@ -598,27 +561,34 @@ Future<Nothing> GpuIsolator::update(
     const Resources& resourceRequests,
     const google::protobuf::Map<string, mesos::Value::Scalar>&)
 {
-  // GPUs have no limits apart from their count: the requests are the contract's UpdateRequest.
+  // GPUs have no limits apart from their count: the requests are the
+  // contract's UpdateRequest.
   return process::dispatch(
-      process.get(), &GpuIsolatorProcess::update, containerId, resourceRequests);
+      process.get(),
+      &GpuIsolatorProcess::update,
+      containerId,
+      resourceRequests);
 }
 
 
 Future<ResourceStatistics> GpuIsolator::usage(const ContainerID& containerId)
 {
-  return process::dispatch(process.get(), &GpuIsolatorProcess::usage, containerId);
+  return process::dispatch(
+      process.get(), &GpuIsolatorProcess::usage, containerId);
 }
 
 
 Future<ContainerStatus> GpuIsolator::status(const ContainerID& containerId)
 {
-  return process::dispatch(process.get(), &GpuIsolatorProcess::status, containerId);
+  return process::dispatch(
+      process.get(), &GpuIsolatorProcess::status, containerId);
 }
 
 
 Future<Nothing> GpuIsolator::cleanup(const ContainerID& containerId)
 {
-  return process::dispatch(process.get(), &GpuIsolatorProcess::cleanup, containerId);
+  return process::dispatch(
+      process.get(), &GpuIsolatorProcess::cleanup, containerId);
 }
 
 } // namespace gpu_isolator {

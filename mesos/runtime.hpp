@@ -1,19 +1,25 @@
-// The module's asynchronous gRPC client: one completion queue, one thread that waits on it, and a
-// libprocess Future per call. It decides nothing: retries and messages are the isolator's.
+// The module's asynchronous gRPC client: one completion queue, one thread
+// that waits on it, and a libprocess Future per call. It decides nothing:
+// retries and messages are the isolator's.
 //
-// Why not libprocess's own `process::grpc::client::Runtime` (process/grpc.hpp, present in 1.11 and
-// 1.12 alike): its `call` keeps the `grpc::ClientContext` to itself and returns only the response
-// or the status, so the server's trailing metadata never reaches the caller. The sidecar's one
-// signal that a refusal may be retried, `grpc-retry-pushback-ms` (gRFC A6; isolator/transport/
-// status.py), is trailing metadata; without it a RESOURCE_EXHAUSTED "sidecar busy, retry in 20 ms"
-// and a final "no free GPU" are the same bytes. This runtime is that one's shape (a looper thread
-// draining a CompletionQueue, a Promise per call, discard cancels the call) plus the trailers.
+// Why not libprocess's own `process::grpc::client::Runtime`
+// (process/grpc.hpp, present in 1.11 and 1.12 alike): its `call` keeps the
+// `grpc::ClientContext` to itself and returns only the response or the
+// status, so the server's trailing metadata never reaches the caller. The
+// sidecar's one signal that a refusal may be retried,
+// `grpc-retry-pushback-ms` (gRFC A6; wire.proto's
+// METADATA_KEY_RETRY_PUSHBACK), is trailing metadata; without it a
+// RESOURCE_EXHAUSTED "sidecar busy, retry in 20 ms" and a final "no free
+// GPU" are the same bytes. This runtime is that one's shape (a looper thread
+// draining a CompletionQueue, a Promise per call, discard cancels the call)
+// plus the trailers.
 
 #ifndef GPU_ISOLATOR_MESOS_RUNTIME_HPP
 #define GPU_ISOLATOR_MESOS_RUNTIME_HPP
 
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -25,11 +31,15 @@
 #include <process/future.hpp>
 
 #include <stout/option.hpp>
+#include <stout/stringify.hpp>
+
+#include "retry.hpp"
+#include "translate.hpp"
 
 namespace gpu_isolator {
 
-// What a finished call brought back: the status, the response when OK, and the server's retry
-// pushback in milliseconds when it sent one.
+// What a finished call brought back: the status, the response when OK, and
+// the server's retry pushback in milliseconds when it sent one.
 template <typename Response>
 struct Reply
 {
@@ -38,23 +48,33 @@ struct Reply
   Option<int64_t> pushback_ms;
 };
 
+
+// How a unary call is issued on a context and a queue: the generated stub's
+// PrepareAsync<Method>.
+template <typename Response>
+using Start =
+  std::function<std::unique_ptr<grpc::ClientAsyncResponseReader<Response>>(
+      grpc::ClientContext*, grpc::CompletionQueue*)>;
+
+
 class Runtime
 {
 public:
   Runtime();
-  ~Runtime();  // Cancels every call still open, drains the queue and joins the thread.
+
+  // Cancels every call still open, drains the queue and joins the thread.
+  ~Runtime();
 
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;
 
-  // Starts a unary call. `start` issues it on the given context and queue (the generated stub's
-  // PrepareAsync<Method>). `deadline`: None waits for ever (Watch). `wait_for_ready`: the call waits
-  // for the channel to connect (a sidecar that is restarting) instead of failing at once.
-  // The future fails only once the runtime is shutting down; discarding it cancels the call.
+  // Starts a unary call. `deadline`: None waits for ever (Watch). The call
+  // waits for the channel to connect (a sidecar that is restarting) instead
+  // of failing at once. The future fails only once the runtime is shutting
+  // down; discarding it cancels the call.
   template <typename Response>
   process::Future<Reply<Response>> call(
-      const std::function<std::unique_ptr<grpc::ClientAsyncResponseReader<Response>>(
-          grpc::ClientContext*, grpc::CompletionQueue*)>& start,
+      const Start<Response>& start,
       const Option<std::chrono::system_clock::time_point>& deadline);
 
 private:
@@ -72,14 +92,16 @@ private:
 
   grpc::CompletionQueue queue;
   std::mutex mutex;
-  std::set<Call*> open;  // Guarded by `mutex`: the calls to cancel at shutdown.
-  bool stopping = false;  // Guarded by `mutex`.
+  std::set<Call*> open; // Guarded by `mutex`: the calls to cancel at shutdown.
+  bool stopping = false; // Guarded by `mutex`.
   std::thread looper;
 };
 
 
-// The value of `grpc-retry-pushback-ms` among the trailers, if any parses as a non-negative number.
-Option<int64_t> pushbackOf(const std::multimap<grpc::string_ref, grpc::string_ref>& trailers);
+// The value of `grpc-retry-pushback-ms` among the trailers, if any parses
+// as a non-negative number.
+Option<int64_t> pushbackOf(
+    const std::multimap<grpc::string_ref, grpc::string_ref>& trailers);
 
 
 template <typename Response>
@@ -110,24 +132,25 @@ struct Runtime::UnaryCall : Runtime::Call
 
 template <typename Response>
 process::Future<Reply<Response>> Runtime::call(
-    const std::function<std::unique_ptr<grpc::ClientAsyncResponseReader<Response>>(
-        grpc::ClientContext*, grpc::CompletionQueue*)>& start,
+    const Start<Response>& start,
     const Option<std::chrono::system_clock::time_point>& deadline)
 {
   UnaryCall<Response>* call = new UnaryCall<Response>();
   call->context.set_wait_for_ready(true);
   if (deadline.isSome()) {
     call->context.set_deadline(deadline.get());
-    // gRPC sends the deadline relative (grpc-timeout), so a sidecar that was stopped (SIGSTOP, a
-    // stalled disk) counts it from when it reads the call and would still run a call whose caller
-    // gave up. The deadline itself goes beside it, on CLOCK_MONOTONIC (libstdc++'s steady_clock on
-    // Linux, Python's time.monotonic()), in milliseconds: the sidecar keeps the earlier of the two
-    // and answers a call found past it DEADLINE_EXCEEDED unserved (docs/operations.md, "Stale hooks").
-    const auto left = deadline.get() - std::chrono::system_clock::now();
-    const auto at = std::chrono::steady_clock::now().time_since_epoch() + left;
+    // gRPC sends the deadline relative (grpc-timeout), so a sidecar that was
+    // stopped (SIGSTOP, a stalled disk) counts it from when it reads the call
+    // and would still run a call whose caller gave up. The deadline itself
+    // goes beside it (wire.proto's METADATA_KEY_DEADLINE): the sidecar keeps
+    // the earlier of the two and answers a call found past it
+    // DEADLINE_EXCEEDED unserved (docs/operations.md, "Stale hooks").
     call->context.AddMetadata(
-        "gpu-isolator-deadline-ms",
-        std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(at).count()));
+        wireName(gpuisolator::v1::METADATA_KEY_DEADLINE),
+        stringify(deadlineMs(
+            deadline.get(),
+            std::chrono::system_clock::now(),
+            std::chrono::steady_clock::now())));
   }
   process::Future<Reply<Response>> future = call->promise.future();
 
@@ -140,8 +163,9 @@ process::Future<Reply<Response>> Runtime::call(
     open.insert(call);
   }
 
-  // The context outlives the future's discard callback: a call leaves `open` (and is deleted) only
-  // on the looper thread, after its tag came back, under the same mutex.
+  // The context outlives the future's discard callback: a call leaves `open`
+  // (and is deleted) only on the looper thread, after its tag came back,
+  // under the same mutex.
   grpc::ClientContext* context = &call->context;
   Runtime* self = this;
   future.onDiscard([self, call, context]() {
@@ -153,7 +177,8 @@ process::Future<Reply<Response>> Runtime::call(
 
   call->reader = start(&call->context, &queue);
   call->reader->StartCall();
-  call->reader->Finish(&call->response, &call->status, static_cast<Call*>(call));
+  call->reader->Finish(
+      &call->response, &call->status, static_cast<Call*>(call));
   return future;
 }
 

@@ -43,7 +43,12 @@
 #error "build with -DBRIDGE_VERSION='\"x.y.z\"' (the Makefile takes it from isolator/__init__.py)"
 #endif
 
+/* The framing's names: proto/gpuisolator/v1/wire.proto's BridgeToken, spelled here (this program links
+ * no generated code; tests/unit/transport/test_wire_names.py keeps them equal). */
 #define PROTOCOL "gpu-isolator-bridge/2"
+#define REPLY_OK "OK"
+#define REPLY_ERROR "ERROR"
+#define REPLY_RETRY "RETRY"
 #define DEFAULT_SOCKET "/run/gpu-isolator/isolator.sock.bridge"
 #define DEFAULT_TIMEOUT 25.0
 #define SOCKET_ENV "GPU_ISOLATOR_BRIDGE_SOCKET"
@@ -776,7 +781,7 @@ static void late(struct failure *f, const char *path, double total)
 
 struct reply {
 	struct buf raw;
-	const char *kind; /* "OK", "ERROR", "RETRY" */
+	const char *kind; /* REPLY_OK, REPLY_ERROR, REPLY_RETRY */
 	size_t rest;      /* OK: where OUT's bytes start */
 	long pause_ms;    /* RETRY */
 	struct buf code;
@@ -903,19 +908,21 @@ static int parse_reply(struct reply *r, const char *path, struct failure *f)
 	size_t status_len = nl ? (size_t)(nl - data) : r->raw.len;
 	r->rest = nl ? status_len + 1 : r->raw.len;
 	const char *body = NULL;
-	if (status_len == 2 && memcmp(data, "OK", 2) == 0) {
-		r->kind = "OK";
+	const size_t ok_len = strlen(REPLY_OK), error_len = strlen(REPLY_ERROR) + 1;
+	const size_t retry_len = strlen(REPLY_RETRY) + 1;
+	if (status_len == ok_len && memcmp(data, REPLY_OK, ok_len) == 0) {
+		r->kind = REPLY_OK;
 		return 0;
 	}
-	if (status_len >= 6 && memcmp(data, "ERROR ", 6) == 0) {
-		r->kind = "ERROR";
-		body = data + 6;
-	} else if (status_len >= 6 && memcmp(data, "RETRY ", 6) == 0) {
+	if (status_len >= error_len && memcmp(data, REPLY_ERROR " ", error_len) == 0) {
+		r->kind = REPLY_ERROR;
+		body = data + error_len;
+	} else if (status_len >= retry_len && memcmp(data, REPLY_RETRY " ", retry_len) == 0) {
 		/* "RETRY <digits> <CODE>[ <message>]"; a pause above MAX_PAUSE_MS counts as that. */
-		const char *p = data + 6, *end = data + status_len;
+		const char *p = data + retry_len, *end = data + status_len;
 		const char *sp1 = memchr(p, ' ', (size_t)(end - p));
 		if (sp1 && all_digits(p, (size_t)(sp1 - p)) && sp1 + 1 < end && sp1[1] != ' ') {
-			r->kind = "RETRY";
+			r->kind = REPLY_RETRY;
 			r->pause_ms = 0;
 			for (const char *d = p; d < sp1 && r->pause_ms <= MAX_PAUSE_MS; d++)
 				r->pause_ms = r->pause_ms * 10 + (*d - '0');
@@ -950,7 +957,7 @@ static int parse_reply(struct reply *r, const char *path, struct failure *f)
 static void refused(const struct reply *r, struct failure *f)
 {
 	/* A shed call never ran, so it is never harmless, whatever its code. */
-	int harmless = strcmp(r->kind, "ERROR") == 0 &&
+	int harmless = strcmp(r->kind, REPLY_ERROR) == 0 &&
 		       (strcmp(r->code.data, "NOT_FOUND") == 0 || strcmp(r->code.data, "INVALID_ARGUMENT") == 0);
 	fail(f, EXIT_REFUSED, harmless);
 	buf_printf(&f->message, "%s: %s", r->code.data, r->message.data);
@@ -980,12 +987,12 @@ static int call(const char *path, const char *method, const struct buf *payload,
 			reply_free(&r);
 			return rc;
 		}
-		if (strcmp(r.kind, "OK") == 0) {
+		if (strcmp(r.kind, REPLY_OK) == 0) {
 			buf_add(out, r.raw.data + r.rest, r.raw.len - r.rest);
 			reply_free(&r);
 			return CALL_DONE;
 		}
-		if (strcmp(r.kind, "ERROR") == 0) {
+		if (strcmp(r.kind, REPLY_ERROR) == 0) {
 			refused(&r, f);
 			reply_free(&r);
 			return CALL_FAILED;

@@ -16,8 +16,13 @@ import time
 
 # The methods the module forwards (reference: bridge-and-cgroup2.md §A.1.3).
 METHODS = ("prepare", "isolate", "watch", "usage", "cleanup")
+# The framing's names: proto/gpuisolator/v1/wire.proto's BridgeToken, spelled here because this
+# executable imports nothing of ours (tests/unit/transport/test_wire_names.py keeps them equal).
 # Version 2 carries the deadline, absolute (isolator/transport/bridge.py; docs/mesos-agent.md section 6).
 PROTOCOL = b"gpu-isolator-bridge/2"
+REPLY_OK = b"OK"
+REPLY_ERROR = b"ERROR"
+REPLY_RETRY = b"RETRY"
 # isolator.daemon.config.DEFAULT_SOCKET + BRIDGE_SUFFIX; not imported, to keep the start cheap (a test
 # keeps the two in step).
 DEFAULT_SOCKET = "/run/gpu-isolator/isolator.sock.bridge"
@@ -187,13 +192,13 @@ def _call_once(path: str, method: str, payload: bytes, deadline: float, total: f
         sock.close()
     reply = b"".join(chunks)
     status, _, rest = reply.partition(b"\n")
-    if status == b"OK":
+    if status == REPLY_OK:
         return rest
-    if status.startswith(b"ERROR "):
-        code, _, message = status[6:].decode("utf-8", "replace").partition(" ")
+    if status.startswith(REPLY_ERROR + b" "):
+        code, _, message = status[len(REPLY_ERROR) + 1 :].decode("utf-8", "replace").partition(" ")
         raise Failure(EXIT_REFUSED, f"{code}: {message}", code in ("NOT_FOUND", "INVALID_ARGUMENT"))
-    if status.startswith(b"RETRY "):
-        pause_ms, _, coded = status[6:].decode("utf-8", "replace").partition(" ")
+    if status.startswith(REPLY_RETRY + b" "):
+        pause_ms, _, coded = status[len(REPLY_RETRY) + 1 :].decode("utf-8", "replace").partition(" ")
         code, _, message = coded.partition(" ")
         if pause_ms.isascii() and pause_ms.isdigit() and code:
             raise Failure(EXIT_REFUSED, f"{code}: {message}", retry_ms=min(int(pause_ms), 500))

@@ -21,9 +21,11 @@ from typing import Any
 
 import grpc
 
+from isolator.transport.wire import RETRY_PUSHBACK_METADATA
+
 __all__ = ["GrpcProxy"]
 
-RETRY_PUSHBACK = "grpc-retry-pushback-ms"
+RETRY_PUSHBACK = RETRY_PUSHBACK_METADATA
 
 
 class GrpcProxy:

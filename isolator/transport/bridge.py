@@ -8,7 +8,8 @@ own reply lines, once. Its calls are admitted by the gRPC server's Dispatcher
 connection slots are counted as the gate counts its own (``peergate.ConnectionSlots``). It holds no
 isolator logic and never binds sockets itself (the server does).
 
-Wire protocol, version 2 (version 1 is still served). The client connects, sends one request and
+Wire protocol, version 2 (version 1 is still served; its names are proto/gpuisolator/v1/wire.proto's
+BridgeToken). The client connects, sends one request and
 shuts down its write side; the server answers and closes.
 
     request  b"gpu-isolator-bridge/2 <method> <timeout_ms> <deadline_ms>\\n" + <the IN file's bytes, untouched>
@@ -68,11 +69,13 @@ from isolator.rpc import isolator_pb2 as pb
 from isolator.transport import peergate, serving
 from isolator.transport.handlers import BRIDGE, CallFacts, IsolatorHandlers, observe
 from isolator.transport.logcontext import hook_context
+from isolator.transport.wire import BRIDGE_ERROR, BRIDGE_OK, BRIDGE_PROTOCOL_1, BRIDGE_PROTOCOL_2, BRIDGE_RETRY
 
 LOG = logging.getLogger(__name__)
 
-PROTOCOL = b"gpu-isolator-bridge/1"  # <method> <timeout_ms>: clients from before deadlines
-PROTOCOL_2 = b"gpu-isolator-bridge/2"  # <method> <timeout_ms> <deadline_ms>: what the bridges send
+# The framing's names are the contract's (proto/gpuisolator/v1/wire.proto, through transport/wire.py).
+PROTOCOL = BRIDGE_PROTOCOL_1  # <method> <timeout_ms>: clients from before deadlines
+PROTOCOL_2 = BRIDGE_PROTOCOL_2  # <method> <timeout_ms> <deadline_ms>: what the bridges send
 MAX_HEADER_BYTES = 256
 # The deepest JSON nesting accepted; Mesos's deepest input (a nested ContainerID chain inside a
 # ContainerConfig) stays far below it, and it keeps hostile input from exhausting the stack.
@@ -287,7 +290,7 @@ def error_reply(code: str, message: str, retry_ms: int | None = None) -> bytes:
     ``RETRY <pause_ms> <CODE> <message>`` (load shedding: the call did not run; the bridge may send
     it again after pause_ms, doubling up to 500 ms, until its deadline)."""
     line = " ".join(message.split())[:MAX_MESSAGE_CHARS]
-    head = b"ERROR " if retry_ms is None else b"RETRY %d " % max(0, retry_ms)
+    head = BRIDGE_ERROR + b" " if retry_ms is None else BRIDGE_RETRY + b" %d " % max(0, retry_ms)
     return head + code.encode() + b" " + line.encode("utf-8", "replace") + b"\n"
 
 
@@ -327,7 +330,7 @@ def answer(handlers: IsolatorHandlers, method: str, payload: bytes, deadline: fl
                 observe(handlers.observer, call.rpc, exc.code, time.perf_counter() - started, None)
             return refusal_reply(exc)
         response = handlers.handle(call.rpc, request, CallFacts(peer, deadline, BRIDGE))
-        return b"OK\n" + call.output(response)
+        return BRIDGE_OK + b"\n" + call.output(response)
     except IsolatorError as exc:
         return refusal_reply(exc)
     except Exception as exc:  # a bug here must answer the caller, not kill the listener

@@ -19,6 +19,7 @@ from google.protobuf import json_format
 from isolator.errors import IsolatorError
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
+from isolator.transport.wire import BRIDGE_ERROR, BRIDGE_OK, BRIDGE_RETRY, DEADLINE_METADATA
 
 
 class Unreachable(Exception):
@@ -127,7 +128,7 @@ def classify(first: bytes) -> str:
     """``grpc``, ``bridge``, ``http`` or ``unknown`` from the first bytes a socket sent."""
     if len(first) >= HTTP2_FRAME_HEADER and first[3] == HTTP2_SETTINGS:
         return "grpc"
-    if first.startswith((b"ERROR ", b"RETRY ", b"OK\n")):
+    if first.startswith((BRIDGE_ERROR + b" ", BRIDGE_RETRY + b" ", BRIDGE_OK + b"\n")):
         return "bridge"
     if first.startswith(b"HTTP/"):
         return "http"
@@ -260,7 +261,7 @@ def _check_path(path: str, where: str) -> None:
 # call: a sidecar stopped past the deadline would still see it in the future. Our clients also send
 # the deadline itself, on CLOCK_MONOTONIC (one clock for every process of the host), in milliseconds;
 # the server keeps the earlier of the two (isolator/transport/serving.py, docs/operations.md "Stale hooks").
-DEADLINE_METADATA = "gpu-isolator-deadline-ms"
+# The key is the contract's (proto/gpuisolator/v1/wire.proto, through transport/wire.py).
 
 
 def deadline_metadata(timeout: float) -> tuple[tuple[str, str], ...]:

@@ -10,7 +10,7 @@ status, through isolator/transport/status.py):
   (isolator/transport/bridge.py, coroutines on the same loop) pass the same ``Dispatcher``, so the
   limit and the Cleanup lane below are one for both routes;
 * a call carries its caller's deadline: gRPC's own, counted from when the call was read, or the
-  absolute one our clients send beside it (``client.DEADLINE_METADATA``) when that is earlier, so
+  absolute one our clients send beside it (``wire.DEADLINE_METADATA``) when that is earlier, so
   that a call read late (the sidecar was stopped) keeps it; one found past it when a worker would
   start it is answered DEADLINE_EXCEEDED unserved (``Handlers.handle``; docs/reliability.md
   "Stale hooks");
@@ -45,10 +45,10 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from isolator.errors import InvalidArgument, IsolatorError, Overloaded, Unavailable
-from isolator.transport.client import DEADLINE_METADATA
 from isolator.transport.handlers import GRPC, CallFacts, Handlers, Observer, observe
 from isolator.transport.logcontext import hook_context
 from isolator.transport.status import abort
+from isolator.transport.wire import DEADLINE_METADATA
 
 LOG = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def call_facts(context: grpc.aio.ServicerContext, absolute: float | None = None)
 
 
 def absolute_deadline(context: grpc.aio.ServicerContext) -> float | None:
-    """The deadline our clients send beside gRPC's (``client.DEADLINE_METADATA``, CLOCK_MONOTONIC
+    """The deadline our clients send beside gRPC's (``wire.DEADLINE_METADATA``, CLOCK_MONOTONIC
     milliseconds), which a call read late (the sidecar was stopped meanwhile) keeps; None when the
     client sent none. Raises InvalidArgument for a malformed one."""
     found = None

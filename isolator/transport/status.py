@@ -9,10 +9,12 @@ from typing import NoReturn
 import grpc
 
 from isolator.errors import IsolatorError, Overloaded
+from isolator.transport.wire import RETRY_PUSHBACK_METADATA
 
-# gRPC's standard trailing metadata for "retry after this many milliseconds" (gRFC A6). Only load
-# shedding carries it: a RESOURCE_EXHAUSTED without it (no free GPU) is final.
-RETRY_PUSHBACK = "grpc-retry-pushback-ms"
+# gRPC's standard trailing metadata for "retry after this many milliseconds" (gRFC A6), named in
+# proto/gpuisolator/v1/wire.proto. Only load shedding carries it: a RESOURCE_EXHAUSTED without it
+# (no free GPU) is final.
+RETRY_PUSHBACK = RETRY_PUSHBACK_METADATA
 
 
 def status_of(exc: BaseException, where: str) -> tuple[grpc.StatusCode, str]:

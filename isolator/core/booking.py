@@ -140,14 +140,17 @@ class Booking:
         self, holding: Holding, asked: Mapping[str, int]
     ) -> tuple[frozenset[tuple[str, int]], frozenset[tuple[str, int]], dict[str, int]]:
         """A holding's MIG units against the counts ``asked`` per resource: (kept, dropped, more to
-        choose per resource). Of a profile with too many, the units with the highest UUIDs go."""
+        choose per resource). Of a profile with too many, the units with the highest UUIDs go; a unit the
+        inventory no longer reports is kept (its profile unknown, it is neither counted nor let go)."""
         known = self.mig
         by_name: dict[str, list[tuple[str, int]]] = {}
+        kept: set[tuple[str, int]] = set()
         for uuid, parent in sorted(holding.mig):
             dev = known.get(uuid)
-            name = (migunits.resource_name(dev.profile) or dev.profile) if dev is not None else uuid
-            by_name.setdefault(name, []).append((uuid, parent))
-        kept: set[tuple[str, int]] = set()
+            if dev is None:
+                kept.add((uuid, parent))  # unknown to the inventory now (so granted nothing): never guessed at
+                continue
+            by_name.setdefault(migunits.resource_name(dev.profile) or dev.profile, []).append((uuid, parent))
         more: dict[str, int] = {}
         for name in sorted(set(by_name) | set(asked)):
             have, want = by_name.get(name, []), asked.get(name, 0)

@@ -162,17 +162,39 @@ def test_the_agent_and_the_sidecar_restarted_with_sharers_live_keep_every_share(
     assert "Check failed" not in agent.log()
 
 
-def _errors() -> dict[str, float]:
-    return {k: v for k, v in scrape_unix(METRICS).items() if k.startswith("gpu_isolator_errors_total")}
+def _errors(path: str) -> dict[str, float]:
+    return {k: v for k, v in scrape_unix(path).items() if k.startswith("gpu_isolator_errors_total")}
 
 
-def test_a_share_task_that_ends_leaves_no_isolator_error_in_the_agent_log(shared: Cluster) -> None:
+@pytest.fixture(scope="module")
+def native_metrics() -> str:
+    return os.path.join(tempfile.mkdtemp(prefix="gi-native-", dir="/tmp"), "metrics.sock")
+
+
+@pytest.fixture(scope="module")
+def shared_native(mesos_home: str, native_metrics: str) -> Iterator[Cluster]:
+    """The same agent on the native route: our module forwards every Update (the criteo route forwards
+    none), which is where issue 41's errors came from."""
+    with Cluster(
+        mesos_home,
+        gpus=4,
+        route="native",
+        resources="cpus:8;mem:4096;disk:4096;gpu_shares:16",
+        sidecar_flags=("--shared-gpus", "4-7:4:mps", "--metrics-address", f"unix:{native_metrics}"),
+    ) as c:
+        yield c
+
+
+@pytest.mark.parametrize("route", ["criteo", "native"])
+def test_a_share_task_that_ends_leaves_no_isolator_error_in_the_agent_log(route: str, request) -> None:
     """Issue 41: when a task ends the agent shrinks its executor and calls update with no gpu_shares;
     the sidecar releases them, so the agent logs no failed update and no error is counted."""
-    agent = shared.agents[0]
+    cluster: Cluster = request.getfixturevalue("shared" if route == "criteo" else "shared_native")
+    metrics = METRICS if route == "criteo" else request.getfixturevalue("native_metrics")
+    agent = cluster.agents[0]
     assert agent.sidecar is not None
-    mark, before = len(agent.log()), _errors()
-    tasks = [shared.submit(f"python3 {PROBE} {agent.sidecar.dev_root} 0", shares=n) for n in (1, 2)]
+    mark, before = len(agent.log()), _errors(metrics)
+    tasks = [cluster.submit(f"python3 {PROBE} {agent.sidecar.dev_root} 0", shares=n) for n in (1, 2)]
     for task in tasks:
         task.wait("TASK_FINISHED", timeout=120)
         task.wait_gone()
@@ -180,5 +202,5 @@ def test_a_share_task_that_ends_leaves_no_isolator_error_in_the_agent_log(shared
     assert "Failed to update resources" not in log, log
     errors = [line for line in log.splitlines() if line.startswith("E") and "isolator" in line.lower()]
     assert errors == [], errors  # glog's error lines start with E
-    assert _errors() == before, "an ended share task counts no sidecar error"
-    assert not any(_shares_held(shared).values()), "every share released"
+    assert _errors(metrics) == before, "an ended share task counts no sidecar error"
+    assert not any(_shares_held(cluster).values()), "every share released"

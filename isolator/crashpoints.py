@@ -17,8 +17,9 @@ POINTS = (
     "prepare.applied",  # rules applied, launch info (volume) not yet built
     "prepare.volume",  # volume acquired, its version not yet recorded
     "isolate.placed",  # pid in the cgroup, state not yet 'isolated'
-    "update.grown",  # extra GPUs recorded, not yet granted
+    "update.grown",  # a grow recorded (GPUs, MIG units, shares), not yet granted
     "update.revoked",  # GPUs revoked, record not yet shrunk
+    "update.recorded",  # a shrink recorded (GPUs, MIG units, shares), the books not yet freed
     "apply.kernel",  # kernel rules changed, recorded rules not yet updated
     "cleanup.cgroup",  # cgroup removed, record not yet removed
     "cleanup.record",  # record removed, volume user not yet released

@@ -302,10 +302,11 @@ class Recovered:
 
 @contextlib.contextmanager
 def killed_and_recovered(
-    host: str, cgroup_version: str, point: str, config: Any, extra: tuple[str, ...] = ()
+    host: str, cgroup_version: str, point: str, config: Any, extra: tuple[str, ...] = (), update: Any = None
 ) -> Iterator[Recovered]:
-    """The crash tests' common part: container "crashy" prepared (``config(containerizer)``) and
-    cleaned up with the daemon set to die at ``point``; the daemon must die there. It is started again
+    """The crash tests' common part: container "crashy" prepared (``config(containerizer)``), updated
+    (``update(isolator, crashy)``, when given) and cleaned up with the daemon set to die at ``point``;
+    the daemon must die there. It is started again
     and Recover called, as the agent does; then the records and the kernel must agree (the
     consistency health check), and a "crashy" still listed has rules that agree with its record.
     The caller checks what is particular to its resource (nothing lost, nothing granted twice)."""
@@ -315,6 +316,8 @@ def killed_and_recovered(
         crashy = container_id("crashy")
         try:
             isolator.prepare(crashy, config(containerizer))
+            if update is not None:
+                update(isolator, crashy)
             isolator.cleanup(crashy)
         except HookFailed:
             pass

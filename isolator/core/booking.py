@@ -109,16 +109,80 @@ class Booking:
             raise
         return Holding(frozenset(choice.gpus), frozenset((d.uuid, d.parent_minor) for d in units))
 
-    def resize(self, holding: Holding, gpus: int) -> tuple[Holding, Holding]:
-        """An update of a container holding ``holding`` to ``gpus`` whole GPUs: (grown, shrunk). The
-        GPUs it grows by are booked here, all or nothing; those it shrinks by are only chosen: the
-        caller revokes them first, then ``free``s them."""
+    def resize(self, holder: str, holding: Holding, request: Request) -> tuple[Holding, Holding]:
+        """An update of ``holder`` (its key), holding ``holding``, to ``request`` (checked by
+        ``request.check_update``): (grown, shrunk). What it grows by is booked here, all or nothing:
+        whole GPUs, MIG units of each profile asked (chosen as Prepare chooses them), more shares of
+        the GPU it shares (SharesExhausted naming that GPU when it has no room: shares never move).
+        What it shrinks by is only chosen (the MIG units of a profile with the highest UUIDs, so the
+        choice is the same every time): the caller revokes it first, then ``free``s it."""
         self.lock.require("resize")
-        plan = self._allocator.plan_update(holding.gpus, gpus)
+        plan = self._allocator.plan_update(holding.gpus, request.gpus)
         add, release = frozenset(plan.add), frozenset(plan.release)
+        _kept, drop, more = self._resize_mig(holding, request.mig)
         if add:
             self._allocator.allocate_set(add)
-        return Holding(add), Holding(release)
+        try:
+            units = self.choose_mig(more)
+        except BaseException:
+            self._allocator.deallocate(add)
+            raise
+        grown_mig = frozenset((d.uuid, d.parent_minor) for d in units)
+        grown, shrunk = Holding(add, grown_mig), Holding(release, drop)
+        if holding.share is not None and request.shares != holding.shares:
+            if request.shares > holding.shares:
+                grown = Holding(share=self._grow_shares(holder, holding.share, request.shares))
+            else:
+                shrunk = Holding(share=holding.share.resized(holding.shares - request.shares))
+        return grown, shrunk
+
+    def _resize_mig(
+        self, holding: Holding, asked: Mapping[str, int]
+    ) -> tuple[frozenset[tuple[str, int]], frozenset[tuple[str, int]], dict[str, int]]:
+        """A holding's MIG units against the counts ``asked`` per resource: (kept, dropped, more to
+        choose per resource). Of a profile with too many, the units with the highest UUIDs go; a unit the
+        inventory no longer reports is kept (its profile unknown, it is neither counted nor let go)."""
+        known = self.mig
+        by_name: dict[str, list[tuple[str, int]]] = {}
+        kept: set[tuple[str, int]] = set()
+        for uuid, parent in sorted(holding.mig):
+            dev = known.get(uuid)
+            if dev is None:
+                kept.add((uuid, parent))  # unknown to the inventory now (so granted nothing): never guessed at
+                continue
+            by_name.setdefault(migunits.resource_name(dev.profile) or dev.profile, []).append((uuid, parent))
+        more: dict[str, int] = {}
+        for name in sorted(set(by_name) | set(asked)):
+            have, want = by_name.get(name, []), asked.get(name, 0)
+            kept.update(have[:want])
+            if want > len(have):
+                more[name] = want - len(have)
+        return frozenset(kept), holding.mig - kept, more
+
+    def _grow_shares(self, holder: str, share: Share, count: int) -> Share:
+        """Book ``count`` shares in all for ``holder`` on the GPU it shares already, or refuse
+        (SharesExhausted naming the GPU, the shares asked and those free), changing nothing.
+        Returns the shares added."""
+        gpu = self._shares.shared.get(share.gpu)
+        free = (gpu.shares if gpu is not None else 0) - self._shares.held().get(share.gpu, 0)
+        blocked = self._allocator.unhealthy | self._allocator.draining | self._allocator.maintenance
+        extra = count - share.count
+        if gpu is None or extra > free or share.gpu in blocked:
+            why = "unhealthy, draining or drained for maintenance" if share.gpu in blocked else f"{max(free, 0)} free"
+            raise sharing.SharesExhausted(
+                f"container {holder} asks for {count} {sharing.RESOURCE} but holds {share.count} of GPU"
+                f" {self._name(share.gpu)}, which has {why} for the {extra} more (shares never move"
+                " to another GPU)",
+                requested=count,
+                free=max(free, 0),
+            )
+        self._shares.release(holder)
+        self._shares.restore(holder, share.gpu, count)
+        return Share(share.gpu, extra, share.mode)
+
+    def _name(self, minor: int) -> str:
+        gpu = self.gpus.get(minor)
+        return f"{gpu.index} ({gpu.uuid})" if gpu is not None else f"minor {minor}"
 
     def free(self, holder: str, holding: Holding) -> frozenset[int]:
         """Let what ``holder`` holds go: its whole GPUs, its MIG units (a parent none of whose units is
@@ -129,7 +193,7 @@ class Booking:
         released = holding.gpus & self._allocator.allocated
         self._allocator.deallocate(released)
         self.free_mig(holding.mig_uuids)  # also lets a parent no unit holds any more go (as ever)
-        freed = self.free_shares(holder) if holding.share is not None else None
+        freed = self.free_shares(holder, holding.share.count) if holding.share is not None else None
         if freed is not None and freed[1]:
             released |= {freed[0]}
         return released
@@ -325,12 +389,16 @@ class Booking:
         self.lock.require("restore_shares")
         self._shares.restore(holder, minor, count)
 
-    def free_shares(self, holder: str) -> tuple[int, bool] | None:
-        """Free ``holder``'s shares: (the GPU, whether it was the last holder), None when it held none."""
+    def free_shares(self, holder: str, count: int | None = None) -> tuple[int, bool] | None:
+        """Free ``count`` of ``holder``'s shares (None: all of them; an update's shrink frees fewer):
+        (the GPU, whether it has no holder left), None when it held none."""
         self.lock.require("free_shares")
-        if self._shares.of(holder) is None:
+        held = self._shares.of(holder)
+        if held is None:
             return None
-        minor, _n = self._shares.release(holder)
+        minor, n = self._shares.release(holder)
+        if count is not None and count < n:
+            self._shares.restore(holder, minor, n - count)
         return minor, not self._shares.holders(minor)
 
     def share_holders(self, minor: int) -> dict[str, int]:

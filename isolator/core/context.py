@@ -228,12 +228,16 @@ class Core:
         self.changes.notify(cid)
         if released:
             crashpoint("handover.pending")
-        share = rec.holding.share
+        self._stop_idle_mps(rec.holding, released)
+        self.handover.check(released)
+
+    def _stop_idle_mps(self, holding: Holding, released: frozenset[int]) -> None:
+        """Stop the MPS server of a shared GPU whose last sharer just let it go: it would be a process
+        on the GPU, so it is stopped before the handover check looks."""
+        share = holding.share
         if share is not None and share.gpu in released and share.mode == ShareMode.MPS and share.gpu in self.gpus:
-            # Its MPS server would be a process on the GPU: stopped before the handover check looks.
             minor = share.gpu
             self.mps.stop(self.gpus[minor], lambda: self.idle_share(minor))
-        self.handover.check(released)
 
     def idle_share(self, minor: int) -> bool:
         """Whether shared GPU ``minor`` has no sharer now."""
@@ -262,6 +266,7 @@ class Core:
         with self.booking.lock:
             released = self.booking.free(cid.key(), holding)
             self.handover.mark_pending(released)
+        self._stop_idle_mps(holding, released)  # an Update that took a last sharer's shares to 0
         self.handover.check(released)
 
     def release_volume(self, cid: ContainerId) -> None:

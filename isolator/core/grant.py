@@ -129,13 +129,20 @@ class KernelGrants:
         self._require(cid, "write")
         self.cgroups.apply(cid, rules)
 
-    def apply(self, cid: ContainerId, minors: frozenset[int], units: tuple[MigDevice, ...] | None = None) -> None:
-        """Make the kernel grant exactly ``minors`` and MIG ``units`` to ``cid`` (None: the MIG devices
-        its record holds), then record the rules granted."""
+    def apply(
+        self,
+        cid: ContainerId,
+        minors: frozenset[int],
+        units: tuple[MigDevice, ...] | None = None,
+        shared: frozenset[int] | None = None,
+    ) -> None:
+        """Make the kernel grant exactly ``minors``, MIG ``units`` (None: the MIG devices its record
+        holds) and the ``shared`` GPU (None: its record's) to ``cid``, then record the rules granted."""
         self._require(cid, "apply")
         rec = self.store.get(cid)
-        # A sharer's GPU comes from its record, always: shares never change after Prepare.
-        shared = rec.holding.shared if rec is not None else frozenset()
+        # A sharer's GPU comes from its record unless an Update releasing its shares says otherwise.
+        if shared is None:
+            shared = rec.holding.shared if rec is not None else frozenset()
         rules = self.rules(minors | shared, self.mig_of(rec) if units is None else units)
         self.cgroups.apply(cid, rules)
         if self.mode == Mode.MESOS and not cid.nested:

@@ -35,6 +35,7 @@ from isolator.model import (
     GpuRecord,
     GpuUsageSample,
     HealthEvent,
+    Holding,
     MaintenanceMark,
     Mode,
     Occupancy,
@@ -163,6 +164,9 @@ class RecordStore(Protocol):
     def add_gpus(self, cid: ContainerId, minors: Iterable[int]) -> ContainerRecord: ...
 
     def remove_gpus(self, cid: ContainerId, minors: Iterable[int]) -> ContainerRecord: ...
+
+    # An update's change of shares or MIG units: what ``cid`` holds, replaced whole in one transaction.
+    def set_holding(self, cid: ContainerId, holding: Holding) -> ContainerRecord: ...
 
     def update(
         self,

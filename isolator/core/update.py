@@ -1,5 +1,6 @@
-"""Update: a running container's GPUs grown or shrunk: book, record, then grant on a grow; revoke,
-then forget, then free on a shrink (never grant what is not recorded); its cpuset follows.
+"""Update: what a running container holds grown or shrunk (whole GPUs, MIG units, shares of its GPU):
+book, record, then grant on a grow; revoke, then forget, then free on a shrink (never grant what is
+not recorded); its cpuset follows whole GPUs. What may change is policy/request.py's rule.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from isolator.core.context import Core
 from isolator.crashpoints import crashpoint
 from isolator.errors import CgroupVanished, FailedPrecondition, IsolatorError
 from isolator.model import ContainerId, ContainerRecord, Holding, Resource
-from isolator.policy import mig as migunits
 from isolator.policy import request as requests
 from isolator.policy.affinity import Affinity
 
@@ -31,11 +31,11 @@ class UpdateHook:
         with core.locks.hold(container_id):
             rec = core.require(container_id)
             held = rec.holding
-            requests.check_update(container_id, held, self._mig_counts(rec), request)
-            if request.gpus > len(held.gpus):
+            requests.check_update(container_id, held, request)
+            if request.gpus > len(held.gpus) or sum(request.mig.values()) > len(held.mig):
                 core.handover.recheck()
             with core.booking.lock:
-                grown, shrunk = core.booking.resize(held, request.gpus)
+                grown, shrunk = core.booking.resize(container_id.key(), held, request)
             add, release = grown.gpus, shrunk.gpus
             try:
                 # Decided before anything changes: an enforced locality that leaves nothing refuses the update.
@@ -45,35 +45,52 @@ class UpdateHook:
             except BaseException:
                 self._unbook_grow(container_id, grown)
                 raise
-            if add:
+            now = held
+            if not grown.empty:
                 # Grow: book, record, then grant (never grant what is not recorded).
                 recorded = False
                 try:
-                    core.store.add_gpus(container_id, add)
+                    self._record(container_id, held | grown, grown)
                     recorded = True
                     crashpoint("update.grown")
-                    core.grants.apply(container_id, held.gpus | add)
+                    self._grant(container_id, held | grown)
                 except BaseException:
-                    self._undo_grow(container_id, held.gpus, grown, recorded)
+                    self._undo_grow(container_id, held, grown, recorded)
                     raise
-            if release:
-                # Shrink: revoke, then let the record and the books go.
-                core.grants.apply(container_id, held.gpus - release)
+                now = held | grown
+            if not shrunk.empty:
+                # Shrink: revoke, then let the record and the books go (shares are counted down on their
+                # GPU; a sharer at 0 is no longer granted it).
+                self._grant(container_id, now - shrunk)
                 crashpoint("update.revoked")
-                core.store.remove_gpus(container_id, release)
+                if shrunk.mig or shrunk.share is not None:
+                    core.store.set_holding(container_id, now - shrunk)
+                else:
+                    core.store.remove_gpus(container_id, release)
+                crashpoint("update.recorded")
                 core.release(container_id, shrunk)
-            final = (held.gpus | add) - release
+                now = now - shrunk
             if core.cpuset.enforcing and (add or release):
                 self._move_cpuset(container_id, rec, moved)
-        LOG.info("updated %s to %d GPUs", core.describe(container_id, frozenset(final)), request.gpus)
+        LOG.info(
+            "updated %s to %d GPUs, %d MIG devices, %d gpu_shares",
+            core.describe(container_id, now.touched),
+            len(now.gpus),
+            len(now.mig),
+            now.shares,
+        )
 
-    def _mig_counts(self, rec: ContainerRecord) -> dict[str, int]:
-        """The MIG units a record holds, per ``mig-<profile>`` resource (the profile when it has none)."""
-        held: dict[str, int] = {}
-        for dev in self.core.grants.mig_of(rec):
-            name = migunits.resource_name(dev.profile) or dev.profile
-            held[name] = held.get(name, 0) + 1
-        return held
+    def _record(self, cid: ContainerId, target: Holding, grown: Holding) -> None:
+        """Record a grow: whole GPUs added to the record, or (MIG units, shares) the holding replaced."""
+        if grown.mig or grown.share is not None:
+            self.core.store.set_holding(cid, target)
+        else:
+            self.core.store.add_gpus(cid, grown.gpus)
+
+    def _grant(self, cid: ContainerId, holding: Holding) -> None:
+        """Make the kernel grant exactly ``holding`` (whole GPUs, MIG units, the shared GPU); record the rules."""
+        grants = self.core.grants
+        grants.apply(cid, holding.gpus, grants.mig_units(cid, holding), shared=holding.shared)
 
     def _move_cpuset(self, cid: ContainerId, rec: ContainerRecord, held: Affinity | None) -> None:
         """After an update: record the cpuset of the GPUs now held, then write it. A container left
@@ -97,35 +114,33 @@ class UpdateHook:
                     for pid in core.cgroups.pids(member):
                         core.cpusets.join(cid, pid)
 
-    def _undo_grow(self, cid: ContainerId, kept: frozenset[int], grown: Holding, recorded: bool) -> None:
+    def _undo_grow(self, cid: ContainerId, kept: Holding, grown: Holding, recorded: bool) -> None:
         """Take back a grow that failed half-way: revoke in the kernel, then forget, then free.
 
-        The kernel may already grant ``add`` (the rules were applied, their record failed), so they
-        are revoked first; a GPU whose revocation fails stays recorded and booked, never free while
-        granted.
+        The kernel may already grant what it grew by (the rules were applied, their record failed),
+        so the container's rules go back to ``kept`` first; what fails to be revoked stays recorded
+        and booked, never free while granted.
         """
         core = self.core
-        add = grown.gpus
-        units = core.grants.mig_of(core.store.get(cid))  # MIG holdings never change in an update
         if recorded:
+            rules = core.grants.rules(kept.granted, core.grants.mig_units(cid, kept))
             try:
-                core.grants.write(cid, core.grants.rules(kept, units))
+                core.grants.write(cid, rules)
             except CgroupVanished:
                 pass  # no cgroup, no grant: nothing to revoke
             except Exception:
-                LOG.exception(
-                    "failed to revoke GPUs %s of %s after a failed update; they stay booked", sorted(add), cid
-                )
+                LOG.exception("failed to revoke %s of %s after a failed update; it stays booked", grown, cid)
                 return
             try:
-                core.store.remove_gpus(cid, add)
+                if grown.mig or grown.share is not None:
+                    core.store.set_holding(cid, kept)
+                else:
+                    core.store.remove_gpus(cid, grown.gpus)
             except IsolatorError as exc:
-                LOG.error(
-                    "failed to forget GPUs %s of %s after a failed update; they stay booked: %s", sorted(add), cid, exc
-                )
+                LOG.error("failed to forget %s of %s after a failed update; it stays booked: %s", grown, cid, exc)
                 return
             with contextlib.suppress(IsolatorError):
-                core.store.update(cid, rules=core.grants.rules(kept, units))
+                core.store.update(cid, rules=rules)
         self._unbook_grow(cid, grown)
 
     def _unbook_grow(self, cid: ContainerId, grown: Holding) -> None:

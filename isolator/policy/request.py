@@ -2,8 +2,8 @@
 (``mig-<profile>``) and shares of a GPU (``gpu_shares``), and the rules on the kinds it may hold.
 
 Pure: resources in, a ``Request`` or a typed error out. Prepare reads a request with the one-kind
-rule (``for_prepare``), Update with the rule that a container's kinds are fixed at launch
-(``check_update``); both rules are written here and nowhere else.
+rule (``for_prepare``), Update with the rule that a container's kinds never mix and that shares are
+placed at launch (``check_update``); both rules are written here and nowhere else.
 """
 
 from __future__ import annotations
@@ -50,18 +50,19 @@ def for_prepare(container_id: ContainerId, resources: Iterable[Resource]) -> Req
     return request
 
 
-def check_update(container_id: ContainerId, holding: Holding, held_mig: Mapping[str, int], request: Request) -> None:
-    """A running container's new request (``read``) may change its whole GPUs only: its shares and its
-    MIG units (``held_mig``: its units per resource name) are fixed at launch, and shares are never
-    mixed with whole GPUs (FailedPrecondition otherwise)."""
-    if request.shares != holding.shares or (holding.shares and request.gpus):
+def check_update(container_id: ContainerId, holding: Holding, request: Request) -> None:
+    """A running container's new request (``read``) may change each kind it holds, never mix them:
+    a sharer asks for shares only (0 releases them, the same count keeps them, another count is
+    booked on the same GPU by ``Booking.resize``), and a container without shares is never given
+    some on the fly: they are placed at launch, where its MPS client is set up (docs/sharing.md).
+    Whole GPUs and MIG units change freely (docs/mig.md). FailedPrecondition otherwise."""
+    if holding.shares and (request.gpus or request.mig):
         raise FailedPrecondition(
-            f"container {container_id} holds {holding.shares} {sharing.RESOURCE}; shares are fixed at launch"
-            f" and never mixed with whole GPUs (update asks for {request.shares} {sharing.RESOURCE},"
-            f" {request.gpus} gpus)"
+            f"container {container_id} holds {holding.shares} {sharing.RESOURCE}; shares are never mixed with"
+            f" whole GPUs or MIG devices (update asks for {request.gpus} gpus, MIG {dict(request.mig) or '{}'})"
         )
-    if dict(request.mig) != dict(held_mig):
+    if request.shares and not holding.shares:
         raise FailedPrecondition(
-            f"container {container_id} holds MIG devices {dict(held_mig) or '{}'}; MIG holdings are fixed at "
-            f"launch (update asks for {dict(request.mig) or '{}'})"
+            f"container {container_id} holds no {sharing.RESOURCE}; shares are placed at launch"
+            f" (update asks for {request.shares} {sharing.RESOURCE})"
         )

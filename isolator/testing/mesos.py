@@ -125,6 +125,10 @@ class GrpcIsolator:
     def update(self, cid: dict[str, Any], gpus: int) -> None:
         self._call("Update", pb.UpdateRequest, {"container_id": cid, "resource_requests": [gpu_resource(gpus)]})
 
+    def update_resources(self, cid: dict[str, Any], resources: list[dict[str, Any]]) -> None:
+        """Update with the agent's whole resources (Mesos JSON), any kind: MIG units, gpu_shares."""
+        self._call("Update", pb.UpdateRequest, {"container_id": cid, "resource_requests": resources})
+
     def cleanup(self, cid: dict[str, Any], config: dict[str, Any] | None = None) -> None:
         self._call("Cleanup", pb.CleanupRequest, {"container_id": cid})
 

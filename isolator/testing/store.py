@@ -95,6 +95,24 @@ class FakeStore:
             self.commits += 1
             return rec
 
+    def set_holding(self, cid: ContainerId, holding: Holding) -> ContainerRecord:
+        self.faults.check("set_holding", cid)
+        with self._lock:
+            rec = self._require(cid)
+            self._records[cid] = replace(rec, holding=Holding())
+            try:
+                self._check_free(cid, holding.gpus)
+                self._check_mig_free(cid, holding.mig)
+                self._check_share(cid, holding.share)
+            except BaseException:
+                self._records[cid] = rec
+                raise
+            rec = self._records[cid] = replace(
+                rec, holding=Holding(frozenset(holding.gpus), frozenset(holding.mig), holding.share)
+            )
+            self.commits += 1
+            return rec
+
     def update(
         self,
         cid: ContainerId,

@@ -32,7 +32,17 @@ from isolator.errors import (
     NvmlError,
 )
 from isolator.host.system import LocalFilesystem, ProcProcesses, SystemClock
-from isolator.model import ContainerId, ContainerRecord, DrainRecord, EndedDrain, Holding, MaintenanceMark, Topology
+from isolator.model import (
+    ContainerId,
+    ContainerRecord,
+    DrainRecord,
+    EndedDrain,
+    Holding,
+    MaintenanceMark,
+    Share,
+    ShareMode,
+    Topology,
+)
 from isolator.policy.devices import MESOS_DEFAULT_WHITELIST, DeviceRule, container_rules
 from isolator.testing import (
     FakeCgroups,
@@ -424,6 +434,21 @@ def test_store_grows_and_shrinks(store: FakeStore) -> None:
     with pytest.raises(InvalidArgument, match="does not hold"):
         store.remove_gpus(cid("a"), [0])
     assert store.get(cid("a")).holding.gpus == frozenset({1, 2})
+
+
+def test_store_replaces_a_holding_whole_and_refuses_what_another_holds(store: FakeStore) -> None:
+    # An Update's change of shares or MIG units (core/update.py): the rows replaced in one write.
+    store.record(ContainerRecord(cid("s"), Holding(share=Share(4, 2, ShareMode.MPS)), created=1.0))
+    assert store.set_holding(cid("s"), Holding(share=Share(4, 3, ShareMode.MPS))).holding.shares == 3
+    assert store.share_holders() == {cid("s"): (4, 3, "mps")}
+    assert store.set_holding(cid("s"), Holding()).holding.empty and store.share_holders() == {}
+    store.record(record("m", mig=frozenset({("MIG-1", 0), ("MIG-2", 0)})))
+    assert store.set_holding(cid("m"), Holding(mig=frozenset({("MIG-2", 0)}))).holding.mig == {("MIG-2", 0)}
+    with pytest.raises(GpuAlreadyHeld):
+        store.set_holding(cid("s"), Holding(mig=frozenset({("MIG-2", 0)})))
+    assert store.get(cid("s")).holding.empty and store.get(cid("m")).holding.mig == {("MIG-2", 0)}
+    with pytest.raises(ContainerNotRecorded):
+        store.set_holding(cid("nobody"), Holding())
 
 
 def test_store_updates_metadata_and_refuses_unknowns(store: FakeStore) -> None:

@@ -11,14 +11,20 @@ one-share task is refused while no healthy shared GPU has room, and goes to GPU 
 
 from __future__ import annotations
 
+import os
 import re
+import tempfile
 from collections.abc import Iterator
 
 import pytest
 from conftest import PROBE, assert_sees_exactly, opened_gpus
+from invariants import scrape_unix
 
 from isolator.testing.cluster import Cluster
 from isolator.testing.task import Task
+
+# The sidecar's metrics, so that a scenario can see gpu_isolator_errors_total (issue 41).
+METRICS = os.path.join(tempfile.mkdtemp(prefix="gi-shares-", dir="/tmp"), "metrics.sock")
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +33,7 @@ def shared(mesos_home: str) -> Iterator[Cluster]:
         mesos_home,
         gpus=4,
         resources="cpus:8;mem:4096;disk:4096;gpu_shares:16",
-        sidecar_flags=("--shared-gpus", "4-7:4:mps"),
+        sidecar_flags=("--shared-gpus", "4-7:4:mps", "--metrics-address", f"unix:{METRICS}"),
     ) as c:
         yield c
 
@@ -155,3 +161,47 @@ def test_the_agent_and_the_sidecar_restarted_with_sharers_live_keep_every_share(
     gpus = {int(g["index"]): g for g in agent.sidecar_json("gpus")["gpus"]}
     assert [gpus[i]["mps_state"] for i in (4, 5, 6)] == ["stopped"] * 3
     assert "Check failed" not in agent.log()
+
+
+def _errors(path: str) -> dict[str, float]:
+    return {k: v for k, v in scrape_unix(path).items() if k.startswith("gpu_isolator_errors_total")}
+
+
+@pytest.fixture(scope="module")
+def native_metrics() -> str:
+    return os.path.join(tempfile.mkdtemp(prefix="gi-native-", dir="/tmp"), "metrics.sock")
+
+
+@pytest.fixture(scope="module")
+def shared_native(mesos_home: str, native_metrics: str) -> Iterator[Cluster]:
+    """The same agent on the native route: our module forwards every Update (the criteo route forwards
+    none), which is where issue 41's errors came from."""
+    with Cluster(
+        mesos_home,
+        gpus=4,
+        route="native",
+        resources="cpus:8;mem:4096;disk:4096;gpu_shares:16",
+        sidecar_flags=("--shared-gpus", "4-7:4:mps", "--metrics-address", f"unix:{native_metrics}"),
+    ) as c:
+        yield c
+
+
+@pytest.mark.parametrize("route", ["criteo", "native"])
+def test_a_share_task_that_ends_leaves_no_isolator_error_in_the_agent_log(route: str, request) -> None:
+    """Issue 41: when a task ends the agent shrinks its executor and calls update with no gpu_shares;
+    the sidecar releases them, so the agent logs no failed update and no error is counted."""
+    cluster: Cluster = request.getfixturevalue("shared" if route == "criteo" else "shared_native")
+    metrics = METRICS if route == "criteo" else request.getfixturevalue("native_metrics")
+    agent = cluster.agents[0]
+    assert agent.sidecar is not None
+    mark, before = len(agent.log()), _errors(metrics)
+    tasks = [cluster.submit(f"python3 {PROBE} {agent.sidecar.dev_root} 0", shares=n) for n in (1, 2)]
+    for task in tasks:
+        task.wait("TASK_FINISHED", timeout=120)
+        task.wait_gone()
+    log = agent.log()[mark:]
+    assert "Failed to update resources" not in log, log
+    errors = [line for line in log.splitlines() if line.startswith("E") and "isolator" in line.lower()]
+    assert errors == [], errors  # glog's error lines start with E
+    assert _errors(metrics) == before, "an ended share task counts no sidecar error"
+    assert not any(_shares_held(cluster).values()), "every share released"

@@ -211,27 +211,35 @@ def test_whole_gpu_requests_take_gpus_not_in_mig_mode_first(agent):
         channel.close()
 
 
-def test_update_keeps_mig_holdings_fixed(agent):
+def test_update_keeps_shrinks_grows_and_releases_mig_holdings(agent):
     sidecar, isolator, containerizer = agent
     channel = grpc.insecure_channel(sidecar.address)
-    stub = pb_grpc.IsolatorStub(channel)
+    stub, admin = pb_grpc.IsolatorStub(channel), pb_grpc.AdminStub(channel)
     cid = container_id("mig-update")
     isolator.prepare(cid, mig_config(containerizer, **{"1g_5gb": 2}))
 
-    def update(*resources: tuple[str, float]) -> None:
+    def update(*resources: tuple[str, float]) -> list[str]:
         request = pb.UpdateRequest(container_id=pb.ContainerID(value="mig-update"))
         for name, value in resources:
             request.resource_requests.add(name=name, type=pb.Value.SCALAR, role="*").scalar.value = value
         stub.Update(request, timeout=10)
+        described = admin.DescribeContainer(
+            pb.DescribeContainerRequest(container_id=pb.ContainerID(value="mig-update")), timeout=10
+        )
+        assert described.rules_agree, described  # the kernel grants exactly what is recorded
+        return sorted(described.container.mig_uuids)
 
     try:
-        # Mesos's Update carries the container's whole resources: the same MIG counts are fine.
-        update(("cpus", 1), ("mig-1g.5gb", 2))
-        for changed in ((("mig-1g.5gb", 3),), (("mig-1g.5gb", 1),), (("gpus", 0),)):
-            with pytest.raises(grpc.RpcError) as err:
-                update(*changed)
-            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert "MIG holdings are fixed at launch" in err.value.details()
+        # Mesos's Update carries the container's whole resources: the same MIG counts keep the same units.
+        first = update(("cpus", 1), ("mig-1g.5gb", 2))
+        assert len(first) == 2
+        assert update(("cpus", 1), ("mig-1g.5gb", 1)) == first[:1], "a shrink keeps the lowest UUIDs"
+        grown = update(("cpus", 1), ("mig-1g.5gb", 3))
+        assert len(grown) == 3 and first[0] in grown
+        with pytest.raises(grpc.RpcError) as err:
+            update(("mig-1g.5gb", 99))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert update(("cpus", 1)) == [], "no mig-* left: every unit released"
     finally:
         isolator.cleanup(cid)
         channel.close()

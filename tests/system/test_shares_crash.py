@@ -1,5 +1,6 @@
 """A holder of gpu_shares across SIGKILLs at every crash point between booking its share and granting
-it, and between revoking it and forgetting it (simulated dgx-1, GPU 4 shared two ways).
+it, and between revoking it and forgetting it, and in the agent's updates of it (a grow on its GPU, a
+release to 0; simulated dgx-1, GPU 4 shared two ways).
 
 After each kill the sidecar is restarted and Recover called, as the agent does; then the records
 and the kernel must agree (the consistency health check counts the sharer's GPU as granted), and
@@ -12,7 +13,7 @@ from __future__ import annotations
 import pytest
 from invariants import killed_and_recovered
 
-from isolator.testing.mesos import Containerizer, HookFailed, container_id
+from isolator.testing.mesos import Containerizer, GrpcIsolator, HookFailed, container_id
 
 pytestmark = [pytest.mark.root]
 VERSIONS = [pytest.param("v1", marks=pytest.mark.cgroup_v1), pytest.param("v2", marks=pytest.mark.cgroup_v2)]
@@ -25,6 +26,14 @@ POINTS = [
     "handover.pending",
     "state.commit",
 ]
+# Issue 41: the agent's own updates of a sharer, one grow on its GPU then a release to 0.
+UPDATE_POINTS = ["update.grown", "update.revoked", "update.recorded"]
+
+
+def grow_then_release(isolator: GrpcIsolator, crashy: dict) -> None:
+    cpus = {"name": "cpus", "type": "SCALAR", "scalar": {"value": 1}, "role": "*"}
+    isolator.update_resources(crashy, [cpus, {"name": "gpu_shares", "type": "SCALAR", "scalar": {"value": 2}}])
+    isolator.update_resources(crashy, [cpus])
 
 
 def share_config(containerizer: Containerizer, n: int = 1) -> dict:
@@ -34,9 +43,12 @@ def share_config(containerizer: Containerizer, n: int = 1) -> dict:
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize("point", POINTS + UPDATE_POINTS)
 def test_a_sharer_survives_a_kill_at(point, version):
-    with killed_and_recovered("dgx-1", version, point, share_config, extra=("--shared-gpus", "4:2:mps")) as after:
+    update = grow_then_release if point in UPDATE_POINTS else None
+    with killed_and_recovered(
+        "dgx-1", version, point, share_config, extra=("--shared-gpus", "4:2:mps"), update=update
+    ) as after:
         isolator = after.isolator
         isolator.cleanup(container_id("crashy"))
         # Nothing leaked and nothing doubled: GPU 4's two shares, and no third.

@@ -189,3 +189,56 @@ def test_mps_daemons_through_the_daemon_started_supervised_and_stopped(short_tmp
         sidecar.stop()
         for pid in _stand_ins(short_tmp).values():  # ours, started by the daemon under test
             os.kill(pid, signal.SIGKILL)
+
+
+def test_updates_of_a_sharer_through_the_daemon_release_keep_and_resize_on_its_gpu(short_tmp):
+    # Issue 41: the agent shrinks a share task's executor when the task ends and calls update;
+    # the shares go (the kernel first), a resize stays on the GPU, a grow past it is refused by name.
+    import grpc
+
+    from isolator.rpc import isolator_pb2 as pb
+    from isolator.rpc import isolator_pb2_grpc as pb_grpc
+
+    config = os.path.join(short_tmp, "config.toml")
+    with open(config, "w") as fh:
+        fh.write('shared-gpus = "4:2:time-slice"\n')
+    root = f"{TEST_PARENT}/{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    sidecar = Sidecar(work=short_tmp, host="dgx-1", cgroup_version="v1", cgroups_root=root, extra=("--config", config))
+    sidecar.start()
+    isolator = GrpcIsolator(sidecar.socket)
+    channel = grpc.insecure_channel(sidecar.address)
+    stub, admin = pb_grpc.IsolatorStub(channel), pb_grpc.AdminStub(channel)
+
+    def update(name: str, shares: int) -> None:
+        request = pb.UpdateRequest(container_id=pb.ContainerID(value=name))
+        request.resource_requests.add(name="cpus", type=pb.Value.SCALAR, role="*").scalar.value = 1
+        if shares:  # the agent names no resource it has none of
+            request.resource_requests.add(name="gpu_shares", type=pb.Value.SCALAR, role="*").scalar.value = shares
+        stub.Update(request, timeout=10)
+        described = admin.DescribeContainer(pb.DescribeContainerRequest(container_id=request.container_id), timeout=10)
+        assert described.rules_agree, described
+
+    try:
+        c = Containerizer(isolator, short_tmp)
+        isolator.prepare(container_id("a"), _shares(c, 1))
+        update("a", 1)
+        update("a", 2)
+        assert _granted(sidecar, "a") == [4]
+        with pytest.raises(HookFailed) as err:
+            isolator.prepare(container_id("b"), _shares(c, 1))
+        assert err.value.code == "RESOURCE_EXHAUSTED", "a's grow is booked"
+        update("a", 1)
+        isolator.prepare(container_id("b"), _shares(c, 1))
+        with pytest.raises(grpc.RpcError) as rpc:
+            update("b", 2)
+        assert rpc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "asks for 2 gpu_shares but holds 1 of GPU 4" in rpc.value.details() and "0 free" in rpc.value.details()
+        update("a", 0)
+        assert _granted(sidecar, "a") == [] and _granted(sidecar, "b") == [4]
+        update("b", 2)  # a's share is free again: b grows on the same GPU
+        for name in ("a", "b"):
+            isolator.cleanup(container_id(name))
+    finally:
+        channel.close()
+        isolator.close()
+        sidecar.stop()

@@ -147,6 +147,20 @@ class StateStore(Marks):
 
         return self._write("remove GPUs", write)
 
+    def set_holding(self, cid: ContainerId, holding: Holding) -> ContainerRecord:
+        """An update's change of what ``cid`` holds (its shares, its MIG units), whole: its rows
+        replaced in one transaction, refused like ``record`` for anything another container holds."""
+
+        def write(db: sqlite3.Connection) -> ContainerRecord:
+            rows.require(db, cid)
+            key = rows.cid_key(cid)
+            for table in ("allocation", "mig_allocation", "share_allocation"):  # names are ours, not input
+                db.execute(f"DELETE FROM {table} WHERE container = ?", (key,))
+            rows.insert_holding(db, cid, holding)
+            return rows.read(db, self.path, cid)
+
+        return self._write("set holding", write)
+
     def update(
         self,
         cid: ContainerId,

@@ -9,9 +9,9 @@ from dataclasses import replace
 import pytest
 
 from isolator.errors import GpusExhausted
-from isolator.model import ContainerId, Holding, Mode, RecordState, ShareMode
+from isolator.model import ContainerId, Holding, Mode, RecordState, Share, ShareMode
 from isolator.policy.request import Request
-from isolator.policy.shares import parse_shared_gpus
+from isolator.policy.shares import SharesExhausted, parse_shared_gpus
 from isolator.testing.rig import fake_service
 
 
@@ -65,10 +65,10 @@ def test_resize_books_a_grow_and_only_chooses_a_shrink() -> None:
     booking = fake_service("dgx-1").service.core.booking
     with booking.lock:
         held = booking.book("a", Request(gpus=2))
-        grown, shrunk = booking.resize(held, 3)
+        grown, shrunk = booking.resize("a", held, Request(gpus=3))
         assert len(grown.gpus) == 1 and not shrunk.gpus and grown.gpus <= booking.allocated
         whole = held | grown
-        grown, shrunk = booking.resize(whole, 1)
+        grown, shrunk = booking.resize("a", whole, Request(gpus=1))
         assert not grown.gpus and len(shrunk.gpus) == 2
         assert shrunk.gpus <= booking.allocated  # still booked: the caller revokes, then frees
         assert booking.free("a", shrunk) == shrunk.gpus
@@ -81,7 +81,7 @@ def test_resize_past_what_is_free_books_nothing() -> None:
         held = booking.book("a", Request(gpus=1))
         before = booking.available
         with pytest.raises(GpusExhausted):
-            booking.resize(held, 99)
+            booking.resize("a", held, Request(gpus=99))
         assert booking.available == before
 
 
@@ -113,3 +113,23 @@ def test_the_grant_of_a_holding_is_its_gpus_and_mig_units() -> None:
     grant = core.grants.of(cid, held)
     assert grant == core.grants.compute(held.granted, units)
     assert {f"nvidia{m}" for m in held.gpus | held.mig_parents} <= set(grant.nodes)
+
+
+def test_resize_of_shares_books_a_grow_on_the_same_gpu_and_only_chooses_a_shrink() -> None:
+    rig = fake_service("dgx-1")
+    rig.settings = replace(rig.settings, shared_gpus=parse_shared_gpus("4:4:mps"))
+    booking = rig.restart().core.booking
+    with booking.lock:
+        held = booking.book("a", Request(shares=1))
+        assert held.share is not None
+        grown, shrunk = booking.resize("a", held, Request(shares=3))
+        assert grown.share == Share(held.share.gpu, 2, ShareMode.MPS) and shrunk.empty
+        assert booking.share_holders(held.share.gpu) == {"a": 3}
+        grown, shrunk = booking.resize("a", held | grown, Request(shares=0))
+        assert grown.empty and shrunk.share == Share(held.share.gpu, 3, ShareMode.MPS)
+        assert booking.share_holders(held.share.gpu) == {"a": 3}  # still booked: the caller revokes, then frees
+        assert booking.free("a", Holding(share=Share(held.share.gpu, 1, ShareMode.MPS))) == frozenset()
+        assert booking.share_holders(held.share.gpu) == {"a": 2}
+        with pytest.raises(SharesExhausted, match="asks for 5 gpu_shares but holds 2 of GPU 4"):
+            booking.resize("a", Holding(share=Share(held.share.gpu, 2, ShareMode.MPS)), Request(shares=5))
+        assert booking.share_holders(held.share.gpu) == {"a": 2}

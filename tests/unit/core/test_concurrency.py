@@ -216,7 +216,7 @@ def test_booking_outside_the_booking_lock_is_refused_and_changes_nothing(rig: Ri
         lambda: core.booking.allocate_set({0}),
         lambda: core.booking.restore("a", Holding.whole({0})),
         lambda: core.booking.book("a", Request(gpus=1)),
-        lambda: core.booking.resize(Holding(), 1),
+        lambda: core.booking.resize("a", Holding(), Request(gpus=1)),
         lambda: core.booking.free("a", Holding.whole({0})),
         lambda: core.booking.deallocate(set()),
         lambda: core.booking.set_draining(0, True),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from isolator.errors import FailedPrecondition, ResourceExhausted
+from isolator.errors import ResourceExhausted
 from isolator.model import ContainerConfig, ContainerId, Resource
 from isolator.policy.devices import MESOS_DEFAULT_WHITELIST
 from isolator.simhost.host import load_host, mig_caps_minors
@@ -82,7 +82,7 @@ def test_an_xid_on_the_parent_limits_its_mig_holders_only():
         svc.prepare(cid("next"), config(**{"1g_5gb": 2}))
 
 
-def test_mig_holdings_are_booked_again_after_a_restart_and_fixed_in_update():
+def test_mig_holdings_are_booked_again_after_a_restart_and_kept_by_an_update():
     rig = fake_service("dgx-a100")
     rig.service.prepare(cid("a"), config(**{"1g_10gb": 1}))
     svc = rig.restart()
@@ -90,8 +90,6 @@ def test_mig_holdings_are_booked_again_after_a_restart_and_fixed_in_update():
         svc.prepare(cid("b"), config(**{"1g_10gb": 1}))
     with pytest.raises(ResourceExhausted):
         svc.prepare(cid("b"), config(gpus=8))
-    with pytest.raises(FailedPrecondition, match="MIG holdings are fixed at launch"):
-        svc.update(cid("a"), [Resource("gpus", 1.0)])
     svc.update(cid("a"), [Resource("gpus", 1.0), Resource("mig-1g.10gb", 1.0)])  # grows whole GPUs only
     assert len(rig.store.get(cid("a")).holding.gpus) == 1
     svc.recover([], [])

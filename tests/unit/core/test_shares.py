@@ -203,16 +203,14 @@ def test_an_xid_on_a_shared_gpu_limits_every_sharer_and_nobody_else(rig: Rig) ->
         rig.service.prepare(cid("x"), shares(4))
 
 
-def test_update_never_changes_shares(rig: Rig) -> None:
+def test_update_never_mixes_shares_with_other_kinds(rig: Rig) -> None:
     rig.service.prepare(cid("a"), shares(2))
-    with pytest.raises(FailedPrecondition, match="shares are fixed at launch"):
-        rig.service.update(cid("a"), [Resource("gpu_shares", 3.0)])
-    with pytest.raises(FailedPrecondition, match="shares are fixed at launch"):
+    with pytest.raises(FailedPrecondition, match="shares are never mixed with whole GPUs or MIG devices"):
         rig.service.update(cid("a"), [Resource("gpu_shares", 2.0), Resource("gpus", 1.0)])
     rig.service.update(cid("a"), [Resource("gpu_shares", 2.0), Resource("cpus", 2.0)])  # unchanged: fine
     assert granted(rig, cid("a")) == [minor_of(rig, 4)]
     rig.service.prepare(cid("w"), gpus(1))
-    with pytest.raises(FailedPrecondition, match="holds 0 gpu_shares"):
+    with pytest.raises(FailedPrecondition, match="holds no gpu_shares; shares are placed at launch"):
         rig.service.update(cid("w"), [Resource("gpus", 1.0), Resource("gpu_shares", 1.0)])
 
 

@@ -1,8 +1,11 @@
 """Update (isolator/core/update.py) in-process over the shipped fakes: grows booked, recorded, then granted;
-shrinks revoked, then forgotten, then freed; a failure half-way gives back what it took.
+shrinks revoked, then forgotten, then freed; a failure half-way gives back what it took. The same for
+whole GPUs, MIG units and shares (which stay on their GPU).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 from hook_helpers import cid, free, gpus, granted, held, make_rig
@@ -14,9 +17,11 @@ from isolator.errors import (
     GpusExhausted,
     InvalidGpuCount,
     NotFound,
+    ResourceExhausted,
     StateError,
 )
-from isolator.model import ContainerConfig, Resource
+from isolator.model import ContainerConfig, ContainerId, Resource
+from isolator.policy.shares import SharesExhausted, parse_shared_gpus
 from isolator.testing import Rig, fake_service
 
 
@@ -142,3 +147,169 @@ def test_mesos_update_is_not_failed_by_a_nested_cgroup_that_vanishes_meanwhile()
     rig.cgroups.faults.fail_at("apply", gone, container=b)
     rig.service.update(a, [Resource("gpus", 3.0)])
     assert len(held(rig, a)) == 3 and granted(rig, a) == held(rig, a)
+
+
+# ---- shares (docs/sharing.md): to 0 released, the same kept, more or fewer on the same GPU ---------
+
+SHARED = parse_shared_gpus("4-7:4:mps")  # dgx-1: GPUs 0-3 whole, 4-7 cut four ways
+
+
+def shares(n: float) -> list[Resource]:
+    """An executor's resources; with no shares left the agent names none (Mesos drops empty scalars)."""
+    return [Resource("gpu_shares", n), Resource("cpus", 1.0)] if n else [Resource("cpus", 1.0)]
+
+
+@pytest.fixture
+def sharing() -> Rig:
+    rig = fake_service("dgx-1")
+    rig.settings = replace(rig.settings, shared_gpus=SHARED)
+    rig.restart()
+    return rig
+
+
+def share_of(rig: Rig, c: ContainerId) -> tuple[int, int] | None:
+    rec = rig.store.get(c)
+    assert rec is not None
+    share = rec.holding.share
+    return None if share is None else (share.gpu, share.count)
+
+
+def shares_booked(rig: Rig) -> dict[int, int]:
+    booking = rig.service.core.booking
+    with booking.lock:
+        return {m: n for m, n in booking.shares_held().items() if n}
+
+
+def test_an_update_to_zero_shares_releases_them_and_revokes_their_gpu(sharing: Rig) -> None:
+    a = cid("a")
+    sharing.service.prepare(a, ContainerConfig(resources=tuple(shares(2))))
+    (gpu, _n) = share_of(sharing, a) or (None, 0)
+    assert granted(sharing, a) == [gpu]
+    sharing.service.update(a, shares(0))  # the agent shrinks the executor when its share task ends
+    assert share_of(sharing, a) is None and granted(sharing, a) == [] and shares_booked(sharing) == {}
+    assert sharing.service.inconsistencies() == []
+    sharing.service.update(a, shares(0))  # and again: nothing held, nothing to do
+    sharing.service.cleanup(a)
+    assert sharing.store.get(a) is None and shares_booked(sharing) == {}
+
+
+def test_an_update_with_the_same_shares_changes_nothing(sharing: Rig) -> None:
+    a = cid("a")
+    sharing.service.prepare(a, ContainerConfig(resources=tuple(shares(2))))
+    before, rules = share_of(sharing, a), sharing.cgroups.rules_of(a)
+    sharing.service.update(a, shares(2))
+    assert share_of(sharing, a) == before and sharing.cgroups.rules_of(a) == rules
+    assert shares_booked(sharing) == {before[0]: 2} if before else False
+
+
+def test_an_update_grows_and_shrinks_shares_on_the_same_gpu(sharing: Rig) -> None:
+    a = cid("a")
+    sharing.service.prepare(a, ContainerConfig(resources=tuple(shares(1))))
+    gpu = (share_of(sharing, a) or (-1, 0))[0]
+    sharing.service.update(a, shares(3))
+    assert share_of(sharing, a) == (gpu, 3) and granted(sharing, a) == [gpu] and shares_booked(sharing) == {gpu: 3}
+    sharing.service.update(a, shares(1))
+    assert share_of(sharing, a) == (gpu, 1) and granted(sharing, a) == [gpu] and shares_booked(sharing) == {gpu: 1}
+    assert sharing.service.inconsistencies() == []
+
+
+def test_a_share_grow_beyond_its_gpu_is_refused_naming_it_and_changes_nothing(sharing: Rig) -> None:
+    a, b = cid("a"), cid("b")
+    sharing.service.prepare(a, ContainerConfig(resources=tuple(shares(3))))
+    gpu = (share_of(sharing, a) or (-1, 0))[0]
+    index = next(g.index for g in sharing.inventory.topology().gpus if g.minor == gpu)
+    for other in "cde":  # GPUs 5-7 take three each, then b goes to the least held: GPU 4, its last share
+        sharing.service.prepare(cid(other), ContainerConfig(resources=tuple(shares(3))))
+    sharing.service.prepare(b, ContainerConfig(resources=tuple(shares(1))))
+    assert share_of(sharing, b) == (gpu, 1)
+    with pytest.raises(SharesExhausted, match=rf"asks for 2 gpu_shares but holds 1 of GPU {index} \(.*0 free"):
+        sharing.service.update(b, shares(2))  # GPU 7 has one free, but shares never move
+    assert share_of(sharing, b) == (gpu, 1) and shares_booked(sharing)[gpu] == 4 and granted(sharing, b) == [gpu]
+
+
+def test_a_share_grow_whose_record_fails_gives_the_shares_back(sharing: Rig) -> None:
+    a = cid("a")
+    sharing.service.prepare(a, ContainerConfig(resources=tuple(shares(1))))
+    gpu = (share_of(sharing, a) or (-1, 0))[0]
+    sharing.store.faults.fail_at("set_holding")
+    with pytest.raises(StateError):
+        sharing.service.update(a, shares(3))
+    assert share_of(sharing, a) == (gpu, 1) and shares_booked(sharing) == {gpu: 1} and granted(sharing, a) == [gpu]
+
+
+def test_a_release_of_shares_whose_revocation_fails_keeps_them(sharing: Rig) -> None:
+    a = cid("a")
+    sharing.service.prepare(a, ContainerConfig(resources=tuple(shares(2))))
+    gpu = (share_of(sharing, a) or (-1, 0))[0]
+    sharing.cgroups.faults.fail_at("apply")
+    with pytest.raises(CgroupError):
+        sharing.service.update(a, shares(0))
+    assert share_of(sharing, a) == (gpu, 2) and shares_booked(sharing) == {gpu: 2} and granted(sharing, a) == [gpu]
+
+
+def test_shares_released_by_an_update_stay_released_after_a_restart(sharing: Rig) -> None:
+    a, b = cid("a"), cid("b")
+    sharing.service.prepare(a, ContainerConfig(resources=tuple(shares(4))))
+    sharing.service.update(a, shares(0))
+    svc = sharing.restart()
+    assert svc.inconsistencies() == []
+    for name in "bcde":  # 16 shares in all are free again
+        svc.prepare(cid(name), ContainerConfig(resources=tuple(shares(4))))
+    assert share_of(sharing, b) is not None
+
+
+# ---- MIG units (docs/mig.md): to 0 released, the same kept, a subset kept, more booked -------------
+
+
+def mig(n: int, profile: str = "mig-1g.5gb") -> list[Resource]:
+    return [Resource(profile, float(n)), Resource("cpus", 1.0)]
+
+
+def units(rig: Rig, c: ContainerId) -> frozenset[str]:
+    rec = rig.store.get(c)
+    assert rec is not None
+    return rec.holding.mig_uuids
+
+
+def test_an_update_releases_keeps_shrinks_and_grows_mig_units() -> None:
+    rig = fake_service("dgx-a100")
+    a = cid("a")
+    rig.service.prepare(a, ContainerConfig(resources=tuple(mig(3))))
+    first = units(rig, a)
+    rules = rig.cgroups.rules_of(a)
+    rig.service.update(a, mig(3))
+    assert units(rig, a) == first and rig.cgroups.rules_of(a) == rules
+    rig.service.update(a, mig(1))
+    assert units(rig, a) == {min(first)}, "a shrink keeps the lowest UUIDs"
+    assert rig.service.inconsistencies() == []
+    rig.service.update(a, mig(4))
+    assert len(units(rig, a)) == 4 and min(first) in units(rig, a)
+    assert rig.service.inconsistencies() == []
+    rig.service.update(a, [Resource("cpus", 1.0)])
+    assert units(rig, a) == frozenset() and rig.service.inconsistencies() == []
+    rig.service.prepare(cid("b"), ContainerConfig(resources=tuple(mig(8))))  # every 1g.5gb free again
+
+
+def test_a_mig_grow_beyond_what_is_free_is_refused_and_changes_nothing() -> None:
+    rig = fake_service("dgx-a100")
+    a = cid("a")
+    rig.service.prepare(a, ContainerConfig(resources=tuple(mig(2))))
+    rig.service.prepare(cid("b"), ContainerConfig(resources=tuple(mig(5))))
+    before, rules = units(rig, a), rig.cgroups.rules_of(a)
+    with pytest.raises(ResourceExhausted):
+        rig.service.update(a, mig(4))
+    assert units(rig, a) == before and rig.cgroups.rules_of(a) == rules
+    rig.service.update(a, mig(3))  # the last one fits
+    assert len(units(rig, a)) == 3 and before <= units(rig, a)
+
+
+def test_a_mig_grow_whose_grant_fails_gives_the_units_back() -> None:
+    rig = fake_service("dgx-a100")
+    a = cid("a")
+    rig.service.prepare(a, ContainerConfig(resources=tuple(mig(1))))
+    before, rules = units(rig, a), rig.cgroups.rules_of(a)
+    rig.cgroups.faults.fail_at("apply")
+    with pytest.raises(CgroupError):
+        rig.service.update(a, mig(2))
+    assert units(rig, a) == before and rig.cgroups.rules_of(a) == rules
+    rig.service.prepare(cid("b"), ContainerConfig(resources=tuple(mig(7))))  # the other seven are free

@@ -1,5 +1,5 @@
 """A container's request read once from its resources, and the rules on its kinds
-(isolator/policy/request.py): one kind at Prepare, kinds fixed at Update."""
+(isolator/policy/request.py): one kind at Prepare, kinds never mixed at Update."""
 
 from __future__ import annotations
 
@@ -37,19 +37,19 @@ def test_prepare_takes_whole_gpus_with_mig_units() -> None:
     )
 
 
-def test_update_may_change_whole_gpus_only() -> None:
+def test_update_may_change_whole_gpus_and_mig_units() -> None:
     whole = Holding.whole({0})
-    requests.check_update(A, whole, {}, Request(gpus=3))
-    with pytest.raises(FailedPrecondition, match="holds 0 gpu_shares"):
-        requests.check_update(A, whole, {}, Request(gpus=1, shares=1))
-    with pytest.raises(FailedPrecondition, match="MIG holdings are fixed at launch"):
-        requests.check_update(A, whole, {}, Request(gpus=1, mig={"mig-1g.5gb": 1}))
-    requests.check_update(A, whole, {"mig-1g.5gb": 1}, Request(mig={"mig-1g.5gb": 1}))
+    requests.check_update(A, whole, Request(gpus=3))
+    requests.check_update(A, whole, Request(gpus=1, mig={"mig-1g.5gb": 1}))
+    requests.check_update(A, Holding(mig=frozenset({("MIG-a", 1)})), Request())
+    with pytest.raises(FailedPrecondition, match="container a holds no gpu_shares; shares are placed at launch"):
+        requests.check_update(A, whole, Request(gpus=1, shares=1))
 
 
-def test_update_keeps_shares_as_they_are() -> None:
+def test_update_may_change_a_sharers_shares_never_mix_them() -> None:
     sharer = Holding(share=Share(4, 2, ShareMode.MPS))
-    requests.check_update(A, sharer, {}, Request(shares=2))
-    for changed in (Request(shares=3), Request(shares=0), Request(gpus=1, shares=2)):
-        with pytest.raises(FailedPrecondition, match="shares are fixed at launch"):
-            requests.check_update(A, sharer, {}, changed)
+    for count in (0, 1, 2, 3):
+        requests.check_update(A, sharer, Request(shares=count))
+    for mixed in (Request(gpus=1, shares=2), Request(mig={"mig-1g.5gb": 1}), Request(gpus=1)):
+        with pytest.raises(FailedPrecondition, match="container a holds 2 gpu_shares; shares are never mixed"):
+            requests.check_update(A, sharer, mixed)

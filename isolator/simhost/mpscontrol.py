@@ -36,6 +36,15 @@ def _log(log_dir: str, line: str) -> None:
         fh.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {line}\n")
 
 
+def _percentage(text: str, current: str) -> str:
+    """``text`` as the daemon keeps a thread percentage (``25.0``), or ``current`` when it is not one."""
+    try:
+        value = float(text)
+    except ValueError:
+        return current
+    return f"{value:.1f}" if 0 < value <= 100 else current
+
+
 def _serve(pipe: str, log_dir: str, listener: socket.socket) -> None:
     """The control daemon's loop: one command per connection, until ``quit``."""
     settings = {"threads": "100.0"}
@@ -70,16 +79,18 @@ def _serve(pipe: str, log_dir: str, listener: socket.socket) -> None:
             elif words == ["get_default_active_thread_percentage"]:
                 reply = settings["threads"]
             elif len(words) == 2 and words[0] == "set_default_active_thread_percentage":
-                settings["threads"] = f"{float(words[1]):.1f}"
+                # As the real daemon (driver 580): a percentage outside (0, 100] or not a number is
+                # no error; the value in force is echoed, so a caller tells success by the echo.
+                settings["threads"] = _percentage(words[1], settings["threads"])
                 reply = settings["threads"]
             elif len(words) == 2 and words[0] == "get_default_device_pinned_mem_limit":
-                reply = limits.get(words[1], "0")
+                reply = limits.get(words[1], "")  # the real one prints nothing for an unset limit
             elif len(words) == 3 and words[0] == "set_default_device_pinned_mem_limit":
                 limits[words[1]] = words[2]
             elif words == ["quit"]:
                 done = True
             else:
-                reply = f"Unrecognized command: {command}"
+                reply = f'Unknown command "{command}"'
             conn.sendall((reply + "\n").encode())
         if done:
             _log(log_dir, "Shutdown")

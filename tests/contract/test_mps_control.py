@@ -78,7 +78,7 @@ def test_the_stand_in_is_started_as_the_real_one_and_logs_what_it_was_told(short
         control.command(UUID, "set_default_device_pinned_mem_limit 0 20480M")
         assert control.command(UUID, "get_default_device_pinned_mem_limit 0") == "20480M"
         assert control.command(UUID, "get_server_list") == ""
-        assert control.command(UUID, "frobnicate") == "Unrecognized command: frobnicate"
+        assert control.command(UUID, "frobnicate") == 'Unknown command "frobnicate"'
         control.stop(UUID)
         assert control.pid(UUID) is None and not os.path.exists(os.path.join(pipe, "control"))
         with open(os.path.join(log, "control.log")) as fh:
@@ -87,6 +87,24 @@ def test_the_stand_in_is_started_as_the_real_one_and_logs_what_it_was_told(short
         for line in ("Control: set_default_active_thread_percentage 25", "Control: frobnicate", "Control: quit"):
             assert line in text, text
         assert text.rstrip().endswith("Shutdown")
+    finally:
+        control.stop(UUID)
+
+
+def test_the_stand_in_answers_bad_input_as_the_real_daemon_does(short_tmp):
+    """What the real control daemon of driver 580 answered (docs/gpu-host-results.md, the MPS probe):
+    a bad percentage is no error, the old value is echoed; an unset pinned limit prints nothing; the
+    daemon survives all of it."""
+    exe = mpscontrol.install(os.path.join(short_tmp, "bin", "nvidia-cuda-mps-control"))
+    control = MpsControl(exe, os.path.join(short_tmp, "mps"))
+    try:
+        pid = control.start(UUID)
+        assert control.command(UUID, "get_default_device_pinned_mem_limit 0") == ""
+        assert control.command(UUID, "set_default_active_thread_percentage 25") == "25.0"
+        for bad in ("abc", "0", "150", "-5", "nan"):
+            assert control.command(UUID, f"set_default_active_thread_percentage {bad}") == "25.0", bad
+        assert control.command(UUID, "set_default_active_thread_percentage 100") == "100.0"
+        assert control.pid(UUID) == pid, "the daemon is still the one started"
     finally:
         control.stop(UUID)
 

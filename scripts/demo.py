@@ -109,9 +109,8 @@ def main() -> int:
             step("stop the sidecar (SIGTERM)")
         print("stopped; nothing of ours is left in the cgroup hierarchy or under", work)
         print(
-            "\nUnder a Mesos agent, load our own isolator module (make module MESOS_HOME=...;"
-            " docs/mesos-agent.md section 10),\nor, with no build of ours, criteo's command module"
-            " running the bridge (docs/mesos-agent.md sections 1-8)."
+            "\nUnder a Mesos agent, load our own isolator module: docs/deploy.md, step by step;"
+            "\nor, with no build of ours, criteo's command module running the bridge (docs/mesos-agent.md)."
         )
         return 0
     finally:

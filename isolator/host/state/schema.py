@@ -28,7 +28,7 @@ SCHEMA_VERSION = 9
 # wrote without them, as after a rollback and a new upgrade) leaves it alone, so a rollback past it
 # still starts; a migration that changes what existing rows mean, or that older writes would break,
 # raises it to its own SCHEMA_VERSION. 2: MIG devices as units (a schema-1 sidecar would not see
-# their holders). A new migration: bump SCHEMA_VERSION, add an `if version <= <previous>:` step.
+# their holders). A new migration: bump SCHEMA_VERSION, add its script to _MIGRATIONS.
 MIN_SCHEMA = 2
 # The tables schemas after 2 added, newest last (tests rewind a store to schema 2 by dropping them).
 TABLES_AFTER_2 = (
@@ -188,6 +188,20 @@ CREATE TABLE IF NOT EXISTS gpu_maintenance_history (
 """
 
 
+# Each migration as (the newest schema it applies to, its script), oldest first: a store at version V
+# runs every script whose schema is V or newer, in order.
+_MIGRATIONS = (
+    (1, _SCHEMA_V2),
+    (2, _SCHEMA_V3),
+    (3, _SCHEMA_V4),
+    (4, _SCHEMA_V5),
+    (5, _SCHEMA_V6),
+    (6, _SCHEMA_V7),
+    (7, _SCHEMA_V8),
+    (8, _SCHEMA_V9),
+)
+
+
 def migrate(db: sqlite3.Connection, path: str, directory: str) -> None:
     """Bring the store at ``path`` to SCHEMA_VERSION, backing it up first; a newer one is checked, not changed."""
     version = db.execute("PRAGMA user_version").fetchone()[0]
@@ -206,29 +220,10 @@ def migrate(db: sqlite3.Connection, path: str, directory: str) -> None:
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     db.execute(statement)
-        if version <= 1:
-            for statement in split_sql(_SCHEMA_V2):
-                db.execute(statement)
-        if version <= 2:
-            db.execute(_SCHEMA_V3)
-        if version <= 3:
-            for statement in split_sql(_SCHEMA_V4):
-                db.execute(statement)
-        if version <= 4:
-            for statement in split_sql(_SCHEMA_V5):
-                db.execute(statement)
-        if version <= 5:
-            for statement in split_sql(_SCHEMA_V6):
-                db.execute(statement)
-        if version <= 6:
-            for statement in split_sql(_SCHEMA_V7):
-                db.execute(statement)
-        if version <= 7:
-            for statement in split_sql(_SCHEMA_V8):
-                db.execute(statement)
-        if version <= 8:
-            for statement in split_sql(_SCHEMA_V9):
-                db.execute(statement)
+        for after, script in _MIGRATIONS:
+            if version <= after:
+                for statement in split_sql(script):
+                    db.execute(statement)
         db.execute("INSERT OR REPLACE INTO schema_meta VALUES ('min_schema', ?)", (MIN_SCHEMA,))
         db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         db.execute("COMMIT")

@@ -24,7 +24,6 @@ from isolator.model import (
     EndedDrain,
     GpuInfo,
     GpuList,
-    GpuRecord,
     HealthCheck,
     MaintenanceChange,
     Mode,
@@ -36,10 +35,9 @@ from isolator.model import (
     Undrained,
     VolumeReport,
 )
+from isolator.policy import attributes, drift
 from isolator.policy import devices as devrules
-from isolator.policy import drift
 from isolator.policy import mig as migunits
-from isolator.policy import shares as sharing
 from isolator.policy.affinity import Affinity
 from isolator.policy.shares import SharedGpu
 
@@ -127,7 +125,8 @@ class Admin:
         inv = self.core.inventory
         with self.core.booking.lock:
             shared = dict(self.core.booking.shared)
-        return agent_flags_of(inv.records, shared, inv.driver_version, inv.cuda_driver_version)
+        resources, pairs = attributes.agent_flags(inv.records, shared, inv.driver_version, inv.cuda_driver_version)
+        return resources, tuple(pairs)
 
     def topology(self) -> TopologyView:
         topo = self.core.inventory.topology()
@@ -443,21 +442,6 @@ class Admin:
             if finding is not None:
                 out.append(f"container {cid}: {finding}")
         return out
-
-
-def agent_flags_of(
-    records: Iterable[GpuRecord], shared: dict[int, SharedGpu], driver_version: str, cuda_version: str
-) -> tuple[str, tuple[tuple[str, str], ...]]:
-    """``gpus:N;gpu_shares:S;mig-<profile>:M...`` and the attribute pairs, from the GPU records: ``gpus``
-    counts the GPUs neither in MIG mode nor shared (as isolator.daemon.main.agent_flags offline)."""
-    from isolator.policy import attributes
-
-    records = list(records)
-    whole = sum(1 for r in records if not r.mig_enabled and r.gpu.minor not in shared)
-    line = migunits.agent_resources(whole, [d for r in records if r.mig_enabled for d in r.mig_devices])
-    head, sep, rest = line.partition(";")
-    resources = sharing.agent_resources(int(head.removeprefix("gpus:")), shared) + sep + rest
-    return resources, tuple(attributes.attributes(records, driver_version, cuda_version))
 
 
 def _sorted_rules(rules: Iterable[devrules.DeviceRule]) -> tuple[devrules.DeviceRule, ...]:

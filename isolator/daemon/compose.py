@@ -336,7 +336,7 @@ def agent_resources(config: Config) -> str:
 def agent_flags(config: Config) -> tuple[str, list[tuple[str, str]]]:
     """The agent's ``--resources`` string and its ``--attributes`` pairs (isolator/policy/attributes.py),
     from one reading of NVML (offline, as ``gpu-isolator resources`` and ``attributes``)."""
-    from isolator.policy import attributes, mig, shares
+    from isolator.policy import attributes, shares
 
     host = simulated_host(config) if config.simulate else None
     inventory = build_inventory(config, host=host, watch=False)
@@ -347,12 +347,7 @@ def agent_flags(config: Config) -> tuple[str, list[tuple[str, str]]]:
     try:
         records = inventory.records
         shared = shares.resolve(config.shared_gpus, [(r.gpu.index, r.gpu.minor, r.mig_enabled) for r in records])
-        whole = sum(1 for r in records if not r.mig_enabled and r.gpu.minor not in shared)
-        line = mig.agent_resources(whole, [d for r in records if r.mig_enabled for d in r.mig_devices])
-        head, sep, rest = line.partition(";")
-        resources = shares.agent_resources(int(head.removeprefix("gpus:")), shared) + sep + rest
-        pairs = attributes.attributes(records, inventory.driver_version, inventory.cuda_driver_version)
-        return resources, pairs
+        return attributes.agent_flags(records, shared, inventory.driver_version, inventory.cuda_driver_version)
     finally:
         inventory.close()
 

@@ -13,9 +13,11 @@ here are checked against it (``tests/mesos/`` runs Mesos's own parser on them).
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from isolator.model import GpuRecord
+from isolator.policy import mig
+from isolator.policy import shares as sharing
 
 TEXT_ALPHABET = re.compile(r"[A-Za-z0-9_/.-]+")
 _NOT_TEXT = re.compile(r"[^A-Za-z0-9_/.-]+")
@@ -93,6 +95,19 @@ def attributes(records: Sequence[GpuRecord], driver_version: str, cuda_version: 
         out.append(("cuda_version", cuda))
         out.append(("cuda_version_major", m.group(1)))
     return out
+
+
+def agent_flags(
+    records: Sequence[GpuRecord], shared: Mapping[int, sharing.SharedGpu], driver_version: str, cuda_version: str
+) -> tuple[str, list[tuple[str, str]]]:
+    """The agent's ``--resources`` (``gpus:N;gpu_shares:S;mig-<profile>:M...``) and ``--attributes``
+    pairs for these GPUs: ``gpus`` counts the GPUs neither in MIG mode (docs/mig.md) nor shared
+    (docs/sharing.md). Offline (``gpu-isolator resources``) and from the running sidecar alike."""
+    whole = sum(1 for r in records if not r.mig_enabled and r.gpu.minor not in shared)
+    line = mig.agent_resources(whole, [d for r in records if r.mig_enabled for d in r.mig_devices])
+    head, sep, rest = line.partition(";")
+    resources = sharing.agent_resources(int(head.removeprefix("gpus:")), shared) + sep + rest
+    return resources, attributes(records, driver_version, cuda_version)
 
 
 def render(pairs: Sequence[tuple[str, str]]) -> str:

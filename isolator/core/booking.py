@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 
 from isolator.core.locks import OwnedLock
 from isolator.core.ports import GpuInventory
-from isolator.errors import IsolatorError
+from isolator.errors import FailedPrecondition, IsolatorError
 from isolator.model import Gpu, Holding, MigDevice, Share, Topology
 from isolator.policy import mig as migunits
 from isolator.policy import shares as sharing
@@ -99,7 +99,7 @@ class Booking:
         rule (policy/request.py)."""
         self.lock.require("book")
         if request.shares:
-            placed = self.place_shares(holder, request.shares, near)
+            placed = self.place_shares(holder, request.shares, near, size=request.share_size)
             return Holding(share=Share(placed.minor, placed.shares, placed.mode))
         choice = self.allocate_whole(request.gpus)
         try:
@@ -129,6 +129,8 @@ class Booking:
             raise
         grown_mig = frozenset((d.uuid, d.parent_minor) for d in units)
         grown, shrunk = Holding(add, grown_mig), Holding(release, drop)
+        if holding.share is not None and request.share_size:
+            self._check_unit(holder, holding.share, request.share_size)
         if holding.share is not None and request.shares != holding.shares:
             if request.shares > holding.shares:
                 grown = Holding(share=self._grow_shares(holder, holding.share, request.shares))
@@ -158,6 +160,17 @@ class Booking:
             if want > len(have):
                 more[name] = want - len(have)
         return frozenset(kept), holding.mig - kept, more
+
+    def _check_unit(self, holder: str, share: Share, size: int) -> None:
+        """An update naming a ``gpu-share-<size>`` unit names the unit the holder has: one share of a
+        GPU cut ``size`` ways (FailedPrecondition otherwise: shares never move to another GPU)."""
+        gpu = self._shares.shared.get(share.gpu)
+        total = gpu.shares if gpu is not None else 0
+        if total != size or share.count != 1:
+            raise FailedPrecondition(
+                f"container {holder} holds {share.count} of the {total} shares of GPU {self._name(share.gpu)};"
+                f" an update to {sharing.unit_name(size)}:1 would move it to another GPU, and shares never move"
+            )
 
     def _grow_shares(self, holder: str, share: Share, count: int) -> Share:
         """Book ``count`` shares in all for ``holder`` on the GPU it shares already, or refuse
@@ -365,7 +378,9 @@ class Booking:
         self.share_specs = specs
         return new
 
-    def place_shares(self, holder: str, count: int, near: Iterable[int] | None = None) -> sharing.Placement:
+    def place_shares(
+        self, holder: str, count: int, near: Iterable[int] | None = None, *, size: int = 0
+    ) -> sharing.Placement:
         """Choose and book ``count`` shares for ``holder`` on one shared GPU that is healthy, not draining
         and not drained for maintenance (sharing.place: the fewest shares held, then ``near`` NUMA
         nodes, then the lowest minor). A maintenance drain keeps a shared GPU's sharers, as it keeps a
@@ -374,7 +389,7 @@ class Booking:
         drained = self._allocator.maintenance
         blocked = self._allocator.unhealthy | self._allocator.draining | drained
         try:
-            return self._shares.place(holder, count, blocked, near)
+            return self._shares.place(holder, count, blocked, near, size=size)
         except sharing.SharesExhausted as exc:
             shared_drained = sorted(frozenset(self._shares.shared) & drained)
             if not shared_drained:

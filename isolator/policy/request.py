@@ -1,5 +1,6 @@
 """What a container asks for, read once from its resources: whole GPUs (``gpus``), MIG units
-(``mig-<profile>``) and shares of a GPU (``gpu_shares``), and the rules on the kinds it may hold.
+(``mig-<profile>``) and shares of a GPU (a ``gpu-share-<N>`` unit, or the pooled ``gpu_shares`` of
+earlier releases), and the rules on the kinds it may hold.
 
 Pure: resources in, a ``Request`` or a typed error out. Prepare reads a request with the one-kind
 rule (``for_prepare``), Update with the rule that a container's kinds never mix and that shares are
@@ -19,11 +20,14 @@ from isolator.policy import shares as sharing
 
 @dataclass(frozen=True)
 class Request:
-    """Counts asked for: whole GPUs, MIG units per ``mig-<profile>`` resource, shares (0: none)."""
+    """Counts asked for: whole GPUs, MIG units per ``mig-<profile>`` resource, shares of one GPU
+    (0: none) and ``share_size``, the ways that GPU is cut when a ``gpu-share-<N>`` unit was asked
+    (``shares`` is then 1), 0 for the pooled ``gpu_shares`` (any shared GPU)."""
 
     gpus: int = 0
     mig: Mapping[str, int] = field(default_factory=dict)
     shares: int = 0
+    share_size: int = 0
 
     @property
     def empty(self) -> bool:
@@ -32,9 +36,11 @@ class Request:
 
 def read(resources: Iterable[Resource]) -> Request:
     """Each kind's count, refused as Mesos refuses it (InvalidGpuCount, InvalidMigRequest,
-    InvalidShareCount); no rule on how kinds combine."""
+    InvalidShareCount) or as one GPU could not hold it (InvalidShareUnit: more than one unit); no
+    rule on how kinds combine."""
     resources = tuple(resources)
-    return Request(gpu_count(resources), migunits.requests(resources), sharing.share_request(resources))
+    ask = sharing.share_ask(resources)
+    return Request(gpu_count(resources), migunits.requests(resources), ask.count, ask.size)
 
 
 def for_prepare(container_id: ContainerId, resources: Iterable[Resource]) -> Request:

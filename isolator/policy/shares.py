@@ -15,9 +15,16 @@ from dataclasses import dataclass
 from isolator.errors import ConfigError, FailedPrecondition, InvalidArgument, ResourceExhausted
 from isolator.model import Resource, ShareMode
 
-# The agent resource a framework asks for, as it asks for ``cpus`` (a Mesos scalar of our own: the
-# master refuses fractional ``gpus``, "The 'gpus' resource must be an unsigned integer").
+# The pooled resource of earlier releases (a Mesos scalar of our own: the master refuses fractional
+# ``gpus``, "The 'gpus' resource must be an unsigned integer"): one count per agent, so the master could
+# grant ``gpu_shares:3`` on an agent whose free shares lay on several GPUs. Still read (an agent whose
+# --resources still offers it, records and updates of its sharers), no longer printed for the agent.
 RESOURCE = "gpu_shares"
+# What the agent offers now (docs/sharing.md, "The framework side"): a GPU cut N ways offers N units
+# named ``gpu-share-<N>`` (one Nth of a GPU), as a MIG unit is named by its profile; a request takes
+# exactly one unit, so the master's count per name is the free units and every grant fits one GPU.
+UNIT_PREFIX = "gpu-share-"
+_UNIT = re.compile(r"gpu-share-([1-9][0-9]?)")
 # Most shares one GPU is cut into. MPS: 48 client CUDA contexts per device on Volta and later (the
 # MPS documentation, "Limitations"); time-slicing has no hard limit, 64 keeps every share a useful
 # slice and keeps the per-share MPS limits (100/shares percent) above 1.
@@ -37,6 +44,10 @@ class ShareRequestTooLarge(InvalidArgument):
         "Requested {requested} " + RESOURCE + " but a shared GPU here holds at most {most}; shares of one"
         " request are never split across GPUs (ask for whole 'gpus' instead)"
     )
+
+
+class InvalidShareUnit(InvalidArgument):
+    msg_fmt = "invalid gpu-share request: {reason}"
 
 
 class SharesExhausted(ResourceExhausted):
@@ -157,11 +168,36 @@ def resolve(
     return out
 
 
+def unit_name(shares: int) -> str:
+    """The resource of one share of a GPU cut ``shares`` ways: ``gpu-share-4`` is a quarter GPU."""
+    return f"{UNIT_PREFIX}{shares}"
+
+
+def unit_size(name: str) -> int | None:
+    """``gpu-share-4`` -> 4; None for a name that is not a share unit (``gpu_shares`` included)."""
+    m = _UNIT.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def is_share_resource(name: str) -> bool:
+    """Whether a resource asks for shares: the units ``gpu-share-<N>`` or the pooled ``gpu_shares``."""
+    return name == RESOURCE or name.startswith(UNIT_PREFIX)
+
+
+def units_offered(shared: Mapping[int, SharedGpu]) -> dict[str, int]:
+    """Resource name -> the units the agent offers of it (every share of every GPU cut that many
+    ways), by size: ``{"gpu-share-2": 4, "gpu-share-4": 8}``."""
+    counts: dict[int, int] = {}
+    for g in shared.values():
+        counts[g.shares] = counts.get(g.shares, 0) + g.shares
+    return {unit_name(n): counts[n] for n in sorted(counts)}
+
+
 def agent_resources(whole_gpus: int, shared: Mapping[int, SharedGpu]) -> str:
-    """``gpus:N;gpu_shares:M`` (the latter only when something is shared): ``whole_gpus`` should
-    already leave the shared GPUs out, since a GPU is never both exclusive and shared."""
-    total = sum(g.shares for g in shared.values())
-    return f"gpus:{whole_gpus}" + (f";{RESOURCE}:{total}" if total else "")
+    """``gpus:N;gpu-share-<S>:M...`` (the units only when something is shared), sizes ascending:
+    ``whole_gpus`` should already leave the shared GPUs out, since a GPU is never both exclusive and
+    shared."""
+    return ";".join([f"gpus:{whole_gpus}", *(f"{name}:{n}" for name, n in units_offered(shared).items())])
 
 
 # ---- requests ------------------------------------------------------------------------------------
@@ -179,17 +215,76 @@ def checked_share_count(value: object) -> int:
     return int(value)
 
 
+@dataclass(frozen=True)
+class ShareAsk:
+    """What a container asks of shares: ``count`` shares of one GPU (0: none), and ``size``, the
+    ways that GPU must be cut (``gpu-share-<size>``: then ``count`` is 1), 0 for the pooled
+    ``gpu_shares`` (any shared GPU with ``count`` free)."""
+
+    count: int = 0
+    size: int = 0
+
+
 def share_request(resources: Iterable[Resource]) -> int:
-    """The ``gpu_shares`` a container asks for: 0 when it names none. Several entries (one per
-    role) are added; each must be a valid count, and so must the sum."""
-    counts = []
+    """The shares a container asks for (``share_ask``'s count): 0 when it names none."""
+    return share_ask(resources).count
+
+
+def share_ask(resources: Iterable[Resource]) -> ShareAsk:
+    """Shares asked by a container's resources. ``gpu-share-<N>``: exactly one unit of one size
+    (two units may lie on two GPUs, so more than one, or two sizes, is InvalidShareUnit telling the
+    framework what to ask instead). ``gpu_shares`` (pooled): a count, several entries (one per role)
+    added, each a valid count and so the sum. The two kinds together are refused."""
+    pooled: list[int] = []
+    units: dict[int, float] = {}
     for res in resources:
-        if res.name != RESOURCE:
-            continue
-        if res.type != "SCALAR":
-            raise InvalidShareCount(f"The '{RESOURCE}' resource must be a scalar")
-        counts.append(checked_share_count(res.value))
-    return checked_share_count(sum(counts)) if counts else 0
+        if res.name == RESOURCE:
+            if res.type != "SCALAR":
+                raise InvalidShareCount(f"The '{RESOURCE}' resource must be a scalar")
+            pooled.append(checked_share_count(res.value))
+        elif res.name.startswith(UNIT_PREFIX):
+            size = unit_size(res.name)
+            if size is None or not 2 <= size <= MAX_REQUEST:
+                what = f"one Nth of a GPU, N from 2 to {MAX_REQUEST}"
+                raise InvalidShareUnit(reason=f"'{res.name[:40]}' is not a share unit (gpu-share-N: {what})")
+            if res.type != "SCALAR":
+                raise InvalidShareUnit(reason=f"the '{res.name}' resource must be a scalar")
+            value = res.value
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise InvalidShareUnit(reason=f"the '{res.name}' resource must be 1, got {str(value)[:40]}")
+            units[size] = units.get(size, 0) + value
+    units = {size: n for size, n in units.items() if n}
+    if pooled and units:
+        raise InvalidShareUnit(
+            reason=f"asks for both {RESOURCE} and {', '.join(unit_name(s) for s in sorted(units))}; ask one unit only"
+        )
+    if pooled:
+        return ShareAsk(checked_share_count(sum(pooled)))
+    if not units:
+        return ShareAsk()
+    if len(units) > 1:
+        names = " and ".join(unit_name(s) for s in sorted(units))
+        raise InvalidShareUnit(
+            reason=f"asks for {names}: a request takes exactly one unit of one size, on one GPU;"
+            " ask for the one unit the task needs"
+        )
+    ((size, n),) = units.items()
+    if n != 1:
+        raise InvalidShareUnit(reason=_one_unit(size, n))
+    return ShareAsk(1, size)
+
+
+def _one_unit(size: int, n: float) -> str:
+    """Why ``n`` units of ``gpu-share-<size>`` are refused, and what to ask instead."""
+    head = f"asks for {n:g} {unit_name(size)}; a request takes exactly 1 unit (two units may lie on two GPUs)"
+    if n != math.floor(n) or n < 1:
+        return f"{head}: ask for {unit_name(size)}:1"
+    whole = int(n)
+    if whole < size and size % whole == 0:
+        bigger = unit_name(size // whole)
+        where = f"offered where a GPU is cut {size // whole} ways"
+        return f"{head}: for {whole}/{size} of one GPU ask for {bigger}:1 ({where})"
+    return f"{head}: for {whole}/{size} of a GPU ask for a larger unit (gpu-share-N:1 is 1/N of a GPU) or whole 'gpus'"
 
 
 def place(
@@ -198,12 +293,22 @@ def place(
     held: Mapping[int, int],
     blocked: Iterable[int] = (),
     near: Iterable[int] | None = None,
+    *,
+    size: int = 0,
 ) -> Placement:
     """Where ``count`` shares go: one shared GPU with that many free, not ``blocked`` (unhealthy,
-    draining). Among those, the GPU holding the fewest shares, then one whose NUMA node is in
-    ``near`` (the task's CPUs' nodes, where affinity is on), then the lowest minor. Deterministic.
+    draining), and cut ``size`` ways when ``size`` is given (a ``gpu-share-<size>`` unit; 0: any).
+    Among those, the GPU holding the fewest shares, then one whose NUMA node is in ``near`` (the
+    task's CPUs' nodes, where affinity is on), then the lowest minor. Deterministic. Keyword-only
+    arguments may be added (other predicates on a GPU) without touching the callers.
     """
     n = checked_share_count(count)
+    if size:
+        shared = {m: g for m, g in shared.items() if g.shares == size}
+        if not shared:
+            raise SharesExhausted(
+                f"Requested 1 {unit_name(size)} but no GPU here is cut {size} ways", requested=n, free="none"
+            )
     most = max((g.shares for g in shared.values()), default=0)
     if n > most:
         raise ShareRequestTooLarge(requested=n, most=most)
@@ -213,6 +318,8 @@ def place(
     if not room:
         free = {g.minor: g.shares - held.get(g.minor, 0) for g in sorted(shared.values())}
         detail = ", ".join(f"GPU {m}: {f}" + (" (not usable)" if m in out else "") for m, f in free.items())
+        if size:
+            raise SharesExhausted(f"Requested 1 {unit_name(size)} but no GPU cut {size} ways has one free ({detail})")
         raise SharesExhausted(requested=n, free=detail)  # not empty: with nothing shared, n > most above
 
     def key(g: SharedGpu) -> tuple[int, bool, int]:
@@ -266,12 +373,18 @@ class ShareBook:
         return self._holders.get(holder)
 
     def place(
-        self, holder: str, count: object, blocked: Iterable[int] = (), near: Iterable[int] | None = None
+        self,
+        holder: str,
+        count: object,
+        blocked: Iterable[int] = (),
+        near: Iterable[int] | None = None,
+        *,
+        size: int = 0,
     ) -> Placement:
         """Choose and book; a holder books once (a second request is refused, nothing changes)."""
         if holder in self._holders:
             raise InvalidArgument(f"container {holder} already holds {RESOURCE}")
-        choice = place(count, self.shared, self.held(), blocked, near)
+        choice = place(count, self.shared, self.held(), blocked, near, size=size)
         self._holders[holder] = (choice.minor, choice.shares)
         return choice
 

@@ -365,7 +365,7 @@ def test_resources_of_the_running_sidecar_counts_its_shared_gpus(short_tmp):
         rc, out, err = _main("resources", "--socket", os.path.join(short_tmp, "s.sock"))
     finally:
         server.stop(grace=0)
-    assert (rc, out.strip()) == (cli.EXIT_OK, "gpus:4;gpu_shares:16"), err
+    assert (rc, out.strip()) == (cli.EXIT_OK, "gpus:4;gpu-share-4:16"), err
 
 
 def test_running_and_an_offline_flag_contradict(short_tmp):

@@ -76,12 +76,15 @@ def _resources(short_tmp, host, *extra):
     return ["resources", "--simulate", host, "--work-dir", os.path.join(short_tmp, "w"), *extra]
 
 
-def test_resources_moves_shared_gpus_from_gpus_to_gpu_shares(short_tmp, capsys):
+def test_resources_moves_shared_gpus_from_gpus_to_units_named_by_their_size(short_tmp, capsys):
     assert cli.main(_resources(short_tmp, "dgx-1", "--shared-gpus", "4-7:4:mps")) == 0
-    assert capsys.readouterr().out.strip() == "gpus:4;gpu_shares:16"
-    assert cli.main(_resources(short_tmp, "dgx-1", "--shared-gpus", "0:2,1:3:mps", "--json")) == 0
+    assert capsys.readouterr().out.strip() == "gpus:4;gpu-share-4:16"
+    assert cli.main(_resources(short_tmp, "dgx-1", "--shared-gpus", "0:2,1:3:mps,2:2", "--json")) == 0
     data = json.loads(capsys.readouterr().out)
-    assert (data["resources"], data["entries"]) == ("gpus:6;gpu_shares:5", {"gpus": 6, "gpu_shares": 5})
+    assert (data["resources"], data["entries"]) == (
+        "gpus:5;gpu-share-2:4;gpu-share-3:3",
+        {"gpus": 5, "gpu-share-2": 4, "gpu-share-3": 3},
+    )
 
 
 def test_resources_without_sharing_is_unchanged(short_tmp, capsys):
@@ -92,7 +95,7 @@ def test_resources_without_sharing_is_unchanged(short_tmp, capsys):
 def test_resources_keeps_mig_entries_after_the_shares(short_tmp, capsys):
     assert cli.main(_resources(short_tmp, "dgx-a100", "--shared-gpus", "6-7:2")) == 0
     out = capsys.readouterr().out.strip()
-    assert out == "gpus:1;gpu_shares:4;mig-1g.10gb:1;mig-1g.5gb:8;mig-2g.10gb:2;mig-3g.20gb:3;mig-4g.20gb:1"
+    assert out == "gpus:1;gpu-share-2:4;mig-1g.10gb:1;mig-1g.5gb:8;mig-2g.10gb:2;mig-3g.20gb:3;mig-4g.20gb:1"
 
 
 def test_resources_refuses_a_mig_gpu_and_an_unmanaged_one(short_tmp, capsys):

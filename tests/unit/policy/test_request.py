@@ -20,6 +20,22 @@ def test_read_counts_each_kind() -> None:
     assert requests.read([Resource("gpu_shares", 1.0), Resource("gpu_shares", 2.0)]).shares == 3
 
 
+def test_read_takes_one_unit_of_a_size_as_one_share_of_a_gpu_cut_that_many_ways() -> None:
+    got = requests.read([Resource("gpu-share-4", 1.0), Resource("cpus", 1.0)])
+    assert got == Request(shares=1, share_size=4) and not got.empty
+    assert requests.read([Resource("gpu_shares", 2.0)]) == Request(shares=2, share_size=0)
+
+
+def test_read_refuses_two_units_at_once_as_invalid_argument() -> None:
+    with pytest.raises(InvalidArgument, match="ask for gpu-share-2:1"):
+        requests.read([Resource("gpu-share-4", 2.0)])
+
+
+def test_prepare_refuses_a_unit_beside_whole_gpus() -> None:
+    with pytest.raises(InvalidArgument, match="together with whole GPUs or MIG"):
+        requests.for_prepare(A, [Resource("gpu-share-4", 1.0), Resource("gpus", 1.0)])
+
+
 def test_read_refuses_as_mesos_does() -> None:
     with pytest.raises(InvalidGpuCount):
         requests.read([Resource("gpus", 0.5)])

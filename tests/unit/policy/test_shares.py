@@ -144,11 +144,13 @@ def test_resolve_refuses_a_gpu_in_mig_mode_clearly():
     assert "mig-<profile>" in str(err.value)
 
 
-def test_agent_resources_lists_shares_beside_whole_gpus():
-    assert agent_resources(4, four(4)) == "gpus:4;gpu_shares:16"
-    assert agent_resources(2, {1: SharedGpu(1, 1, 3), 2: SharedGpu(2, 2, 5, ShareMode.MPS)}) == "gpus:2;gpu_shares:8"
+def test_agent_resources_offer_each_size_as_units_named_by_it_beside_whole_gpus():
+    assert agent_resources(4, four(4)) == "gpus:4;gpu-share-4:16"
+    mixed = {1: SharedGpu(1, 1, 3), 2: SharedGpu(2, 2, 5, ShareMode.MPS), 3: SharedGpu(3, 3, 10), 4: SharedGpu(4, 4, 3)}
+    assert agent_resources(2, mixed) == "gpus:2;gpu-share-3:6;gpu-share-5:5;gpu-share-10:10"  # sizes ascending
     assert agent_resources(8, {}) == "gpus:8"
-    assert agent_resources(0, four(2)) == "gpus:0;gpu_shares:8"
+    assert agent_resources(0, four(2)) == "gpus:0;gpu-share-2:8"
+    assert RESOURCE not in agent_resources(4, four(4)), "the pooled name is no longer offered"
 
 
 # ---- counts --------------------------------------------------------------------------------------
@@ -528,3 +530,107 @@ def test_a_refused_float_names_its_repr_whole():
     with pytest.raises(InvalidShareCount) as err:
         checked_share_count(-1.2345678901234567e300)
     assert err.value.fields["value"] == "-1.2345678901234567e+300"
+
+
+# ---- units named by their size (issue 42 item 1) ---------------------------------------------------
+
+
+def unit(size: int, value: object = 1.0, **kw: object) -> Resource:
+    return Resource(shares.unit_name(size), value, **kw)  # type: ignore[arg-type]
+
+
+def test_a_unit_name_says_how_many_ways_its_gpu_is_cut_and_reads_back():
+    assert shares.unit_name(4) == "gpu-share-4"
+    names = ("gpu-share-4", "gpu-share-48", "gpu_shares", "gpu-share-", "gpu-share-04")
+    assert [shares.unit_size(n) for n in names] == [4, 48, None, None, None]
+    assert shares.is_share_resource("gpu-share-2") and shares.is_share_resource(RESOURCE)
+    assert not shares.is_share_resource("gpus") and not shares.is_share_resource("mig-1g.5gb")
+
+
+def test_a_unit_name_is_one_mesos_takes_in_both_forms_of_resources():
+    from isolator.policy import mig
+
+    for size in range(2, MAX_REQUEST + 1):
+        assert mig.valid_resource_name(shares.unit_name(size))
+
+
+def test_a_request_of_one_unit_asks_one_share_of_a_gpu_cut_that_many_ways():
+    assert shares.share_ask([unit(4), Resource("cpus", 1.0)]) == shares.ShareAsk(1, 4)
+    assert shares.share_ask([unit(2, 0.5, role="a"), unit(2, 0.5, role="b")]) == shares.ShareAsk(1, 2)
+    assert shares.share_ask([unit(4, 0.0)]) == shares.ShareAsk()  # a zero entry asks nothing
+    assert shares.share_ask([Resource(RESOURCE, 3.0)]) == shares.ShareAsk(3, 0)  # pooled: still read
+
+
+@pytest.mark.parametrize(
+    ("resources", "says"),
+    [
+        ([unit(4, 2.0)], "ask for gpu-share-2:1 (offered where a GPU is cut 2 ways)"),
+        ([unit(8, 4.0)], "ask for gpu-share-2:1"),
+        ([unit(4, 3.0)], "for 3/4 of a GPU ask for a larger unit (gpu-share-N:1 is 1/N of a GPU) or whole 'gpus'"),
+        ([unit(4, 5.0)], "or whole 'gpus'"),
+        ([unit(4, 1.0, role="a"), unit(4, 1.0, role="b")], "asks for 2 gpu-share-4; a request takes exactly 1 unit"),
+        ([unit(4, 0.5)], "ask for gpu-share-4:1"),
+        ([unit(2), unit(4)], "asks for gpu-share-2 and gpu-share-4"),
+        ([unit(4), Resource(RESOURCE, 1.0)], "asks for both gpu_shares and gpu-share-4"),
+        ([unit(4, -1.0)], "must be 1"),
+        ([unit(4, math.nan)], "must be 1"),
+        ([unit(4, math.inf)], "must be 1"),
+        ([unit(4, True)], "must be 1"),
+        ([unit(4, 1.0, type="RANGES")], "must be a scalar"),
+        ([Resource("gpu-share-1", 1.0)], "'gpu-share-1' is not a share unit"),
+        ([Resource("gpu-share-65", 1.0)], "is not a share unit"),
+        ([Resource("gpu-share-x", 1.0)], "is not a share unit"),
+    ],
+)
+def test_anything_but_exactly_one_unit_is_refused_at_once_saying_what_to_ask(resources, says):
+    with pytest.raises(shares.InvalidShareUnit) as err:
+        shares.share_ask(resources)
+    assert err.value.code == "INVALID_ARGUMENT"
+    assert says in str(err.value)
+
+
+def test_a_unit_is_placed_only_on_a_gpu_cut_that_many_ways():
+    gpus = {4: SharedGpu(4, 4, 4), 5: SharedGpu(5, 5, 2, ShareMode.MPS), 6: SharedGpu(6, 6, 4)}
+    assert place(1, gpus, {}, size=2) == Placement(5, 1, ShareMode.MPS, 2)
+    assert place(1, gpus, {4: 1}, size=4).minor == 6
+    with pytest.raises(SharesExhausted, match=r"Requested 1 gpu-share-2 but no GPU cut 2 ways has one free \(GPU 5: 0"):
+        place(1, gpus, {5: 2, 4: 0}, size=2)
+    with pytest.raises(SharesExhausted, match="Requested 1 gpu-share-8 but no GPU here is cut 8 ways"):
+        place(1, gpus, {}, size=8)
+    with pytest.raises(SharesExhausted, match=r"GPU 5: 2 \(not usable\)"):
+        place(1, gpus, {}, blocked=[5], size=2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    cuts=st.lists(st.sampled_from([2, 3, 4, 8]), min_size=1, max_size=6),
+    stream=st.lists(st.tuples(st.booleans(), st.integers(0, 7), st.integers(0, 40)), max_size=60),
+)
+def test_every_unit_the_master_can_grant_fits_one_gpu(cuts, stream):
+    """The master's view: per unit name, what the agent offered less what it granted. A request of one
+    unit is granted whenever that count is positive; the sidecar must then place it (never
+    RESOURCE_EXHAUSTED), and the count always equals the free shares of the GPUs of that size."""
+    gpus = {m: SharedGpu(m, m, n) for m, n in enumerate(cuts)}
+    book = ShareBook(gpus)
+    master = dict(shares.units_offered(gpus))
+    sizes = sorted(set(cuts))
+    holders: list[tuple[str, int]] = []
+    for i, (arrive, pick, who) in enumerate(stream):
+        if arrive:
+            size = sizes[pick % len(sizes)]
+            name = shares.unit_name(size)
+            if master[name] == 0:
+                continue  # not offered: the master grants nothing, nothing reaches the sidecar
+            ask = shares.share_ask([Resource(name, 1.0)])
+            got = book.place(f"t{i}", ask.count, size=ask.size)
+            assert gpus[got.minor].shares == size
+            master[name] -= 1
+            holders.append((f"t{i}", size))
+        elif holders:
+            holder, size = holders.pop(who % len(holders))
+            book.release(holder)
+            master[shares.unit_name(size)] += 1
+        held = book.held()
+        for size in sizes:
+            free = sum(g.shares - held[m] for m, g in gpus.items() if g.shares == size)
+            assert master[shares.unit_name(size)] == free

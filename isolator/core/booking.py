@@ -35,7 +35,12 @@ def mig_devices_of(inventory: GpuInventory, minors: frozenset[int]) -> tuple[Mig
 
 class Booking:
     def __init__(
-        self, inventory: GpuInventory, topology: Topology, policy: str, shared: tuple[sharing.ShareSpec, ...] = ()
+        self,
+        inventory: GpuInventory,
+        topology: Topology,
+        policy: str,
+        shared: tuple[sharing.ShareSpec, ...] = (),
+        share_placement: str = sharing.SPREAD,
     ) -> None:
         self.lock = OwnedLock("booking")
         self.inventory = inventory
@@ -50,7 +55,8 @@ class Booking:
         # shared GPU is booked in the whole-GPU allocator for as long as it is shared, so that it is
         # never also handed out whole.
         self.share_specs = shared
-        self._shares = sharing.ShareBook({})
+        self.share_placement = share_placement  # --share-placement: spread or pack (sharing.place)
+        self._shares = sharing.ShareBook({}, share_placement)
         self._book_shared(self.resolve_shared(shared))
 
     def reset(self, topology: Topology) -> None:
@@ -60,7 +66,7 @@ class Booking:
         self._allocator = Allocator(topology, self.policy)
         self.mig_held = {}
         self.mig_booked = set()
-        self._shares = sharing.ShareBook({})
+        self._shares = sharing.ShareBook({}, self.share_placement)
         self._book_shared(self.resolve_shared(self.share_specs))
 
     # ---- views (snapshots; read them under the lock to act on them) ------------------------------

@@ -84,6 +84,8 @@ class Settings:
     default_compute_mode: int = 0
     # --shared-gpus (docs/sharing.md): GPUs cut into shares, by NVML index.
     shared_gpus: tuple[ShareSpec, ...] = ()
+    # --share-placement: spread (sharers apart) or pack (fill a GPU before opening the next).
+    share_placement: str = "spread"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode(self.mode))
@@ -121,7 +123,9 @@ class Core:
         self.repairs = 0  # kernel rules re-applied by the drift audit since start
         self.changes = Changes()  # what a Watch waits on: health changes, containers gone
         # Which GPUs and MIG devices are held (core/booking.py), under its own checked lock.
-        self.booking = Booking(edges.inventory, edges.inventory.topology(), settings.policy, settings.shared_gpus)
+        self.booking = Booking(
+            edges.inventory, edges.inventory.topology(), settings.policy, settings.shared_gpus, settings.share_placement
+        )
         # What the kernel grants each container: its cpuset (core/cpuset.py) and its devices
         # cgroups (core/grant.py), which let the cpuset go with the rest at cleanup.
         self.cpuset = CpusetGrant(

@@ -201,6 +201,7 @@ def build_service(
                 drain_timeout_s=config.drain_timeout,
                 default_compute_mode=COMPUTE_MODES[config.default_compute_mode],
                 shared_gpus=config.shared_gpus,
+                share_placement=config.share_placement,
             ),
             cpus=cpus,
             cpusets=cpusets,

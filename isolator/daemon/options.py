@@ -245,14 +245,21 @@ class Config:
         p.choice(COMPUTE_MODE_NAMES),
         "compute mode a released GPU is set back to: DEFAULT (default), EXCLUSIVE_PROCESS or PROHIBITED",
     )
-    # GPUs cut into shares (docs/sharing.md): they leave the gpus pool for gpu_shares.
+    # GPUs cut into shares (docs/sharing.md): they leave the gpus pool for gpu-share-<N> units.
     shared_gpus: tuple[ShareSpec, ...] = option(
         (),
         p.shared_gpus,
-        "GPUs cut into shares, offered as gpu_shares instead of gpus: INDEX[-LAST]:SHARES[:MODE],"
+        "GPUs cut into shares, offered as gpu-share-<N> units instead of gpus: INDEX[-LAST]:SHARES[:MODE],"
         " comma-separated, MODE time-slice (default) or mps, e.g. 4-7:4:mps (docs/sharing.md)",
         reloadable=True,
         unset="none",
+    )
+    # Where a new sharer goes (docs/sharing.md): not reloadable, the booking is built at start.
+    share_placement: str = option(
+        "spread",
+        p.choice(("spread", "pack")),
+        "spread (default: sharers on the GPU holding the fewest shares) or pack (fill a GPU before opening"
+        " the next, keeping whole GPUs' worth of shares free) (docs/sharing.md)",
     )
     config_file: str = ""
     extra: dict[str, Any] = field(default_factory=dict)

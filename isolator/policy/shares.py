@@ -31,6 +31,10 @@ _UNIT = re.compile(r"gpu-share-([1-9][0-9]?)")
 MAX_SHARES = {ShareMode.TIME_SLICE: 64, ShareMode.MPS: 48}
 # Most shares one request may name before it is judged: any larger count fits no GPU anyway.
 MAX_REQUEST = max(MAX_SHARES.values())
+# ``--share-placement``: ``spread`` (sharers apart while there is room) or ``pack`` (fill a GPU before
+# opening the next, keeping whole GPUs' worth of shares free).
+SPREAD, PACK = "spread", "pack"
+PLACEMENTS = (SPREAD, PACK)
 
 _SPEC = re.compile(r"(\d+)(?:-(\d+))?:(\d+)(?::([a-z-]+))?")
 
@@ -295,13 +299,18 @@ def place(
     near: Iterable[int] | None = None,
     *,
     size: int = 0,
+    placement: str = SPREAD,
 ) -> Placement:
     """Where ``count`` shares go: one shared GPU with that many free, not ``blocked`` (unhealthy,
     draining), and cut ``size`` ways when ``size`` is given (a ``gpu-share-<size>`` unit; 0: any).
-    Among those, the GPU holding the fewest shares, then one whose NUMA node is in ``near`` (the
-    task's CPUs' nodes, where affinity is on), then the lowest minor. Deterministic. Keyword-only
-    arguments may be added (other predicates on a GPU) without touching the callers.
+    Among those, by ``placement``: ``spread``, the GPU holding the fewest shares; ``pack``, the one
+    left with the fewest free after this request (best fit: a started GPU is filled before an empty
+    one is opened, so empty GPUs stay whole); then one whose NUMA node is in ``near`` (the task's
+    CPUs' nodes, where affinity is on), then the lowest minor. Deterministic. Keyword-only arguments
+    may be added (other predicates on a GPU) without touching the callers.
     """
+    if placement not in PLACEMENTS:
+        raise ValueError(f"share placement {placement!r} is not one of {', '.join(PLACEMENTS)}")
     n = checked_share_count(count)
     if size:
         shared = {m: g for m, g in shared.items() if g.shares == size}
@@ -324,7 +333,8 @@ def place(
 
     def key(g: SharedGpu) -> tuple[int, bool, int]:
         near_it = nodes is None or g.numa in nodes
-        return (held.get(g.minor, 0), not near_it, g.minor)
+        first = held.get(g.minor, 0) if placement == SPREAD else g.shares - held.get(g.minor, 0) - n
+        return (first, not near_it, g.minor)
 
     best = min(room, key=key)
     return Placement(best.minor, n, best.mode, best.shares)
@@ -353,8 +363,11 @@ class ShareBook:
     """Who holds which shares: holder (the container's key) -> (minor, shares). In memory only; the
     durable record is the state store, written by the core before it grants anything."""
 
-    def __init__(self, shared: Mapping[int, SharedGpu]) -> None:
+    def __init__(self, shared: Mapping[int, SharedGpu], placement: str = SPREAD) -> None:
+        if placement not in PLACEMENTS:
+            raise ValueError(f"share placement {placement!r} is not one of {', '.join(PLACEMENTS)}")
         self.shared: dict[int, SharedGpu] = dict(shared)
+        self.placement = placement
         self._holders: dict[str, tuple[int, int]] = {}
 
     def held(self) -> dict[int, int]:
@@ -384,7 +397,7 @@ class ShareBook:
         """Choose and book; a holder books once (a second request is refused, nothing changes)."""
         if holder in self._holders:
             raise InvalidArgument(f"container {holder} already holds {RESOURCE}")
-        choice = place(count, self.shared, self.held(), blocked, near, size=size)
+        choice = place(count, self.shared, self.held(), blocked, near, size=size, placement=self.placement)
         self._holders[holder] = (choice.minor, choice.shares)
         return choice
 

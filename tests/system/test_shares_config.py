@@ -127,3 +127,14 @@ def test_serve_stops_with_ex_config_naming_a_shared_gpu_it_cannot_share(short_tm
     assert result.returncode == EXIT_CONFIG, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("gpu-isolator:")]
     assert len(errors) == 1 and says in errors[0], result.stderr
+
+
+def test_share_placement_is_spread_by_default_pack_by_flag_or_file_and_nothing_else(tmp_path):
+    assert resolve().share_placement == "spread"
+    assert resolve("--share-placement", "pack").share_placement == "pack"
+    path = tmp_path / "sidecar.toml"
+    path.write_text('share-placement = "pack"\n')
+    assert resolve("--config", str(path)).share_placement == "pack"
+    assert "share_placement" not in reloadpolicy.RELOADABLE  # the booking is built at start
+    with pytest.raises((ConfigError, SystemExit)):
+        resolve("--share-placement", "fill")

@@ -108,3 +108,16 @@ def test_a_pooled_holder_of_one_share_is_kept_by_its_units_name_and_released_wit
     rig.restart()
     assert (granted(rig, a), granted(rig, b)) == ([gpu_a], [gpu_b]), "recovered from the records, whichever name"
     assert booked(rig) == {gpu_a: 1, gpu_b: 2}
+
+
+def test_pack_placement_from_the_settings_fills_a_gpu_before_the_next() -> None:
+    rig = fake_service("dgx-1")
+    rig.settings = replace(rig.settings, shared_gpus=parse_shared_gpus("4-7:4:mps"), share_placement="pack")
+    rig.restart()
+    for i in range(5):
+        rig.service.prepare(cid(f"q{i}"), ContainerConfig(resources=tuple(unit(4))))
+    assert booked(rig) == {minor_of(rig, 4): 4, minor_of(rig, 5): 1}
+    assert [granted(rig, cid(f"q{i}")) for i in range(5)] == [[minor_of(rig, 4)]] * 4 + [[minor_of(rig, 5)]]
+    rig.restart()  # recovered books keep the policy
+    rig.service.prepare(cid("q5"), ContainerConfig(resources=tuple(unit(4))))
+    assert booked(rig)[minor_of(rig, 5)] == 2

@@ -634,3 +634,69 @@ def test_every_unit_the_master_can_grant_fits_one_gpu(cuts, stream):
         for size in sizes:
             free = sum(g.shares - held[m] for m, g in gpus.items() if g.shares == size)
             assert master[shares.unit_name(size)] == free
+
+
+# ---- pack or spread (issue 42 item 2) --------------------------------------------------------------
+
+
+def test_pack_fills_a_started_gpu_before_opening_an_empty_one():
+    gpus = four(4)
+    assert place(1, gpus, {}, placement="pack").minor == 4  # all empty: the lowest minor
+    assert place(1, gpus, {4: 1}, placement="pack").minor == 4  # spread would open GPU 5
+    assert place(1, gpus, {4: 1}).minor == 5
+    assert place(2, gpus, {4: 3, 5: 1}, placement="pack").minor == 5  # GPU 4 has no room for two
+    assert place(1, gpus, {4: 3, 5: 1}, placement="pack").minor == 4  # best fit: GPU 4 left full
+    assert place(1, gpus, {4: 4, 5: 2, 6: 1}, blocked=[5], placement="pack").minor == 6
+
+
+def test_pack_leaves_whole_gpus_free_where_spread_does_not():
+    book_pack, book_spread = ShareBook(four(4), "pack"), ShareBook(four(4))
+    for i in range(4):
+        book_pack.place(f"t{i}", 1)
+        book_spread.place(f"t{i}", 1)
+    assert book_pack.held() == {4: 4, 5: 0, 6: 0, 7: 0}
+    assert book_spread.held() == {4: 1, 5: 1, 6: 1, 7: 1}
+    assert book_pack.place("big", 4).minor == 5  # a whole GPU's worth still fits under pack
+    with pytest.raises(SharesExhausted):
+        book_spread.place("big", 4)
+
+
+def test_an_unknown_placement_is_refused():
+    with pytest.raises(ValueError, match="share placement 'fill' is not one of spread, pack"):
+        place(1, four(), {}, placement="fill")
+    with pytest.raises(ValueError, match="not one of spread, pack"):
+        ShareBook(four(), "fill")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sizes=st.lists(st.integers(2, 8), min_size=1, max_size=6),
+    fill=st.lists(st.integers(0, 8), min_size=6, max_size=6),
+    numa=st.lists(st.sampled_from([0, 1, None]), min_size=6, max_size=6),
+    blocked=st.sets(st.integers(0, 5), max_size=3),
+    near=st.one_of(st.none(), st.sets(st.integers(0, 1))),
+    n=st.integers(1, 8),
+)
+def test_pack_is_the_best_fit_gpu_with_room(sizes, fill, numa, blocked, near, n):
+    gpus = {m: SharedGpu(m, m, s, ShareMode.TIME_SLICE, numa[m]) for m, s in enumerate(sizes)}
+    held = {m: min(fill[m], g.shares) for m, g in gpus.items()}
+    room = [g for g in gpus.values() if g.minor not in blocked and g.shares - held[g.minor] >= n]
+    if n > max(sizes) or not room:
+        with pytest.raises((ShareRequestTooLarge, SharesExhausted)):
+            place(n, gpus, held, blocked, near, placement="pack")
+        return
+    got = place(n, gpus, held, blocked, near, placement="pack")
+    chosen = gpus[got.minor]
+    assert chosen in room
+
+    # The pack goal: no GPU with room would be left with fewer free; among equals a near one; then the lowest minor.
+    def left(g: SharedGpu) -> int:
+        return g.shares - held[g.minor] - n
+
+    least = min(left(g) for g in room)
+    assert left(chosen) == least
+    ties = [g for g in room if left(g) == least]
+    if near is not None and any(g.numa in near for g in ties):
+        ties = [g for g in ties if g.numa in near]
+    assert got.minor == min(g.minor for g in ties)
+    assert place(n, dict(reversed(list(gpus.items()))), held, blocked, near, placement="pack") == got

@@ -91,8 +91,27 @@ def run_resources(args: argparse.Namespace) -> int:
         text = line
         entries = {name: int(count) for name, _, count in (e.rpartition(":") for e in line.split(";"))}
         data = {"resources": line, "entries": entries, "attributes": attributes.render(pairs)}
+        data["shares"] = _shares_of(entries, attributes.typed(pairs))
     emit(structured(data, output) if output in ("json", "yaml") else text)
     return EXIT_OK
+
+
+def _shares_of(entries: dict[str, int], values: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per share unit offered (``gpu-share-<N>``): the units, and the shared GPUs' facts from the
+    attributes (``gpu_share_<N>_*``: GPUs, mode, memory per unit), so that ``resources --json``
+    describes the shared GPUs as ``attributes`` does, offline and from the running sidecar alike."""
+    from isolator.policy import shares
+
+    out: dict[str, dict[str, Any]] = {}
+    for name, units in entries.items():
+        size = shares.unit_size(name)
+        if size is None:
+            continue
+        facts = {"units": units, "size": size}
+        prefix = f"gpu_share_{size}_"
+        facts.update({k.removeprefix(prefix): v for k, v in values.items() if k.startswith(prefix)})
+        out[name] = facts
+    return out
 
 
 def _ask_agent_flags(args: argparse.Namespace) -> tuple[str, list[tuple[str, str]]] | int:

@@ -97,17 +97,44 @@ def attributes(records: Sequence[GpuRecord], driver_version: str, cuda_version: 
     return out
 
 
+def share_attributes(records: Sequence[GpuRecord], shared: Mapping[int, sharing.SharedGpu]) -> list[tuple[str, str]]:
+    """(name, value) describing the shared GPUs (docs/sharing.md), one group per size N, sizes ascending,
+    so that a framework asking ``gpu-share-<N>:1`` can constrain on what that unit is:
+
+    * ``gpu_share_<N>_gpus``: how many GPUs are cut N ways (scalar);
+    * ``gpu_share_<N>_mode``: ``mps``, ``time-slice`` or ``mixed`` when they differ (text);
+    * ``gpu_share_<N>_memory_mib``: one Nth of the smallest such GPU's memory in MiB (scalar): under
+      MPS the pinned limit every unit gets, time-sliced what a unit may count on (nothing enforces it).
+
+    Nothing when no GPU is shared."""
+    memory = {r.gpu.minor: r.gpu.memory_total // 2**20 for r in records}
+    sizes: dict[int, list[sharing.SharedGpu]] = {}
+    for g in shared.values():
+        sizes.setdefault(g.shares, []).append(g)
+    out: list[tuple[str, str]] = []
+    for n in sorted(sizes):
+        gpus = sizes[n]
+        modes = sorted({str(g.mode) for g in gpus})
+        out.append((f"gpu_share_{n}_gpus", str(len(gpus))))
+        out.append((f"gpu_share_{n}_mode", modes[0] if len(modes) == 1 else MIXED))
+        known = [memory[g.minor] for g in gpus if g.minor in memory]
+        if known:
+            out.append((f"gpu_share_{n}_memory_mib", str(min(known) // n)))
+    return out
+
+
 def agent_flags(
     records: Sequence[GpuRecord], shared: Mapping[int, sharing.SharedGpu], driver_version: str, cuda_version: str
 ) -> tuple[str, list[tuple[str, str]]]:
-    """The agent's ``--resources`` (``gpus:N;gpu_shares:S;mig-<profile>:M...``) and ``--attributes``
-    pairs for these GPUs: ``gpus`` counts the GPUs neither in MIG mode (docs/mig.md) nor shared
-    (docs/sharing.md). Offline (``gpu-isolator resources``) and from the running sidecar alike."""
+    """The agent's ``--resources`` (``gpus:N;gpu-share-<S>:U...;mig-<profile>:M...``) and ``--attributes``
+    pairs for these GPUs (``share_attributes`` after the others): ``gpus`` counts the GPUs neither in
+    MIG mode (docs/mig.md) nor shared (docs/sharing.md). Offline (``gpu-isolator resources``) and from
+    the running sidecar alike."""
     whole = sum(1 for r in records if not r.mig_enabled and r.gpu.minor not in shared)
     line = mig.agent_resources(whole, [d for r in records if r.mig_enabled for d in r.mig_devices])
     head, sep, rest = line.partition(";")
     resources = sharing.agent_resources(int(head.removeprefix("gpus:")), shared) + sep + rest
-    return resources, attributes(records, driver_version, cuda_version)
+    return resources, attributes(records, driver_version, cuda_version) + share_attributes(records, shared)
 
 
 def render(pairs: Sequence[tuple[str, str]]) -> str:

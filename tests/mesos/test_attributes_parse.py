@@ -103,3 +103,18 @@ def test_mesos_drops_the_spaces_of_a_raw_model_name_which_is_why_we_replace_them
     assert raw["text"]["value"] == "TeslaV100-SXM2-16GB"
     [ours] = parse("gpu_model:" + attrs.text_value("Tesla V100-SXM2-16GB"))
     assert ours["text"]["value"] == "Tesla-V100-SXM2-16GB"
+
+
+@pytest.mark.parametrize("cut", ["4:4:mps,5-7:2", "1-7:48:mps", "1:2,2:3:mps,3:64"])
+def test_mesos_reads_the_shared_gpus_attributes_with_the_types_we_meant(parse, cut, short_tmp):
+    argv = [sys.executable, "-m", "isolator", "attributes", "--simulate", "dgx-1", "--json", "--shared-gpus", cut]
+    out = subprocess.run([*argv, "--work-dir", short_tmp], capture_output=True, text=True, timeout=120, check=True)
+    ours = json.loads(out.stdout)
+    parsed = parse(ours["attributes"])
+    assert parsed is not None, "Mesos refused the attributes"
+    shared = [a for a in parsed if a["name"].startswith("gpu_share_")]
+    assert shared and {a["name"]: _value(a) for a in shared} == {
+        k: v for k, v in ours["values"].items() if k.startswith("gpu_share_")
+    }
+    kinds = {a["name"].rsplit("_", 1)[-1] if not a["name"].endswith("memory_mib") else "mib": a["type"] for a in shared}
+    assert kinds == {"gpus": "SCALAR", "mode": "TEXT", "mib": "SCALAR"}

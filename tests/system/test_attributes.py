@@ -130,3 +130,89 @@ def test_resources_json_carries_the_attributes_too(short_tmp):
     data = json.loads(result.stdout)
     assert data["resources"] == "gpus:8"
     assert data["attributes"].startswith("gpu_count:8;gpu_model:Tesla-V100-SXM2-16GB;gpu_memory_mib:16160;")
+
+
+# ---- the shared GPUs (issue 42 item 4) ----------------------------------------------------------------
+
+
+def test_shared_gpus_are_described_per_size_gpus_mode_and_memory_per_unit():
+    from isolator.model import ShareMode
+    from isolator.policy.shares import SharedGpu
+
+    records = [_record(i, "NVIDIA L4", 23034 if i < 3 else 16384) for i in range(5)]
+    shared = {
+        1: SharedGpu(1, 1, 4, ShareMode.MPS),
+        2: SharedGpu(2, 2, 2, ShareMode.MPS),
+        3: SharedGpu(3, 3, 2, ShareMode.TIME_SLICE),
+        4: SharedGpu(4, 4, 4, ShareMode.MPS),
+    }
+    assert attrs.share_attributes(records, shared) == [
+        ("gpu_share_2_gpus", "2"),
+        ("gpu_share_2_mode", "mixed"),
+        ("gpu_share_2_memory_mib", str(16384 // 2)),  # the smallest GPU of that size
+        ("gpu_share_4_gpus", "2"),
+        ("gpu_share_4_mode", "mps"),
+        ("gpu_share_4_memory_mib", str(16384 // 4)),
+    ]
+    assert attrs.share_attributes(records, {}) == []
+    line, pairs = attrs.agent_flags(records, shared, "550.54.15", "12.4")
+    assert line == "gpus:1;gpu-share-2:4;gpu-share-4:8"
+    rendered = attrs.render(pairs)  # every pair one Mesos parses as written
+    assert rendered.endswith(";gpu_share_4_memory_mib:4096")
+    assert attrs.typed(pairs)["gpu_share_4_gpus"] == 2 and attrs.typed(pairs)["gpu_share_2_mode"] == "mixed"
+
+
+def test_resources_and_attributes_describe_the_shared_gpus_offline(short_tmp):
+    argv = [sys.executable, "-m", "isolator", "resources", "--simulate", "dgx-1", "--json"]
+    argv += ["--work-dir", short_tmp, "--shared-gpus", "4:4:mps,5-7:2"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["shares"] == {
+        "gpu-share-2": {"units": 6, "size": 2, "gpus": 3, "mode": "time-slice", "memory_mib": 16160 // 2},
+        "gpu-share-4": {"units": 4, "size": 4, "gpus": 1, "mode": "mps", "memory_mib": 16160 // 4},
+    }
+    assert data["attributes"].endswith(
+        "gpu_share_2_gpus:3;gpu_share_2_mode:time-slice;gpu_share_2_memory_mib:8080;"
+        "gpu_share_4_gpus:1;gpu_share_4_mode:mps;gpu_share_4_memory_mib:4040"
+    )
+
+
+def test_the_running_sidecars_view_follows_a_reload_of_shared_gpus(short_tmp):
+    import contextlib
+    import io
+    from dataclasses import replace
+
+    from isolator.cli import main as cli
+    from isolator.policy.shares import parse_shared_gpus
+    from isolator.testing import fake_service
+    from isolator.transport.server import SidecarServer
+    from isolator.transport.settings import ServerSettings
+
+    def ask(command: str) -> dict:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert cli.main([command, "--socket", os.path.join(short_tmp, "s.sock"), "--json"]) == cli.EXIT_OK
+        return json.loads(out.getvalue())
+
+    rig = fake_service("dgx-1")
+    rig.settings = replace(rig.settings, shared_gpus=parse_shared_gpus("4-7:4:mps"))
+    rig.restart()
+    server = SidecarServer(ServerSettings(socket=os.path.join(short_tmp, "s.sock"), bridge_socket=""), rig.service)
+    server.start()
+    try:
+        before = ask("resources")
+        rig.service.share_gpus(parse_shared_gpus("4:4:mps,5-6:2"))  # what a SIGHUP does
+        after, values = ask("resources"), ask("attributes")["values"]
+    finally:
+        server.stop(grace=0)
+    assert before["resources"] == "gpus:4;gpu-share-4:16" and before["shares"]["gpu-share-4"]["mode"] == "mps"
+    assert after["resources"] == "gpus:5;gpu-share-2:4;gpu-share-4:4"
+    assert after["shares"]["gpu-share-2"] == {
+        "units": 4,
+        "size": 2,
+        "gpus": 2,
+        "mode": "time-slice",
+        "memory_mib": 8080,
+    }
+    assert values["gpu_share_4_gpus"] == 1 and values["gpu_share_2_mode"] == "time-slice"

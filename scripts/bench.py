@@ -169,6 +169,8 @@ def part_allocator(s: dict[str, Any], log: Callable[[str], None]) -> dict[str, A
     times = bench_allocator.decision_times(patterns=s["allocator_patterns"])
     log("allocator: shares stream (arrivals and departures of 1-4 gpu_shares)")
     shares = bench_allocator.shares_stream(topologies, arrivals=s["allocator_arrivals"])
+    log("allocator: shares stream per --share-placement (spread, pack): fragmentation")
+    placements = bench_allocator.shares_placements(topologies, arrivals=s["allocator_arrivals"])
     from isolator.simhost.host import load_host
 
     nvswitch = [name for name in hosts if load_host(name).switches]
@@ -181,6 +183,7 @@ def part_allocator(s: dict[str, Any], log: Callable[[str], None]) -> dict[str, A
         "fragmented": fragmented,
         "decision_times": times,
         "shares": shares,
+        "share_placements": placements,
     }
 
 
@@ -461,6 +464,25 @@ def render_allocator(a: dict[str, Any]) -> list[str]:
         out.extend(render_stream(a))
     if "shares" in a:
         out.extend(render_shares(a))
+    if "share_placements" in a:
+        out.extend(render_share_placements(a))
+    return out
+
+
+def render_share_placements(a: dict[str, Any]) -> list[str]:
+    """Issue 42 item 2: the shares stream under each --share-placement, with its oracle and fragmentation."""
+    from bench_allocator import placements_table
+
+    out = [
+        f"## Allocator shares stream per --share-placement: {a['stream_arrivals']} arrivals of 1-4 shares per host",
+        "   violations: the oracle's four goals for that policy (spread: fewest held; pack: fewest left free);",
+        "   largest.fit: the largest request that still fit one GPU, whole.free: shared GPUs holding nothing,",
+        "   full.fit: arrivals at which a whole GPU's worth (4 shares) still fit; means over the arrivals",
+    ]
+    out.extend("   " + line for line in placements_table(a["share_placements"]).splitlines())
+    rows = [r for rows in a["share_placements"].values() for r in rows.values()]
+    worst = sum(r[k] for r in rows for k in ("granted_twice", "refused_with_room", "not_fewest", "tie_broken_wrong"))
+    out.append(f"   goal: each placement as its policy says: {worst} violations, {_verdict(worst == 0)}")
     return out
 
 

@@ -629,14 +629,25 @@ SHARES_PER_GPU = 4
 
 
 def shares_stream(
-    topologies: dict[str, Topology], arrivals: int = 1000, seed: int = 20240611, book: Callable[..., Any] | None = None
+    topologies: dict[str, Topology],
+    arrivals: int = 1000,
+    seed: int = 20240611,
+    book: Callable[..., Any] | None = None,
+    placement: str = "spread",
 ) -> dict:
     """Arrivals and departures of 1-4 shares on each shipped host whose upper half of GPUs is shared
-    four ways, through the policy the sidecar books with (isolator.policy.shares.ShareBook), against an
-    independent oracle: no share granted twice (no GPU over its shares, no holder twice), no request
-    refused while a shared GPU had room for it, and every placement on a GPU that held the fewest
-    shares among those with room, ties to a GPU on the request's NUMA node, then the lowest minor.
-    Half the requests carry a NUMA node (as with --cpu-affinity), drawn from the host's nodes.
+    four ways, through the policy the sidecar books with (isolator.policy.shares.ShareBook, under
+    ``placement``: spread or pack, --share-placement), against an independent oracle: no share granted
+    twice (no GPU over its shares, no holder twice), no request refused while a shared GPU had room for
+    it, and every placement on the GPU the policy's first rule names among those with room
+    (``not_fewest``: spread, the fewest shares held; pack, the fewest left free after it), ties to a GPU
+    on the request's NUMA node, then the lowest minor (``tie_broken_wrong``). Half the requests carry a
+    NUMA node (as with --cpu-affinity), drawn from the host's nodes.
+
+    Fragmentation, from the oracle's own count of what each GPU holds, at every arrival before it is
+    placed: ``largest_fit`` (the largest request that still fits one GPU, mean over arrivals),
+    ``whole_free`` (shared GPUs holding nothing, mean) and ``full_fit`` (the share of arrivals at which
+    a whole GPU's worth, 4 shares, still fit). The same seed for every policy.
     ``book``: another book class to judge (the tests check that the oracle catches a wrong one)."""
     from isolator.model import ShareMode
     from isolator.policy.shares import ShareBook, SharedGpu, SharesExhausted
@@ -652,13 +663,15 @@ def shares_stream(
         }
         nodes = sorted({g.numa for g in shared.values() if g.numa is not None}) or [0]
         rng = random.Random(f"{seed}-{name}")
-        books = (book or ShareBook)(shared)
+        books = (book or ShareBook)(shared, placement)
         live: list[str] = []
         held = dict.fromkeys(shared, 0)
         owner: dict[str, tuple[int, int]] = {}
         counts = {"arrivals": 0, "placed": 0, "refused_no_room": 0}
         bad = {"granted_twice": 0, "refused_with_room": 0, "not_fewest": 0, "tie_broken_wrong": 0}
         seconds: list[float] = []
+        largest: list[int] = []
+        whole: list[int] = []
         while counts["arrivals"] < arrivals:
             if live and rng.random() < 0.45:
                 gone = live.pop(rng.randrange(len(live)))
@@ -671,6 +684,8 @@ def shares_stream(
             holder = f"c{counts['arrivals']}"
             counts["arrivals"] += 1
             room = [g for g in shared.values() if g.shares - held[g.minor] >= n]
+            largest.append(max(g.shares - held[g.minor] for g in shared.values()))
+            whole.append(sum(1 for m in shared if held[m] == 0))
             started = time.perf_counter()
             try:
                 got = books.place(holder, n, (), near)
@@ -681,11 +696,16 @@ def shares_stream(
                 continue
             seconds.append(time.perf_counter() - started)
             counts["placed"] += 1
-            fewest = min(held[g.minor] for g in room) if room else None
-            if not room or held[got.minor] != fewest:
+            # The policy's first rule, from the oracle's own counts: spread the fewest held, pack the fewest left.
+            rank = {
+                g.minor: held[g.minor] if placement == "spread" else g.shares - held[g.minor] - n
+                for g in shared.values()
+            }
+            fewest = min(rank[g.minor] for g in room) if room else None
+            if not room or rank[got.minor] != fewest:
                 bad["not_fewest"] += 1
             else:
-                ties = [g for g in room if held[g.minor] == fewest]
+                ties = [g for g in room if rank[g.minor] == fewest]
                 if near is not None and any(g.numa in near for g in ties):
                     ties = [g for g in ties if g.numa in near]
                 if got.minor != min(g.minor for g in ties):
@@ -701,10 +721,36 @@ def shares_stream(
             "shares": SHARES_PER_GPU * len(shared),
             **counts,
             **bad,
+            "largest_fit": round(sum(largest) / len(largest), 3) if largest else None,
+            "whole_free": round(sum(whole) / len(whole), 3) if whole else None,
+            "full_fit": round(sum(1 for x in largest if x >= SHARES_PER_GPU) / len(largest), 4) if largest else None,
             "p50_us": round(seconds[len(seconds) // 2] * 1e6, 2) if seconds else None,
             "p99_us": round(seconds[min(len(seconds) - 1, int(len(seconds) * 0.99))] * 1e6, 2) if seconds else None,
         }
     return out
+
+
+SHARE_PLACEMENTS = ("spread", "pack")
+
+
+def shares_placements(topologies: dict[str, Topology], arrivals: int = 1000, seed: int = 20240611) -> dict:
+    """``shares_stream`` once per --share-placement, with the same seed: policy -> host -> row."""
+    return {p: shares_stream(topologies, arrivals, seed, placement=p) for p in SHARE_PLACEMENTS}
+
+
+def placements_table(result: dict) -> str:
+    """Per host and policy: refusals, the oracle's violations and the fragmentation figures."""
+    lines = ["host          policy  placed no.room | violations | largest.fit whole.free full.fit"]
+    hosts = sorted({h for rows in result.values() for h in rows})
+    for host in hosts:
+        for policy, rows in result.items():
+            r = rows[host]
+            wrong = sum(r[k] for k in ("granted_twice", "refused_with_room", "not_fewest", "tie_broken_wrong"))
+            lines.append(
+                f"{host:13s} {policy:6s} {r['placed']:7d} {r['refused_no_room']:7d} | {wrong:10d} |"
+                f" {r['largest_fit']:11.2f} {r['whole_free']:10.2f} {r['full_fit']:8.1%}"
+            )
+    return "\n".join(lines)
 
 
 def _shipped() -> frozenset[str]:

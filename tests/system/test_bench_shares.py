@@ -61,3 +61,27 @@ def test_the_oracle_catches_a_packing_policy_and_a_stingy_one():
     assert packed["not_fewest"] > 0
     stingy = bench.shares_stream({"dgx-1": dgx1_volta()}, arrivals=200, seed=5, book=Stingy)["dgx-1"]
     assert stingy["refused_with_room"] > 0
+
+
+def test_each_placement_meets_its_own_goals_and_pack_keeps_more_whole_gpus_free():
+    result = bench.shares_placements({"dgx-1": dgx1_volta(), "ws": workstation()}, arrivals=300, seed=5)
+    assert set(result) == {"spread", "pack"}
+    for policy, rows in result.items():
+        for host, row in rows.items():
+            assert {k: row[k] for k in GOALS} == dict.fromkeys(GOALS, 0), (policy, host, row)
+            assert 0 < row["largest_fit"] <= 4 and 0 <= row["whole_free"] <= row["shared_gpus"], row
+    spread, pack = result["spread"]["dgx-1"], result["pack"]["dgx-1"]
+    assert pack["whole_free"] > spread["whole_free"] and pack["full_fit"] > spread["full_fit"], (spread, pack)
+    assert pack["refused_no_room"] <= spread["refused_no_room"], (spread, pack)
+    table = bench.placements_table(result)
+    assert "largest.fit" in table and table.count("pack") == 2
+
+
+def test_the_oracle_of_each_placement_catches_the_other_one():
+    def judged(policy: str, booked_as: str) -> dict:
+        book = lambda shared, _placement: ShareBook(shared, booked_as)  # noqa: E731
+        return bench.shares_stream({"dgx-1": dgx1_volta()}, arrivals=200, seed=5, book=book, placement=policy)["dgx-1"]
+
+    assert judged("spread", "pack")["not_fewest"] > 0
+    assert judged("pack", "spread")["not_fewest"] > 0
+    assert judged("pack", "pack")["not_fewest"] == 0

@@ -436,8 +436,9 @@ def role_problems(
     shares_held: Mapping[int, int],
 ) -> list[str]:
     """What forbids going from sharing ``old`` to ``new`` now: a GPU held whole that would become
-    shared, a shared GPU with sharers that would become whole, change mode, or shrink below what is
-    held. Empty when the change is safe (a GPU nobody holds may change freely)."""
+    shared, a shared GPU with sharers that would become whole, change mode, or be cut another number of
+    ways (its sharers' units, and their MPS limits, are slices of the old cut). Empty when the change is
+    safe (a GPU nobody holds may change freely)."""
     problems: list[str] = []
     whole = set(whole_held)
     for minor in sorted(set(old) | set(new)):
@@ -452,8 +453,13 @@ def role_problems(
                 problems.append(
                     f"GPU {minor} has {held} {RESOURCE} held and cannot switch from {before.mode} to {after.mode}"
                 )
-            elif after.shares < held:
-                problems.append(f"GPU {minor} has {held} {RESOURCE} held and cannot be cut into {after.shares}")
+            elif after.shares != before.shares:
+                # Its sharers hold units of one before.shares-th (gpu-share-<before.shares>) and, under MPS,
+                # limits of that slice: a new cut would make its units and its sharers' slices disagree.
+                problems.append(
+                    f"GPU {minor} has {held} {RESOURCE} held and cannot be re-cut from {before.shares} to"
+                    f" {after.shares} ways (its sharers hold {unit_name(before.shares)} units)"
+                )
     return problems
 
 

@@ -421,14 +421,15 @@ def test_a_gpu_held_whole_cannot_become_shared():
     assert role_problems({}, four(), whole_held=[5], shares_held={}) == ["GPU 5 is held whole and cannot become shared"]
 
 
-def test_a_shared_gpu_with_sharers_cannot_become_whole_switch_mode_or_shrink_below_its_holders():
+def test_a_shared_gpu_with_sharers_cannot_become_whole_switch_mode_or_be_re_cut():
     old = four(4)
     new = {5: SharedGpu(5, 5, 4, ShareMode.MPS), 6: SharedGpu(6, 6, 2), 7: SharedGpu(7, 7, 3)}
     got = role_problems(old, new, whole_held=[], shares_held={4: 1, 5: 2, 6: 3, 7: 3})
     assert got == [
         "GPU 4 has 1 gpu_shares held and cannot become whole",
         "GPU 5 has 2 gpu_shares held and cannot switch from time-slice to mps",
-        "GPU 6 has 3 gpu_shares held and cannot be cut into 2",
+        "GPU 6 has 3 gpu_shares held and cannot be re-cut from 4 to 2 ways (its sharers hold gpu-share-4 units)",
+        "GPU 7 has 3 gpu_shares held and cannot be re-cut from 4 to 3 ways (its sharers hold gpu-share-4 units)",
     ]
     with pytest.raises(RoleChangeRefused) as err:
         check_roles(old, new, [], {4: 1})
@@ -438,10 +439,14 @@ def test_a_shared_gpu_with_sharers_cannot_become_whole_switch_mode_or_shrink_bel
     )
 
 
-def test_a_shared_gpu_may_grow_or_shrink_down_to_what_is_held():
+def test_a_shared_gpu_with_sharers_keeps_its_cut_and_one_without_may_change_it():
     old = four(4)
-    new = {4: SharedGpu(4, 4, 8), 5: SharedGpu(5, 5, 2), 6: SharedGpu(6, 6, 4), 7: SharedGpu(7, 7, 4)}
-    assert role_problems(old, new, whole_held=[], shares_held={4: 4, 5: 2, 6: 4}) == []
+    new = {4: SharedGpu(4, 4, 8), 5: SharedGpu(5, 5, 2), 6: SharedGpu(6, 6, 4), 7: SharedGpu(7, 7, 8)}
+    assert role_problems(old, new, whole_held=[], shares_held={6: 4, 7: 0}) == []  # 4, 5, 7: nobody holds them
+    assert role_problems(old, new, whole_held=[], shares_held={4: 4, 5: 1, 6: 4}) == [
+        "GPU 4 has 4 gpu_shares held and cannot be re-cut from 4 to 8 ways (its sharers hold gpu-share-4 units)",
+        "GPU 5 has 1 gpu_shares held and cannot be re-cut from 4 to 2 ways (its sharers hold gpu-share-4 units)",
+    ]
 
 
 def test_module_exports_the_resource_name():

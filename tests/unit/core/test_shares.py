@@ -269,6 +269,7 @@ def test_a_reload_may_change_gpus_nobody_holds(rig: Rig) -> None:
         ("5-7:4:mps", "GPU {m4} has 1 gpu_shares held and cannot become whole"),
         ("4:4,5-7:4:mps", "cannot switch from mps to time-slice"),
         ("0-7:4:mps", "GPU {m0} is held whole and cannot become shared"),
+        ("4:8:mps,5-7:4:mps", "GPU {m4} has 1 gpu_shares held and cannot be re-cut from 4 to 8 ways"),
     ],
 )
 def test_a_reload_that_would_switch_a_held_gpu_is_refused_and_changes_nothing(rig: Rig, spec: str, says: str) -> None:

@@ -49,8 +49,9 @@ def for_prepare(container_id: ContainerId, resources: Iterable[Resource]) -> Req
     if request.shares and (request.gpus or request.mig):
         # One kind per container: under MPS its CUDA would reach every GPU through the MPS
         # daemon of its shared one, and a whole GPU beside a share gains nothing (docs/sharing.md).
+        named = sharing.unit_name(request.share_size) if request.share_size else sharing.RESOURCE
         raise InvalidArgument(
-            f"container {container_id} asks for {sharing.RESOURCE} together with whole GPUs or MIG devices;"
+            f"container {container_id} asks for {named} together with whole GPUs or MIG devices;"
             " a container holds shares of one GPU, or whole GPUs and MIG devices, not both"
         )
     return request

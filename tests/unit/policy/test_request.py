@@ -32,7 +32,7 @@ def test_read_refuses_two_units_at_once_as_invalid_argument() -> None:
 
 
 def test_prepare_refuses_a_unit_beside_whole_gpus() -> None:
-    with pytest.raises(InvalidArgument, match="together with whole GPUs or MIG"):
+    with pytest.raises(InvalidArgument, match="asks for gpu-share-4 together with whole GPUs or MIG"):
         requests.for_prepare(A, [Resource("gpu-share-4", 1.0), Resource("gpus", 1.0)])
 
 

@@ -794,6 +794,20 @@ class GpuProcess:
 
 
 @dataclass(frozen=True)
+class ProcessUsage:
+    """One process on a GPU as NVML's per-process calls report it (nvidia-smi's "Processes" table
+    with `nvidia-smi pmon`'s sm and mem columns)."""
+
+    pid: int  # as NVML reports it: the pid in the sidecar's pid namespace when it shares the host's
+    gpu: int  # the GPU's NVML index (a MIG device's parent)
+    used_memory: int  # bytes; 0 when NVML cannot tell
+    kind: str  # "compute", "graphics" or "mps" (an MPS client; its server is a "compute" process)
+    mig_uuid: str = ""  # the MIG device it runs on; "" for the whole GPU
+    sm_utilization: int | None = None  # percent of the GPU's SMs; None: the driver does not report it
+    memory_utilization: int | None = None  # percent of the memory bandwidth; None as above
+
+
+@dataclass(frozen=True)
 class Occupancy:
     """What runs on a GPU now: its processes and the memory in use."""
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from isolator.errors import GpuNotFound, NvmlError
 from isolator.gpu import nvmlcall as nv
+from isolator.gpu import processes
 from isolator.gpu.health import (
     HEALTH_ABSENT,
     HEALTH_ECC,
@@ -547,79 +548,12 @@ class Inventory(HealthWatch):
             memory = nv.call("nvmlDeviceGetMemoryInfo", handle, op="query memory", target=target)
         return Occupancy(tuple(procs), int(memory.used), int(memory.total))
 
-    # ---- per process: what each process uses --------------------------------------------------
+    # ---- per process: what each process uses (isolator/gpu/processes.py) ----------------------
 
     def process_usage(self, index: int) -> tuple[ProcessUsage, ...]:
-        """Every process on GPU ``index`` (on each of its MIG devices when MIG is on) with the memory
-        it uses and, where the driver reports it, its SM and memory utilisation. MPS clients come from
-        the MPS call with their own memory, once (a pid the compute list also names is taken from the
-        MPS list); the MPS server stays a compute process. Raises NvmlError when NVML cannot list the
-        compute processes (callers that display show N/A; callers that decide fail closed)."""
-        handle = self._live_handle(index)
-        record = self.record(index)
-        if record.mig_enabled:
-            out: list[ProcessUsage] = []
-            for mig in record.mig_devices:
-                target = f"GPU {index} MIG {mig.gpu_instance_id}/{mig.compute_instance_id}"
-                mig_handle = nv.call("nvmlDeviceGetHandleByUUID", mig.uuid, op="find MIG device", target=target)
-                # per-process utilisation is not reported on MIG devices (NOT_SUPPORTED)
-                out += self._listed(mig_handle, index, target, mig.uuid, None)
-            return tuple(out)
-        target = f"GPU {index}"
-        return self._listed(handle, index, target, "", self._process_utilization(handle, target))
-
-    def _listed(
-        self, handle: object, index: int, target: str, mig_uuid: str, util: dict[int, tuple[int, int]] | None
-    ) -> tuple[ProcessUsage, ...]:
-        mps = {int(p.pid): int(p.usedGpuMemory or 0) for p in self._list(handle, "mps", target)}
-        out: dict[int, ProcessUsage] = {}
-        for kind in ("compute", "graphics", "mps"):
-            for p in self._list(handle, kind, target):
-                pid = int(p.pid)
-                if pid in out or (kind != "mps" and pid in mps):
-                    continue
-                sm, mem = (None, None) if util is None else util.get(pid, (0, 0))
-                out[pid] = ProcessUsage(pid, index, int(p.usedGpuMemory or 0), kind, mig_uuid, sm, mem)
-        return tuple(sorted(out.values(), key=lambda p: p.pid))
-
-    @staticmethod
-    def _list(handle: object, kind: str, target: str) -> list[Any]:
-        """One of NVML's process lists (_v3, else _v2 on drivers before R510: the same struct). The
-        graphics and MPS lists may be absent (a datacenter board, an old driver): none then."""
-        name = {"compute": "Compute", "graphics": "Graphics", "mps": "MPSCompute"}[kind]
-        v3, v2 = f"nvmlDeviceGet{name}RunningProcesses_v3", f"nvmlDeviceGet{name}RunningProcesses_v2"
-        op = f"list {kind} processes"
-        try:
-            try:
-                return list(nv.call(v3, handle, op=op, target=target))
-            except NvmlError as exc:
-                if nv.code(exc) != nv.FUNCTION_NOT_FOUND:
-                    raise
-                return list(nv.call(v2, handle, op=op, target=target))
-        except NvmlError as exc:
-            if kind != "compute" and nv.absent(exc):
-                return []
-            raise NvmlError(op=op, target=target, cause=nv.cause(exc), nvml_code=nv.code(exc), call=v3) from exc
-
-    @staticmethod
-    def _process_utilization(handle: object, target: str) -> dict[int, tuple[int, int]] | None:
-        """pid -> (SM %, memory %) from each process's newest sample (nvmlDeviceGetProcessUtilization);
-        {} when no process was sampled (NOT_FOUND: none used the GPU lately), None when the driver or
-        the GPU does not report it. Any other failure is NvmlError."""
-        try:
-            op = "query process utilization"
-            samples = nv.call("nvmlDeviceGetProcessUtilization", handle, 0, op=op, target=target)
-        except NvmlError as exc:
-            if nv.code(exc) == nv.NOT_FOUND:
-                return {}
-            if nv.absent(exc):
-                return None
-            raise
-        newest: dict[int, Any] = {}
-        for s in samples:
-            if int(s.pid) not in newest or int(s.timeStamp) >= int(newest[int(s.pid)].timeStamp):
-                newest[int(s.pid)] = s
-        return {pid: (int(s.smUtil), int(s.memUtil)) for pid, s in newest.items()}
+        """Every process on GPU ``index`` with its memory and, where the driver reports it, its
+        utilisation (isolator/gpu/processes.py). Raises NvmlError when NVML cannot list them."""
+        return processes.process_usage(self._live_handle(index), self.record(index))
 
     def reset_settings(self, index: int, compute_mode: int) -> tuple[ResetStep, ...]:
         """Set GPU ``index``'s application clocks back to their defaults and its compute mode to

@@ -146,11 +146,12 @@ class Admin:
 
     # ---- containers -------------------------------------------------------------------------------
 
-    def list_containers(self) -> list[ContainerInfo]:
-        """Top-level containers sorted by ID, each followed by its nested containers (depth first)."""
+    def list_containers(self, usage: bool = True) -> list[ContainerInfo]:
+        """Top-level containers sorted by ID, each followed by its nested containers (depth first);
+        with ``usage``, what each one's processes use of the devices it holds (core/usage.py)."""
         records = self.core.store.load()
         volume_of = self._volume_users()
-        used = usage_view.container_use(self.core, records.values())
+        used = usage_view.container_use(self.core, records.values()) if usage else {}
         out = []
         for cid, rec in sorted(records.items(), key=lambda kv: kv[0].chain()):
             out.append(dataclasses.replace(self._info(cid, rec), usage=used.get(cid, ())))

@@ -501,9 +501,30 @@ class GpuUsage:
 
 
 @dataclass(frozen=True)
+class DeviceUse:
+    """What one container's own processes use on one device it holds (NVML's per-process view,
+    each process attributed to its container by its cgroup; policy/usage.py)."""
+
+    uuid: str  # the GPU's, or the MIG device's
+    minor: int  # the GPU's (a MIG device's parent's)
+    kind: str  # "gpu" (held whole), "mig" (a MIG device) or "share" (gpu_shares of a shared GPU)
+    memory_used: int  # bytes its processes use there
+    memory_limit: int  # bytes it may use: the GPU's or MIG device's memory, a share's slice of the GPU
+    sm_utilization: int | None = None  # percent of the device's SMs (its processes' sum); None: not reported
+    pids: tuple[int, ...] = ()  # its processes NVML lists there, as the sidecar's /proc sees them
+    error: str = ""  # why NVML could not say ("" when it could); the figures are then 0
+
+    @property
+    def over(self) -> bool:
+        """A share over its slice: more memory than shares/total of the GPU's."""
+        return self.kind == "share" and not self.error and self.memory_used > self.memory_limit
+
+
+@dataclass(frozen=True)
 class Usage:
     timestamp: float
-    gpus: tuple[GpuUsage, ...] = ()
+    gpus: tuple[GpuUsage, ...] = ()  # each GPU it holds, device-wide (every process on it)
+    devices: tuple[DeviceUse, ...] = ()  # what its own processes use on each device it holds
 
 
 @dataclass(frozen=True)
@@ -617,6 +638,8 @@ class ContainerInfo:
     share_gpu_minor: int = -1
     share_gpu_index: int = -1
     share_gpu_uuid: str = ""
+    # What its processes use on each device it holds (a nested container's count for its top-level one).
+    usage: tuple[DeviceUse, ...] = ()
 
     @property
     def nested(self) -> bool:
@@ -791,6 +814,20 @@ class GpuProcess:
     pid: int
     used_memory: int  # bytes; 0 when NVML cannot tell
     kind: str  # "compute" or "graphics"
+
+
+@dataclass(frozen=True)
+class ProcessUsage:
+    """One process on a GPU as NVML's per-process calls report it (nvidia-smi's "Processes" table
+    with `nvidia-smi pmon`'s sm and mem columns)."""
+
+    pid: int  # as NVML reports it: the pid in the sidecar's pid namespace when it shares the host's
+    gpu: int  # the GPU's NVML index (a MIG device's parent)
+    used_memory: int  # bytes; 0 when NVML cannot tell
+    kind: str  # "compute", "graphics" or "mps" (an MPS client; its server is a "compute" process)
+    mig_uuid: str = ""  # the MIG device it runs on; "" for the whole GPU
+    sm_utilization: int | None = None  # percent of the GPU's SMs; None: the driver does not report it
+    memory_utilization: int | None = None  # percent of the memory bandwidth; None as above
 
 
 @dataclass(frozen=True)

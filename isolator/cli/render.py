@@ -213,12 +213,14 @@ def _containers_table(data: dict[str, Any], now: float, wide: bool = False) -> s
     for row in rows:
         row["minors"] = _list(row.get("gpu_minors") or [])
         row["uuids"] = _list(row.get("gpu_uuids") or [])
+        row["used"] = _usage_summary(row.get("usage") or [])
     more = [("minors", "MINORS"), ("uuids", "UUIDS")] if wide else []
     return table(
         rows,
         [
             ("name", "CONTAINER"),
             ("gpus", "GPUS"),
+            ("used", "GPU USE"),
             ("state", "STATE"),
             ("mode", "MODE"),
             ("volume", "VOLUME"),
@@ -227,6 +229,63 @@ def _containers_table(data: dict[str, Any], now: float, wide: bool = False) -> s
             *more,
         ],
     )
+
+
+def _mib(value: Any) -> str:
+    return f"{int(value or 0) // 2**20}"
+
+
+def _sm_text(d: dict[str, Any]) -> str:
+    return "N/A" if d.get("sm_utilization_percent") is None else f"{int(d['sm_utilization_percent'])}%"
+
+
+def _usage_summary(usage: list[dict[str, Any]]) -> str:
+    """What a container's processes use, one device after another: "1024/16160 MiB 37%" (memory
+    used of what it may use, SM utilisation), "OVER" for a share past its slice, "N/A" where NVML
+    could not say; "-" for nothing held (nested containers count for their top-level one)."""
+    parts = []
+    for d in usage:
+        if d.get("error"):
+            parts.append("N/A")
+            continue
+        text = f"{_mib(d.get('memory_used_bytes'))}/{_mib(d.get('memory_limit_bytes'))} MiB {_sm_text(d)}"
+        parts.append(text + (" OVER" if d.get("over") else ""))
+    return ", ".join(parts) if parts else "-"
+
+
+def _usage_lines(usage: list[dict[str, Any]]) -> list[str]:
+    """``describe``'s table of what the container's processes use on each device it holds."""
+    if not usage:
+        return ["GPU use: none held"]
+    rows = [
+        dict(
+            d,
+            memory="N/A" if d.get("error") else f"{_mib(d.get('memory_used_bytes'))} MiB",
+            limit=f"{_mib(d.get('memory_limit_bytes'))} MiB",
+            sm="N/A" if d.get("error") else _sm_text(d),
+            over="OVER its slice" if d.get("over") else "-",
+            pids=_list(d.get("pids") or []),
+        )
+        for d in usage
+    ]
+    lines = [
+        "GPU use (its processes, attributed by cgroup):",
+        table(
+            rows,
+            [
+                ("uuid", "DEVICE"),
+                ("kind", "KIND"),
+                ("memory", "MEMORY"),
+                ("limit", "MAY USE"),
+                ("sm", "SM"),
+                ("over", "OVER"),
+                ("pids", "PIDS"),
+            ],
+            indent="  ",
+        ),
+    ]
+    lines += [f"  {d.get('uuid', '')}: NVML could not say: {d['error']}" for d in usage if d.get("error")]
+    return lines
 
 
 def _health_text(g: dict[str, Any]) -> str:
@@ -414,6 +473,9 @@ def _describe_text(data: dict[str, Any], now: float) -> str:
         lines += _handover_lines(data["gpus"])
     else:
         lines.append("GPUs: none")
+    if not c.get("nested"):
+        lines.append("")
+        lines += _usage_lines(c.get("usage") or [])
     lines.append("")
     lines += _rules_text(data)
     nested = data.get("nested", [])

@@ -9,6 +9,7 @@ Read it from the file names (docs/architecture.md draws the whole request path):
     isolate.py   isolate (the pid rule is policy/placement.py)
     update.py    update (grow, shrink, the cpuset following)
     watch.py     watch ("is there a limitation now"), usage, status
+    usage.py     what each container's processes use on the devices it holds (Usage, admin, metrics)
     cleanup.py   cleanup
     recovery.py  start-up booking, Recover, reaping containers whose cgroup vanished, the drift audit
     admin.py     the views behind the gpu-isolator CLI, release, undrain

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from isolator.core import usage as usage_view
 from isolator.core.context import Core
 from isolator.errors import CgroupVanished, FailedPrecondition, IsolatorError, NotFound
 from isolator.model import (
@@ -145,13 +146,15 @@ class Admin:
 
     # ---- containers -------------------------------------------------------------------------------
 
-    def list_containers(self) -> list[ContainerInfo]:
-        """Top-level containers sorted by ID, each followed by its nested containers (depth first)."""
+    def list_containers(self, usage: bool = True) -> list[ContainerInfo]:
+        """Top-level containers sorted by ID, each followed by its nested containers (depth first);
+        with ``usage``, what each one's processes use of the devices it holds (core/usage.py)."""
         records = self.core.store.load()
         volume_of = self._volume_users()
+        used = usage_view.container_use(self.core, records.values()) if usage else {}
         out = []
         for cid, rec in sorted(records.items(), key=lambda kv: kv[0].chain()):
-            out.append(self._info(cid, rec))
+            out.append(dataclasses.replace(self._info(cid, rec), usage=used.get(cid, ())))
             for child in self._nested_ids(cid, volume_of):
                 out.append(self._nested_info(child, rec, volume_of))
         return out
@@ -244,7 +247,8 @@ class Admin:
         """The record governing ``cid`` and its view; NotFound for a container we do not know."""
         rec = self.core.store.get(cid.root)
         if rec is not None and not cid.nested:
-            return rec, self._info(cid, rec)
+            used = usage_view.container_use(self.core, (rec,)).get(cid, ())
+            return rec, dataclasses.replace(self._info(cid, rec), usage=used)
         if rec is not None:
             volume_of = self._volume_users()
             if cid in self._nested_ids(cid.root, volume_of):

@@ -78,7 +78,8 @@ class IsolatorApi(Protocol):
     def topology(self) -> TopologyView:
         raise Unimplemented(hook="Topology")
 
-    def list_containers(self) -> list[ContainerInfo]:
+    def list_containers(self, usage: bool = True) -> list[ContainerInfo]:
+        """``usage``: with what each container's processes use (NVML asked per GPU held)."""
         raise Unimplemented(hook="ListContainers")
 
     def describe_container(self, container_id: ContainerId) -> Description:

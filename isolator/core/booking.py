@@ -115,15 +115,19 @@ class Booking:
             raise
         return Holding(frozenset(choice.gpus), frozenset((d.uuid, d.parent_minor) for d in units))
 
-    def resize(self, holder: str, holding: Holding, request: Request) -> tuple[Holding, Holding]:
+    def resize(
+        self, holder: str, holding: Holding, request: Request, in_use: frozenset[int] = frozenset()
+    ) -> tuple[Holding, Holding, str]:
         """An update of ``holder`` (its key), holding ``holding``, to ``request`` (checked by
         ``request.check_update``): (grown, shrunk). What it grows by is booked here, all or nothing:
         whole GPUs, MIG units of each profile asked (chosen as Prepare chooses them), more shares of
         the GPU it shares (SharesExhausted naming that GPU when it has no room: shares never move).
-        What it shrinks by is only chosen (the MIG units of a profile with the highest UUIDs, so the
-        choice is the same every time): the caller revokes it first, then ``free``s it."""
+        What it shrinks by is only chosen (whole GPUs: those its processes do not use, ``in_use``,
+        policy/allocator.py's ``plan_update``; the MIG units of a profile with the highest UUIDs, so
+        the choice is the same every time): the caller revokes it first, then ``free``s it. The third
+        value says why those whole GPUs go ("" when none do)."""
         self.lock.require("resize")
-        plan = self._allocator.plan_update(holding.gpus, request.gpus)
+        plan = self._allocator.plan_update(holding.gpus, request.gpus, in_use)
         add, release = frozenset(plan.add), frozenset(plan.release)
         _kept, drop, more = self._resize_mig(holding, request.mig)
         if add:
@@ -142,7 +146,7 @@ class Booking:
                 grown = Holding(share=self._grow_shares(holder, holding.share, request.shares))
             else:
                 shrunk = Holding(share=holding.share.resized(holding.shares - request.shares))
-        return grown, shrunk
+        return grown, shrunk, plan.why if release else ""
 
     def _resize_mig(
         self, holding: Holding, asked: Mapping[str, int]

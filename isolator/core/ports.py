@@ -39,6 +39,7 @@ from isolator.model import (
     MaintenanceMark,
     Mode,
     Occupancy,
+    ProcessUsage,
     RecordState,
     ResetStep,
     Topology,
@@ -261,6 +262,10 @@ class GpuInventory(Protocol):
     # The handover (docs/handover.md): what runs on a GPU now (NvmlError when NVML cannot say), and
     # application clocks and compute mode set back to defaults, each step reporting its own failure.
     def occupancy(self, index: int) -> Occupancy: ...
+
+    # What each process on a GPU uses (its MIG devices' processes, MPS clients once, utilisation
+    # where the driver reports it); NvmlError when NVML cannot list them.
+    def process_usage(self, index: int) -> tuple[ProcessUsage, ...]: ...
 
     def reset_settings(self, index: int, compute_mode: int) -> tuple[ResetStep, ...]: ...
 

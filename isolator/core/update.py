@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
+from isolator.core import usage as usage_view
 from isolator.core.context import Core
 from isolator.crashpoints import crashpoint
 from isolator.errors import CgroupVanished, FailedPrecondition, IsolatorError
@@ -34,9 +35,18 @@ class UpdateHook:
             requests.check_update(container_id, held, request)
             if request.gpus > len(held.gpus) or sum(request.mig.values()) > len(held.mig):
                 core.handover.recheck()
+            in_use = self._in_use(rec) if 0 < request.gpus < len(held.gpus) else frozenset()
             with core.booking.lock:
-                grown, shrunk = core.booking.resize(container_id.key(), held, request)
+                grown, shrunk, why = core.booking.resize(container_id.key(), held, request, in_use)
             add, release = grown.gpus, shrunk.gpus
+            if release:
+                LOG.info(
+                    "shrinking %s: drops GPUs %s, keeps %s (%s)",
+                    core.describe(container_id, held.gpus),
+                    sorted(release),
+                    sorted(held.gpus - release),
+                    why,
+                )
             try:
                 # Decided before anything changes: an enforced locality that leaves nothing refuses the update.
                 moved = (
@@ -79,6 +89,21 @@ class UpdateHook:
             len(now.mig),
             now.shares,
         )
+
+    def _in_use(self, rec: ContainerRecord) -> frozenset[int]:
+        """The GPUs held whole on which the container's processes run now (NVML's per-process view,
+        core/usage.py), asked outside the booking lock. A GPU NVML cannot list makes the use unknown:
+        none is then reported, and the shrink falls back to the rule that ignores use."""
+        devices = usage_view.container_use(self.core, (rec,))[rec.container_id]
+        failed = [d for d in devices if d.kind == "gpu" and d.error]
+        if failed:
+            LOG.warning(
+                "%s: which GPUs its processes use is unknown (%s); the shrink ignores use",
+                self.core.describe(rec.container_id, rec.holding.gpus),
+                "; ".join(d.error for d in failed),
+            )
+            return frozenset()
+        return frozenset(d.minor for d in devices if d.kind == "gpu" and d.pids)
 
     def _record(self, cid: ContainerId, target: Holding, grown: Holding) -> None:
         """Record a grow: whole GPUs added to the record, or (MIG units, shares) the holding replaced."""

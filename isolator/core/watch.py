@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+from isolator.core import usage as usage_view
 from isolator.core.context import Core
 from isolator.errors import ContainerGone, NotFound
 from isolator.model import ContainerId, ContainerRecord, ContainerStatus, GpuUsage, Limitation, Usage
@@ -74,7 +75,8 @@ class WatchHook:
                 continue
             u = core.inventory.usage(gpu.index)
             gpus.append(GpuUsage(gpu.uuid, minor, u.memory_used, u.memory_total, u.gpu_utilization))
-        return Usage(timestamp=core.clock.time(), gpus=tuple(gpus))
+        devices = usage_view.container_use(core, (rec,))[rec.container_id]
+        return Usage(timestamp=core.clock.time(), gpus=tuple(gpus), devices=devices)
 
     def status(self, container_id: ContainerId) -> ContainerStatus:
         core = self.core

@@ -61,7 +61,7 @@ class JobMapping:
         """
         holders: dict[int, set[str]] = {}
         unit_holders: dict[str, set[str]] = {}
-        for c in self.service.list_containers():
+        for c in self.service.list_containers(usage=False):  # who holds what; not what they use
             if c.nested:
                 continue  # nested containers share their top-level container's GPUs and ID prefix
             for index in c.gpu_indices:

@@ -226,7 +226,46 @@ class _ServiceCollector(Collector):
             mig_held.add_metric([str(c.container_id)], len(c.mig_uuids))
         yield from (mig_total, mig_used, mig_held)
         yield from self._shares(gpus, containers)
+        yield from self._container_use(containers)
         yield self._health_checks(service)
+
+    @staticmethod
+    def _container_use(containers: list[Any]) -> Iterator[Metric]:
+        """What each container's processes use on each device it holds (core/usage.py): one series per
+        live container and device, gone with the container; none for a device NVML could not list."""
+        labels = ("container_id", "UUID", "kind")
+        used = GaugeMetricFamily(
+            f"{PREFIX}_container_gpu_memory_used_bytes",
+            "GPU memory a container's processes use on a device it holds (NVML per process, by cgroup)",
+            labels=labels,
+        )
+        limit = GaugeMetricFamily(
+            f"{PREFIX}_container_gpu_memory_limit_bytes",
+            "GPU memory a container may use on a device it holds: the device's, or a share's slice",
+            labels=labels,
+        )
+        sm = GaugeMetricFamily(
+            f"{PREFIX}_container_gpu_sm_utilization_percent",
+            "SM utilisation of a container's processes on a device it holds (where the driver reports it)",
+            labels=labels,
+        )
+        over = GaugeMetricFamily(
+            f"{PREFIX}_container_gpu_share_over",
+            "1 while a holder of gpu_shares uses more GPU memory than its slice, else 0",
+            labels=("container_id", "UUID"),
+        )
+        for c in containers:
+            for d in c.usage:
+                if d.error:
+                    continue
+                values = [str(c.container_id), d.uuid, d.kind]
+                used.add_metric(values, d.memory_used)
+                limit.add_metric(values, d.memory_limit)
+                if d.sm_utilization is not None:
+                    sm.add_metric(values, d.sm_utilization)
+                if d.kind == "share":
+                    over.add_metric([str(c.container_id), d.uuid], 1 if d.over else 0)
+        yield from (used, limit, sm, over)
 
     def _shares(self, gpus: list[Any], containers: list[Any]) -> Iterator[Metric]:
         """Shares of the shared GPUs (docs/sharing.md): what each is cut into, what is held, its MPS daemon."""

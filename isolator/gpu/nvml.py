@@ -17,6 +17,7 @@ from typing import Any
 
 from isolator.errors import GpuNotFound, NvmlError
 from isolator.gpu import nvmlcall as nv
+from isolator.gpu import processes
 from isolator.gpu.health import (
     HEALTH_ABSENT,
     HEALTH_ECC,
@@ -38,6 +39,7 @@ from isolator.model import (
     MigDevice,
     Occupancy,
     PcieLevel,
+    ProcessUsage,
     ResetStep,
     Topology,
     compute_mode_name,
@@ -545,6 +547,13 @@ class Inventory(HealthWatch):
                 ) from exc
             memory = nv.call("nvmlDeviceGetMemoryInfo", handle, op="query memory", target=target)
         return Occupancy(tuple(procs), int(memory.used), int(memory.total))
+
+    # ---- per process: what each process uses (isolator/gpu/processes.py) ----------------------
+
+    def process_usage(self, index: int) -> tuple[ProcessUsage, ...]:
+        """Every process on GPU ``index`` with its memory and, where the driver reports it, its
+        utilisation (isolator/gpu/processes.py). Raises NvmlError when NVML cannot list them."""
+        return processes.process_usage(self._live_handle(index), self.record(index))
 
     def reset_settings(self, index: int, compute_mode: int) -> tuple[ResetStep, ...]:
         """Set GPU ``index``'s application clocks back to their defaults and its compute mode to

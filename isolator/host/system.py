@@ -259,6 +259,9 @@ class EmptyInventory:
     def occupancy(self, index: int) -> Any:
         raise NotFound(f"GPU {index} is not managed by this sidecar")
 
+    def process_usage(self, index: int) -> tuple[Any, ...]:
+        raise NotFound(f"GPU {index} is not managed by this sidecar")
+
     def reset_settings(self, index: int, compute_mode: int) -> tuple[Any, ...]:
         return ()
 

@@ -16,6 +16,7 @@
     handover.py    may a released GPU be handed out again
     gpuflags.py    which GPUs the sidecar manages, from the agent's flags
     attributes.py  the agent's --attributes for its GPUs
+    usage.py       what each container uses: NVML's processes attributed by cgroup
 
 Each imports only the vocabulary (tests/unit/test_imports.py holds it so).
 """

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from isolator.errors import GpusExhausted, GpusNotAllocated, GpusNotAvailable, InvalidArgument, UnknownGpus
 from isolator.model import Topology, checked_gpu_count
@@ -59,6 +59,7 @@ class UpdatePlan:
     add: tuple[int, ...] = ()
     release: tuple[int, ...] = ()
     choice: Choice | None = None
+    why: str = ""  # a shrink: why these are released (for the log)
 
 
 # ---- the policies ----------------------------------------------------------------------------
@@ -116,13 +117,17 @@ def plan_update(
     policy: str = TOPOLOGY,
     *,
     limits: SearchLimits | None = None,
+    in_use: Iterable[int] = (),
 ) -> UpdatePlan:
     """Grow or shrink a container from what it holds to ``target`` GPUs.
 
     Grow adds to what is held (Mesos overwrites the set and leaks the old GPUs, mesos §2.15.1).
-    Shrink keeps the best-connected ``target`` of the held GPUs, judged like an allocation from
-    the held set, and releases the rest; under first-fit it keeps the lowest minors and releases
-    the highest. Both are deterministic.
+    Shrink keeps the GPUs its processes still use (``in_use``, of those held: a task group whose
+    short task ended keeps the GPU its remaining task runs on): all of them when they fit, the rest
+    of what is kept chosen as a grow from them; when more are used than may be kept, the
+    best-connected ``target`` of those used. When none or all of the held GPUs are used, the use
+    says nothing and today's rule decides: the best-connected ``target`` of the held GPUs, judged
+    like an allocation from the held set (under first-fit the lowest minors). All deterministic.
     """
     n = checked_gpu_count(target)
     held = _known(fabric, holding)
@@ -131,6 +136,36 @@ def plan_update(
     if n > len(held):
         choice = choose(fabric, available, n - len(held), policy, holding=held, limits=limits)
         return UpdatePlan(add=choice.gpus, choice=choice)
+    used = frozenset(in_use) & held
+    if used and used != held and n > 0:
+        return _shrink_to_used(fabric, held, used, n, policy, limits)
+    why = "every GPU it holds is in use" if used == held else "no process of its uses any GPU it holds"
+    if n == 0:
+        why = "it keeps none"
+    plan = _shrink(fabric, held, n, policy, limits)
+    return replace(plan, why=f"{why}: the {policy} rule keeps {list(plan.choice.gpus) if plan.choice else []}")
+
+
+def _shrink_to_used(
+    fabric: Fabric, held: frozenset[int], used: frozenset[int], n: int, policy: str, limits: SearchLimits | None
+) -> UpdatePlan:
+    """Keep the GPUs in use: all of them and the best to go with them, or the best ``n`` of them."""
+    if len(used) <= n:
+        keep = used
+        if n > len(used):
+            keep |= frozenset(choose(fabric, held - used, n - len(used), policy, holding=used, limits=limits).gpus)
+        choice = _describe(fabric, tuple(sorted(keep)), frozenset(), policy, exact=True, work=0)
+        release = tuple(sorted(held - keep))
+        why = f"no process of its uses them; it keeps the GPUs its processes use {sorted(used)}"
+        return UpdatePlan(release=release, choice=choice, why=why)
+    plan = _shrink(fabric, used, n, policy, limits)
+    release = tuple(sorted(held - frozenset(plan.choice.gpus if plan.choice else ())))
+    why = f"more GPUs are in use {sorted(used)} than it may keep: the {policy} rule keeps the best of those"
+    return UpdatePlan(release=release, choice=plan.choice, why=why)
+
+
+def _shrink(fabric: Fabric, held: frozenset[int], n: int, policy: str, limits: SearchLimits | None) -> UpdatePlan:
+    """Today's rule: the best-connected ``n`` of ``held`` (first-fit: the lowest minors)."""
     if policy == FIRST_FIT:
         keep = tuple(sorted(held)[:n])
         choice = _describe(fabric, keep, frozenset(), policy, exact=True, work=0)
@@ -298,12 +333,15 @@ class Allocator:
         self._allocated -= want
         return want
 
-    def plan_update(self, holding: Iterable[int], target: object) -> UpdatePlan:
-        """Plan a grow or shrink for a container holding ``holding``; books nothing. Every held GPU
-        must be on this host (UnknownGpus) and allocated (GpusNotAllocated)."""
+    def plan_update(self, holding: Iterable[int], target: object, in_use: Iterable[int] = ()) -> UpdatePlan:
+        """Plan a grow or shrink for a container holding ``holding`` (a shrink keeps the GPUs
+        ``in_use`` where it can, see ``plan_update``); books nothing. Every held GPU must be on this
+        host (UnknownGpus) and allocated (GpusNotAllocated)."""
         held = self._check_held(holding)
         try:
-            return plan_update(self.fabric, held, self.available, target, self.policy, limits=self.limits)
+            return plan_update(
+                self.fabric, held, self.available, target, self.policy, limits=self.limits, in_use=in_use
+            )
         except GpusExhausted as exc:
             note = self._maintenance_note()
             if not note:

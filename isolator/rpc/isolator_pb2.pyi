@@ -370,13 +370,37 @@ class GpuUsage(_message.Message):
     utilization_percent: int
     def __init__(self, uuid: _Optional[str] = ..., minor: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., utilization_percent: _Optional[int] = ...) -> None: ...
 
+class DeviceUsage(_message.Message):
+    __slots__ = ("uuid", "minor", "kind", "memory_used_bytes", "memory_limit_bytes", "sm_utilization_percent", "over", "pids", "error")
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    MINOR_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SM_UTILIZATION_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    OVER_FIELD_NUMBER: _ClassVar[int]
+    PIDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    uuid: str
+    minor: int
+    kind: str
+    memory_used_bytes: int
+    memory_limit_bytes: int
+    sm_utilization_percent: int
+    over: bool
+    pids: _containers.RepeatedScalarFieldContainer[int]
+    error: str
+    def __init__(self, uuid: _Optional[str] = ..., minor: _Optional[int] = ..., kind: _Optional[str] = ..., memory_used_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., sm_utilization_percent: _Optional[int] = ..., over: _Optional[bool] = ..., pids: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ...) -> None: ...
+
 class UsageResponse(_message.Message):
-    __slots__ = ("statistics", "gpus")
+    __slots__ = ("statistics", "gpus", "devices")
     STATISTICS_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
     statistics: ResourceStatistics
     gpus: _containers.RepeatedCompositeFieldContainer[GpuUsage]
-    def __init__(self, statistics: _Optional[_Union[ResourceStatistics, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[GpuUsage, _Mapping]]] = ...) -> None: ...
+    devices: _containers.RepeatedCompositeFieldContainer[DeviceUsage]
+    def __init__(self, statistics: _Optional[_Union[ResourceStatistics, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[GpuUsage, _Mapping]]] = ..., devices: _Optional[_Iterable[_Union[DeviceUsage, _Mapping]]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("container_id",)
@@ -540,7 +564,7 @@ class TopologyResponse(_message.Message):
     def __init__(self, indices: _Optional[_Iterable[int]] = ..., links: _Optional[_Iterable[_Union[TopologyResponse.Link, _Mapping]]] = ..., numa_nodes: _Optional[_Iterable[int]] = ..., cpu_affinity: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ContainerInfo(_message.Message):
-    __slots__ = ("container_id", "gpu_uuids", "gpu_minors", "cgroup", "mode", "volume_version", "state", "created", "id", "gpu_indices", "nested", "mig_uuids", "shares", "shares_total", "share_mode", "share_gpu_minor", "share_gpu_index", "share_gpu_uuid")
+    __slots__ = ("container_id", "gpu_uuids", "gpu_minors", "cgroup", "mode", "volume_version", "state", "created", "id", "gpu_indices", "nested", "mig_uuids", "shares", "shares_total", "share_mode", "share_gpu_minor", "share_gpu_index", "share_gpu_uuid", "usage")
     CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
     GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
     GPU_MINORS_FIELD_NUMBER: _ClassVar[int]
@@ -559,6 +583,7 @@ class ContainerInfo(_message.Message):
     SHARE_GPU_MINOR_FIELD_NUMBER: _ClassVar[int]
     SHARE_GPU_INDEX_FIELD_NUMBER: _ClassVar[int]
     SHARE_GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
     container_id: ContainerID
     gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
     gpu_minors: _containers.RepeatedScalarFieldContainer[int]
@@ -577,7 +602,8 @@ class ContainerInfo(_message.Message):
     share_gpu_minor: int
     share_gpu_index: int
     share_gpu_uuid: str
-    def __init__(self, container_id: _Optional[_Union[ContainerID, _Mapping]] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., gpu_minors: _Optional[_Iterable[int]] = ..., cgroup: _Optional[str] = ..., mode: _Optional[str] = ..., volume_version: _Optional[str] = ..., state: _Optional[str] = ..., created: _Optional[float] = ..., id: _Optional[str] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., nested: _Optional[bool] = ..., mig_uuids: _Optional[_Iterable[str]] = ..., shares: _Optional[int] = ..., shares_total: _Optional[int] = ..., share_mode: _Optional[str] = ..., share_gpu_minor: _Optional[int] = ..., share_gpu_index: _Optional[int] = ..., share_gpu_uuid: _Optional[str] = ...) -> None: ...
+    usage: _containers.RepeatedCompositeFieldContainer[DeviceUsage]
+    def __init__(self, container_id: _Optional[_Union[ContainerID, _Mapping]] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., gpu_minors: _Optional[_Iterable[int]] = ..., cgroup: _Optional[str] = ..., mode: _Optional[str] = ..., volume_version: _Optional[str] = ..., state: _Optional[str] = ..., created: _Optional[float] = ..., id: _Optional[str] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., nested: _Optional[bool] = ..., mig_uuids: _Optional[_Iterable[str]] = ..., shares: _Optional[int] = ..., shares_total: _Optional[int] = ..., share_mode: _Optional[str] = ..., share_gpu_minor: _Optional[int] = ..., share_gpu_index: _Optional[int] = ..., share_gpu_uuid: _Optional[str] = ..., usage: _Optional[_Iterable[_Union[DeviceUsage, _Mapping]]] = ...) -> None: ...
 
 class ListContainersRequest(_message.Message):
     __slots__ = ()

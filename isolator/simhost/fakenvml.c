@@ -18,8 +18,14 @@
  *   absent  lines "<index>": GPUs unbound from the driver. NVML no longer enumerates them (the
  *           others are renumbered, as NVML does) and calls on their old handles fail GPU_IS_LOST.
  *   usage   lines "<index> <memory-used-bytes> <gpu-util-%> <memory-util-%>".
- *   processes  lines "<index> <pid> <used-bytes> <compute|graphics>": processes running on a GPU
- *           (nvmlDeviceGet{Compute,Graphics}RunningProcesses); their memory adds to memory used.
+ *   processes  lines "<index> <pid> <used-bytes> <kind> [<sm-%> <memory-%> [<gi> <ci>]]": processes
+ *           running on a GPU; kind compute, graphics, mps-server or mps (an MPS client). Their memory
+ *           adds to memory used (of the MIG device <gi>/<ci> too, when given; -1: none). The compute
+ *           list (nvmlDeviceGetComputeRunningProcesses) holds compute and mps-server processes, each
+ *           server charged its own memory plus its clients' (same GPU, same MIG device), as the real
+ *           NVML charges MPS clients to the server; nvmlDeviceGetMPSComputeRunningProcesses lists the
+ *           clients with their own memory. A process with <sm-%> (not -1) has a sample for
+ *           nvmlDeviceGetProcessUtilization; none at all: NOT_FOUND, as NVML answers with no sample.
  *   settings   lines "<index> <compute-mode> <app-graphics-MHz> <app-memory-MHz>": what a
  *           container (or the sidecar, through the setters here) changed; absent: the defaults
  *           (compute mode DEFAULT, DEFAULT_APP_GRAPHICS_MHZ / DEFAULT_APP_MEMORY_MHZ). The setters
@@ -115,6 +121,16 @@ typedef struct {
     unsigned int gpuInstanceId;
     unsigned int computeInstanceId;
 } nvmlProcessInfo_v2_t;
+
+/* nvmlProcessUtilizationSample_t: what nvmlDeviceGetProcessUtilization fills (timeStamp in µs). */
+typedef struct {
+    unsigned int pid;
+    unsigned long long timeStamp;
+    unsigned int smUtil;
+    unsigned int memUtil;
+    unsigned int encUtil;
+    unsigned int decUtil;
+} nvmlProcessUtilizationSample_t;
 
 struct device;
 typedef struct device *nvmlDevice_t;
@@ -377,33 +393,49 @@ static int is_absent(int index) {
     return found;
 }
 
-/* Processes on GPU `index` of `kind` ("compute", "graphics", or NULL for both): up to `max` of them
- * into pids/mem; returns how many there are in all. */
-static int processes_of(int index, const char *kind, unsigned int *pids, unsigned long long *mem, int max) {
-    FILE *fh = control_file("processes");
-    if (!fh) return 0;
-    char line[256], what[16];
-    int idx, n = 0;
+/* One line of control/processes. */
+struct proc {
     unsigned int pid;
     unsigned long long used;
-    while (fgets(line, sizeof line, fh)) {
-        if (sscanf(line, "%d %u %llu %15s", &idx, &pid, &used, what) != 4 || idx != index) continue;
-        if (kind && strcmp(kind, what) != 0) continue;
-        if (n < max) {
-            pids[n] = pid;
-            mem[n] = used;
-        }
-        n++;
+    char kind[16];
+    int sm, mem; /* utilisation percentages; -1: no sample */
+    int gi, ci;  /* the MIG device it runs on; -1: none (the whole GPU) */
+};
+
+/* The processes on GPU `index` (every MIG device's too): up to `max` of them into `out`; returns
+ * how many were kept. Malformed lines are skipped. */
+static int processes_of(int index, struct proc *out, int max) {
+    FILE *fh = control_file("processes");
+    if (!fh) return 0;
+    char line[256];
+    int idx, n = 0;
+    while (n < max && fgets(line, sizeof line, fh)) {
+        struct proc p = {0, 0, "", -1, -1, -1, -1};
+        int got = sscanf(line, "%d %u %llu %15s %d %d %d %d", &idx, &p.pid, &p.used, p.kind, &p.sm, &p.mem, &p.gi,
+                         &p.ci);
+        if (got < 4 || idx != index) continue;
+        if (got < 6) p.sm = p.mem = -1;
+        if (got < 8) p.gi = p.ci = -1;
+        out[n++] = p;
     }
     fclose(fh);
     return n;
 }
 
-static unsigned long long process_memory(int index) {
-    unsigned int pids[MAX_PROCS];
-    unsigned long long mem[MAX_PROCS], total = 0;
-    int n = processes_of(index, NULL, pids, mem, MAX_PROCS);
-    for (int i = 0; i < n && i < MAX_PROCS; i++) total += mem[i];
+/* The process `p` runs on `device`: any process of the GPU for a whole GPU's handle, only those of
+ * its GPU instance and compute instance for a MIG handle. */
+static int runs_on(nvmlDevice_t device, const struct proc *p) {
+    if (!device->is_mig) return 1;
+    return p->gi >= 0 && (unsigned int)p->gi == device->gi && (unsigned int)p->ci == device->ci;
+}
+
+/* The memory processes use on `device` (each byte once: a server's own, each client's own). */
+static unsigned long long process_memory(nvmlDevice_t device) {
+    struct proc procs[MAX_PROCS];
+    unsigned long long total = 0;
+    int n = processes_of(device->index, procs, MAX_PROCS);
+    for (int i = 0; i < n; i++)
+        if (runs_on(device, &procs[i])) total += procs[i].used;
     return total;
 }
 
@@ -680,7 +712,7 @@ EXPORT int nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
     unsigned long long used;
     unsigned int gpu, mem;
     usage_of(device->is_mig ? -1 : device->index, &used, &gpu, &mem);
-    if (!device->is_mig) used += process_memory(device->index);
+    used += process_memory(device);
     if (used > device->memory_total) used = device->memory_total;
     memory->total = device->memory_total;
     memory->used = used;
@@ -781,16 +813,28 @@ EXPORT int nvmlDeviceGetNvLinkRemoteDeviceType(nvmlDevice_t device, unsigned int
 
 /* ---- running processes, compute mode, application clocks ---------------------------------- */
 
-/* nvml.h's contract: with too small a buffer (or none), *count is set to the number needed and
+/* The list `call` reports: "compute" (compute processes and MPS servers, each server charged its
+ * clients' memory), "graphics" or "mps" (MPS clients, each its own memory).
+ * nvml.h's contract: with too small a buffer (or none), *count is set to the number needed and
  * INSUFFICIENT_SIZE returned, unless there are none (SUCCESS, *count 0). */
-static int running_processes(nvmlDevice_t device, const char *kind, const char *call, unsigned int *count, void *infos,
+static int running_processes(nvmlDevice_t device, const char *list, const char *call, unsigned int *count, void *infos,
                              int version) {
     DEVICE_CALL(device, call);
     if (!count) return NVML_ERROR_INVALID_ARGUMENT;
-    unsigned int pids[MAX_PROCS];
-    unsigned long long mem[MAX_PROCS];
-    int n = device->is_mig ? 0 : processes_of(device->index, kind, pids, mem, MAX_PROCS);
-    if (n > MAX_PROCS) n = MAX_PROCS;
+    struct proc procs[MAX_PROCS], found[MAX_PROCS];
+    int all = processes_of(device->index, procs, MAX_PROCS), n = 0;
+    for (int i = 0; i < all; i++) {
+        struct proc p = procs[i];
+        if (!runs_on(device, &p)) continue;
+        if (strcmp(list, "compute") == 0 && strcmp(p.kind, "mps-server") == 0) {
+            for (int j = 0; j < all; j++)
+                if (strcmp(procs[j].kind, "mps") == 0 && procs[j].gi == p.gi && procs[j].ci == p.ci)
+                    p.used += procs[j].used;
+        } else if (strcmp(list, p.kind) != 0) {
+            continue;
+        }
+        found[n++] = p;
+    }
     if (!infos || *count < (unsigned int)n) {
         int need = n > 0;
         *count = (unsigned int)n;
@@ -799,14 +843,14 @@ static int running_processes(nvmlDevice_t device, const char *kind, const char *
     for (int i = 0; i < n; i++) {
         if (version == 1) {
             nvmlProcessInfo_v1_t *p = (nvmlProcessInfo_v1_t *)infos + i;
-            p->pid = pids[i];
-            p->usedGpuMemory = mem[i];
+            p->pid = found[i].pid;
+            p->usedGpuMemory = found[i].used;
         } else {
             nvmlProcessInfo_v2_t *p = (nvmlProcessInfo_v2_t *)infos + i;
-            p->pid = pids[i];
-            p->usedGpuMemory = mem[i];
-            p->gpuInstanceId = NO_INSTANCE;
-            p->computeInstanceId = NO_INSTANCE;
+            p->pid = found[i].pid;
+            p->usedGpuMemory = found[i].used;
+            p->gpuInstanceId = found[i].gi >= 0 ? (unsigned int)found[i].gi : NO_INSTANCE;
+            p->computeInstanceId = found[i].ci >= 0 ? (unsigned int)found[i].ci : NO_INSTANCE;
         }
     }
     *count = (unsigned int)n;
@@ -835,6 +879,56 @@ EXPORT int nvmlDeviceGetGraphicsRunningProcesses_v2(nvmlDevice_t device, unsigne
 
 EXPORT int nvmlDeviceGetGraphicsRunningProcesses(nvmlDevice_t device, unsigned int *count, nvmlProcessInfo_v1_t *infos) {
     return running_processes(device, "graphics", "nvmlDeviceGetGraphicsRunningProcesses", count, infos, 1);
+}
+
+EXPORT int nvmlDeviceGetMPSComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *count,
+                                                      nvmlProcessInfo_v2_t *infos) {
+    return running_processes(device, "mps", "nvmlDeviceGetMPSComputeRunningProcesses", count, infos, 3);
+}
+
+EXPORT int nvmlDeviceGetMPSComputeRunningProcesses_v2(nvmlDevice_t device, unsigned int *count,
+                                                      nvmlProcessInfo_v2_t *infos) {
+    return running_processes(device, "mps", "nvmlDeviceGetMPSComputeRunningProcesses", count, infos, 2);
+}
+
+EXPORT int nvmlDeviceGetMPSComputeRunningProcesses(nvmlDevice_t device, unsigned int *count, nvmlProcessInfo_v1_t *infos) {
+    return running_processes(device, "mps", "nvmlDeviceGetMPSComputeRunningProcesses", count, infos, 1);
+}
+
+/* Per-process SM and memory utilisation since `lastSeen` (µs): one sample per process that has one.
+ * Not on MIG devices nor on a GPU in MIG mode (NOT_SUPPORTED, as NVML); no sample: NOT_FOUND. */
+EXPORT int nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUtilizationSample_t *utilization,
+                                           unsigned int *processSamplesCount, unsigned long long lastSeenTimeStamp) {
+    DEVICE_CALL(device, "nvmlDeviceGetProcessUtilization");
+    if (!processSamplesCount) return NVML_ERROR_INVALID_ARGUMENT;
+    if (device->is_mig || device->mig_mode == 1) return NVML_ERROR_NOT_SUPPORTED;
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    unsigned long long stamp = (unsigned long long)now.tv_sec * 1000000ULL + (unsigned long long)now.tv_nsec / 1000ULL;
+    if (stamp <= lastSeenTimeStamp) return NVML_ERROR_NOT_FOUND;
+    struct proc procs[MAX_PROCS];
+    int all = processes_of(device->index, procs, MAX_PROCS);
+    unsigned int n = 0;
+    for (int i = 0; i < all; i++) {
+        if (procs[i].sm < 0) continue;
+        if (utilization && n < *processSamplesCount) {
+            nvmlProcessUtilizationSample_t *u = utilization + n;
+            u->pid = procs[i].pid;
+            u->timeStamp = stamp;
+            u->smUtil = (unsigned int)procs[i].sm;
+            u->memUtil = (unsigned int)procs[i].mem;
+            u->encUtil = 0;
+            u->decUtil = 0;
+        }
+        n++;
+    }
+    if (n == 0) return NVML_ERROR_NOT_FOUND;
+    if (!utilization || *processSamplesCount < n) {
+        *processSamplesCount = n;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    *processSamplesCount = n;
+    return NVML_SUCCESS;
 }
 
 EXPORT int nvmlDeviceGetComputeMode(nvmlDevice_t device, unsigned int *mode) {

@@ -76,6 +76,10 @@ def built_library() -> str | None:
     return None
 
 
+# What a line of control/processes may say a process is (fakenvml.c).
+PROCESS_KINDS = ("compute", "graphics", "mps-server", "mps")
+
+
 class SimulatedHost:
     """One simulated host. ``setup()`` lays it out; the other methods steer it while it runs."""
 
@@ -179,13 +183,31 @@ class SimulatedHost:
 
     # ---- what a container leaves behind (docs/handover.md) ---------------------------------------
 
-    def start_process(self, index: int, pid: int, memory_used: int = 0, kind: str = "compute") -> None:
-        """A process appears on GPU ``index`` (nvmlDeviceGet{Compute,Graphics}RunningProcesses);
-        its ``memory_used`` bytes add to what nvmlDeviceGetMemoryInfo reports as used."""
+    def start_process(
+        self,
+        index: int,
+        pid: int,
+        memory_used: int = 0,
+        kind: str = "compute",
+        sm_util: int | None = None,
+        memory_util: int = 0,
+        mig: tuple[int, int] | None = None,
+    ) -> None:
+        """A process appears on GPU ``index`` (on its MIG device ``mig`` = (GI, CI) when given); its
+        ``memory_used`` bytes add to what nvmlDeviceGetMemoryInfo reports as used. ``kind``: compute,
+        graphics, mps-server (listed with its clients' memory added) or mps (an MPS client: the
+        MPS call). ``sm_util`` (and ``memory_util``): its nvmlDeviceGetProcessUtilization sample."""
         self._check_index(index)
-        if kind not in ("compute", "graphics"):
-            raise SimHostError(f"unknown process kind {kind!r} (compute or graphics)")
-        self._append("processes", f"{index} {pid} {memory_used} {kind}")
+        if kind not in PROCESS_KINDS:
+            raise SimHostError(f"unknown process kind {kind!r} ({', '.join(PROCESS_KINDS)})")
+        if sm_util is not None and not (0 <= sm_util <= 100 and 0 <= memory_util <= 100):
+            raise SimHostError(f"utilization {sm_util}/{memory_util} is not a percentage")
+        line = f"{index} {pid} {memory_used} {kind}"
+        if sm_util is not None or mig is not None:
+            line += f" {-1 if sm_util is None else sm_util} {-1 if sm_util is None else memory_util}"
+        if mig is not None:
+            line += f" {mig[0]} {mig[1]}"
+        self._append("processes", line)
 
     def stop_process(self, index: int, pid: int | None = None) -> None:
         """Process ``pid`` (every process when None) is gone from GPU ``index``; its memory is freed."""

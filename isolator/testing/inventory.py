@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from isolator.errors import GpuNotFound, NvmlError
 from isolator.model import (
@@ -25,6 +25,7 @@ from isolator.model import (
     Link,
     MigDevice,
     Occupancy,
+    ProcessUsage,
     ResetStep,
     Topology,
     compute_mode_name,
@@ -41,6 +42,18 @@ _ERRORS = {  # nvmlErrorString
     "GPU_IS_LOST": "GPU is lost",
     "UNKNOWN": "Unknown Error",
 }
+
+
+@dataclass(frozen=True)
+class _Process:
+    """A line of the simulated host's control/processes, as the fake keeps it."""
+
+    pid: int
+    memory: int
+    kind: str  # compute, graphics, mps-server, mps
+    sm: int | None
+    mem: int
+    mig: tuple[int, int] | None
 
 
 class FakeInventory:
@@ -65,7 +78,7 @@ class FakeInventory:
             for g in topology.gpus
         }
         self._usage: dict[int, GpuUsageSample] = {}
-        self._processes: dict[int, list[GpuProcess]] = {}
+        self._processes: dict[int, list[_Process]] = {}
         self._settings: dict[int, tuple[int, int, int]] = {}  # compute mode, app graphics/memory MHz
         self._fail: dict[tuple[int, str], str] = {}  # (index, NVML call) -> NVML error name
         self._callbacks: list[Callable[[HealthEvent], None]] = []
@@ -162,11 +175,50 @@ class FakeInventory:
         with self._lock:
             if index not in self._records:
                 raise GpuNotFound(op="find GPU", target=str(index), cause="not managed by this sidecar")
-            procs = tuple(self._processes.get(index, ()))
+            procs = list(self._processes.get(index, ()))
             total = self._records[index].gpu.memory_total
             base = self._usage[index].memory_used if index in self._usage else 0
-        used = min(total, base + sum(p.used_memory for p in procs))
-        return Occupancy(procs, used, total)
+        listed = tuple(
+            GpuProcess(p.pid, self._charged(p, procs), "graphics" if p.kind == "graphics" else "compute")
+            for p in procs
+            if p.kind != "mps"
+        )
+        used = min(total, base + sum(p.memory for p in procs))
+        return Occupancy(listed, used, total)
+
+    @staticmethod
+    def _charged(p: _Process, procs: list[_Process]) -> int:
+        """What NVML's compute list says ``p`` uses: an MPS server carries its clients' memory."""
+        if p.kind != "mps-server":
+            return p.memory
+        return p.memory + sum(c.memory for c in procs if c.kind == "mps" and c.mig == p.mig)
+
+    def process_usage(self, index: int) -> tuple[ProcessUsage, ...]:
+        self._live("list compute processes", index)
+        self._injected(index, "nvmlDeviceGetComputeRunningProcesses", "list compute processes")
+        with self._lock:
+            if index not in self._records:
+                raise GpuNotFound(op="find GPU", target=str(index), cause="not managed by this sidecar")
+            record = self._records[index]
+            procs = list(self._processes.get(index, ()))
+            util_failure = self._fail.get((index, "nvmlDeviceGetProcessUtilization"))
+        if util_failure and util_failure not in ("NOT_SUPPORTED",):
+            raise NvmlError(op="query process utilization", target=f"GPU {index}", cause=_ERRORS[util_failure])
+        reported = not record.mig_enabled and not util_failure
+        out: dict[int, ProcessUsage] = {}
+        for p in procs:
+            mig_uuid = ""
+            if record.mig_enabled:
+                found = [m.uuid for m in record.mig_devices if (m.gpu_instance_id, m.compute_instance_id) == p.mig]
+                if not found:
+                    continue  # a MIG GPU's processes are listed by MIG device
+                mig_uuid = found[0]
+            if p.pid in out and p.kind != "mps":
+                continue  # as the real edge: the first listing of a pid, the MPS call's over the others
+            sm, mem = ((p.sm, p.mem) if p.sm is not None else (0, 0)) if reported else (None, None)
+            kind = p.kind if p.kind in ("graphics", "mps") else "compute"
+            out[p.pid] = ProcessUsage(p.pid, index, self._charged(p, procs), kind, mig_uuid, sm, mem)
+        return tuple(sorted(out.values(), key=lambda p: p.pid))
 
     def reset_settings(self, index: int, compute_mode: int) -> tuple[ResetStep, ...]:
         self._live("reset settings", index)
@@ -231,9 +283,20 @@ class FakeInventory:
 
     # ---- what a container leaves behind (the simulated host's steering, same names) ------------------
 
-    def start_process(self, index: int, pid: int, memory_used: int = 0, kind: str = "compute") -> None:
+    def start_process(
+        self,
+        index: int,
+        pid: int,
+        memory_used: int = 0,
+        kind: str = "compute",
+        sm_util: int | None = None,
+        memory_util: int = 0,
+        mig: tuple[int, int] | None = None,
+    ) -> None:
+        if kind not in ("compute", "graphics", "mps-server", "mps"):
+            raise ValueError(f"unknown process kind {kind!r}")
         with self._lock:
-            self._processes.setdefault(index, []).append(GpuProcess(pid, memory_used, kind))
+            self._processes.setdefault(index, []).append(_Process(pid, memory_used, kind, sm_util, memory_util, mig))
 
     def stop_process(self, index: int, pid: int | None = None) -> None:
         with self._lock:

@@ -102,6 +102,23 @@ def usage_to_proto(usage: model.Usage) -> pb.UsageResponse:
             memory_total_bytes=g.memory_total_bytes,
             utilization_percent=g.utilization_percent,
         )
+    msg.devices.extend(device_use_to_proto(d) for d in usage.devices)
+    return msg
+
+
+def device_use_to_proto(d: model.DeviceUse) -> pb.DeviceUsage:
+    msg = pb.DeviceUsage(
+        uuid=d.uuid,
+        minor=d.minor,
+        kind=d.kind,
+        memory_used_bytes=d.memory_used,
+        memory_limit_bytes=d.memory_limit,
+        over=d.over,
+        pids=d.pids,
+        error=d.error,
+    )
+    if d.sm_utilization is not None:
+        msg.sm_utilization_percent = d.sm_utilization
     return msg
 
 
@@ -194,6 +211,7 @@ def container_info_to_proto(c: model.ContainerInfo) -> pb.ContainerInfo:
         share_gpu_minor=max(c.share_gpu_minor, 0),
         share_gpu_index=max(c.share_gpu_index, 0),
         share_gpu_uuid=c.share_gpu_uuid,
+        usage=[device_use_to_proto(d) for d in c.usage],
     )
 
 

@@ -546,6 +546,31 @@ def test_containers_table_says_how_many_gpus_and_which_and_why_none():
     assert [r["GPUS"] for r in rows] == ["0 (none asked)", "1 [0]"]
 
 
+def test_containers_and_describe_show_what_its_processes_use_and_a_share_over_its_slice():
+    from isolator.cli.main import render
+
+    usage = [
+        {"uuid": "GPU-4", "kind": "share", "memory_used_bytes": str(5 << 30), "memory_limit_bytes": str(4 << 30),
+         "sm_utilization_percent": 30, "over": True, "pids": [1001, 1002], "error": ""},
+        {"uuid": "MIG-1", "kind": "mig", "memory_used_bytes": str(1 << 30), "memory_limit_bytes": str(5 << 30),
+         "over": False, "pids": [1003], "error": ""},
+        {"uuid": "GPU-0", "kind": "gpu", "memory_used_bytes": "0", "memory_limit_bytes": str(16 << 30),
+         "over": False, "pids": [], "error": "failed to list compute processes 'GPU 0': Unknown Error"},
+    ]  # fmt: skip
+    data = {"containers": [{"id": "a", "container_id": {"value": "a"}, "usage": usage, "created": 0}]}
+    (row,) = _table(render("containers", data, now=1.0), "CONTAINER")
+    assert row["GPU USE"] == "5120/4096 MiB 30% OVER, 1024/5120 MiB N/A, N/A"
+    out = render("describe", {"container": data["containers"][0], "gpus": []}, now=1.0)
+    rows = {r["DEVICE"]: r for r in _table(out, "DEVICE")}
+    assert (rows["GPU-4"]["MEMORY"], rows["GPU-4"]["MAY USE"], rows["GPU-4"]["OVER"]) == (
+        "5120 MiB",
+        "4096 MiB",
+        "OVER its slice",
+    )
+    assert rows["GPU-4"]["PIDS"] == "1001,1002" and rows["MIG-1"]["SM"] == "N/A"
+    assert rows["GPU-0"]["MEMORY"] == "N/A" and "GPU-0: NVML could not say: failed to list" in out
+
+
 # ---- offline commands: their own flags only, and JSON ------------------------------------------------
 
 SERVE_ONLY = ("--socket-mode", "--metrics-address", "--allowed-uids", "--reap-interval", "--max-workers", "--mode")

@@ -283,3 +283,69 @@ def test_nvml_init_failure_is_a_typed_error(sim):
     host.fail_gpu(None, "nvmlInit", 9)  # NVML_ERROR_DRIVER_NOT_LOADED
     with pytest.raises(NvmlNotFound, match="Driver Not Loaded"):
         _open(host)
+
+
+def test_fake_nvml_fills_nvml_h_process_structs_for_each_version_and_sizes_buffers_as_nvml_does(sim):
+    """The per-process entry points with nvml.h's structs, called through ctypes as a C caller would:
+    nvmlProcessInfo_v1_t (12+4 bytes) for the unversioned calls, the 24-byte v2 struct for _v2/_v3,
+    nvmlProcessUtilizationSample_t; a too-small buffer gets INSUFFICIENT_SIZE and the count needed."""
+    import ctypes
+    import time
+
+    import pynvml
+
+    host = sim("dgx-a100")
+    host.start_process(5, 900, 64 << 20, "mps-server")
+    host.start_process(5, 901, 3 << 20, "mps", sm_util=44, memory_util=7)
+    host.start_process(5, 902, 5 << 20, "mps")
+    host.start_process(0, 903, 9 << 20, mig=(13, 0))
+    lib = ctypes.CDLL(host.library_path)
+
+    class V1(ctypes.Structure):
+        _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong)]
+
+    assert ctypes.sizeof(V1) == 16 and ctypes.sizeof(pynvml.c_nvmlProcessInfo_v2_t) == 24
+    assert ctypes.sizeof(pynvml.c_nvmlProcessUtilizationSample_t) == 32
+    assert lib.nvmlInit_v2() == 0
+    try:
+        dev = ctypes.c_void_p()
+        assert lib.nvmlDeviceGetHandleByIndex_v2(5, ctypes.byref(dev)) == 0
+        count = ctypes.c_uint(1)
+        one = (V1 * 1)()
+        assert lib.nvmlDeviceGetMPSComputeRunningProcesses(dev, ctypes.byref(count), one) == 7  # INSUFFICIENT_SIZE
+        assert count.value == 2
+        v1 = (V1 * 2)()
+        assert lib.nvmlDeviceGetMPSComputeRunningProcesses(dev, ctypes.byref(count), v1) == 0
+        assert [(p.pid, p.usedGpuMemory) for p in v1] == [(901, 3 << 20), (902, 5 << 20)]
+        for name in ("nvmlDeviceGetMPSComputeRunningProcesses_v2", "nvmlDeviceGetMPSComputeRunningProcesses_v3"):
+            v2 = (pynvml.c_nvmlProcessInfo_v2_t * 4)()
+            count = ctypes.c_uint(4)
+            assert getattr(lib, name)(dev, ctypes.byref(count), v2) == 0 and count.value == 2
+            assert [(p.pid, p.usedGpuMemory, p.gpuInstanceId) for p in v2[:2]] == [
+                (901, 3 << 20, 0xFFFFFFFF),
+                (902, 5 << 20, 0xFFFFFFFF),
+            ]
+        compute = (pynvml.c_nvmlProcessInfo_v2_t * 4)()
+        count = ctypes.c_uint(4)
+        assert lib.nvmlDeviceGetComputeRunningProcesses_v3(dev, ctypes.byref(count), compute) == 0
+        assert [(p.pid, p.usedGpuMemory) for p in compute[: count.value]] == [(900, (64 + 3 + 5) << 20)]
+        samples = (pynvml.c_nvmlProcessUtilizationSample_t * 4)()
+        count = ctypes.c_uint(0)
+        assert lib.nvmlDeviceGetProcessUtilization(dev, None, ctypes.byref(count), ctypes.c_ulonglong(0)) == 7
+        assert count.value == 1
+        count = ctypes.c_uint(4)
+        before = int(time.time() * 1e6)
+        assert lib.nvmlDeviceGetProcessUtilization(dev, samples, ctypes.byref(count), ctypes.c_ulonglong(0)) == 0
+        s = samples[0]
+        assert (count.value, s.pid, s.smUtil, s.memUtil) == (1, 901, 44, 7) and s.timeStamp >= before
+        later = ctypes.c_ulonglong(s.timeStamp + 3_600_000_000)
+        assert lib.nvmlDeviceGetProcessUtilization(dev, samples, ctypes.byref(count), later) == 6  # NOT_FOUND
+        # a MIG GPU: its processes on the parent carry their GI/CI; per-process utilisation is not supported
+        gpu0 = ctypes.c_void_p()
+        assert lib.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(gpu0)) == 0
+        count = ctypes.c_uint(4)
+        assert lib.nvmlDeviceGetComputeRunningProcesses_v3(gpu0, ctypes.byref(count), compute) == 0
+        assert [(p.pid, p.gpuInstanceId, p.computeInstanceId) for p in compute[: count.value]] == [(903, 13, 0)]
+        assert lib.nvmlDeviceGetProcessUtilization(gpu0, samples, ctypes.byref(count), ctypes.c_ulonglong(0)) == 3
+    finally:
+        lib.nvmlShutdown()

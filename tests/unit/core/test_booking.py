@@ -65,10 +65,10 @@ def test_resize_books_a_grow_and_only_chooses_a_shrink() -> None:
     booking = fake_service("dgx-1").service.core.booking
     with booking.lock:
         held = booking.book("a", Request(gpus=2))
-        grown, shrunk = booking.resize("a", held, Request(gpus=3))
+        grown, shrunk, _why = booking.resize("a", held, Request(gpus=3))
         assert len(grown.gpus) == 1 and not shrunk.gpus and grown.gpus <= booking.allocated
         whole = held | grown
-        grown, shrunk = booking.resize("a", whole, Request(gpus=1))
+        grown, shrunk, _why = booking.resize("a", whole, Request(gpus=1))
         assert not grown.gpus and len(shrunk.gpus) == 2
         assert shrunk.gpus <= booking.allocated  # still booked: the caller revokes, then frees
         assert booking.free("a", shrunk) == shrunk.gpus
@@ -122,10 +122,10 @@ def test_resize_of_shares_books_a_grow_on_the_same_gpu_and_only_chooses_a_shrink
     with booking.lock:
         held = booking.book("a", Request(shares=1))
         assert held.share is not None
-        grown, shrunk = booking.resize("a", held, Request(shares=3))
+        grown, shrunk, _why = booking.resize("a", held, Request(shares=3))
         assert grown.share == Share(held.share.gpu, 2, ShareMode.MPS) and shrunk.empty
         assert booking.share_holders(held.share.gpu) == {"a": 3}
-        grown, shrunk = booking.resize("a", held | grown, Request(shares=0))
+        grown, shrunk, _why = booking.resize("a", held | grown, Request(shares=0))
         assert grown.empty and shrunk.share == Share(held.share.gpu, 3, ShareMode.MPS)
         assert booking.share_holders(held.share.gpu) == {"a": 3}  # still booked: the caller revokes, then frees
         assert booking.free("a", Holding(share=Share(held.share.gpu, 1, ShareMode.MPS))) == frozenset()

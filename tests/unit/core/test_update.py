@@ -313,3 +313,66 @@ def test_a_mig_grow_whose_grant_fails_gives_the_units_back() -> None:
         rig.service.update(a, mig(2))
     assert units(rig, a) == before and rig.cgroups.rules_of(a) == rules
     rig.service.prepare(cid("b"), ContainerConfig(resources=tuple(mig(7))))  # the other seven are free
+
+
+# ---- a whole-GPU shrink keeps the GPUs the container's processes use ------------------------------
+
+
+def _shrunk_by_todays_rule(count: int, to: int) -> tuple[list[int], list[int]]:
+    """(held, kept) by the rule that ignores use: the same rig, nothing running."""
+    other = make_rig()
+    other.service.prepare(cid("a"), gpus(count))
+    before = held(other, cid("a"))
+    other.service.update(cid("a"), [Resource("gpus", float(to))])
+    return before, held(other, cid("a"))
+
+
+def _run_on(rig: Rig, c: ContainerId, minor: int, pid: int, in_container: bool = True) -> None:
+    if in_container:
+        rig.cgroups.add_pid(c, pid)
+    rig.inventory.start_process(rig.service.core.gpus[minor].index, pid, 512 << 20)
+
+
+def test_a_shrink_keeps_the_gpu_its_remaining_process_uses_and_logs_what_it_dropped(rig: Rig, caplog) -> None:
+    before, today = _shrunk_by_todays_rule(4, 1)
+    a = cid("a")
+    rig.service.prepare(a, gpus(4))
+    assert held(rig, a) == before
+    used = next(m for m in before if m not in today)  # a GPU today's rule would drop
+    _run_on(rig, a, used, 4242)
+    _run_on(rig, a, today[0], 999, in_container=False)  # a stranger's process counts for nothing
+    with caplog.at_level("INFO", logger="isolator.core.update"):
+        rig.service.update(a, [Resource("gpus", 1.0)])
+    assert held(rig, a) == [used] == granted(rig, a)
+    assert used not in free(rig)
+    line = next(r.getMessage() for r in caplog.records if "drops GPUs" in r.getMessage())
+    assert f"drops GPUs {sorted(set(before) - {used})}, keeps [{used}]" in line
+    assert f"it keeps the GPUs its processes use [{used}]" in line
+
+
+def test_a_shrink_with_nothing_or_everything_in_use_follows_todays_rule(rig: Rig) -> None:
+    before, today = _shrunk_by_todays_rule(2, 1)
+    a, b = cid("a"), cid("b")
+    rig.service.prepare(a, gpus(2))
+    rig.service.update(a, [Resource("gpus", 1.0)])
+    assert held(rig, a) == today, "nothing in use"
+    rig.service.update(a, [Resource("gpus", 0.0)])
+    rig.service.prepare(b, gpus(2))
+    assert held(rig, b) == before
+    for pid, minor in enumerate(before, start=100):
+        _run_on(rig, b, minor, pid)
+    rig.service.update(b, [Resource("gpus", 1.0)])
+    assert held(rig, b) == today, "everything in use"
+
+
+def test_a_shrink_whose_process_list_fails_ignores_use_and_says_why(rig: Rig, caplog) -> None:
+    before, today = _shrunk_by_todays_rule(4, 1)
+    a = cid("a")
+    rig.service.prepare(a, gpus(4))
+    used = next(m for m in before if m not in today)
+    _run_on(rig, a, used, 4242)
+    rig.inventory.fail_gpu(rig.service.core.gpus[today[0]].index, "nvmlDeviceGetComputeRunningProcesses", 999)
+    with caplog.at_level("INFO", logger="isolator.core.update"):
+        rig.service.update(a, [Resource("gpus", 1.0)])
+    assert held(rig, a) == today, "unknown use: the rule that ignores it, never a guess"
+    assert any("is unknown" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)

@@ -240,6 +240,35 @@ def test_shrinking_keeps_the_best_connected_gpus():
     assert plan.release == (1, 2)
 
 
+def test_shrinking_keeps_the_gpu_its_remaining_processes_use_over_the_best_connected():
+    fabric = Fabric.of(dgx1_volta())
+    # Today's rule keeps 0 (the lowest of equals) and releases 1, 2, 3; the remaining task runs on 1.
+    plan = plan_update(fabric, {0, 1, 2, 3}, {4, 5, 6, 7}, 1, limits=UNLIMITED, in_use={1})
+    assert plan.release == (0, 2, 3) and "[1]" in plan.why
+    # Two kept, one in use: the other chosen as a grow from it (1's best partner among 0, 2, 3).
+    two = plan_update(fabric, {0, 1, 2, 3}, set(), 2, limits=UNLIMITED, in_use={2})
+    assert 2 not in two.release and len(two.release) == 2
+    assert two.choice is not None and two.choice.gpus == tuple(sorted({0, 1, 2, 3} - set(two.release)))
+    assert two == plan_update(fabric, {0, 1, 2, 3}, set(), 2, limits=UNLIMITED, in_use={2}), "deterministic"
+
+
+def test_shrinking_falls_back_to_todays_rule_when_no_or_every_held_gpu_is_in_use():
+    fabric = Fabric.of(dgx1_volta())
+    today = plan_update(fabric, {0, 1, 2, 3}, set(), 2, limits=UNLIMITED)
+    for in_use, why in (((), "no process"), ({0, 1, 2, 3}, "every GPU"), ({6}, "no process")):
+        plan = plan_update(fabric, {0, 1, 2, 3}, set(), 2, limits=UNLIMITED, in_use=in_use)
+        assert plan.release == today.release == (1, 2) and why in plan.why, in_use
+
+
+def test_shrinking_below_the_gpus_in_use_keeps_the_best_of_those_in_use():
+    fabric = Fabric.of(dgx1_volta())
+    plan = plan_update(fabric, {0, 1, 2, 3}, set(), 2, limits=UNLIMITED, in_use={0, 2, 3})
+    assert 1 in plan.release and len(plan.release) == 2 and "more GPUs are in use" in plan.why
+    first_fit = plan_update(fabric, {1, 3, 5}, set(), 1, FIRST_FIT, in_use={3, 5})
+    assert first_fit.release == (1, 5), "first-fit among those in use: the lowest"
+    assert plan_update(fabric, {1, 3, 5}, set(), 0, FIRST_FIT, in_use={3}).release == (1, 3, 5), "to none: all go"
+
+
 def test_shrinking_under_first_fit_releases_the_highest_minors():
     plan = plan_update(Fabric.of(dgx1_volta()), {1, 3, 5}, set(), 1, FIRST_FIT)
     assert plan.release == (3, 5)

@@ -98,7 +98,7 @@ public:
     arguments.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
     arguments.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
     channel = grpc::CreateCustomChannel(
-        "unix:" + settings.socket,
+        settings.address(),
         grpc::InsecureChannelCredentials(),
         arguments);
     stub = v1::Isolator::NewStub(channel);
@@ -114,7 +114,7 @@ public:
     }
     LOG(INFO) << "gpu-isolator: recovering " << states.size()
               << " containers and " << orphans.size()
-              << " orphans through the sidecar at '" << settings.socket
+              << " orphans through the sidecar at '" << settings.address()
               << "'";
     return forward(
         "Recover",
@@ -382,7 +382,7 @@ private:
             hook,
             code,
             reply.status.error_message(),
-            settings.socket,
+            settings.address(),
             timeout,
             channelState(channel->GetState(false)));
         LOG(WARNING) << message

@@ -174,6 +174,16 @@ def private_dir(public_socket: str) -> str:
     return public_socket + PRIVATE_SUFFIX
 
 
+def direct_path(public_socket: str) -> str:
+    """Where gRPC itself listens: the direct door for callers of the sidecar's own uid (root), which
+    only they can reach (the private directory is 0700), so every caller there is one the
+    allow-list admits (it always holds the sidecar's euid) and no gate copies its bytes. The Mesos
+    module calls it (mesos/settings.cpp, parameter ``route``). A call there has no caller the gate
+    named: Isolate's pid checks that need the caller's pid and the admin records' pid do not apply
+    (``caller_pid`` is 0), which is why the public socket keeps its gate for everyone else."""
+    return os.path.join(private_dir(public_socket), ALLOWED_NAME)
+
+
 def make_private_dir(path: str) -> None:
     """Create ``path`` 0700 and ours, or take over one left by a crash after checking it is ours.
 

@@ -147,14 +147,20 @@ public:
           &v1::Isolator::Stub::PrepareAsyncPrepare,
           message,
           settings.prepare_timeout)
-        .then([](const v1::PrepareResponse& response)
+        .then(defer(self(), [=](const v1::PrepareResponse& response)
                   -> Future<Option<ContainerLaunchInfo>> {
           Try<Option<ContainerLaunchInfo>> info = launchInfoOf(response);
           if (info.isError()) {
             return Failure("gpu-isolator Prepare: " + info.error());
           }
+          remember(
+              containerId,
+              std::vector<string>(
+                  response.update_reads().begin(),
+                  response.update_reads().end()),
+              message.container_config().resources());
           return info.get();
-        });
+        }));
     });
   }
 
@@ -203,14 +209,31 @@ public:
       return Failure("gpu-isolator Update: " + request.error());
     }
     const v1::UpdateRequest message = request.get();
-    return inOrder<Nothing>(containerId, [=]() {
+    return inOrder<Nothing>(containerId, [=]() -> Future<Nothing> {
+      // What the sidecar acts on, as last sent: equal, the Update changes
+      // nothing there and is answered here. Unknown (no Prepare seen since
+      // the agent started, or the last Update failed): it is sent.
+      std::vector<string> reads;
+      if (sent.contains(containerId)) {
+        reads = sent.at(containerId).reads;
+        if (updateReads(message.resource_requests(), reads) ==
+              sent.at(containerId).resources) {
+          VLOG(1) << "gpu-isolator: Update of container " << containerId
+                  << " changes nothing the sidecar acts on; not sent";
+          return Nothing();
+        }
+        sent.erase(containerId);
+      }
       return forward(
           "Update",
           stringify(containerId),
           &v1::Isolator::Stub::PrepareAsyncUpdate,
           message,
           settings.update_timeout)
-        .then([]() { return Nothing(); });
+        .then(defer(self(), [=]() -> Nothing {
+          remember(containerId, reads, message.resource_requests());
+          return Nothing();
+        }));
     });
   }
 
@@ -272,6 +295,7 @@ public:
     }
     const v1::CleanupRequest message = request.get();
     return inOrder<Nothing>(containerId, [=]() {
+      sent.erase(containerId);  // after the hooks before it, as each runs
       return forward(
           "Cleanup",
           stringify(containerId),
@@ -283,6 +307,29 @@ public:
   }
 
 private:
+  // What the sidecar acts on in a container's resources (its Prepare's
+  // answer) and those it was last sent (at Prepare, or in an Update it
+  // answered OK), in updateReads's form.
+  struct Sent
+  {
+    std::vector<string> reads;
+    std::vector<string> resources;
+  };
+
+  void remember(
+      const ContainerID& containerId,
+      const std::vector<string>& reads,
+      const google::protobuf::RepeatedPtrField<v1::Resource>& resources)
+  {
+    if (reads.empty()) {
+      return;  // The sidecar named nothing: every Update is sent.
+    }
+    Sent last;
+    last.reads = reads;
+    last.resources = updateReads(resources, reads);
+    sent[containerId] = last;
+  }
+
   struct Watcher
   {
     v1::WatchRequest request;
@@ -492,6 +539,7 @@ private:
   Runtime runtime;
   hashmap<ContainerID, Owned<Hooks>> ordered;
   hashmap<ContainerID, std::shared_ptr<Watcher>> watchers;
+  hashmap<ContainerID, Sent> sent;
 };
 
 

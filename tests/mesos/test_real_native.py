@@ -74,7 +74,13 @@ def proxied(mesos_home: str) -> Iterator[tuple[Cluster, GrpcProxy]]:
     agent = cluster.agents[0]
     proxy = GrpcProxy(os.path.join(agent.work, "sidecar", "s.sock"), os.path.join(cluster.work, "proxy.sock"))
     cluster.module_socket = proxy.path
-    cluster.module_params = {"prepare_timeout": "8secs", "usage_timeout": "2secs", "status_timeout": "2secs"}
+    # route=gate: the module calls the socket it is given (the proxy's), not the direct one beside it.
+    cluster.module_params = {
+        "prepare_timeout": "8secs",
+        "usage_timeout": "2secs",
+        "status_timeout": "2secs",
+        "route": "gate",
+    }
     proxy.start()
     try:
         with cluster:
@@ -179,6 +185,43 @@ def test_a_slow_prepare_of_one_container_does_not_delay_another_containers_launc
     for ended in (slow, fast):
         ended.teardown()
         ended.wait_gone()
+    _free(cluster)
+
+
+# ---- issue 45: no Update that changes nothing, the Watch after the Isolate ---------------------------
+
+
+def test_an_update_that_changes_nothing_the_sidecar_acts_on_is_not_sent(proxied: tuple[Cluster, GrpcProxy]) -> None:
+    # The agent updates the container when its executor registers (cpus and mem only): the module
+    # answers that itself, because Prepare's answer said Update acts on gpus, gpu_shares and mig-*.
+    cluster, proxy = proxied
+    prepares, updates = proxy.calls["Prepare"], proxy.calls["Update"]
+    task = probe(cluster, gpus=1)
+    task.wait("TASK_FINISHED")
+    task.wait_gone()
+    assert proxy.calls["Prepare"] == prepares + 1
+    assert proxy.calls["Update"] == updates, "an Update that changes no GPU reached the sidecar"
+    assert len(opened_gpus(task.stdout())) == 1
+    _free(cluster)
+
+
+def test_a_launching_containers_watch_opens_only_after_its_isolate(proxied: tuple[Cluster, GrpcProxy]) -> None:
+    cluster, proxy = proxied
+    isolates, watches = proxy.calls["Isolate"], proxy.calls["Watch"]
+    gate = proxy.hold("Isolate")
+    try:
+        task = probe(cluster, gpus=1)
+        deadline = time.monotonic() + 60
+        while proxy.calls["Isolate"] <= isolates:  # the Isolate is held at the proxy
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)  # the agent asked for the Watch before the Isolate: it would be here by now
+        assert proxy.calls["Watch"] == watches, "the Watch reached the sidecar before the Isolate ended"
+    finally:
+        gate.set()
+    task.wait("TASK_FINISHED")
+    assert proxy.calls["Watch"] > watches
+    task.wait_gone()
     _free(cluster)
 
 

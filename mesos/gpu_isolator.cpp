@@ -6,6 +6,7 @@
 
 #include "gpu_isolator.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -60,6 +61,11 @@ namespace gpu_isolator {
 namespace {
 
 using Clock = std::chrono::system_clock;
+
+
+// How long the Cleanup of a container whose Prepare failed with the sidecar
+// unreachable waits for it (see `cleanup`).
+const Duration UNREACHED_CLEANUP_TIMEOUT = Seconds(1);
 
 
 Option<string> channelState(grpc_connectivity_state state)
@@ -161,6 +167,14 @@ public:
                   response.update_reads().end()),
               message.container_config().resources());
           return info.get();
+        }))
+        .onAny(defer(self(), [=](
+            const Future<Option<ContainerLaunchInfo>>& prepared) {
+          // Failed while the sidecar could not be reached: see `cleanup`.
+          if (prepared.isFailed() &&
+              channel->GetState(false) != GRPC_CHANNEL_READY) {
+            unreached.insert(containerId);
+          }
         }));
     });
   }
@@ -316,15 +330,44 @@ public:
       return Failure("gpu-isolator Cleanup: " + request.error());
     }
     const v1::CleanupRequest message = request.get();
-    return inOrder<Nothing>(containerId, [=]() {
+    return inOrder<Nothing>(containerId, [=]() -> Future<Nothing> {
       sent.erase(containerId);  // after the hooks before it, as each runs
+      if (!unreached.contains(containerId)) {
+        return forward(
+            "Cleanup",
+            stringify(containerId),
+            &v1::Isolator::Stub::PrepareAsyncCleanup,
+            message,
+            settings.cleanup_timeout)
+          .then([]() { return Nothing(); });
+      }
+      // This container's Prepare failed while the sidecar could not be
+      // reached, after waiting its whole deadline for a restart. Waiting
+      // again, a cleanup deadline more, would only delay the failed launch's
+      // end (issue 45: 25 s + 25 s). So Cleanup is tried briefly; a sidecar
+      // still unreachable then cannot be holding anything that needs it: a
+      // Prepare reaching it later expires unserved (its deadline travels
+      // with it), and one it served before it went away is released by its
+      // reaper once the container's cgroup is gone (docs/mesos-agent.md).
+      unreached.erase(containerId);
       return forward(
           "Cleanup",
           stringify(containerId),
           &v1::Isolator::Stub::PrepareAsyncCleanup,
           message,
-          settings.cleanup_timeout)
-        .then([]() { return Nothing(); });
+          std::min(settings.cleanup_timeout, UNREACHED_CLEANUP_TIMEOUT))
+        .then([]() { return Nothing(); })
+        .repair(defer(self(), [=](const Future<Nothing>& failed)
+                                  -> Future<Nothing> {
+          if (channel->GetState(false) == GRPC_CHANNEL_READY) {
+            return failed;  // The sidecar is there and answered: it stands.
+          }
+          LOG(WARNING) << "gpu-isolator Cleanup of container " << containerId
+                       << ": the sidecar is still unreachable, as it was when"
+                       << " the container's Prepare failed; not waiting for"
+                       << " it (its reaper releases anything it may hold)";
+          return Nothing();
+        }));
     });
   }
 
@@ -565,6 +608,8 @@ private:
   hashmap<ContainerID, Sent> sent;
   // Containers prepared here whose Isolate has not ended: their Watch waits.
   hashset<ContainerID> isolating;
+  // Containers whose Prepare failed while the sidecar could not be reached.
+  hashset<ContainerID> unreached;
 };
 
 

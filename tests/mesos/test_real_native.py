@@ -20,6 +20,7 @@ import pytest
 from conftest import assert_sees_exactly, granted_at, opened_gpus, probe, probe_command
 
 from isolator.model import CgroupVersion
+from isolator.rpc import isolator_pb2 as pb
 from isolator.testing.cluster import Cluster
 from isolator.testing.grpcproxy import GrpcProxy
 from isolator.testing.mesoshome import Route, cgroups_v2_unsupported
@@ -192,15 +193,20 @@ def test_a_slow_prepare_of_one_container_does_not_delay_another_containers_launc
 
 
 def test_an_update_that_changes_nothing_the_sidecar_acts_on_is_not_sent(proxied: tuple[Cluster, GrpcProxy]) -> None:
-    # The agent updates the container when its executor registers (cpus and mem only): the module
-    # answers that itself, because Prepare's answer said Update acts on gpus, gpu_shares and mig-*.
+    # The agent updates the container when its executor registers (its resources and the task's: the
+    # same gpus:1 as at Prepare) and again when the task ends (the executor's alone: no gpus). The
+    # module answers the first itself, because Prepare's answer said Update acts on gpus, gpu_shares
+    # and mig-*; the second changes the GPUs and is sent.
     cluster, proxy = proxied
-    prepares, updates = proxy.calls["Prepare"], proxy.calls["Update"]
+    prepares, updates = proxy.calls["Prepare"], len(proxy.requests.get("Update", []))
     task = probe(cluster, gpus=1)
     task.wait("TASK_FINISHED")
     task.wait_gone()
     assert proxy.calls["Prepare"] == prepares + 1
-    assert proxy.calls["Update"] == updates, "an Update that changes no GPU reached the sidecar"
+    sent = [pb.UpdateRequest.FromString(r) for r in proxy.requests.get("Update", [])[updates:]]
+    gpus = [sum(r.scalar.value for r in u.resource_requests if r.name == "gpus") for u in sent]
+    assert 1.0 not in gpus, f"an Update that left gpus at 1 reached the sidecar: {gpus}"
+    assert gpus == [0.0], gpus  # the task's end
     assert len(opened_gpus(task.stdout())) == 1
     _free(cluster)
 

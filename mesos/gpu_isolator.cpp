@@ -6,6 +6,7 @@
 
 #include "gpu_isolator.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -62,6 +63,11 @@ namespace {
 using Clock = std::chrono::system_clock;
 
 
+// How long the Cleanup of a container whose Prepare failed with the sidecar
+// unreachable waits for it (see `cleanup`).
+const Duration UNREACHED_CLEANUP_TIMEOUT = Seconds(1);
+
+
 Option<string> channelState(grpc_connectivity_state state)
 {
   switch (state) {
@@ -98,7 +104,7 @@ public:
     arguments.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
     arguments.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
     channel = grpc::CreateCustomChannel(
-        "unix:" + settings.socket,
+        settings.address(),
         grpc::InsecureChannelCredentials(),
         arguments);
     stub = v1::Isolator::NewStub(channel);
@@ -114,7 +120,7 @@ public:
     }
     LOG(INFO) << "gpu-isolator: recovering " << states.size()
               << " containers and " << orphans.size()
-              << " orphans through the sidecar at '" << settings.socket
+              << " orphans through the sidecar at '" << settings.address()
               << "'";
     return forward(
         "Recover",
@@ -140,6 +146,7 @@ public:
       return Failure("gpu-isolator Prepare: " + request.error());
     }
     const v1::PrepareRequest message = request.get();
+    isolating.insert(containerId);
     return inOrder<Option<ContainerLaunchInfo>>(containerId, [=]() {
       return forward(
           "Prepare",
@@ -147,14 +154,28 @@ public:
           &v1::Isolator::Stub::PrepareAsyncPrepare,
           message,
           settings.prepare_timeout)
-        .then([](const v1::PrepareResponse& response)
+        .then(defer(self(), [=](const v1::PrepareResponse& response)
                   -> Future<Option<ContainerLaunchInfo>> {
           Try<Option<ContainerLaunchInfo>> info = launchInfoOf(response);
           if (info.isError()) {
             return Failure("gpu-isolator Prepare: " + info.error());
           }
+          remember(
+              containerId,
+              std::vector<string>(
+                  response.update_reads().begin(),
+                  response.update_reads().end()),
+              message.container_config().resources());
           return info.get();
-        });
+        }))
+        .onAny(defer(self(), [=](
+            const Future<Option<ContainerLaunchInfo>>& prepared) {
+          // Failed while the sidecar could not be reached: see `cleanup`.
+          if (prepared.isFailed() &&
+              channel->GetState(false) != GRPC_CHANNEL_READY) {
+            unreached.insert(containerId);
+          }
+        }));
     });
   }
 
@@ -165,7 +186,7 @@ public:
       return Failure("gpu-isolator Isolate: " + request.error());
     }
     const v1::IsolateRequest message = request.get();
-    return inOrder<Nothing>(containerId, [=]() {
+    Future<Nothing> result = inOrder<Nothing>(containerId, [=]() {
       return forward(
           "Isolate",
           stringify(containerId),
@@ -174,6 +195,16 @@ public:
           settings.isolate_timeout)
         .then([]() { return Nothing(); });
     });
+    // The container's Watch, held back until now (see `watch`), opens.
+    result.onAny(defer(self(), [=](const Future<Nothing>&) {
+      isolating.erase(containerId);
+      if (watchers.contains(containerId) &&
+          watchers.at(containerId)->held) {
+        watchers.at(containerId)->held = false;
+        armWatch(containerId, watchers.at(containerId));
+      }
+    }));
+    return result;
   }
 
   Future<ContainerLimitation> watch(const ContainerID& containerId)
@@ -189,7 +220,17 @@ public:
     std::shared_ptr<Watcher> watcher(new Watcher());
     watcher->request = request.get();
     watchers[containerId] = watcher;
-    armWatch(containerId, watcher);
+    // The agent asks for the Watch of a container it is launching between
+    // its Prepare and its Isolate. Opened then, the Watch's first check runs
+    // in the sidecar just as the Isolate arrives and delays it (issue 45:
+    // 3.2 ms); held until the Isolate ends, it loses nothing, because its
+    // first check reports any limitation that came in between. A container
+    // this module did not prepare (recovered) is watched at once.
+    if (isolating.contains(containerId)) {
+      watcher->held = true;
+    } else {
+      armWatch(containerId, watcher);
+    }
     return watcher->promise.future();
   }
 
@@ -203,14 +244,31 @@ public:
       return Failure("gpu-isolator Update: " + request.error());
     }
     const v1::UpdateRequest message = request.get();
-    return inOrder<Nothing>(containerId, [=]() {
+    return inOrder<Nothing>(containerId, [=]() -> Future<Nothing> {
+      // What the sidecar acts on, as last sent: equal, the Update changes
+      // nothing there and is answered here. Unknown (no Prepare seen since
+      // the agent started, or the last Update failed): it is sent.
+      std::vector<string> reads;
+      if (sent.contains(containerId)) {
+        reads = sent.at(containerId).reads;
+        if (updateReads(message.resource_requests(), reads) ==
+              sent.at(containerId).resources) {
+          VLOG(1) << "gpu-isolator: Update of container " << containerId
+                  << " changes nothing the sidecar acts on; not sent";
+          return Nothing();
+        }
+        sent.erase(containerId);
+      }
       return forward(
           "Update",
           stringify(containerId),
           &v1::Isolator::Stub::PrepareAsyncUpdate,
           message,
           settings.update_timeout)
-        .then([]() { return Nothing(); });
+        .then(defer(self(), [=]() -> Nothing {
+          remember(containerId, reads, message.resource_requests());
+          return Nothing();
+        }));
     });
   }
 
@@ -265,30 +323,85 @@ public:
     if (watchers.contains(containerId)) {
       stopWatch(containerId);
     }
+    isolating.erase(containerId);
     Try<v1::CleanupRequest> request =
       containerRequest<v1::CleanupRequest>(containerId);
     if (request.isError()) {
       return Failure("gpu-isolator Cleanup: " + request.error());
     }
     const v1::CleanupRequest message = request.get();
-    return inOrder<Nothing>(containerId, [=]() {
+    return inOrder<Nothing>(containerId, [=]() -> Future<Nothing> {
+      sent.erase(containerId);  // after the hooks before it, as each runs
+      if (!unreached.contains(containerId)) {
+        return forward(
+            "Cleanup",
+            stringify(containerId),
+            &v1::Isolator::Stub::PrepareAsyncCleanup,
+            message,
+            settings.cleanup_timeout)
+          .then([]() { return Nothing(); });
+      }
+      // This container's Prepare failed while the sidecar could not be
+      // reached, after waiting its whole deadline for a restart. Waiting
+      // again, a cleanup deadline more, would only delay the failed launch's
+      // end (issue 45: 25 s + 25 s). So Cleanup is tried briefly; a sidecar
+      // still unreachable then cannot be holding anything that needs it: a
+      // Prepare reaching it later expires unserved (its deadline travels
+      // with it), and one it served before it went away is released by its
+      // reaper once the container's cgroup is gone (docs/mesos-agent.md).
+      unreached.erase(containerId);
       return forward(
           "Cleanup",
           stringify(containerId),
           &v1::Isolator::Stub::PrepareAsyncCleanup,
           message,
-          settings.cleanup_timeout)
-        .then([]() { return Nothing(); });
+          std::min(settings.cleanup_timeout, UNREACHED_CLEANUP_TIMEOUT))
+        .then([]() { return Nothing(); })
+        .repair(defer(self(), [=](const Future<Nothing>& failed)
+                                  -> Future<Nothing> {
+          if (channel->GetState(false) == GRPC_CHANNEL_READY) {
+            return failed;  // The sidecar is there and answered: it stands.
+          }
+          LOG(WARNING) << "gpu-isolator Cleanup of container " << containerId
+                       << ": the sidecar is still unreachable, as it was when"
+                       << " the container's Prepare failed; not waiting for"
+                       << " it (its reaper releases anything it may hold)";
+          return Nothing();
+        }));
     });
   }
 
 private:
+  // What the sidecar acts on in a container's resources (its Prepare's
+  // answer) and those it was last sent (at Prepare, or in an Update it
+  // answered OK), in updateReads's form.
+  struct Sent
+  {
+    std::vector<string> reads;
+    std::vector<string> resources;
+  };
+
+  void remember(
+      const ContainerID& containerId,
+      const std::vector<string>& reads,
+      const google::protobuf::RepeatedPtrField<v1::Resource>& resources)
+  {
+    if (reads.empty()) {
+      return;  // The sidecar named nothing: every Update is sent.
+    }
+    Sent last;
+    last.reads = reads;
+    last.resources = updateReads(resources, reads);
+    sent[containerId] = last;
+  }
+
   struct Watcher
   {
     v1::WatchRequest request;
     Promise<ContainerLimitation> promise;
     Future<Reply<v1::WatchResponse>> call;
     bool stopped = false;
+    bool held = false;  // not opened until the container's Isolate ends
   };
 
   // A container's hooks in flight, run one after the other by libprocess's
@@ -382,7 +495,7 @@ private:
             hook,
             code,
             reply.status.error_message(),
-            settings.socket,
+            settings.address(),
             timeout,
             channelState(channel->GetState(false)));
         LOG(WARNING) << message
@@ -492,6 +605,11 @@ private:
   Runtime runtime;
   hashmap<ContainerID, Owned<Hooks>> ordered;
   hashmap<ContainerID, std::shared_ptr<Watcher>> watchers;
+  hashmap<ContainerID, Sent> sent;
+  // Containers prepared here whose Isolate has not ended: their Watch waits.
+  hashset<ContainerID> isolating;
+  // Containers whose Prepare failed while the sidecar could not be reached.
+  hashset<ContainerID> unreached;
 };
 
 

@@ -23,7 +23,7 @@ mesos::slave::Isolator* create(const mesos::Parameters& parameters)
     return nullptr;
   }
   LOG(INFO) << "gpu-isolator module: forwarding every isolator hook to the"
-            << " sidecar at '" << settings->socket << "'";
+            << " sidecar at '" << settings->address() << "'";
   return new gpu_isolator::GpuIsolator(settings.get());
 }
 

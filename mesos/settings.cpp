@@ -10,6 +10,11 @@ namespace gpu_isolator {
 
 namespace {
 
+// Where the sidecar's gRPC server itself listens, beside its public socket
+// (isolator/transport/peergate.py: PRIVATE_SUFFIX and ALLOWED_NAME; a test
+// there keeps them equal).
+const char DIRECT_SUFFIX[] = ".d/grpc";
+
 // The setting a duration parameter names, or nullptr.
 Duration* durationOf(Settings* settings, const string& key)
 {
@@ -40,6 +45,15 @@ Try<Settings> Settings::parse(const mesos::Parameters& parameters)
       settings.socket = value;
       continue;
     }
+    if (key == "route") {
+      if (value != "direct" && value != "gate") {
+        return Error(
+            "parameter 'route': '" + value + "' is neither 'direct' nor"
+            " 'gate'");
+      }
+      settings.direct = value == "direct";
+      continue;
+    }
     Duration* target = durationOf(&settings, key);
     if (target == nullptr) {
       return Error("unknown parameter '" + key + "'");
@@ -53,6 +67,12 @@ Try<Settings> Settings::parse(const mesos::Parameters& parameters)
     *target = duration.get();
   }
   return settings;
+}
+
+
+string Settings::address() const
+{
+  return "unix:" + socket + (direct ? DIRECT_SUFFIX : "");
 }
 
 } // namespace gpu_isolator {

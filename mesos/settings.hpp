@@ -18,6 +18,14 @@ struct Settings
   // The sidecar's gRPC socket (`gpu-isolator serve --socket`).
   std::string socket = "/run/gpu-isolator/isolator.sock";
 
+  // Which of the sidecar's two doors the module calls (parameter `route`):
+  // "direct" (the default), the gRPC server's own socket `<socket>.d/grpc`,
+  // in the sidecar's 0700 directory, which only root (the agent) can reach,
+  // so the kernel has already admitted the caller and no gate copies the
+  // bytes; or "gate", the public `socket`, through the sidecar's
+  // SO_PEERCRED gate, for an agent that does not run as the sidecar's uid.
+  bool direct = true;
+
   // How long each hook may take, retries included, before it fails with a
   // message. Recover is longer: the agent waits for it once, at start, and
   // exits if it fails.
@@ -38,6 +46,9 @@ struct Settings
   // unknown parameter, an empty socket or a duration that is not positive is
   // an error: the agent does not start with a module it misread.
   static Try<Settings> parse(const mesos::Parameters& parameters);
+
+  // The gRPC target the module's channel connects to ("unix:<path>").
+  std::string address() const;
 };
 
 } // namespace gpu_isolator {

@@ -3,6 +3,8 @@
 
 #include "translate.hpp"
 
+#include <algorithm>
+
 #include <google/protobuf/descriptor.h>
 
 #include <stout/foreach.hpp>
@@ -116,6 +118,34 @@ Try<v1::UpdateRequest> updateRequest(
     *request->add_resource_requests() = contract.get();
   }
   return request;
+}
+
+
+std::vector<string> updateReads(
+    const google::protobuf::RepeatedPtrField<v1::Resource>& resources,
+    const std::vector<string>& reads)
+{
+  std::vector<string> result;
+  foreach (const v1::Resource& resource, resources) {
+    bool read = false;
+    foreach (const string& name, reads) {
+      if (!name.empty() && name.back() == '*'
+            ? resource.name().compare(0, name.size() - 1, name, 0,
+                                      name.size() - 1) == 0
+            : resource.name() == name) {
+        read = true;
+        break;
+      }
+    }
+    if (!read) {
+      continue;
+    }
+    v1::Resource kept = resource;
+    kept.clear_role();
+    result.push_back(kept.SerializeAsString());
+  }
+  std::sort(result.begin(), result.end());
+  return result;
 }
 
 

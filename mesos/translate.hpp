@@ -91,6 +91,18 @@ Try<mesos::slave::ContainerLimitation> limitationOf(
     const gpuisolator::v1::WatchResponse& response);
 
 
+// What an Update acts on in `resources` (the contract's): those whose name
+// `reads` names (PrepareResponse.update_reads: names, and prefixes written
+// "<prefix>*"), each as its name, type and value (its role aside), sorted,
+// so that two such lists are equal exactly when the sidecar would read the
+// same request from them. The module keeps the last one it sent per
+// container and answers an Update equal to it itself (no round trip).
+std::vector<std::string> updateReads(
+    const google::protobuf::RepeatedPtrField<gpuisolator::v1::Resource>&
+      resources,
+    const std::vector<std::string>& reads);
+
+
 // The exact string on the wire of a metadata key (wire.proto's `(wire)`).
 const std::string& wireName(gpuisolator::v1::MetadataKey key);
 

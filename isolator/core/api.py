@@ -35,6 +35,7 @@ from isolator.model import (
     Usage,
     VolumeReport,
 )
+from isolator.policy.request import UPDATE_READS as UPDATE_READS  # said on Prepare's answer by the transport
 
 
 class IsolatorApi(Protocol):

@@ -87,6 +87,7 @@ class PrepareHook:
         request = requests.for_prepare(container_id, config.resources)
         image_plan = self._image_plan(config)
         holder = container_id.key()
+        steps = _Steps(core.clock.monotonic)
         with core.locks.hold(container_id):
             if core.store.get(container_id) is not None:
                 raise AlreadyExists(f"container {container_id} has already been prepared")
@@ -103,6 +104,7 @@ class PrepareHook:
             near = core.cpuset.task_nodes(container_id) if request.shares else None
             with core.booking.lock:
                 holding = core.booking.book(holder, request, near)
+            steps.mark("booking")
             undo: Undo = [lambda: self._unbook(holder, holding)]
             try:
                 units = core.grants.mig_units(container_id, holding)
@@ -111,7 +113,9 @@ class PrepareHook:
                 grant = core.grants.compute(holding.granted, units)
                 rules = grant.rules
                 rec = core.new_record(container_id, holding, rules=rules, cpuset=held)
+                steps.mark("choice")
                 core.store.record(rec)
+                steps.mark("state commit")
                 undo.append(lambda: self._forget(container_id))
                 undo.append(lambda: core.grants.revoke(container_id))
                 crashpoint("prepare.recorded")
@@ -123,6 +127,7 @@ class PrepareHook:
                     undo.append(lambda: core.cpuset.remove_cpuset(container_id))
                     crashpoint("cpuset.recorded")
                     core.cpuset.apply_cpuset(container_id, held)
+                steps.mark("rules")
                 share = holding.share
                 if share is not None and share.mode is ShareMode.MPS:
                     core.mps.ensure(core.gpus[share.gpu])  # fail closed: no sharer without its daemon
@@ -136,9 +141,11 @@ class PrepareHook:
                     aff,
                     self._mps_client(core.store.get(container_id)),
                 )
+                steps.mark("launch info")
             except BaseException:
                 self._undo(container_id, undo)
                 raise
+        LOG.debug("prepare of %s: %s", container_id, steps)
         mig_note = f", MIG devices [{migunits.visible_devices(units)}]" if units else ""
         if holding.share is not None:
             share = holding.share
@@ -341,3 +348,23 @@ class PrepareHook:
     def _forget(self, cid: ContainerId) -> None:
         with contextlib.suppress(NotFound):
             self.core.store.remove(cid)
+
+
+class _Steps:
+    """Prepare's own time, step by step (issue 45: where the handler's milliseconds go), for one
+    debug line: each ``mark`` ends the step named since the previous one."""
+
+    def __init__(self, now: Callable[[], float]) -> None:
+        self._now = now
+        self._last = now()
+        self._start = self._last
+        self.spent: list[tuple[str, float]] = []
+
+    def mark(self, step: str) -> None:
+        now = self._now()
+        self.spent.append((step, now - self._last))
+        self._last = now
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{name} {seconds * 1000:.2f}" for name, seconds in self.spent)
+        return f"{(self._last - self._start) * 1000:.2f} ms ({parts})"

@@ -34,6 +34,12 @@ class Request:
         return not (self.gpus or self.mig or self.shares)
 
 
+# What ``read`` looks at in a container's resources, all an Update acts on: exact names, and a name
+# prefix written "<prefix>*". The sidecar says it on Prepare's answer (PrepareResponse.update_reads), so
+# that a caller may answer itself an Update whose resources of these names are those it last sent.
+UPDATE_READS = ("gpus", sharing.RESOURCE, migunits.PREFIX + "*")
+
+
 def read(resources: Iterable[Resource]) -> Request:
     """Each kind's count, refused as Mesos refuses it (InvalidGpuCount, InvalidMigRequest,
     InvalidShareCount) or as one GPU could not hold it (InvalidShareUnit: more than one unit); no

@@ -309,10 +309,12 @@ class PrepareRequest(_message.Message):
     def __init__(self, container_id: _Optional[_Union[ContainerID, _Mapping]] = ..., container_config: _Optional[_Union[ContainerConfig, _Mapping]] = ...) -> None: ...
 
 class PrepareResponse(_message.Message):
-    __slots__ = ("launch_info",)
+    __slots__ = ("launch_info", "update_reads")
     LAUNCH_INFO_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_READS_FIELD_NUMBER: _ClassVar[int]
     launch_info: ContainerLaunchInfo
-    def __init__(self, launch_info: _Optional[_Union[ContainerLaunchInfo, _Mapping]] = ...) -> None: ...
+    update_reads: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, launch_info: _Optional[_Union[ContainerLaunchInfo, _Mapping]] = ..., update_reads: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class IsolateRequest(_message.Message):
     __slots__ = ("container_id", "pid")

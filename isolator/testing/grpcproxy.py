@@ -35,6 +35,7 @@ class GrpcProxy:
         self.calls: Counter[str] = Counter()  # calls received per method (its last path element)
         self.open: Counter[str] = Counter()  # calls open now
         self.max_open: Counter[str] = Counter()  # the most calls open at once
+        self.requests: dict[str, list[bytes]] = {}  # each call's request bytes, per method, in order
         self._lock = threading.Lock()
         self._holds: dict[str, list[threading.Event]] = {}
         self._refusals: dict[str, list[int]] = {}
@@ -81,6 +82,7 @@ class GrpcProxy:
         method = full_method.rsplit("/", 1)[-1]
         with self._lock:
             self.calls[method] += 1
+            self.requests.setdefault(method, []).append(request)
             self.open[method] += 1
             self.max_open[method] = max(self.max_open[method], self.open[method])
             gates = self._holds.get(method)

@@ -36,8 +36,10 @@ from isolator.rpc import isolator_pb2_grpc as pb_grpc
 from isolator.testing import mesos_json
 from isolator.testing.cgroupfs import remove_cgroup_tree
 from isolator.transport.client import deadline_metadata
+from isolator.transport.peergate import ALLOWED_NAME, PRIVATE_SUFFIX
 
 HERE = Path(__file__).resolve().parent
+DIRECT_SUFFIX = f"{PRIVATE_SUFFIX}/{ALLOWED_NAME}"  # the module's default route (mesos/settings.cpp)
 INIT = HERE / "container" / "init.py"
 CHECK = HERE / "container" / "check.py"
 # The container runs the system interpreter: it is what the small rootfs carries.
@@ -97,8 +99,10 @@ class Isolator(Protocol):
 class GrpcIsolator:
     """The hooks over gRPC; requests built from Mesos JSON with unknown keys ignored."""
 
-    def __init__(self, socket_path: str, timeout: float = 30.0) -> None:
-        self._channel = grpc.insecure_channel("unix:" + socket_path)
+    def __init__(self, socket_path: str, timeout: float = 30.0, direct: bool = False) -> None:
+        """``direct``: call gRPC's own socket beside ``socket_path`` (``<socket>.d/grpc``), as the
+        module does by default, instead of the public socket's gate."""
+        self._channel = grpc.insecure_channel("unix:" + socket_path + (DIRECT_SUFFIX if direct else ""))
         self._stub = pb_grpc.IsolatorStub(self._channel)
         self._timeout = timeout
 

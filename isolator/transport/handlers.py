@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from isolator import __version__, model
-from isolator.core.api import IsolatorApi
+from isolator.core.api import UPDATE_READS, IsolatorApi
 from isolator.errors import ContainerGone, DeadlineExceeded, Internal, IsolatorError
 from isolator.rpc import isolator_pb2 as pb
 from isolator.transport import peergate
@@ -163,9 +163,10 @@ class IsolatorHandlers(Handlers):
     def Prepare(self, request: pb.PrepareRequest, call: CallFacts) -> pb.PrepareResponse:
         cid = container_id_from_proto(request.container_id)
         info = self._service.prepare(cid, config_from_proto(request.container_config))
+        # With the answer, what an Update acts on: the module answers itself one that changes none of it.
         if info is None:
-            return pb.PrepareResponse()
-        return pb.PrepareResponse(launch_info=launch_info_to_proto(info))
+            return pb.PrepareResponse(update_reads=UPDATE_READS)
+        return pb.PrepareResponse(launch_info=launch_info_to_proto(info), update_reads=UPDATE_READS)
 
     def Isolate(self, request: pb.IsolateRequest, call: CallFacts) -> pb.IsolateResponse:
         caller = peergate.caller_pid(call.peer)  # the gate's SO_PEERCRED: whose pid may be moved

@@ -4,7 +4,10 @@ gRPC Python does not expose a connection's peer credentials, so gRPC listens onl
 directory and this gate owns the public socket: per connection it reads the caller's uid, gid and
 pid from the kernel and splices the bytes either to the real gRPC server (allowed) or to a gRPC
 server whose every method answers PERMISSION_DENIED without reading the request (denied).
-It decides nothing about requests and never parses them.
+It decides nothing about requests and never parses them. One thread moves every connection's bytes
+(epoll); gRPC Python has no way to take an accepted connection's fd instead (grpcio 1.85: the core's
+``grpc_server_add_channel_from_fd`` is not exposed, and ``context.peer()`` of a Unix socket is
+``unix:``, no credentials), so the gate still copies.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import contextlib
 import itertools
 import logging
 import os
+import selectors
 import socket
 import stat
 import struct
@@ -39,9 +43,9 @@ MAX_BUSY_CONNECTIONS = 16
 # An allowed uid may hold at most this share of ``max_connections``, so that one caller (its idle
 # connections included) cannot lock the others out.
 UID_SHARE = 0.5
-# Bytes a splice thread moves per recv/send: HTTP/2 frames are 16 KiB by default, so 64 KiB rarely
-# splits one. Each thread holds its buffer for its connection's life; with 256 KiB, the buffers of
-# 1,000 Watch calls' connections left about 5 MiB the allocator kept after they closed.
+# Bytes the splicer moves per recv/send: HTTP/2 frames are 16 KiB by default, so 64 KiB rarely
+# splits one. One buffer serves every connection (the splicer is one thread); a connection keeps
+# only what its receiving side did not take yet.
 SPLICE_BUFFER = 64 * 1024
 ALLOWED_NAME = "grpc"
 DENIED_NAME = "deny"
@@ -170,6 +174,16 @@ def private_dir(public_socket: str) -> str:
     return public_socket + PRIVATE_SUFFIX
 
 
+def direct_path(public_socket: str) -> str:
+    """Where gRPC itself listens: the direct door for callers of the sidecar's own uid (root), which
+    only they can reach (the private directory is 0700), so every caller there is one the
+    allow-list admits (it always holds the sidecar's euid) and no gate copies its bytes. The Mesos
+    module calls it (mesos/settings.cpp, parameter ``route``). A call there has no caller the gate
+    named: Isolate's pid checks that need the caller's pid and the admin records' pid do not apply
+    (``caller_pid`` is 0), which is why the public socket keeps its gate for everyone else."""
+    return os.path.join(private_dir(public_socket), ALLOWED_NAME)
+
+
 def make_private_dir(path: str) -> None:
     """Create ``path`` 0700 and ours, or take over one left by a crash after checking it is ours.
 
@@ -286,55 +300,200 @@ def deny_server(path: str) -> grpc.Server:
 
 
 class _Connection:
-    """One caller's connection spliced to one upstream, a thread per direction."""
+    """One caller's connection spliced to one upstream; the splicer's thread moves its bytes."""
 
-    def __init__(self, gate: PeerGate, client: socket.socket, upstream: socket.socket, kind: str, uid: int) -> None:
-        self.gate = gate
+    def __init__(self, client: socket.socket, upstream: socket.socket, kind: str, uid: int) -> None:
         self.client = client
         self.upstream = upstream
         self.kind = kind
         self.uid = uid
-        self._open = 2
+        # Bytes read from one side that the other did not take yet, by the side they go to; a
+        # side with some waiting is not read from again until they are gone (back-pressure).
+        self.waiting: dict[socket.socket, bytes] = {client: b"", upstream: b""}
+        self.ended: set[socket.socket] = set()  # sides that sent EOF
+        self.shut: set[socket.socket] = set()  # sides we passed a half-close to (once their bytes were delivered)
+        self.closed = False
+
+    def peer_of(self, sock: socket.socket) -> socket.socket:
+        return self.upstream if sock is self.client else self.client
+
+
+class _Splicer:
+    """Every spliced connection's bytes, both ways, moved by one thread over epoll: no thread per
+    connection or per direction, and one SPLICE_BUFFER for all of them (a side whose peer does not
+    take what was read keeps only that remainder). Connections are handed over from the accept
+    thread through ``add``; ``forget`` is called (on this thread) when one has ended both ways."""
+
+    def __init__(self, forget: Callable[[_Connection], None]) -> None:
+        self._forget = forget
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._incoming: list[_Connection] = []
         self._lock = threading.Lock()
+        self._stopping = False
+        self._owner: dict[socket.socket, _Connection] = {}
+        self._buf = bytearray(SPLICE_BUFFER)
+        self._thread = threading.Thread(target=self._run, name="gate-splice", daemon=True)
 
     def start(self) -> None:
-        threading.Thread(target=self._pump, args=(self.client, self.upstream), name="gate-in", daemon=True).start()
-        threading.Thread(target=self._pump, args=(self.upstream, self.client), name="gate-out", daemon=True).start()
+        self._thread.start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        buf = bytearray(SPLICE_BUFFER)
-        view = memoryview(buf)
+    def add(self, conn: _Connection) -> None:
+        with self._lock:
+            self._incoming.append(conn)
+        self._wake()
+
+    def stop(self) -> None:
+        """Close every connection and end the thread. Idempotent."""
+        with self._lock:
+            self._stopping = True
+        self._wake()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            self._wake_w.send(b"\0")
+
+    def _run(self) -> None:
         try:
             while True:
-                n = src.recv_into(buf)
-                if n == 0:
-                    dst.shutdown(socket.SHUT_WR)  # pass the half-close on, as the caller meant it
-                    break
-                dst.sendall(view[:n])
-        except OSError:
-            self.abort()  # a reset on one side ends both
+                for key, events in self._selector.select():
+                    if key.data is None:
+                        self._drain_wakeups()
+                        continue
+                    conn: _Connection = key.data
+                    sock = key.fileobj
+                    assert isinstance(sock, socket.socket)
+                    if sock not in self._owner:
+                        continue  # ended earlier in this round
+                    if events & selectors.EVENT_WRITE:
+                        self._flush(conn, sock)
+                    if events & selectors.EVENT_READ and sock in self._owner:
+                        self._read(conn, sock)
+                    if sock in self._owner:
+                        self._settle(conn)
+                if self._take_incoming():
+                    return
         finally:
-            self._done()
+            for conn in set(self._owner.values()):
+                self._end(conn)
+            self._selector.close()
+            self._wake_r.close()
+            self._wake_w.close()
 
-    def abort(self) -> None:
-        for sock in (self.client, self.upstream):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+    def _drain_wakeups(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            while self._wake_r.recv(4096):
+                pass
 
-    def _done(self) -> None:
+    def _take_incoming(self) -> bool:
+        """Register the connections handed over; True when stopping."""
         with self._lock:
-            self._open -= 1
-            last = self._open == 0
-        if last:
-            self.client.close()
-            self.upstream.close()
-            self.gate._forget(self)
+            incoming, self._incoming = self._incoming, []
+            stopping = self._stopping
+        for conn in incoming:
+            for sock in (conn.client, conn.upstream):
+                sock.setblocking(False)
+                self._owner[sock] = conn
+                self._selector.register(sock, selectors.EVENT_READ, conn)
+            if stopping:
+                self._end(conn)
+        return stopping
+
+    def _read(self, conn: _Connection, sock: socket.socket) -> None:
+        dst = conn.peer_of(sock)
+        try:
+            n = sock.recv_into(self._buf)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._end(conn)  # a reset on one side ends both
+            return
+        if n == 0:
+            conn.ended.add(sock)
+            return
+        view = memoryview(self._buf)[:n]
+        try:
+            sent = dst.send(view)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._end(conn)
+            return
+        if sent < n:
+            conn.waiting[dst] = bytes(view[sent:])
+
+    def _flush(self, conn: _Connection, dst: socket.socket) -> None:
+        data = conn.waiting[dst]
+        if not data:
+            return
+        try:
+            sent = dst.send(data)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._end(conn)
+            return
+        conn.waiting[dst] = data[sent:]
+
+    def _settle(self, conn: _Connection) -> None:
+        """Pass on half-closes whose bytes are all delivered, end a connection closed both ways, and
+        set what each side is waited on for: read while its peer has nothing waiting, write while it has."""
+        for src in (conn.client, conn.upstream):
+            dst = conn.peer_of(src)
+            if src in conn.ended and not conn.waiting[dst] and dst not in conn.shut:
+                conn.shut.add(dst)
+                try:
+                    dst.shutdown(socket.SHUT_WR)  # pass the half-close on, as the caller meant it
+                except OSError:
+                    self._end(conn)
+                    return
+        if len(conn.shut) == 2:
+            self._end(conn)
+            return
+        for sock in (conn.client, conn.upstream):
+            events = 0
+            if sock not in conn.ended and not conn.waiting[conn.peer_of(sock)]:
+                events |= selectors.EVENT_READ
+            if conn.waiting[sock]:
+                events |= selectors.EVENT_WRITE
+            self._watch(sock, events, conn)
+
+    def _watch(self, sock: socket.socket, events: int, conn: _Connection) -> None:
+        """Wait on ``sock`` for ``events``; for none, not at all (epoll takes no empty mask)."""
+        try:
+            current = self._selector.get_key(sock).events
+        except KeyError:
+            current = 0
+        if events == current:
+            return
+        if not events:
+            self._selector.unregister(sock)
+        elif not current:
+            self._selector.register(sock, events, conn)
+        else:
+            self._selector.modify(sock, events, conn)
+
+    def _end(self, conn: _Connection) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        for sock in (conn.client, conn.upstream):
+            self._owner.pop(sock, None)
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(sock)
+            sock.close()
+        self._forget(conn)
 
 
 class PeerGate:
     """Accepts on the bound, listening public socket and splices each connection by its caller.
 
-    ``max_connections`` bounds allowed callers' connections (each holds two threads), and one uid
+    ``max_connections`` bounds allowed callers' connections (one thread splices them all), and one uid
     holds at most UID_SHARE of them. A connection over a cap is spliced to the refusing server,
     which answers RESOURCE_EXHAUSTED (MAX_BUSY_CONNECTIONS at once; beyond, closed). Denied
     callers get at most MAX_DENIED_CONNECTIONS. The gRPC server closes connections that stay
@@ -354,14 +513,14 @@ class PeerGate:
         self._denied_path = denied_path
         self._allowlist = allowlist
         self._slots = ConnectionSlots(max_connections, {"denied": MAX_DENIED_CONNECTIONS, "busy": MAX_BUSY_CONNECTIONS})
-        self._live: set[_Connection] = set()
-        self._lock = threading.Lock()
+        self._splicer = _Splicer(self._forget)
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
         self._serial = itertools.count()
         self._warned_full = False
 
     def start(self) -> None:
+        self._splicer.start()
         self._thread = threading.Thread(target=self._accept_loop, name="gate-accept", daemon=True)
         self._thread.start()
 
@@ -378,10 +537,7 @@ class PeerGate:
     def stop(self) -> None:
         """Stop accepting and cut every spliced connection."""
         self.stop_accepting()
-        with self._lock:
-            live = list(self._live)
-        for conn in live:
-            conn.abort()
+        self._splicer.stop()
 
     def set_allowlist(self, allowlist: Allowlist) -> None:
         """Callers allowed from the next connection on (SIGHUP); connections already admitted keep
@@ -417,10 +573,7 @@ class PeerGate:
             client.close()
             self._release(kind, cred.uid)
             raise
-        conn = _Connection(self, client, upstream, kind, cred.uid)
-        with self._lock:
-            self._live.add(conn)
-        conn.start()
+        self._splicer.add(_Connection(client, upstream, kind, cred.uid))
 
     def _warn_refusal(self, kind: str, why: str, full: bool, cred: PeerCredentials) -> None:
         if kind == "denied" and not full:
@@ -447,6 +600,4 @@ class PeerGate:
         self._slots.give_back(kind, uid)
 
     def _forget(self, conn: _Connection) -> None:
-        with self._lock:
-            self._live.discard(conn)
         self._release(conn.kind, conn.uid)

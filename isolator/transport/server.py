@@ -240,7 +240,7 @@ class SidecarServer:
             self._private_made = True
             isolator_handlers = IsolatorHandlers(self.service, self.observer)
             server = self._serve_aio(isolator_handlers)
-            allowed_path = os.path.join(self._private, peergate.ALLOWED_NAME)
+            allowed_path = peergate.direct_path(cfg.socket)
             denied_path = os.path.join(self._private, peergate.DENIED_NAME)
             try:
                 port = self._loop.call(self._add_port(server, "unix:" + allowed_path))
@@ -270,11 +270,13 @@ class SidecarServer:
         for name in ("", ISOLATOR_SERVICE, ADMIN_SERVICE):
             self._loop.call(self._health.set(name, health_pb2.HealthCheckResponse.SERVING))
         LOG.info(
-            "serving on %s (mode %s, allowed uids %s, gids %s)",
+            "serving on %s (mode %s, allowed uids %s, gids %s; direct for uid %d at %s)",
             cfg.socket,
             oct(cfg.socket_mode),
             sorted(set(cfg.allowed_uids) | {os.geteuid()}),
             sorted(cfg.allowed_gids),
+            os.geteuid(),
+            peergate.direct_path(cfg.socket),
         )
 
     def _serve_aio(self, isolator_handlers: IsolatorHandlers) -> grpc.aio.Server:

@@ -32,6 +32,9 @@ TEST(SettingsTest, NoParametersGiveTheDefaults)
   Try<Settings> settings = Settings::parse(parameters({}));
   ASSERT_FALSE(settings.isError()) << settings.error();
   EXPECT_EQ("/run/gpu-isolator/isolator.sock", settings->socket);
+  EXPECT_TRUE(settings->direct);
+  EXPECT_EQ(
+      "unix:/run/gpu-isolator/isolator.sock.d/grpc", settings->address());
   EXPECT_EQ(Seconds(60), settings->recover_timeout);
   EXPECT_EQ(Seconds(30), settings->prepare_timeout);
   EXPECT_EQ(Seconds(5), settings->status_timeout);
@@ -92,4 +95,26 @@ TEST(SettingsTest, ADurationMustBePositive)
         " duration (e.g. '30secs', '500ms')",
         settings.error());
   }
+}
+
+
+TEST(SettingsTest, RouteGateCallsThePublicSocketAndDirectTheServersOwn)
+{
+  Try<Settings> gate = Settings::parse(
+      parameters({{"socket", "/tmp/s.sock"}, {"route", "gate"}}));
+  ASSERT_FALSE(gate.isError()) << gate.error();
+  EXPECT_EQ("unix:/tmp/s.sock", gate->address());
+
+  Try<Settings> direct = Settings::parse(
+      parameters({{"socket", "/tmp/s.sock"}, {"route", "direct"}}));
+  ASSERT_FALSE(direct.isError()) << direct.error();
+  EXPECT_EQ("unix:/tmp/s.sock.d/grpc", direct->address());
+}
+
+
+TEST(SettingsTest, AnUnknownRouteIsAnError)
+{
+  Try<Settings> settings = Settings::parse(parameters({{"route", "Direct"}}));
+  ASSERT_TRUE(settings.isError());
+  EXPECT_NE(std::string::npos, settings.error().find("'Direct'"));
 }

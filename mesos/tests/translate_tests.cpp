@@ -21,6 +21,7 @@ using gpu_isolator::limitationOf;
 using gpu_isolator::prepareRequest;
 using gpu_isolator::recoverRequest;
 using gpu_isolator::statisticsOf;
+using gpu_isolator::updateReads;
 using gpu_isolator::updateRequest;
 using gpu_isolator::wireName;
 
@@ -94,6 +95,60 @@ TEST(TranslateTest, UpdateCarriesTheRequestedResources)
   ASSERT_EQ(1, request->resource_requests_size());
   EXPECT_EQ("gpus", request->resource_requests(0).name());
   EXPECT_EQ(1.0, request->resource_requests(0).scalar().value());
+}
+
+
+namespace {
+
+// The contract's resources of an Update built from Mesos's text form.
+google::protobuf::RepeatedPtrField<v1::Resource> contract(const char* text)
+{
+  Try<mesos::Resources> resources = mesos::Resources::parse(text);
+  EXPECT_FALSE(resources.isError()) << resources.error();
+  Try<v1::UpdateRequest> request =
+    updateRequest(nested("a", "b"), resources.get());
+  EXPECT_FALSE(request.isError()) << request.error();
+  return request->resource_requests();
+}
+
+const std::vector<std::string> READS = {"gpus", "gpu_shares", "mig-*"};
+
+} // namespace {
+
+
+TEST(TranslateTest, UpdateReadsIgnoresWhatTheSidecarDoesNotActOn)
+{
+  // The executor's registration changes cpus and mem only: nothing to send.
+  EXPECT_EQ(
+      updateReads(contract("cpus:0.1;mem:32;gpus:1"), READS),
+      updateReads(contract("cpus:1.1;mem:160;gpus:1;disk:10"), READS));
+  // A name that only starts like one read is not read; a prefix is.
+  EXPECT_EQ(
+      updateReads(contract("gpus:1"), READS),
+      updateReads(contract("gpus:1;gpusx:3;gpu_shares_x:2"), READS));
+  EXPECT_NE(
+      updateReads(contract("gpus:1"), READS),
+      updateReads(contract("gpus:1;mig-1g.10gb:1"), READS));
+  // The order of the resources and their roles aside.
+  EXPECT_EQ(
+      updateReads(contract("gpu_shares:2;gpus:1"), READS),
+      updateReads(contract("gpus(role1):1;gpu_shares:2"), READS));
+}
+
+
+TEST(TranslateTest, UpdateReadsSeesEachChangeOfWhatTheSidecarActsOn)
+{
+  const std::vector<std::string> one = updateReads(contract("gpus:1"), READS);
+  EXPECT_NE(one, updateReads(contract("gpus:2"), READS));
+  EXPECT_NE(one, updateReads(contract("cpus:1"), READS));  // gpus gone
+  EXPECT_NE(
+      updateReads(contract("gpu_shares:2"), READS),
+      updateReads(contract("gpu_shares:3"), READS));
+  EXPECT_NE(
+      updateReads(contract("mig-1g.10gb:1"), READS),
+      updateReads(contract("mig-2g.20gb:1"), READS));
+  // Nothing named: nothing compares equal to a list with something in it.
+  EXPECT_TRUE(updateReads(contract("gpus:1"), {}).empty());
 }
 
 

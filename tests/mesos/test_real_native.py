@@ -20,6 +20,7 @@ import pytest
 from conftest import assert_sees_exactly, granted_at, opened_gpus, probe, probe_command
 
 from isolator.model import CgroupVersion
+from isolator.rpc import isolator_pb2 as pb
 from isolator.testing.cluster import Cluster
 from isolator.testing.grpcproxy import GrpcProxy
 from isolator.testing.mesoshome import Route, cgroups_v2_unsupported
@@ -74,7 +75,13 @@ def proxied(mesos_home: str) -> Iterator[tuple[Cluster, GrpcProxy]]:
     agent = cluster.agents[0]
     proxy = GrpcProxy(os.path.join(agent.work, "sidecar", "s.sock"), os.path.join(cluster.work, "proxy.sock"))
     cluster.module_socket = proxy.path
-    cluster.module_params = {"prepare_timeout": "8secs", "usage_timeout": "2secs", "status_timeout": "2secs"}
+    # route=gate: the module calls the socket it is given (the proxy's), not the direct one beside it.
+    cluster.module_params = {
+        "prepare_timeout": "8secs",
+        "usage_timeout": "2secs",
+        "status_timeout": "2secs",
+        "route": "gate",
+    }
     proxy.start()
     try:
         with cluster:
@@ -182,6 +189,48 @@ def test_a_slow_prepare_of_one_container_does_not_delay_another_containers_launc
     _free(cluster)
 
 
+# ---- issue 45: no Update that changes nothing, the Watch after the Isolate ---------------------------
+
+
+def test_an_update_that_changes_nothing_the_sidecar_acts_on_is_not_sent(proxied: tuple[Cluster, GrpcProxy]) -> None:
+    # The agent updates the container when its executor registers (its resources and the task's: the
+    # same gpus:1 as at Prepare) and again when the task ends (the executor's alone: no gpus). The
+    # module answers the first itself, because Prepare's answer said Update acts on gpus, gpu_shares
+    # and mig-*; the second changes the GPUs and is sent.
+    cluster, proxy = proxied
+    prepares, updates = proxy.calls["Prepare"], len(proxy.requests.get("Update", []))
+    task = probe(cluster, gpus=1)
+    task.wait("TASK_FINISHED")
+    task.wait_gone()
+    assert proxy.calls["Prepare"] == prepares + 1
+    sent = [pb.UpdateRequest.FromString(r) for r in proxy.requests.get("Update", [])[updates:]]
+    gpus = [sum(r.scalar.value for r in u.resource_requests if r.name == "gpus") for u in sent]
+    assert 1.0 not in gpus, f"an Update that left gpus at 1 reached the sidecar: {gpus}"
+    assert gpus == [0.0], gpus  # the task's end
+    assert len(opened_gpus(task.stdout())) == 1
+    _free(cluster)
+
+
+def test_a_launching_containers_watch_opens_only_after_its_isolate(proxied: tuple[Cluster, GrpcProxy]) -> None:
+    cluster, proxy = proxied
+    isolates, watches = proxy.calls["Isolate"], proxy.calls["Watch"]
+    gate = proxy.hold("Isolate")
+    try:
+        task = probe(cluster, gpus=1)
+        deadline = time.monotonic() + 60
+        while proxy.calls["Isolate"] <= isolates:  # the Isolate is held at the proxy
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)  # the agent asked for the Watch before the Isolate: it would be here by now
+        assert proxy.calls["Watch"] == watches, "the Watch reached the sidecar before the Isolate ended"
+    finally:
+        gate.set()
+    task.wait("TASK_FINISHED")
+    assert proxy.calls["Watch"] > watches
+    task.wait_gone()
+    _free(cluster)
+
+
 # ---- retry pushback, an unreachable sidecar ---------------------------------------------------------
 
 
@@ -205,8 +254,15 @@ def test_an_unreachable_sidecar_fails_the_launch_within_the_deadline_with_a_mess
     cluster, proxy = proxied
     proxy.stop()  # nothing listens at the module's socket any more
     try:
+        started = time.monotonic()
         task = probe(cluster, gpus=1)
         update = task.wait("TASK_FAILED", timeout=90)  # prepare_timeout is 8 s
+        # Then no second wait, of cleanup_timeout (30 s here), for a sidecar still unreachable (issue 45):
+        # the Cleanup gives up after 1 s, while nothing listens yet.
+        gave_up = "the sidecar is still unreachable, as it was when the container's Prepare failed"
+        while gave_up not in cluster.agents[0].log():
+            assert time.monotonic() - started < 8 + 10, "the failed launch's Cleanup waited for the sidecar"
+            time.sleep(0.1)
         assert update.reason == "REASON_CONTAINER_LAUNCH_FAILED", update
         assert "gpu-isolator Prepare: DEADLINE_EXCEEDED: no answer from the sidecar at" in update.message, update
         assert "is 'gpu-isolator serve' running?" in update.message, update

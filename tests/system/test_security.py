@@ -259,3 +259,75 @@ def test_socket_path_must_leave_room_for_the_private_grpc_sockets():
     configmod.resolve({"socket": ok, "bridge_socket": ""})
     with pytest.raises(ConfigError, match="private gRPC sockets"):
         configmod.resolve({"socket": ok + "s", "bridge_socket": ""})
+
+
+# ---- both doors: the public socket's gate and the direct socket (<socket>.d/grpc) --------------
+# The direct socket admits only the sidecar's own uid (its directory is 0700), whatever the
+# allow-list and the public socket's mode say: each case below is asked through both doors.
+DOOR_CASES = {
+    # name: (server settings, what nobody gets through the gate)
+    "default-0600": ({}, "UNAVAILABLE"),
+    "0660-not-allowed": ({"socket_mode": 0o660, "socket_group": "nogroup"}, "PERMISSION_DENIED"),
+    "0660-uid-allowed": ({"socket_mode": 0o660, "socket_group": "nogroup", "allowed_uids": (0, NOBODY)}, "OK"),
+    "0660-gid-allowed": ({"socket_mode": 0o660, "socket_group": "nogroup", "allowed_gids": ("nogroup",)}, "OK"),
+}
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("door", ["gate", "direct"])
+@pytest.mark.parametrize("case", sorted(DOOR_CASES))
+def test_each_door_admits_root_and_only_the_callers_its_rule_names(open_dir, case, door):
+    kwargs, through_gate = DOOR_CASES[case]
+    kwargs = {k: tuple(nogroup() if g == "nogroup" else g for g in v) if k == "allowed_gids" else v
+              for k, v in kwargs.items()}  # fmt: skip
+    server, service = serve(open_dir, **kwargs)
+    path = server.settings.socket if door == "gate" else peergate.direct_path(server.settings.socket)
+    try:
+        answer = call_as(NOBODY, nogroup(), path)
+        with grpc.insecure_channel("unix:" + path) as ch:
+            pb_grpc.IsolatorStub(ch).Cleanup(pb.CleanupRequest(container_id=pb.ContainerID(value="root")), timeout=10)
+    finally:
+        server.stop(grace=0)
+    if door == "direct" or through_gate == "UNAVAILABLE":
+        # The kernel refuses the connect: the service never hears of the caller.
+        assert answer["code"] == "UNAVAILABLE", answer
+        assert "Permission denied" in answer["details"] or "EACCES" in answer["details"], answer
+        assert service.calls == ["root"]
+    elif through_gate == "OK":
+        assert answer["code"] == "OK", answer
+        assert service.calls == ["from-caller", "root"]
+    else:
+        assert answer["code"] == through_gate, answer
+        assert service.calls == ["root"]
+
+
+@pytest.mark.root
+def test_the_direct_socket_names_no_caller_so_no_pid_rule_can_trust_one(open_dir):
+    # Through the gate the service learns the caller's pid (Isolate's pid rules, admin records);
+    # through the direct socket it learns none (0, the model's unknown caller), never a guess.
+    seen: list[int] = []
+
+    class Recording(RecordingService):
+        def isolate(self, container_id: ContainerId, pid: int, caller: int | None = None) -> None:
+            seen.append(-1 if caller is None else caller)
+
+    cfg = ServerSettings(socket=os.path.join(open_dir, "s.sock"), bridge_socket="")
+    server = SidecarServer(cfg, Recording())
+    server.start()
+    try:
+        for path in (cfg.socket, peergate.direct_path(cfg.socket)):
+            with grpc.insecure_channel("unix:" + path) as ch:
+                pb_grpc.IsolatorStub(ch).Isolate(
+                    pb.IsolateRequest(container_id=pb.ContainerID(value="c"), pid=os.getpid()), timeout=10
+                )
+    finally:
+        server.stop(grace=0)
+    assert seen == [os.getpid(), 0]
+
+
+def test_the_module_calls_the_direct_socket_where_the_server_listens():
+    # mesos/settings.cpp names the direct socket by its own constant; it must be the one gRPC listens on.
+    with open(os.path.join(paths.ROOT, "mesos", "settings.cpp")) as f:
+        text = f.read()
+    assert f'DIRECT_SUFFIX[] = "{peergate.PRIVATE_SUFFIX}/{peergate.ALLOWED_NAME}";' in text
+    assert peergate.direct_path("/run/s.sock") == "/run/s.sock" + peergate.PRIVATE_SUFFIX + "/" + peergate.ALLOWED_NAME

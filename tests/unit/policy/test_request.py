@@ -69,3 +69,21 @@ def test_update_may_change_a_sharers_shares_never_mix_them() -> None:
     for mixed in (Request(gpus=1, shares=2), Request(mig={"mig-1g.5gb": 1}), Request(gpus=1)):
         with pytest.raises(FailedPrecondition, match="container a holds 2 gpu_shares; shares are never mixed"):
             requests.check_update(A, sharer, mixed)
+
+
+def _reads(name: str) -> bool:
+    return any(name.startswith(r[:-1]) if r.endswith("*") else name == r for r in requests.UPDATE_READS)
+
+
+@pytest.mark.parametrize("other", ["cpus", "mem", "disk", "ports", "gpusx", "gpu", "gpu_shares_x", "mi-1g.5gb"])
+def test_update_reads_names_all_that_read_looks_at(other: str) -> None:
+    # The module answers itself an Update that changes nothing UPDATE_READS names: a resource
+    # outside it must never change what read() sees, and each one inside it must.
+    base = [Resource("gpus", 2.0), Resource("mig-1g.5gb", 1.0)]
+    assert not _reads(other)
+    assert requests.read([*base, Resource(other, 3.0)]) == requests.read(base)
+    for name, before, after in (("gpus", 2.0, 3.0), ("mig-1g.5gb", 1.0, 2.0), ("gpu_shares", 1.0, 2.0)):
+        assert _reads(name)
+        changed = [r for r in base if r.name != name] + [Resource(name, after)]
+        kept = [r for r in base if r.name != name] + [Resource(name, before)]
+        assert requests.read(changed) != requests.read(kept)

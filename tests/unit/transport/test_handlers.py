@@ -9,7 +9,7 @@ import time
 import pytest
 
 from isolator.errors import ContainerGone, Internal, NotFound, Overloaded
-from isolator.model import ContainerId, Limitation
+from isolator.model import ContainerConfig, ContainerId, LaunchInfo, Limitation
 from isolator.rpc import isolator_pb2 as pb
 from isolator.testing import StubService
 from isolator.transport import bridge, peergate
@@ -33,6 +33,9 @@ class Service(StubService):
     def cleanup(self, container_id: ContainerId) -> None:
         if self.error is not None:
             raise self.error
+
+    def prepare(self, container_id: ContainerId, config: ContainerConfig) -> LaunchInfo | None:
+        return None
 
 
 def facts(route: str = GRPC, peer: str = "") -> CallFacts:
@@ -120,3 +123,11 @@ def test_pooled_refusals_share_one_cap() -> None:
     slots.give_back("denied", 5)
     assert slots.take(True, 1) == ("busy", "share", True)
     assert slots.taken() == {"allowed": 1, "refused": 1}
+
+
+def test_prepares_answer_says_what_an_update_acts_on_whether_or_not_it_adds_launch_info() -> None:
+    # This prepare adds nothing (None): the list is on the answer anyway.
+    reply = IsolatorHandlers(Service()).handle(
+        "Prepare", pb.PrepareRequest(container_id=pb.ContainerID(value="c")), facts()
+    )
+    assert list(reply.update_reads) == ["gpus", "gpu_shares", "mig-*"]

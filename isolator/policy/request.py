@@ -37,7 +37,7 @@ class Request:
 # What ``read`` looks at in a container's resources, all an Update acts on: exact names, and a name
 # prefix written "<prefix>*". The sidecar says it on Prepare's answer (PrepareResponse.update_reads), so
 # that a caller may answer itself an Update whose resources of these names are those it last sent.
-UPDATE_READS = ("gpus", sharing.RESOURCE, migunits.PREFIX + "*")
+UPDATE_READS = ("gpus", sharing.RESOURCE, sharing.UNIT_PREFIX + "*", migunits.PREFIX + "*")
 
 
 def read(resources: Iterable[Resource]) -> Request:

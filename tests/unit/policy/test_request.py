@@ -75,7 +75,9 @@ def _reads(name: str) -> bool:
     return any(name.startswith(r[:-1]) if r.endswith("*") else name == r for r in requests.UPDATE_READS)
 
 
-@pytest.mark.parametrize("other", ["cpus", "mem", "disk", "ports", "gpusx", "gpu", "gpu_shares_x", "mi-1g.5gb"])
+@pytest.mark.parametrize(
+    "other", ["cpus", "mem", "disk", "ports", "gpusx", "gpu", "gpu_shares_x", "mi-1g.5gb", "gpu-shar-4", "gpu_share_4"]
+)
 def test_update_reads_names_all_that_read_looks_at(other: str) -> None:
     # The module answers itself an Update that changes nothing UPDATE_READS names: a resource
     # outside it must never change what read() sees, and each one inside it must.
@@ -87,3 +89,8 @@ def test_update_reads_names_all_that_read_looks_at(other: str) -> None:
         changed = [r for r in base if r.name != name] + [Resource(name, after)]
         kept = [r for r in base if r.name != name] + [Resource(name, before)]
         assert requests.read(changed) != requests.read(kept)
+    # A share unit (gpu-share-<N>, one per request): its coming and going is an Update's business too
+    # (the agent shrinks a sharer's executor when its task ends), so the module must forward it.
+    for unit in ("gpu-share-2", "gpu-share-4", "gpu-share-48"):
+        assert _reads(unit)
+        assert requests.read([Resource(unit, 1.0)]) != requests.read([])

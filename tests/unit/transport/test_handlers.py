@@ -130,4 +130,4 @@ def test_prepares_answer_says_what_an_update_acts_on_whether_or_not_it_adds_laun
     reply = IsolatorHandlers(Service()).handle(
         "Prepare", pb.PrepareRequest(container_id=pb.ContainerID(value="c")), facts()
     )
-    assert list(reply.update_reads) == ["gpus", "gpu_shares", "mig-*"]
+    assert list(reply.update_reads) == ["gpus", "gpu_shares", "gpu-share-*", "mig-*"]

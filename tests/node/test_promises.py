@@ -6,10 +6,11 @@ the start limit. Each scenario leaves the sidecar active, as it found it."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
-from conftest import SHARE_IN_NODE, STATE, Walked
+from conftest import PAGE, SHARE_IN_NODE, STATE, Walked
 
 from isolator.testing.node import MESOS_IN_NODE, Node
 
@@ -145,3 +146,56 @@ def test_exit_75_another_holder_is_restarted_until_it_is_gone(active: Node):
     assert int(props["NRestarts"]) > before, props
     journal = node.run("journalctl --no-pager -u gpu-isolator").stdout
     assert "status=75" in journal, journal[-3000:]
+
+
+def start_long_task(node: Node, name: str) -> None:
+    """A ``gpus:1`` task that runs for 10 minutes, its framework checkpointing (a restarted agent
+    recovers its executors, as production frameworks ask); until TASK_RUNNING."""
+    flags = dict(
+        line.split("=", 1) for line in node.run("cat /etc/default/mesos-agent").stdout.splitlines() if "=" in line
+    )
+    node.run(
+        f"setsid nohup env LD_LIBRARY_PATH={MESOS_IN_NODE}/lib {MESOS_IN_NODE}/bin/mesos-execute --checkpoint"
+        f" --master={flags['MESOS_MASTER']} --name={name} --framework_capabilities=GPU_RESOURCES"
+        f" --resources='cpus:0.1;mem:32;gpus:1' --command='python3 {SHARE_IN_NODE}/probe.py {STATE}/simhost/dev 600'"
+        f" > /root/{name}.log 2>&1 < /dev/null & echo $! > /root/{name}.pid"
+    )
+    deadline = time.monotonic() + 60
+    while "TASK_RUNNING" not in node.run(f"cat /root/{name}.log").stdout:
+        assert time.monotonic() < deadline, node.run(f"cat /root/{name}.log").stdout
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("first", ["mesos-agent", "gpu-isolator"])
+def test_stopping_agent_and_sidecar_in_either_order_loses_no_grant(active: Node, first: str):
+    node = active
+    name = f"stop-{first}-first"
+    start_long_task(node, name)
+    held = containers(node)
+    mine = {c: g for c, g in held.items() if g}
+    assert len(mine) >= 1, held
+    second = "gpu-isolator" if first == "mesos-agent" else "mesos-agent"
+    node.run(f"systemctl stop {first} && systemctl stop {second}")
+    assert show(node, "gpu-isolator", "ActiveState")["ActiveState"] == "inactive"
+    node.run("systemctl start gpu-isolator && systemctl start mesos-agent")
+    deadline = time.monotonic() + 60
+    while "Finished recovery" not in node.run("journalctl --no-pager -o cat -u mesos-agent -n 200").stdout:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    time.sleep(3)  # the agent's reregistration and its first reconciliation with the sidecar
+    said = node.run(f"cat /root/{name}.log; journalctl --no-pager -o cat -n 40 -u gpu-isolator", check=False).stdout
+    after = containers(node)
+    for container, gpus in mine.items():
+        assert after.get(container) == gpus, said
+    assert not re.search("TASK_(LOST|FAILED|KILLED)", node.run(f"cat /root/{name}.log").stdout), said
+    node.run(f"kill $(cat /root/{name}.pid)")
+
+
+def test_systemd_analyze_security_scores_the_running_unit_as_operations_md_says(active: Node):
+    out = active.run("systemd-analyze security --no-pager gpu-isolator.service").stdout
+    found = re.search(r"Overall exposure level for gpu-isolator.service: (\d+\.\d) (\w+)", out)
+    assert found, out[-2000:]
+    with open(PAGE) as fh:
+        page = fh.read()
+    stated = f"scores the running unit **{found.group(1)} {found.group(2)}**"
+    assert stated in page, f"docs/operations.md must say: {stated}"

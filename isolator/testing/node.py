@@ -166,12 +166,23 @@ class Node:
     and when ``start()`` fails) powers it off, kills what is left in its cgroups, removes them and
     its temporary directory."""
 
-    def __init__(self, rootfs: str, *, binds: Sequence[tuple[str, str]] = (), ro_binds: Sequence[tuple[str, str]] = ()):
+    def __init__(
+        self,
+        rootfs: str,
+        *,
+        binds: Sequence[tuple[str, str]] = (),
+        ro_binds: Sequence[tuple[str, str]] = (),
+        scratch: Sequence[str] = (AGENT_WORK_IN_NODE,),
+    ):
+        """``scratch``: directories of the node bound to fresh ones of the host's temporary directory
+        (default the agent's work directory: its overlay backend cannot stack on the node's volatile
+        overlay root, and the host's disk holds what tasks write)."""
         self.rootfs = rootfs
         self.name = f"gi-node-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.cgroup = f"{TEST_PARENT}/{self.name}"
         self.binds = list(binds)
         self.ro_binds = list(ro_binds)
+        self.scratch = list(scratch)
         self.tmp = ""
         self.proc: subprocess.Popen[bytes] | None = None
         self.leader = 0
@@ -240,6 +251,10 @@ class Node:
             "--volatile=overlay",
             f"--bind={self.share}:{SHARE_IN_NODE}",
         ]
+        for inside in self.scratch:
+            outside = os.path.join(self.tmp, "scratch" + inside.replace("/", "-"))
+            os.makedirs(outside)
+            argv.append(f"--bind={outside}:{inside}")
         argv += [f"--bind={src}:{dst}" for src, dst in self.binds]
         argv += [f"--bind-ro={src}:{dst}" for src, dst in self.ro_binds]
         procs = " ".join(os.path.join(c, "cgroup.procs") for c in cgroups)

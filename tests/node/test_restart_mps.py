@@ -56,8 +56,10 @@ def test_restart_keeps_the_mps_daemon_and_its_sharer(walked: Walked):
             time.sleep(0.5)
         daemons = node.run(PIDS).stdout.split()
         assert len(daemons) == 1, daemons
-        sharer = node.run("pgrep -f '^sleep 600$'").stdout.split()
-        assert sharer, "the sharer's process"
+        deadline = time.monotonic() + 30  # TASK_RUNNING may come before the command's shell forks
+        while not (sharer := node.run("pgrep -f '^sleep 600$'", check=False).stdout.split()):
+            assert time.monotonic() < deadline, "the sharer's process never started"
+            time.sleep(0.2)
         node.run("systemctl restart gpu-isolator")
         time.sleep(2)
         said = node.run(

@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: all install proto proto-check build check lint typecheck test test-unit test-gpu test-mesos demo bench soak mutation clean dist
+.PHONY: all install proto proto-check build check lint typecheck test test-unit test-gpu test-mesos test-node demo bench soak mutation clean dist
 
 all: install build
 
@@ -105,6 +105,22 @@ test-mesos: install build
 			apt-get install -y -qq --no-install-recommends $$missing; } >&2 || exit 1; fi; \
 	fi; \
 	MESOS_HOME="$$home" ALLOW_NO_MESOS="$(ALLOW_NO_MESOS)" $(PY) -m pytest -m mesos -rs tests/mesos $(PYTEST_ARGS)
+
+# A Debian 12 node booted with systemd as PID 1 (systemd-nspawn -b; isolator/testing/node.py), the
+# sidecar installed from the wheel as the unit `install-unit` writes, the agent as a unit after it with
+# our module, and docs/operations.md's node walkthrough run as written (tests/node/, never collected by
+# make test). Needs root, the Debian packages systemd-container and mmdebstrap (named, and the target
+# stops; MODULE_INSTALL_DEPS=1 installs them), a Mesos as for test-mesos, and PyPI once: the node's root
+# filesystem and its wheelhouse are built once and cached under /var/cache/gpu-isolator-node.
+NODE_DEBS := systemd-container mmdebstrap
+test-node: install build
+	@$(call need_debs,test-node,$(NODE_DEBS))
+	@home="$(MESOS_HOME)"; \
+	if [ -z "$$home" ] && [ -d ../shared/mesos ]; then home=$$(../shared/mesos/setup.sh --dev) || exit 1; fi; \
+	if [ -z "$$home" ]; then echo "make test-node: no Mesos (set MESOS_HOME or provide ../shared/mesos)" >&2; exit 1; fi; \
+	$(MAKE) --no-print-directory module MESOS_HOME="$$home" MODULE_INSTALL_DEPS=1 || exit 1; \
+	$(MAKE) --no-print-directory dist || exit 1; \
+	MESOS_HOME="$$home" $(PY) -m pytest -m node -rs -p no:xdist tests/node $(PYTEST_ARGS)
 
 demo: install build
 	$(PY) scripts/demo.py

@@ -82,6 +82,7 @@ CAPABILITY_MARKERS = ("root", "cgroup_v1", "cgroup_v2", "gpu", "cpuset_v1", "cpu
 
 
 MESOS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mesos")
+NODE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "node")
 
 
 def pytest_ignore_collect(collection_path, config):  # type: ignore[no-untyped-def]
@@ -89,6 +90,8 @@ def pytest_ignore_collect(collection_path, config):  # type: ignore[no-untyped-d
     ``make test``."""
     if str(collection_path) == MESOS_DIR and "mesos" not in (config.getoption("markexpr") or ""):
         return True
+    if str(collection_path) == NODE_DIR and "node" not in (config.getoption("markexpr") or ""):
+        return True  # tests/node/ boots a node: only under ``make test-node`` (``-m node``)
     return None
 
 

@@ -1,0 +1,63 @@
+"""Reconfiguration of shared GPUs is never partial (issue 41 item 6, docs/sharing.md "Changing which
+GPUs are shared"): a restart that would switch the mode of a GPU with sharers stops the start, and
+no admin override resets a GPU's compute mode or clocks while it has sharers."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from isolator.errors import FailedPrecondition
+from isolator.model import ContainerConfig, ContainerId, Resource
+from isolator.policy.shares import parse_shared_gpus
+from isolator.testing import Rig, fake_service
+
+SHARED = parse_shared_gpus("4-7:4:mps")
+
+
+def cid(text: str) -> ContainerId:
+    return ContainerId.from_chain(text.split("."))
+
+
+def shares(n: float) -> ContainerConfig:
+    return ContainerConfig(resources=(Resource("gpu_shares", n), Resource("cpus", 1.0)))
+
+
+@pytest.fixture
+def rig() -> Rig:
+    rig = fake_service("dgx-1")
+    rig.settings = replace(rig.settings, shared_gpus=SHARED)
+    rig.restart()
+    return rig
+
+
+def test_a_restart_that_switches_the_mode_of_a_gpu_with_sharers_is_refused_naming_it(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), shares(1))  # GPU 4, mps
+    rig.settings = replace(rig.settings, shared_gpus=parse_shared_gpus("4-7:4:time-slice"))
+    with pytest.raises(FailedPrecondition, match=r"container a holds 1 gpu_shares of GPU 4 in mps mode.*time-slice"):
+        rig.restart()
+
+
+def test_a_restart_that_switches_the_mode_of_free_gpus_only_is_taken(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), shares(1))  # GPU 4
+    rig.settings = replace(rig.settings, shared_gpus=parse_shared_gpus("4:4:mps,5-7:4:time-slice"))
+    rig.restart()
+    rig.service.prepare(cid("b"), shares(1))
+    rec = rig.store.get(cid("b"))
+    assert rec is not None and rec.holding.share is not None and rec.holding.share.mode == "time-slice"
+
+
+def test_the_handover_override_is_refused_on_a_gpu_with_sharers_and_changes_nothing(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), shares(1))  # GPU 4: EXCLUSIVE_PROCESS for its MPS daemon
+    assert rig.inventory.settings(4)[0] == 3
+    with pytest.raises(FailedPrecondition, match=r"GPU 4 .*has sharers \(container a: 1 gpu_shares\)"):
+        rig.service.undrain("4")
+    assert rig.inventory.settings(4)[0] == 3, "its compute mode stays what its MPS daemon needs"
+
+
+def test_the_handover_override_still_works_on_a_free_shared_gpu(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), shares(1))
+    rig.service.cleanup(cid("a"))
+    done = rig.service.undrain("4")
+    assert "was not draining" in done.detail

@@ -61,3 +61,36 @@ def test_the_handover_override_still_works_on_a_free_shared_gpu(rig: Rig) -> Non
     rig.service.cleanup(cid("a"))
     done = rig.service.undrain("4")
     assert "was not draining" in done.detail
+
+
+def _without_mps(spec: str) -> Rig:
+    """A service as compose.py builds it when nothing was shared in mps mode at start: no MPS edge."""
+    from isolator.core.service import IsolatorService
+
+    rig = fake_service("dgx-1")
+    rig.settings = replace(rig.settings, shared_gpus=parse_shared_gpus(spec))
+    rig.service = IsolatorService(
+        inventory=rig.inventory,
+        cgroups=rig.cgroups,
+        devices=rig.devices,
+        store=rig.store,
+        volumes=rig.volumes,
+        processes=rig.processes,
+        filesystem=rig.filesystem,
+        clock=rig.clock,
+        settings=rig.settings,
+    )
+    return rig
+
+
+def test_a_reload_to_mps_on_a_sidecar_without_nvidia_cuda_mps_control_is_refused_whole() -> None:
+    from isolator.errors import ConfigError
+
+    rig = _without_mps("4:4")
+    booking = rig.service.core.booking
+    before = (booking.shared, booking.share_specs)
+    with pytest.raises(ConfigError, match=r"GPU 4 cannot be shared in mps mode: this sidecar has no"):
+        rig.service.share_gpus(parse_shared_gpus("4:4:mps,5:2"))
+    assert (booking.shared, booking.share_specs) == before, "GPU 5 not taken either: all or nothing"
+    rig.service.share_gpus(parse_shared_gpus("4:2,5:2"))  # time-slice changes still pass
+    assert sorted(booking.shared) == [4, 5]

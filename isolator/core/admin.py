@@ -361,6 +361,16 @@ class Admin:
         holders = core.store.holders()
         if found.minor in holders:
             raise FailedPrecondition(f"GPU {gpu} is held by container {holders[found.minor]}; it is not draining")
+        with core.booking.lock:
+            sharers = core.booking.share_holders(found.minor) if found.minor in core.booking.shared else {}
+        if sharers:
+            # The override resets the compute mode and clocks: under its sharers that would take an MPS
+            # GPU out of EXCLUSIVE_PROCESS (issue 41 item 6). Its handover check runs after the last one.
+            held = ", ".join(f"container {key}: {n} gpu_shares" for key, n in sorted(sharers.items()))
+            raise FailedPrecondition(
+                f"GPU {gpu} ({found.uuid}) has sharers ({held}); the handover override would reset its compute"
+                " mode and clocks under them, and its check runs after the last sharer leaves"
+            )
         done = core.handover.undrain(found)
         if found.uuid in core.maintenance.view():
             # Two states, two names (docs/operations.md section 7): the override does not end a drain.

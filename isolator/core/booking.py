@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from isolator.core.locks import OwnedLock
 from isolator.core.ports import GpuInventory
 from isolator.errors import FailedPrecondition, IsolatorError
-from isolator.model import Gpu, Holding, MigDevice, Share, Topology
+from isolator.model import Gpu, Holding, MigDevice, Share, ShareMode, Topology
 from isolator.policy import mig as migunits
 from isolator.policy import shares as sharing
 from isolator.policy.allocator import Allocator, Choice, UpdatePlan
@@ -229,7 +229,7 @@ class Booking:
         self._allocator.restore(known)
         self.hold_mig(holding.mig, restore=True)
         if holding.share is not None:
-            self.restore_shares(holder, holding.share.gpu, holding.share.count)
+            self.restore_shares(holder, holding.share.gpu, holding.share.count, holding.share.mode)
         return holding.with_gpus(known)
 
     # ---- the kinds, one by one (call with the lock held) -------------------------------------------
@@ -409,10 +409,11 @@ class Booking:
                 f"{exc.message}; drained for maintenance: {names} (gpu-isolator undrain ends it)", **exc.fields
             ) from None
 
-    def restore_shares(self, holder: str, minor: int, count: int) -> None:
-        """Book a recorded holding at start-up (FailedPrecondition when the flags cannot hold it)."""
+    def restore_shares(self, holder: str, minor: int, count: int, mode: ShareMode | None = None) -> None:
+        """Book a recorded holding at start-up (FailedPrecondition when the flags cannot hold it,
+        also when they share its GPU in another mode than ``mode``, the recorded one)."""
         self.lock.require("restore_shares")
-        self._shares.restore(holder, minor, count)
+        self._shares.restore(holder, minor, count, mode)
 
     def free_shares(self, holder: str, count: int | None = None) -> tuple[int, bool] | None:
         """Free ``count`` of ``holder``'s shares (None: all of them; an update's shrink frees fewer):

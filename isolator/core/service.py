@@ -33,8 +33,10 @@ from isolator.core.ports import (
     RecordStore,
 )
 from isolator.core.recovery import Recovery
+from isolator.errors import ConfigError
 from isolator.model import (
     ContainerId,
+    ShareMode,
 )
 from isolator.policy.shares import ShareSpec
 
@@ -67,7 +69,21 @@ class IsolatorService(Hooks, Recovery, Admin):
 
     def share_gpus(self, specs: tuple[ShareSpec, ...]) -> None:
         """A reload of ``--shared-gpus`` (docs/sharing.md): these GPUs are shared from now on, or
-        RoleChangeRefused (ConfigError for a GPU not managed or in MIG mode) and nothing changes."""
+        RoleChangeRefused (ConfigError for a GPU not managed or in MIG mode, or in mps mode on a
+        sidecar that started without nvidia-cuda-mps-control) and nothing changes."""
+        if self.core.edges.mps is None:
+            # No MPS edge (compose.py builds one only when mps was asked at start): a GPU switched to
+            # mps would refuse every sharer (issue 41 item 6: refused whole, never taken half).
+            with self.core.booking.lock:
+                was = self.core.booking.shared
+            mps = [s for s in self.core.booking.resolve_shared(specs).values() if s.mode is ShareMode.MPS]
+            switched = sorted(s.index for s in mps if s.minor not in was or was[s.minor].mode is not ShareMode.MPS)
+            if switched:
+                names = ", ".join(f"GPU {i}" for i in switched)
+                raise ConfigError(
+                    f"{names} cannot be shared in mps mode: this sidecar has no nvidia-cuda-mps-control"
+                    " (it started with nothing in mps mode); restart it to share in mps mode"
+                )
         with self.core.booking.lock:
             self.core.booking.share(specs)
         self.core.changes.notify()

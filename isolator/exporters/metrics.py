@@ -146,10 +146,15 @@ class _ServiceCollector(Collector):
             return
         gpus = service.list_gpus().gpus
         containers = [c for c in service.list_containers() if not c.nested]
-        total = GaugeMetricFamily(f"{PREFIX}_gpus", "GPUs managed by the sidecar (Mesos: slave/gpus_total)")
-        total.add_metric([], len(gpus))
-        used = GaugeMetricFamily(f"{PREFIX}_gpus_used", "GPUs allocated to containers (Mesos: slave/gpus_used)")
-        used.add_metric([], sum(1 for g in gpus if g.holder))
+        # As the agent counts its ``gpus`` resource (`gpu-isolator resources`): a shared GPU is offered as
+        # gpu-share-<N> units and a MIG-mode GPU as mig-<profile> units, neither as gpus (docs/metrics.md).
+        whole = [g for g in gpus if not g.shares_total and not g.mig_enabled]
+        total = GaugeMetricFamily(
+            f"{PREFIX}_gpus", "GPUs offered whole, neither shared nor in MIG mode (Mesos: slave/gpus_total)"
+        )
+        total.add_metric([], len(whole))
+        used = GaugeMetricFamily(f"{PREFIX}_gpus_used", "Whole GPUs allocated to containers (Mesos: slave/gpus_used)")
+        used.add_metric([], sum(1 for g in whole if g.holder))
         healthy = GaugeMetricFamily(f"{PREFIX}_gpus_healthy", "GPUs healthy and usable")
         healthy.add_metric([], sum(1 for g in gpus if g.healthy))
         per_gpu = GaugeMetricFamily(

@@ -401,13 +401,21 @@ class ShareBook:
         self._holders[holder] = (choice.minor, choice.shares)
         return choice
 
-    def restore(self, holder: str, minor: int, shares: int) -> None:
-        """Book a recorded holding at recovery. A GPU no longer shared, more shares than the GPU
+    def restore(self, holder: str, minor: int, shares: int, mode: ShareMode | None = None) -> None:
+        """Book a recorded holding at recovery. A GPU no longer shared, shared in another mode than
+        the one recorded (``mode``; None: not checked, an update's shrink), more shares than the GPU
         has, or a holder booked twice is refused (FailedPrecondition): the records and the flags disagree."""
         gpu = self.shared.get(minor)
         if gpu is None:
             raise FailedPrecondition(
                 f"container {holder} holds {shares} {RESOURCE} of GPU {minor}, which is not shared"
+            )
+        if mode is not None and ShareMode(mode) != gpu.mode:
+            # Its sharers run under the recorded mode (under mps: their MPS client, the GPU's
+            # EXCLUSIVE_PROCESS compute mode); the other mode would be set up half (issue 41 item 6).
+            raise FailedPrecondition(
+                f"container {holder} holds {shares} {RESOURCE} of GPU {minor} in {ShareMode(mode)} mode,"
+                f" which the flags now share in {gpu.mode} mode (a GPU with sharers keeps its mode)"
             )
         if holder in self._holders:
             raise FailedPrecondition(f"container {holder} is booked twice for {RESOURCE}")

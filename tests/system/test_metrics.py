@@ -140,6 +140,28 @@ def test_metrics_count_mig_devices_per_resource_and_their_holders(short_tmp):
             isolator.close()
 
 
+def test_gpus_and_gpus_used_count_as_the_agent_counts_its_gpus_resource_not_the_shared_gpus(short_tmp):
+    # The agent's gpus (slave/gpus_total, slave/gpus_used) holds the GPUs that are neither shared nor
+    # in MIG mode (`gpu-isolator resources`): a shared GPU with sharers is not a used GPU to it.
+    path = os.path.join(short_tmp, "metrics.sock")
+    extra = ("--metrics-address", f"unix:{path}", "--shared-gpus", "4-7:4:time-slice")
+    with running_sidecar("dgx-1", "v1", extra=extra) as sidecar:
+        isolator = GrpcIsolator(sidecar.socket)
+        containerizer = Containerizer(isolator, sidecar.work)
+        config = containerizer.config(gpus=None, image=False)
+        config["resources"].append({"name": "gpu-share-4", "type": "SCALAR", "scalar": {"value": 1}, "role": "*"})
+        try:
+            isolator.prepare(container_id("s1"), config)
+            isolator.prepare(container_id("w1"), containerizer.config(gpus=1, image=False))
+            m = scrape(_UnixHTTP(path))
+            assert (m["gpu_isolator_gpus"], m["gpu_isolator_gpus_used"]) == (4, 1)
+            assert m["gpu_isolator_gpus_healthy"] == 8, "health is every managed GPU's"
+        finally:
+            for name in ("s1", "w1"):
+                isolator.cleanup(container_id(name))
+            isolator.close()
+
+
 def test_metrics_on_localhost_tcp_when_only_a_port_is_given(short_tmp):
     with running_sidecar("single", "v1", extra=("--metrics-address", "0")) as sidecar:
         match = re.search(r"metrics on (127\.0\.0\.1):(\d+)", sidecar.log())

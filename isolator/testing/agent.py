@@ -242,9 +242,15 @@ class Agent:
         start (by path only; no wildcards), so the nodes must exist by then (nvidia-uvm included)."""
         dev = self.sidecar.dev_root if self.sidecar is not None else "/dev"
         if names is None:
-            names = sorted(
+            found = sorted(
                 n for n in os.listdir(dev) if n.startswith("nvidia") and not os.path.isdir(os.path.join(dev, n))
             )
+            # MIG: a MIG unit's holder opens its GPU instance's and compute instance's capability nodes
+            # (docs/mig.md), which the agent's program must let through as well (docs/mesos-agent.md).
+            caps = os.path.join(dev, "nvidia-caps")
+            if os.path.isdir(caps):
+                found += [f"nvidia-caps/{n}" for n in sorted(os.listdir(caps)) if n.startswith("nvidia-cap")]
+            names = found
         access = {"read": True, "write": True, "mknod": True}
         return {"allowed_devices": [{"device": {"path": os.path.join(dev, n)}, "access": access} for n in names]}
 

@@ -11,8 +11,12 @@ namespace); Mesos releases without cgroups v2 (1.11.0) skip the v2 ones, saying 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import re
+import shutil
+import subprocess
 from collections.abc import Iterator
 from typing import Any
 
@@ -129,6 +133,49 @@ def _no_task_outlives_its_test() -> Iterator[None]:
                 left.append(task)
         for task in left:
             task.wait_gone()
+
+
+def libmesos_helper(source: str, mesos_home: str) -> str:
+    """``source`` (a C++ file beside the tests) compiled against ``mesos_home``'s headers and linked with
+    libmesos: build/<name>-<hash>, compiled once per source and Mesos; the compiler's own error otherwise
+    (stout's jsonify needs rapidjson, which the error then names)."""
+    with open(source, "rb") as fh:
+        digest = hashlib.sha256(fh.read() + os.path.realpath(mesos_home).encode()).hexdigest()[:12]
+    name = os.path.splitext(os.path.basename(source))[0].replace("_", "-")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    binary = os.path.join(root, "build", f"{name}-{digest}")
+    if os.access(binary, os.X_OK):
+        return binary
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.fail("g++ is missing: run ../shared/mesos/setup.sh --dev", pytrace=False)
+    os.makedirs(os.path.dirname(binary), exist_ok=True)
+    lib = os.path.join(mesos_home, "lib")
+    # -w: Mesos's headers are not ours to warn about.
+    argv = [compiler, "-std=c++17", "-O0", "-w", "-DPICOJSON_USE_INT64", "-D__STDC_FORMAT_MACROS"]
+    argv += ["-I", os.path.join(mesos_home, "include"), "-o", f"{binary}.tmp", source]
+    argv += [f"-L{lib}", f"-Wl,-rpath,{lib}", "-lmesos", "-lprotobuf", "-lglog"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    if result.returncode != 0:
+        hint = (
+            " (stout's jsonify needs rapidjson: apt-get install rapidjson-dev)" if "rapidjson" in result.stderr else ""
+        )
+        pytest.fail(f"compiling {source} failed{hint}:\n{result.stderr[-4000:]}", pytrace=False)
+    os.replace(f"{binary}.tmp", binary)
+    return binary
+
+
+def line_parser(binary: str) -> Any:
+    """``binary LINE`` as a function: the JSON objects it prints, one a line, or None when it exits
+    nonzero (Mesos refused the string; its LOG(FATAL) aborts)."""
+
+    def run(line: str) -> list[dict[str, Any]] | None:
+        result = subprocess.run([binary, line], capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            return None
+        return [json.loads(out) for out in result.stdout.splitlines()]
+
+    return run
 
 
 def probe(cluster: Cluster, gpus: int, seconds: float = 0, agent: int = 0, **kw: Any) -> Task:

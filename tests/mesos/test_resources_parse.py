@@ -10,57 +10,25 @@ GPUs whole, cut in one size and cut in several, must come back with the names an
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 from typing import Any
 
 import pytest
+from conftest import libmesos_helper, line_parser
 
 from isolator.policy import shares
 from isolator.simhost.host import shipped_hosts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "resources_parse.cpp")
-ROOT = os.path.dirname(os.path.dirname(HERE))
-
-
-def _compile(mesos_home: str) -> str:
-    with open(SOURCE, "rb") as fh:
-        digest = hashlib.sha256(fh.read() + os.path.realpath(mesos_home).encode()).hexdigest()[:12]
-    binary = os.path.join(ROOT, "build", f"resources-parse-{digest}")
-    if os.access(binary, os.X_OK):
-        return binary
-    compiler = shutil.which("g++")
-    if compiler is None:
-        pytest.fail("g++ is missing: run ../shared/mesos/setup.sh --dev", pytrace=False)
-    os.makedirs(os.path.dirname(binary), exist_ok=True)
-    lib = os.path.join(mesos_home, "lib")
-    argv = [compiler, "-std=c++17", "-O0", "-w", "-DPICOJSON_USE_INT64", "-D__STDC_FORMAT_MACROS"]
-    argv += ["-I", os.path.join(mesos_home, "include"), "-o", f"{binary}.tmp", SOURCE]
-    argv += [f"-L{lib}", f"-Wl,-rpath,{lib}", "-lmesos", "-lprotobuf", "-lglog"]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=600)
-    if result.returncode != 0:
-        pytest.fail(f"compiling {SOURCE} failed:\n{result.stderr[-4000:]}", pytrace=False)
-    os.replace(f"{binary}.tmp", binary)
-    return binary
 
 
 @pytest.fixture(scope="module")
 def parse(mesos_home: str) -> Any:
-    binary = _compile(mesos_home)
-
-    def run(line: str) -> list[dict[str, Any]] | None:
-        """Mesos's resources, or None when Mesos refuses the string."""
-        result = subprocess.run([binary, line], capture_output=True, text=True, timeout=120)
-        if result.returncode != 0:
-            return None
-        return [json.loads(out) for out in result.stdout.splitlines()]
-
-    return run
+    return line_parser(libmesos_helper(SOURCE, mesos_home))
 
 
 def _cuts(host: str) -> list[str]:

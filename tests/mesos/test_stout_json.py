@@ -18,7 +18,6 @@ and Mesos version. Needs no agent, so it runs in seconds once compiled.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -31,6 +30,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from conftest import libmesos_helper
 
 from isolator.bridge import command as bridge
 from isolator.testing import mesos_json
@@ -38,52 +38,11 @@ from isolator.testing.sidecar import TEST_PARENT, Sidecar
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "stout_json.cpp")
-ROOT = os.path.dirname(os.path.dirname(HERE))
 
 # The agent tree of ../shared/mesos is apache/mesos c1b42f79 (1.12.0-dev): what mesos_json calls
 # "master". 1.10 and 1.11 write the same fields for every fixture (share_cgroups and limits since
 # 1.10); older versions lack fields these headers have, so they cannot be checked here.
 VERSIONS = ("1.10", "1.11", "master")
-
-
-def compile_helper(mesos_home: str) -> str:
-    """build/stout-json-<hash>, compiled once per source and Mesos; the compiler's own error otherwise."""
-    with open(SOURCE, "rb") as fh:
-        digest = hashlib.sha256(fh.read() + os.path.realpath(mesos_home).encode()).hexdigest()[:12]
-    binary = os.path.join(ROOT, "build", f"stout-json-{digest}")
-    if os.access(binary, os.X_OK):
-        return binary
-    compiler = shutil.which("g++")
-    if compiler is None:
-        pytest.fail("g++ is missing: run ../shared/mesos/setup.sh --dev", pytrace=False)
-    os.makedirs(os.path.dirname(binary), exist_ok=True)
-    lib = os.path.join(mesos_home, "lib")
-    argv = [
-        compiler,
-        "-std=c++17",
-        "-O0",
-        "-w",  # Mesos's headers are not ours to warn about
-        "-DPICOJSON_USE_INT64",
-        "-D__STDC_FORMAT_MACROS",
-        "-I",
-        os.path.join(mesos_home, "include"),
-        "-o",
-        f"{binary}.tmp",
-        SOURCE,
-        f"-L{lib}",
-        f"-Wl,-rpath,{lib}",
-        "-lmesos",
-        "-lprotobuf",
-        "-lglog",
-    ]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=600)
-    if result.returncode != 0:
-        hint = (
-            " (stout's jsonify needs rapidjson: apt-get install rapidjson-dev)" if "rapidjson" in result.stderr else ""
-        )
-        pytest.fail(f"compiling {SOURCE} failed{hint}:\n{result.stderr[-4000:]}", pytrace=False)
-    os.replace(f"{binary}.tmp", binary)
-    return binary
 
 
 class Stout:
@@ -108,7 +67,7 @@ class Stout:
 
 @pytest.fixture(scope="session")
 def stout(mesos_home: str) -> Stout:
-    return Stout(compile_helper(mesos_home))
+    return Stout(libmesos_helper(SOURCE, mesos_home))
 
 
 # ---- inputs: our fixtures are what stout writes --------------------------------------------------

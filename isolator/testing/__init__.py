@@ -28,7 +28,8 @@ master and agents with the sidecar behind criteo's command module or ours (``mak
 Beside them: ``mesos_json`` (the ContainerConfig JSON an agent hands criteo's module), ``forkserver``
 (test daemons forked from a process that imported the daemon once), ``grpcproxy`` (a proxy between
 our module and the sidecar), ``reaper`` (a child subreaper, as systemd reaps), ``sandbox`` (the unit's
-process sandbox rebuilt), ``scheduler`` (a minimal v1 framework), ``node`` (a Debian node booted with
+process sandbox rebuilt), ``scheduler`` (a minimal v1 framework), ``images`` (a busybox image for Mesos's local
+Docker registry), ``node`` (a Debian node booted with
 systemd as PID 1 by systemd-nspawn, ``make test-node``) and ``container/`` (what runs inside a test
 container).
 """

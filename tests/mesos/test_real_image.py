@@ -7,12 +7,8 @@ The test builds its own local Docker registry: image tarballs in ``docker save``
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
 import os
 import re
-import tarfile
 import tempfile
 from collections.abc import Iterator
 
@@ -21,9 +17,9 @@ from conftest import granted
 
 from isolator.model import CgroupVersion
 from isolator.testing.cluster import Cluster
+from isolator.testing.images import BUSYBOX, DIRS, busybox_image
 from isolator.testing.mesoshome import MODULE, Route
 
-BUSYBOX = "/bin/busybox"
 APPLETS = ("sh", "ls", "cat", "grep", "echo", "touch", "env", "test", "[")
 # What the task prints: each /dev/nvidia* it can open (busybox sh's words for the errno), the
 # volume, its mount options, and the environment the sidecar set.
@@ -39,38 +35,8 @@ SCRIPT = (
 
 
 def image_tarball(path: str, name: str, labels: dict[str, str]) -> None:
-    layer = io.BytesIO()
-    with tarfile.open(fileobj=layer, mode="w") as tar:
-        for d in ("bin", "dev", "proc", "sys", "tmp", "etc", "usr", "usr/local", "usr/local/nvidia"):
-            info = tarfile.TarInfo(d)
-            info.type, info.mode = tarfile.DIRTYPE, 0o1777 if d == "tmp" else 0o755
-            tar.addfile(info)
-        tar.add(BUSYBOX, arcname="bin/busybox")
-        for applet in APPLETS:
-            info = tarfile.TarInfo(f"bin/{applet}")
-            info.type, info.linkname = tarfile.SYMTYPE, "busybox"
-            tar.addfile(info)
-    data = layer.getvalue()
-    layer_id = hashlib.sha256(data + json.dumps(labels, sort_keys=True).encode()).hexdigest()
-    config = {"Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"], "Cmd": ["/bin/sh"], "Labels": labels}
-    meta = {
-        "id": layer_id,
-        "created": "2026-11-25T00:00:00Z",
-        "config": config,
-        "container_config": config,
-        "architecture": "amd64",
-        "os": "linux",
-    }
-    with tarfile.open(path, "w") as tar:
-        for member, body in (
-            ("repositories", json.dumps({name: {"latest": layer_id}}).encode()),
-            (f"{layer_id}/VERSION", b"1.0"),
-            (f"{layer_id}/json", json.dumps(meta).encode()),
-            (f"{layer_id}/layer.tar", data),
-        ):
-            info = tarfile.TarInfo(member)
-            info.size = len(body)
-            tar.addfile(info, io.BytesIO(body))
+    """The image, with the volume's mount point already in it (/usr/local/nvidia)."""
+    busybox_image(path, name, labels, dirs=(*DIRS, "usr/local/nvidia"), applets=APPLETS)
 
 
 @pytest.fixture(scope="module")

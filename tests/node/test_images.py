@@ -4,28 +4,24 @@ for the driver volume. The sidecar creates the volume's mount point inside the i
 filesystem, which lives under the agent's work directory: read-only to a ``ProtectSystem=strict``
 service unless the unit says otherwise.
 
-The image is Debian's ``busybox-static`` in ``docker save`` layout, as tests/mesos/test_real_image.py
-builds it (the same layout; kept apart because tests/mesos/ is not importable from here)."""
+The image is Debian's ``busybox-static`` in ``docker save`` layout (isolator/testing/images.py, as
+tests/mesos/test_real_image.py builds it)."""
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
 import os
 import re
 import shlex
-import tarfile
 import time
 
 import pytest
 from conftest import SHARE_IN_NODE, Walked
 
+from isolator.testing.images import BUSYBOX, busybox_image
 from isolator.testing.node import MESOS_IN_NODE
 
 pytestmark = pytest.mark.node
 
-BUSYBOX = "/bin/busybox"
 APPLETS = ("sh", "ls", "cat", "grep", "echo", "touch", "test", "[", "sleep")
 SCRIPT = (
     "for d in /dev/nvidia*; do"
@@ -36,37 +32,8 @@ SCRIPT = (
 
 
 def image_tarball(path: str, name: str) -> None:
-    """A one-layer image holding busybox, labelled for the NVIDIA driver volume."""
-    layer = io.BytesIO()
-    with tarfile.open(fileobj=layer, mode="w") as tar:
-        for d in ("bin", "dev", "proc", "sys", "tmp", "etc", "usr", "usr/local"):
-            info = tarfile.TarInfo(d)
-            info.type, info.mode = tarfile.DIRTYPE, 0o1777 if d == "tmp" else 0o755
-            tar.addfile(info)
-        tar.add(BUSYBOX, arcname="bin/busybox")
-        for applet in APPLETS:
-            info = tarfile.TarInfo(f"bin/{applet}")
-            info.type, info.linkname = tarfile.SYMTYPE, "busybox"
-            tar.addfile(info)
-    data = layer.getvalue()
-    layer_id = hashlib.sha256(data).hexdigest()
-    config = {
-        "Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"],
-        "Cmd": ["/bin/sh"],
-        "Labels": {"com.nvidia.volumes.needed": "nvidia_driver"},
-    }
-    meta = {"id": layer_id, "created": "2026-11-28T00:00:00Z", "config": config, "container_config": config}
-    meta |= {"architecture": "amd64", "os": "linux"}
-    with tarfile.open(path, "w") as tar:
-        for member, body in (
-            ("repositories", json.dumps({name: {"latest": layer_id}}).encode()),
-            (f"{layer_id}/VERSION", b"1.0"),
-            (f"{layer_id}/json", json.dumps(meta).encode()),
-            (f"{layer_id}/layer.tar", data),
-        ):
-            info = tarfile.TarInfo(member)
-            info.size = len(body)
-            tar.addfile(info, io.BytesIO(body))
+    """The image, labelled for the NVIDIA driver volume, without its mount point: the sidecar makes it."""
+    busybox_image(path, name, {"com.nvidia.volumes.needed": "nvidia_driver"}, applets=APPLETS)
 
 
 @pytest.mark.parametrize("backend", ["copy", "overlay"])

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from probed import opened_gpus, seen
 
 from isolator.model import CgroupVersion
 from isolator.testing.cgroupfs import cgroup_mount
@@ -186,16 +187,6 @@ def probe(cluster: Cluster, gpus: int, seconds: float = 0, agent: int = 0, **kw:
     its container and run our cleanup (docs/mesos-agent.md, section 7)."""
     devdir = cluster.agents[agent].sidecar.dev_root  # type: ignore[union-attr]
     return cluster.submit(f"python3 {PROBE} {devdir} {seconds:g}", gpus=gpus, **kw)
-
-
-def seen(stdout: str) -> dict[str, str]:
-    """What the probe opened: device name -> ok/EPERM/ENXIO."""
-    return dict(re.findall(r"^dev (\S+) (\S+)$", stdout, re.M))
-
-
-def opened_gpus(stdout: str) -> set[int]:
-    """GPU minors the task could open (the open passed the device cgroup: ENXIO without a driver)."""
-    return {int(name[6:]) for name, r in seen(stdout).items() if name[6:].isdigit() and r != "EPERM"}
 
 
 def assert_sees_exactly(stdout: str, minors: set[int]) -> None:

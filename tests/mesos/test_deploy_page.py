@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shlex
 import shutil
 import signal
 import subprocess
@@ -23,35 +22,18 @@ from collections.abc import Iterator
 import paths
 import pytest
 from conftest import CONTROL, PROBE, opened_gpus, seen
+from docpage import VALUE, sh_blocks, with_values
 
 from isolator.testing.cgroupfs import TEST_PARENT, remove_cgroup_tree
 from isolator.testing.cluster import Cluster
 from isolator.testing.mesoshome import free_port, unmount_below, v1_hierarchies
 
 PAGE = os.path.join(paths.ROOT, "docs", "deploy.md")
-VALUE = re.compile(r"^([A-Z_]+)=(\S.*?)(?:\s+#.*)?$")
 
 
 def page_blocks() -> list[str]:
     with open(PAGE) as fh:
         return sh_blocks(fh.read())
-
-
-def sh_blocks(text: str) -> list[str]:
-    """The page's ``sh`` blocks, in order (``text`` blocks are not run)."""
-    return re.findall(r"^```sh\n(.*?)^```$", text, re.M | re.S)
-
-
-def with_values(first: str, values: dict[str, str]) -> str:
-    """The first block with each ``NAME=value`` line replaced by ``values[NAME]``; every name the
-    page asks for must be given, and no other."""
-    names = [m.group(1) for m in map(VALUE.match, first.splitlines()) if m]
-    assert sorted(names) == sorted(values), f"the page's values {names} are not this test's {sorted(values)}"
-    out = []
-    for line in first.splitlines():
-        m = VALUE.match(line)
-        out.append(f"{m.group(1)}={shlex.quote(values[m.group(1)])}" if m else line)
-    return "\n".join(out) + "\n"
 
 
 def test_the_page_finds_its_values_and_runs_every_sh_block():

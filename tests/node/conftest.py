@@ -22,6 +22,10 @@ from dataclasses import dataclass
 
 import paths
 import pytest
+from docpage import sh_blocks
+from docpage import with_values as with_values
+from probed import opened_gpus as opened_gpus
+from probed import seen as seen
 
 from isolator.testing.mesoshome import MesosNotFound, find_mesos_home, native_module
 from isolator.testing.node import (
@@ -37,7 +41,6 @@ from isolator.testing.node import (
 PAGE = os.path.join(paths.ROOT, "docs", "operations.md")
 SECTION = "## A node under systemd"
 PROBE = os.path.join(paths.TESTS, "mesos", "probe.py")
-VALUE = re.compile(r"^([A-Z_]+)=(\S.*?)(?:\s+#.*)?$")
 CONTROL = {"nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"}
 MODULE_IN_NODE = "/usr/local/lib/mesos/modules/libgpu_isolator_module.so"
 STATE = "/var/lib/gpu-isolator"
@@ -58,29 +61,7 @@ def walkthrough_blocks() -> list[str]:
     nxt = re.search(r"^## ", section[len(SECTION) :], re.M)
     if nxt:
         section = section[: len(SECTION) + nxt.start()]
-    return re.findall(r"^```sh\n(.*?)^```$", section, re.M | re.S)
-
-
-def with_values(first: str, values: dict[str, str]) -> str:
-    """The first block with each ``NAME=value`` line replaced by ``values[NAME]``; every name the
-    section asks for must be given, and no other."""
-    names = [m.group(1) for m in map(VALUE.match, first.splitlines()) if m]
-    assert sorted(names) == sorted(values), f"the section's values {names} are not this test's {sorted(values)}"
-    out = []
-    for line in first.splitlines():
-        m = VALUE.match(line)
-        out.append(f"{m.group(1)}={shlex.quote(values[m.group(1)])}" if m else line)
-    return "\n".join(out) + "\n"
-
-
-def seen(stdout: str) -> dict[str, str]:
-    """What the probe opened: device name -> ok/EPERM/ENXIO."""
-    return dict(re.findall(r"^dev (\S+) (\S+)$", stdout, re.M))
-
-
-def opened_gpus(stdout: str) -> set[int]:
-    """GPU minors the task could open (the open passed the device cgroup: ENXIO without a driver)."""
-    return {int(name[6:]) for name, r in seen(stdout).items() if name[6:].isdigit() and r != "EPERM"}
+    return sh_blocks(section)
 
 
 @dataclass

@@ -260,8 +260,9 @@ def test_place_refuses_hostile_counts(value):
         place(value, four(), {})
 
 
-@settings(max_examples=300, deadline=None)
-@given(
+# Up to six shared GPUs cut 2-8 ways, some shares held, some GPUs blocked, maybe a NUMA preference,
+# and a request of n shares: what both placements' properties are checked over.
+PLACEMENT_CASES = dict(
     sizes=st.lists(st.integers(2, 8), min_size=1, max_size=6),
     fill=st.lists(st.integers(0, 8), min_size=6, max_size=6),
     numa=st.lists(st.sampled_from([0, 1, None]), min_size=6, max_size=6),
@@ -269,6 +270,10 @@ def test_place_refuses_hostile_counts(value):
     near=st.one_of(st.none(), st.sets(st.integers(0, 1))),
     n=st.integers(1, 8),
 )
+
+
+@settings(max_examples=300, deadline=None)
+@given(**PLACEMENT_CASES)
 def test_placement_is_the_best_gpu_with_room(sizes, fill, numa, blocked, near, n):
     gpus = {m: SharedGpu(m, m, s, ShareMode.TIME_SLICE, numa[m]) for m, s in enumerate(sizes)}
     held = {m: min(fill[m], g.shares) for m, g in gpus.items()}
@@ -674,14 +679,7 @@ def test_an_unknown_placement_is_refused():
 
 
 @settings(max_examples=300, deadline=None)
-@given(
-    sizes=st.lists(st.integers(2, 8), min_size=1, max_size=6),
-    fill=st.lists(st.integers(0, 8), min_size=6, max_size=6),
-    numa=st.lists(st.sampled_from([0, 1, None]), min_size=6, max_size=6),
-    blocked=st.sets(st.integers(0, 5), max_size=3),
-    near=st.one_of(st.none(), st.sets(st.integers(0, 1))),
-    n=st.integers(1, 8),
-)
+@given(**PLACEMENT_CASES)
 def test_pack_is_the_best_fit_gpu_with_room(sizes, fill, numa, blocked, near, n):
     gpus = {m: SharedGpu(m, m, s, ShareMode.TIME_SLICE, numa[m]) for m, s in enumerate(sizes)}
     held = {m: min(fill[m], g.shares) for m, g in gpus.items()}

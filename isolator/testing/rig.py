@@ -39,7 +39,7 @@ class Rig:
     def __post_init__(self) -> None:
         self.service = self._build()
 
-    def _build(self) -> IsolatorService:
+    def _build(self, mps: bool = True) -> IsolatorService:
         return IsolatorService(
             inventory=self.inventory,
             cgroups=self.cgroups,
@@ -52,8 +52,14 @@ class Rig:
             settings=self.settings,
             cpus=self.cpusets,
             cpusets=self.cpusets,
-            mps=self.mps,
+            mps=self.mps if mps else None,
         )
+
+    def without_mps(self) -> IsolatorService:
+        """The service as compose.py builds it when nothing was shared in mps mode at start: no
+        nvidia-cuda-mps-control behind it (core/absent.py's null edge)."""
+        self.service = self._build(mps=False)
+        return self.service
 
     def restart(self) -> IsolatorService:
         """A new service over the same machine and state, as after a sidecar restart."""

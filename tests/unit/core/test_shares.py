@@ -435,21 +435,9 @@ def test_a_restart_adopts_live_daemons_restarts_dead_ones_and_stops_idle_ones(ri
 
 
 def test_no_mps_edge_refuses_mps_sharers_clearly() -> None:
-    from isolator.core.service import IsolatorService
-
     rig = fake_service("dgx-1")
     rig.settings = replace(rig.settings, shared_gpus=SHARED)
-    service = IsolatorService(
-        inventory=rig.inventory,
-        cgroups=rig.cgroups,
-        devices=rig.devices,
-        store=rig.store,
-        volumes=rig.volumes,
-        processes=rig.processes,
-        filesystem=rig.filesystem,
-        clock=rig.clock,
-        settings=rig.settings,
-    )
+    service = rig.without_mps()
     with pytest.raises(FailedPrecondition, match="shared in mps mode but this sidecar has no nvidia-cuda-mps-control"):
         service.prepare(cid("a"), shares(1))
     assert rig.store.get(cid("a")) is None

@@ -65,21 +65,9 @@ def test_the_handover_override_still_works_on_a_free_shared_gpu(rig: Rig) -> Non
 
 def _without_mps(spec: str) -> Rig:
     """A service as compose.py builds it when nothing was shared in mps mode at start: no MPS edge."""
-    from isolator.core.service import IsolatorService
-
     rig = fake_service("dgx-1")
     rig.settings = replace(rig.settings, shared_gpus=parse_shared_gpus(spec))
-    rig.service = IsolatorService(
-        inventory=rig.inventory,
-        cgroups=rig.cgroups,
-        devices=rig.devices,
-        store=rig.store,
-        volumes=rig.volumes,
-        processes=rig.processes,
-        filesystem=rig.filesystem,
-        clock=rig.clock,
-        settings=rig.settings,
-    )
+    rig.without_mps()
     return rig
 
 

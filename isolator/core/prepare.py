@@ -47,6 +47,7 @@ from volumes.inject import DriverFacts, Image, check_cuda, should_inject, volume
 
 LOG = logging.getLogger(__name__)
 
+MS_RDONLY = 1
 MS_BIND = 4096
 
 Undo = list[Callable[[], object]]
@@ -275,11 +276,14 @@ class PrepareHook:
             return launch.on_host(config.command_task, visible, local)
         mounts = self._device_mounts(config.rootfs, grant)
         if mps is not None:
-            # The daemon's pipe directory at CUDA's default path in the image, writable (clients make
-            # their own pipes there), as k8s-device-plugin mounts it.
+            # The daemon's pipe directory at CUDA's default path in the image, read-only: a client
+            # connects to the daemon's sockets and FIFOs, which a read-only mount leaves usable
+            # (mount(2) refuses writes to regular files and directories only), and a root user in the
+            # image cannot rewrite the daemon's files or plant sockets where the sidecar's commands
+            # go (issue 41). The launcher applies MS_RDONLY with a remount, as for the driver volume.
             rel = mpsdaemons.CONTAINER_PIPE_DIR.lstrip("/")
             target = self.core.edges.filesystem.make_dirs_in(config.rootfs, rel)
-            mounts.append(Mount(target=target, source=mps.pipe_dir, flags=MS_BIND))
+            mounts.append(Mount(target=target, source=mps.pipe_dir, flags=MS_BIND | MS_RDONLY))
         env: tuple[tuple[str, str], ...] = ()
         if image_plan is not None:
             mounts_v, env = self._volume(cid, config, image_plan, undo)

@@ -123,10 +123,12 @@ def test_sharers_through_the_daemon_restart_and_reload(short_tmp):
 
 def _stand_ins(work: str) -> dict[str, int]:
     """GPU UUID -> pid of each live stand-in MPS control daemon under the work dir."""
+    import sys
+
     from isolator.host.mps import MpsControl
 
     root = os.path.join(work, "mps")
-    control = MpsControl("", root)
+    control = MpsControl("", root, daemon_exe=sys.executable)  # the stand-in's daemon runs this interpreter
     out = {}
     for uuid_ in sorted(os.listdir(root)) if os.path.isdir(root) else []:
         pid = control.pid(uuid_)

@@ -345,13 +345,17 @@ def test_a_second_sharer_uses_the_running_daemon(rig: Rig) -> None:
     assert rig.mps.starts[uuid_of(rig, 4)] == 1
 
 
-def test_an_image_sharer_gets_the_pipe_directory_mounted_at_cudas_default(rig: Rig) -> None:
+def test_an_image_sharer_gets_the_pipe_directory_mounted_read_only_at_cudas_default(rig: Rig) -> None:
     rig.filesystem.make_dirs("/rootfs/a")
     config = ContainerConfig(resources=(Resource("gpu_shares", 2.0),), rootfs="/rootfs/a", image_env=("A=1",))
     info = rig.service.prepare(cid("a"), config)
     assert info is not None
     pipe = f"/fake/mps/{uuid_of(rig, 4)}/pipe"
-    assert next(m for m in info.mounts if m.source == pipe).target.endswith("/tmp/nvidia-mps")
+    mount = next(m for m in info.mounts if m.source == pipe)
+    assert mount.target.endswith("/tmp/nvidia-mps")
+    # Read-only (MS_BIND|MS_RDONLY, which the launcher applies as a remount): a root user in the image
+    # can neither rewrite the daemon's files nor plant its own sockets where the sidecar's commands go.
+    assert mount.flags == 4096 | 1
     env = dict(info.environment)
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps"
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"

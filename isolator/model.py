@@ -575,6 +575,9 @@ class GpuInfo:
     share_mode: str = ""
     share_holders: tuple[tuple[str, int], ...] = ()
     mps_state: str = ""
+    # How often its MPS control daemon was found dead and started again since the sidecar started
+    # (the metric gpu_isolator_mps_daemon_restarts_total; not in the gRPC view).
+    mps_restarts: int = 0
 
 
 @dataclass(frozen=True)

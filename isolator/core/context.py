@@ -253,15 +253,16 @@ class Core:
         (no sharer, time-sliced, no longer shared after a reload or a restart) has none. Without
         nvidia-cuda-mps-control (core/absent.py) nothing runs, and a recorded mps sharer is logged as
         having no daemon."""
+        wanted = self.mps_wanted()
+        self.mps.supervise(wanted, [g for g in self.gpus.values() if g not in wanted], self.idle_share)
+
+    def mps_wanted(self) -> list[Gpu]:
+        """The GPUs shared in mps mode that have sharers now (each needs its MPS control daemon), by minor."""
         with self.booking.lock:
             held = self.booking.shares_held()
             shared = self.booking.shared
         wanted = {m for m, g in shared.items() if g.mode == ShareMode.MPS and held.get(m) and m in self.gpus}
-        self.mps.supervise(
-            [self.gpus[m] for m in sorted(wanted)],
-            [g for m, g in sorted(self.gpus.items()) if m not in wanted],
-            self.idle_share,
-        )
+        return [self.gpus[m] for m in sorted(wanted)]
 
     def release(self, cid: ContainerId, holding: Holding) -> None:
         """Give back part of what a running container held (a shrinking Update), already revoked:

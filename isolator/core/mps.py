@@ -102,6 +102,29 @@ class Mps:
             if self.daemons.alive(gpu.uuid):
                 self.stop(gpu, functools.partial(is_idle, gpu.minor))
 
+    def check(self, wanted: list[Gpu]) -> tuple[bool, str]:
+        """``gpu-isolator health``'s ``mps`` check: each GPU of ``wanted`` (in mps mode, with sharers)
+        has its daemon running, as the last start or supervise pass found it; one down (gone and not
+        started again, or never started) fails it, named with why."""
+        if not wanted:
+            return True, "no GPU shared in mps mode has sharers"
+        down, up = [], []
+        with self._lock:
+            states = {g.minor: self._state.get(g.minor, "") for g in wanted}
+        for gpu in wanted:
+            state = states[gpu.minor]
+            name = f"GPU {gpu.index} ({gpu.uuid})"
+            if state == RUNNING:
+                up.append(f"GPU {gpu.index}")
+            else:
+                down.append(f"{name}: its MPS control daemon is down ({state or 'not started'}) under its sharers")
+        if down:
+            return False, "; ".join(down)
+        restarted = sum(self.restarts[g.minor] for g in wanted)
+        return True, f"MPS control daemons running: {', '.join(up)}" + (
+            f" ({restarted} found dead and started again)" if restarted else ""
+        )
+
     def state(self, minor: int) -> str:
         """``running``, ``stopped``, ``failed: <why>`` or "" (never started by this sidecar)."""
         with self._lock:

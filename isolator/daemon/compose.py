@@ -224,15 +224,14 @@ def mps_control(config: Config, host: SimulatedHost | None) -> Any:
 
     if not any(s.mode == ShareMode.MPS for s in config.shared_gpus):
         return None
-    daemon_exe = None  # the driver's daemon runs its executable
     if host is not None:
-        executable, daemon_exe = host.mps_control, host.mps_daemon_exe
+        executable = host.mps_control
     else:
         bundled = os.path.join(config.driver_root, "usr/bin/nvidia-cuda-mps-control")
         executable = bundled if os.path.exists(bundled) else shutil.which("nvidia-cuda-mps-control") or ""
     if not executable:
         raise ConfigError("--shared-gpus names GPUs in mps mode but nvidia-cuda-mps-control is not installed")
-    return MpsControl(executable, os.path.join(config.work_dir, "mps"), daemon_exe=daemon_exe)
+    return MpsControl(executable, os.path.join(config.work_dir, "mps"))
 
 
 def cpu_edges(config: Config) -> tuple[SysCpus | None, CpusetController | None]:

@@ -66,17 +66,29 @@ class _Record:
 
 class MpsControl:
     """``root``/<GPU UUID>/pipe and /log, made 0755 by us; ``executable`` is nvidia-cuda-mps-control.
-    ``daemon_exe`` is the file the daemon process runs (the executable itself for the driver's; the
-    interpreter for the simulated host's stand-in, a script)."""
+    ``daemon_exe`` is the file the daemon process runs: by default the executable itself (the
+    driver's), or for a script (the simulated host's stand-in) the interpreter its ``#!`` line names."""
 
     def __init__(self, executable: str, root: str, proc_root: str = "/proc", daemon_exe: str | None = None) -> None:
         self.executable = executable
-        self.daemon_exe = daemon_exe or executable
+        self._daemon_exe = daemon_exe
         self.root = root
         self.proc_root = proc_root
         self._lock = threading.Lock()
         self._known: dict[str, Daemon] = {}
         self._scanned: dict[str, int] = {}  # uuid -> the launch tick whose orphan was looked for already
+
+    @property
+    def daemon_exe(self) -> str:
+        if self._daemon_exe:
+            return self._daemon_exe
+        try:
+            with open(self.executable, "rb") as fh:
+                first = fh.readline(512)
+        except OSError:
+            return self.executable
+        words = first[2:].split() if first.startswith(b"#!") else []
+        return words[0].decode(errors="replace") if words else self.executable
 
     def pipe_dir(self, uuid: str) -> str:
         return os.path.join(self.root, uuid, "pipe")
@@ -257,7 +269,8 @@ class MpsControl:
         return daemon.start == self._start_tick(daemon.pid)
 
     def _could_be(self, uuid: str, pid: int) -> bool:
-        """Process ``pid`` runs as root, runs the daemon's executable as a daemon (``-d``) and serves
+        """Process ``pid`` runs as root, runs the daemon's executable as a daemon (``-d`` among its
+        arguments, ``-multiuser-server`` or not) and serves
         our pipe directory of ``uuid``. A daemon that is not dumpable hides its executable and
         environment from a sidecar without CAP_SYS_PTRACE (the shipped unit has none): then its
         command's name decides instead of its executable, and the launch's time and uid remain."""
@@ -269,7 +282,7 @@ class MpsControl:
                 return False
             with open(os.path.join(proc, "cmdline"), "rb") as fh:
                 argv = [a.decode(errors="replace") for a in fh.read().rstrip(b"\0").split(b"\0")]
-            if argv[-1] not in DAEMON_FLAGS:
+            if not set(argv[1:]) & set(DAEMON_FLAGS):
                 return False
             try:
                 exe, want = os.stat(os.path.join(proc, "exe")), os.stat(self.daemon_exe)

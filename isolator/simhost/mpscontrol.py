@@ -179,7 +179,10 @@ def install(path: str) -> str:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as fh:
-        fh.write(f'#!/bin/sh\nexec {sys.executable} -m isolator.simhost.mpscontrol "$@"\n')
+        # A script of this interpreter (not a shell wrapper that execs it): its daemon's /proc/<pid>/exe
+        # is the interpreter its #! line names, which is how host/mps.py recognises a script's daemon.
+        fh.write(f"#!{sys.executable}\nimport sys\n\nfrom isolator.simhost.mpscontrol import main\n\n")
+        fh.write("sys.exit(main(sys.argv[1:]))\n")
     os.chmod(tmp, 0o755)
     os.replace(tmp, path)
     return path

@@ -19,7 +19,6 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from dataclasses import replace
 
@@ -98,9 +97,6 @@ class SimulatedHost:
         self.uevents_path = os.path.join(self.control_dir, "uevents")
         # The stand-in nvidia-cuda-mps-control (isolator/simhost/mpscontrol.py), run as the real one is.
         self.mps_control = os.path.join(self.root, "bin", "nvidia-cuda-mps-control")
-        # The file its daemon process runs: the interpreter (the stand-in is a script; the driver's
-        # daemon is the executable itself). host/mps.py checks a daemon's /proc/<pid>/exe against it.
-        self.mps_daemon_exe = sys.executable
 
     def setup(self, make_devices: bool | None = None) -> SimulatedHost:
         """Write the library, its state, mig-minors and (as root, or when asked) the device nodes.

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 
 import pytest
@@ -24,7 +23,7 @@ def daemons(request, short_tmp):
         yield FakeMps()
         return
     exe = mpscontrol.install(os.path.join(short_tmp, "bin", "nvidia-cuda-mps-control"))
-    real = MpsControl(exe, os.path.join(short_tmp, "mps"), daemon_exe=sys.executable)
+    real = MpsControl(exe, os.path.join(short_tmp, "mps"))
     yield real
     real.stop(UUID)
 
@@ -63,7 +62,7 @@ def test_start_answer_kill_restart_and_stop(daemons):
 
 def test_the_stand_in_is_started_as_the_real_one_and_logs_what_it_was_told(short_tmp):
     exe = mpscontrol.install(os.path.join(short_tmp, "bin", "nvidia-cuda-mps-control"))
-    control = MpsControl(exe, os.path.join(short_tmp, "mps"), daemon_exe=sys.executable)
+    control = MpsControl(exe, os.path.join(short_tmp, "mps"))
     try:
         pid = control.start(UUID)
         pipe, log = control.pipe_dir(UUID), control.log_dir(UUID)
@@ -97,7 +96,7 @@ def test_the_stand_in_answers_bad_input_as_the_real_daemon_does(short_tmp):
     a bad percentage is no error, the old value is echoed; an unset pinned limit prints nothing; the
     daemon survives all of it."""
     exe = mpscontrol.install(os.path.join(short_tmp, "bin", "nvidia-cuda-mps-control"))
-    control = MpsControl(exe, os.path.join(short_tmp, "mps"), daemon_exe=sys.executable)
+    control = MpsControl(exe, os.path.join(short_tmp, "mps"))
     try:
         pid = control.start(UUID)
         assert control.command(UUID, "get_default_device_pinned_mem_limit 0") == ""
@@ -112,7 +111,7 @@ def test_the_stand_in_answers_bad_input_as_the_real_daemon_does(short_tmp):
 
 def test_a_stale_pid_file_naming_another_process_is_not_a_daemon(short_tmp):
     exe = mpscontrol.install(os.path.join(short_tmp, "bin", "nvidia-cuda-mps-control"))
-    control = MpsControl(exe, os.path.join(short_tmp, "mps"), daemon_exe=sys.executable)
+    control = MpsControl(exe, os.path.join(short_tmp, "mps"))
     os.makedirs(control.pipe_dir(UUID))
     with open(os.path.join(control.pipe_dir(UUID), PID_FILE), "w") as fh:
         fh.write(f"{os.getpid()}\n")  # this test's own pid: alive, but no MPS control daemon

@@ -52,8 +52,9 @@ class MpsControl:
         )
         return env
 
-    def start(self, uuid: str) -> int:
-        """Start the control daemon of GPU ``uuid``; its pid. The directories are made first."""
+    def start(self, uuid: str, multiuser: bool = False) -> int:
+        """Start the control daemon of GPU ``uuid``; its pid. The directories are made first.
+        ``multiuser``: ``-multiuser-server``, one server for every uid (no isolation between users)."""
         for path in (self.pipe_dir(uuid), self.log_dir(uuid)):
             try:
                 os.makedirs(path, mode=0o755, exist_ok=True)
@@ -61,7 +62,7 @@ class MpsControl:
                 raise MpsError(op="make the directories of", gpu=uuid, path=path, cause=exc.strerror) from exc
         try:
             result = subprocess.run(
-                [self.executable, "-d"],
+                [self.executable, "-d", *(["-multiuser-server"] if multiuser else [])],
                 env=self._env(uuid),
                 capture_output=True,
                 text=True,

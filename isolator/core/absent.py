@@ -89,7 +89,7 @@ class NoMpsDaemons:
     def pipe_dir(self, uuid: str) -> str:
         raise self._refuse(uuid)
 
-    def start(self, uuid: str) -> int:
+    def start(self, uuid: str, multiuser: bool = False) -> int:
         raise self._refuse(uuid)
 
     def command(self, uuid: str, text: str) -> str:

@@ -277,7 +277,7 @@ class MpsDaemons(Protocol):
 
     def pipe_dir(self, uuid: str) -> str: ...
 
-    def start(self, uuid: str) -> int: ...  # its pid; MpsError when it cannot start
+    def start(self, uuid: str, multiuser: bool = False) -> int: ...  # its pid; MpsError when it cannot start
 
     def command(self, uuid: str, text: str) -> str: ...  # one control command's answer
 

@@ -110,10 +110,11 @@ class MpsControl:
 
     # ---- start, command, liveness, stop ------------------------------------------------------------
 
-    def start(self, uuid: str) -> int:
+    def start(self, uuid: str, multiuser: bool = False) -> int:
         """Start the control daemon of GPU ``uuid``; its pid. The directories are made (or checked)
         first; the launch is recorded before it happens and the daemon once it is found, so that a
-        sidecar killed in between recognises it after a restart."""
+        sidecar killed in between recognises it after a restart. ``multiuser``: ``-multiuser-server``,
+        one server for every uid (no isolation between users)."""
         self._own_dirs(uuid)
         boot = self._boot_id()
         since = self._ticks_now()
@@ -121,7 +122,7 @@ class MpsControl:
         crashpoint("mps.launching")
         try:
             result = subprocess.run(
-                [self.executable, "-d"],
+                [self.executable, "-d", *(["-multiuser-server"] if multiuser else [])],
                 env=self._env(uuid),
                 capture_output=True,
                 text=True,
@@ -270,10 +271,10 @@ class MpsControl:
 
     def _could_be(self, uuid: str, pid: int) -> bool:
         """Process ``pid`` runs as root, runs the daemon's executable as a daemon (``-d`` among its
-        arguments, ``-multiuser-server`` or not) and serves
-        our pipe directory of ``uuid``. A daemon that is not dumpable hides its executable and
-        environment from a sidecar without CAP_SYS_PTRACE (the shipped unit has none): then its
-        command's name decides instead of its executable, and the launch's time and uid remain."""
+        arguments, ``-multiuser-server`` or not) and serves our pipe directory of ``uuid``. A daemon
+        that is not dumpable hides its executable and environment from a sidecar without
+        CAP_SYS_PTRACE (the shipped unit has none): then its command's name decides instead of its
+        executable, and the launch's time and uid remain."""
         proc = os.path.join(self.proc_root, str(pid))
         try:
             with open(os.path.join(proc, "status")) as fh:

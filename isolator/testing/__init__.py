@@ -11,7 +11,7 @@ tests as the real edge (tests/contract/test_contracts.py); ``fake_service`` wire
     FakeDeviceNodes  DeviceNodes     nvidiactl, nvidia-uvm(-tools), nvidia-caps numbers
     FakeProcesses    Processes       a pid table
     FakeFilesystem   Filesystem      directories by path
-    FakeMps          MpsDaemons      MPS control daemons in memory; kill one, fault points
+    FakeMps          MpsDaemons      MPS control daemons in memory (servers, clients, FAULT); kill one, fault points
     ManualClock      Clock           time that moves when told
     StubService      IsolatorApi     a whole-service double answering UNIMPLEMENTED
 

@@ -58,6 +58,11 @@ class Booking:
         self.share_placement = share_placement  # --share-placement: spread or pack (sharing.place)
         self._shares = sharing.ShareBook({}, share_placement)
         self._book_shared(self.resolve_shared(shared))
+        # MPS faults (docs/sharing.md): shared GPUs whose MPS server is in FAULT (minor -> which
+        # server), kept off new sharers until it is ACTIVE again; and the sharers a fault ended
+        # (holder key -> why), whose Watch answers a limitation until their Cleanup.
+        self.mps_faults: dict[int, str] = {}
+        self.mps_ended: dict[str, str] = {}
 
     def reset(self, topology: Topology) -> None:
         """Empty books over ``topology`` (start-up booking rebuilds them from the records)."""
@@ -189,9 +194,14 @@ class Booking:
         gpu = self._shares.shared.get(share.gpu)
         free = (gpu.shares if gpu is not None else 0) - self._shares.held().get(share.gpu, 0)
         blocked = self._allocator.unhealthy | self._allocator.draining | self._allocator.maintenance
+        blocked |= frozenset(self.mps_faults)
         extra = count - share.count
         if gpu is None or extra > free or share.gpu in blocked:
-            why = "unhealthy, draining or drained for maintenance" if share.gpu in blocked else f"{max(free, 0)} free"
+            why = (
+                "unhealthy, draining, drained for maintenance or its MPS server in FAULT"
+                if share.gpu in blocked
+                else f"{max(free, 0)} free"
+            )
             raise sharing.SharesExhausted(
                 f"container {holder} asks for {count} {sharing.RESOURCE} but holds {share.count} of GPU"
                 f" {self._name(share.gpu)}, which has {why} for the {extra} more (shares never move"
@@ -213,6 +223,8 @@ class Booking:
         used: its whole GPUs, and its shared GPU when it was the last sharer (while sharers remain,
         the GPU is theirs to share). Those go through the handover check (Core.drop, Core.release)."""
         self.lock.require("free")
+        if holding.share is not None and self._shares.holders(holding.share.gpu).get(holder) == holding.share.count:
+            self.mps_ended.pop(holder, None)  # all of its shares go: the fault's limitation with them
         released = holding.gpus & self._allocator.allocated
         self._allocator.deallocate(released)
         self.free_mig(holding.mig_uuids)  # also lets a parent no unit holds any more go (as ever)
@@ -248,6 +260,23 @@ class Booking:
         """A grow or shrink for a container holding ``holding``; books nothing."""
         self.lock.require("plan_update")
         return self._allocator.plan_update(holding, target)
+
+    def set_mps_faults(self, faults: Mapping[int, str]) -> list[str]:
+        """The shared GPUs whose MPS server is in FAULT now (minor -> which server). Every holder of a
+        GPU that newly faulted is ended (``mps_ended``; its Watch answers a limitation until its
+        Cleanup, even once the server is ACTIVE again: its clients failed). Returns their keys."""
+        self.lock.require("set_mps_faults")
+        ended = []
+        for minor in sorted(set(faults) - set(self.mps_faults)):
+            for holder in sorted(self._shares.holders(minor)):
+                self.mps_ended[holder] = (
+                    f"its MPS server on GPU {self._name(minor)} failed: {faults[minor]} (a fatal GPU fault in a"
+                    " client of the server; NVIDIA: every client of the GPU fails and must exit before the server"
+                    " takes new ones)"
+                )
+                ended.append(holder)
+        self.mps_faults = {m: faults[m] for m in faults if m in self._shares.shared}
+        return ended
 
     def set_draining(self, minor: int, draining: bool) -> None:
         """Keep a GPU out of the pool (or let it back in) for the handover check (docs/handover.md)."""
@@ -397,17 +426,26 @@ class Booking:
         whole GPU's holder, and grants it to no one new (core/maintenance.py)."""
         self.lock.require("place_shares")
         drained = self._allocator.maintenance
-        blocked = self._allocator.unhealthy | self._allocator.draining | drained
+        faulted = frozenset(self.mps_faults)
+        blocked = self._allocator.unhealthy | self._allocator.draining | drained | faulted
         try:
             return self._shares.place(holder, count, blocked, near, size=size)
         except sharing.SharesExhausted as exc:
             shared_drained = sorted(frozenset(self._shares.shared) & drained)
-            if not shared_drained:
+            shared_faulted = sorted(frozenset(self._shares.shared) & faulted)
+            if not shared_drained and not shared_faulted:
                 raise
-            names = ", ".join(f"GPU {self.gpus[m].index} ({self.gpus[m].uuid})" for m in shared_drained)
-            raise sharing.SharesExhausted(
-                f"{exc.message}; drained for maintenance: {names} (gpu-isolator undrain ends it)", **exc.fields
-            ) from None
+            message = exc.message
+            if shared_drained:
+                names = ", ".join(f"GPU {self._name(m)}" for m in shared_drained)
+                message += f"; drained for maintenance: {names} (gpu-isolator undrain ends it)"
+            if shared_faulted:
+                names = ", ".join(f"GPU {self._name(m)}: {self.mps_faults[m]}" for m in shared_faulted)
+                message += (
+                    f"; MPS server in FAULT: {names} (new sharers are kept off it until every client of the"
+                    " fault has exited and the server is ACTIVE again)"
+                )
+            raise sharing.SharesExhausted(message, **exc.fields) from None
 
     def restore_shares(self, holder: str, minor: int, count: int, mode: ShareMode | None = None) -> None:
         """Book a recorded holding at start-up (FailedPrecondition when the flags cannot hold it,

@@ -255,6 +255,28 @@ class Core:
         having no daemon."""
         wanted = self.mps_wanted()
         self.mps.supervise(wanted, [g for g in self.gpus.values() if g not in wanted], self.idle_share)
+        # A server in FAULT (docs/sharing.md, "Faults"): its GPU's sharers end, new ones are kept off.
+        with self.booking.lock:
+            ended = self.booking.set_mps_faults(self.mps.faults())
+        for holder in ended:
+            LOG.error("container %s: ended, its GPU's MPS server is in FAULT", holder)
+        if ended:
+            self.changes.notify()  # their Watches answer the limitation now
+
+    def end_mps_clients(self, cid: ContainerId, holding: Holding) -> None:
+        """Before a sharer in mps mode loses its shares (Cleanup, an Update to 0): its processes that
+        are clients of the GPU's MPS server are ended with ``terminate_client`` (core/mps.py). Under
+        Mesos a Cleanup comes after the agent killed the container's processes, so there is usually
+        none left; an Update to 0 may find live ones."""
+        share = holding.share
+        if share is None or share.mode != ShareMode.MPS or share.gpu not in self.gpus:
+            return
+        try:
+            pids = frozenset(self.cgroups.pids(cid))
+        except Exception as exc:  # its cgroup may be gone already: nothing of it runs there
+            LOG.warning("container %s: cannot list its processes to end their MPS clients: %s", cid, exc)
+            return
+        self.mps.end_clients(self.gpus[share.gpu], pids)
 
     def mps_wanted(self) -> list[Gpu]:
         """The GPUs shared in mps mode that have sharers now (each needs its MPS control daemon), by minor."""

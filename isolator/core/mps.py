@@ -29,6 +29,9 @@ CONTAINER_PIPE_DIR = "/tmp/nvidia-mps"
 
 RUNNING = "running"
 STOPPED = "stopped"
+# get_server_status's answers (measured on driver 580, docs/gpu-host-results.md).
+ACTIVE = "ACTIVE"
+FAULT = "FAULT"
 
 
 class Mps:
@@ -39,6 +42,9 @@ class Mps:
         self._lock = threading.Lock()
         self._state: dict[int, str] = {}  # minor -> RUNNING, STOPPED or "failed: <why>"
         self.restarts: Counter[int] = Counter()  # daemons found dead and started again, by minor
+        # minor -> what get_server_status said of the GPU's servers in FAULT, as the last pass saw
+        # them (Volta and later: a fatal fault in one client; every client must exit, then ACTIVE).
+        self._faults: dict[int, str] = {}
 
     def pipe_dir(self, gpu: Gpu) -> str:
         return self.daemons.pipe_dir(gpu.uuid)
@@ -98,9 +104,74 @@ class Mps:
                 LOG.error(
                     "GPU %d (%s): MPS control daemon down and not restarted: %s", gpu.index, gpu.uuid, exc.message
                 )
+                continue
+            self._watch_servers(gpu)
         for gpu in idle:
+            with self._lock:
+                self._faults.pop(gpu.minor, None)  # no sharer left: nobody to end, its daemon stops
             if self.daemons.alive(gpu.uuid):
                 self.stop(gpu, functools.partial(is_idle, gpu.minor))
+
+    def _watch_servers(self, gpu: Gpu) -> None:
+        """Ask the GPU's daemon for its servers' state (``get_server_list``, ``get_server_status
+        PID``): FAULT on any of them faults the GPU; none in FAULT (or no server) clears it. An answer
+        that cannot be read changes nothing (a fault is never cleared on a guess)."""
+        try:
+            listing = self.daemons.command(gpu.uuid, "get_server_list")
+            pids = [int(word) for word in listing.split()]
+            states = {pid: self.daemons.command(gpu.uuid, f"get_server_status {pid}").strip() for pid in pids}
+        except (IsolatorError, ValueError) as exc:
+            LOG.error("GPU %d (%s): cannot read its MPS servers' state, fault state kept: %s", gpu.index, gpu.uuid, exc)
+            return
+        faulted = sorted(pid for pid, state in states.items() if state == FAULT)
+        odd = {pid: state for pid, state in states.items() if state not in (ACTIVE, FAULT)}
+        if odd:  # a server gone between the two questions answers "Server not found"
+            LOG.warning("GPU %d (%s): MPS servers answered %s", gpu.index, gpu.uuid, odd)
+        detail = f"MPS server {', '.join(map(str, faulted))} in FAULT" if faulted else ""
+        with self._lock:
+            was = self._faults.get(gpu.minor, "")
+            if detail:
+                self._faults[gpu.minor] = detail
+            else:
+                self._faults.pop(gpu.minor, None)
+        if detail and not was:
+            LOG.error(
+                "GPU %d (%s): %s: a fatal GPU fault in one of its clients; every sharer of the GPU ends,"
+                " new sharers are kept off it until the server is ACTIVE again",
+                gpu.index,
+                gpu.uuid,
+                detail,
+            )
+        elif was and not detail:
+            LOG.warning(
+                "GPU %d (%s): its MPS server is ACTIVE again after a FAULT; new sharers may come", gpu.index, gpu.uuid
+            )
+
+    def faults(self) -> dict[int, str]:
+        """The GPUs whose MPS server was in FAULT at the last pass (minor -> which server)."""
+        with self._lock:
+            return dict(self._faults)
+
+    def end_clients(self, gpu: Gpu, pids: frozenset[int]) -> list[int]:
+        """End the MPS clients among ``pids`` (a sharer's processes) the way NVIDIA says is safe:
+        ``terminate_client <server PID> <client PID>`` stops a client's outstanding GPU work on its
+        server, where killing a client that did not synchronise "can leave the MPS server and other
+        MPS clients in an undefined state". Returns the clients terminated; failures are logged (the
+        caller goes on: its container ends either way)."""
+        ended: list[int] = []
+        if not pids:
+            return ended
+        try:
+            for server in [int(w) for w in self.daemons.command(gpu.uuid, "get_server_list").split()]:
+                listed = self.daemons.command(gpu.uuid, f"get_client_list {server}").split()
+                for client in sorted({int(w) for w in listed if w.isdigit()} & pids):
+                    self.daemons.command(gpu.uuid, f"terminate_client {server} {client}")
+                    ended.append(client)
+        except (IsolatorError, ValueError) as exc:
+            LOG.error("GPU %d (%s): failed to end MPS clients %s: %s", gpu.index, gpu.uuid, sorted(pids), exc)
+        if ended:
+            LOG.warning("GPU %d (%s): MPS clients %s terminated (terminate_client)", gpu.index, gpu.uuid, ended)
+        return ended
 
     def check(self, wanted: list[Gpu]) -> tuple[bool, str]:
         """``gpu-isolator health``'s ``mps`` check: each GPU of ``wanted`` (in mps mode, with sharers)
@@ -111,13 +182,18 @@ class Mps:
         down, up = [], []
         with self._lock:
             states = {g.minor: self._state.get(g.minor, "") for g in wanted}
+            faults = dict(self._faults)
         for gpu in wanted:
             state = states[gpu.minor]
             name = f"GPU {gpu.index} ({gpu.uuid})"
-            if state == RUNNING:
-                up.append(f"GPU {gpu.index}")
-            else:
+            if state != RUNNING:
                 down.append(f"{name}: its MPS control daemon is down ({state or 'not started'}) under its sharers")
+            elif gpu.minor in faults:
+                down.append(
+                    f"{name}: {faults[gpu.minor]} (its sharers end; new ones are kept off until it is ACTIVE again)"
+                )
+            else:
+                up.append(f"GPU {gpu.index}")
         if down:
             return False, "; ".join(down)
         restarted = sum(self.restarts[g.minor] for g in wanted)

@@ -362,10 +362,13 @@ class Share:
     gpu: int
     count: int
     mode: ShareMode
+    # The Unix uid the sharer's tasks run as (docs/sharing.md, "Users"): booked with the share, since
+    # legacy MPS serves one uid per GPU at a time. None: not known (a record from before schema 10).
+    uid: int | None = None
 
     def resized(self, count: int) -> Share | None:
         """The same GPU's shares at ``count``; None at 0 (nothing held)."""
-        return Share(self.gpu, count, self.mode) if count else None
+        return Share(self.gpu, count, self.mode, self.uid) if count else None
 
 
 @dataclass(frozen=True)

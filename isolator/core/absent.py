@@ -100,3 +100,11 @@ class NoMpsDaemons:
 
     def stop(self, uuid: str) -> None:
         return None  # nothing runs: nothing to stop
+
+
+class NoUsers:
+    """No user database: no name resolves, so a named sharer is never placed on a single-user MPS GPU
+    (fail closed). The daemon wires the host's (host/system.py)."""
+
+    def uid(self, name: str) -> int | None:
+        return None

@@ -103,15 +103,15 @@ class Booking:
 
     # ---- holdings: what the hooks, recovery and Core.drop book and free, whole ---------------------
 
-    def book(self, holder: str, request: Request, near: Iterable[int] | None = None) -> Holding:
+    def book(self, holder: str, request: Request, near: Iterable[int] | None = None, uid: int | None = 0) -> Holding:
         """Book what a new container ``holder`` (its key) asks for, all or nothing: shares of one GPU
-        (placed ``near`` those NUMA nodes, see ``place_shares``), or whole GPUs and MIG units (whole
-        GPUs not in MIG mode first). An empty request books nothing. The request obeys the one-kind
-        rule (policy/request.py)."""
+        (placed ``near`` those NUMA nodes, for a sharer running as ``uid``: root unless told, see ``place_shares``), or
+        whole GPUs and MIG units (whole GPUs not in MIG mode first). An empty request books nothing.
+        The request obeys the one-kind rule (policy/request.py)."""
         self.lock.require("book")
         if request.shares:
-            placed = self.place_shares(holder, request.shares, near, size=request.share_size)
-            return Holding(share=Share(placed.minor, placed.shares, placed.mode))
+            placed = self.place_shares(holder, request.shares, near, size=request.share_size, uid=uid, by_user=True)
+            return Holding(share=Share(placed.minor, placed.shares, placed.mode, uid))
         choice = self.allocate_whole(request.gpus)
         try:
             units = self.choose_mig(dict(request.mig))
@@ -192,6 +192,14 @@ class Booking:
         (SharesExhausted naming the GPU, the shares asked and those free), changing nothing.
         Returns the shares added."""
         gpu = self._shares.shared.get(share.gpu)
+        if gpu is not None and gpu.mode is ShareMode.MPS:
+            # One limit per MPS server: every sharer of an mps GPU holds one share (docs/sharing.md).
+            raise sharing.MpsShareCount(
+                f"container {holder} asks for {count} {sharing.RESOURCE} but holds {share.count} of GPU"
+                f" {self._name(share.gpu)}, shared in mps mode, where each sharer holds exactly one share"
+                " (MPS sets one limit per server)",
+                requested=count,
+            )
         free = (gpu.shares if gpu is not None else 0) - self._shares.held().get(share.gpu, 0)
         blocked = self._allocator.unhealthy | self._allocator.draining | self._allocator.maintenance
         blocked |= frozenset(self.mps_faults)
@@ -209,9 +217,10 @@ class Booking:
                 requested=count,
                 free=max(free, 0),
             )
+        uid = self._shares.user(holder)
         self._shares.release(holder)
-        self._shares.restore(holder, share.gpu, count)
-        return Share(share.gpu, extra, share.mode)
+        self._shares.restore(holder, share.gpu, count, uid=uid)
+        return Share(share.gpu, extra, share.mode, share.uid)
 
     def _name(self, minor: int) -> str:
         gpu = self.gpus.get(minor)
@@ -241,7 +250,9 @@ class Booking:
         self._allocator.restore(known)
         self.hold_mig(holding.mig, restore=True)
         if holding.share is not None:
-            self.restore_shares(holder, holding.share.gpu, holding.share.count, holding.share.mode)
+            self.restore_shares(
+                holder, holding.share.gpu, holding.share.count, holding.share.mode, uid=holding.share.uid
+            )
         return holding.with_gpus(known)
 
     # ---- the kinds, one by one (call with the lock held) -------------------------------------------
@@ -418,7 +429,14 @@ class Booking:
         return new
 
     def place_shares(
-        self, holder: str, count: int, near: Iterable[int] | None = None, *, size: int = 0
+        self,
+        holder: str,
+        count: int,
+        near: Iterable[int] | None = None,
+        *,
+        size: int = 0,
+        uid: int | None = None,
+        by_user: bool = False,
     ) -> sharing.Placement:
         """Choose and book ``count`` shares for ``holder`` on one shared GPU that is healthy, not draining
         and not drained for maintenance (sharing.place: the fewest shares held, then ``near`` NUMA
@@ -429,7 +447,7 @@ class Booking:
         faulted = frozenset(self.mps_faults)
         blocked = self._allocator.unhealthy | self._allocator.draining | drained | faulted
         try:
-            return self._shares.place(holder, count, blocked, near, size=size)
+            return self._shares.place(holder, count, blocked, near, size=size, uid=uid, by_user=by_user)
         except sharing.SharesExhausted as exc:
             shared_drained = sorted(frozenset(self._shares.shared) & drained)
             shared_faulted = sorted(frozenset(self._shares.shared) & faulted)
@@ -447,11 +465,14 @@ class Booking:
                 )
             raise sharing.SharesExhausted(message, **exc.fields) from None
 
-    def restore_shares(self, holder: str, minor: int, count: int, mode: ShareMode | None = None) -> None:
+    def restore_shares(
+        self, holder: str, minor: int, count: int, mode: ShareMode | None = None, uid: int | None = None
+    ) -> None:
         """Book a recorded holding at start-up (FailedPrecondition when the flags cannot hold it,
-        also when they share its GPU in another mode than ``mode``, the recorded one)."""
+        also when they share its GPU in another mode than ``mode``, the recorded one), with the uid
+        its sharer runs as (None: not recorded)."""
         self.lock.require("restore_shares")
-        self._shares.restore(holder, minor, count, mode)
+        self._shares.restore(holder, minor, count, mode, uid)
 
     def free_shares(self, holder: str, count: int | None = None) -> tuple[int, bool] | None:
         """Free ``count`` of ``holder``'s shares (None: all of them; an update's shrink frees fewer):
@@ -460,15 +481,21 @@ class Booking:
         held = self._shares.of(holder)
         if held is None:
             return None
+        uid = self._shares.user(holder)
         minor, n = self._shares.release(holder)
         if count is not None and count < n:
-            self._shares.restore(holder, minor, n - count)
+            self._shares.restore(holder, minor, n - count, uid=uid)
         return minor, not self._shares.holders(minor)
 
     def share_holders(self, minor: int) -> dict[str, int]:
         """Holders of shared GPU ``minor`` (container key -> shares)."""
         self.lock.require("share_holders")
         return self._shares.holders(minor)
+
+    def share_users(self, minor: int) -> frozenset[int | None]:
+        """The uids shared GPU ``minor``'s sharers run as (None: one not recorded); empty without sharers."""
+        self.lock.require("share_users")
+        return self._shares.users().get(minor, frozenset())
 
     def shares_held(self) -> dict[int, int]:
         """Shares held per shared GPU."""

@@ -286,6 +286,12 @@ class MpsDaemons(Protocol):
     def stop(self, uuid: str) -> None: ...  # quit, then kill; none running: no-op
 
 
+class UserDb(Protocol):
+    """Unix users by name: the host's passwd database (host/system.py)."""
+
+    def uid(self, name: str) -> int | None: ...  # None: no such user
+
+
 class DeviceNodes(Protocol):
     """The NVIDIA device nodes under a dev root (their numbers are partly dynamic)."""
 

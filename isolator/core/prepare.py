@@ -103,8 +103,9 @@ class PrepareHook:
             if not request.empty:
                 core.handover.recheck()  # a draining GPU that is clear now may be chosen (docs/handover.md)
             near = core.cpuset.task_nodes(container_id) if request.shares else None
+            uid = core.sharer_uid(container_id, config.user) if request.shares else None
             with core.booking.lock:
-                holding = core.booking.book(holder, request, near)
+                holding = core.booking.book(holder, request, near, uid)
             steps.mark("booking")
             undo: Undo = [lambda: self._unbook(holder, holding)]
             try:
@@ -131,7 +132,8 @@ class PrepareHook:
                 steps.mark("rules")
                 share = holding.share
                 if share is not None and share.mode is ShareMode.MPS:
-                    core.mps.ensure(core.gpus[share.gpu])  # fail closed: no sharer without its daemon
+                    # Fail closed: no sharer without its daemon and the limits set on it (docs/sharing.md).
+                    core.mps.ensure(core.gpus[share.gpu], core.mps_plan(share.gpu))
                 info = self._launch_info(
                     container_id,
                     config,

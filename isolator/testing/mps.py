@@ -70,6 +70,9 @@ class FakeMps:
         self.multiuser: dict[str, bool] = {}
         self.commands: dict[str, list[str]] = {}
         self.logs: dict[str, list[str]] = {}
+        # Settings a broken daemon answers but does not take (a command's first word): a percentage is
+        # echoed as the value in force, a pinned limit answered with nothing, as the real one answers.
+        self.ignored: set[str] = set()
         self.faults = Faults(lambda step, cid: MpsError(op=step, gpu="?", path="fake", cause="injected fault"))
 
     def pipe_dir(self, uuid: str) -> str:
@@ -98,6 +101,9 @@ class FakeMps:
             if daemon is None:
                 raise MpsError(op=f"send '{text}' to", gpu=uuid, path="fake", cause=MISSING)
             self.commands.setdefault(uuid, []).append(text)
+            words = text.split()
+            if words and words[0] in self.ignored:
+                return daemon.threads if "percentage" in words[0] else ""
             reply = daemon.command(text, peer_uid=peer_uid)
             self._reap(uuid)
             return reply

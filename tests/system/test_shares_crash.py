@@ -46,8 +46,10 @@ def share_config(containerizer: Containerizer, n: int = 1) -> dict:
 @pytest.mark.parametrize("point", POINTS + UPDATE_POINTS)
 def test_a_sharer_survives_a_kill_at(point, version):
     update = grow_then_release if point in UPDATE_POINTS else None
+    # The updates grow a pooled holder to 2 shares: time-sliced (under MPS every sharer holds one).
+    shared = "4:2:time-slice" if update else "4:2:mps"
     with killed_and_recovered(
-        "dgx-1", version, point, share_config, extra=("--shared-gpus", "4:2:mps"), update=update
+        "dgx-1", version, point, share_config, extra=("--shared-gpus", shared), update=update
     ) as after:
         isolator = after.isolator
         isolator.cleanup(container_id("crashy"))

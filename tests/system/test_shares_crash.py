@@ -25,6 +25,12 @@ POINTS = [
     "cleanup.record",
     "handover.pending",
     "state.commit",
+    # Issue 41 item 5: killed while its GPU's MPS control daemon starts (the launch recorded, the
+    # daemon not yet started / started, not yet recorded): after the restart the daemon is the one
+    # recognised (stopped with its GPU's last sharer, or serving the next), never an orphan that
+    # makes the next start fail "already running".
+    "mps.launching",
+    "mps.spawned",
 ]
 # Issue 41: the agent's own updates of a sharer, one grow on its GPU then a release to 0.
 UPDATE_POINTS = ["update.grown", "update.revoked", "update.recorded"]

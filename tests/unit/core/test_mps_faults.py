@@ -116,3 +116,29 @@ def test_a_server_state_that_cannot_be_read_keeps_the_fault(rig: Rig) -> None:
     assert svc.watch(ContainerId("a")) is not None
     with pytest.raises(IsolatorError, match="MPS server in FAULT"):
         svc.prepare(ContainerId("d"), unit(4))
+
+
+def test_a_daemon_killed_in_a_fault_is_started_again_and_its_ended_sharers_stay_ended(rig: Rig) -> None:
+    svc = rig.service
+    svc.prepare(ContainerId("a"), unit(4))
+    rig.mps.connect(uuid_of(rig, 4), 3001, 0)
+    fault(rig, 4)
+    svc.supervise_mps()
+    rig.mps.kill(uuid_of(rig, 4))  # its servers die with it: the fault with them
+    svc.supervise_mps()
+    assert uuid_of(rig, 4) in rig.mps.running() and svc.core.mps.faults() == {}
+    assert svc.watch(ContainerId("a")) is not None, "its clients failed: still ended"
+    svc.prepare(ContainerId("d"), unit(4))  # a new sharer is served by the new daemon
+    assert svc.watch(ContainerId("d")) is None
+
+
+def test_a_restarted_sidecar_sees_a_fault_that_lasts_and_ends_the_sharers_it_recovered(rig: Rig) -> None:
+    svc = rig.service
+    svc.prepare(ContainerId("a"), unit(4))
+    rig.mps.connect(uuid_of(rig, 4), 3001, 0)
+    server = fault(rig, 4)
+    rig.restart()  # the daemon (a session of its own) outlives the sidecar, in FAULT
+    svc = rig.service
+    svc.supervise_mps()
+    limitation = svc.watch(ContainerId("a"))
+    assert limitation is not None and f"MPS server {server} in FAULT" in limitation.message

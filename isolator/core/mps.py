@@ -4,7 +4,9 @@ sharer (before the handover check, which would see its server as a process on th
 
 One job, a lock of its own; the edge (isolator/host/mps.py) is called under that lock only, never
 under the booking lock. The GPU's compute mode is set to EXCLUSIVE_PROCESS before its daemon starts,
-as MPS wants (one MPS server owns the GPU); the handover check sets it back after the last sharer.
+as MPS wants (one MPS server owns the GPU), and set back when the start fails; the handover check sets
+it back after the last sharer. Before a sharer's client can start, the daemon holds one share's limits
+(set and read back) and its sharers' uid's server runs ("Limits a task cannot lift", docs/sharing.md).
 """
 
 from __future__ import annotations
@@ -154,11 +156,13 @@ class Mps:
         return True
 
     def _configure(self, gpu: Gpu, plan: ServerPlan) -> None:
-        """Set the daemon's defaults (for every server it starts from now on) and read them back; start
-        the server of ``plan.uid`` (so that, under EXCLUSIVE_PROCESS, it holds the GPU before any
-        client can open it directly); read each running server's values and set them per server where
-        they differ (a server started before keeps its values, measured). The daemon answers a bad
-        percentage with the old value and exit 0, so every value is compared, never assumed."""
+        """Set the daemon's defaults (for every server it starts from now on) and read them back; read
+        each server already running and set its values per server where they differ (a running server
+        keeps the values it started with, measured); then start the server of ``plan.uid`` (so that,
+        under EXCLUSIVE_PROCESS, it holds the GPU before any client can open it directly), which starts
+        with the defaults just set (measured: "Active Threads Percentage set to 25.0"). The daemon
+        answers a bad percentage with the old value and exit 0, so every value is compared, never
+        assumed."""
         command = functools.partial(self.daemons.command, gpu.uuid)
         name = f"{gpu.index} ({gpu.uuid})"
         self._expect_percent(name, "set_default_active_thread_percentage", command, f" {plan.percent}", plan.percent)
@@ -167,8 +171,6 @@ class Mps:
             # Device 0: the daemon sees only this GPU (CUDA_VISIBLE_DEVICES=<its UUID>).
             command(f"set_default_device_pinned_mem_limit 0 {plan.pinned_mib}M")
             self._expect_limit(name, "get_default_device_pinned_mem_limit 0", command, plan.pinned_mib)
-        if plan.uid is not None:
-            command(f"start_server -uid {plan.uid}")
         for server in command("get_server_list").split():
             if not server.isdigit():
                 raise MpsLimitsNotSet(gpu=name, what="get_server_list", asked="server pids", answer=server)
@@ -182,6 +184,8 @@ class Mps:
                 if current != plan.pinned_mib << 20:
                     command(f"set_device_pinned_mem_limit {server} 0 {plan.pinned_mib}M")
                     self._expect_limit(name, f"get_device_pinned_mem_limit {server} 0", command, plan.pinned_mib)
+        if plan.uid is not None:
+            command(f"start_server -uid {plan.uid}")
         self._configured[gpu.uuid] = plan
 
     @staticmethod

@@ -55,11 +55,12 @@ def rig() -> Rig:
 def test_the_daemon_holds_one_shares_limits_and_the_sharers_server_before_its_client_starts(rig: Rig) -> None:
     rig.service.prepare(cid("a"), sharer("alice"))
     uuid, mib = uuid_of(rig, 4), quarter_mib(rig)
-    assert rig.mps.commands[uuid][:5] == [
+    assert rig.mps.commands[uuid][:6] == [
         "set_default_active_thread_percentage 25",
         "get_default_active_thread_percentage",
         f"set_default_device_pinned_mem_limit 0 {mib}M",
         "get_default_device_pinned_mem_limit 0",
+        "get_server_list",  # none running yet
         "start_server -uid 1000",
     ]
     daemon = rig.mps.daemon(uuid)

@@ -97,7 +97,9 @@ class Mps:
         self.keep_compute_mode = keep_compute_mode
         self._lock = threading.Lock()
         self._state: dict[int, str] = {}  # minor -> RUNNING, STOPPED or "failed: <why>"
-        self._configured: dict[str, ServerPlan] = {}  # uuid -> the plan its running daemon was set to
+        # uuid -> (the daemon's pid, the plan it was set to): a daemon this sidecar did not set up (adopted
+        # at start, or started again behind its back) is set up before it serves a sharer.
+        self._configured: dict[str, tuple[int | None, ServerPlan]] = {}
         self.restarts: Counter[int] = Counter()  # daemons found dead and started again, by minor
 
     def pipe_dir(self, gpu: Gpu) -> str:
@@ -113,7 +115,7 @@ class Mps:
         with self._lock:
             if daemons.alive(gpu.uuid):
                 try:
-                    if self._configured.get(gpu.uuid) != plan:
+                    if self._configured.get(gpu.uuid) != (daemons.pid(gpu.uuid), plan):
                         self._configure(gpu, plan)  # adopted at start, or a first plan for this daemon
                 except IsolatorError as exc:
                     self._state[gpu.minor] = f"failed: {exc.message}"
@@ -186,7 +188,7 @@ class Mps:
                     self._expect_limit(name, f"get_device_pinned_mem_limit {server} 0", command, plan.pinned_mib)
         if plan.uid is not None:
             command(f"start_server -uid {plan.uid}")
-        self._configured[gpu.uuid] = plan
+        self._configured[gpu.uuid] = (self.daemons.pid(gpu.uuid), plan)
 
     @staticmethod
     def _expect_percent(name: str, text: str, command: Callable[[str], str], arg: str, percent: int) -> None:

@@ -219,3 +219,14 @@ def test_a_reload_may_not_switch_a_held_gpu_between_single_and_multi_user(rig: R
     rig.service.prepare(cid("a"), sharer("alice"))
     with pytest.raises(RoleChangeRefused, match=r"cannot switch from mps to mps \(multiuser\)"):
         rig.service.share_gpus(parse_shared_gpus("4:4:mps:multiuser"))
+
+
+def test_a_daemon_started_again_behind_the_sidecars_back_is_set_up_before_the_next_sharer(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), sharer("alice"))
+    uuid = uuid_of(rig, 4)
+    rig.mps.kill(uuid)
+    rig.mps.start(uuid)  # someone else's: defaults 100 %, no server
+    assert rig.mps.command(uuid, "get_default_active_thread_percentage") == "100.0"
+    rig.service.prepare(cid("b"), sharer("alice"))
+    assert rig.mps.command(uuid, "get_default_active_thread_percentage") == "25.0"
+    assert [s.uid for s in rig.mps.daemon(uuid).servers.values()] == [1000]

@@ -98,6 +98,9 @@ class NoMpsDaemons:
     def alive(self, uuid: str) -> bool:
         return False
 
+    def pid(self, uuid: str) -> int | None:
+        return None
+
     def stop(self, uuid: str) -> None:
         return None  # nothing runs: nothing to stop
 

@@ -4,7 +4,9 @@ sharer (before the handover check, which would see its server as a process on th
 
 One job, a lock of its own; the edge (isolator/host/mps.py) is called under that lock only, never
 under the booking lock. The GPU's compute mode is set to EXCLUSIVE_PROCESS before its daemon starts,
-as MPS wants (one MPS server owns the GPU); the handover check sets it back after the last sharer.
+as MPS wants (one MPS server owns the GPU), and set back when the start fails; the handover check sets
+it back after the last sharer. Before a sharer's client can start, the daemon holds one share's limits
+(set and read back) and its sharers' uid's server runs ("Limits a task cannot lift", docs/sharing.md).
 """
 
 from __future__ import annotations
@@ -98,7 +100,9 @@ class Mps:
         self.keep_compute_mode = keep_compute_mode
         self._lock = threading.Lock()
         self._state: dict[int, str] = {}  # minor -> RUNNING, STOPPED or "failed: <why>"
-        self._configured: dict[str, ServerPlan] = {}  # uuid -> the plan its running daemon was set to
+        # uuid -> (the daemon's pid, the plan it was set to): a daemon this sidecar did not set up (adopted
+        # at start, or started again behind its back) is set up before it serves a sharer.
+        self._configured: dict[str, tuple[int | None, ServerPlan]] = {}
         self.restarts: Counter[int] = Counter()  # daemons found dead and started again, by minor
         # minor -> what get_server_status said of the GPU's servers in FAULT, as the last pass saw
         # them (Volta and later: a fatal fault in one client; every client must exit, then ACTIVE).
@@ -117,7 +121,7 @@ class Mps:
         with self._lock:
             if daemons.alive(gpu.uuid):
                 try:
-                    if self._configured.get(gpu.uuid) != plan:
+                    if self._configured.get(gpu.uuid) != (daemons.pid(gpu.uuid), plan):
                         self._configure(gpu, plan)  # adopted at start, or a first plan for this daemon
                 except IsolatorError as exc:
                     self._state[gpu.minor] = f"failed: {exc.message}"
@@ -160,11 +164,13 @@ class Mps:
         return True
 
     def _configure(self, gpu: Gpu, plan: ServerPlan) -> None:
-        """Set the daemon's defaults (for every server it starts from now on) and read them back; start
-        the server of ``plan.uid`` (so that, under EXCLUSIVE_PROCESS, it holds the GPU before any
-        client can open it directly); read each running server's values and set them per server where
-        they differ (a server started before keeps its values, measured). The daemon answers a bad
-        percentage with the old value and exit 0, so every value is compared, never assumed."""
+        """Set the daemon's defaults (for every server it starts from now on) and read them back; read
+        each server already running and set its values per server where they differ (a running server
+        keeps the values it started with, measured); then start the server of ``plan.uid`` (so that,
+        under EXCLUSIVE_PROCESS, it holds the GPU before any client can open it directly), which starts
+        with the defaults just set (measured: "Active Threads Percentage set to 25.0"). The daemon
+        answers a bad percentage with the old value and exit 0, so every value is compared, never
+        assumed."""
         command = functools.partial(self.daemons.command, gpu.uuid)
         name = f"{gpu.index} ({gpu.uuid})"
         self._expect_percent(name, "set_default_active_thread_percentage", command, f" {plan.percent}", plan.percent)
@@ -173,8 +179,6 @@ class Mps:
             # Device 0: the daemon sees only this GPU (CUDA_VISIBLE_DEVICES=<its UUID>).
             command(f"set_default_device_pinned_mem_limit 0 {plan.pinned_mib}M")
             self._expect_limit(name, "get_default_device_pinned_mem_limit 0", command, plan.pinned_mib)
-        if plan.uid is not None:
-            command(f"start_server -uid {plan.uid}")
         for server in command("get_server_list").split():
             if not server.isdigit():
                 raise MpsLimitsNotSet(gpu=name, what="get_server_list", asked="server pids", answer=server)
@@ -188,7 +192,9 @@ class Mps:
                 if current != plan.pinned_mib << 20:
                     command(f"set_device_pinned_mem_limit {server} 0 {plan.pinned_mib}M")
                     self._expect_limit(name, f"get_device_pinned_mem_limit {server} 0", command, plan.pinned_mib)
-        self._configured[gpu.uuid] = plan
+        if plan.uid is not None:
+            command(f"start_server -uid {plan.uid}")
+        self._configured[gpu.uuid] = (self.daemons.pid(gpu.uuid), plan)
 
     @staticmethod
     def _expect_percent(name: str, text: str, command: Callable[[str], str], arg: str, percent: int) -> None:

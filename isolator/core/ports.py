@@ -283,6 +283,8 @@ class MpsDaemons(Protocol):
 
     def alive(self, uuid: str) -> bool: ...  # its process lives and it answers
 
+    def pid(self, uuid: str) -> int | None: ...  # the running daemon's pid, None when none runs
+
     def stop(self, uuid: str) -> None: ...  # quit, then kill; none running: no-op
 
 

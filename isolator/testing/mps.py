@@ -113,6 +113,10 @@ class FakeMps:
         with self._lock:
             return uuid in self._pids
 
+    def pid(self, uuid: str) -> int | None:
+        with self._lock:
+            return self._pids.get(uuid)
+
     def stop(self, uuid: str) -> None:
         """``quit``, then the kill the edge does when clients keep it waiting."""
         self.faults.check("stop")

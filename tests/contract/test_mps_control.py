@@ -43,8 +43,9 @@ def _kill(daemons, uuid: str) -> None:
 
 def test_start_answer_kill_restart_and_stop(daemons):
     assert not daemons.alive(UUID)
+    assert daemons.pid(UUID) is None
     pid = daemons.start(UUID)
-    assert pid > 0 and daemons.alive(UUID)
+    assert pid > 0 and daemons.alive(UUID) and daemons.pid(UUID) == pid
     daemons.command(UUID, "set_default_active_thread_percentage 25")
     with pytest.raises(MpsError, match="already running"):
         daemons.start(UUID)

@@ -55,11 +55,12 @@ def rig() -> Rig:
 def test_the_daemon_holds_one_shares_limits_and_the_sharers_server_before_its_client_starts(rig: Rig) -> None:
     rig.service.prepare(cid("a"), sharer("alice"))
     uuid, mib = uuid_of(rig, 4), quarter_mib(rig)
-    assert rig.mps.commands[uuid][:5] == [
+    assert rig.mps.commands[uuid][:6] == [
         "set_default_active_thread_percentage 25",
         "get_default_active_thread_percentage",
         f"set_default_device_pinned_mem_limit 0 {mib}M",
         "get_default_device_pinned_mem_limit 0",
+        "get_server_list",  # none running yet
         "start_server -uid 1000",
     ]
     daemon = rig.mps.daemon(uuid)
@@ -218,3 +219,14 @@ def test_a_reload_may_not_switch_a_held_gpu_between_single_and_multi_user(rig: R
     rig.service.prepare(cid("a"), sharer("alice"))
     with pytest.raises(RoleChangeRefused, match=r"cannot switch from mps to mps \(multiuser\)"):
         rig.service.share_gpus(parse_shared_gpus("4:4:mps:multiuser"))
+
+
+def test_a_daemon_started_again_behind_the_sidecars_back_is_set_up_before_the_next_sharer(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), sharer("alice"))
+    uuid = uuid_of(rig, 4)
+    rig.mps.kill(uuid)
+    rig.mps.start(uuid)  # someone else's: defaults 100 %, no server
+    assert rig.mps.command(uuid, "get_default_active_thread_percentage") == "100.0"
+    rig.service.prepare(cid("b"), sharer("alice"))
+    assert rig.mps.command(uuid, "get_default_active_thread_percentage") == "25.0"
+    assert [s.uid for s in rig.mps.daemon(uuid).servers.values()] == [1000]

@@ -30,6 +30,8 @@ POINTS = (
     "v2.attach",  # v2 program attached, the one it replaced not yet detached
     "handover.pending",  # released GPUs out of the pool, their handover check not yet run (docs/handover.md)
     "cpuset.recorded",  # a cpuset recorded (prepare, update), not yet written (--cpu-affinity enforce)
+    "mps.launching",  # an MPS control daemon's launch recorded, the daemon not yet started (host/mps.py)
+    "mps.spawned",  # an MPS control daemon started, its identity not yet recorded
 )
 
 
@@ -48,6 +50,13 @@ def arm(point: str, n: int, die: Callable[[str, int], None]) -> None:
         raise ValueError(f"crash point pass {n} must be at least 1")
     with _lock:
         _target, _die, _passes = (point, n), die, 0
+
+
+def disarm() -> None:
+    """No point armed any more (an in-process test that armed one)."""
+    global _target, _die, _passes
+    with _lock:
+        _target, _die, _passes = None, None, 0
 
 
 def crashpoint(name: str) -> None:

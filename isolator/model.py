@@ -362,10 +362,13 @@ class Share:
     gpu: int
     count: int
     mode: ShareMode
+    # The Unix uid the sharer's tasks run as (docs/sharing.md, "Users"): booked with the share, since
+    # legacy MPS serves one uid per GPU at a time. None: not known (a record from before schema 10).
+    uid: int | None = None
 
     def resized(self, count: int) -> Share | None:
         """The same GPU's shares at ``count``; None at 0 (nothing held)."""
-        return Share(self.gpu, count, self.mode) if count else None
+        return Share(self.gpu, count, self.mode, self.uid) if count else None
 
 
 @dataclass(frozen=True)
@@ -575,6 +578,9 @@ class GpuInfo:
     share_mode: str = ""
     share_holders: tuple[tuple[str, int], ...] = ()
     mps_state: str = ""
+    # How often its MPS control daemon was found dead and started again since the sidecar started
+    # (the metric gpu_isolator_mps_daemon_restarts_total; not in the gRPC view).
+    mps_restarts: int = 0
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,7 @@ class NoMpsDaemons:
     def pipe_dir(self, uuid: str) -> str:
         raise self._refuse(uuid)
 
-    def start(self, uuid: str) -> int:
+    def start(self, uuid: str, multiuser: bool = False) -> int:
         raise self._refuse(uuid)
 
     def command(self, uuid: str, text: str) -> str:
@@ -98,5 +98,16 @@ class NoMpsDaemons:
     def alive(self, uuid: str) -> bool:
         return False
 
+    def pid(self, uuid: str) -> int | None:
+        return None
+
     def stop(self, uuid: str) -> None:
         return None  # nothing runs: nothing to stop
+
+
+class NoUsers:
+    """No user database: no name resolves, so a named sharer is never placed on a single-user MPS GPU
+    (fail closed). The daemon wires the host's (host/system.py)."""
+
+    def uid(self, name: str) -> int | None:
+        return None

@@ -118,6 +118,7 @@ class Admin:
             "share_mode": gpu.mode if gpu is not None else "",
             "share_holders": holders,
             "mps_state": self.core.mps.state(minor) if gpu is not None and gpu.mode == ShareMode.MPS else "",
+            "mps_restarts": self.core.mps.restarts[minor] if gpu is not None and gpu.mode == ShareMode.MPS else 0,
         }
 
     def agent_flags(self) -> tuple[str, tuple[tuple[str, str], ...]]:
@@ -426,6 +427,10 @@ class Admin:
         checks.append(HealthCheck("handover", not any(r.timed_out for r in marks.values()), core.handover.describe()))
         # An operator's maintenance drains (docs/operations.md): shown, never failing (they are on purpose).
         checks.append(HealthCheck("maintenance", True, core.maintenance.describe()))
+        # The MPS control daemons of GPUs shared in mps mode with sharers (docs/sharing.md): a sharer
+        # with no daemon behind it is not healthy.
+        ok, detail = core.mps.check(core.mps_wanted())
+        checks.append(HealthCheck("mps", ok, detail))
         return checks
 
     def _nvml_check(self) -> HealthCheck:

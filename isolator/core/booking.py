@@ -58,6 +58,11 @@ class Booking:
         self.share_placement = share_placement  # --share-placement: spread or pack (sharing.place)
         self._shares = sharing.ShareBook({}, share_placement)
         self._book_shared(self.resolve_shared(shared))
+        # MPS faults (docs/sharing.md): shared GPUs whose MPS server is in FAULT (minor -> which
+        # server), kept off new sharers until it is ACTIVE again; and the sharers a fault ended
+        # (holder key -> why), whose Watch answers a limitation until their Cleanup.
+        self.mps_faults: dict[int, str] = {}
+        self.mps_ended: dict[str, str] = {}
 
     def reset(self, topology: Topology) -> None:
         """Empty books over ``topology`` (start-up booking rebuilds them from the records)."""
@@ -98,15 +103,15 @@ class Booking:
 
     # ---- holdings: what the hooks, recovery and Core.drop book and free, whole ---------------------
 
-    def book(self, holder: str, request: Request, near: Iterable[int] | None = None) -> Holding:
+    def book(self, holder: str, request: Request, near: Iterable[int] | None = None, uid: int | None = 0) -> Holding:
         """Book what a new container ``holder`` (its key) asks for, all or nothing: shares of one GPU
-        (placed ``near`` those NUMA nodes, see ``place_shares``), or whole GPUs and MIG units (whole
-        GPUs not in MIG mode first). An empty request books nothing. The request obeys the one-kind
-        rule (policy/request.py)."""
+        (placed ``near`` those NUMA nodes, for a sharer running as ``uid``: root unless told, see ``place_shares``), or
+        whole GPUs and MIG units (whole GPUs not in MIG mode first). An empty request books nothing.
+        The request obeys the one-kind rule (policy/request.py)."""
         self.lock.require("book")
         if request.shares:
-            placed = self.place_shares(holder, request.shares, near, size=request.share_size)
-            return Holding(share=Share(placed.minor, placed.shares, placed.mode))
+            placed = self.place_shares(holder, request.shares, near, size=request.share_size, uid=uid, by_user=True)
+            return Holding(share=Share(placed.minor, placed.shares, placed.mode, uid))
         choice = self.allocate_whole(request.gpus)
         try:
             units = self.choose_mig(dict(request.mig))
@@ -187,11 +192,24 @@ class Booking:
         (SharesExhausted naming the GPU, the shares asked and those free), changing nothing.
         Returns the shares added."""
         gpu = self._shares.shared.get(share.gpu)
+        if gpu is not None and gpu.mode is ShareMode.MPS:
+            # One limit per MPS server: every sharer of an mps GPU holds one share (docs/sharing.md).
+            raise sharing.MpsShareCount(
+                f"container {holder} asks for {count} {sharing.RESOURCE} but holds {share.count} of GPU"
+                f" {self._name(share.gpu)}, shared in mps mode, where each sharer holds exactly one share"
+                " (MPS sets one limit per server)",
+                requested=count,
+            )
         free = (gpu.shares if gpu is not None else 0) - self._shares.held().get(share.gpu, 0)
         blocked = self._allocator.unhealthy | self._allocator.draining | self._allocator.maintenance
+        blocked |= frozenset(self.mps_faults)
         extra = count - share.count
         if gpu is None or extra > free or share.gpu in blocked:
-            why = "unhealthy, draining or drained for maintenance" if share.gpu in blocked else f"{max(free, 0)} free"
+            why = (
+                "unhealthy, draining, drained for maintenance or its MPS server in FAULT"
+                if share.gpu in blocked
+                else f"{max(free, 0)} free"
+            )
             raise sharing.SharesExhausted(
                 f"container {holder} asks for {count} {sharing.RESOURCE} but holds {share.count} of GPU"
                 f" {self._name(share.gpu)}, which has {why} for the {extra} more (shares never move"
@@ -199,9 +217,10 @@ class Booking:
                 requested=count,
                 free=max(free, 0),
             )
+        uid = self._shares.user(holder)
         self._shares.release(holder)
-        self._shares.restore(holder, share.gpu, count)
-        return Share(share.gpu, extra, share.mode)
+        self._shares.restore(holder, share.gpu, count, uid=uid)
+        return Share(share.gpu, extra, share.mode, share.uid)
 
     def _name(self, minor: int) -> str:
         gpu = self.gpus.get(minor)
@@ -213,6 +232,8 @@ class Booking:
         used: its whole GPUs, and its shared GPU when it was the last sharer (while sharers remain,
         the GPU is theirs to share). Those go through the handover check (Core.drop, Core.release)."""
         self.lock.require("free")
+        if holding.share is not None and self._shares.holders(holding.share.gpu).get(holder) == holding.share.count:
+            self.mps_ended.pop(holder, None)  # all of its shares go: the fault's limitation with them
         released = holding.gpus & self._allocator.allocated
         self._allocator.deallocate(released)
         self.free_mig(holding.mig_uuids)  # also lets a parent no unit holds any more go (as ever)
@@ -229,7 +250,9 @@ class Booking:
         self._allocator.restore(known)
         self.hold_mig(holding.mig, restore=True)
         if holding.share is not None:
-            self.restore_shares(holder, holding.share.gpu, holding.share.count, holding.share.mode)
+            self.restore_shares(
+                holder, holding.share.gpu, holding.share.count, holding.share.mode, uid=holding.share.uid
+            )
         return holding.with_gpus(known)
 
     # ---- the kinds, one by one (call with the lock held) -------------------------------------------
@@ -248,6 +271,23 @@ class Booking:
         """A grow or shrink for a container holding ``holding``; books nothing."""
         self.lock.require("plan_update")
         return self._allocator.plan_update(holding, target)
+
+    def set_mps_faults(self, faults: Mapping[int, str]) -> list[str]:
+        """The shared GPUs whose MPS server is in FAULT now (minor -> which server). Every holder of a
+        GPU that newly faulted is ended (``mps_ended``; its Watch answers a limitation until its
+        Cleanup, even once the server is ACTIVE again: its clients failed). Returns their keys."""
+        self.lock.require("set_mps_faults")
+        ended = []
+        for minor in sorted(set(faults) - set(self.mps_faults)):
+            for holder in sorted(self._shares.holders(minor)):
+                self.mps_ended[holder] = (
+                    f"its MPS server on GPU {self._name(minor)} failed: {faults[minor]} (a fatal GPU fault in a"
+                    " client of the server; NVIDIA: every client of the GPU fails and must exit before the server"
+                    " takes new ones)"
+                )
+                ended.append(holder)
+        self.mps_faults = {m: faults[m] for m in faults if m in self._shares.shared}
+        return ended
 
     def set_draining(self, minor: int, draining: bool) -> None:
         """Keep a GPU out of the pool (or let it back in) for the handover check (docs/handover.md)."""
@@ -389,7 +429,14 @@ class Booking:
         return new
 
     def place_shares(
-        self, holder: str, count: int, near: Iterable[int] | None = None, *, size: int = 0
+        self,
+        holder: str,
+        count: int,
+        near: Iterable[int] | None = None,
+        *,
+        size: int = 0,
+        uid: int | None = None,
+        by_user: bool = False,
     ) -> sharing.Placement:
         """Choose and book ``count`` shares for ``holder`` on one shared GPU that is healthy, not draining
         and not drained for maintenance (sharing.place: the fewest shares held, then ``near`` NUMA
@@ -397,23 +444,35 @@ class Booking:
         whole GPU's holder, and grants it to no one new (core/maintenance.py)."""
         self.lock.require("place_shares")
         drained = self._allocator.maintenance
-        blocked = self._allocator.unhealthy | self._allocator.draining | drained
+        faulted = frozenset(self.mps_faults)
+        blocked = self._allocator.unhealthy | self._allocator.draining | drained | faulted
         try:
-            return self._shares.place(holder, count, blocked, near, size=size)
+            return self._shares.place(holder, count, blocked, near, size=size, uid=uid, by_user=by_user)
         except sharing.SharesExhausted as exc:
             shared_drained = sorted(frozenset(self._shares.shared) & drained)
-            if not shared_drained:
+            shared_faulted = sorted(frozenset(self._shares.shared) & faulted)
+            if not shared_drained and not shared_faulted:
                 raise
-            names = ", ".join(f"GPU {self.gpus[m].index} ({self.gpus[m].uuid})" for m in shared_drained)
-            raise sharing.SharesExhausted(
-                f"{exc.message}; drained for maintenance: {names} (gpu-isolator undrain ends it)", **exc.fields
-            ) from None
+            message = exc.message
+            if shared_drained:
+                names = ", ".join(f"GPU {self._name(m)}" for m in shared_drained)
+                message += f"; drained for maintenance: {names} (gpu-isolator undrain ends it)"
+            if shared_faulted:
+                names = ", ".join(f"GPU {self._name(m)}: {self.mps_faults[m]}" for m in shared_faulted)
+                message += (
+                    f"; MPS server in FAULT: {names} (new sharers are kept off it until every client of the"
+                    " fault has exited and the server is ACTIVE again)"
+                )
+            raise sharing.SharesExhausted(message, **exc.fields) from None
 
-    def restore_shares(self, holder: str, minor: int, count: int, mode: ShareMode | None = None) -> None:
+    def restore_shares(
+        self, holder: str, minor: int, count: int, mode: ShareMode | None = None, uid: int | None = None
+    ) -> None:
         """Book a recorded holding at start-up (FailedPrecondition when the flags cannot hold it,
-        also when they share its GPU in another mode than ``mode``, the recorded one)."""
+        also when they share its GPU in another mode than ``mode``, the recorded one), with the uid
+        its sharer runs as (None: not recorded)."""
         self.lock.require("restore_shares")
-        self._shares.restore(holder, minor, count, mode)
+        self._shares.restore(holder, minor, count, mode, uid)
 
     def free_shares(self, holder: str, count: int | None = None) -> tuple[int, bool] | None:
         """Free ``count`` of ``holder``'s shares (None: all of them; an update's shrink frees fewer):
@@ -422,15 +481,21 @@ class Booking:
         held = self._shares.of(holder)
         if held is None:
             return None
+        uid = self._shares.user(holder)
         minor, n = self._shares.release(holder)
         if count is not None and count < n:
-            self._shares.restore(holder, minor, n - count)
+            self._shares.restore(holder, minor, n - count, uid=uid)
         return minor, not self._shares.holders(minor)
 
     def share_holders(self, minor: int) -> dict[str, int]:
         """Holders of shared GPU ``minor`` (container key -> shares)."""
         self.lock.require("share_holders")
         return self._shares.holders(minor)
+
+    def share_users(self, minor: int) -> frozenset[int | None]:
+        """The uids shared GPU ``minor``'s sharers run as (None: one not recorded); empty without sharers."""
+        self.lock.require("share_users")
+        return self._shares.users().get(minor, frozenset())
 
     def shares_held(self) -> dict[int, int]:
         """Shares held per shared GPU."""

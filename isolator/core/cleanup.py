@@ -29,6 +29,7 @@ class CleanupHook:
         with core.locks.hold(container_id):
             rec = core.store.get(container_id)
             if rec is not None:
+                core.end_mps_clients(container_id, rec.holding)  # before its cgroup (and pids) go
                 core.grants.cleanup(container_id)
                 crashpoint("cleanup.cgroup")
                 core.drop(container_id, rec)

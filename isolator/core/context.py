@@ -16,9 +16,9 @@ safe across crashes:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from isolator.core.absent import NoVolumes
+from isolator.core.absent import NoUsers, NoVolumes
 from isolator.core.booking import Booking
 from isolator.core.changes import Changes
 from isolator.core.cpuset import CpusetGrant
@@ -26,7 +26,7 @@ from isolator.core.grant import KernelGrants
 from isolator.core.handover import Handover
 from isolator.core.locks import ContainerLocks
 from isolator.core.maintenance import Maintenance
-from isolator.core.mps import Mps
+from isolator.core.mps import Mps, ServerPlan
 from isolator.core.ports import (
     CgroupBackend,
     Clock,
@@ -40,6 +40,7 @@ from isolator.core.ports import (
     MpsDaemons,
     Processes,
     RecordStore,
+    UserDb,
 )
 from isolator.crashpoints import crashpoint
 from isolator.devicerule import DeviceRule
@@ -106,6 +107,7 @@ class Edges:
     cpus: CpuTopology | None = None  # what the machine has online; None: no affinity at all
     cpusets: Cpusets | None = None  # the cpuset hierarchy, when one is bound
     mps: MpsDaemons | None = None  # nvidia-cuda-mps-control, for GPUs shared in mps mode (docs/sharing.md)
+    users: UserDb = field(default_factory=NoUsers)  # user names -> uids (a sharer's user, docs/sharing.md)
 
 
 class Core:
@@ -158,7 +160,8 @@ class Core:
         # An operator's maintenance drains (core/maintenance.py), read before the books are first filled.
         self.maintenance = Maintenance(self)
         self.maintenance.load()
-        self.mps = Mps(edges.mps, edges.inventory)  # one control daemon per shared GPU in mps mode
+        # One control daemon per shared GPU in mps mode; a failed start sets the default compute mode back.
+        self.mps = Mps(edges.mps, edges.inventory, settings.default_compute_mode)
         with self.booking.lock:
             self.sync_health()
         edges.inventory.on_health_change(self._on_health_change)
@@ -243,6 +246,27 @@ class Core:
             minor = share.gpu
             self.mps.stop(self.gpus[minor], lambda: self.idle_share(minor))
 
+    def mps_plan(self, minor: int) -> ServerPlan:
+        """What shared GPU ``minor``'s MPS daemon must hold: one share's limits for every server, and
+        the server of its sharers' uid (one uid: placement keeps a single-user MPS GPU's sharers to
+        one; none started while that uid is not known)."""
+        with self.booking.lock:
+            shared = self.booking.shared[minor]
+            uids = self.booking.share_users(minor)
+        uid = next(iter(uids)) if len(uids) == 1 else None
+        return ServerPlan.of(shared, self.gpus[minor].memory_total, uid)
+
+    def sharer_uid(self, container_id: ContainerId, user: str) -> int | None:
+        """The uid a sharer's tasks run as: its container's user as Mesos sends it in Prepare, or the
+        agent's own (root: the agent's cgroup isolators need it) when it sends none. None for a name
+        this host does not know; such a sharer is not placed on a single-user MPS GPU."""
+        if not user:
+            return 0
+        uid = self.edges.users.uid(user)
+        if uid is None:
+            LOG.warning("container %s: its user %r is not known on this host", container_id, user)
+        return uid
+
     def idle_share(self, minor: int) -> bool:
         """Whether shared GPU ``minor`` has no sharer now."""
         with self.booking.lock:
@@ -253,15 +277,42 @@ class Core:
         (no sharer, time-sliced, no longer shared after a reload or a restart) has none. Without
         nvidia-cuda-mps-control (core/absent.py) nothing runs, and a recorded mps sharer is logged as
         having no daemon."""
+        wanted = self.mps_wanted()
+        self.mps.supervise(
+            [(g, self.mps_plan(g.minor)) for g in wanted],
+            [g for g in self.gpus.values() if g not in wanted],
+            self.idle_share,
+        )
+        # A server in FAULT (docs/sharing.md, "Faults"): its GPU's sharers end, new ones are kept off.
+        with self.booking.lock:
+            ended = self.booking.set_mps_faults(self.mps.faults())
+        for holder in ended:
+            LOG.error("container %s: ended, its GPU's MPS server is in FAULT", holder)
+        if ended:
+            self.changes.notify()  # their Watches answer the limitation now
+
+    def end_mps_clients(self, cid: ContainerId, holding: Holding) -> None:
+        """Before a sharer in mps mode loses its shares (Cleanup, an Update to 0): its processes that
+        are clients of the GPU's MPS server are ended with ``terminate_client`` (core/mps.py). Under
+        Mesos a Cleanup comes after the agent killed the container's processes, so there is usually
+        none left; an Update to 0 may find live ones."""
+        share = holding.share
+        if share is None or share.mode != ShareMode.MPS or share.gpu not in self.gpus:
+            return
+        try:
+            pids = frozenset(self.cgroups.pids(cid))
+        except Exception as exc:  # its cgroup may be gone already: nothing of it runs there
+            LOG.warning("container %s: cannot list its processes to end their MPS clients: %s", cid, exc)
+            return
+        self.mps.end_clients(self.gpus[share.gpu], pids)
+
+    def mps_wanted(self) -> list[Gpu]:
+        """The GPUs shared in mps mode that have sharers now (each needs its MPS control daemon), by minor."""
         with self.booking.lock:
             held = self.booking.shares_held()
             shared = self.booking.shared
         wanted = {m for m, g in shared.items() if g.mode == ShareMode.MPS and held.get(m) and m in self.gpus}
-        self.mps.supervise(
-            [self.gpus[m] for m in sorted(wanted)],
-            [g for m, g in sorted(self.gpus.items()) if m not in wanted],
-            self.idle_share,
-        )
+        return [self.gpus[m] for m in sorted(wanted)]
 
     def release(self, cid: ContainerId, holding: Holding) -> None:
         """Give back part of what a running container held (a shrinking Update), already revoked:

@@ -277,13 +277,21 @@ class MpsDaemons(Protocol):
 
     def pipe_dir(self, uuid: str) -> str: ...
 
-    def start(self, uuid: str) -> int: ...  # its pid; MpsError when it cannot start
+    def start(self, uuid: str, multiuser: bool = False) -> int: ...  # its pid; MpsError when it cannot start
 
     def command(self, uuid: str, text: str) -> str: ...  # one control command's answer
 
     def alive(self, uuid: str) -> bool: ...  # its process lives and it answers
 
+    def pid(self, uuid: str) -> int | None: ...  # the running daemon's pid, None when none runs
+
     def stop(self, uuid: str) -> None: ...  # quit, then kill; none running: no-op
+
+
+class UserDb(Protocol):
+    """Unix users by name: the host's passwd database (host/system.py)."""
+
+    def uid(self, name: str) -> int | None: ...  # None: no such user
 
 
 class DeviceNodes(Protocol):

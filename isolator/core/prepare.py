@@ -47,6 +47,7 @@ from volumes.inject import DriverFacts, Image, check_cuda, should_inject, volume
 
 LOG = logging.getLogger(__name__)
 
+MS_RDONLY = 1
 MS_BIND = 4096
 
 Undo = list[Callable[[], object]]
@@ -102,8 +103,9 @@ class PrepareHook:
             if not request.empty:
                 core.handover.recheck()  # a draining GPU that is clear now may be chosen (docs/handover.md)
             near = core.cpuset.task_nodes(container_id) if request.shares else None
+            uid = core.sharer_uid(container_id, config.user) if request.shares else None
             with core.booking.lock:
-                holding = core.booking.book(holder, request, near)
+                holding = core.booking.book(holder, request, near, uid)
             steps.mark("booking")
             undo: Undo = [lambda: self._unbook(holder, holding)]
             try:
@@ -130,7 +132,8 @@ class PrepareHook:
                 steps.mark("rules")
                 share = holding.share
                 if share is not None and share.mode is ShareMode.MPS:
-                    core.mps.ensure(core.gpus[share.gpu])  # fail closed: no sharer without its daemon
+                    # Fail closed: no sharer without its daemon and the limits set on it (docs/sharing.md).
+                    core.mps.ensure(core.gpus[share.gpu], core.mps_plan(share.gpu))
                 info = self._launch_info(
                     container_id,
                     config,
@@ -275,11 +278,14 @@ class PrepareHook:
             return launch.on_host(config.command_task, visible, local)
         mounts = self._device_mounts(config.rootfs, grant)
         if mps is not None:
-            # The daemon's pipe directory at CUDA's default path in the image, writable (clients make
-            # their own pipes there), as k8s-device-plugin mounts it.
+            # The daemon's pipe directory at CUDA's default path in the image, read-only: a client
+            # connects to the daemon's sockets and FIFOs, which a read-only mount leaves usable
+            # (mount(2) refuses writes to regular files and directories only), and a root user in the
+            # image cannot rewrite the daemon's files or plant sockets where the sidecar's commands
+            # go (issue 41). The launcher applies MS_RDONLY with a remount, as for the driver volume.
             rel = mpsdaemons.CONTAINER_PIPE_DIR.lstrip("/")
             target = self.core.edges.filesystem.make_dirs_in(config.rootfs, rel)
-            mounts.append(Mount(target=target, source=mps.pipe_dir, flags=MS_BIND))
+            mounts.append(Mount(target=target, source=mps.pipe_dir, flags=MS_BIND | MS_RDONLY))
         env: tuple[tuple[str, str], ...] = ()
         if image_plan is not None:
             mounts_v, env = self._volume(cid, config, image_plan, undo)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
+from isolator.core.absent import NoUsers
 from isolator.core.admin import Admin
 from isolator.core.context import Core, Edges, Settings
 from isolator.core.hooks import Hooks
@@ -31,6 +32,7 @@ from isolator.core.ports import (
     MpsDaemons,
     Processes,
     RecordStore,
+    UserDb,
 )
 from isolator.core.recovery import Recovery
 from isolator.errors import ConfigError
@@ -57,8 +59,22 @@ class IsolatorService(Hooks, Recovery, Admin):
         cpus: CpuTopology | None = None,
         cpusets: Cpusets | None = None,
         mps: MpsDaemons | None = None,
+        users: UserDb | None = None,
     ) -> None:
-        edges = Edges(inventory, cgroups, devices, store, volumes, processes, filesystem, clock, cpus, cpusets, mps)
+        edges = Edges(
+            inventory,
+            cgroups,
+            devices,
+            store,
+            volumes,
+            processes,
+            filesystem,
+            clock,
+            cpus,
+            cpusets,
+            mps,
+            users or NoUsers(),
+        )
         self.core = Core(edges, settings or Settings())
         self.start()
 

@@ -70,7 +70,9 @@ class UpdateHook:
                 now = held | grown
             if not shrunk.empty:
                 # Shrink: revoke, then let the record and the books go (shares are counted down on their
-                # GPU; a sharer at 0 is no longer granted it).
+                # GPU; a sharer at 0 is no longer granted it, and its MPS clients are ended first).
+                if (now - shrunk).share is None:
+                    core.end_mps_clients(container_id, now)
                 self._grant(container_id, now - shrunk)
                 crashpoint("update.revoked")
                 if shrunk.mig or shrunk.share is not None:

@@ -36,8 +36,18 @@ class WatchHook:
             raise NotFound(f"unknown container {container_id}")
         with core.booking.lock:
             sick = sorted(m for m in rec.holding.touched if m in core.booking.unhealthy)
+            ended = core.booking.mps_ended.get(container_id.key())
         if sick:
             return self._limitation(container_id, sick, rec)
+        share = rec.holding.share
+        if ended is not None and share is not None:
+            # An MPS FAULT on its GPU (docs/sharing.md, "Faults"): as an XID ends every sharer.
+            return Limitation(
+                gpus=0,
+                message=f"container {container_id} holds {share.count} {sharing.RESOURCE} of GPU {share.gpu}"
+                f" ({share.mode}) and {ended}",
+                mig=((sharing.RESOURCE, share.count),),
+            )
         return None
 
     def _limitation(self, cid: ContainerId, sick: list[int], rec: ContainerRecord) -> Limitation:

@@ -140,7 +140,7 @@ def build_service(
     from isolator.core.context import Settings
     from isolator.host.devices import HostDevices
     from isolator.host.state import StateStore
-    from isolator.host.system import EmptyInventory, LocalFilesystem, ProcProcesses, SystemClock
+    from isolator.host.system import EmptyInventory, LocalFilesystem, PasswdUsers, ProcProcesses, SystemClock
 
     host = simulated_host(config) if config.simulate else None
     inventory = build_inventory(config, notes, host)
@@ -192,6 +192,7 @@ def build_service(
             processes=ProcProcesses(),
             filesystem=LocalFilesystem(),
             clock=SystemClock(),
+            users=PasswdUsers(),
             settings=Settings(
                 mode=config.mode,
                 policy=config.allocation_policy,

@@ -249,8 +249,10 @@ class Config:
     shared_gpus: tuple[ShareSpec, ...] = option(
         (),
         p.shared_gpus,
-        "GPUs cut into shares, offered as gpu-share-<N> units instead of gpus: INDEX[-LAST]:SHARES[:MODE],"
-        " comma-separated, MODE time-slice (default) or mps, e.g. 4-7:4:mps (docs/sharing.md)",
+        "GPUs cut into shares, offered as gpu-share-<N> units instead of gpus:"
+        " INDEX[-LAST]:SHARES[:MODE[:multiuser]], comma-separated, MODE time-slice (default) or mps, e.g."
+        " 4-7:4:mps; :multiuser runs that GPU's MPS daemon for every user (no isolation between users)"
+        " (docs/sharing.md)",
         reloadable=True,
         unset="none",
     )

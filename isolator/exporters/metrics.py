@@ -26,7 +26,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, make_wsgi_app
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from isolator import __version__
@@ -285,6 +285,14 @@ class _ServiceCollector(Collector):
             " failed, or none before its first sharer",
             labels=("gpu", "UUID", "minor", "state"),
         )
+        # Every GPU in mps mode has a series from the start, at 0, so that the first restart is an
+        # increase that the shipped alert (GpuIsolatorMpsDaemonRestarted) sees.
+        restarts = CounterMetricFamily(
+            f"{PREFIX}_mps_daemon_restarts",
+            "MPS control daemons of a shared GPU in mps mode found dead (killed, crashed) and started again"
+            " since the sidecar started",
+            labels=("gpu", "UUID", "minor"),
+        )
         for g in gpus:
             if not g.shares_total:
                 continue
@@ -294,13 +302,14 @@ class _ServiceCollector(Collector):
             if g.share_mode == ShareMode.MPS:
                 state = g.mps_state.split(":", 1)[0] or "none"
                 mps.add_metric([str(g.index), g.uuid, str(g.minor), state], 1 if state == "running" else 0)
+                restarts.add_metric([str(g.index), g.uuid, str(g.minor)], g.mps_restarts)
         per_container = GaugeMetricFamily(
             f"{PREFIX}_container_gpu_shares", "gpu_shares each container holds", labels=("container_id",)
         )
         for c in containers:
             if c.shares:
                 per_container.add_metric([str(c.container_id)], c.shares)
-        yield from (total, held, mps, per_container)
+        yield from (total, held, mps, restarts, per_container)
 
     def _health_checks(self, service: Any) -> Metric:
         """`gpu-isolator health`'s checks (nvml, cgroups, state, consistency): 1 passing, 0 failing."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import pwd
 import select
 import threading
 import time
@@ -267,3 +268,14 @@ class EmptyInventory:
 
     def close(self) -> None:
         pass
+
+
+class PasswdUsers:
+    """The host's users (getpwnam(3): /etc/passwd, or NSS as configured). ``getent passwd NAME``
+    shows the same."""
+
+    def uid(self, name: str) -> int | None:
+        try:
+            return pwd.getpwnam(name).pw_uid
+        except (KeyError, ValueError):  # no such user; a name with a NUL byte
+            return None

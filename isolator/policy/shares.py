@@ -36,7 +36,10 @@ MAX_REQUEST = max(MAX_SHARES.values())
 SPREAD, PACK = "spread", "pack"
 PLACEMENTS = (SPREAD, PACK)
 
-_SPEC = re.compile(r"(\d+)(?:-(\d+))?:(\d+)(?::([a-z-]+))?")
+_SPEC = re.compile(r"(\d+)(?:-(\d+))?:(\d+)(?::([a-z-]+))?(?::([a-z-]+))?")
+# The item's last word for an MPS GPU whose daemon runs -multiuser-server: every uid's sharers on one
+# MPS server, the operator's explicit choice (no isolation between users, docs/sharing.md "Users").
+MULTIUSER = "multiuser"
 
 
 class InvalidShareCount(InvalidArgument, ValueError):
@@ -58,6 +61,15 @@ class SharesExhausted(ResourceExhausted):
     msg_fmt = "Requested {requested} " + RESOURCE + " but no shared GPU has that many free ({free})"
 
 
+class MpsShareCount(InvalidArgument):
+    msg_fmt = (
+        "Requested {requested} " + RESOURCE + " but every GPU here that could hold them is shared in mps mode,"
+        " where each sharer holds exactly one share (MPS sets one limit per server, and one server serves"
+        " a GPU's sharers): ask for gpu_shares:1, or one gpu-share-<N>:1 unit (N/{requested} of a GPU cut N ways"
+        " is gpu-share-<N/{requested}>:1)"
+    )
+
+
 class SharesNotHeld(FailedPrecondition):
     msg_fmt = "container {holder} holds no " + RESOURCE
 
@@ -73,6 +85,7 @@ class ShareSpec:
     index: int
     shares: int
     mode: ShareMode = ShareMode.TIME_SLICE
+    multiuser: bool = False  # mps only: its daemon runs -multiuser-server
 
 
 @dataclass(frozen=True, order=True)
@@ -84,6 +97,13 @@ class SharedGpu:
     shares: int
     mode: ShareMode = ShareMode.TIME_SLICE
     numa: int | None = None
+    multiuser: bool = False  # mps only: one MPS server for every uid (-multiuser-server)
+
+    @property
+    def one_user(self) -> bool:
+        """Whether its sharers must all run as one Unix user: legacy MPS serves one uid at a time
+        (another uid's client waits until every client of the current one has exited, measured)."""
+        return self.mode is ShareMode.MPS and not self.multiuser
 
 
 @dataclass(frozen=True)
@@ -100,11 +120,13 @@ class Placement:
 
 
 def parse_shared_gpus(value: object) -> tuple[ShareSpec, ...]:
-    """``--shared-gpus``: ``INDEX[-LAST]:SHARES[:MODE]`` items, comma-separated (or a TOML list of them).
+    """``--shared-gpus``: ``INDEX[-LAST]:SHARES[:MODE[:multiuser]]`` items, comma-separated (or a TOML
+    list of them).
 
     ``4:4:mps,5-7:2`` shares GPU 4 four ways under MPS and GPUs 5, 6 and 7 two ways, time-sliced (the
-    default mode). Sorted by index; a GPU named twice, a mode not known, a share count out of
-    1..MAX_SHARES[mode] is a ConfigError naming the item.
+    default mode); ``4:4:mps:multiuser`` runs GPU 4's MPS daemon with ``-multiuser-server``. Sorted by
+    index; a GPU named twice, a mode not known, a share count out of 1..MAX_SHARES[mode], a last word
+    other than ``multiuser`` or ``multiuser`` on a time-sliced GPU is a ConfigError naming the item.
     """
     if isinstance(value, (list, tuple)):
         items = [str(v).strip() for v in value]
@@ -118,7 +140,7 @@ def parse_shared_gpus(value: object) -> tuple[ShareSpec, ...]:
             continue
         m = _SPEC.fullmatch(item)
         if m is None:
-            raise ConfigError(f"--shared-gpus item {item!r} is not INDEX[-LAST]:SHARES[:MODE]")
+            raise ConfigError(f"--shared-gpus item {item!r} is not INDEX[-LAST]:SHARES[:MODE[:{MULTIUSER}]]")
         first = int(m.group(1))
         last = first if m.group(2) is None else int(m.group(2))
         shares = int(m.group(3))
@@ -127,6 +149,12 @@ def parse_shared_gpus(value: object) -> tuple[ShareSpec, ...]:
             known = ", ".join(ShareMode)
             raise ConfigError(f"--shared-gpus item {item!r}: mode {named!r} is not one of {known}")
         mode = ShareMode(named)
+        multiuser = m.group(5) is not None
+        if multiuser and (m.group(5) != MULTIUSER or mode is not ShareMode.MPS):
+            raise ConfigError(
+                f"--shared-gpus item {item!r}: only an mps GPU takes a last word, and it is {MULTIUSER!r}"
+                " (one MPS server for every user: no isolation between them, docs/sharing.md)"
+            )
         if last < first:
             raise ConfigError(f"--shared-gpus item {item!r}: the range {first}-{last} is empty")
         if not 2 <= shares <= MAX_SHARES[mode]:
@@ -137,13 +165,13 @@ def parse_shared_gpus(value: object) -> tuple[ShareSpec, ...]:
         for index in range(first, last + 1):
             if index in out:
                 raise ConfigError(f"--shared-gpus names GPU {index} twice")
-            out[index] = ShareSpec(index, shares, mode)
+            out[index] = ShareSpec(index, shares, mode, multiuser)
     return tuple(out[i] for i in sorted(out))
 
 
 def format_shared_gpus(specs: Iterable[ShareSpec]) -> str:
     """The canonical flag text of ``specs`` (one item per GPU): what ``parse_shared_gpus`` reads back."""
-    return ",".join(f"{s.index}:{s.shares}:{s.mode}" for s in sorted(specs))
+    return ",".join(f"{s.index}:{s.shares}:{s.mode}" + (f":{MULTIUSER}" if s.multiuser else "") for s in sorted(specs))
 
 
 def resolve(
@@ -168,7 +196,7 @@ def resolve(
                 f"--shared-gpus names GPU {spec.index}, which is in MIG mode; its MIG devices are offered as"
                 " mig-<profile> resources and are not shared (docs/sharing.md)"
             )
-        out[minor] = SharedGpu(minor, spec.index, spec.shares, spec.mode, (numa or {}).get(minor))
+        out[minor] = SharedGpu(minor, spec.index, spec.shares, spec.mode, (numa or {}).get(minor), spec.multiuser)
     return out
 
 
@@ -300,9 +328,16 @@ def place(
     *,
     size: int = 0,
     placement: str = SPREAD,
+    uid: int | None = None,
+    users: Mapping[int, frozenset[int | None]] | None = None,
 ) -> Placement:
     """Where ``count`` shares go: one shared GPU with that many free, not ``blocked`` (unhealthy,
     draining), and cut ``size`` ways when ``size`` is given (a ``gpu-share-<size>`` unit; 0: any).
+    Under MPS (docs/sharing.md, "Limits" and "Users"): a count other than 1 never goes to an mps GPU
+    (one limit per server: every sharer holds one share; MpsShareCount when only mps GPUs could
+    hold it), and with ``users`` (the uids of each GPU's sharers, None for one not known) a sharer
+    running as ``uid`` goes to a single-user mps GPU only when it is empty or all its sharers run as
+    ``uid`` (the refusal names the GPUs that were passed over for that).
     Among those, by ``placement``: ``spread``, the GPU holding the fewest shares; ``pack``, the one
     left with the fewest free after this request (best fit: a started GPU is filled before an empty
     one is opened, so empty GPUs stay whole); then one whose NUMA node is in ``near`` (the task's
@@ -321,15 +356,31 @@ def place(
     most = max((g.shares for g in shared.values()), default=0)
     if n > most:
         raise ShareRequestTooLarge(requested=n, most=most)
+    if n != 1:
+        single = {m: g for m, g in shared.items() if g.mode is not ShareMode.MPS}
+        if not any(g.shares >= n for g in single.values()):
+            raise MpsShareCount(requested=n)
+        shared = single
     out = set(blocked)
     nodes = None if near is None else frozenset(near)
-    room = [g for g in shared.values() if g.minor not in out and g.shares - held.get(g.minor, 0) >= n]
+    others = {m: other for m, g in shared.items() if (other := _other_users(g, uid, users))}
+    room = [
+        g
+        for g in shared.values()
+        if g.minor not in out and g.minor not in others and g.shares - held.get(g.minor, 0) >= n
+    ]
     if not room:
         free = {g.minor: g.shares - held.get(g.minor, 0) for g in sorted(shared.values())}
-        detail = ", ".join(f"GPU {m}: {f}" + (" (not usable)" if m in out else "") for m, f in free.items())
+        detail = ", ".join(
+            f"GPU {m}: {f}" + (" (not usable)" if m in out else "") + (f" ({others[m]})" if m in others else "")
+            for m, f in free.items()
+        )
+        who = (f" for uid {uid}" if uid is not None else " for a user not known here") if others else ""
         if size:
-            raise SharesExhausted(f"Requested 1 {unit_name(size)} but no GPU cut {size} ways has one free ({detail})")
-        raise SharesExhausted(requested=n, free=detail)  # not empty: with nothing shared, n > most above
+            raise SharesExhausted(
+                f"Requested 1 {unit_name(size)} but no GPU cut {size} ways has one free{who} ({detail})"
+            )
+        raise SharesExhausted(requested=n, free=detail + who)  # not empty: with nothing shared, n > most above
 
     def key(g: SharedGpu) -> tuple[int, bool, int]:
         near_it = nodes is None or g.numa in nodes
@@ -338,6 +389,21 @@ def place(
 
     best = min(room, key=key)
     return Placement(best.minor, n, best.mode, best.shares)
+
+
+def _other_users(gpu: SharedGpu, uid: int | None, users: Mapping[int, frozenset[int | None]] | None) -> str:
+    """Why a sharer running as ``uid`` (None: a user this host does not know) may not join
+    single-user MPS GPU ``gpu``, or "" when it may: an empty one, or one whose sharers all run as
+    ``uid``. Without ``users`` there is no such rule."""
+    if users is None or not gpu.one_user:
+        return ""
+    if uid is None:
+        return "a single-user MPS GPU takes no sharer whose user this host does not know"
+    on = users.get(gpu.minor, frozenset())
+    if not on or on == {uid}:
+        return ""
+    others = ", ".join(sorted(f"uid {u}" if u is not None else "an unknown uid" for u in on - {uid}))
+    return f"its sharers run as {others}; an MPS server serves one user at a time"
 
 
 def nodes_of(cpus: Iterable[int], node_cpus: Mapping[int, Iterable[int]]) -> frozenset[int]:
@@ -369,6 +435,17 @@ class ShareBook:
         self.shared: dict[int, SharedGpu] = dict(shared)
         self.placement = placement
         self._holders: dict[str, tuple[int, int]] = {}
+        self._users: dict[str, int | None] = {}  # holder -> the uid its tasks run as (None: not known)
+
+    def users(self) -> dict[int, frozenset[int | None]]:
+        """The uids of each shared GPU's sharers (only GPUs with sharers)."""
+        out: dict[int, set[int | None]] = {}
+        for holder, (minor, _n) in self._holders.items():
+            out.setdefault(minor, set()).add(self._users.get(holder))
+        return {m: frozenset(u) for m, u in out.items()}
+
+    def user(self, holder: str) -> int | None:
+        return self._users.get(holder)
 
     def held(self) -> dict[int, int]:
         """Shares held per shared GPU (every shared GPU, 0 when none). Every holder's GPU is shared:
@@ -393,15 +470,32 @@ class ShareBook:
         near: Iterable[int] | None = None,
         *,
         size: int = 0,
+        uid: int | None = None,
+        by_user: bool = False,
     ) -> Placement:
-        """Choose and book; a holder books once (a second request is refused, nothing changes)."""
+        """Choose and book for a sharer running as ``uid``, keeping single-user MPS GPUs to one uid
+        when ``by_user`` (``place``'s ``users``); a holder books once (a second request is refused,
+        nothing changes)."""
         if holder in self._holders:
             raise InvalidArgument(f"container {holder} already holds {RESOURCE}")
-        choice = place(count, self.shared, self.held(), blocked, near, size=size, placement=self.placement)
+        choice = place(
+            count,
+            self.shared,
+            self.held(),
+            blocked,
+            near,
+            size=size,
+            placement=self.placement,
+            uid=uid,
+            users=self.users() if by_user else None,
+        )
         self._holders[holder] = (choice.minor, choice.shares)
+        self._users[holder] = uid
         return choice
 
-    def restore(self, holder: str, minor: int, shares: int, mode: ShareMode | None = None) -> None:
+    def restore(
+        self, holder: str, minor: int, shares: int, mode: ShareMode | None = None, uid: int | None = None
+    ) -> None:
         """Book a recorded holding at recovery. A GPU no longer shared, shared in another mode than
         the one recorded (``mode``; None: not checked, an update's shrink), more shares than the GPU
         has, or a holder booked twice is refused (FailedPrecondition): the records and the flags disagree."""
@@ -425,13 +519,16 @@ class ShareBook:
                 f"container {holder} holds {n} {RESOURCE} of GPU {minor}, more than are left of its {gpu.shares}"
             )
         self._holders[holder] = (minor, n)
+        self._users[holder] = uid
 
     def release(self, holder: str) -> tuple[int, int]:
         """Free a holder's shares; (minor, shares) that were freed. Not held: SharesNotHeld."""
         try:
-            return self._holders.pop(holder)
+            held = self._holders.pop(holder)
         except KeyError:
             raise SharesNotHeld(holder=holder) from None
+        self._users.pop(holder, None)
+        return held
 
 
 # ---- changes of role -----------------------------------------------------------------------------
@@ -457,9 +554,12 @@ def role_problems(
         elif before is not None and held:
             if after is None:
                 problems.append(f"GPU {minor} has {held} {RESOURCE} held and cannot become whole")
-            elif after.mode != before.mode:
+            elif after.mode != before.mode or after.multiuser != before.multiuser:
+                # Its sharers run under the daemon of the old mode (an MPS daemon is started multi-user
+                # or not; its servers and their users follow from that).
                 problems.append(
-                    f"GPU {minor} has {held} {RESOURCE} held and cannot switch from {before.mode} to {after.mode}"
+                    f"GPU {minor} has {held} {RESOURCE} held and cannot switch from {_mode_name(before)} to"
+                    f" {_mode_name(after)}"
                 )
             elif after.shares != before.shares:
                 # Its sharers hold units of one before.shares-th (gpu-share-<before.shares>) and, under MPS,
@@ -469,6 +569,10 @@ def role_problems(
                     f" {after.shares} ways (its sharers hold {unit_name(before.shares)} units)"
                 )
     return problems
+
+
+def _mode_name(gpu: SharedGpu) -> str:
+    return f"{gpu.mode} ({MULTIUSER})" if gpu.multiuser else str(gpu.mode)
 
 
 def check_roles(

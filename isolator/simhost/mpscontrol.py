@@ -1,28 +1,44 @@
 """A stand-in ``nvidia-cuda-mps-control`` for the simulated host (docs/sharing.md, docs/simhost.md).
 
-Started the way the real one is: ``nvidia-cuda-mps-control -d`` with ``CUDA_MPS_PIPE_DIRECTORY``,
-``CUDA_MPS_LOG_DIRECTORY`` and ``CUDA_VISIBLE_DEVICES`` in its environment forks a control daemon
-and returns; ``echo CMD | nvidia-cuda-mps-control`` (same environment) sends one control command
-and prints the answer. The daemon keeps its pid in ``<pipe dir>/nvidia-cuda-mps-control.pid``, its
-control endpoint at ``<pipe dir>/control`` (a Unix socket here; a FIFO in the real one) and logs
-every command it is told to ``<log dir>/control.log``. Commands answered: ``get_server_list``,
-``get_default_active_thread_percentage``, ``set_default_active_thread_percentage P``,
-``get_default_device_pinned_mem_limit DEV``, ``set_default_device_pinned_mem_limit DEV LIMIT``,
-``quit``. Anything else is answered as the real one answers an unknown command and logged.
+Started the way the real one is: ``nvidia-cuda-mps-control -d [-multiuser-server]`` with
+``CUDA_MPS_PIPE_DIRECTORY``, ``CUDA_MPS_LOG_DIRECTORY`` and ``CUDA_VISIBLE_DEVICES`` in its
+environment forks a control daemon and returns; ``echo CMD | nvidia-cuda-mps-control`` (same
+environment) sends control commands and prints the answers. The daemon keeps its pid in
+``<pipe dir>/nvidia-cuda-mps-control.pid`` and listens at ``<pipe dir>/control`` (a Unix socket, 0666
+as the real one's), for control commands and for MPS clients (simhost/mpsclient.py), whose uid and
+pid it takes from the socket's credentials (SO_PEERCRED), never from what they say. What it knows
+and answers is simhost/mpsmodel.py's: servers (a real process each, ``nvidia-cuda-mps-server`` run
+as the server's uid), clients, limits, users queueing, FAULT (``sim_fault <server pid>``, a command
+the real daemon does not have). Its logs: ``<log dir>/control.log`` and ``server.log``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import json
 import os
+import pwd
+import selectors
+import signal
 import socket
+import struct
+import subprocess
 import sys
 import time
+import typing
+
+from isolator.simhost import mpsmodel
 
 PID_FILE = "nvidia-cuda-mps-control.pid"
 CONTROL = "control"
 DEFAULT_PIPE = "/tmp/nvidia-mps"
 DEFAULT_LOG = "/var/log/nvidia-mps"
+# The first line of an MPS client's connection (simhost/mpsclient.py), then its environment as JSON.
+CLIENT_HELLO = "\0client "
+MULTIUSER_FLAGS = ("-multiuser-server", "-M", "--multiuser-server")
+SLEEP = "/bin/sleep"
+PR_SET_PDEATHSIG = 1
 
 
 def _dirs() -> tuple[str, str]:
@@ -31,77 +47,163 @@ def _dirs() -> tuple[str, str]:
     )
 
 
-def _log(log_dir: str, line: str) -> None:
-    with open(os.path.join(log_dir, "control.log"), "a") as fh:
+def _log(log_dir: str, name: str, line: str) -> None:
+    with open(os.path.join(log_dir, name), "a") as fh:
         fh.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {line}\n")
 
 
-def _percentage(text: str, current: str) -> str:
-    """``text`` as the daemon keeps a thread percentage (``25.0``), or ``current`` when it is not one."""
-    try:
-        value = float(text)
-    except ValueError:
-        return current
-    return f"{value:.1f}" if 0 < value <= 100 else current
+def _die_with_parent() -> None:
+    # A server must not outlive a stand-in daemon killed by a test (the real servers are the real
+    # daemon's children too). Set after the uid change, which clears it.
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-def _serve(pipe: str, log_dir: str, listener: socket.socket) -> None:
-    """The control daemon's loop: one command per connection, until ``quit``."""
-    settings = {"threads": "100.0"}
-    limits: dict[str, str] = {}
-    devices = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    _log(log_dir, f"Startup: CUDA_VISIBLE_DEVICES={devices}")
-    control = os.path.join(pipe, CONTROL)
-    listener.settimeout(1.0)
-    while True:
+class _ServerProcess:
+    """A real process in the server's place, ``nvidia-cuda-mps-server`` in ps, run as its uid."""
+
+    def __init__(self, uid: int) -> None:
+        drop = os.geteuid() == 0 and uid != 0
         try:
-            conn, _ = listener.accept()
-        except TimeoutError:
+            gid = pwd.getpwuid(uid).pw_gid
+        except KeyError:
+            gid = uid
+        self._proc = subprocess.Popen(
+            ["nvidia-cuda-mps-server", "infinity"],
+            executable=SLEEP,
+            user=uid if drop else None,
+            group=gid if drop else None,
+            extra_groups=[] if drop else None,
+            cwd="/",
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+        )
+        self.pid = self._proc.pid
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.terminate()
+        self._proc.wait()
+
+
+def _peer(conn: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end, from the kernel."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return pid, uid
+
+
+def _describe(pid: int) -> tuple[str, str]:
+    """(command, pid namespace) of a client, as ``ps`` shows them."""
+    try:
+        command = os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        command = "?"
+    try:
+        namespace = os.readlink(f"/proc/{pid}/ns/pid").split("[")[-1].rstrip("]")
+    except OSError:
+        namespace = "?"
+    return command, namespace
+
+
+def _read_line(conn: socket.socket) -> str:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode(errors="replace").rstrip("\n")
+
+
+def _send(conn: socket.socket, text: str) -> None:
+    with contextlib.suppress(OSError):
+        conn.sendall((text + "\n").encode())
+
+
+def _serve(pipe: str, log_dir: str, listener: socket.socket, multiuser: bool) -> None:
+    """The control daemon's loop: control commands (one per connection) and MPS clients (held open
+    while they live), until ``quit`` and its last client, or until its control endpoint is gone."""
+    device = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    model = mpsmodel.Daemon(
+        device,
+        _ServerProcess,
+        lambda name, line: _log(log_dir, name, line),
+        owner_uid=os.geteuid(),
+        multiuser=multiuser,
+    )
+    _log(log_dir, "control.log", f"Startup: CUDA_VISIBLE_DEVICES={device}" + (" multiuser" if multiuser else ""))
+    control = os.path.join(pipe, CONTROL)
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, None)
+    try:
+        while not (model.quitting and not model.clients()):
+            events = selector.select(timeout=0.1)
+            for key, _mask in events:
+                if key.data is None:
+                    _accept(model, selector, listener)
+                    continue
+                conn, pid = typing.cast(socket.socket, key.fileobj), key.data
+                try:
+                    gone = not conn.recv(4096)
+                except OSError:
+                    gone = True
+                if gone:
+                    selector.unregister(conn)
+                    conn.close()
+                    model.disconnect(pid)
+            model.tick()
             # Unlike the real one, the stand-in never outlives its simulated host: once its control
             # endpoint is gone (the host's directory removed by a test's teardown), it exits.
             if not os.path.exists(control):
                 return
-            continue
-        conn.settimeout(None)
-        with conn:
-            data = b""
-            while not data.endswith(b"\n"):
-                chunk = conn.recv(4096)
-                if not chunk:
-                    break
-                data += chunk
-            words = data.decode(errors="replace").split()
-            command = " ".join(words)
-            _log(log_dir, f"Control: {command}")
-            reply, done = "", False
-            if words == ["get_server_list"]:
-                reply = ""  # no client has started an MPS server on the simulated GPU
-            elif words == ["get_default_active_thread_percentage"]:
-                reply = settings["threads"]
-            elif len(words) == 2 and words[0] == "set_default_active_thread_percentage":
-                # As the real daemon (driver 580): a percentage outside (0, 100] or not a number is
-                # no error; the value in force is echoed, so a caller tells success by the echo.
-                settings["threads"] = _percentage(words[1], settings["threads"])
-                reply = settings["threads"]
-            elif len(words) == 2 and words[0] == "get_default_device_pinned_mem_limit":
-                reply = limits.get(words[1], "")  # the real one prints nothing for an unset limit
-            elif len(words) == 3 and words[0] == "set_default_device_pinned_mem_limit":
-                limits[words[1]] = words[2]
-            elif words == ["quit"]:
-                done = True
-            else:
-                reply = f'Unknown command "{command}"'
-            conn.sendall((reply + "\n").encode())
-        if done:
-            _log(log_dir, "Shutdown")
-            for name in (CONTROL, PID_FILE):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(pipe, name))
-            return
+    finally:
+        model.stop_all()
+        _log(log_dir, "control.log", "Shutdown")
 
 
-def daemon() -> int:
+def _accept(model: mpsmodel.Daemon, selector: selectors.BaseSelector, listener: socket.socket) -> None:
+    try:
+        conn, _ = listener.accept()
+    except OSError:
+        return
+    conn.settimeout(2.0)
+    try:
+        first = _read_line(conn)
+        pid, uid = _peer(conn)
+    except OSError:
+        conn.close()
+        return
+    if not first.startswith(CLIENT_HELLO):
+        _send(conn, model.command(first, peer_uid=uid))
+        conn.close()
+        return
+    try:
+        env = {k: str(v) for k, v in json.loads(first[len(CLIENT_HELLO) :]).items()}
+    except (ValueError, AttributeError):
+        env = {}
+    command, namespace = _describe(pid)
+    client = mpsmodel.Client(pid, uid, env, lambda line: _send(conn, line), command=command, namespace=namespace)
+    outcome = model.connect(client)
+    if outcome == "refused":
+        _send(conn, f"REFUSED {mpsmodel.CUDA_ERROR_MPS_SERVER_NOT_READY}")
+        conn.close()
+        return
+    if outcome == "ready":
+        _send(conn, model.ready_line(client))
+    conn.settimeout(None)
+    selector.register(conn, selectors.EVENT_READ, pid)
+
+
+def daemon(multiuser: bool = False) -> int:
     """``-d``: fork the control daemon, return once it listens (the real one returns at once)."""
+    if multiuser and os.geteuid() != 0:
+        sys.stderr.write("Only root user may enable -multiuser-server!\n")  # the binary's string
+        return 1
     pipe, log_dir = _dirs()
     os.makedirs(pipe, exist_ok=True)
     os.makedirs(log_dir, exist_ok=True)
@@ -113,7 +215,8 @@ def daemon() -> int:
         os.unlink(path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
-    listener.listen(16)
+    os.chmod(path, 0o666)  # as the real one's: any user's client connects (measured)
+    listener.listen(64)
     read, write = os.pipe()
     pid = os.fork()
     if pid:
@@ -134,7 +237,10 @@ def daemon() -> int:
     os.write(write, b"1")
     os.close(write)
     try:
-        _serve(pipe, log_dir, listener)
+        _serve(pipe, log_dir, listener, multiuser)
+        for name in (CONTROL, PID_FILE):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(pipe, name))
     finally:
         os._exit(0)
 
@@ -147,10 +253,7 @@ def _ask(pipe: str, command: str) -> str | None:
         conn.connect(os.path.join(pipe, CONTROL))
         conn.sendall((command.strip() + "\n").encode())
         data = b""
-        while not data.endswith(b"\n"):
-            chunk = conn.recv(4096)
-            if not chunk:
-                break
+        while chunk := conn.recv(4096):  # the daemon closes after its answer, which may be lines
             data += chunk
         return data.decode(errors="replace").rstrip("\n")
     except OSError:
@@ -179,18 +282,21 @@ def install(path: str) -> str:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as fh:
-        fh.write(f'#!/bin/sh\nexec {sys.executable} -m isolator.simhost.mpscontrol "$@"\n')
+        # A script of this interpreter (not a shell wrapper that execs it): its daemon's /proc/<pid>/exe
+        # is the interpreter its #! line names, which is how host/mps.py recognises a script's daemon.
+        fh.write(f"#!{sys.executable}\nimport sys\n\nfrom isolator.simhost.mpscontrol import main\n\n")
+        fh.write("sys.exit(main(sys.argv[1:]))\n")
     os.chmod(tmp, 0o755)
     os.replace(tmp, path)
     return path
 
 
 def main(argv: list[str]) -> int:
-    if argv == ["-d"]:
-        return daemon()
+    if argv and argv[0] == "-d" and all(a in MULTIUSER_FLAGS for a in argv[1:]):
+        return daemon(multiuser=len(argv) > 1)
     if not argv:
         return client()
-    sys.stderr.write(f"usage: nvidia-cuda-mps-control [-d] (got {' '.join(argv)})\n")
+    sys.stderr.write(f"usage: nvidia-cuda-mps-control [-d [-multiuser-server]] (got {' '.join(argv)})\n")
     return 2
 
 

@@ -11,7 +11,8 @@ tests as the real edge (tests/contract/test_contracts.py); ``fake_service`` wire
     FakeDeviceNodes  DeviceNodes     nvidiactl, nvidia-uvm(-tools), nvidia-caps numbers
     FakeProcesses    Processes       a pid table
     FakeFilesystem   Filesystem      directories by path
-    FakeMps          MpsDaemons      MPS control daemons in memory; kill one, fault points
+    FakeUsers        UserDb          user names -> uids (root, nobody, and any given)
+    FakeMps          MpsDaemons      MPS control daemons in memory (servers, clients, FAULT); kill one, fault points
     ManualClock      Clock           time that moves when told
     StubService      IsolatorApi     a whole-service double answering UNIMPLEMENTED
 
@@ -41,7 +42,7 @@ from isolator.testing.inventory import FakeInventory
 from isolator.testing.rig import Rig, fake_service
 from isolator.testing.store import FakeStore
 from isolator.testing.stub import StubService
-from isolator.testing.system import FakeDeviceNodes, FakeFilesystem, FakeProcesses, ManualClock
+from isolator.testing.system import FakeDeviceNodes, FakeFilesystem, FakeProcesses, FakeUsers, ManualClock
 from isolator.testing.volumes import FakeVolumes
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "FakeInventory",
     "FakeProcesses",
     "FakeStore",
+    "FakeUsers",
     "FakeVolumes",
     "Faults",
     "ManualClock",

@@ -17,7 +17,7 @@ from isolator.testing.cpusets import FakeCpusets
 from isolator.testing.inventory import FakeInventory
 from isolator.testing.mps import FakeMps
 from isolator.testing.store import FakeStore
-from isolator.testing.system import FakeDeviceNodes, FakeFilesystem, FakeProcesses, ManualClock
+from isolator.testing.system import FakeDeviceNodes, FakeFilesystem, FakeProcesses, FakeUsers, ManualClock
 from isolator.testing.volumes import FakeVolumes
 
 
@@ -34,6 +34,7 @@ class Rig:
     settings: Settings
     cpusets: FakeCpusets = field(default_factory=FakeCpusets)  # also the machine's CPUs (CpuTopology)
     mps: FakeMps = field(default_factory=FakeMps)  # MPS control daemons (docs/sharing.md)
+    users: FakeUsers = field(default_factory=FakeUsers)  # user names -> uids (a sharer's user)
     service: IsolatorService = field(init=False)
 
     def __post_init__(self) -> None:
@@ -53,6 +54,7 @@ class Rig:
             cpus=self.cpusets,
             cpusets=self.cpusets,
             mps=self.mps if mps else None,
+            users=self.users,
         )
 
     def without_mps(self) -> IsolatorService:

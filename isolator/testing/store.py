@@ -290,6 +290,9 @@ class FakeStore:
             raise InvalidArgument(f"share count {n!r} of GPU {minor} is not a positive integer")
         if share.mode not in tuple(ShareMode):
             raise InvalidArgument(f"unknown sharing mode {share.mode!r} of GPU {minor}")
+        uid = share.uid
+        if uid is not None and (isinstance(uid, bool) or not isinstance(uid, int) or uid < 0):
+            raise InvalidArgument(f"uid {uid!r} of a sharer of GPU {minor} is not a non-negative integer")
         for other, held in self._records.items():
             if minor in held.holding.gpus:
                 raise GpuAlreadyHeld(gpu=f"{minor} (shared)", container=str(cid), holder=str(other))

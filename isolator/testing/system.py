@@ -185,3 +185,14 @@ class FakeDeviceNodes:
 
     def caps_major(self) -> int | None:
         return self._caps_major
+
+
+class FakeUsers:
+    """A user database (UserDb): ``root`` is 0 and ``nobody`` 65534, as on the hosts we run on;
+    ``names`` adds or replaces names."""
+
+    def __init__(self, names: dict[str, int] | None = None) -> None:
+        self.names = {"root": 0, "nobody": 65534, **(names or {})}
+
+    def uid(self, name: str) -> int | None:
+        return self.names.get(name)

@@ -31,7 +31,7 @@ from isolator.errors import (
     InvalidArgument,
     NvmlError,
 )
-from isolator.host.system import LocalFilesystem, ProcProcesses, SystemClock
+from isolator.host.system import LocalFilesystem, PasswdUsers, ProcProcesses, SystemClock
 from isolator.model import (
     ContainerId,
     ContainerRecord,
@@ -52,6 +52,7 @@ from isolator.testing import (
     FakeInventory,
     FakeProcesses,
     FakeStore,
+    FakeUsers,
     ManualClock,
 )
 
@@ -644,6 +645,15 @@ def test_filesystem_makes_and_sees_directories(kind: str, tmp_path) -> None:
     fs.make_dirs(target)
     fs.make_dirs(target)  # idempotent
     assert fs.is_dir(target) and fs.is_dir(os.path.join(base, "rootfs"))
+
+
+@pytest.mark.parametrize("kind", ["fake", "passwd"])
+def test_users_resolve_root_and_nobody_and_nothing_for_an_unknown_name(kind: str) -> None:
+    users: FakeUsers | PasswdUsers = FakeUsers() if kind == "fake" else PasswdUsers()
+    assert users.uid("root") == 0
+    assert users.uid("nobody") == 65534  # Debian's, as the hosts we run on
+    for unknown in ("no-such-user-here", "", "a\x00b"):
+        assert users.uid(unknown) is None, unknown
 
 
 @pytest.mark.parametrize("kind", ["fake", "local"])

@@ -43,8 +43,9 @@ def _kill(daemons, uuid: str) -> None:
 
 def test_start_answer_kill_restart_and_stop(daemons):
     assert not daemons.alive(UUID)
+    assert daemons.pid(UUID) is None
     pid = daemons.start(UUID)
-    assert pid > 0 and daemons.alive(UUID)
+    assert pid > 0 and daemons.alive(UUID) and daemons.pid(UUID) == pid
     daemons.command(UUID, "set_default_active_thread_percentage 25")
     with pytest.raises(MpsError, match="already running"):
         daemons.start(UUID)
@@ -123,3 +124,32 @@ def test_a_missing_executable_is_a_clear_error(short_tmp):
     control = MpsControl(os.path.join(short_tmp, "no-such-binary"), os.path.join(short_tmp, "mps"))
     with pytest.raises(MpsError, match="failed to start the MPS control daemon of GPU"):
         control.start(UUID)
+
+
+def test_the_stand_in_answers_the_other_measured_commands_as_the_real_daemon_did(short_tmp):
+    """The rest of the real run's table (docs/gpu-host-results.md, "1. Start, help and the control
+    commands"): a bare pinned limit is MiB, any device key is taken and a UUID is a key of its own,
+    the client priority, ``ps`` and ``get_server_status`` without a server or a pid."""
+    exe = mpscontrol.install(os.path.join(short_tmp, "bin", "nvidia-cuda-mps-control"))
+    control = MpsControl(exe, os.path.join(short_tmp, "mps"))
+    try:
+        control.start(UUID)
+        assert control.command(UUID, "set_default_device_pinned_mem_limit 0 2G") == ""
+        assert control.command(UUID, "get_default_device_pinned_mem_limit 0") == "2G"
+        assert control.command(UUID, f"get_default_device_pinned_mem_limit {UUID}") == ""
+        assert control.command(UUID, "set_default_device_pinned_mem_limit 0 2") == ""
+        assert control.command(UUID, "get_default_device_pinned_mem_limit 0") == "2M"
+        assert control.command(UUID, "set_default_device_pinned_mem_limit 7 1G") == ""
+        assert control.command(UUID, "get_default_device_pinned_mem_limit 7") == "1G"
+        assert control.command(UUID, "get_default_client_priority") == "0"
+        assert control.command(UUID, "ps") == "Server not found"
+        assert control.command(UUID, "get_server_status") == "A server PID is required"
+        assert control.command(UUID, "no_such_command") == 'Unknown command "no_such_command"'
+        with pytest.raises(MpsError, match="An instance of this daemon is already running"):
+            control.start(UUID)
+        with open(os.path.join(control.log_dir(UUID), "control.log")) as fh:
+            assert "No default pinned memory limit set for the device!" in fh.read()
+    finally:
+        control.stop(UUID)
+    with pytest.raises(MpsError, match="Cannot find MPS control daemon process"):
+        control.command(UUID, "get_server_list")

@@ -99,3 +99,35 @@ def test_a_schema_7_store_is_migrated_and_keeps_its_records(tmp_path):
         assert os.path.exists(os.path.join(str(tmp_path), f"{DB_FILE}.schema-7.bak"))
     finally:
         db.close()
+
+
+def test_a_sharers_uid_is_recorded_kept_through_a_change_of_count_and_gone_with_it(store):
+    """Schema 10 (docs/sharing.md, "Users"): the uid a sharer runs as is booked with its share."""
+    store.record(ContainerRecord(A, Holding(share=Share(3, 1, "mps", 1000))))
+    store.record(ContainerRecord(B, Holding(share=Share(3, 1, "mps"))))  # unknown: as an older sidecar wrote it
+    assert store.get(A).holding.share.uid == 1000 and store.get(B).holding.share.uid is None
+    assert store.load()[A].holding.share == Share(3, 1, "mps", 1000)
+    store.set_holding(A, Holding(share=Share(3, 2, "time-slice", 1000)))
+    assert store.get(A).holding.share.uid == 1000
+    store.set_holding(A, Holding())
+    store.set_holding(A, Holding(share=Share(3, 1, "mps")))
+    assert store.get(A).holding.share.uid is None, "a share let go takes its uid with it"
+    for bad in (-1, True, "0"):
+        with pytest.raises(InvalidArgument):
+            store.record(ContainerRecord(C, Holding(share=Share(3, 1, "mps", bad))))  # type: ignore[arg-type]
+    assert store.get(C) is None
+
+
+def test_a_schema_9_store_gains_share_users_and_its_sharers_have_no_uid(tmp_path):
+    with StateStore(str(tmp_path)) as store:
+        store.record(ContainerRecord(A, Holding(share=Share(3, 1, "mps", 1000))))
+    db = sqlite3.connect(os.path.join(str(tmp_path), DB_FILE))
+    db.executescript("DROP TABLE share_user; PRAGMA user_version=9;")
+    db.close()
+    with StateStore(str(tmp_path)) as store:
+        assert store.get(A).holding.share == Share(3, 1, "mps")  # uid None: recorded before schema 10
+        store.record(ContainerRecord(B, Holding(share=Share(3, 1, "mps", 7))))
+        assert store.get(B).holding.share.uid == 7
+    db = sqlite3.connect(os.path.join(str(tmp_path), DB_FILE))
+    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 10
+    db.close()

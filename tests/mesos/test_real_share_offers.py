@@ -6,7 +6,8 @@ requests (four quarter-GPU tasks, then five half-GPU tasks) on two agents with t
   resources`` prints it and as docs/sharing.md shows it): the master grants only what one GPU can hold,
   and all nine tasks launch, each opening exactly its GPU, on a GPU of its size. The requests are the
   ``mesos-execute --resources`` of docs/sharing.md's example, read from the page.
-- **Pooled** ``gpu_shares:16`` (``--shared-gpus 4-7:4:mps``, the earlier release's scheme): the four
+- **Pooled** ``gpu_shares:16`` (``--shared-gpus 4-7:4:time-slice``, the earlier release's scheme; under
+  MPS every sharer holds one share, so the two-share tasks need time-sliced GPUs): the four
   one-share tasks spread over GPUs 4-7 (a fragmented state, built on purpose by the spread placement),
   four two-share tasks take two more of each, and the ninth, offered by the master (four shares free
   in its count), fails at launch with RESOURCE_EXHAUSTED: one share is free on each GPU, two on none.
@@ -42,6 +43,10 @@ def documented_example() -> tuple[str, dict[str, str]]:
     agent = re.search(r"mesos-agent .*--resources='([^']+)'", block)
     tasks = dict(re.findall(r"--name=(\w+) \\\n\s+--resources='([^']+)'", block))
     assert agent is not None and set(tasks) == {"quarter", "half"}, block
+    # As written, each framework declares GPU_RESOURCES, as this test's do (Cluster._execute): the
+    # master offers an agent with GPUs to no framework without it, shares or not (issue 41 item 7).
+    commands = block.split("mesos-execute ")[1:]
+    assert len(commands) == 2 and all("--framework_capabilities=GPU_RESOURCES" in c for c in commands), block
     return agent.group(1), tasks
 
 
@@ -104,7 +109,11 @@ def test_units_every_task_the_master_places_launches(mesos_home: str, route) -> 
 
 def test_pooled_gpu_shares_refuse_a_task_the_master_placed_on_a_fragmented_agent(mesos_home: str, route) -> None:
     with Cluster(
-        mesos_home, gpus=4, resources=f"{BASE};gpu_shares:16", route=route, sidecar_flags=("--shared-gpus", "4-7:4:mps")
+        mesos_home,
+        gpus=4,
+        resources=f"{BASE};gpu_shares:16",
+        route=route,
+        sidecar_flags=("--shared-gpus", "4-7:4:time-slice"),
     ) as cluster:
         quarters = [running(launch(cluster, "cpus:0.1;mem:32;gpu_shares:1")) for _ in range(4)]
         assert shares_of(cluster) == {4: 1, 5: 1, 6: 1, 7: 1}, "spread: one on each GPU"

@@ -1,5 +1,6 @@
 """gpu_shares under a real Mesos master and agent (docs/sharing.md): an agent with
-``gpus:4;gpu_shares:16`` (the simulated DGX-1's GPUs 0-3 whole, 4-7 shared four ways under MPS). The
+``gpus:4;gpu_shares:16`` (the simulated DGX-1's GPUs 0-3 whole, 4-7 shared four ways: 4-6 time-sliced,
+where a pooled task may hold all four shares, 7 under MPS, where every sharer holds one). The
 master takes the custom scalar from the agent's --resources and offers it; mesos-execute asks for it
 as for cpus; the sidecar places and isolates, and the tasks report what they could open.
 
@@ -33,7 +34,7 @@ def shared(mesos_home: str) -> Iterator[Cluster]:
         mesos_home,
         gpus=4,
         resources="cpus:8;mem:4096;disk:4096;gpu_shares:16",
-        sidecar_flags=("--shared-gpus", "4-7:4:mps", "--metrics-address", f"unix:{METRICS}"),
+        sidecar_flags=("--shared-gpus", "4-6:4:time-slice,7:4:mps", "--metrics-address", f"unix:{METRICS}"),
     ) as c:
         yield c
 
@@ -66,7 +67,7 @@ def test_the_master_offers_gpu_shares_and_the_sidecar_places_and_isolates_them(s
     whole = [run(shared, shares=4) for _ in range(3)]
     for task, gpu in zip(whole, (4, 5, 6), strict=True):
         assert_sees_exactly(task.stdout(), {gpu})
-        assert env(task.stdout())["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "100"
+        assert "CUDA_MPS_PIPE_DIRECTORY" not in env(task.stdout()), "time-sliced: no MPS"
     sharers = [run(shared, shares=1) for _ in range(4)]
     for task in sharers:
         assert_sees_exactly(task.stdout(), {7})  # four at once on GPU 7, each opening exactly it
@@ -142,10 +143,10 @@ def test_the_agent_and_the_sidecar_restarted_with_sharers_live_keep_every_share(
 
     assert agent.sidecar is not None
     agent.sidecar.terminate()
-    agent.start_sidecar()  # the books rebuilt from the records, the MPS daemons adopted
+    agent.start_sidecar()  # the books rebuilt from the records
     assert _shares_held(shared) == before
     gpus = {int(g["index"]): g for g in agent.sidecar_json("gpus")["gpus"]}
-    assert [gpus[i]["mps_state"] for i in (4, 5, 6)] == ["running"] * 3
+    assert [gpus[i]["share_mode"] for i in (4, 5, 6)] == ["time-slice"] * 3
     for t in tasks:
         assert t.devices_list() == rules[t.name]
         assert t.state == "TASK_RUNNING", t.updates()
@@ -158,8 +159,6 @@ def test_the_agent_and_the_sidecar_restarted_with_sharers_live_keep_every_share(
         t.teardown()
         t.wait_gone()
     assert not any(_shares_held(shared).values())
-    gpus = {int(g["index"]): g for g in agent.sidecar_json("gpus")["gpus"]}
-    assert [gpus[i]["mps_state"] for i in (4, 5, 6)] == ["stopped"] * 3
     assert "Check failed" not in agent.log()
 
 
@@ -181,7 +180,7 @@ def shared_native(mesos_home: str, native_metrics: str) -> Iterator[Cluster]:
         gpus=4,
         route="native",
         resources="cpus:8;mem:4096;disk:4096;gpu_shares:16",
-        sidecar_flags=("--shared-gpus", "4-7:4:mps", "--metrics-address", f"unix:{native_metrics}"),
+        sidecar_flags=("--shared-gpus", "4-6:4:time-slice,7:4:mps", "--metrics-address", f"unix:{native_metrics}"),
     ) as c:
         yield c
 

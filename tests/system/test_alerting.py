@@ -83,7 +83,7 @@ def selectors(expr: str) -> list[tuple[str, list[str]]]:
 
 def test_rules_and_dashboard_name_metrics_at_all():
     # So that the scrape test below cannot pass on files it failed to read.
-    assert len(rule_exprs()) == 10
+    assert len(rule_exprs()) == 11
     assert len(dashboard_exprs()) >= 14
     names = {n for e in rule_exprs() + dashboard_exprs() for n, _ in selectors(e)}
     assert {"gpu_isolator_gpu_healthy", "gpu_isolator_health_check", "gpu_isolator_errors_total"} <= names
@@ -112,7 +112,7 @@ def test_dashboard_is_a_grafana_dashboard_grafana_can_lay_out():
 def test_promtool_accepts_the_rules():
     result = subprocess.run([_promtool(), "check", "rules", RULES], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 10 rules found" in result.stdout
+    assert "SUCCESS: 11 rules found" in result.stdout
 
 
 def test_promtool_unit_tests_fire_each_alert_on_trouble_and_not_on_a_healthy_sidecar():
@@ -132,8 +132,10 @@ def test_every_metric_and_label_the_rules_and_dashboard_name_is_exported_by_a_re
     from system.test_metrics import _UnixHTTP, series
 
     path = os.path.join(short_tmp, "metrics.sock")
-    # The DGX A100 has GPUs whole and in MIG mode, so the MIG families have series too.
-    with running_sidecar("dgx-a100", "v1", extra=("--metrics-address", f"unix:{path}")) as sidecar:
+    # The DGX A100 has GPUs whole and in MIG mode, so the MIG families have series too; GPU 6 shared
+    # in mps mode gives the MPS families theirs (the restarts counter is exported at 0 from the start).
+    extra = ("--metrics-address", f"unix:{path}", "--shared-gpus", "6:2:mps")
+    with running_sidecar("dgx-a100", "v1", extra=extra) as sidecar:
         isolator = GrpcIsolator(sidecar.socket)
         containerizer = Containerizer(isolator, sidecar.work)
         try:

@@ -387,7 +387,7 @@ def test_volume_json_is_the_manifest_with_users_and_the_table_describes_it(world
 def test_health_in_both_forms_checks_nvml_cgroups_state_consistency_and_socket(world):
     data = _json(world.socket, "health")
     checks = {c["name"]: c for c in data["checks"]}
-    assert list(checks) == ["nvml", "cgroups", "state", "consistency", "handover", "maintenance", "socket"]
+    assert list(checks) == ["nvml", "cgroups", "state", "consistency", "handover", "maintenance", "mps", "socket"]
     assert data["healthy"] is True and all(c["ok"] for c in checks.values())
     assert "NVML sees 8" in checks["nvml"]["detail"] and "1 not usable" in checks["nvml"]["detail"]
     assert checks["cgroups"]["detail"] == "v1 devices, standalone mode"

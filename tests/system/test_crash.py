@@ -248,9 +248,10 @@ def crash_points() -> int:
 def points_for(version: str, recovers: bool = True) -> tuple[str, ...]:
     other = "v2." if version == "v1" else "v1."
     # cpuset.* points are passed only under --cpu-affinity enforce, on a host whose GPUs are local to
-    # this machine's CPUs (dgx-1 is not): tests/system/test_affinity.py aims at them.
+    # this machine's CPUs (dgx-1 is not): tests/system/test_affinity.py aims at them. mps.* points
+    # only where a GPU is shared in mps mode: tests/system/test_mps_identity.py aims at them.
     return tuple(
-        p for p in POINTS if not p.startswith((other, "cpuset.")) and (recovers or not p.startswith("recover."))
+        p for p in POINTS if not p.startswith((other, "cpuset.", "mps.")) and (recovers or not p.startswith("recover."))
     )
 
 

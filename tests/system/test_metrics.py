@@ -115,7 +115,7 @@ def test_build_info_process_metrics_health_checks_and_the_dcgm_uuid_label(short_
     assert {lbl["UUID"] for lbl in healthy} == {g.uuid for g in sidecar.sim.spec.gpus}
     # The sidecar's own health checks (as `gpu-isolator health`), one series per check.
     checks = {lbl["check"]: v for n, lbl, v in samples if n == "gpu_isolator_health_check"}
-    assert checks == {"nvml": 1, "cgroups": 1, "state": 1, "consistency": 1, "handover": 1, "maintenance": 1}
+    assert checks == {"nvml": 1, "cgroups": 1, "state": 1, "consistency": 1, "handover": 1, "maintenance": 1, "mps": 1}
 
 
 def test_metrics_count_mig_devices_per_resource_and_their_holders(short_tmp):

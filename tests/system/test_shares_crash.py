@@ -25,6 +25,12 @@ POINTS = [
     "cleanup.record",
     "handover.pending",
     "state.commit",
+    # Issue 41 item 5: killed while its GPU's MPS control daemon starts (the launch recorded, the
+    # daemon not yet started / started, not yet recorded): after the restart the daemon is the one
+    # recognised (stopped with its GPU's last sharer, or serving the next), never an orphan that
+    # makes the next start fail "already running".
+    "mps.launching",
+    "mps.spawned",
 ]
 # Issue 41: the agent's own updates of a sharer, one grow on its GPU then a release to 0.
 UPDATE_POINTS = ["update.grown", "update.revoked", "update.recorded"]
@@ -46,8 +52,10 @@ def share_config(containerizer: Containerizer, n: int = 1) -> dict:
 @pytest.mark.parametrize("point", POINTS + UPDATE_POINTS)
 def test_a_sharer_survives_a_kill_at(point, version):
     update = grow_then_release if point in UPDATE_POINTS else None
+    # The updates grow a pooled holder to 2 shares: time-sliced (under MPS every sharer holds one).
+    shared = "4:2:time-slice" if update else "4:2:mps"
     with killed_and_recovered(
-        "dgx-1", version, point, share_config, extra=("--shared-gpus", "4:2:mps"), update=update
+        "dgx-1", version, point, share_config, extra=("--shared-gpus", shared), update=update
     ) as after:
         isolator = after.isolator
         isolator.cleanup(container_id("crashy"))

@@ -123,10 +123,12 @@ def test_sharers_through_the_daemon_restart_and_reload(short_tmp):
 
 def _stand_ins(work: str) -> dict[str, int]:
     """GPU UUID -> pid of each live stand-in MPS control daemon under the work dir."""
+    import sys
+
     from isolator.host.mps import MpsControl
 
     root = os.path.join(work, "mps")
-    control = MpsControl("", root)
+    control = MpsControl("", root, daemon_exe=sys.executable)  # the stand-in's daemon runs this interpreter
     out = {}
     for uuid_ in sorted(os.listdir(root)) if os.path.isdir(root) else []:
         pid = control.pid(uuid_)
@@ -146,14 +148,14 @@ def test_mps_daemons_through_the_daemon_started_supervised_and_stopped(short_tmp
         isolator = GrpcIsolator(sidecar.socket)
         c = Containerizer(isolator, short_tmp)
         try:
-            info = isolator.prepare(container_id("a"), _shares(c, 2))
+            info = isolator.prepare(container_id("a"), _shares(c, 1))
             assert info is not None
             env = {e["name"]: e.get("value", "") for e in info["environment"]["variables"]}
             running = _stand_ins(short_tmp)
             assert len(running) == 1, running
             (gpu_uuid,) = running
             assert env["CUDA_MPS_PIPE_DIRECTORY"] == os.path.join(short_tmp, "mps", gpu_uuid, "pipe")
-            assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+            assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
             assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"].startswith("0=") and env[
                 "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
             ].endswith("M")

@@ -101,21 +101,35 @@ def insert_share(db: sqlite3.Connection, cid: ContainerId, share: Share) -> None
         raise InvalidArgument(f"share count {n!r} of GPU {minor} is not a positive integer")
     if share.mode not in MODES:
         raise InvalidArgument(f"unknown sharing mode {share.mode!r} of GPU {minor}")
+    uid = share.uid
+    if uid is not None and (isinstance(uid, bool) or not isinstance(uid, int) or uid < 0):
+        raise InvalidArgument(f"uid {uid!r} of a sharer of GPU {minor} is not a non-negative integer")
     try:
         db.execute("INSERT INTO share_allocation VALUES (?, ?, ?, ?)", (cid_key(cid), minor, n, str(share.mode)))
+        if uid is None:
+            db.execute("DELETE FROM share_user WHERE container = ?", (cid_key(cid),))
+        else:
+            db.execute("INSERT OR REPLACE INTO share_user VALUES (?, ?)", (cid_key(cid), uid))
     except sqlite3.IntegrityError as exc:
         row = db.execute("SELECT container FROM allocation WHERE minor = ?", (minor,)).fetchone()
         holder = str(cid_of(row[0])) if row else "?"
         raise GpuAlreadyHeld(gpu=f"{minor} (shared)", container=str(cid), holder=holder) from exc
 
 
-def share_of(minor: int, count: int, mode: str) -> Share:
-    return Share(minor, count, ShareMode(mode))
+def share_of(minor: int, count: int, mode: str, uid: int | None = None) -> Share:
+    return Share(minor, count, ShareMode(mode), uid)
+
+
+# A share row with its sharer's uid (NULL when an older sidecar recorded it).
+SHARES = (
+    "SELECT s.container, s.minor, s.shares, s.mode, u.uid FROM share_allocation s"
+    " LEFT JOIN share_user u ON u.container = s.container"
+)
 
 
 def shares_of(db: sqlite3.Connection, key: str) -> Share | None:
-    row = db.execute("SELECT minor, shares, mode FROM share_allocation WHERE container = ?", (key,)).fetchone()
-    return None if row is None else share_of(*row)
+    row = db.execute(SHARES + " WHERE s.container = ?", (key,)).fetchone()
+    return None if row is None else share_of(*row[1:])
 
 
 def require(db: sqlite3.Connection, cid: ContainerId) -> None:

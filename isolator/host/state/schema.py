@@ -21,7 +21,7 @@ from isolator.model import CgroupVersion, RecordState
 LOG = logging.getLogger("isolator.host.state")  # the name operators know from the logs (docs/operations.md)
 
 DB_FILE = "allocations.sqlite3"
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 # The oldest schema whose sidecar reads and writes a store of SCHEMA_VERSION correctly. An additive
 # migration (new tables or columns that an older sidecar may ignore: rows tied to a container by
 # ON DELETE CASCADE, columns with defaults; and newer code that copes with rows an older sidecar
@@ -39,6 +39,7 @@ TABLES_AFTER_2 = (
     "gpu_maintenance",
     "share_allocation",
     "gpu_maintenance_history",
+    "share_user",
 )
 STATES = tuple(RecordState)  # the container table's CHECK names the same three
 CGROUP_VERSIONS = tuple(v.number for v in CgroupVersion)
@@ -188,6 +189,19 @@ CREATE TABLE IF NOT EXISTS gpu_maintenance_history (
 """
 
 
+# Version 10: the Unix uid each sharer runs as (docs/sharing.md, "Users"): legacy MPS serves one uid
+# per GPU at a time, so placement keeps a single-user MPS GPU's sharers to one uid, across restarts.
+# A table of its own, not a column of share_allocation, so that an older sidecar's four-value inserts
+# still work: additive. A sharer recorded without a row (by an older sidecar) has an unknown uid, and
+# no sharer of another uid is placed beside it (fail closed).
+_SCHEMA_V10 = """
+CREATE TABLE IF NOT EXISTS share_user (
+    container TEXT PRIMARY KEY REFERENCES container (key) ON DELETE CASCADE,
+    uid       INTEGER NOT NULL CHECK (uid >= 0)
+) WITHOUT ROWID;
+"""
+
+
 # Each migration as (the newest schema it applies to, its script), oldest first: a store at version V
 # runs every script whose schema is V or newer, in order.
 _MIGRATIONS = (
@@ -199,6 +213,7 @@ _MIGRATIONS = (
     (6, _SCHEMA_V7),
     (7, _SCHEMA_V8),
     (8, _SCHEMA_V9),
+    (9, _SCHEMA_V10),
 )
 
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from isolator.errors import GpusExhausted
+from isolator.errors import GpusExhausted, InvalidArgument
 from isolator.model import ContainerId, Holding, Mode, RecordState, Share, ShareMode
 from isolator.policy.request import Request
 from isolator.policy.shares import SharesExhausted, parse_shared_gpus
@@ -117,19 +117,32 @@ def test_the_grant_of_a_holding_is_its_gpus_and_mig_units() -> None:
 
 def test_resize_of_shares_books_a_grow_on_the_same_gpu_and_only_chooses_a_shrink() -> None:
     rig = fake_service("dgx-1")
-    rig.settings = replace(rig.settings, shared_gpus=parse_shared_gpus("4:4:mps"))
+    rig.settings = replace(rig.settings, shared_gpus=parse_shared_gpus("4:4"))
     booking = rig.restart().core.booking
     with booking.lock:
         held = booking.book("a", Request(shares=1))
         assert held.share is not None
         grown, shrunk, _why = booking.resize("a", held, Request(shares=3))
-        assert grown.share == Share(held.share.gpu, 2, ShareMode.MPS) and shrunk.empty
+        assert grown.share == Share(held.share.gpu, 2, ShareMode.TIME_SLICE, 0) and shrunk.empty
         assert booking.share_holders(held.share.gpu) == {"a": 3}
         grown, shrunk, _why = booking.resize("a", held | grown, Request(shares=0))
-        assert grown.empty and shrunk.share == Share(held.share.gpu, 3, ShareMode.MPS)
+        assert grown.empty and shrunk.share == Share(held.share.gpu, 3, ShareMode.TIME_SLICE, 0)
         assert booking.share_holders(held.share.gpu) == {"a": 3}  # still booked: the caller revokes, then frees
-        assert booking.free("a", Holding(share=Share(held.share.gpu, 1, ShareMode.MPS))) == frozenset()
+        assert booking.free("a", Holding(share=Share(held.share.gpu, 1, ShareMode.TIME_SLICE))) == frozenset()
         assert booking.share_holders(held.share.gpu) == {"a": 2}
         with pytest.raises(SharesExhausted, match="asks for 5 gpu_shares but holds 2 of GPU 4"):
-            booking.resize("a", Holding(share=Share(held.share.gpu, 2, ShareMode.MPS)), Request(shares=5))
+            booking.resize("a", Holding(share=Share(held.share.gpu, 2, ShareMode.TIME_SLICE)), Request(shares=5))
         assert booking.share_holders(held.share.gpu) == {"a": 2}
+
+
+def test_a_grow_of_an_mps_sharer_is_refused_since_every_mps_sharer_holds_one_share() -> None:
+    rig = fake_service("dgx-1")
+    rig.settings = replace(rig.settings, shared_gpus=parse_shared_gpus("4:4:mps"))
+    booking = rig.restart().core.booking
+    with booking.lock:
+        held = booking.book("a", Request(shares=1), uid=1000)
+        assert held.share is not None and held.share == Share(held.share.gpu, 1, ShareMode.MPS, 1000)
+        with pytest.raises(InvalidArgument, match="shared in mps mode, where each sharer holds exactly one share"):
+            booking.resize("a", held, Request(shares=2))
+        assert booking.share_holders(held.share.gpu) == {"a": 1}
+        assert booking.share_users(held.share.gpu) == frozenset({1000})

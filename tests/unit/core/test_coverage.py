@@ -53,6 +53,8 @@ def public_methods(cls: type) -> set[str]:
 # Reached only through another public method (each named with the one its tests call).
 INDIRECT = {
     "sync_health": "recover",
+    "end_mps_clients": "cleanup",  # a sharer's MPS clients terminated (tests/unit/core/test_mps_faults.py)
+    "set_mps_faults": "supervise_mps",  # an MPS server in FAULT (tests/unit/core/test_mps_faults.py)
     "recorded_affinity": "isolate",  # the cpuset a pid joins (tests/unit/core/test_affinity.py)
     "notify": "cleanup",
     "rules": "prepare",

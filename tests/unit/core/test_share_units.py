@@ -95,6 +95,9 @@ def test_an_update_keeps_releases_or_refuses_a_unit_and_never_moves_it(rig: Rig)
 
 def test_a_pooled_holder_of_one_share_is_kept_by_its_units_name_and_released_without_it(rig: Rig) -> None:
     a, b = cid("a"), cid("b")
+    # GPUs 5-7 time-sliced: a pooled request of 2 never goes to an mps GPU (one share per MPS sharer).
+    rig.settings = replace(rig.settings, shared_gpus=parse_shared_gpus("4:4:mps,5-7:2"))
+    rig.restart()
     rig.service.prepare(a, ContainerConfig(resources=(Resource("gpu_shares", 1.0),)))  # an older agent's task
     rig.service.prepare(b, ContainerConfig(resources=(Resource("gpu_shares", 2.0),)))
     gpu_a, gpu_b = minor_of(rig, 4), minor_of(rig, 5)  # the spread: the lowest minor, then the emptiest

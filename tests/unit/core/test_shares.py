@@ -22,6 +22,9 @@ from isolator.policy.shares import (
 from isolator.testing import Rig, fake_service
 
 SHARED = parse_shared_gpus("4-7:4:mps")  # dgx-1: GPUs 0-3 whole, 4-7 cut four ways
+# The same cut time-sliced: where a pooled request of several shares goes (under MPS every sharer holds
+# one share: tests/unit/core/test_mps_limits.py).
+TIME_SLICED = parse_shared_gpus("4-7:4")
 
 
 def cid(text: str) -> ContainerId:
@@ -55,6 +58,14 @@ def rig(request) -> Rig:
     return rig
 
 
+@pytest.fixture(params=["v1", "v2"])
+def ts_rig(request) -> Rig:
+    rig = fake_service("dgx-1", version=request.param)
+    rig.settings = replace(rig.settings, shared_gpus=TIME_SLICED)
+    rig.restart()
+    return rig
+
+
 def booked(rig: Rig) -> dict[int, int]:
     booking = rig.service.core.booking
     with booking.lock:
@@ -79,7 +90,8 @@ def test_four_one_share_tasks_spread_over_the_shared_gpus_each_granted_exactly_i
     assert booked(rig) == {shared[0]: 2, shared[1]: 1, shared[2]: 1, shared[3]: 1}
 
 
-def test_shares_fill_one_gpu_then_move_to_the_next(rig: Rig) -> None:
+def test_shares_fill_one_gpu_then_move_to_the_next(ts_rig: Rig) -> None:
+    rig = ts_rig
     shared = [minor_of(rig, i) for i in (4, 5, 6, 7)]
     rig.service.prepare(cid("big"), shares(4))
     for name in "abc":
@@ -121,7 +133,8 @@ def test_shares_with_whole_gpus_in_one_container_are_refused(rig: Rig) -> None:
 
 
 @pytest.mark.parametrize(("edge", "step"), [("store", "record"), ("cgroups", "prepare"), ("cgroups", "apply")])
-def test_a_failure_half_way_through_prepare_frees_the_shares(rig: Rig, edge: str, step: str) -> None:
+def test_a_failure_half_way_through_prepare_frees_the_shares(ts_rig: Rig, edge: str, step: str) -> None:
+    rig = ts_rig
     getattr(rig, edge).faults.fail_at(step)
     with pytest.raises(Exception, match="injected fault"):
         rig.service.prepare(cid("a"), shares(2))
@@ -131,7 +144,8 @@ def test_a_failure_half_way_through_prepare_frees_the_shares(rig: Rig, edge: str
     assert sum(booked(rig).values()) == 2
 
 
-def test_cleanup_frees_the_shares_and_the_last_sharer_hands_the_gpu_over(rig: Rig) -> None:
+def test_cleanup_frees_the_shares_and_the_last_sharer_hands_the_gpu_over(ts_rig: Rig) -> None:
+    rig = ts_rig
     first = minor_of(rig, 4)
     rig.service.prepare(cid("a"), shares(3))
     rig.service.prepare(cid("b"), shares(3))  # on the next GPU: a's has 1 left
@@ -148,7 +162,8 @@ def test_cleanup_frees_the_shares_and_the_last_sharer_hands_the_gpu_over(rig: Ri
     assert first in rig.service.core.booking.allocated, "still booked for sharing, never whole"
 
 
-def test_the_handover_waits_for_the_last_sharer(rig: Rig) -> None:
+def test_the_handover_waits_for_the_last_sharer(ts_rig: Rig) -> None:
+    rig = ts_rig
     first = minor_of(rig, 4)
     rig.service.prepare(cid("a"), shares(2))
     rig.service.prepare(cid("b"), shares(2))
@@ -185,7 +200,8 @@ def test_the_start_up_audit_puts_back_a_sharers_grant(rig: Rig) -> None:
     assert report.repaired and granted(rig, cid("a")) == [minor_of(rig, 4)]
 
 
-def test_an_xid_on_a_shared_gpu_limits_every_sharer_and_nobody_else(rig: Rig) -> None:
+def test_an_xid_on_a_shared_gpu_limits_every_sharer_and_nobody_else(ts_rig: Rig) -> None:
+    rig = ts_rig
     for name in "abcde":
         rig.service.prepare(cid(name), shares(1))  # a and e on GPU 4
     rig.service.prepare(cid("w"), gpus(1))
@@ -194,7 +210,7 @@ def test_an_xid_on_a_shared_gpu_limits_every_sharer_and_nobody_else(rig: Rig) ->
         lim = rig.service.watch(cid(name))
         assert lim is not None, name
         assert lim.gpus == 0 and lim.mig == (("gpu_shares", 1),)
-        assert f"its 1 gpu_shares of GPU {minor_of(rig, 4)} (mps)" in lim.message
+        assert f"its 1 gpu_shares of GPU {minor_of(rig, 4)} (time-slice)" in lim.message
         assert "XID 79" in lim.message
     for name in "bcdw":
         assert rig.service.watch(cid(name)) is None, name
@@ -203,7 +219,8 @@ def test_an_xid_on_a_shared_gpu_limits_every_sharer_and_nobody_else(rig: Rig) ->
         rig.service.prepare(cid("x"), shares(4))
 
 
-def test_update_never_mixes_shares_with_other_kinds(rig: Rig) -> None:
+def test_update_never_mixes_shares_with_other_kinds(ts_rig: Rig) -> None:
+    rig = ts_rig
     rig.service.prepare(cid("a"), shares(2))
     with pytest.raises(FailedPrecondition, match="shares are never mixed with whole GPUs or MIG devices"):
         rig.service.update(cid("a"), [Resource("gpu_shares", 2.0), Resource("gpus", 1.0)])
@@ -293,7 +310,8 @@ def test_store_failures_leave_no_shares_booked(rig: Rig) -> None:
 # ---- the booking's methods -----------------------------------------------------------------------
 
 
-def test_the_booking_places_restores_and_frees_shares_under_its_lock(rig: Rig) -> None:
+def test_the_booking_places_restores_and_frees_shares_under_its_lock(ts_rig: Rig) -> None:
+    rig = ts_rig
     from isolator.core.locks import LockNotHeld
 
     booking = rig.service.core.booking
@@ -333,7 +351,7 @@ def test_the_first_mps_sharer_starts_the_gpus_daemon_in_exclusive_process_mode(r
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25",
         "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={memory // (1 << 20) // 4}M",
     }
-    rig.service.prepare(cid("b"), shares(3))  # GPU 5: three of four shares
+    rig.service.prepare(cid("b"), shares(1))  # GPU 5
     assert rig.mps.starts == {uuid_of(rig, 4): 1, uuid_of(rig, 5): 1}
     info_b = rig.service.prepare(cid("e"), shares(1))  # GPU 6: its own daemon
     assert info_b is not None and dict(info_b.environment)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
@@ -345,16 +363,20 @@ def test_a_second_sharer_uses_the_running_daemon(rig: Rig) -> None:
     assert rig.mps.starts[uuid_of(rig, 4)] == 1
 
 
-def test_an_image_sharer_gets_the_pipe_directory_mounted_at_cudas_default(rig: Rig) -> None:
+def test_an_image_sharer_gets_the_pipe_directory_mounted_read_only_at_cudas_default(rig: Rig) -> None:
     rig.filesystem.make_dirs("/rootfs/a")
-    config = ContainerConfig(resources=(Resource("gpu_shares", 2.0),), rootfs="/rootfs/a", image_env=("A=1",))
+    config = ContainerConfig(resources=(Resource("gpu_shares", 1.0),), rootfs="/rootfs/a", image_env=("A=1",))
     info = rig.service.prepare(cid("a"), config)
     assert info is not None
     pipe = f"/fake/mps/{uuid_of(rig, 4)}/pipe"
-    assert next(m for m in info.mounts if m.source == pipe).target.endswith("/tmp/nvidia-mps")
+    mount = next(m for m in info.mounts if m.source == pipe)
+    assert mount.target.endswith("/tmp/nvidia-mps")
+    # Read-only (MS_BIND|MS_RDONLY, which the launcher applies as a remount): a root user in the image
+    # can neither rewrite the daemon's files nor plant its own sockets where the sidecar's commands go.
+    assert mount.flags == 4096 | 1
     env = dict(info.environment)
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps"
-    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
 
 
 def test_a_command_task_sharer_gets_its_mps_environment_as_task_environment(rig: Rig) -> None:
@@ -378,7 +400,7 @@ def test_the_daemon_stops_after_the_last_sharer_before_the_handover_check(rig: R
     assert uuid_of(rig, 4) in rig.mps.running(), "e still shares it"
     rig.service.cleanup(cid("e"))
     assert uuid_of(rig, 4) not in rig.mps.running()
-    assert rig.mps.commands[uuid_of(rig, 4)] == ["quit"]
+    assert rig.mps.commands[uuid_of(rig, 4)][-1] == "quit"
     assert rig.service.core.mps.state(minor_of(rig, 4)) == "stopped"
     assert rig.inventory.settings(4)[0] == 0, "the handover check set the compute mode back"
     assert minor_of(rig, 4) not in rig.service.core.booking.draining

@@ -151,7 +151,9 @@ def test_mesos_update_is_not_failed_by_a_nested_cgroup_that_vanishes_meanwhile()
 
 # ---- shares (docs/sharing.md): to 0 released, the same kept, more or fewer on the same GPU ---------
 
-SHARED = parse_shared_gpus("4-7:4:mps")  # dgx-1: GPUs 0-3 whole, 4-7 cut four ways
+# Time-sliced: a pooled holder of several shares grows and shrinks there (under MPS every sharer holds
+# one share, test_mps_limits.py).
+SHARED = parse_shared_gpus("4-7:4")  # dgx-1: GPUs 0-3 whole, 4-7 cut four ways
 
 
 def shares(n: float) -> list[Resource]:

@@ -228,7 +228,8 @@ def test_placement_breaks_ties_by_numa_then_minor():
 
 
 def test_placement_carries_the_mode_and_total():
-    assert place(3, four(8, ShareMode.MPS), {4: 6}) == Placement(5, 3, ShareMode.MPS, 8)
+    assert place(1, four(8, ShareMode.MPS), {4: 6}) == Placement(5, 1, ShareMode.MPS, 8)
+    assert place(3, four(8, ShareMode.TIME_SLICE), {4: 6}) == Placement(5, 3, ShareMode.TIME_SLICE, 8)
 
 
 def test_a_request_bigger_than_any_gpu_is_refused_as_never_satisfiable():

@@ -112,6 +112,19 @@ class MpsControl:
             return None
         return pid if b"mps-control" in cmdline or b"mpscontrol" in cmdline else None
 
+    def multiuser(self, uuid: str) -> bool | None:
+        """Whether the running daemon was started with -multiuser-server (its command line, as
+        ``ps -o args`` shows it); None when none runs."""
+        pid = self.pid(uuid)
+        if pid is None:
+            return None
+        try:
+            with open(os.path.join(self.proc_root, str(pid), "cmdline"), "rb") as fh:
+                args = fh.read().split(b"\0")
+        except OSError:
+            return None
+        return any(a in (b"-multiuser-server", b"-M", b"--multiuser-server") for a in args)
+
     def alive(self, uuid: str) -> bool:
         """Its process lives and it answers a control command."""
         if self.pid(uuid) is None:

@@ -101,6 +101,9 @@ class NoMpsDaemons:
     def pid(self, uuid: str) -> int | None:
         return None
 
+    def multiuser(self, uuid: str) -> bool | None:
+        return None
+
     def stop(self, uuid: str) -> None:
         return None  # nothing runs: nothing to stop
 

@@ -121,6 +121,7 @@ class Mps:
         with self._lock:
             if daemons.alive(gpu.uuid):
                 try:
+                    self._check_users_mode(gpu, plan)
                     if self._configured.get(gpu.uuid) != (daemons.pid(gpu.uuid), plan):
                         self._configure(gpu, plan)  # adopted at start, or a first plan for this daemon
                 except IsolatorError as exc:
@@ -162,6 +163,19 @@ class Mps:
             ", multi-user" if plan.multiuser else f", server of uid {plan.uid}" if plan.uid is not None else "",
         )
         return True
+
+    def _check_users_mode(self, gpu: Gpu, plan: ServerPlan) -> None:
+        """A running daemon serves users as it was started (-multiuser-server or not): one that
+        differs from the flags (a restart that switched it under sharers) takes no new sharer until
+        its last sharer leaves and it is stopped (fail closed: another user's sharer would wait on it,
+        or share a server the operator no longer chose)."""
+        running = self.daemons.multiuser(gpu.uuid)
+        if running is not None and running != plan.multiuser:
+            said = "with" if running else "without"
+            raise FailedPrecondition(
+                f"the MPS control daemon of GPU {gpu.index} ({gpu.uuid}) runs {said} -multiuser-server, which"
+                f" --shared-gpus no longer asks; it keeps its mode until the GPU's last sharer leaves"
+            )
 
     def _configure(self, gpu: Gpu, plan: ServerPlan) -> None:
         """Set the daemon's defaults (for every server it starts from now on) and read them back; read

@@ -285,6 +285,8 @@ class MpsDaemons(Protocol):
 
     def pid(self, uuid: str) -> int | None: ...  # the running daemon's pid, None when none runs
 
+    def multiuser(self, uuid: str) -> bool | None: ...  # started with -multiuser-server; None: none runs
+
     def stop(self, uuid: str) -> None: ...  # quit, then kill; none running: no-op
 
 

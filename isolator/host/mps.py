@@ -165,6 +165,19 @@ class MpsControl:
         daemon = self.identify(uuid)
         return daemon.pid if daemon is not None else None
 
+    def multiuser(self, uuid: str) -> bool | None:
+        """Whether the running daemon was started with -multiuser-server (its command line, as
+        ``ps -o args`` shows it); None when none runs."""
+        pid = self.pid(uuid)
+        if pid is None:
+            return None
+        try:
+            with open(os.path.join(self.proc_root, str(pid), "cmdline"), "rb") as fh:
+                args = fh.read().split(b"\0")
+        except OSError:
+            return None
+        return any(a in (b"-multiuser-server", b"-M", b"--multiuser-server") for a in args)
+
     def alive(self, uuid: str) -> bool:
         """Our daemon's process lives and it answers a control command."""
         if self.identify(uuid) is None:

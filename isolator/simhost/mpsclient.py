@@ -95,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _hold(lines, args: argparse.Namespace) -> int:
     """Stay (connected) until told or killed; print what the daemon says meanwhile."""
+    if args.seconds is not None and args.seconds <= 0:
+        return 0  # report and go (setitimer(0) would mean no timer: hold forever)
     if args.seconds is not None:
         signal.signal(signal.SIGALRM, lambda *_: sys.exit(0))
         signal.setitimer(signal.ITIMER_REAL, args.seconds)

@@ -67,7 +67,7 @@ class FakeMps:
         self._pids: dict[str, int] = {}
         self._next = itertools.count(5000)
         self.starts: dict[str, int] = {}
-        self.multiuser: dict[str, bool] = {}
+        self.multiuser_of: dict[str, bool] = {}  # how each GPU's daemon was last started
         self.commands: dict[str, list[str]] = {}
         self.logs: dict[str, list[str]] = {}
         # Settings a broken daemon answers but does not take (a command's first word): a percentage is
@@ -91,7 +91,7 @@ class FakeMps:
                 multiuser=multiuser,
             )
             self.starts[uuid] = self.starts.get(uuid, 0) + 1
-            self.multiuser[uuid] = multiuser
+            self.multiuser_of[uuid] = multiuser
             return pid
 
     def command(self, uuid: str, text: str, peer_uid: int = 0) -> str:
@@ -116,6 +116,10 @@ class FakeMps:
     def pid(self, uuid: str) -> int | None:
         with self._lock:
             return self._pids.get(uuid)
+
+    def multiuser(self, uuid: str) -> bool | None:
+        with self._lock:
+            return self.multiuser_of.get(uuid) if uuid in self._pids else None
 
     def stop(self, uuid: str) -> None:
         """``quit``, then the kill the edge does when clients keep it waiting."""

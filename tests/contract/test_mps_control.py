@@ -43,9 +43,10 @@ def _kill(daemons, uuid: str) -> None:
 
 def test_start_answer_kill_restart_and_stop(daemons):
     assert not daemons.alive(UUID)
-    assert daemons.pid(UUID) is None
+    assert daemons.pid(UUID) is None and daemons.multiuser(UUID) is None
     pid = daemons.start(UUID)
     assert pid > 0 and daemons.alive(UUID) and daemons.pid(UUID) == pid
+    assert daemons.multiuser(UUID) is False
     daemons.command(UUID, "set_default_active_thread_percentage 25")
     with pytest.raises(MpsError, match="already running"):
         daemons.start(UUID)
@@ -53,8 +54,9 @@ def test_start_answer_kill_restart_and_stop(daemons):
     assert not daemons.alive(UUID)
     with pytest.raises(MpsError):
         daemons.command(UUID, "get_server_list")
-    assert daemons.start(UUID) != pid
-    assert daemons.alive(UUID)
+    multiuser = os.geteuid() == 0  # -multiuser-server is root's only, for the stand-in as for the real one
+    assert daemons.start(UUID, multiuser=multiuser) != pid
+    assert daemons.alive(UUID) and daemons.multiuser(UUID) is multiuser
     daemons.stop(UUID)
     assert not daemons.alive(UUID)
     daemons.stop(UUID)  # nothing to stop: no-op

@@ -343,3 +343,24 @@ def test_the_sm_count_of_a_percentage_is_whole_tpcs_as_measured():
     from isolator.simhost.mpsclient import sm_count
 
     assert [sm_count(p, 132) for p in (10, 25, 40, 50, 100)] == [12, 32, 52, 66, 132]
+
+
+@pytest.fixture
+def stand_in(short_tmp):
+    side, stop = _start(type("Param", (), {"param": "stand-in"})(), short_tmp)
+    yield side
+    stop()
+
+
+def test_a_client_told_zero_seconds_reports_and_exits(stand_in):
+    pipe = stand_in.control.pipe_dir(UUID)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_")}
+    out = subprocess.run(
+        [sys.executable, "-m", "isolator.simhost.mpsclient", "--seconds", "0"],
+        env={**env, "CUDA_MPS_PIPE_DIRECTORY": pipe},
+        cwd=paths.ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert out.returncode == 0 and json.loads(out.stdout)["mps"] is True, out

@@ -207,7 +207,7 @@ def test_a_multiuser_gpu_takes_every_users_sharers_on_one_server(rig: Rig) -> No
     rig.service.prepare(cid("a"), sharer("alice"))
     rig.service.prepare(cid("b"), sharer("bob"))
     uuid = uuid_of(rig, 4)
-    assert rig.mps.multiuser[uuid] is True
+    assert rig.mps.multiuser(uuid) is True
     alice = rig.mps.connect(uuid, pid=4200, uid=1000)
     bob = rig.mps.connect(uuid, pid=4201, uid=1001)
     assert alice.server == bob.server != 0 and (alice.threads, bob.threads) == (25.0, 25.0)
@@ -230,3 +230,16 @@ def test_a_daemon_started_again_behind_the_sidecars_back_is_set_up_before_the_ne
     rig.service.prepare(cid("b"), sharer("alice"))
     assert rig.mps.command(uuid, "get_default_active_thread_percentage") == "25.0"
     assert [s.uid for s in rig.mps.daemon(uuid).servers.values()] == [1000]
+
+
+def test_a_restart_that_switched_multi_user_under_sharers_takes_no_new_sharer_on_that_daemon(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), sharer("alice"))
+    rig.settings = replace(rig.settings, shared_gpus=parse_shared_gpus("4:4:mps:multiuser"))
+    rig.restart()  # the records keep no mode of users: not refused, the daemon adopted as it runs
+    with pytest.raises(FailedPrecondition, match="runs without -multiuser-server, which --shared-gpus no longer asks"):
+        rig.service.prepare(cid("b"), sharer("bob"))
+    assert rig.store.get(cid("b")) is None and rig.store.get(cid("a")) is not None
+    rig.service.cleanup(cid("a"))  # the last sharer: the daemon stops; the next one starts multi-user
+    rig.service.core.handover.recheck()
+    rig.service.prepare(cid("b"), sharer("bob"))
+    assert rig.mps.multiuser(uuid_of(rig, 4)) is True

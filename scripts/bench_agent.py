@@ -632,14 +632,14 @@ def render(a: dict[str, Any], goal: float = GOAL_PER_HOOK_MS) -> list[str]:
     methods = sorted({m for f in a["configs"].values() for m in f.get("hooks", {})})
     if methods:
         lines.append("   per hook, the module's wait (median ms; the module runs one hook at a time per agent):")
-        lines.append(f"   {'hook':<10}" + "".join(f"{c:>10}" for c in a["configs"] if a["configs"][c].get("hooks")))
+        lines.append(f"   {'hook':<16}" + "".join(f"{c:>10}" for c in a["configs"] if a["configs"][c].get("hooks")))
         for m in methods:
             cells = [
                 f"{f['hooks'][m]['median_ms']:>10.1f}" if f["hooks"].get(m, {}).get("n") else f"{'-':>10}"
                 for f in a["configs"].values()
                 if f.get("hooks")
             ]
-            lines.append(f"   {m:<10}" + "".join(cells))
+            lines.append(f"   {m:<16}" + "".join(cells))
         if a["configs"].get("native", {}).get("hooks"):
             lines.append(
                 "   native: from the agent's call to the hook's end as our module logs it (its earlier hooks of"

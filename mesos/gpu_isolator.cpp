@@ -63,6 +63,15 @@ namespace {
 using Clock = std::chrono::system_clock;
 
 
+// Milliseconds since `start` on the monotonic clock, for the hooks' debug
+// lines.
+double msSince(const std::chrono::steady_clock::time_point& start)
+{
+  return std::chrono::duration<double, std::milli>(
+      std::chrono::steady_clock::now() - start).count();
+}
+
+
 // How long the Cleanup of a container whose Prepare failed with the sidecar
 // unreachable waits for it (see `cleanup`).
 const Duration UNREACHED_CLEANUP_TIMEOUT = Seconds(1);
@@ -108,6 +117,7 @@ public:
         grpc::InsecureChannelCredentials(),
         arguments);
     stub = v1::Isolator::NewStub(channel);
+    runtime.countConnections(channel);
   }
 
   Future<Nothing> recover(
@@ -147,7 +157,11 @@ public:
     }
     const v1::PrepareRequest message = request.get();
     isolating.insert(containerId);
-    return inOrder<Option<ContainerLaunchInfo>>(containerId, [=]() {
+    return inOrder<Option<ContainerLaunchInfo>>("Prepare", containerId, [=]() {
+      // Whether the sidecar can have seen this Prepare, should it fail (see
+      // `cleanup`): connected now, or connected while it is tried.
+      const bool readyAtStart = channel->GetState(false) == GRPC_CHANNEL_READY;
+      const uint64_t connectionsAtStart = runtime.connections();
       return forward(
           "Prepare",
           stringify(containerId),
@@ -173,7 +187,8 @@ public:
           // Failed while the sidecar could not be reached: see `cleanup`.
           if (prepared.isFailed() &&
               channel->GetState(false) != GRPC_CHANNEL_READY) {
-            unreached.insert(containerId);
+            unreached[containerId] =
+              readyAtStart || runtime.connections() != connectionsAtStart;
           }
         }));
     });
@@ -186,7 +201,7 @@ public:
       return Failure("gpu-isolator Isolate: " + request.error());
     }
     const v1::IsolateRequest message = request.get();
-    Future<Nothing> result = inOrder<Nothing>(containerId, [=]() {
+    Future<Nothing> result = inOrder<Nothing>("Isolate", containerId, [=]() {
       return forward(
           "Isolate",
           stringify(containerId),
@@ -219,6 +234,7 @@ public:
     }
     std::shared_ptr<Watcher> watcher(new Watcher());
     watcher->request = request.get();
+    watcher->asked = std::chrono::steady_clock::now();
     watchers[containerId] = watcher;
     // The agent asks for the Watch of a container it is launching between
     // its Prepare and its Isolate. Opened then, the Watch's first check runs
@@ -244,7 +260,7 @@ public:
       return Failure("gpu-isolator Update: " + request.error());
     }
     const v1::UpdateRequest message = request.get();
-    return inOrder<Nothing>(containerId, [=]() -> Future<Nothing> {
+    return inOrder<Nothing>("Update", containerId, [=]() -> Future<Nothing> {
       // What the sidecar acts on, as last sent: equal, the Update changes
       // nothing there and is answered here. Unknown (no Prepare seen since
       // the agent started, or the last Update failed): it is sent.
@@ -330,9 +346,18 @@ public:
       return Failure("gpu-isolator Cleanup: " + request.error());
     }
     const v1::CleanupRequest message = request.get();
-    return inOrder<Nothing>(containerId, [=]() -> Future<Nothing> {
+    return inOrder<Nothing>("Cleanup", containerId, [=]() -> Future<Nothing> {
       sent.erase(containerId);  // after the hooks before it, as each runs
-      if (!unreached.contains(containerId)) {
+      // A container whose Prepare failed while the sidecar could not be
+      // reached waited its whole prepare deadline for a restart already.
+      // Waiting again, a cleanup deadline more, would only delay the failed
+      // launch's end (issue 45: 25 s + 25 s).
+      CleanupWait wait = CleanupWait::FULL;
+      if (unreached.contains(containerId)) {
+        wait = cleanupWait(true, false, unreached.at(containerId));
+        unreached.erase(containerId);
+      }
+      if (wait == CleanupWait::FULL) {
         return forward(
             "Cleanup",
             stringify(containerId),
@@ -341,15 +366,21 @@ public:
             settings.cleanup_timeout)
           .then([]() { return Nothing(); });
       }
-      // This container's Prepare failed while the sidecar could not be
-      // reached, after waiting its whole deadline for a restart. Waiting
-      // again, a cleanup deadline more, would only delay the failed launch's
-      // end (issue 45: 25 s + 25 s). So Cleanup is tried briefly; a sidecar
-      // still unreachable then cannot be holding anything that needs it: a
-      // Prepare reaching it later expires unserved (its deadline travels
-      // with it), and one it served before it went away is released by its
-      // reaper once the container's cgroup is gone (docs/mesos-agent.md).
-      unreached.erase(containerId);
+      if (wait == CleanupWait::NONE) {
+        // The channel was never connected while the Prepare was tried: no
+        // byte of it left the agent, so the sidecar holds nothing of the
+        // container, now or after a restart.
+        LOG(INFO) << "gpu-isolator Cleanup of container " << containerId
+                  << ": its Prepare never reached the sidecar (not connected"
+                  << " while it was tried); nothing to clean up there";
+        return Nothing();
+      }
+      // The sidecar was connected at some moment of the Prepare, which it
+      // may have served. So Cleanup is tried briefly; a sidecar still
+      // unreachable then cannot be holding anything that needs it: a Prepare
+      // reaching it later expires unserved (its deadline travels with it),
+      // and one it served before it went away is released by its reaper once
+      // the container's cgroup is gone (docs/mesos-agent.md).
       return forward(
           "Cleanup",
           stringify(containerId),
@@ -402,6 +433,8 @@ private:
     Future<Reply<v1::WatchResponse>> call;
     bool stopped = false;
     bool held = false;  // not opened until the container's Isolate ends
+    std::chrono::steady_clock::time_point asked; // when the agent called
+    bool opened = false; // the call was sent at least once
   };
 
   // A container's hooks in flight, run one after the other by libprocess's
@@ -417,12 +450,19 @@ private:
 
   // One container's hooks run one after the other, in the order the agent
   // called them; those of different containers run at once. A hook runs
-  // when the previous one ended, however it ended (Sequence's `add`).
+  // when the previous one ended, however it ended (Sequence's `add`). Each
+  // logs (VLOG(1), e.g. GLOG_vmodule=gpu_isolator=1) how long the agent
+  // waited for it, from its call to its end, waits in the sequence and
+  // retries included: the module's own view of each hook (the agent bench
+  // reads these lines).
   template <typename T>
   Future<T> inOrder(
+      const string& name,
       const ContainerID& containerId,
       const std::function<Future<T>()>& hook)
   {
+    const std::chrono::steady_clock::time_point called =
+      std::chrono::steady_clock::now();
     if (!ordered.contains(containerId)) {
       ordered.put(containerId, Owned<Hooks>(new Hooks()));
     }
@@ -432,7 +472,10 @@ private:
     // The hook runs on this process, as every other of its calls.
     Future<T> result = hooks->sequence->add<T>(defer(self(), hook));
 
-    result.onAny(defer(self(), [=](const Future<T>&) {
+    result.onAny(defer(self(), [=](const Future<T>& ended) {
+      VLOG(1) << "gpu-isolator " << name << " of container " << containerId
+              << ": " << (ended.isReady() ? "done" : "failed") << " after "
+              << msSince(called) << " ms";
       if (ordered.contains(containerId) &&
           ordered.at(containerId) == hooks && --hooks->pending == 0) {
         ordered.erase(containerId);
@@ -511,6 +554,11 @@ private:
   {
     if (watcher->stopped) {
       return;
+    }
+    if (!watcher->opened) {
+      watcher->opened = true;
+      VLOG(1) << "gpu-isolator Watch of container " << containerId
+              << ": opened after " << msSince(watcher->asked) << " ms";
     }
     v1::Isolator::Stub* client = stub.get();
     const v1::WatchRequest request = watcher->request;
@@ -608,8 +656,9 @@ private:
   hashmap<ContainerID, Sent> sent;
   // Containers prepared here whose Isolate has not ended: their Watch waits.
   hashset<ContainerID> isolating;
-  // Containers whose Prepare failed while the sidecar could not be reached.
-  hashset<ContainerID> unreached;
+  // Containers whose Prepare failed while the sidecar could not be reached:
+  // whether the channel was connected at some moment while it was tried.
+  hashmap<ContainerID, bool> unreached;
 };
 
 

@@ -67,6 +67,15 @@ WatchNext watchNext(bool ended, grpc::StatusCode code, bool limited)
 }
 
 
+CleanupWait cleanupWait(bool failed, bool reachable, bool connectedDuring)
+{
+  if (!failed || reachable) {
+    return CleanupWait::FULL;
+  }
+  return connectedDuring ? CleanupWait::BRIEF : CleanupWait::NONE;
+}
+
+
 string describe(
     const string& hook,
     grpc::StatusCode code,

@@ -68,6 +68,25 @@ enum class WatchNext
 WatchNext watchNext(bool ended, grpc::StatusCode code, bool limited);
 
 
+// How long the Cleanup of a container waits for the sidecar, from what the
+// module knows of the container's Prepare.
+enum class CleanupWait
+{
+  FULL,  // Its deadline (cleanup_timeout): the sidecar may hold the container.
+  BRIEF, // Briefly: the Prepare failed with the sidecar unreachable, after it
+         // was connected at some moment of the Prepare (which it may have
+         // served before it went away: its reaper releases that).
+  NONE,  // Not at all: the Prepare failed without the channel ever being
+         // connected while it was tried, so the sidecar never saw it and
+         // holds nothing of the container.
+};
+
+// `failed`: the container's Prepare failed; `reachable`: the channel is
+// connected now; `connectedDuring`: it was connected when the Prepare was
+// sent or became connected while it was tried (Runtime::connections).
+CleanupWait cleanupWait(bool failed, bool reachable, bool connectedDuring);
+
+
 // What an operator reads in the agent's log and in the task's status
 // message when `hook` failed with `code` and `message`. A call that got no
 // answer says where it was sent, for how long and, when the channel is not

@@ -4,6 +4,60 @@
 
 namespace gpu_isolator {
 
+namespace {
+
+// How long one wait for a change of the channel's state lasts: also how long
+// the runtime's end waits for the last one.
+const std::chrono::milliseconds STATE_WAIT(500);
+
+} // namespace {
+
+
+// Waits for the channel's state to change, on the runtime's queue, and
+// counts each change into READY; waits again until the runtime stops.
+struct Runtime::ConnectionCounter : Runtime::Call
+{
+  ConnectionCounter(
+      Runtime* _runtime,
+      const std::shared_ptr<grpc::Channel>& _channel)
+    : runtime(_runtime), channel(_channel)
+  {
+    last = channel->GetState(false);
+    if (last == GRPC_CHANNEL_READY) {
+      runtime->connected++;
+    }
+  }
+
+  void arm()
+  {
+    channel->NotifyOnStateChange(
+        last,
+        std::chrono::system_clock::now() + STATE_WAIT,
+        &runtime->queue,
+        static_cast<Call*>(this));
+  }
+
+  bool finish(bool) override
+  {
+    const grpc_connectivity_state now = channel->GetState(false);
+    if (now == GRPC_CHANNEL_READY && last != GRPC_CHANNEL_READY) {
+      runtime->connected++;
+    }
+    last = now;
+    std::lock_guard<std::mutex> lock(runtime->mutex);
+    if (runtime->stopping) {
+      return true;
+    }
+    arm();
+    return false;
+  }
+
+  Runtime* runtime;
+  std::shared_ptr<grpc::Channel> channel;
+  grpc_connectivity_state last;
+};
+
+
 Runtime::Runtime() : looper([this]() { loop(); }) {}
 
 
@@ -37,9 +91,22 @@ void Runtime::loop()
     }
     // Sets the promise: its callbacks run here or are deferred to their
     // actor.
-    call->finish();
-    delete call;
+    if (call->finish(ok)) {
+      delete call;
+    }
   }
+}
+
+
+void Runtime::countConnections(const std::shared_ptr<grpc::Channel>& channel)
+{
+  ConnectionCounter* counter = new ConnectionCounter(this, channel);
+  std::lock_guard<std::mutex> lock(mutex);
+  if (stopping) {
+    delete counter;
+    return;
+  }
+  counter->arm();
 }
 
 

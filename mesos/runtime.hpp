@@ -17,7 +17,9 @@
 #ifndef GPU_ISOLATOR_MESOS_RUNTIME_HPP
 #define GPU_ISOLATOR_MESOS_RUNTIME_HPP
 
+#include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
@@ -77,16 +79,30 @@ public:
       const Start<Response>& start,
       const Option<std::chrono::system_clock::time_point>& deadline);
 
+  // Starts counting `channel`'s connections (once, before any call): how
+  // many times it became READY. A call can reach the server only over a
+  // connection, so a count unchanged over a call that failed, with the
+  // channel not READY at its start nor at its end, says that the server
+  // never saw it (gpu_isolator.cpp's Cleanup after an unreached Prepare).
+  void countConnections(const std::shared_ptr<grpc::Channel>& channel);
+
+  // The count so far (0 before countConnections).
+  uint64_t connections() const { return connected.load(); }
+
 private:
   struct Call
   {
     virtual ~Call() {}
-    virtual void finish() = 0;
+    // Called on the looper thread when the call's tag comes back; true when
+    // the call is over (it is then deleted), false when it went on.
+    virtual bool finish(bool ok) = 0;
     grpc::ClientContext context;
   };
 
   template <typename Response>
   struct UnaryCall;
+
+  struct ConnectionCounter;
 
   void loop();
 
@@ -94,6 +110,7 @@ private:
   std::mutex mutex;
   std::set<Call*> open; // Guarded by `mutex`: the calls to cancel at shutdown.
   bool stopping = false; // Guarded by `mutex`.
+  std::atomic<uint64_t> connected{0};
   std::thread looper;
 };
 
@@ -107,7 +124,7 @@ Option<int64_t> pushbackOf(
 template <typename Response>
 struct Runtime::UnaryCall : Runtime::Call
 {
-  void finish() override
+  bool finish(bool) override
   {
     Reply<Response> reply;
     reply.status = status;
@@ -121,6 +138,7 @@ struct Runtime::UnaryCall : Runtime::Call
     } else {
       promise.set(std::move(reply));
     }
+    return true;
   }
 
   Response response;

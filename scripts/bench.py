@@ -263,8 +263,15 @@ def part_agent(s: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
     (scripts/bench_agent.py; needs root, cgroup v1 and Mesos from MESOS_HOME or ../shared/mesos)."""
     import bench_agent
 
-    quick = s["agent_tasks"] < 10  # --quick: a few tasks, one burst round, two XIDs
-    return bench_agent.measure(s["agent_tasks"], log=log, burst_rounds=1 if quick else 3, xid_rounds=2 if quick else 40)
+    quick = s["agent_tasks"] < 10  # --quick: a few tasks, one burst round, two XIDs, one fault round each
+    return bench_agent.measure(
+        s["agent_tasks"],
+        log=log,
+        burst_rounds=1 if quick else 3,
+        xid_rounds=2 if quick else 40,
+        fault_rounds=1 if quick else 3,
+        raw_cycles=20 if quick else 200,
+    )
 
 
 RUNNERS: dict[str, Callable[[dict[str, Any], Callable[[str], None]], dict[str, Any]]] = {

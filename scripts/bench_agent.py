@@ -37,6 +37,20 @@ call, from its debug log (``debug: true``, in every module configuration alike):
 to "Removing temp files" for the same container and method, glog's microsecond timestamps; the
 module runs one hook at a time for the whole agent, so this is what every other container waits.
 Our cost per hook is the median over the no-op floor's median, beside the goal of 5 ms.
+
+Our own module logs each hook's wait as the agent sees it (``GLOG_vmodule=gpu_isolator=1``, set for the
+native agent only: "Prepare of container X: done after N ms", from the agent's call to its end, the
+container's earlier hooks and retries included) and when each Watch opened; the sidecar logs its
+prepare handler step by step ("prepared ... in N ms (booking, choice, state commit, rules, launch
+info)"). Both go beside the six configurations (issue 45), with a hook cycle as the module sees it
+(prepare + isolate + cleanup medians) against the raw kernel floor of the hook part
+(bench_hooks.raw_cycles, cgroup v1, measured in the same run).
+
+The road under faults (issue 45 item 4), on a native agent of its own with ``prepare_timeout``
+``FAULT_PREPARE_TIMEOUT``: the sidecar down for good (stopped), a gpus:1 launch from submit to
+TASK_FAILED, and what the module waited for its Prepare and its Cleanup; then the sidecar stopped
+and started again ``FAULT_RESTART_AFTER_S`` after the submit, the launch from submit to TASK_RUNNING
+and from the sidecar serving again to the module's Prepare answered.
 """
 
 from __future__ import annotations
@@ -71,6 +85,21 @@ HOOK_LINE = re.compile(r" +\d+ \S+\] \[TASK=([^,\]]*), METHOD=(\w+)\] (Calling c
 ASSIGNED = re.compile(r"Got assigned task '([^']+)'")
 RUNNING_OUT = re.compile(r"Forwarding the update TASK_RUNNING \(.*\) for task (\S+) of")
 LIMITED = re.compile(r"gpu-isolator: container (\S+) met a limitation")
+# Our module's own view of each hook (VLOG(1) in mesos/gpu_isolator.cpp's inOrder and armWatch).
+NATIVE_HOOK = re.compile(
+    r"\] gpu-isolator (Prepare|Isolate|Update|Cleanup) of container (\S+): (done|failed) after ([\d.]+) ms"
+)
+NATIVE_UNSENT = re.compile(r"\] gpu-isolator: Update of container (\S+) changes nothing the sidecar acts on; not sent")
+NATIVE_WATCH = re.compile(r"\] gpu-isolator Watch of container (\S+): opened after ([\d.]+) ms")
+# The sidecar's prepare handler, step by step (isolator/core/prepare.py's "prepared" line).
+SIDECAR_PREPARE = re.compile(r"prepared container (\S+) .* in ([\d.]+) ms \(([^)]*)\)$")
+SIDECAR_STEP = re.compile(r"([a-z][a-z ]*?) ([\d.]+)(?:, |$)")
+FAILED_OUT = re.compile(r"Forwarding the update TASK_FAILED \(.*\) for task (\S+) of")
+# The module's hook logging, for the native agent only (glog's per-file verbosity: our file alone).
+NATIVE_VMODULE = "gpu_isolator=1"
+VMODULE_ENV = "GLOG_vmodule"  # glog's name for its --vmodule flag, in this case
+FAULT_PREPARE_TIMEOUT = "5secs"
+FAULT_RESTART_AFTER_S = 1.0
 
 
 def glog_time(line: str) -> float | None:
@@ -125,6 +154,63 @@ def hook_times(log: str) -> dict[str, list[float]]:
             open_calls.setdefault(key, []).append(at)
         elif open_calls.get(key):
             out.setdefault(method, []).append(at - open_calls[key].pop(0))
+    return out
+
+
+def native_hook_times(log: str) -> dict[str, list[float]]:
+    """Seconds per hook as our module saw it (its "done/failed after N ms" lines), by hook in lower
+    case (as criteo's METHOD names); "update, unsent" for the Updates it answered itself (the one at
+    the executor's registration), "watch" for the time until the Watch opened."""
+    out: dict[str, list[float]] = {}
+    unsent: set[str] = set()
+    for line in log.splitlines():
+        u = NATIVE_UNSENT.search(line)
+        if u is not None:
+            unsent.add(u.group(1))
+            continue
+        m = NATIVE_HOOK.search(line)
+        if m is not None:
+            hook = m.group(1).lower()
+            if hook == "update" and m.group(2) in unsent:
+                unsent.discard(m.group(2))
+                hook = "update, unsent"
+            out.setdefault(hook, []).append(float(m.group(4)) / 1000)
+            continue
+        w = NATIVE_WATCH.search(line)
+        if w is not None:
+            out.setdefault("watch", []).append(float(w.group(2)) / 1000)
+    return out
+
+
+def native_cycles(log: str) -> list[float]:
+    """Per container, seconds of its Prepare + Isolate + Cleanup as our module waited for them (a
+    container without all three done is left out): the hook cycle of the hook part, in the agent."""
+    spent: dict[str, dict[str, float]] = {}
+    for m in NATIVE_HOOK.finditer(log):
+        if m.group(1) != "Update" and m.group(3) == "done":
+            spent.setdefault(m.group(2), {})[m.group(1)] = float(m.group(4)) / 1000
+    return [sum(h.values()) for h in spent.values() if len(h) == 3]
+
+
+def native_hook_of(log: str, hook: str, container: str) -> tuple[str, float] | None:
+    """("done" or "failed", seconds) of ``hook`` of ``container`` as our module logged it, or None."""
+    for m in NATIVE_HOOK.finditer(log):
+        if m.group(1) == hook and m.group(2) == container:
+            return m.group(3), float(m.group(4)) / 1000
+    return None
+
+
+def sidecar_prepare_steps(log: str) -> dict[str, list[float]]:
+    """Milliseconds of the sidecar's prepare handler per step ("total" for the whole handler), from
+    its "prepared ... in N ms (step ms, ...)" lines."""
+    out: dict[str, list[float]] = {}
+    for line in log.splitlines():
+        m = SIDECAR_PREPARE.search(line.rstrip())
+        if m is None:
+            continue
+        out.setdefault("total", []).append(float(m.group(2)))
+        for name, ms in SIDECAR_STEP.findall(m.group(3)):
+            out.setdefault(name, []).append(float(ms))
     return out
 
 
@@ -196,7 +282,7 @@ def make_cluster(mesos_home: str, config: str, **kw: Any) -> Cluster:
             agent.__class__ = NvidiaAgent
         return cluster
     if config == "native":
-        return Cluster(mesos_home, route="native", **kw)
+        return Cluster(mesos_home, route="native", **kw)  # its hook lines: start_clusters sets GLOG_vmodule
     hooks: Any = {"none": None, "noop": "noop", "python": "bridge", "c": "bridge-c"}[config]
     if config == "python" and os.environ.get("GI_MESOS_BRIDGE") == "c":
         raise RuntimeError("GI_MESOS_BRIDGE=c would run the compiled bridge in the python configuration: unset it")
@@ -218,13 +304,29 @@ def start_clusters(
         try:
             sim = stack.enter_context(_SimulatedNvidia()) if config == "gpu-nvidia" else None
             try:
-                clusters[config] = stack.enter_context(make_cluster(mesos_home, config))
+                with _native_logging(config == "native"):
+                    clusters[config] = stack.enter_context(make_cluster(mesos_home, config))
             finally:
                 if sim is not None:
                     sim.restore_env()
         except Exception as exc:  # a report: say what could not run, go on with the rest
             out["configs"][config] = {"error": f"{type(exc).__name__}: {str(exc)[-500:]}"}
     return clusters
+
+
+@contextlib.contextmanager
+def _native_logging(on: bool) -> Any:
+    """GLOG_vmodule for an agent started in the block (our module's hook lines), and for nothing else."""
+    saved = os.environ.get(VMODULE_ENV)
+    if on:
+        os.environ[VMODULE_ENV] = NATIVE_VMODULE
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(VMODULE_ENV, None)
+        else:
+            os.environ[VMODULE_ENV] = saved
 
 
 def _turns(configs: list[str], i: int) -> list[str]:
@@ -270,8 +372,10 @@ def tasks_in_turn(clusters: dict[str, Cluster], tasks: int, out: dict[str, Any],
             log(f"agent: {config} task {i + 1}/{tasks}: running {running * 1000:.0f} ms")
     time.sleep(1.5)  # the last cleanups' debug lines (a report, not a test)
     for config in alive:
-        agent_log = clusters[config].agents[0].log()
-        per_hook = hook_times(agent_log)
+        agent = clusters[config].agents[0]
+        agent_log = agent.log()
+        native = config == "native"
+        per_hook = native_hook_times(agent_log) if native else hook_times(agent_log)
         inside = inside_the_agent(agent_log, [f"bench-{config}-{i}" for i in range(tasks)])
         out["configs"][config] = {
             "running": _summary(samples[config]["running"]),
@@ -279,6 +383,37 @@ def tasks_in_turn(clusters: dict[str, Cluster], tasks: int, out: dict[str, Any],
             "agent_running": _summary(inside),
             "hooks": {method: _summary(times) for method, times in sorted(per_hook.items())},
         }
+        if native:
+            cycles = native_cycles(agent_log)
+            out["configs"][config]["cycle"] = {
+                "n": len(cycles),
+                **(
+                    {"p50_ms": _percentile(cycles, 0.5) * 1000, "p99_ms": _percentile(cycles, 0.99) * 1000}
+                    if cycles
+                    else {}
+                ),
+            }
+        if native and agent.sidecar is not None:
+            with open(agent.sidecar.log_path, errors="replace") as fh:
+                steps = sidecar_prepare_steps(fh.read())
+            out["configs"][config]["sidecar_prepare_ms"] = {
+                name: {"n": len(v), "median_ms": statistics.median(v)} for name, v in steps.items()
+            }
+
+
+def raw_floor(clusters: dict[str, Cluster], cycles: int) -> dict[str, Any]:
+    """The hook part's raw kernel floor on cgroup v1 (mkdir, deny + the 1-GPU rules, the pid in and
+    out, rmdir: bench_hooks.raw_cycles), on the native agent's simulated /dev, in this run."""
+    import bench_hooks
+
+    native = clusters.get("native")
+    if native is None or native.agents[0].sidecar is None:
+        return {"error": "the native configuration did not run"}
+    try:
+        figures = bench_hooks.raw_cycles("v1", cycles, native.agents[0].sidecar.dev_root)
+    except Exception as exc:  # a report: say why it is missing
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"cycles": cycles, "p50_ms": figures["p50_ms"], "p99_ms": figures["p99_ms"]}
 
 
 def bursts_in_turn(clusters: dict[str, Cluster], rounds: int, log: Any, size: int = 8) -> dict[str, Any]:
@@ -337,6 +472,91 @@ def xid_latency(mesos_home: str, rounds: int, log: Any = print) -> dict[str, lis
     return out
 
 
+def fault_road(mesos_home: str, rounds: int, log: Any = print) -> dict[str, Any]:
+    """Issue 45 item 4 on a native agent of its own (prepare_timeout FAULT_PREPARE_TIMEOUT):
+    ``down``: per round, the sidecar stopped for good, a gpus:1 launch's submit -> TASK_FAILED (s), and
+    the module's Prepare and Cleanup waits (s, its own lines); ``restart``: per round, the sidecar
+    stopped, the task submitted, the sidecar started again FAULT_RESTART_AFTER_S later: submit ->
+    TASK_RUNNING and from the sidecar serving again to the module's Prepare answered (glog's clock)."""
+    out: dict[str, Any] = {"prepare_timeout": FAULT_PREPARE_TIMEOUT, "restart_after_s": FAULT_RESTART_AFTER_S}
+    down: list[dict[str, float]] = []
+    restart: list[dict[str, float]] = []
+    with contextlib.ExitStack() as stack:
+        with _native_logging(True):  # the agent starts with our module's hook lines on
+            cluster = stack.enter_context(
+                Cluster(mesos_home, route="native", module_params={"prepare_timeout": FAULT_PREPARE_TIMEOUT})
+            )
+        agent = cluster.agents[0]
+        sidecar = agent.sidecar
+        assert sidecar is not None
+        warm = cluster.submit("true", gpus=1, name="fault-warm")  # the module's channel is connected
+        warm.wait("TASK_FINISHED", timeout=120)
+        warm.wait_gone(60)
+        for r in range(rounds):
+            sidecar.terminate()
+            mark = len(agent.log())
+            try:
+                submitted = time.monotonic()
+                task = cluster.submit("true", gpus=1, name=f"fault-down-{r}")
+                failed = _wait_state(task.log_path, "TASK_FAILED", task.name, 120) - submitted
+                figures = {"failed_s": failed}
+                # One launch at a time: the Prepare that failed after the mark is this task's.
+                ended = _wait_hooks(agent, mark, 30)
+            finally:
+                agent.start_sidecar()
+            figures.update(ended)
+            down.append(figures)
+            log(f"agent: fault round {r + 1}/{rounds}, sidecar down: TASK_FAILED after {failed:.2f} s")
+        for r in range(rounds):
+            sidecar.terminate()
+            submitted = time.monotonic()
+            task = cluster.submit("sleep 600", gpus=1, name=f"fault-restart-{r}")
+            time.sleep(max(0.0, submitted + FAULT_RESTART_AFTER_S - time.monotonic()))
+            agent.start_sidecar()
+            serving = time.time()
+            running = _wait_state(task.log_path, "TASK_RUNNING", task.name, 120) - submitted
+            cid = task.container_id()
+            answered = _hook_end(agent.log(), "Prepare", cid)
+            figures = {"running_s": running}
+            if answered is not None:
+                figures["serving_to_prepared_s"] = answered - serving
+            restart.append(figures)
+            log(f"agent: fault round {r + 1}/{rounds}, sidecar restarted: TASK_RUNNING after {running:.2f} s")
+            task.teardown()
+            task.wait_gone(60)
+    out["down"], out["restart"] = down, restart
+    return out
+
+
+def _wait_hooks(agent: Any, mark: int, timeout: float) -> dict[str, float]:
+    """The module's Prepare (failed) and Cleanup waits, in seconds, of the one launch whose lines
+    follow ``mark`` in the agent's log, once both are there (or what there is after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = agent.log()[mark:]
+        failed = [m for m in NATIVE_HOOK.finditer(text) if m.group(1) == "Prepare" and m.group(3) == "failed"]
+        out: dict[str, float] = {}
+        if failed:
+            container = failed[0].group(2)
+            out["prepare_s"] = float(failed[0].group(4)) / 1000
+            cleanup = native_hook_of(text, "Cleanup", container)
+            if cleanup is not None:
+                out["cleanup_s"] = cleanup[1]
+                return out
+        if time.monotonic() > deadline:
+            return out
+        time.sleep(0.05)
+
+
+def _hook_end(log: str, hook: str, container: str) -> float | None:
+    """time.time() of the module's line that ``hook`` of ``container`` ended (glog's clock)."""
+    for line in log.splitlines():
+        m = NATIVE_HOOK.search(line)
+        if m is not None and m.group(1) == hook and m.group(2) == container:
+            return glog_time(line)
+    return None
+
+
 def _wait_healthy(agent: Any, index: int, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -354,12 +574,15 @@ def measure(
     log: Any = print,
     burst_rounds: int = 3,
     xid_rounds: int = 40,
+    fault_rounds: int = 3,
+    raw_cycles: int = 200,
 ) -> dict[str, Any]:
     mesos_home = find_mesos_home()
     out: dict[str, Any] = {"tasks": tasks, "mesos_home": mesos_home, "configs": {}, "burst": {}, "xid": {}}
     with contextlib.ExitStack() as stack:
         clusters = start_clusters(stack, mesos_home, configs, out, log)
         tasks_in_turn(clusters, tasks, out, log)
+        out["raw_floor"] = raw_floor(clusters, raw_cycles)
         if burst_rounds:
             bursting = {c: clusters[c] for c in BURST_CONFIGS if c in clusters and "error" not in out["configs"][c]}
             out["burst"] = bursts_in_turn(bursting, burst_rounds, log)
@@ -368,6 +591,11 @@ def measure(
             out["xid"] = xid_latency(mesos_home, xid_rounds, log)
         except Exception as exc:
             out["xid"] = {"error": f"{type(exc).__name__}: {str(exc)[-500:]}"}
+    if fault_rounds and "native" in configs:
+        try:
+            out["faults"] = fault_road(mesos_home, fault_rounds, log)
+        except Exception as exc:
+            out["faults"] = {"error": f"{type(exc).__name__}: {str(exc)[-500:]}"}
     floor = out["configs"].get("noop", {}).get("hooks", {})
     for config in ("python", "c"):
         figures = out["configs"].get(config)
@@ -404,14 +632,21 @@ def render(a: dict[str, Any], goal: float = GOAL_PER_HOOK_MS) -> list[str]:
     methods = sorted({m for f in a["configs"].values() for m in f.get("hooks", {})})
     if methods:
         lines.append("   per hook, the module's wait (median ms; the module runs one hook at a time per agent):")
-        lines.append(f"   {'hook':<10}" + "".join(f"{c:>10}" for c in a["configs"] if a["configs"][c].get("hooks")))
+        lines.append(f"   {'hook':<16}" + "".join(f"{c:>10}" for c in a["configs"] if a["configs"][c].get("hooks")))
         for m in methods:
             cells = [
                 f"{f['hooks'][m]['median_ms']:>10.1f}" if f["hooks"].get(m, {}).get("n") else f"{'-':>10}"
                 for f in a["configs"].values()
                 if f.get("hooks")
             ]
-            lines.append(f"   {m:<10}" + "".join(cells))
+            lines.append(f"   {m:<16}" + "".join(cells))
+        if a["configs"].get("native", {}).get("hooks"):
+            lines.append(
+                "   native: from the agent's call to the hook's end as our module logs it (its earlier hooks of"
+                " the container and retries included; update: unsent ones too); watch: until the Watch opened"
+                " (held until the container's Isolate ended)"
+            )
+    lines += render_native(a)
     for config in ("python", "c"):
         over = a["configs"].get(config, {}).get("over_floor_ms")
         if over:
@@ -422,6 +657,57 @@ def render(a: dict[str, Any], goal: float = GOAL_PER_HOOK_MS) -> list[str]:
                 f"   {config} bridge over the no-op floor: {costs} ms; goal <= {goal:g} ms per hook: {verdict}"
             )
     lines += render_goals(a)
+    return lines
+
+
+def render_native(a: dict[str, Any]) -> list[str]:
+    """Issue 45: the sidecar's prepare handler by step, the hook cycle against the raw kernel floor,
+    and the road under faults."""
+    lines: list[str] = []
+    steps = a["configs"].get("native", {}).get("sidecar_prepare_ms")
+    if steps and "total" in steps:
+        parts = ", ".join(f"{name} {v['median_ms']:.2f}" for name, v in steps.items() if name != "total")
+        lines.append(
+            f"   native: the sidecar's prepare handler (its log, median of {steps['total']['n']}):"
+            f" {steps['total']['median_ms']:.2f} ms ({parts})"
+        )
+    cycle, floor = a["configs"].get("native", {}).get("cycle", {}), a.get("raw_floor", {})
+    if cycle.get("n") and floor.get("p50_ms"):
+        lines.append(
+            f"   native hook cycle (each container's prepare + isolate + cleanup as the module waited, {cycle['n']}"
+            f" containers): p50 {cycle['p50_ms']:.2f} ms = {cycle['p50_ms'] / floor['p50_ms']:.1f}x, p99"
+            f" {cycle['p99_ms']:.2f} ms = {cycle['p99_ms'] / floor['p99_ms']:.1f}x the raw kernel floor on cgroup v1"
+            f" (p50 {floor['p50_ms']:.3f}, p99 {floor['p99_ms']:.3f} ms over {floor['cycles']} cycles, this run)"
+        )
+    elif cycle or floor:
+        lines.append(f"   native hook cycle against the raw floor: not measured (cycle {cycle}, floor {floor})")
+    lines += render_faults(a.get("faults"))
+    return lines
+
+
+def render_faults(f: Any) -> list[str]:
+    if not f:
+        return []
+    if "error" in f:
+        return [f"   faults: could not run: {f['error']}"]
+    lines = [f"   faults (native, prepare_timeout {f['prepare_timeout']}, median of {len(f.get('down', []))} rounds):"]
+
+    def med(rows: list[dict[str, float]], key: str) -> str:
+        values = [r[key] for r in rows if key in r]
+        return f"{statistics.median(values):.2f} s" if values else "-"
+
+    down, restart = f.get("down", []), f.get("restart", [])
+    if down:
+        lines.append(
+            f"   sidecar down for good: submit -> TASK_FAILED {med(down, 'failed_s')}; the module waited"
+            f" {med(down, 'prepare_s')} for Prepare, {med(down, 'cleanup_s')} for Cleanup"
+        )
+    if restart:
+        lines.append(
+            f"   sidecar restarted {f['restart_after_s']:g} s after the submit: submit -> TASK_RUNNING"
+            f" {med(restart, 'running_s')}; sidecar serving -> the module's Prepare answered"
+            f" {med(restart, 'serving_to_prepared_s')}"
+        )
     return lines
 
 

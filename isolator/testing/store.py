@@ -225,6 +225,11 @@ class FakeStore:
         with self._lock:
             return self._records.get(cid)
 
+    def has(self, cid: ContainerId) -> bool:
+        self.faults.check("has", cid)
+        with self._lock:
+            return cid in self._records
+
     def load(self) -> dict[ContainerId, ContainerRecord]:
         self.faults.check("load")
         with self._lock:

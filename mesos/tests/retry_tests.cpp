@@ -10,6 +10,8 @@
 
 #include "retry.hpp"
 
+using gpu_isolator::cleanupWait;
+using gpu_isolator::CleanupWait;
 using gpu_isolator::deadlineMs;
 using gpu_isolator::describe;
 using gpu_isolator::parsePushback;
@@ -102,6 +104,21 @@ TEST(RetryTest, OnlyALimitationEndsAWatch)
   EXPECT_EQ(
       WatchNext::WATCH_LATER, watchNext(true, grpc::RESOURCE_EXHAUSTED, false));
   EXPECT_EQ(WatchNext::WATCH_LATER, watchNext(false, grpc::UNKNOWN, false));
+}
+
+
+TEST(RetryTest, ACleanupWaitsAsLongAsTheSidecarMayHoldTheContainer)
+{
+  // Prepared, or refused by a sidecar that answered: its whole deadline.
+  EXPECT_EQ(CleanupWait::FULL, cleanupWait(false, true, true));
+  EXPECT_EQ(CleanupWait::FULL, cleanupWait(false, false, true));
+  EXPECT_EQ(CleanupWait::FULL, cleanupWait(true, true, true));
+  // The sidecar is back by the Cleanup: it answers, whatever it saw.
+  EXPECT_EQ(CleanupWait::FULL, cleanupWait(true, true, false));
+  // Failed unreachable after a connection: it may have served the Prepare.
+  EXPECT_EQ(CleanupWait::BRIEF, cleanupWait(true, false, true));
+  // Never connected while the Prepare was tried: it never saw it.
+  EXPECT_EQ(CleanupWait::NONE, cleanupWait(true, false, false));
 }
 
 

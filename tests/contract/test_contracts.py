@@ -403,18 +403,19 @@ def test_store_records_reads_and_forgets(store: FakeStore) -> None:
     store.record(record("b"))
     assert store.get(cid("a")) == record("a", 0, 1)
     assert store.get(cid("nobody")) is None
+    assert store.has(cid("a")) and store.has(cid("b")) and not store.has(cid("nobody"))
     assert set(store.load()) == {cid("a"), cid("b")}
     assert store.holders() == {0: cid("a"), 1: cid("a")}
     assert store.remove(cid("a")).holding.gpus == frozenset({0, 1})
-    assert store.holders() == {} and store.get(cid("a")) is None
+    assert store.holders() == {} and store.get(cid("a")) is None and not store.has(cid("a"))
     assert store.check() == "ok"
 
 
 def test_store_ids_with_dots_and_nesting_round_trip(store: FakeStore) -> None:
     odd = ContainerId.parse("b.1", ContainerId.parse("a.0"))
     store.record(ContainerRecord(odd, Holding(frozenset({3})), created=1.0))
-    assert store.get(odd) is not None and store.holders() == {3: odd}
-    assert store.get(cid("a.0.b.1")) is None
+    assert store.get(odd) is not None and store.holders() == {3: odd} and store.has(odd)
+    assert store.get(cid("a.0.b.1")) is None and not store.has(cid("a.0.b.1"))
 
 
 def test_store_refuses_doubles_and_changes_nothing(store: FakeStore) -> None:

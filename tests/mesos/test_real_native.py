@@ -23,7 +23,7 @@ from isolator.model import CgroupVersion
 from isolator.rpc import isolator_pb2 as pb
 from isolator.testing.cluster import Cluster
 from isolator.testing.grpcproxy import GrpcProxy
-from isolator.testing.mesoshome import Route, cgroups_v2_unsupported
+from isolator.testing.mesoshome import Route, cgroups_v2_unsupported, wait_for
 from isolator.testing.scheduler import Framework
 from isolator.testing.scheduler import task as task_info
 from isolator.testing.task import Task
@@ -258,11 +258,13 @@ def test_an_unreachable_sidecar_fails_the_launch_within_the_deadline_with_a_mess
         task = probe(cluster, gpus=1)
         update = task.wait("TASK_FAILED", timeout=90)  # prepare_timeout is 8 s
         # Then no second wait, of cleanup_timeout (30 s here), for a sidecar still unreachable (issue 45):
-        # the Cleanup gives up after 1 s, while nothing listens yet.
-        gave_up = "the sidecar is still unreachable, as it was when the container's Prepare failed"
-        while gave_up not in cluster.agents[0].log():
+        # the channel was never connected while the Prepare was tried, so the sidecar never saw it and
+        # the Cleanup is answered at once, without a call.
+        never = "its Prepare never reached the sidecar (not connected while it was tried); nothing to clean up"
+        while never not in cluster.agents[0].log():
             assert time.monotonic() - started < 8 + 10, "the failed launch's Cleanup waited for the sidecar"
             time.sleep(0.1)
+        assert "the sidecar is still unreachable, as it was when" not in cluster.agents[0].log()
         assert update.reason == "REASON_CONTAINER_LAUNCH_FAILED", update
         assert "gpu-isolator Prepare: DEADLINE_EXCEEDED: no answer from the sidecar at" in update.message, update
         assert "is 'gpu-isolator serve' running?" in update.message, update
@@ -274,6 +276,34 @@ def test_an_unreachable_sidecar_fails_the_launch_within_the_deadline_with_a_mess
     again.wait("TASK_FINISHED", timeout=60)
     again.wait_gone()
     assert len(opened_gpus(again.stdout())) == 2
+    _free(cluster)
+
+
+def test_a_prepare_sent_before_the_sidecar_went_away_gets_a_brief_cleanup_not_its_whole_deadline(
+    proxied: tuple[Cluster, GrpcProxy],
+) -> None:
+    # The Prepare reaches the sidecar's side (here the proxy, which holds it) and then nothing listens
+    # any more: the sidecar may have served it, so the Cleanup is tried, briefly (1 s), not for
+    # cleanup_timeout (30 s here), and not skipped as for a Prepare that never left the agent.
+    cluster, proxy = proxied
+    agent = cluster.agents[0]
+    mark = len(agent.log())
+    gate = proxy.hold("Prepare")
+    task = probe(cluster, gpus=1)
+    try:
+        wait_for("the Prepare held at the proxy", lambda: proxy.open["Prepare"] == 1 or None, 60)
+        started = time.monotonic()
+        proxy.stop()  # the held call ends with the proxy, which listens no more
+        task.wait("TASK_FAILED", timeout=90)  # prepare_timeout is 8 s
+        gave_up = "the sidecar is still unreachable, as it was when the container's Prepare failed"
+        while gave_up not in agent.log()[mark:]:
+            assert time.monotonic() - started < 8 + 10, "the failed launch's Cleanup waited its whole deadline"
+            time.sleep(0.1)
+        assert "its Prepare never reached the sidecar" not in agent.log()[mark:]
+    finally:
+        gate.set()
+        proxy.start()
+    task.wait_gone()
     _free(cluster)
 
 

@@ -122,3 +122,89 @@ def test_the_agent_part_pairs_each_module_call_from_the_modules_debug_lines():
     )
     times = bench_agent.hook_times(log)
     assert {m: [round(t * 1e6) for t in v] for m, v in times.items()} == {"prepare": [123023], "cleanup": [10500]}
+
+
+def test_the_agent_part_reads_our_modules_own_hook_lines_and_the_sidecars_prepare_steps():
+    import bench_agent
+
+    agent_log = "\n".join(
+        [
+            "I1128 20:01:00.000100 4242 gpu_isolator.cpp:480] gpu-isolator Prepare of container c1: done after 3.25 ms",
+            "I1128 20:01:00.000200 4242 gpu_isolator.cpp:620] gpu-isolator Watch of container c1: opened after 4.5 ms",
+            "I1128 20:01:00.000300 4242 gpu_isolator.cpp:480] gpu-isolator Isolate of container c1: done after 2 ms",
+            "I1128 20:01:00.000350 4242 gpu_isolator.cpp:256] gpu-isolator: Update of container c1 changes nothing the"
+            " sidecar acts on; not sent",
+            "I1128 20:01:00.000400 4242 gpu_isolator.cpp:480] gpu-isolator Update of container c1: done after 0.01 ms",
+            "I1128 20:01:00.000450 4242 gpu_isolator.cpp:480] gpu-isolator Update of container c1: done after 2.5 ms",
+            "I1128 20:01:00.000460 4242 gpu_isolator.cpp:480] gpu-isolator Cleanup of container c1: done after 1.5 ms",
+            "I1128 20:01:00.000500 4242 gpu_isolator.cpp:480] gpu-isolator Cleanup of container c2: failed after 5 ms",
+            "I1128 20:01:00.000600 4242 slave.cpp:1] gpu-isolator Prepare of container c9 unrelated",
+        ]
+    )
+    times = bench_agent.native_hook_times(agent_log)
+    assert {m: [round(t * 1e6) for t in v] for m, v in times.items()} == {
+        "prepare": [3250],
+        "watch": [4500],
+        "isolate": [2000],
+        "update, unsent": [10],
+        "update": [2500],
+        "cleanup": [1500, 5000],
+    }
+    # c1's cycle: prepare + isolate + cleanup; c2's Cleanup failed and it has no Prepare: left out.
+    assert [round(c * 1e6) for c in bench_agent.native_cycles(agent_log)] == [6750]
+    assert bench_agent.native_hook_of(agent_log, "Cleanup", "c2") == ("failed", 0.005)
+    assert bench_agent.native_hook_of(agent_log, "Isolate", "c2") is None
+    sidecar_log = (
+        "2026-11-28 20:01:00,000 INFO isolator.core.prepare: prepared container c1 (cgroup 'x/c1', GPUs [0]) "
+        "(topology) in 2.61 ms (booking 0.30, choice 0.21, state commit 0.90, rules 0.70, launch info 0.50)\n"
+        "2026-11-28 20:01:01,000 INFO isolator.core.prepare: prepared nested container c1.n (GPUs [0])\n"
+    )
+    steps = bench_agent.sidecar_prepare_steps(sidecar_log)
+    assert steps == {
+        "total": [2.61],
+        "booking": [0.30],
+        "choice": [0.21],
+        "state commit": [0.90],
+        "rules": [0.70],
+        "launch info": [0.50],
+    }
+
+
+def test_the_agent_part_prints_the_native_breakdown_the_hook_cycle_against_the_floor_and_the_faults():
+    import bench_agent
+
+    def s(ms: float) -> dict:
+        return {"n": 3, "median_ms": ms, "p90_ms": ms}
+
+    result = {
+        "tasks": 3,
+        "configs": {
+            "none": {"running": s(900), "finished": s(1000), "agent_running": s(340), "hooks": {}},
+            "native": {
+                "running": s(910),
+                "finished": s(1010),
+                "agent_running": s(345),
+                "hooks": {"prepare": s(4.0), "isolate": s(3.0), "cleanup": s(3.0), "update, unsent": s(0.01)},
+                "cycle": {"n": 3, "p50_ms": 10.0, "p99_ms": 20.0},
+                "sidecar_prepare_ms": {"total": {"n": 3, "median_ms": 2.5}, "booking": {"n": 3, "median_ms": 0.3}},
+            },
+        },
+        "raw_floor": {"cycles": 20, "p50_ms": 0.2, "p99_ms": 0.5},
+        "faults": {
+            "prepare_timeout": "5secs",
+            "restart_after_s": 1.0,
+            "down": [{"failed_s": 6.0, "prepare_s": 5.0, "cleanup_s": 0.0}],
+            "restart": [{"running_s": 2.5, "serving_to_prepared_s": 0.3}],
+        },
+        "burst": {},
+        "xid": {},
+    }
+    text = "\n".join(bench_agent.render(result))
+    assert "prepare handler (its log, median of 3): 2.50 ms (booking 0.30)" in text
+    assert "3 containers): p50 10.00 ms = 50.0x, p99 20.00 ms = 40.0x the raw kernel floor on cgroup v1" in text
+    assert "   update, unsent" in text
+    assert "sidecar down for good: submit -> TASK_FAILED 6.00 s; the module waited 5.00 s for Prepare, 0.00 s" in text
+    assert "submit -> TASK_RUNNING 2.50 s; sidecar serving -> the module's Prepare answered 0.30 s" in text
+    # A run without the native configuration says what is missing, and does not fail.
+    del result["configs"]["native"]
+    assert "native hook cycle against the raw floor: not measured" in "\n".join(bench_agent.render(result))

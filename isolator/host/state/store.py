@@ -209,6 +209,10 @@ class StateStore(Marks):
             except ContainerNotRecorded:
                 return None
 
+    def has(self, cid: ContainerId) -> bool:
+        with self._reading("read container") as db:
+            return db.execute("SELECT 1 FROM container WHERE key = ?", (rows.cid_key(cid),)).fetchone() is not None
+
     def load(self) -> dict[ContainerId, ContainerRecord]:
         """Every recorded container: two indexed scans, whatever the count."""
         with self._reading("load state") as db:

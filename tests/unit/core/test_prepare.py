@@ -246,11 +246,11 @@ def test_prepare_logs_its_own_time_step_by_step_in_order(rig: Rig, caplog: pytes
     # Every read of the monotonic clock moves it 1 ms: each step spends at least one of them.
     ticks = iter(range(1_000_000))
     rig.clock.monotonic = lambda: 1000.0 + next(ticks) / 1000  # type: ignore[method-assign]
-    with caplog.at_level("DEBUG", logger="isolator.core.prepare"):
+    with caplog.at_level("INFO", logger="isolator.core.prepare"):
         rig.service.prepare(cid("a"), gpus(1))
-    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("prepare of ")]
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("prepared container a ")]
     steps = re.findall(r"(booking|choice|state commit|rules|launch info) (\d+\.\d\d)", line)
     assert [name for name, _ in steps] == ["booking", "choice", "state commit", "rules", "launch info"], line
     assert all(float(ms) >= 1.0 for _, ms in steps), line
-    total = float(re.search(r": (\d+\.\d\d) ms", line).group(1))  # type: ignore[union-attr]
+    total = float(re.search(r" in (\d+\.\d\d) ms \(booking", line).group(1))  # type: ignore[union-attr]
     assert total == pytest.approx(sum(float(ms) for _, ms in steps), abs=0.05)

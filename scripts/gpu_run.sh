@@ -69,7 +69,8 @@ print('generated code imports')
     python3 -c "import pytest_timeout" 2>/dev/null && timeout_opt=(--timeout=150)
     echo "== gpu suite"
     timeout 330 python3 -m pytest -p no:cacheprovider -m gpu -rs -v "${timeout_opt[@]}" --junitxml="$OUT/junit.xml" \
-        tests/system/test_gpu_host.py tests/system/test_gpu_mps.py tests/system/test_volume_build.py "$@"
+        tests/system/test_gpu_host.py tests/system/test_gpu_mps.py tests/system/test_gpu_mps_fault.py \
+        tests/system/test_volume_build.py tests/contract/test_process_usage.py "$@"
     echo "pytest exit: $?"
     echo "== GPU settings after"; settings
     echo "== leftovers"; ls -d /tmp/gi-* 2>/dev/null; nvidia-smi --query-compute-apps=pid,name --format=csv

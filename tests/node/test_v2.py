@@ -1,0 +1,80 @@
+"""The node booted with cgroup2 alone (issue 43, item 2 "on pure v2"): systemd-nspawn mounts the
+host's cgroup2 hierarchy at ``/sys/fs/cgroup`` in a cgroup namespace of the node's own
+(``SYSTEMD_NSPAWN_UNIFIED_HIERARCHY=1``, isolator/testing/node.py), the node's systemd runs on it
+alone, and docs/operations.md's walkthrough runs with ``CGROUP_VERSION=v2``: the sidecar's unit with
+``cgroup_version = "v2"``, the agent's unit through the shipped wrapper with ``--allowed_devices``.
+Device access is the eBPF programs' (the agent's on ``<id>``, ours on ``<id>/leaf``), read back from
+the kernel on the host. The agent's cgroups root is not the default one (``gpu-tasks``): the
+wrapper must find it in the unit's environment file, where the walkthrough puts every flag."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from conftest import (
+    CONTROL,
+    Walked,
+    granted,
+    isolator_errors,
+    launch,
+    opened_gpus,
+    seen,
+    since,
+    wait_registered,
+    walk,
+)
+from test_images import IMAGE_FLAGS, image_task, provide_image
+
+pytestmark = pytest.mark.node
+
+ROOT = "gpu-tasks"
+
+
+@pytest.fixture(scope="module")
+def walked_v2() -> Iterator[Walked]:
+    with walk("v2", cgroups_root=ROOT) as w:
+        yield w
+
+
+def test_the_walkthrough_on_cgroup_v2_alone_and_its_first_task_opens_exactly_one_gpu(walked_v2: Walked):
+    node, said = walked_v2.node, walked_v2.said()
+    assert walked_v2.returncode == 0, said
+    assert node.run("stat -f -c %T /sys/fs/cgroup").stdout.strip() == "cgroup2fs"
+    assert node.run("systemctl is-system-running", check=False).stdout.strip() in ("running", "degraded")
+    assert "mesos-agent-cgroup2.sh" in node.run("systemctl show -P ExecStart mesos-agent").stdout
+    assert "TASK_FINISHED" in walked_v2.stdout, said
+    assert len(opened_gpus(walked_v2.stdout)) == 1, said
+    assert {seen(walked_v2.stdout)[name] for name in CONTROL} == {"ENXIO"}, said
+
+
+def test_a_gpu_task_on_v2_opens_what_the_device_programs_grant(walked_v2: Walked):
+    assert walked_v2.returncode == 0, walked_v2.said()
+    node = walked_v2.node
+    when = since(node)
+    task = launch(node, "v2-gpu-task", "cpus:0.1;mem:32;gpus:2")
+    try:
+        out = task.wait_probed()
+        said = f"{task.log()[-2000:]}\n{out}"
+        opened = opened_gpus(out)
+        assert len(opened) == 2, said
+        assert granted(node, out) == opened, said
+        assert f"cgroup2 /{ROOT}/" in out, said
+    finally:
+        task.stop()
+    assert isolator_errors(node, when) == []
+
+
+def test_an_image_task_on_v2(walked_v2: Walked):
+    assert walked_v2.returncode == 0, walked_v2.said()
+    node = walked_v2.node
+    provide_image(node)
+    when = since(node)
+    node.run(
+        "cat >> /etc/default/mesos-agent <<EOF\n"
+        "MESOS_ISOLATION=filesystem/linux,docker/runtime,cgroups/devices,org_gpuisolator_GpuIsolator\n"
+        f"{IMAGE_FLAGS.format(backend='overlay')}EOF\n"
+        "systemctl restart mesos-agent"
+    )
+    wait_registered(node, when)
+    image_task(node, "v2-image", when)

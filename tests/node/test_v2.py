@@ -9,6 +9,7 @@ wrapper must find it in the unit's environment file, where the walkthrough puts 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -25,6 +26,9 @@ from conftest import (
     walk,
 )
 from test_images import IMAGE_FLAGS, image_task, provide_image
+
+from isolator.testing.mesoshome import device_programs
+from isolator.testing.node import Node
 
 pytestmark = pytest.mark.node
 
@@ -78,3 +82,34 @@ def test_an_image_task_on_v2(walked_v2: Walked):
     )
     wait_registered(node, when)
     image_task(node, "v2-image", when)
+
+
+def ours_on(node: Node, out: str) -> list[int]:
+    """The ids of our device programs (``gpu_isolator``) on the probe's own cgroup2 cgroup."""
+    (path,) = re.findall(r"^cgroup2 (\S+)$", out, re.M)
+    return [p.id for p in device_programs(node.host_cgroup(path)) if p.name == "gpu_isolator"]
+
+
+def test_restarts_of_the_sidecar_and_of_the_agent_keep_a_v2_task_s_program(walked_v2: Walked):
+    """``systemctl restart gpu-isolator`` (its Recover re-attaches ours from its checkpoint, inside the
+    unit's sandbox) and ``systemctl restart mesos-agent`` (the agent's recover through our module):
+    the running task keeps exactly one program of ours on its leaf, granting the same GPU."""
+    assert walked_v2.returncode == 0, walked_v2.said()
+    node = walked_v2.node
+    when = since(node)
+    task = launch(node, "v2-restarts", "cpus:0.1;mem:32;gpus:1", "--checkpoint")
+    try:
+        out = task.wait_probed()
+        before = granted(node, out)
+        assert before == opened_gpus(out) and len(before) == 1, out
+        assert len(ours_on(node, out)) == 1, out
+        for unit in ("gpu-isolator", "mesos-agent"):
+            node.run(f"systemctl restart {unit}")
+            if unit == "mesos-agent":
+                wait_registered(node, since(node))
+            assert len(ours_on(node, out)) == 1, f"after restarting {unit}: {out}"
+            assert granted(node, out) == before, f"after restarting {unit}"
+        assert "TASK_RUNNING" in task.log() and not re.search("TASK_(LOST|FAILED|KILLED)", task.log()), task.log()
+    finally:
+        task.stop()
+    assert isolator_errors(node, when) == []

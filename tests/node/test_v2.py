@@ -27,7 +27,7 @@ from conftest import (
 )
 from test_images import IMAGE_FLAGS, image_task, provide_image
 
-from isolator.testing.mesoshome import device_programs
+from isolator.testing.mesoshome import MesosNotFound, cgroups_v2_unsupported, device_programs, find_mesos_home
 from isolator.testing.node import Node
 
 pytestmark = pytest.mark.node
@@ -37,6 +37,12 @@ ROOT = "gpu-tasks"
 
 @pytest.fixture(scope="module")
 def walked_v2() -> Iterator[Walked]:
+    try:
+        reason = cgroups_v2_unsupported(find_mesos_home())
+    except MesosNotFound as exc:
+        pytest.fail(f"tests/node/ needs a Mesos: {exc}")
+    if reason:
+        pytest.skip(f"[cgroup_v2] {reason}")
     with walk("v2", cgroups_root=ROOT) as w:
         yield w
 

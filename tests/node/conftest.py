@@ -100,9 +100,15 @@ def _need() -> tuple[str, str, str]:
 
 
 @contextlib.contextmanager
-def walk(cgroups: str = "v1", cgroups_root: str = "mesos") -> Iterator[Walked]:
+def walk(
+    cgroups: str = "v1",
+    cgroups_root: str = "mesos",
+    settings: str = 'simulate = "dgx-1"',
+    resources: str = "cpus:4;mem:2048;disk:2048;gpus:8",
+) -> Iterator[Walked]:
     """A node booted with ``cgroups`` (``"v1"``: the host's hybrid layout; ``"v2"``: cgroup2 alone),
-    the walkthrough run on it as written; stopped on exit."""
+    the walkthrough run on it as written with the sidecar's ``settings`` and the agent's
+    ``resources``; stopped on exit."""
     home, module, wheel = _need()
     rootfs = ensure_rootfs()
     wheelhouse = ensure_wheelhouse(wheel, sys.executable)
@@ -139,11 +145,11 @@ def walk(cgroups: str = "v1", cgroups_root: str = "mesos") -> Iterator[Walked]:
             "MASTER": master,
             "AGENT_IP": "127.0.0.1",
             "AGENT_PORT": str(agent_port),
-            "AGENT_RESOURCES": "cpus:4;mem:2048;disk:2048;gpus:8",
+            "AGENT_RESOURCES": resources,
             "CGROUPS_ROOT": cgroups_root,
             "CGROUP_VERSION": cgroups,
             "NVIDIA_DEV": DEV,
-            "SIDECAR_SETTINGS": 'simulate = "dgx-1"',
+            "SIDECAR_SETTINGS": settings,
             # The simulated host's nodes (no driver): the probe prints `dev nvidia<n> ENXIO` for an
             # open the devices cgroup let through, EPERM for one it refused.
             "GPU_CHECK": f"python3 {SHARE_IN_NODE}/probe.py {DEV} 0",

@@ -78,17 +78,13 @@ def probed(tasks: dict[str, Running], kind: str, node: Node) -> tuple[str, str]:
     return out, said
 
 
-def test_a_time_slice_share_task_opens_only_its_shared_gpu(units):
-    node, _, tasks = units
-    out, said = probed(tasks, "time-slice", node)
+def time_slice_share(node: Node, out: str, said: str) -> None:
     assert opened_gpus(out) == {6}, said
     assert granted(node, out) == {6}, said
     assert "CUDA_MPS_PIPE_DIRECTORY" not in out, said
 
 
-def test_an_mps_share_task_opens_its_gpu_with_the_sidecar_s_mps_daemon(units):
-    node, _, tasks = units
-    out, said = probed(tasks, "mps", node)
+def mps_share(node: Node, out: str, said: str) -> None:
     assert opened_gpus(out) == {5}, said
     assert granted(node, out) == {5}, said
     assert "env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25" in out, said
@@ -99,13 +95,30 @@ def test_an_mps_share_task_opens_its_gpu_with_the_sidecar_s_mps_daemon(units):
     assert node.run(f"cat /proc/{pid}/cgroup").stdout.rstrip().endswith("/gpu-isolator.service"), said
 
 
-def test_a_mig_task_opens_only_its_mig_device_s_gpu(units):
-    node, _, tasks = units
-    out, said = probed(tasks, "mig", node)
+def mig_unit(node: Node, out: str, said: str) -> None:
     (gpu,) = opened_gpus(out)
     assert gpu in (0, 1), said  # the GPUs with 1g.5gb instances (isolator/simhost/hosts/dgx-a100.toml)
     assert granted(node, out) == {gpu}, said
     assert re.search(r"^env NVIDIA_VISIBLE_DEVICES=MIG-", out, re.M), said
+
+
+# What each unit's task must show (shared with test_v2.py).
+CHECKS = {"time-slice": time_slice_share, "mps": mps_share, "mig": mig_unit}
+
+
+def test_a_time_slice_share_task_opens_only_its_shared_gpu(units):
+    node, _, tasks = units
+    time_slice_share(node, *probed(tasks, "time-slice", node))
+
+
+def test_an_mps_share_task_opens_its_gpu_with_the_sidecar_s_mps_daemon(units):
+    node, _, tasks = units
+    mps_share(node, *probed(tasks, "mps", node))
+
+
+def test_a_mig_task_opens_only_its_mig_device_s_gpu(units):
+    node, _, tasks = units
+    mig_unit(node, *probed(tasks, "mig", node))
 
 
 def test_the_units_end_and_leave_no_isolator_error(units):

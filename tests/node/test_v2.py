@@ -5,7 +5,12 @@ alone, and docs/operations.md's walkthrough runs with ``CGROUP_VERSION=v2``: the
 ``cgroup_version = "v2"``, the agent's unit through the shipped wrapper with ``--allowed_devices``.
 Device access is the eBPF programs' (the agent's on ``<id>``, ours on ``<id>/leaf``), read back from
 the kernel on the host. The agent's cgroups root is not the default one (``gpu-tasks``): the
-wrapper must find it in the unit's environment file, where the walkthrough puts every flag."""
+wrapper must find it in the unit's environment file, where the walkthrough puts every flag.
+
+The sidecar simulates a ``dgx-a100`` from the start (MIG on GPUs 0-4, GPU 5 shared under MPS, 6 by
+time slices, 7 whole), so that the walkthrough's ``--allowed_devices`` lists the MIG devices'
+capability nodes: on v2 the agent's program must let them through, and a MIG task on an agent
+whose list predates a re-cut fails at once, the sidecar naming the nodes to add."""
 
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from conftest import (
     walk,
 )
 from test_images import IMAGE_FLAGS, image_task, provide_image
+from test_units import CHECKS, SHARED, UNITS, probed
 
 from isolator.testing.mesoshome import MesosNotFound, cgroups_v2_unsupported, device_programs, find_mesos_home
 from isolator.testing.node import Node
@@ -33,6 +39,7 @@ from isolator.testing.node import Node
 pytestmark = pytest.mark.node
 
 ROOT = "gpu-tasks"
+RESOURCES = "cpus:4;mem:2048;disk:2048;gpus:1;gpu-share-4:4;gpu-share-2:2;mig-1g.5gb:8"
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +50,8 @@ def walked_v2() -> Iterator[Walked]:
         pytest.fail(f"tests/node/ needs a Mesos: {exc}")
     if reason:
         pytest.skip(f"[cgroup_v2] {reason}")
-    with walk("v2", cgroups_root=ROOT) as w:
+    settings = f'simulate = "dgx-a100"\nshared_gpus = "{SHARED}"'
+    with walk("v2", cgroups_root=ROOT, settings=settings, resources=RESOURCES) as w:
         yield w
 
 
@@ -62,16 +70,30 @@ def test_a_gpu_task_on_v2_opens_what_the_device_programs_grant(walked_v2: Walked
     assert walked_v2.returncode == 0, walked_v2.said()
     node = walked_v2.node
     when = since(node)
-    task = launch(node, "v2-gpu-task", "cpus:0.1;mem:32;gpus:2")
+    task = launch(node, "v2-gpu-task", "cpus:0.1;mem:32;gpus:1")
     try:
         out = task.wait_probed()
         said = f"{task.log()[-2000:]}\n{out}"
-        opened = opened_gpus(out)
-        assert len(opened) == 2, said
-        assert granted(node, out) == opened, said
+        assert opened_gpus(out) == {7}, said  # the one whole GPU
+        assert granted(node, out) == {7}, said
         assert f"cgroup2 /{ROOT}/" in out, said
     finally:
         task.stop()
+    assert isolator_errors(node, when) == []
+
+
+def test_shares_and_a_mig_unit_on_v2(walked_v2: Walked):
+    """A time-slice share, an MPS share and a MIG unit held at once, as test_units.py on v1."""
+    assert walked_v2.returncode == 0, walked_v2.said()
+    node = walked_v2.node
+    when = since(node)
+    tasks = {kind: launch(node, f"v2-unit-{kind}", f"cpus:0.1;mem:32;{unit}") for kind, unit in UNITS.items()}
+    try:
+        for kind, check in CHECKS.items():
+            check(node, *probed(tasks, kind, node))
+    finally:
+        for task in tasks.values():
+            task.stop()
     assert isolator_errors(node, when) == []
 
 

@@ -108,8 +108,8 @@ test-mesos: install build
 
 # A Debian 12 node booted with systemd as PID 1 (systemd-nspawn -b; isolator/testing/node.py), the
 # sidecar installed from the wheel as the unit `install-unit` writes, the agent as a unit after it with
-# our module, and docs/operations.md's node walkthrough run as written (tests/node/, never collected by
-# make test). Needs root, the Debian packages systemd-container and mmdebstrap (named, and the target
+# our module, and docs/operations.md's node walkthrough run as written, on this host's hybrid layout and
+# on a second node booted with cgroup2 alone (tests/node/, never collected by make test). Needs root, the Debian packages systemd-container and mmdebstrap (named, and the target
 # stops; MODULE_INSTALL_DEPS=1 installs them), a Mesos as for test-mesos, and PyPI once: the node's root
 # filesystem and its wheelhouse are built once and cached under /var/cache/gpu-isolator-node.
 NODE_DEBS := systemd-container mmdebstrap

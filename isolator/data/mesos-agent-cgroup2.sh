@@ -4,7 +4,11 @@
 # `make test-mesos` runs for its v2 scenarios (isolator/testing/cluster.py, cgroups="v2").
 #
 # * The agent aborts at its first launch unless its --cgroups_root exists (`Check failed:
-#   cgroups2::exists(flags.cgroups_root)`): created here first (default root: mesos).
+#   cgroups2::exists(flags.cgroups_root)`): created here first. The root is the agent's: its
+#   --cgroups_root= argument, else MESOS_CGROUPS_ROOT (the agent reads every flag from MESOS_<NAME>
+#   too: a unit's EnvironmentFile, docs/operations.md), else the agent's default, mesos. (Reading the
+#   argument alone made `mesos` for an agent whose root was in its environment file, and that agent
+#   aborted at its first launch: tests/node/test_v2.py.)
 # * On a pure v2 host (cgroup2 at /sys/fs/cgroup) that is all: the agent is exec'ed as it is.
 # * On a hybrid host (v1 controllers under /sys/fs/cgroup, cgroup2 at /sys/fs/cgroup/unified) the
 #   agent would refuse the layout ("Found cgroups2 mount at an unexpected location"): it runs in a
@@ -19,7 +23,7 @@ if [ $# -lt 1 ]; then
 fi
 agent=$1
 shift
-root=mesos
+root=${MESOS_CGROUPS_ROOT:-mesos}
 for arg in "$@"; do
     case $arg in
     --cgroups_root=*) root=${arg#--cgroups_root=} ;;

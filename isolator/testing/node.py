@@ -173,10 +173,22 @@ class Node:
         binds: Sequence[tuple[str, str]] = (),
         ro_binds: Sequence[tuple[str, str]] = (),
         scratch: Sequence[str] = (AGENT_WORK_IN_NODE,),
+        cgroups: str = "v1",
     ):
         """``scratch``: directories of the node bound to fresh ones of the host's temporary directory
         (default the agent's work directory: its overlay backend cannot stack on the node's volatile
-        overlay root, and the host's disk holds what tasks write)."""
+        overlay root, and the host's disk holds what tasks write).
+
+        ``cgroups``: the layout the node boots with. ``"v1"``: the host's hybrid one (the v1
+        controllers, the name=systemd hierarchy, cgroup2 at ``/sys/fs/cgroup/unified``). ``"v2"``:
+        cgroup2 alone at ``/sys/fs/cgroup``, as on a host booted with ``systemd.unified_cgroup_hierarchy=1``
+        (``SYSTEMD_NSPAWN_UNIFIED_HIERARCHY=1``: nspawn mounts the host's cgroup2 hierarchy there in a
+        cgroup namespace rooted at the node's cgroup, and the node's systemd runs on it alone). The
+        kernel's v1 controllers still exist beside it on this host: the node's processes stay in the
+        node's v1 devices cgroup, which allows every device, so the device programs are the only gate."""
+        if cgroups not in ("v1", "v2"):
+            raise ValueError(f"cgroups must be 'v1' or 'v2', not {cgroups!r}")
+        self.cgroups = cgroups
         self.rootfs = rootfs
         self.name = f"gi-node-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.cgroup = f"{TEST_PARENT}/{self.name}"
@@ -250,6 +262,13 @@ class Node:
             # Every boot writes to a tmpfs overlay: the cached root filesystem stays as built.
             "--volatile=overlay",
             f"--bind={self.share}:{SHARE_IN_NODE}",
+            # What root on a host may do and nspawn's defaults take away: bpf(2), which nspawn's own
+            # system-call filter refuses with EPERM whatever the capabilities (the agent's and the
+            # sidecar's device programs on v2: "Failed to load eBPF program: ... Operation not
+            # permitted", tests/node/test_v2.py), and the capabilities around it (CAP_NET_ADMIN:
+            # BPF_PROG_QUERY on kernels before 6.6).
+            "--system-call-filter=bpf",
+            "--capability=CAP_BPF,CAP_PERFMON,CAP_NET_ADMIN",
         ]
         for inside in self.scratch:
             outside = os.path.join(self.tmp, "scratch" + inside.replace("/", "-"))
@@ -259,10 +278,15 @@ class Node:
         argv += [f"--bind-ro={src}:{dst}" for src, dst in self.ro_binds]
         procs = " ".join(os.path.join(c, "cgroup.procs") for c in cgroups)
         wrapper = f'for f in {procs}; do echo $$ > "$f" || exit 1; done; exec "$@"'
+        env = dict(os.environ)
+        # nspawn's own choice on a hybrid host is the hybrid layout (its image's systemd is new enough).
+        env.pop("SYSTEMD_NSPAWN_UNIFIED_HIERARCHY", None)
+        if self.cgroups == "v2":
+            env["SYSTEMD_NSPAWN_UNIFIED_HIERARCHY"] = "1"
         log = open(self.console, "wb")  # noqa: SIM115 - closed right after the fork
         try:
             self.proc = subprocess.Popen(
-                ["sh", "-c", wrapper, "node", *argv], stdout=log, stderr=log, stdin=subprocess.DEVNULL
+                ["sh", "-c", wrapper, "node", *argv], stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env
             )
         finally:
             log.close()
@@ -281,6 +305,9 @@ class Node:
             if time.monotonic() > deadline:
                 raise NodeError(f"the node's systemd is '{state}' after {timeout:g} s: {self.console_text()}")
             time.sleep(0.5)
+        fstype = self.run("stat -f -c %T /sys/fs/cgroup").stdout.strip()
+        if (fstype == "cgroup2fs") != (self.cgroups == "v2"):
+            raise NodeError(f"the node booted for cgroup {self.cgroups} has '{fstype}' at /sys/fs/cgroup")
 
     def _find_leader(self) -> int:
         """The node's PID 1 as the host sees it: the child of systemd-nspawn running systemd."""
@@ -309,6 +336,27 @@ class Node:
                 f"in the node, exit {result.returncode}: {script}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
             )
         return result
+
+    def host_cgroup(self, path: str, controller: str = "") -> str:
+        """The host's path of ``path``, a cgroup as the node's processes see it (their
+        ``/proc/self/cgroup``: relative to the node's cgroup namespace) in the hierarchy of
+        ``controller`` (``""``: cgroup2; ``"devices"``: the v1 devices hierarchy)."""
+
+        def line(text: str) -> str:
+            for entry in text.splitlines():
+                _, ctrls, where = entry.split(":", 2)
+                if ctrls == controller or controller in ctrls.split(","):
+                    return where
+            raise NodeError(f"no cgroup of the node's PID 1 in the hierarchy '{controller or 'cgroup2'}'")
+
+        with open(f"/proc/{self.leader}/cgroup") as fh:
+            outside = line(fh.read())
+        inside = line(self.run("cat /proc/1/cgroup").stdout)
+        if inside != "/" and not outside.endswith(inside):
+            raise NodeError(f"the node's PID 1 is in '{inside}' inside and in '{outside}' outside")
+        root = outside[: len(outside) - len(inside)] if inside != "/" else outside
+        mount = "/sys/fs/cgroup/unified" if not controller else f"/sys/fs/cgroup/{controller}"
+        return os.path.normpath(f"{mount}/{root}/{path}")
 
     def unit_pid(self, unit: str) -> int:
         """The unit's MainPID as the node sees it (0: not running)."""

@@ -17,6 +17,7 @@ import re
 import shlex
 import shutil
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ from docpage import with_values as with_values
 from probed import opened_gpus as opened_gpus
 from probed import seen as seen
 
-from isolator.testing.mesoshome import MesosNotFound, find_mesos_home, native_module
+from isolator.testing.mesoshome import MesosNotFound, device_programs, find_mesos_home, native_module
 from isolator.testing.node import (
     MESOS_IN_NODE,
     SHARE_IN_NODE,
@@ -44,6 +45,7 @@ PROBE = os.path.join(paths.TESTS, "mesos", "probe.py")
 CONTROL = {"nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"}
 MODULE_IN_NODE = "/usr/local/lib/mesos/modules/libgpu_isolator_module.so"
 STATE = "/var/lib/gpu-isolator"
+DEV = f"{STATE}/simhost/dev"  # the simulated host's device nodes
 # The drop-in the simulated host needs, and nothing else (docs/operations.md says so).
 SIM_DROPIN = """\
 # The simulated host (--simulate) makes its GPUs' device nodes under the state directory with
@@ -97,21 +99,30 @@ def _need() -> tuple[str, str, str]:
     return home, module, wheels[-1]
 
 
-@pytest.fixture(scope="session")
-def walked() -> Iterator[Walked]:
+@contextlib.contextmanager
+def walk(
+    cgroups: str = "v1",
+    cgroups_root: str = "mesos",
+    settings: str = 'simulate = "dgx-1"',
+    resources: str = "cpus:4;mem:2048;disk:2048;gpus:8",
+) -> Iterator[Walked]:
+    """A node booted with ``cgroups`` (``"v1"``: the host's hybrid layout; ``"v2"``: cgroup2 alone),
+    the walkthrough run on it as written with the sidecar's ``settings`` and the agent's
+    ``resources``; stopped on exit."""
     home, module, wheel = _need()
     rootfs = ensure_rootfs()
     wheelhouse = ensure_wheelhouse(wheel, sys.executable)
-    node = Node(rootfs, ro_binds=[(home, MESOS_IN_NODE), (wheelhouse, "/wheels")])
+    node = Node(rootfs, ro_binds=[(home, MESOS_IN_NODE), (wheelhouse, "/wheels")], cgroups=cgroups)
     with node:
         shutil.copy(wheel, node.share)
         shutil.copy(module, node.share)
         shutil.copy(PROBE, node.share)
-        # systemd-nspawn mounts the v1 controllers read-only (its node's cgroups are the host's,
-        # under the tests' parent here); a real host's are writable by root: as on a real host.
-        node.run(
-            'for c in /sys/fs/cgroup/*/; do [ "$c" = /sys/fs/cgroup/unified/ ] || mount -o remount,bind,rw "$c"; done'
-        )
+        if cgroups == "v1":
+            # systemd-nspawn mounts the v1 controllers read-only (its node's cgroups are the host's,
+            # under the tests' parent here); a real host's are writable by root: as on a real host.
+            # (On v2 nspawn mounts the node's cgroup2 read-write, as a host's.)
+            remount = 'mount -o remount,bind,rw "$c"'
+            node.run(f'for c in /sys/fs/cgroup/*/; do [ "$c" = /sys/fs/cgroup/unified/ ] || {remount}; done')
         # The Debian installer puts the host's name in /etc/hosts (mesos-execute resolves it); mmdebstrap does not.
         node.run('echo "127.0.1.1 $(hostname)" >> /etc/hosts')
         node.run(f"install -D -m 0755 {SHARE_IN_NODE}/{os.path.basename(module)} {MODULE_IN_NODE}")
@@ -134,15 +145,131 @@ def walked() -> Iterator[Walked]:
             "MASTER": master,
             "AGENT_IP": "127.0.0.1",
             "AGENT_PORT": str(agent_port),
-            "AGENT_RESOURCES": "cpus:4;mem:2048;disk:2048;gpus:8",
-            "CGROUPS_ROOT": "mesos",
-            "SIDECAR_SETTINGS": 'simulate = "dgx-1"',
+            "AGENT_RESOURCES": resources,
+            "CGROUPS_ROOT": cgroups_root,
+            "CGROUP_VERSION": cgroups,
+            "NVIDIA_DEV": DEV,
+            "SIDECAR_SETTINGS": settings,
             # The simulated host's nodes (no driver): the probe prints `dev nvidia<n> ENXIO` for an
             # open the devices cgroup let through, EPERM for one it refused.
-            "GPU_CHECK": f"python3 {SHARE_IN_NODE}/probe.py {STATE}/simhost/dev 0",
+            "GPU_CHECK": f"python3 {SHARE_IN_NODE}/probe.py {DEV} 0",
         }
         script = with_values(blocks[0], values) + "\n".join(blocks[1:])
         run = node.run(f"cd /root && bash -eu -c {shlex.quote(script)}", check=False, timeout=600)
         yield Walked(node, master, run.returncode, run.stdout, run.stderr)
         with contextlib.suppress(Exception):
             node.run("systemctl stop mesos-agent gpu-isolator mesos-master", check=False, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def walked() -> Iterator[Walked]:
+    """The node on the host's hybrid layout (cgroup v1), shared by every v1 scenario."""
+    with walk("v1") as w:
+        yield w
+
+
+# ---- tasks launched into the node, and what the kernel holds for them --------------------------
+
+
+def agent_env(node: Node) -> dict[str, str]:
+    """The agent's flags as its unit reads them (/etc/default/mesos-agent)."""
+    text = node.run("cat /etc/default/mesos-agent").stdout
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+
+
+def since(node: Node) -> str:
+    """Now, as ``journalctl --since`` takes it."""
+    return node.run("date '+%Y-%m-%d %H:%M:%S'").stdout.strip()
+
+
+def wait_registered(node: Node, when: str, timeout: float = 90) -> None:
+    journal = f"journalctl --no-pager -o cat -u mesos-agent --since '{when}'"
+    deadline = time.monotonic() + timeout
+    while "egistered with master" not in node.run(journal).stdout:
+        assert time.monotonic() < deadline, node.run(f"{journal} | tail -30").stdout
+        time.sleep(0.5)
+
+
+@dataclass
+class Running:
+    """A task launched by ``mesos-execute`` in the background of the node (its framework's log in
+    ``/root/<name>.log``), that runs until ``stop()``."""
+
+    node: Node
+    name: str
+
+    def log(self) -> str:
+        return self.node.run(f"cat /root/{self.name}.log", check=False).stdout
+
+    def stdout(self) -> str:
+        return self.node.run(
+            f"cat /var/lib/mesos/slaves/*/frameworks/*/executors/{self.name}/runs/latest/stdout", check=False
+        ).stdout
+
+    def wait_probed(self, timeout: float = 120) -> str:
+        """The probe's output once it printed ``probed`` (fails with the framework's log if the task ended)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            out = self.stdout()
+            if "\nprobed\n" in f"\n{out}":
+                return out
+            log = self.log()
+            assert not re.search(r"TASK_(FAILED|LOST|ERROR|KILLED|DROPPED|FINISHED)", log), f"{log}\n{out}"
+            assert time.monotonic() < deadline, f"{self.name} never probed\n{log}\n{out}"
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        """Ends the framework (the master tears it down: its task is killed) and waits until the
+        agent's cleanup removed the task's cgroup."""
+        out = self.stdout()
+        self.node.run(f"kill $(cat /root/{self.name}.pid) 2>/dev/null", check=False)
+        found = re.findall(r"^cgroup2 (\S+)$" if self.node.cgroups == "v2" else r"^cgroup (\S+)$", out, re.M)
+        if not found:
+            return
+        where = self.node.host_cgroup(found[0], "" if self.node.cgroups == "v2" else "devices")
+        deadline = time.monotonic() + 60
+        while os.path.isdir(where):
+            assert time.monotonic() < deadline, f"{self.name}: {where} still there 60 s after its framework ended"
+            time.sleep(0.3)
+
+
+def launch(node: Node, name: str, resources: str, *flags: str, command: str = "") -> Running:
+    """``mesos-execute`` of a task holding ``resources`` that probes the simulated nodes and then
+    sleeps (or runs ``command``)."""
+    master = agent_env(node)["MESOS_MASTER"]
+    command = command or f"python3 {SHARE_IN_NODE}/probe.py {DEV} 600"
+    node.run(
+        f"setsid nohup env LD_LIBRARY_PATH={MESOS_IN_NODE}/lib {MESOS_IN_NODE}/bin/mesos-execute"
+        f" --master={master} --name={name} --framework_capabilities=GPU_RESOURCES"
+        f" --resources={shlex.quote(resources)} --command={shlex.quote(command)} {' '.join(flags)}"
+        f" > /root/{name}.log 2>&1 < /dev/null & echo $! > /root/{name}.pid"
+    )
+    return Running(node, name)
+
+
+def granted(node: Node, stdout: str) -> set[int]:
+    """GPU minors the kernel lets the probe's container open read-write, read from the kernel on the
+    host: on v1 the ``c 195:N rwm`` lines of its devices cgroup's devices.list, on v2 the device
+    programs on its cgroup2 cgroup and on each ancestor (every one must allow: the kernel ANDs them)."""
+    if node.cgroups == "v1":
+        (path,) = re.findall(r"^cgroup (\S+)$", stdout, re.M)
+        with open(os.path.join(node.host_cgroup(path, "devices"), "devices.list")) as fh:
+            rules = fh.read()
+        return {int(m) for m in re.findall(r"^c 195:(\d+) rwm$", rules, re.M) if int(m) < 255}
+    (path,) = re.findall(r"^cgroup2 (\S+)$", stdout, re.M)
+    where, programs = node.host_cgroup(path), []
+    while where.startswith("/sys/fs/cgroup/unified/"):
+        programs += device_programs(where)
+        where = os.path.dirname(where)
+    assert any(p.name == "gpu_isolator" for p in programs), f"no program of ours above {path}: {programs}"
+    return {m for m in range(255) if all(p.allows("c", 195, m, "rw") for p in programs)}
+
+
+def isolator_errors(node: Node, when: str) -> list[str]:
+    """The agent's error lines about an isolator (glog: they start with E) and the sidecar's ERROR
+    lines in the journal since ``when``."""
+    agent = node.run(f"journalctl --no-pager -o cat -u mesos-agent --since '{when}'").stdout
+    sidecar = node.run(f"journalctl --no-pager -o cat -u gpu-isolator --since '{when}'").stdout
+    return [ln for ln in agent.splitlines() if ln.startswith("E") and "isolator" in ln.lower()] + [
+        ln for ln in sidecar.splitlines() if re.search(r"\b(ERROR|CRITICAL)\b", ln)
+    ]

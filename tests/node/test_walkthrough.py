@@ -31,6 +31,8 @@ def test_the_section_names_its_values_and_has_the_blocks_an_operator_runs():
                 "AGENT_PORT",
                 "AGENT_RESOURCES",
                 "CGROUPS_ROOT",
+                "CGROUP_VERSION",
+                "NVIDIA_DEV",
                 "SIDECAR_SETTINGS",
                 "GPU_CHECK",
             )

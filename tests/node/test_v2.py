@@ -1,0 +1,143 @@
+"""The node booted with cgroup2 alone (issue 43, item 2 "on pure v2"): systemd-nspawn mounts the
+host's cgroup2 hierarchy at ``/sys/fs/cgroup`` in a cgroup namespace of the node's own
+(``SYSTEMD_NSPAWN_UNIFIED_HIERARCHY=1``, isolator/testing/node.py), the node's systemd runs on it
+alone, and docs/operations.md's walkthrough runs with ``CGROUP_VERSION=v2``: the sidecar's unit with
+``cgroup_version = "v2"``, the agent's unit through the shipped wrapper with ``--allowed_devices``.
+Device access is the eBPF programs' (the agent's on ``<id>``, ours on ``<id>/leaf``), read back from
+the kernel on the host. The agent's cgroups root is not the default one (``gpu-tasks``): the
+wrapper must find it in the unit's environment file, where the walkthrough puts every flag.
+
+The sidecar simulates a ``dgx-a100`` from the start (MIG on GPUs 0-4, GPU 5 shared under MPS, 6 by
+time slices, 7 whole), so that the walkthrough's ``--allowed_devices`` lists the MIG devices'
+capability nodes: on v2 the agent's program must let them through, and a MIG task on an agent
+whose list predates a re-cut fails at once, the sidecar naming the nodes to add."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import pytest
+from conftest import (
+    CONTROL,
+    Walked,
+    granted,
+    isolator_errors,
+    launch,
+    opened_gpus,
+    seen,
+    since,
+    wait_registered,
+    walk,
+)
+from test_images import IMAGE_FLAGS, image_task, provide_image
+from test_units import CHECKS, SHARED, UNITS, probed
+
+from isolator.testing.mesoshome import MesosNotFound, cgroups_v2_unsupported, device_programs, find_mesos_home
+from isolator.testing.node import Node
+
+pytestmark = pytest.mark.node
+
+ROOT = "gpu-tasks"
+RESOURCES = "cpus:4;mem:2048;disk:2048;gpus:1;gpu-share-4:4;gpu-share-2:2;mig-1g.5gb:8"
+
+
+@pytest.fixture(scope="module")
+def walked_v2() -> Iterator[Walked]:
+    try:
+        reason = cgroups_v2_unsupported(find_mesos_home())
+    except MesosNotFound as exc:
+        pytest.fail(f"tests/node/ needs a Mesos: {exc}")
+    if reason:
+        pytest.skip(f"[cgroup_v2] {reason}")
+    settings = f'simulate = "dgx-a100"\nshared_gpus = "{SHARED}"'
+    with walk("v2", cgroups_root=ROOT, settings=settings, resources=RESOURCES) as w:
+        yield w
+
+
+def test_the_walkthrough_on_cgroup_v2_alone_and_its_first_task_opens_exactly_one_gpu(walked_v2: Walked):
+    node, said = walked_v2.node, walked_v2.said()
+    assert walked_v2.returncode == 0, said
+    assert node.run("stat -f -c %T /sys/fs/cgroup").stdout.strip() == "cgroup2fs"
+    assert node.run("systemctl is-system-running", check=False).stdout.strip() in ("running", "degraded")
+    assert "mesos-agent-cgroup2.sh" in node.run("systemctl show -P ExecStart mesos-agent").stdout
+    assert "TASK_FINISHED" in walked_v2.stdout, said
+    assert len(opened_gpus(walked_v2.stdout)) == 1, said
+    assert {seen(walked_v2.stdout)[name] for name in CONTROL} == {"ENXIO"}, said
+
+
+def test_a_gpu_task_on_v2_opens_what_the_device_programs_grant(walked_v2: Walked):
+    assert walked_v2.returncode == 0, walked_v2.said()
+    node = walked_v2.node
+    when = since(node)
+    task = launch(node, "v2-gpu-task", "cpus:0.1;mem:32;gpus:1")
+    try:
+        out = task.wait_probed()
+        said = f"{task.log()[-2000:]}\n{out}"
+        assert opened_gpus(out) == {7}, said  # the one whole GPU
+        assert granted(node, out) == {7}, said
+        assert f"cgroup2 /{ROOT}/" in out, said
+    finally:
+        task.stop()
+    assert isolator_errors(node, when) == []
+
+
+def test_shares_and_a_mig_unit_on_v2(walked_v2: Walked):
+    """A time-slice share, an MPS share and a MIG unit held at once, as test_units.py on v1."""
+    assert walked_v2.returncode == 0, walked_v2.said()
+    node = walked_v2.node
+    when = since(node)
+    tasks = {kind: launch(node, f"v2-unit-{kind}", f"cpus:0.1;mem:32;{unit}") for kind, unit in UNITS.items()}
+    try:
+        for kind, check in CHECKS.items():
+            check(node, *probed(tasks, kind, node))
+    finally:
+        for task in tasks.values():
+            task.stop()
+    assert isolator_errors(node, when) == []
+
+
+def test_an_image_task_on_v2(walked_v2: Walked):
+    assert walked_v2.returncode == 0, walked_v2.said()
+    node = walked_v2.node
+    provide_image(node)
+    when = since(node)
+    node.run(
+        "cat >> /etc/default/mesos-agent <<EOF\n"
+        "MESOS_ISOLATION=filesystem/linux,docker/runtime,cgroups/devices,org_gpuisolator_GpuIsolator\n"
+        f"{IMAGE_FLAGS.format(backend='overlay')}EOF\n"
+        "systemctl restart mesos-agent"
+    )
+    wait_registered(node, when)
+    image_task(node, "v2-image", when)
+
+
+def ours_on(node: Node, out: str) -> list[int]:
+    """The ids of our device programs (``gpu_isolator``) on the probe's own cgroup2 cgroup."""
+    (path,) = re.findall(r"^cgroup2 (\S+)$", out, re.M)
+    return [p.id for p in device_programs(node.host_cgroup(path)) if p.name == "gpu_isolator"]
+
+
+def test_restarts_of_the_sidecar_and_of_the_agent_keep_a_v2_task_s_program(walked_v2: Walked):
+    """``systemctl restart gpu-isolator`` (its Recover re-attaches ours from its checkpoint, inside the
+    unit's sandbox) and ``systemctl restart mesos-agent`` (the agent's recover through our module):
+    the running task keeps exactly one program of ours on its leaf, granting the same GPU."""
+    assert walked_v2.returncode == 0, walked_v2.said()
+    node = walked_v2.node
+    when = since(node)
+    task = launch(node, "v2-restarts", "cpus:0.1;mem:32;gpus:1", "--checkpoint")
+    try:
+        out = task.wait_probed()
+        before = granted(node, out)
+        assert before == opened_gpus(out) and len(before) == 1, out
+        assert len(ours_on(node, out)) == 1, out
+        for unit in ("gpu-isolator", "mesos-agent"):
+            node.run(f"systemctl restart {unit}")
+            if unit == "mesos-agent":
+                wait_registered(node, since(node))
+            assert len(ours_on(node, out)) == 1, f"after restarting {unit}: {out}"
+            assert granted(node, out) == before, f"after restarting {unit}"
+        assert "TASK_RUNNING" in task.log() and not re.search("TASK_(LOST|FAILED|KILLED)", task.log()), task.log()
+    finally:
+        task.stop()
+    assert isolator_errors(node, when) == []

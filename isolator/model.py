@@ -365,10 +365,14 @@ class Share:
     # The Unix uid the sharer's tasks run as (docs/sharing.md, "Users"): booked with the share, since
     # legacy MPS serves one uid per GPU at a time. None: not known (a record from before schema 10).
     uid: int | None = None
+    # How many ways the GPU was cut when the share was booked (``--shared-gpus``' N): a share's size is
+    # 1/cut, which its limits and its offer unit (``gpu-share-<cut>``) were made from, so a GPU with
+    # sharers keeps its cut. None: not known (a record from before schema 11).
+    cut: int | None = None
 
     def resized(self, count: int) -> Share | None:
         """The same GPU's shares at ``count``; None at 0 (nothing held)."""
-        return Share(self.gpu, count, self.mode, self.uid) if count else None
+        return Share(self.gpu, count, self.mode, self.uid, self.cut) if count else None
 
 
 @dataclass(frozen=True)

@@ -111,7 +111,8 @@ class Booking:
         self.lock.require("book")
         if request.shares:
             placed = self.place_shares(holder, request.shares, near, size=request.share_size, uid=uid, by_user=True)
-            return Holding(share=Share(placed.minor, placed.shares, placed.mode, uid))
+            cut = self._shares.shared[placed.minor].shares
+            return Holding(share=Share(placed.minor, placed.shares, placed.mode, uid, cut))
         choice = self.allocate_whole(request.gpus)
         try:
             units = self.choose_mig(dict(request.mig))
@@ -220,7 +221,7 @@ class Booking:
         uid = self._shares.user(holder)
         self._shares.release(holder)
         self._shares.restore(holder, share.gpu, count, uid=uid)
-        return Share(share.gpu, extra, share.mode, share.uid)
+        return Share(share.gpu, extra, share.mode, share.uid, share.cut)
 
     def _name(self, minor: int) -> str:
         gpu = self.gpus.get(minor)
@@ -250,9 +251,16 @@ class Booking:
         self._allocator.restore(known)
         self.hold_mig(holding.mig, restore=True)
         if holding.share is not None:
-            self.restore_shares(
-                holder, holding.share.gpu, holding.share.count, holding.share.mode, uid=holding.share.uid
-            )
+            share = holding.share
+            gpu = self._shares.shared.get(share.gpu)
+            if share.cut is not None and gpu is not None and gpu.shares != share.cut:
+                # Its limits and its offer unit were made from 1/cut; another cut would change what it
+                # holds under it (issue 41 item 6): the start stops (exit 78), as for a mode switch.
+                raise FailedPrecondition(
+                    f"container {holder} holds {share.count} {sharing.RESOURCE} of GPU {share.gpu} cut {share.cut}"
+                    f" ways, which the flags now cut {gpu.shares} ways (a GPU with sharers keeps its cut)"
+                )
+            self.restore_shares(holder, share.gpu, share.count, share.mode, uid=share.uid)
         return holding.with_gpus(known)
 
     # ---- the kinds, one by one (call with the lock held) -------------------------------------------

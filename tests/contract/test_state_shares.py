@@ -129,5 +129,22 @@ def test_a_schema_9_store_gains_share_users_and_its_sharers_have_no_uid(tmp_path
         store.record(ContainerRecord(B, Holding(share=Share(3, 1, "mps", 7))))
         assert store.get(B).holding.share.uid == 7
     db = sqlite3.connect(os.path.join(str(tmp_path), DB_FILE))
-    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 10
+    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION >= 10
     db.close()
+
+
+def test_a_sharers_cut_is_recorded_kept_through_a_change_of_count_and_gone_with_it(tmp_path):
+    """Schema 11 (issue 41 item 6): how many ways the GPU was cut when the share was booked."""
+    with StateStore(str(tmp_path)) as store:
+        store.record(ContainerRecord(A, Holding(share=Share(3, 1, "mps", 1000, 4))))
+        store.record(ContainerRecord(B, Holding(share=Share(3, 1, "mps"))))  # unknown: as an older sidecar wrote it
+        assert store.get(A).holding.share.cut == 4 and store.get(B).holding.share.cut is None
+        assert store.load()[A].holding.share == Share(3, 1, "mps", 1000, 4)
+        store.set_holding(A, Holding(share=Share(3, 2, "mps", 1000, 4)))
+        assert store.get(A).holding.share.cut == 4
+        store.set_holding(A, Holding(share=Share(3, 1, "mps", 1000)))
+        assert store.get(A).holding.share.cut is None, "a share booked again without a cut takes none"
+        for bad in (0, True, "4"):
+            with pytest.raises(InvalidArgument):
+                store.record(ContainerRecord(C, Holding(share=Share(3, 1, "mps", 0, bad))))  # type: ignore[arg-type]
+        assert store.get(C) is None

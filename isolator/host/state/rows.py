@@ -104,26 +104,34 @@ def insert_share(db: sqlite3.Connection, cid: ContainerId, share: Share) -> None
     uid = share.uid
     if uid is not None and (isinstance(uid, bool) or not isinstance(uid, int) or uid < 0):
         raise InvalidArgument(f"uid {uid!r} of a sharer of GPU {minor} is not a non-negative integer")
+    cut = share.cut
+    if cut is not None and (isinstance(cut, bool) or not isinstance(cut, int) or cut < 1):
+        raise InvalidArgument(f"cut {cut!r} of shared GPU {minor} is not a positive integer")
     try:
         db.execute("INSERT INTO share_allocation VALUES (?, ?, ?, ?)", (cid_key(cid), minor, n, str(share.mode)))
         if uid is None:
             db.execute("DELETE FROM share_user WHERE container = ?", (cid_key(cid),))
         else:
             db.execute("INSERT OR REPLACE INTO share_user VALUES (?, ?)", (cid_key(cid), uid))
+        if cut is None:
+            db.execute("DELETE FROM share_cut WHERE container = ?", (cid_key(cid),))
+        else:
+            db.execute("INSERT OR REPLACE INTO share_cut VALUES (?, ?)", (cid_key(cid), cut))
     except sqlite3.IntegrityError as exc:
         row = db.execute("SELECT container FROM allocation WHERE minor = ?", (minor,)).fetchone()
         holder = str(cid_of(row[0])) if row else "?"
         raise GpuAlreadyHeld(gpu=f"{minor} (shared)", container=str(cid), holder=holder) from exc
 
 
-def share_of(minor: int, count: int, mode: str, uid: int | None = None) -> Share:
-    return Share(minor, count, ShareMode(mode), uid)
+def share_of(minor: int, count: int, mode: str, uid: int | None = None, cut: int | None = None) -> Share:
+    return Share(minor, count, ShareMode(mode), uid, cut)
 
 
-# A share row with its sharer's uid (NULL when an older sidecar recorded it).
+# A share row with its sharer's uid and its GPU's cut (NULL when an older sidecar recorded it).
 SHARES = (
-    "SELECT s.container, s.minor, s.shares, s.mode, u.uid FROM share_allocation s"
+    "SELECT s.container, s.minor, s.shares, s.mode, u.uid, c.cut FROM share_allocation s"
     " LEFT JOIN share_user u ON u.container = s.container"
+    " LEFT JOIN share_cut c ON c.container = s.container"
 )
 
 

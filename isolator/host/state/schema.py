@@ -21,7 +21,7 @@ from isolator.model import CgroupVersion, RecordState
 LOG = logging.getLogger("isolator.host.state")  # the name operators know from the logs (docs/operations.md)
 
 DB_FILE = "allocations.sqlite3"
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 # The oldest schema whose sidecar reads and writes a store of SCHEMA_VERSION correctly. An additive
 # migration (new tables or columns that an older sidecar may ignore: rows tied to a container by
 # ON DELETE CASCADE, columns with defaults; and newer code that copes with rows an older sidecar
@@ -40,6 +40,7 @@ TABLES_AFTER_2 = (
     "share_allocation",
     "gpu_maintenance_history",
     "share_user",
+    "share_cut",
 )
 STATES = tuple(RecordState)  # the container table's CHECK names the same three
 CGROUP_VERSIONS = tuple(v.number for v in CgroupVersion)
@@ -202,6 +203,18 @@ CREATE TABLE IF NOT EXISTS share_user (
 """
 
 
+# Version 11: how many ways each sharer's GPU was cut when its share was booked (issue 41 item 6): a
+# restart whose --shared-gpus cuts a GPU with sharers another way stops (exit 78) instead of changing
+# what they hold under them. A table of its own, as share_user: additive. A sharer recorded without a
+# row (by an older sidecar) has an unknown cut, and its GPU's cut is not checked at start.
+_SCHEMA_V11 = """
+CREATE TABLE IF NOT EXISTS share_cut (
+    container TEXT PRIMARY KEY REFERENCES container (key) ON DELETE CASCADE,
+    cut       INTEGER NOT NULL CHECK (cut >= 1)
+) WITHOUT ROWID;
+"""
+
+
 # Each migration as (the newest schema it applies to, its script), oldest first: a store at version V
 # runs every script whose schema is V or newer, in order.
 _MIGRATIONS = (
@@ -214,6 +227,7 @@ _MIGRATIONS = (
     (7, _SCHEMA_V8),
     (8, _SCHEMA_V9),
     (9, _SCHEMA_V10),
+    (10, _SCHEMA_V11),
 )
 
 

@@ -154,7 +154,7 @@ class StateStore(Marks):
         def write(db: sqlite3.Connection) -> ContainerRecord:
             rows.require(db, cid)
             key = rows.cid_key(cid)
-            for table in ("allocation", "mig_allocation", "share_allocation", "share_user"):  # ours, not input
+            for table in ("allocation", "mig_allocation", "share_allocation", "share_user", "share_cut"):  # ours
                 db.execute(f"DELETE FROM {table} WHERE container = ?", (key,))
             rows.insert_holding(db, cid, holding)
             return rows.read(db, self.path, cid)
@@ -223,7 +223,7 @@ class StateStore(Marks):
             for uuid, parent, key in db.execute("SELECT uuid, parent_minor, container FROM mig_allocation"):
                 migs.setdefault(key, set()).add((uuid, parent))
             cpusets = {k: (c, m) for k, c, m in db.execute("SELECT container, cpus, mems FROM cpuset")}
-            shared = {k: rows.share_of(m, n, mode, uid) for k, m, n, mode, uid in db.execute(rows.SHARES)}
+            shared = {k: rows.share_of(*share) for k, *share in db.execute(rows.SHARES)}
             out: dict[ContainerId, ContainerRecord] = {}
             for row in db.execute("SELECT * FROM container"):
                 key = row[0]

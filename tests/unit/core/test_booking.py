@@ -123,10 +123,10 @@ def test_resize_of_shares_books_a_grow_on_the_same_gpu_and_only_chooses_a_shrink
         held = booking.book("a", Request(shares=1))
         assert held.share is not None
         grown, shrunk, _why = booking.resize("a", held, Request(shares=3))
-        assert grown.share == Share(held.share.gpu, 2, ShareMode.TIME_SLICE, 0) and shrunk.empty
+        assert grown.share == Share(held.share.gpu, 2, ShareMode.TIME_SLICE, 0, held.share.cut) and shrunk.empty
         assert booking.share_holders(held.share.gpu) == {"a": 3}
         grown, shrunk, _why = booking.resize("a", held | grown, Request(shares=0))
-        assert grown.empty and shrunk.share == Share(held.share.gpu, 3, ShareMode.TIME_SLICE, 0)
+        assert grown.empty and shrunk.share == Share(held.share.gpu, 3, ShareMode.TIME_SLICE, 0, held.share.cut)
         assert booking.share_holders(held.share.gpu) == {"a": 3}  # still booked: the caller revokes, then frees
         assert booking.free("a", Holding(share=Share(held.share.gpu, 1, ShareMode.TIME_SLICE))) == frozenset()
         assert booking.share_holders(held.share.gpu) == {"a": 2}
@@ -141,7 +141,7 @@ def test_a_grow_of_an_mps_sharer_is_refused_since_every_mps_sharer_holds_one_sha
     booking = rig.restart().core.booking
     with booking.lock:
         held = booking.book("a", Request(shares=1), uid=1000)
-        assert held.share is not None and held.share == Share(held.share.gpu, 1, ShareMode.MPS, 1000)
+        assert held.share is not None and held.share == Share(held.share.gpu, 1, ShareMode.MPS, 1000, 4)
         with pytest.raises(InvalidArgument, match="shared in mps mode, where each sharer holds exactly one share"):
             booking.resize("a", held, Request(shares=2))
         assert booking.share_holders(held.share.gpu) == {"a": 1}

@@ -82,3 +82,28 @@ def test_a_reload_to_mps_on_a_sidecar_without_nvidia_cuda_mps_control_is_refused
     assert (booking.shared, booking.share_specs) == before, "GPU 5 not taken either: all or nothing"
     rig.service.share_gpus(parse_shared_gpus("4:2,5:2"))  # time-slice changes still pass
     assert sorted(booking.shared) == [4, 5]
+
+
+def test_a_restart_that_recuts_a_gpu_with_sharers_is_refused_naming_it(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), shares(1))  # GPU 4, a quarter
+    rig.settings = replace(rig.settings, shared_gpus=parse_shared_gpus("4-7:2:mps"))
+    with pytest.raises(FailedPrecondition, match=r"container a holds 1 gpu_shares of GPU 4 cut 4 ways.*2"):
+        rig.restart()
+
+
+def test_a_restart_that_recuts_free_shared_gpus_only_is_taken(rig: Rig) -> None:
+    rig.service.prepare(cid("a"), shares(1))  # GPU 4
+    rig.settings = replace(rig.settings, shared_gpus=parse_shared_gpus("4:4:mps,5-7:2:mps"))
+    rig.restart()
+    assert rig.store.get(cid("a")) is not None
+
+
+def test_the_handover_override_is_refused_on_a_mig_parent_with_held_units() -> None:
+    rig = fake_service("dgx-a100")
+    rig.service.prepare(cid("m"), ContainerConfig(resources=(Resource("mig-1g.5gb", 1.0), Resource("cpus", 1.0))))
+    rec = rig.store.get(cid("m"))
+    assert rec is not None
+    ((_, parent),) = rec.holding.mig
+    index = rig.service.core.gpus[parent].index
+    with pytest.raises(FailedPrecondition, match=rf"GPU {index} .*MIG devices? held .*container m"):
+        rig.service.undrain(str(index))

@@ -131,14 +131,10 @@ class PrepareHook:
                     core.cpuset.apply_cpuset(container_id, held)
                 steps.mark("rules")
                 share = holding.share
-                # Fail closed: no sharer without its daemon and the limits set on it (docs/sharing.md).
-                # A daemon this starts was found dead: the older sharers' clients died with it.
-                if (
-                    share is not None
-                    and share.mode is ShareMode.MPS
-                    and core.mps.ensure(core.gpus[share.gpu], core.mps_plan(share.gpu))
-                ):
-                    core.end_mps_sharers(share.gpu, keep=container_id)
+                if share is not None and share.mode is ShareMode.MPS:
+                    # Fail closed: no sharer without its daemon and the limits set on it (docs/sharing.md).
+                    if core.mps.ensure(core.gpus[share.gpu], core.mps_plan(share.gpu)):
+                        core.end_mps_sharers(share.gpu, keep=container_id)  # found dead: the older sharers' died with it
                 info = self._launch_info(
                     container_id,
                     config,

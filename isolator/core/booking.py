@@ -297,24 +297,6 @@ class Booking:
         self.mps_faults = {m: faults[m] for m in faults if m in self._shares.shared}
         return ended
 
-    def end_mps_sharers(self, minor: int, keep: Iterable[str] = ()) -> list[str]:
-        """The MPS control daemon of shared GPU ``minor`` was found dead and started again: its server
-        died with it, and every client it had fails each later CUDA call (``CUDA_ERROR_MPS_RPC_FAILURE``,
-        measured on driver 580). Every holder of the GPU but ``keep`` (a Prepare's own sharer, whose
-        client comes after) is ended as a FAULT ends them (``mps_ended``, until its Cleanup). A sharer
-        booked by a Prepare still on its way to the daemon is ended too: rare, and on the closed side.
-        Returns the holders newly ended."""
-        self.lock.require("end_mps_sharers")
-        ended = []
-        for holder in sorted(set(self._shares.holders(minor)) - set(keep)):
-            if holder not in self.mps_ended:
-                self.mps_ended[holder] = (
-                    f"its MPS control daemon on GPU {self._name(minor)} was found dead and started again (its MPS"
-                    " server died with it: every client it had fails each CUDA call, CUDA_ERROR_MPS_RPC_FAILURE)"
-                )
-                ended.append(holder)
-        return ended
-
     def set_draining(self, minor: int, draining: bool) -> None:
         """Keep a GPU out of the pool (or let it back in) for the handover check (docs/handover.md)."""
         self.lock.require("set_draining")

@@ -278,28 +278,16 @@ class Core:
         nvidia-cuda-mps-control (core/absent.py) nothing runs, and a recorded mps sharer is logged as
         having no daemon."""
         wanted = self.mps_wanted()
-        restarted = self.mps.supervise(
+        self.mps.supervise(
             [(g, self.mps_plan(g.minor)) for g in wanted],
             [g for g in self.gpus.values() if g not in wanted],
             self.idle_share,
         )
-        for minor in restarted:
-            self.end_mps_sharers(minor)
         # A server in FAULT (docs/sharing.md, "Faults"): its GPU's sharers end, new ones are kept off.
         with self.booking.lock:
             ended = self.booking.set_mps_faults(self.mps.faults())
         for holder in ended:
             LOG.error("container %s: ended, its GPU's MPS server is in FAULT", holder)
-        if ended:
-            self.changes.notify()  # their Watches answer the limitation now
-
-    def end_mps_sharers(self, minor: int, keep: ContainerId | None = None) -> None:
-        """GPU ``minor``'s MPS control daemon was found dead and started again: the sharers admitted
-        under the dead one (all but ``keep``, a Prepare's own) end with a limitation (docs/sharing.md)."""
-        with self.booking.lock:
-            ended = self.booking.end_mps_sharers(minor, () if keep is None else (keep.key(),))
-        for holder in ended:
-            LOG.error("container %s: ended, its GPU's MPS control daemon died (its server and clients with it)", holder)
         if ended:
             self.changes.notify()  # their Watches answer the limitation now
 

@@ -261,19 +261,14 @@ class Mps:
             "GPU %d (minor %d, %s): MPS control daemon stopped (no sharer left)", gpu.index, gpu.minor, gpu.uuid
         )
 
-    def supervise(
-        self, wanted: list[tuple[Gpu, ServerPlan]], idle: list[Gpu], is_idle: Callable[[int], bool]
-    ) -> list[int]:
+    def supervise(self, wanted: list[tuple[Gpu, ServerPlan]], idle: list[Gpu], is_idle: Callable[[int], bool]) -> None:
         """The periodic pass: each GPU of ``wanted`` (in mps mode, with sharers) has a live daemon set
         to its plan, restarted when found dead; each of ``idle`` (every other GPU) has none, stopped if
-        it has (and ``is_idle(minor)`` still says no sharer holds it). Returns the GPUs (minors) whose
-        daemon was found dead and started again: their sharers' clients died with the old one."""
-        restarted: list[int] = []
+        it has (and ``is_idle(minor)`` still says no sharer holds it)."""
         for gpu, plan in wanted:
             try:
                 if self.ensure(gpu, plan):
                     self.restarts[gpu.minor] += 1
-                    restarted.append(gpu.minor)
                     LOG.error("GPU %d (%s): its MPS control daemon was gone; started it again", gpu.index, gpu.uuid)
             except IsolatorError as exc:
                 LOG.error(
@@ -286,7 +281,6 @@ class Mps:
                 self._faults.pop(gpu.minor, None)  # no sharer left: nobody to end, its daemon stops
             if self.daemons.alive(gpu.uuid):
                 self.stop(gpu, functools.partial(is_idle, gpu.minor))
-        return restarted
 
     def _watch_servers(self, gpu: Gpu) -> None:
         """Ask the GPU's daemon for its servers' state (``get_server_list``, ``get_server_status

@@ -133,8 +133,7 @@ class PrepareHook:
                 share = holding.share
                 if share is not None and share.mode is ShareMode.MPS:
                     # Fail closed: no sharer without its daemon and the limits set on it (docs/sharing.md).
-                    if core.mps.ensure(core.gpus[share.gpu], core.mps_plan(share.gpu)):
-                        core.end_mps_sharers(share.gpu, keep=container_id)  # found dead: the older sharers' died with it
+                    core.mps.ensure(core.gpus[share.gpu], core.mps_plan(share.gpu))
                 info = self._launch_info(
                     container_id,
                     config,

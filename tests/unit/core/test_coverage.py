@@ -92,7 +92,6 @@ INDIRECT = {
     "end_maintenance": "maintenance_undrain",
     "idle_share": "cleanup",  # of the last sharer of a GPU in mps mode (tests/unit/core/test_shares.py)
     "task_nodes": "prepare",  # of a sharer under --cpu-affinity hint (tests/unit/core/test_shares.py)
-    "end_mps_sharers": "supervise_mps",  # a daemon found dead (tests/unit/core/test_mps_daemon_death.py)
 }
 
 

@@ -362,16 +362,6 @@ class Admin:
         holders = core.store.holders()
         if found.minor in holders:
             raise FailedPrecondition(f"GPU {gpu} is held by container {holders[found.minor]}; it is not draining")
-        mig = core.store.mig_holders()
-        units = sorted((str(c), uuid) for uuid, (c, parent) in mig.items() if parent == found.minor)
-        if units:
-            # The override resets the GPU's compute mode and clocks, which its MIG devices' holders run
-            # under (issue 41 item 6); a parent with a unit held is not draining anyway.
-            held = ", ".join(f"container {c}: {uuid}" for c, uuid in units)
-            raise FailedPrecondition(
-                f"GPU {gpu} ({found.uuid}) has MIG devices held ({held}); the handover override would reset"
-                " its compute mode and clocks under them"
-            )
         with core.booking.lock:
             sharers = core.booking.share_holders(found.minor) if found.minor in core.booking.shared else {}
         if sharers:

@@ -110,6 +110,7 @@ class Mps:
         # minor -> why its sharers' clients are lost: a daemon found dead under them and started again,
         # until the core takes it (take_lost) and ends those sharers.
         self._lost: dict[int, str] = {}
+        self._down: set[int] = set()  # minors whose daemon died under sharers and is not started again yet
 
     def pipe_dir(self, gpu: Gpu) -> str:
         return self.daemons.pipe_dir(gpu.uuid)
@@ -120,13 +121,13 @@ class Mps:
         launched without its MPS daemon and its limits). A failed start leaves no daemon and the GPU
         back in the default compute mode.
 
-        A start is a **restart** when the GPU had sharers behind a daemon that is gone
-        (``under_sharers``: the supervise pass, which asks only for GPUs with sharers; or the daemon
-        was running as this sidecar last saw it): counted, and the GPU named by ``take_lost`` (its
-        server died with the daemon: every client failed, and the new daemon had no limits until
-        set; measured, docs/gpu-host-results.md). ``verify``: read a running daemon's limits back even
-        when this sidecar set them already (a root sharer can reach its privileged commands through
-        the pipe directory), and set them again where they differ."""
+        A start is a **restart** when the GPU had sharers behind a daemon that is gone (the daemon was
+        running as this sidecar last saw it, or ``under_sharers``, the supervise pass, finds sharers
+        on a GPU this sidecar never started a daemon for: recovered at start): counted, and the GPU
+        named by ``take_lost`` (its server died with the daemon: every client failed, and the new
+        daemon had no limits until set; measured, docs/gpu-host-results.md). ``verify``: read a
+        running daemon's limits back even when this sidecar set them already (a root sharer can reach
+        its privileged commands through the pipe directory), and set them again where they differ."""
         daemons = self.daemons
         daemons.pipe_dir(gpu.uuid)  # without nvidia-cuda-mps-control this refuses before the compute mode is set
         with self._lock:
@@ -149,7 +150,14 @@ class Mps:
                     raise
                 self._state[gpu.minor] = RUNNING
                 return False
-            restart = under_sharers or self._state.get(gpu.minor) == RUNNING
+            # Known running and gone; or, at a pass, never seen by this sidecar (its sharers recovered at
+            # start). Not after a stop or a failed start: the GPU's first sharer's Prepare starts it.
+            # (A first Prepare of a GPU racing the first pass after a start is taken for a restart and
+            # ended: fail closed, a task lost, never a client without limits.)
+            was = self._state.get(gpu.minor)
+            restart = was == RUNNING or gpu.minor in self._down or (under_sharers and was is None)
+            if restart:
+                self._down.add(gpu.minor)  # until started again (a failed try keeps it) or stopped
             self._configured.pop(gpu.uuid, None)
             exclusive = False
             try:
@@ -173,6 +181,7 @@ class Mps:
                     self._restore_compute_mode(gpu)
                 raise
             self._state[gpu.minor] = RUNNING
+            self._down.discard(gpu.minor)
             if restart:
                 self.restarts[gpu.minor] += 1
                 self._lost[gpu.minor] = (
@@ -281,6 +290,7 @@ class Mps:
                 return
             try:
                 self._configured.pop(gpu.uuid, None)
+                self._down.discard(gpu.minor)  # no sharer left to lose
                 self.daemons.stop(gpu.uuid)
                 self._state[gpu.minor] = STOPPED
             except IsolatorError as exc:
@@ -307,6 +317,7 @@ class Mps:
         for gpu in idle:
             with self._lock:
                 self._faults.pop(gpu.minor, None)  # no sharer left: nobody to end, its daemon stops
+                self._down.discard(gpu.minor)  # nor to lose: its next start is a first one
             if self.daemons.alive(gpu.uuid):
                 self.stop(gpu, functools.partial(is_idle, gpu.minor))
 

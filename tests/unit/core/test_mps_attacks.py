@@ -123,3 +123,28 @@ def test_a_restart_that_re_cuts_a_held_mps_gpu_is_refused(rig: Rig) -> None:
     rig.settings = replace(rig.settings, shared_gpus=parse_shared_gpus("4:8:mps"))
     with pytest.raises(FailedPrecondition, match="container a"):
         rig.restart()
+
+
+def test_a_daemon_stopped_after_its_last_sharer_is_not_a_restart_when_the_next_sharer_starts_it(rig: Rig) -> None:
+    svc = rig.service
+    minor = next(g.minor for g in rig.inventory.topology().gpus if g.index == 4)
+    svc.prepare(ContainerId("a"), sharer())
+    svc.cleanup(ContainerId("a"))  # the last sharer: its daemon stops
+    assert rig.mps.running() == frozenset()
+    svc.core.handover.recheck()
+    svc.prepare(ContainerId("b"), sharer())
+    svc.supervise_mps()
+    assert svc.core.mps.restarts[minor] == 0 and svc.watch(ContainerId("b")) is None
+
+
+def test_a_daemon_that_failed_to_start_again_is_counted_and_ends_its_sharers_once_it_is_back(rig: Rig) -> None:
+    svc, uuid = rig.service, uuid_of(rig, 4)
+    minor = next(g.minor for g in rig.inventory.topology().gpus if g.index == 4)
+    svc.prepare(ContainerId("a"), sharer())
+    rig.mps.kill(uuid)
+    rig.mps.faults.fail_at("start")
+    svc.supervise_mps()  # found dead, not started again
+    svc.supervise_mps()  # started again now
+    assert svc.core.mps.restarts[minor] == 1
+    limitation = svc.watch(ContainerId("a"))
+    assert limitation is not None and "found dead and started again" in limitation.message

@@ -148,3 +148,51 @@ def test_a_daemon_that_failed_to_start_again_is_counted_and_ends_its_sharers_onc
     assert svc.core.mps.restarts[minor] == 1
     limitation = svc.watch(ContainerId("a"))
     assert limitation is not None and "found dead and started again" in limitation.message
+
+
+def test_two_users_racing_for_an_empty_single_user_mps_gpu_never_both_get_it() -> None:
+    import threading
+
+    from isolator.errors import IsolatorError
+
+    for _ in range(10):
+        rig = fake_service("dgx-1")
+        rig.settings = replace(rig.settings, shared_gpus=parse_shared_gpus("4:4:mps"))
+        rig.users.names.update(alice=1000, bob=1001)
+        rig.restart()
+        barrier, out = threading.Barrier(2), {}
+
+        def prepare(
+            name: str, user: str, rig: Rig = rig, barrier: threading.Barrier = barrier, out: dict = out
+        ) -> None:
+            barrier.wait()
+            try:
+                rig.service.prepare(
+                    ContainerId(name), ContainerConfig(resources=(Resource("gpu_shares", 1.0),), user=user)
+                )
+                out[name] = "ok"
+            except IsolatorError as exc:
+                out[name] = type(exc).__name__
+
+        threads = [threading.Thread(target=prepare, args=a) for a in (("a", "alice"), ("b", "bob"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(out.values()) == ["SharesExhausted", "ok"], out
+        uuid = uuid_of(rig, 4)
+        assert len(rig.mps.daemon(uuid).servers) == 1
+
+
+def test_the_handover_override_on_a_mig_parent_whose_units_are_held_is_refused_and_changes_nothing() -> None:
+    rig = fake_service("dgx-a100")
+    svc = rig.service
+    svc.prepare(ContainerId("m"), ContainerConfig(resources=(Resource("mig-1g.5gb", 1.0),)))
+    parent = next(g for g in svc.list_gpus().gpus if any(m.holder for m in g.mig_devices))
+    before = rig.inventory.settings(parent.index)
+    with pytest.raises(FailedPrecondition, match=r"has MIG devices held \(container m\); the handover override"):
+        svc.undrain(parent.uuid)
+    assert rig.inventory.settings(parent.index) == before
+    assert any(m.holder for m in svc.list_gpus().gpus[parent.index].mig_devices)
+    svc.cleanup(ContainerId("m"))
+    svc.undrain(parent.uuid)  # no unit held: the override is the admin's again

@@ -110,7 +110,9 @@ class Mps:
         # minor -> why its sharers' clients are lost: a daemon found dead under them and started again,
         # until the core takes it (take_lost) and ends those sharers.
         self._lost: dict[int, str] = {}
-        self._down: set[int] = set()  # minors whose daemon died under sharers and is not started again yet
+        # Minors whose daemon was set up for sharers and not stopped since (a failed try, a pass cut
+        # short by its death, keeps it): a start there is a restart.
+        self._serving: set[int] = set()
 
     def pipe_dir(self, gpu: Gpu) -> str:
         return self.daemons.pipe_dir(gpu.uuid)
@@ -134,30 +136,26 @@ class Mps:
             if daemons.alive(gpu.uuid):
                 try:
                     self._check_users_mode(gpu, plan)
-                    if self._configured.get(gpu.uuid) != (daemons.pid(gpu.uuid), plan):
-                        self._configure(gpu, plan)  # adopted at start, or a first plan for this daemon
-                    elif verify and (drift := self._drift(gpu, plan)):
-                        LOG.error(
-                            "GPU %d (%s): its MPS control daemon's limits were changed behind the sidecar's back (%s);"
-                            " set again",
-                            gpu.index,
-                            gpu.uuid,
-                            "; ".join(drift),
-                        )
-                        self._configure(gpu, plan)
+                    adopted = self._configured.get(gpu.uuid) != (daemons.pid(gpu.uuid), plan)
+                    if adopted or verify:
+                        # A daemon adopted at start, started behind the sidecar's back, or whose limits a
+                        # root sharer changed: what it holds now is read before it is set.
+                        drift = self._drift(gpu, plan)
+                        if drift:
+                            self._lose(gpu, drift, adopted)
+                        if drift or adopted:
+                            self._configure(gpu, plan)
                 except IsolatorError as exc:
                     self._state[gpu.minor] = f"failed: {exc.message}"
                     raise
                 self._state[gpu.minor] = RUNNING
+                self._serving.add(gpu.minor)
                 return False
-            # Known running and gone; or, at a pass, never seen by this sidecar (its sharers recovered at
-            # start). Not after a stop or a failed start: the GPU's first sharer's Prepare starts it.
+            # Set up for sharers and gone; or, at a pass, never seen by this sidecar (its sharers recovered
+            # at start). Not after a stop or a failed first start: the GPU's first sharer's Prepare starts it.
             # (A first Prepare of a GPU racing the first pass after a start is taken for a restart and
             # ended: fail closed, a task lost, never a client without limits.)
-            was = self._state.get(gpu.minor)
-            restart = was == RUNNING or gpu.minor in self._down or (under_sharers and was is None)
-            if restart:
-                self._down.add(gpu.minor)  # until started again (a failed try keeps it) or stopped
+            restart = gpu.minor in self._serving or (under_sharers and gpu.minor not in self._state)
             self._configured.pop(gpu.uuid, None)
             exclusive = False
             try:
@@ -181,7 +179,7 @@ class Mps:
                     self._restore_compute_mode(gpu)
                 raise
             self._state[gpu.minor] = RUNNING
-            self._down.discard(gpu.minor)
+            self._serving.add(gpu.minor)
             if restart:
                 self.restarts[gpu.minor] += 1
                 self._lost[gpu.minor] = (
@@ -290,7 +288,7 @@ class Mps:
                 return
             try:
                 self._configured.pop(gpu.uuid, None)
-                self._down.discard(gpu.minor)  # no sharer left to lose
+                self._serving.discard(gpu.minor)  # no sharer left to lose
                 self.daemons.stop(gpu.uuid)
                 self._state[gpu.minor] = STOPPED
             except IsolatorError as exc:
@@ -317,7 +315,7 @@ class Mps:
         for gpu in idle:
             with self._lock:
                 self._faults.pop(gpu.minor, None)  # no sharer left: nobody to end, its daemon stops
-                self._down.discard(gpu.minor)  # nor to lose: its next start is a first one
+                self._serving.discard(gpu.minor)  # nor to lose: its next start is a first one
             if self.daemons.alive(gpu.uuid):
                 self.stop(gpu, functools.partial(is_idle, gpu.minor))
 
@@ -373,6 +371,23 @@ class Mps:
             ):
                 drift.append(f"server {server}'s pinned memory limit")
         return drift
+
+    def _lose(self, gpu: Gpu, drift: list[str], adopted: bool) -> None:
+        """A running daemon found without its limits: any client that connected meanwhile runs without
+        them for as long as it lives (a running client keeps what it got, measured), so the GPU's
+        sharers are lost as after a restart (``take_lost``). Called under the lock."""
+        how = (
+            "adopted without the limits this sidecar sets (a daemon not set up by it, or one whose set-up a"
+            " crash cut short)"
+            if adopted
+            else "had its limits changed behind the sidecar's back (a sharer running as root reaches its control"
+            " commands through the pipe directory)"
+        )
+        LOG.error("GPU %d (%s): its MPS control daemon %s: %s; set again", gpu.index, gpu.uuid, how, "; ".join(drift))
+        self._lost[gpu.minor] = (
+            f"its MPS control daemon on GPU {gpu.index} ({gpu.uuid}) {how}: {', '.join(drift)} (a client that"
+            " connected meanwhile keeps what it got)"
+        )
 
     def take_lost(self) -> dict[int, str]:
         """The GPUs whose daemon was found dead under sharers and started again since the last call

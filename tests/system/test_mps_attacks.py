@@ -90,6 +90,11 @@ def test_limits_a_root_sharer_lifts_through_its_pipe_directory_are_set_back_by_t
         _until(lambda: _client(pipe)[0]["active_thread_percentage"] == 25.0)
         assert "changed behind the sidecar's back" in sidecar.log()
         assert _control(sidecar, pipe, "get_default_active_thread_percentage") == "25.0"
+        with grpc.insecure_channel(sidecar.address) as channel:
+            watch = pb_grpc.IsolatorStub(channel).Watch(
+                pb.WatchRequest(container_id=pb.ContainerID(value="a")), timeout=60
+            )
+        assert "limits changed behind the sidecar's back" in watch.limitation.message, watch
         isolator.cleanup(container_id("a"))
     finally:
         isolator.close()

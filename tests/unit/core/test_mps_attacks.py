@@ -62,6 +62,35 @@ def test_limits_a_root_sharer_lifted_on_its_daemon_are_set_back_at_the_next_supe
     assert limit_bytes(rig.mps.command(uuid, "get_default_device_pinned_mem_limit 0")) == mib << 20
     client = rig.mps.connect(uuid, pid=4200, uid=0, env={})
     assert (client.threads, client.pinned) == (25.0, mib << 20)
+    # A client connected in between keeps what it got: the GPU's sharers end, the lifter among them.
+    limitation = rig.service.watch(ContainerId("a"))
+    assert limitation is not None and "limits changed behind the sidecar's back" in limitation.message
+
+
+def test_a_sidecar_killed_between_a_daemons_start_and_its_limits_ends_the_sharers_of_the_daemon_it_adopts(
+    rig: Rig,
+) -> None:
+    # The supervise pass had started the daemon again (-d) and the sidecar was SIGKILLed before it set
+    # the limits (crash point mps.spawned): the new sidecar adopts a daemon at 100 %.
+    rig.service.prepare(ContainerId("a"), sharer())
+    uuid = uuid_of(rig, 4)
+    rig.mps.kill(uuid)
+    rig.mps.start(uuid)
+    rig.restart()
+    rig.service.supervise_mps()
+    assert rig.mps.command(uuid, "get_default_active_thread_percentage") == "25.0"
+    limitation = rig.service.watch(ContainerId("a"))
+    assert limitation is not None and "adopted without the limits" in limitation.message
+
+
+def test_a_sidecar_restarted_beside_a_daemon_that_holds_its_limits_ends_nobody(rig: Rig) -> None:
+    rig.service.prepare(ContainerId("a"), sharer())
+    rig.mps.connect(uuid_of(rig, 4), pid=4400, uid=0)
+    rig.restart()
+    rig.service.supervise_mps()
+    rig.service.prepare(ContainerId("b"), sharer())
+    for name in "ab":
+        assert rig.service.watch(ContainerId(name)) is None, name
 
 
 @pytest.mark.xfail(

@@ -225,3 +225,34 @@ def test_the_handover_override_on_a_mig_parent_whose_units_are_held_is_refused_a
     assert any(m.holder for m in svc.list_gpus().gpus[parent.index].mig_devices)
     svc.cleanup(ContainerId("m"))
     svc.undrain(parent.uuid)  # no unit held: the override is the admin's again
+
+
+def test_a_sharer_prepared_between_a_fault_and_the_pass_that_sees_it_is_ended_with_the_others(rig: Rig) -> None:
+    svc, uuid = rig.service, uuid_of(rig, 4)
+    svc.prepare(ContainerId("a"), sharer())
+    rig.mps.connect(uuid, pid=4500, uid=0)
+    (server,) = rig.mps.daemon(uuid).servers
+    rig.mps.command(uuid, f"sim_fault {server}")
+    svc.prepare(ContainerId("b"), sharer())  # the pass has not seen it: placed, its client would get 807
+    svc.supervise_mps()
+    for name in "ab":
+        limitation = svc.watch(ContainerId(name))
+        assert limitation is not None and f"MPS server {server} in FAULT" in limitation.message, name
+    assert rig.mps.running() == {uuid}, "the daemon stays: its sharers end through the agent"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the GPUs whose daemon was lost are kept in memory until the pass ends their sharers: a sidecar"
+    " killed in between adopts a daemon that holds its limits again and ends nobody, though the sharers'"
+    " clients died with the old server (a durable mark, as the health marks, would close it)",
+)
+def test_a_sidecar_killed_after_restarting_a_daemon_but_before_ending_its_sharers_still_ends_them(rig: Rig) -> None:
+    svc, core = rig.service, rig.service.core
+    svc.prepare(ContainerId("a"), sharer())
+    rig.mps.kill(uuid_of(rig, 4))
+    # The pass's first half (the daemon started again and set up), then the sidecar dies.
+    core.mps.supervise([(g, core.mps_plan(g.minor)) for g in core.mps_wanted()], [], core.idle_share)
+    rig.restart()
+    rig.service.supervise_mps()
+    assert rig.service.watch(ContainerId("a")) is not None

@@ -372,6 +372,14 @@ class Admin:
                 f"GPU {gpu} ({found.uuid}) has sharers ({held}); the handover override would reset its compute"
                 " mode and clocks under them, and its check runs after the last sharer leaves"
             )
+        units = sorted(str(c) for c, r in core.store.load().items() if found.minor in r.holding.mig_parents)
+        if units:
+            # The same reset under the holders of its MIG devices: their work runs on this GPU.
+            raise FailedPrecondition(
+                f"GPU {gpu} ({found.uuid}) has MIG devices held (container {', '.join(units)}); the handover"
+                " override would reset its compute mode and clocks under them, and its check runs after the last"
+                " one leaves"
+            )
         done = core.handover.undrain(found)
         if found.uuid in core.maintenance.view():
             # Two states, two names (docs/operations.md section 7): the override does not end a drain.

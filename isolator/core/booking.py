@@ -297,6 +297,18 @@ class Booking:
         self.mps_faults = {m: faults[m] for m in faults if m in self._shares.shared}
         return ended
 
+    def end_mps_sharers(self, minor: int, why: str, spare: str | None = None) -> list[str]:
+        """End every holder of shared GPU ``minor`` but ``spare`` (``mps_ended``, as a FAULT does: its
+        Watch answers a limitation until its Cleanup) because ``why`` (its MPS daemon died under it).
+        Returns their keys."""
+        self.lock.require("end_mps_sharers")
+        ended = []
+        for holder in sorted(self._shares.holders(minor)):
+            if holder != spare and holder not in self.mps_ended:
+                self.mps_ended[holder] = why
+                ended.append(holder)
+        return ended
+
     def set_draining(self, minor: int, draining: bool) -> None:
         """Keep a GPU out of the pool (or let it back in) for the handover check (docs/handover.md)."""
         self.lock.require("set_draining")

@@ -290,6 +290,23 @@ class Core:
             LOG.error("container %s: ended, its GPU's MPS server is in FAULT", holder)
         if ended:
             self.changes.notify()  # their Watches answer the limitation now
+        self.end_lost_mps_sharers()
+
+    def end_lost_mps_sharers(self, spare: ContainerId | None = None) -> None:
+        """The sharers of each GPU whose MPS daemon was found dead and started again (core/mps.py
+        ``take_lost``) end, as in a FAULT: their clients failed with its server (measured), and any
+        that connected before the new daemon held its limits ran without them. ``spare``: the
+        container whose Prepare started it again (its client comes after)."""
+        lost = self.mps.take_lost()
+        if not lost:
+            return
+        keep = spare.key() if spare is not None else None
+        with self.booking.lock:
+            ended = [h for minor, why in sorted(lost.items()) for h in self.booking.end_mps_sharers(minor, why, keep)]
+        for holder in ended:
+            LOG.error("container %s: ended, its GPU's MPS control daemon died under it", holder)
+        if ended:
+            self.changes.notify()
 
     def end_mps_clients(self, cid: ContainerId, holding: Holding) -> None:
         """Before a sharer in mps mode loses its shares (Cleanup, an Update to 0): its processes that

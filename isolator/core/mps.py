@@ -107,28 +107,55 @@ class Mps:
         # minor -> what get_server_status said of the GPU's servers in FAULT, as the last pass saw
         # them (Volta and later: a fatal fault in one client; every client must exit, then ACTIVE).
         self._faults: dict[int, str] = {}
+        # minor -> why its sharers' clients are lost: a daemon found dead under them and started again,
+        # until the core takes it (take_lost) and ends those sharers.
+        self._lost: dict[int, str] = {}
+        # Minors whose daemon was set up for sharers and not stopped since (a failed try, a pass cut
+        # short by its death, keeps it): a start there is a restart.
+        self._serving: set[int] = set()
 
     def pipe_dir(self, gpu: Gpu) -> str:
         return self.daemons.pipe_dir(gpu.uuid)
 
-    def ensure(self, gpu: Gpu, plan: ServerPlan) -> bool:
+    def ensure(self, gpu: Gpu, plan: ServerPlan, under_sharers: bool = False, verify: bool = False) -> bool:
         """The GPU's daemon runs with ``plan``'s limits set and read back when this returns (started
         if it did not; True then), or an error says why it cannot (fail closed: a sharer is never
         launched without its MPS daemon and its limits). A failed start leaves no daemon and the GPU
-        back in the default compute mode."""
+        back in the default compute mode.
+
+        A start is a **restart** when the GPU had sharers behind a daemon that is gone (the daemon was
+        running as this sidecar last saw it, or ``under_sharers``, the supervise pass, finds sharers
+        on a GPU this sidecar never started a daemon for: recovered at start): counted, and the GPU
+        named by ``take_lost`` (its server died with the daemon: every client failed, and the new
+        daemon had no limits until set; measured, docs/gpu-host-results.md). ``verify``: read a
+        running daemon's limits back even when this sidecar set them already (a root sharer can reach
+        its privileged commands through the pipe directory), and set them again where they differ."""
         daemons = self.daemons
         daemons.pipe_dir(gpu.uuid)  # without nvidia-cuda-mps-control this refuses before the compute mode is set
         with self._lock:
             if daemons.alive(gpu.uuid):
                 try:
                     self._check_users_mode(gpu, plan)
-                    if self._configured.get(gpu.uuid) != (daemons.pid(gpu.uuid), plan):
-                        self._configure(gpu, plan)  # adopted at start, or a first plan for this daemon
+                    adopted = self._configured.get(gpu.uuid) != (daemons.pid(gpu.uuid), plan)
+                    if adopted or verify:
+                        # A daemon adopted at start, started behind the sidecar's back, or whose limits a
+                        # root sharer changed: what it holds now is read before it is set.
+                        drift = self._drift(gpu, plan)
+                        if drift:
+                            self._lose(gpu, drift, adopted)
+                        if drift or adopted:
+                            self._configure(gpu, plan)
                 except IsolatorError as exc:
                     self._state[gpu.minor] = f"failed: {exc.message}"
                     raise
                 self._state[gpu.minor] = RUNNING
+                self._serving.add(gpu.minor)
                 return False
+            # Set up for sharers and gone; or, at a pass, never seen by this sidecar (its sharers recovered
+            # at start). Not after a stop or a failed first start: the GPU's first sharer's Prepare starts it.
+            # (A first Prepare of a GPU racing the first pass after a start is taken for a restart and
+            # ended: fail closed, a task lost, never a client without limits.)
+            restart = gpu.minor in self._serving or (under_sharers and gpu.minor not in self._state)
             self._configured.pop(gpu.uuid, None)
             exclusive = False
             try:
@@ -152,6 +179,16 @@ class Mps:
                     self._restore_compute_mode(gpu)
                 raise
             self._state[gpu.minor] = RUNNING
+            self._serving.add(gpu.minor)
+            if restart:
+                self.restarts[gpu.minor] += 1
+                self._lost[gpu.minor] = (
+                    f"its MPS control daemon on GPU {gpu.index} ({gpu.uuid}) was found dead and started again"
+                    " (its server died with it: every client of the GPU failed, and the limits were gone"
+                    " until set again)"
+                )
+        if restart:
+            LOG.error("GPU %d (%s): its MPS control daemon was gone; started it again", gpu.index, gpu.uuid)
         LOG.warning(
             "GPU %d (minor %d, %s): MPS control daemon %d started (%d%% of threads, %s pinned memory per server%s)",
             gpu.index,
@@ -251,6 +288,7 @@ class Mps:
                 return
             try:
                 self._configured.pop(gpu.uuid, None)
+                self._serving.discard(gpu.minor)  # no sharer left to lose
                 self.daemons.stop(gpu.uuid)
                 self._state[gpu.minor] = STOPPED
             except IsolatorError as exc:
@@ -267,9 +305,7 @@ class Mps:
         it has (and ``is_idle(minor)`` still says no sharer holds it)."""
         for gpu, plan in wanted:
             try:
-                if self.ensure(gpu, plan):
-                    self.restarts[gpu.minor] += 1
-                    LOG.error("GPU %d (%s): its MPS control daemon was gone; started it again", gpu.index, gpu.uuid)
+                self.ensure(gpu, plan, under_sharers=True, verify=True)
             except IsolatorError as exc:
                 LOG.error(
                     "GPU %d (%s): MPS control daemon down and not restarted: %s", gpu.index, gpu.uuid, exc.message
@@ -279,6 +315,7 @@ class Mps:
         for gpu in idle:
             with self._lock:
                 self._faults.pop(gpu.minor, None)  # no sharer left: nobody to end, its daemon stops
+                self._serving.discard(gpu.minor)  # nor to lose: its next start is a first one
             if self.daemons.alive(gpu.uuid):
                 self.stop(gpu, functools.partial(is_idle, gpu.minor))
 
@@ -316,6 +353,48 @@ class Mps:
             LOG.warning(
                 "GPU %d (%s): its MPS server is ACTIVE again after a FAULT; new sharers may come", gpu.index, gpu.uuid
             )
+
+    def _drift(self, gpu: Gpu, plan: ServerPlan) -> list[str]:
+        """What of ``plan`` the running daemon no longer holds (its defaults, each server's values), as
+        it answers now; an answer that cannot be read counts as changed (set again, then read back)."""
+        command = functools.partial(self.daemons.command, gpu.uuid)
+        drift = []
+        if _percent(command("get_default_active_thread_percentage")) != float(plan.percent):
+            drift.append("default active thread percentage")
+        if plan.pinned_mib and limit_bytes(command("get_default_device_pinned_mem_limit 0")) != plan.pinned_mib << 20:
+            drift.append("default pinned memory limit")
+        for server in command("get_server_list").split():
+            if _percent(command(f"get_active_thread_percentage {server}")) != float(plan.percent):
+                drift.append(f"server {server}'s active thread percentage")
+            if plan.pinned_mib and (
+                limit_bytes(command(f"get_device_pinned_mem_limit {server} 0")) != plan.pinned_mib << 20
+            ):
+                drift.append(f"server {server}'s pinned memory limit")
+        return drift
+
+    def _lose(self, gpu: Gpu, drift: list[str], adopted: bool) -> None:
+        """A running daemon found without its limits: any client that connected meanwhile runs without
+        them for as long as it lives (a running client keeps what it got, measured), so the GPU's
+        sharers are lost as after a restart (``take_lost``). Called under the lock."""
+        how = (
+            "adopted without the limits this sidecar sets (a daemon not set up by it, or one whose set-up a"
+            " crash cut short)"
+            if adopted
+            else "had its limits changed behind the sidecar's back (a sharer running as root reaches its control"
+            " commands through the pipe directory)"
+        )
+        LOG.error("GPU %d (%s): its MPS control daemon %s: %s; set again", gpu.index, gpu.uuid, how, "; ".join(drift))
+        self._lost[gpu.minor] = (
+            f"its MPS control daemon on GPU {gpu.index} ({gpu.uuid}) {how}: {', '.join(drift)} (a client that"
+            " connected meanwhile keeps what it got)"
+        )
+
+    def take_lost(self) -> dict[int, str]:
+        """The GPUs whose daemon was found dead under sharers and started again since the last call
+        (minor -> why): their sharers' MPS clients failed with it; the caller ends those sharers."""
+        with self._lock:
+            lost, self._lost = self._lost, {}
+        return lost
 
     def faults(self) -> dict[int, str]:
         """The GPUs whose MPS server was in FAULT at the last pass (minor -> which server)."""

@@ -134,6 +134,7 @@ class PrepareHook:
                 if share is not None and share.mode is ShareMode.MPS:
                     # Fail closed: no sharer without its daemon and the limits set on it (docs/sharing.md).
                     core.mps.ensure(core.gpus[share.gpu], core.mps_plan(share.gpu))
+                    core.end_lost_mps_sharers(spare=container_id)  # a daemon found dead under others
                 info = self._launch_info(
                     container_id,
                     config,

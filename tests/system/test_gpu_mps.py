@@ -181,3 +181,26 @@ def test_two_users_clients_are_never_served_by_one_server(mps_gpu):
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+
+
+def test_a_supervise_read_back_of_the_real_daemon_finds_no_drift_and_sees_a_lifted_limit(mps_gpu):
+    # core/mps.py reads a running daemon's limits back at every supervise pass and ends the GPU's
+    # sharers where they differ: the real daemon's answers (a server with a client) must read as what
+    # was set, or every pass would end every sharer; a server raised as root must read as changed.
+    mps, control, gpu = mps_gpu
+    plan = ServerPlan(percent=25, pinned_mib=2048, uid=NOBODY)
+    assert mps.ensure(gpu, plan)
+    pipe = control.pipe_dir(gpu.uuid)
+    holder = _client(pipe, NOBODY, hold=6)
+    try:
+        assert _result(holder)["ctx"] == 0
+        assert mps.ensure(gpu, plan, under_sharers=True, verify=True) is False
+        assert mps.take_lost() == {}, "the real daemon's answers read as the limits set"
+        (server,) = control.command(gpu.uuid, "get_server_list").split()
+        control.command(gpu.uuid, f"set_active_thread_percentage {server} 100")
+        mps.ensure(gpu, plan, under_sharers=True, verify=True)
+        lost = mps.take_lost()
+        assert list(lost) == [gpu.minor] and "active thread percentage" in lost[gpu.minor], lost
+        assert control.command(gpu.uuid, f"get_active_thread_percentage {server}") == "25.0"
+    finally:
+        holder.wait(timeout=30)

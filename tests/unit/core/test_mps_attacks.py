@@ -141,13 +141,8 @@ def test_a_daemon_killed_under_its_sharers_and_started_again_by_a_prepare_is_cou
     assert svc.watch(b) is None, "the sharer whose Prepare started it again is not ended"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the records keep each sharer's share count, not the cut it was placed under (issue 41 item 6);"
-    " a restart that re-cuts a held GPU more ways is taken, and its MPS daemon's limits are re-cut under"
-    " the sharers: recording the cut needs a state store schema step",
-)
 def test_a_restart_that_re_cuts_a_held_mps_gpu_is_refused(rig: Rig) -> None:
+    # Was a strict xfail until the records kept the cut (state schema 11, share_cut).
     rig.service.prepare(ContainerId("a"), sharer())
     rig.settings = replace(rig.settings, shared_gpus=parse_shared_gpus("4:8:mps"))
     with pytest.raises(FailedPrecondition, match="container a"):

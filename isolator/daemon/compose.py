@@ -219,9 +219,10 @@ def mps_control(config: Config, host: SimulatedHost | None) -> Any:
     """The MPS control edge (docs/sharing.md): the simulated host's stand-in, or the driver's
     ``nvidia-cuda-mps-control`` (under --driver-root, else on PATH); None when nothing is shared in
     mps mode. Daemons live in ``<work-dir>/mps/<GPU UUID>/{pipe,log}``."""
+    import contextlib
     import shutil
 
-    from isolator.host.mps import MpsControl
+    from isolator.host.mps import MpsControl, MpsError
 
     if not any(s.mode == ShareMode.MPS for s in config.shared_gpus):
         return None
@@ -232,7 +233,10 @@ def mps_control(config: Config, host: SimulatedHost | None) -> Any:
         executable = bundled if os.path.exists(bundled) else shutil.which("nvidia-cuda-mps-control") or ""
     if not executable:
         raise ConfigError("--shared-gpus names GPUs in mps mode but nvidia-cuda-mps-control is not installed")
-    return MpsControl(executable, os.path.join(config.work_dir, "mps"))
+    control = MpsControl(executable, os.path.join(config.work_dir, "mps"))
+    with contextlib.suppress(MpsError):  # a work directory not there yet: the first daemon's start opens it
+        control.open_root()
+    return control
 
 
 def cpu_edges(config: Config) -> tuple[SysCpus | None, CpusetController | None]:

@@ -357,9 +357,31 @@ class MpsControl:
 
     # ---- the files of ours -------------------------------------------------------------------------
 
+    def open_root(self) -> None:
+        """Let sharers of any uid reach their pipe directory: the directory ``root`` is in (the work
+        directory, 0700 as the sidecar and its unit's StateDirectoryMode make it) gets the search bit
+        for group and others (0711: they may pass, not list; the state under it stays 0700). Without it
+        a sharer that is not root cannot reach ``<root>/<GPU>/pipe``, and its CUDA runs without MPS
+        (seen under the real agent: a task run as nobody got Permission denied). Called at every start
+        of the sidecar (systemd resets the mode) and before each daemon starts. Directories above the
+        work directory are the operator's (docs/sharing.md)."""
+        parent = os.path.dirname(os.path.abspath(self.root))
+        try:
+            st = os.stat(parent)
+            if st.st_uid == os.geteuid() and st.st_mode & 0o011 != 0o011:
+                os.chmod(parent, (st.st_mode & 0o7777) | 0o011)
+                LOG.info(
+                    "MPS: '%s' made searchable by every user (mode %o), for sharers' pipe directories",
+                    parent,
+                    (st.st_mode & 0o7777) | 0o011,
+                )
+        except OSError as exc:
+            raise MpsError(op="open the directory of", gpu="any", path=parent, cause=exc.strerror) from exc
+
     def _own_dirs(self, uuid: str) -> None:
         """``root``, its GPU directory, pipe and log: real directories of our uid, 0755 (sharers reach
         the control socket; only we write). A link or someone else's directory is refused."""
+        self.open_root()
         for path in (self.root, os.path.join(self.root, uuid), self.pipe_dir(uuid), self.log_dir(uuid)):
             try:
                 with contextlib.suppress(FileExistsError):

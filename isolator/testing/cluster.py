@@ -124,6 +124,9 @@ class Cluster:
         self.module_socket = module_socket
         self.mesos_home = mesos_home
         self.work = tempfile.mkdtemp(prefix="gi-mesos-", dir=tmp or "/tmp")
+        # Searchable, as the directories above a real sidecar's work directory are (/var/lib): a task
+        # run as another user reaches its GPU's MPS pipe directory under the sidecar's work directory.
+        os.chmod(self.work, 0o711)
         self.run_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.watch_frequence = watch_frequence
         self.sidecar_flags = tuple(sidecar_flags)

@@ -115,7 +115,7 @@ def test_sharers_are_placed_by_user_and_a_fault_ends_exactly_its_gpus_sharers(me
             assert update.reason == "REASON_CONTAINER_LIMITATION", update
             assert "FAULT" in update.message, update
         for task in (n1, n2):
-            assert task.state() == "TASK_RUNNING", task.updates()
+            assert task.state == "TASK_RUNNING", task.updates()
             assert '"event"' not in task.stdout(), "the other GPU's sharer was told of no fault"
         assert cluster.agents[0].proc is not None and cluster.agents[0].proc.poll() is None, "the agent died"
 

@@ -56,16 +56,6 @@ time.sleep(hold)
 pytestmark = [pytest.mark.gpu, pytest.mark.root]
 
 
-@pytest.fixture(scope="module")
-def gpu():
-    from isolator.gpu.nvml import Inventory
-
-    inv = Inventory().open()
-    inv.read()
-    yield inv, inv.records[0].gpu
-    inv.close()
-
-
 @pytest.mark.skipif(
     os.environ.get("GI_GPU_KEEP_SETTINGS") == "1",
     reason="GI_GPU_KEEP_SETTINGS=1: this test sets GPU 0's compute mode to EXCLUSIVE_PROCESS and back"

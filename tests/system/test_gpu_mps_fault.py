@@ -88,16 +88,6 @@ PTX = """.version 8.0
 """
 
 
-@pytest.fixture(scope="module")
-def gpu():
-    from isolator.gpu.nvml import Inventory
-
-    inv = Inventory().open()
-    inv.read()
-    yield inv, inv.records[0].gpu
-    inv.close()
-
-
 @pytest.fixture
 def daemon(gpu, tmp_path):
     executable = shutil.which("nvidia-cuda-mps-control")

@@ -10,11 +10,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import grpc
 import pytest
+from mps_helpers import control, until
 
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
@@ -52,22 +52,6 @@ def _client(pipe: str, seconds: str = "0.2") -> tuple[dict, subprocess.Popen]:
     return json.loads(proc.stdout.readline()), proc
 
 
-def _control(sidecar: Sidecar, pipe: str, command: str) -> str:
-    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": pipe}
-    done = subprocess.run(
-        [sidecar.sim.mps_control], input=command + "\n", env=env, capture_output=True, text=True, timeout=30
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
-
-
-def _until(predicate, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
-
-
 @pytest.fixture
 def sidecar(short_tmp):
     root = f"{TEST_PARENT}/{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -83,13 +67,13 @@ def test_limits_a_root_sharer_lifts_through_its_pipe_directory_are_set_back_by_t
     try:
         c = Containerizer(isolator, short_tmp)
         pipe = _env(isolator.prepare(container_id("a"), _unit(c)))["CUDA_MPS_PIPE_DIRECTORY"]
-        (server,) = _control(sidecar, pipe, "get_server_list").split()
+        (server,) = control(sidecar.sim.mps_control, pipe, "get_server_list").split()
         # The sharer runs as root (no user: the agent's): the daemon takes its privileged commands.
-        _control(sidecar, pipe, f"set_active_thread_percentage {server} 100")
-        _control(sidecar, pipe, "set_default_active_thread_percentage 100")
-        _until(lambda: _client(pipe)[0]["active_thread_percentage"] == 25.0)
+        control(sidecar.sim.mps_control, pipe, f"set_active_thread_percentage {server} 100")
+        control(sidecar.sim.mps_control, pipe, "set_default_active_thread_percentage 100")
+        until(lambda: _client(pipe)[0]["active_thread_percentage"] == 25.0)
         assert "changed behind the sidecar's back" in sidecar.log()
-        assert _control(sidecar, pipe, "get_default_active_thread_percentage") == "25.0"
+        assert control(sidecar.sim.mps_control, pipe, "get_default_active_thread_percentage") == "25.0"
         with grpc.insecure_channel(sidecar.address) as channel:
             watch = pb_grpc.IsolatorStub(channel).Watch(
                 pb.WatchRequest(container_id=pb.ContainerID(value="a")), timeout=60

@@ -11,11 +11,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 
 import grpc
 import pytest
+from mps_helpers import control, until
 from watch_helpers import assert_no_limitation
 
 from isolator.rpc import isolator_pb2 as pb
@@ -57,22 +57,6 @@ def _client(pipe: str) -> subprocess.Popen:
     return proc
 
 
-def _control(sidecar: Sidecar, pipe: str, command: str) -> str:
-    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": pipe}
-    done = subprocess.run(
-        [sidecar.sim.mps_control], input=command + "\n", env=env, capture_output=True, text=True, timeout=30
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
-
-
-def _until(predicate, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
-
-
 def test_a_fault_ends_that_gpus_sharers_refuses_new_ones_until_active_then_accepts(short_tmp):
     root = f"{TEST_PARENT}/{os.getpid()}-{uuid.uuid4().hex[:8]}"
     extra = ("--shared-gpus", "4:4:mps,5:2:mps", "--gpu-probe-interval", "0.2")
@@ -88,12 +72,12 @@ def test_a_fault_ends_that_gpus_sharers_refuses_new_ones_until_active_then_accep
         assert _pipe(isolator.prepare(container_id("c"), _unit(c, 4))) == pipe4
         pipe5 = _pipe(isolator.prepare(container_id("b"), _unit(c, 2)))  # GPU 5
         clients = [_client(pipe4), _client(pipe4), _client(pipe5)]
-        (server,) = _control(sidecar, pipe4, "get_server_list").split()
+        (server,) = control(sidecar.sim.mps_control, pipe4, "get_server_list").split()
         watches = {
             n: stub.Watch.future(pb.WatchRequest(container_id=pb.ContainerID(value=n)), timeout=60) for n in "ac"
         }
 
-        _control(sidecar, pipe4, f"sim_fault {server}")
+        control(sidecar.sim.mps_control, pipe4, f"sim_fault {server}")
         for name, future in watches.items():
             message = future.result().limitation.message
             assert f"MPS server {server} in FAULT" in message and "GPU 4" in message, (name, message)
@@ -106,7 +90,7 @@ def test_a_fault_ends_that_gpus_sharers_refuses_new_ones_until_active_then_accep
         for proc in clients[:2]:
             proc.terminate()
             proc.wait(timeout=30)
-        _until(lambda: _control(sidecar, pipe4, f"get_server_status {server}") == "ACTIVE")
+        until(lambda: control(sidecar.sim.mps_control, pipe4, f"get_server_status {server}") == "ACTIVE")
         isolator.cleanup(container_id("a"))
         isolator.cleanup(container_id("c"))
 
@@ -118,7 +102,7 @@ def test_a_fault_ends_that_gpus_sharers_refuses_new_ones_until_active_then_accep
                 return False
             return True
 
-        _until(accepted)
+        until(accepted)
         assert _pipe(isolator.prepare(container_id("e"), _unit(c, 4))) == pipe4
         assert_no_limitation(stub, "d")
         assert "in FAULT" not in sidecar.log().split("ACTIVE again")[-1]

@@ -31,7 +31,10 @@ def test_a_task_group_gets_its_gpus_in_every_nested_container(walked: Walked):
                 "task_id": {"value": f"group-{n}"},
                 "agent_id": {"value": ""},
                 "resources": resources,
-                "command": {"value": f"python3 {SHARE_IN_NODE}/probe.py {STATE}/simhost/dev 0"},
+                # Each holds 5 s after probing: when the first task ends, the agent shrinks the
+                # executor by its GPU, so a sibling that probed after that would see one (seen in CI
+                # under load: {0, 3} and {0}).
+                "command": {"value": f"python3 {SHARE_IN_NODE}/probe.py {STATE}/simhost/dev 5"},
             }
             for n in NAMES
         ]

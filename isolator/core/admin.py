@@ -372,7 +372,7 @@ class Admin:
                 f"GPU {gpu} ({found.uuid}) has sharers ({held}); the handover override would reset its compute"
                 " mode and clocks under them, and its check runs after the last sharer leaves"
             )
-        units = sorted(str(c) for c, r in core.store.load().items() if found.minor in r.holding.mig_parents)
+        units = sorted({str(c) for c, parent in core.store.mig_holders().values() if parent == found.minor})
         if units:
             # The same reset under the holders of its MIG devices: their work runs on this GPU.
             raise FailedPrecondition(

@@ -14,12 +14,12 @@ import uuid
 
 import grpc
 import pytest
-from mps_helpers import control, until
+from mps_helpers import control, end, until
 
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
 from isolator.testing.cgroupfs import TEST_PARENT
-from isolator.testing.mesos import Containerizer, GrpcIsolator, HookFailed, container_id
+from isolator.testing.mesos import Containerizer, GrpcIsolator, container_id
 from isolator.testing.sidecar import Sidecar
 
 pytestmark = [pytest.mark.root, pytest.mark.cgroup_v1]
@@ -108,14 +108,5 @@ def test_a_daemon_sigkilled_under_a_sharer_ends_it_and_a_new_sharer_is_held_to_i
         b = _env(isolator.prepare(container_id("b"), _unit(c)))
         assert b["CUDA_MPS_PIPE_DIRECTORY"] == pipe
     finally:
-        for proc in clients:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-        for name in "ab":
-            try:
-                isolator.cleanup(container_id(name))
-            except HookFailed:
-                pass
-        isolator.close()
+        end(clients, isolator, "ab")
         channel.close()

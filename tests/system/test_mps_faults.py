@@ -15,7 +15,7 @@ import uuid
 
 import grpc
 import pytest
-from mps_helpers import control, until
+from mps_helpers import control, end, until
 from watch_helpers import assert_no_limitation
 
 from isolator.rpc import isolator_pb2 as pb
@@ -107,15 +107,6 @@ def test_a_fault_ends_that_gpus_sharers_refuses_new_ones_until_active_then_accep
         assert_no_limitation(stub, "d")
         assert "in FAULT" not in sidecar.log().split("ACTIVE again")[-1]
     finally:
-        for proc in clients:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for name in "abcde":
-            try:
-                isolator.cleanup(container_id(name))
-            except HookFailed:
-                pass
-        isolator.close()
+        end(clients, isolator, "abcde")
         channel.close()
         sidecar.stop()

@@ -25,7 +25,6 @@
 #include <process/id.hpp>
 #include <process/owned.hpp>
 #include <process/process.hpp>
-#include <process/sequence.hpp>
 
 #include <stout/hashmap.hpp>
 #include <stout/stringify.hpp>
@@ -51,7 +50,6 @@ using process::Failure;
 using process::Future;
 using process::Owned;
 using process::Promise;
-using process::Sequence;
 
 using std::string;
 using std::vector;
@@ -168,7 +166,10 @@ public:
           &v1::Isolator::Stub::PrepareAsyncPrepare,
           message,
           settings.prepare_timeout)
-        .then(defer(self(), [=](const v1::PrepareResponse& response)
+        // Not deferred: `forward`'s future is set on this process (its reply
+        // is taken there), and a `then` runs only on a ready one, so this
+        // runs on this process too, without one more dispatch (issue 45).
+        .then([=](const v1::PrepareResponse& response)
                   -> Future<Option<ContainerLaunchInfo>> {
           Try<Option<ContainerLaunchInfo>> info = launchInfoOf(response);
           if (info.isError()) {
@@ -181,7 +182,7 @@ public:
                   response.update_reads().end()),
               message.container_config().resources());
           return info.get();
-        }))
+        })
         .onAny(defer(self(), [=](
             const Future<Option<ContainerLaunchInfo>>& prepared) {
           // Failed while the sidecar could not be reached: see `cleanup`.
@@ -281,10 +282,10 @@ public:
           &v1::Isolator::Stub::PrepareAsyncUpdate,
           message,
           settings.update_timeout)
-        .then(defer(self(), [=]() -> Nothing {
+        .then([=]() -> Nothing { // On this process: see `prepare`.
           remember(containerId, reads, message.resource_requests());
           return Nothing();
-        }));
+        });
     });
   }
 
@@ -313,24 +314,13 @@ public:
 
   Future<ContainerStatus> status(const ContainerID& containerId)
   {
-    Try<v1::StatusRequest> request =
-      containerRequest<v1::StatusRequest>(containerId);
-    if (request.isError()) {
-      return Failure("gpu-isolator Status: " + request.error());
-    }
-    // The sidecar's answer (GPU UUIDs, state) has no place in Mesos's
-    // ContainerStatus, so the agent is answered at once and the call goes on
-    // without it: the agent asks on every status update of the container,
-    // and waiting would hold each update (TASK_RUNNING's too) for a round
-    // trip, and for up to status_timeout while the sidecar is away. The call
-    // still says whether the sidecar knows the container: a failure is
-    // logged by `attempt`, as the containerizer would have.
-    forward(
-        "Status",
-        stringify(containerId),
-        &v1::Isolator::Stub::PrepareAsyncStatus,
-        request.get(),
-        settings.status_timeout);
+    // Answered here, without a call: the sidecar's answer (GPU UUIDs, state)
+    // has no place in Mesos's ContainerStatus, and the agent asks on every
+    // status update of every container. Waiting held each update
+    // (TASK_RUNNING's by 17 ms at the median); a call sent without waiting
+    // (until issue 45) still cost the sidecar a handler on the launch path,
+    // beside the executor starting, for nothing but a log line on failure,
+    // which the container's Watch already gives (NOT_FOUND, logged).
     return ContainerStatus();
   }
 
@@ -437,24 +427,27 @@ private:
     bool opened = false; // the call was sent at least once
   };
 
-  // A container's hooks in flight, run one after the other by libprocess's
-  // Sequence; `pending` counts them so that the sequence goes once the last
-  // one ended.
+  // A container's hooks in flight: `last` is ready once the latest of them
+  // ended (however it ended); `pending` counts them, so that the entry goes
+  // once the last one ended.
   struct Hooks
   {
-    Hooks() : sequence(new Sequence("gpu-isolator-hooks")) {}
-
-    Owned<Sequence> sequence;
+    Future<Nothing> last = Nothing();
     size_t pending = 0;
   };
 
   // One container's hooks run one after the other, in the order the agent
   // called them; those of different containers run at once. A hook runs
-  // when the previous one ended, however it ended (Sequence's `add`). Each
-  // logs (VLOG(1), e.g. GLOG_vmodule=gpu_isolator=1) how long the agent
-  // waited for it, from its call to its end, waits in the sequence and
-  // retries included: the module's own view of each hook (the agent bench
-  // reads these lines).
+  // when the previous one ended, however it ended; with none in flight (the
+  // launch path: Prepare, then Isolate once Prepare answered) it starts at
+  // once, on this process, within the agent's call. libprocess's Sequence
+  // did the ordering before (issue 45): it spawned a process per container
+  // and hook, took two more dispatches before the call was sent, and
+  // blocked a worker thread in its destructor until that process ended.
+  // Each hook logs (VLOG(1), e.g. GLOG_vmodule=gpu_isolator=1) how long the
+  // agent waited for it, from its call to its end, the wait behind earlier
+  // hooks and retries included: the module's own view of each hook (the
+  // agent bench reads these lines).
   template <typename T>
   Future<T> inOrder(
       const string& name,
@@ -469,13 +462,38 @@ private:
     Owned<Hooks> hooks = ordered.at(containerId);
     hooks->pending++;
 
-    // The hook runs on this process, as every other of its calls.
-    Future<T> result = hooks->sequence->add<T>(defer(self(), hook));
+    Future<T> result;
+    if (hooks->last.isPending()) {
+      std::shared_ptr<Promise<T>> promise(new Promise<T>());
+      hooks->last.onAny(defer(self(), [=](const Future<Nothing>&) {
+        if (promise->future().hasDiscard()) {
+          promise->discard(); // The agent gave up on it before it started.
+        } else {
+          promise->associate(hook());
+        }
+      }));
+      result = promise->future();
+    } else {
+      result = hook();
+    }
 
-    result.onAny(defer(self(), [=](const Future<T>& ended) {
+    // When the hook ended, taken where it ends (the log line comes one
+    // dispatch later, on this process, which owns `ordered`).
+    std::shared_ptr<Promise<Nothing>> ended(new Promise<Nothing>());
+    std::shared_ptr<std::chrono::steady_clock::time_point> endedAt(
+        new std::chrono::steady_clock::time_point(called));
+    result.onAny([ended, endedAt](const Future<T>&) {
+      *endedAt = std::chrono::steady_clock::now();
+      ended->set(Nothing());
+    });
+    hooks->last = ended->future();
+
+    result.onAny(defer(self(), [=](const Future<T>& done) {
       VLOG(1) << "gpu-isolator " << name << " of container " << containerId
-              << ": " << (ended.isReady() ? "done" : "failed") << " after "
-              << msSince(called) << " ms";
+              << ": " << (done.isReady() ? "done" : "failed") << " after "
+              << std::chrono::duration<double, std::milli>(
+                     *endedAt - called).count()
+              << " ms";
       if (ordered.contains(containerId) &&
           ordered.at(containerId) == hooks && --hooks->pending == 0) {
         ordered.erase(containerId);
@@ -486,7 +504,8 @@ private:
 
   // One call of `method`, tried again within `timeout` while the sidecar asks
   // to (load shedding's `grpc-retry-pushback-ms`) or cannot take it
-  // (UNAVAILABLE); anything else is the answer.
+  // (UNAVAILABLE); anything else is the answer. The future it returns becomes
+  // ready on this process (each reply is taken there).
   template <typename Request, typename Response>
   Future<Response> forward(
       const string& hook,

@@ -35,6 +35,8 @@ struct Settings
   Duration update_timeout = Seconds(30);
   Duration cleanup_timeout = Seconds(30);
   Duration usage_timeout = Seconds(5);
+  // Read so that a modules.json written for an earlier module still loads;
+  // Status is answered by the module itself since issue 45 (no call).
   Duration status_timeout = Seconds(5);
 
   // A Watch is one call that ends when a limitation happens; it is opened

@@ -176,7 +176,12 @@ class RecordStore(Protocol):
         state: RecordState | None = None,
         volume_version: str | None = None,
         rules: tuple[DeviceRule, ...] | None = None,
-    ) -> ContainerRecord: ...
+        lazy: bool = False,
+    ) -> ContainerRecord:
+        """``lazy``: durable once the call returns against the sidecar's death (SIGKILL), not against
+        the machine's (power loss, a kernel panic), for a mark no decision reads and that recovery
+        rebuilds (Isolate's "isolated": no container outlives the machine anyway)."""
+        ...
 
     def set_cpuset(self, cid: ContainerId, cpus: str, mems: str) -> ContainerRecord: ...
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from isolator.core import mps as mpsdaemons
 from isolator.core.context import Core
 from isolator.core.grant import Grant
+from isolator.core.steps import Steps
 from isolator.crashpoints import crashpoint
 from isolator.errors import (
     AlreadyExists,
@@ -88,7 +89,7 @@ class PrepareHook:
         request = requests.for_prepare(container_id, config.resources)
         image_plan = self._image_plan(config)
         holder = container_id.key()
-        steps = _Steps(core.clock.monotonic)
+        steps = Steps(core.clock.monotonic)
         with core.locks.hold(container_id):
             if core.store.has(container_id):
                 raise AlreadyExists(f"container {container_id} has already been prepared")
@@ -361,23 +362,3 @@ class PrepareHook:
     def _forget(self, cid: ContainerId) -> None:
         with contextlib.suppress(NotFound):
             self.core.store.remove(cid)
-
-
-class _Steps:
-    """Prepare's own time, step by step (issue 45: where the handler's milliseconds go), for its
-    "prepared" line: each ``mark`` ends the step named since the previous one."""
-
-    def __init__(self, now: Callable[[], float]) -> None:
-        self._now = now
-        self._last = now()
-        self._start = self._last
-        self.spent: list[tuple[str, float]] = []
-
-    def mark(self, step: str) -> None:
-        now = self._now()
-        self.spent.append((step, now - self._last))
-        self._last = now
-
-    def __str__(self) -> str:
-        parts = ", ".join(f"{name} {seconds * 1000:.2f}" for name, seconds in self.spent)
-        return f"{(self._last - self._start) * 1000:.2f} ms ({parts})"

@@ -121,6 +121,7 @@ class FakeStore:
         rules: tuple[DeviceRule, ...] | None = None,
         volume_version: str | None = None,
         cgroup: str | None = None,
+        lazy: bool = False,
     ) -> ContainerRecord:
         self.faults.check("update", cid)
         if state is not None and state not in STATES:
@@ -129,7 +130,7 @@ class FakeStore:
         with self._lock:
             rec = self._require(cid)
             rec = self._records[cid] = replace(rec, **{k: v for k, v in changes.items() if v is not None})
-            self.commits += 1
+            self.commits += 0 if lazy else 1  # a lazy write is not fsynced
             return rec
 
     def set_cpuset(self, cid: ContainerId, cpus: str, mems: str) -> ContainerRecord:

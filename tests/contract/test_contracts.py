@@ -472,6 +472,20 @@ def test_store_updates_metadata_and_refuses_unknowns(store: FakeStore) -> None:
             call()
 
 
+def test_store_lazy_update_is_read_back_and_costs_no_fsync(store: FakeStore) -> None:
+    # Isolate's "isolated" mark (issue 45): written without an fsync of its own, read back at once,
+    # and refused for an unknown container as any update is.
+    store.record(record("a", 0))
+    before = store.commits
+    rec = store.update(cid("a"), state="isolated", lazy=True)
+    assert rec.state == "isolated" and store.get(cid("a")).state == "isolated"
+    assert store.commits == before  # no synced commit counted for it
+    with pytest.raises(ContainerNotRecorded):
+        store.update(cid("nobody"), state="isolated", lazy=True)
+    store.update(cid("a"), volume_version="535")
+    assert store.commits == before + 1
+
+
 def test_store_holds_mig_devices_once_and_never_with_their_gpu_whole(store: FakeStore) -> None:
     store.record(record("m", mig=frozenset({("MIG-1", 0), ("MIG-2", 0)})))
     assert store.get(cid("m")).holding.mig == frozenset({("MIG-1", 0), ("MIG-2", 0)})

@@ -463,9 +463,9 @@ def test_an_xid_ends_the_task_without_a_watch_poll(route: Route, clusters: dict[
 
 def test_a_stopped_sidecar_does_not_hold_a_tasks_status_updates(mesos_home: str, gate_dir: str) -> None:
     # The agent asks every isolator for the container's status on each status update and waits for
-    # all of them. Our module answers at once (nothing of the sidecar's answer goes into Mesos's
-    # ContainerStatus) and lets the call go on: with status_timeout at 10 minutes, a module that
-    # waited would hold this TASK_FINISHED for 10 minutes while the sidecar is stopped.
+    # all of them. Our module answers at once, without a call (nothing of the sidecar's answer goes
+    # into Mesos's ContainerStatus): with status_timeout at 10 minutes, a module that waited would
+    # hold this TASK_FINISHED for 10 minutes while the sidecar is stopped.
     go = os.path.join(gate_dir, "finish")
     cluster = Cluster(mesos_home, route=Route.NATIVE, sidecar_flags=NO_REAPER)
     cluster.module_params = {"status_timeout": "10mins"}

@@ -208,3 +208,96 @@ def test_the_agent_part_prints_the_native_breakdown_the_hook_cycle_against_the_f
     # A run without the native configuration says what is missing, and does not fail.
     del result["configs"]["native"]
     assert "native hook cycle against the raw floor: not measured" in "\n".join(bench_agent.render(result))
+
+
+def test_the_agent_part_reads_the_launch_segments_and_the_isolate_steps_from_the_logs():
+    import bench_agent
+
+    agent_log = "\n".join(
+        [
+            "I20261128 23:00:20.658429 20301 slave.cpp:2302] Got assigned task 't5' for framework f-0005",
+            "I20261128 23:00:20.757287 20301 slave.cpp:3887] Launching container c5 for executor 't5' of framework f",
+            "I20261128 23:00:20.766350 20299 containerizer.cpp:3447] Transitioning the state of container c5 from"
+            " PROVISIONING to PREPARING after 1.36ms",
+            "I20261128 23:00:20.843888 20303 containerizer.cpp:3447] Transitioning the state of container c5 from"
+            " PREPARING to ISOLATING after 77.5ms",
+            "I20261128 23:00:20.865129 20296 containerizer.cpp:3447] Transitioning the state of container c5 from"
+            " ISOLATING to FETCHING after 21.2ms",
+            "I20261128 23:00:20.867370 20301 containerizer.cpp:3447] Transitioning the state of container c5 from"
+            " FETCHING to RUNNING after 2.26ms",
+            "I20261128 23:00:21.437920 20303 slave.cpp:5499] Got registration for executor 't5' of framework f",
+            "I20261128 23:00:21.552983 20296 slave.cpp:6538] Forwarding the update TASK_RUNNING (Status UUID: d)"
+            " for task t5 of framework f to master@127.0.0.1:35617",
+            # Another task's lines, and a container it never launched, are not counted.
+            "I20261128 23:00:22.000000 20301 slave.cpp:3887] Launching container c6 for executor 't6' of framework f",
+            "I20261128 23:00:22.100000 20299 containerizer.cpp:3447] Transitioning the state of container c6 from"
+            " PROVISIONING to PREPARING after 1ms",
+        ]
+    )
+    segments = bench_agent.launch_segments(agent_log, ["t5", "t6"])
+    assert {k: [round(v * 1e6) for v in vs] for k, vs in segments.items()} == {
+        "prepare": [77538],
+        "isolate": [21241],
+        "executor start": [570550],
+        "to TASK_RUNNING": [115063],
+    }
+    sidecar_log = (
+        "2026-11-28 23:21:01,000 INFO isolator.core.isolate [c5]: isolated pid 21100 in container c5 (cgroup"
+        " 'x/c5', GPUs [0 (GPU-46fa)]), placed by the agent at look 2, in 1.36 ms (checks 0.26, pid wait 0.64,"
+        " cpuset 0.01, state commit 0.45)\n"
+    )
+    assert bench_agent.sidecar_isolate_steps(sidecar_log) == {
+        "total": [1.36],
+        "checks": [0.26],
+        "pid wait": [0.64],
+        "cpuset": [0.01],
+        "state commit": [0.45],
+    }
+
+
+def test_the_agent_part_judges_issue_45s_goal_beyond_the_noise():
+    import bench_agent
+
+    def config(samples_ms: list[float]) -> dict:
+        n = len(samples_ms)
+        mid = sorted(samples_ms)[n // 2]
+        return {
+            "running": {"n": n, "median_ms": mid, "p90_ms": mid},
+            "finished": {"n": n, "median_ms": mid, "p90_ms": mid},
+            "agent_running": {"n": n, "median_ms": mid, "p90_ms": mid},
+            "agent_running_s": [v / 1000 for v in samples_ms],
+            "segments": {
+                "prepare": {"n": n, "median_ms": 40.0 + (mid - 300) / 10, "p90_ms": 0},
+                "isolate": {"n": n, "median_ms": 5.0, "p90_ms": 0},
+            },
+            "hooks": {},
+        }
+
+    noisy = [300.0 + 7 * (i % 13) for i in range(40)]  # medians a few ms apart are within its noise
+    result = {
+        "tasks": 40,
+        "configs": {
+            "none": config(noisy),
+            "native": config([v + 3 for v in noisy]),
+            "gpu-nvidia": config([v + 2 for v in noisy]),
+        },
+        "burst": {},
+        "xid": {},
+    }
+    text = "\n".join(bench_agent.render(result))
+    assert "issue 45: in the agent, native - none +3.0 ms" in text
+    assert "within the noise of gpu/nvidia: met" in text
+    assert "prepare + isolate over none's (49.2 ms): native +0.3, gpu-nvidia +0.2 ms" in text
+    # 20 ms over none, every sample: missed, and the interval says it is no accident.
+    result["configs"]["native"] = config([v + 20 for v in noisy])
+    text = "\n".join(bench_agent.render(result))
+    assert "native - none +20.0 ms" in text and "gpu/nvidia: MISSED" in text
+    # The interval: a wide spread (the samples above, 300..384 ms) holds 0 for a 20 ms shift; a
+    # narrow one (300..312 ms) does not.
+    wide = [v / 1000 for v in noisy]
+    lo, hi = bench_agent.bootstrap_diff([v + 0.020 for v in wide], wide)
+    assert lo < 0 < 0.020 < hi
+    narrow = [0.300 + 0.001 * (i % 13) for i in range(40)]
+    lo, hi = bench_agent.bootstrap_diff([v + 0.020 for v in narrow], narrow)
+    assert 0 < lo <= 0.020 <= hi
+    assert bench_agent.bootstrap_diff(noisy, noisy) == bench_agent.bootstrap_diff(noisy, noisy)  # seeded

@@ -1,7 +1,8 @@
 """The durable record of which container holds which GPUs, and what the sidecar did for it.
 
 An SQLite file under the state directory given to the constructor (WAL, synchronous=FULL). Each
-write is atomic and durable when its call returns. Writes that arrive while another commit is
+write is atomic and durable when its call returns (a ``lazy`` one against the sidecar's death only:
+see ``update``). Writes that arrive while another commit is
 being fsynced are committed together (group commit): one transaction, one fsync, each write in a
 savepoint of its own so that one refused write fails alone. Reads use a second connection and never
 wait for a commit. It refuses to record a GPU twice (a primary key on the GPU minor), so a bug above
@@ -49,6 +50,9 @@ class StateStore(Marks):
         self._queue: list[_Write] = []
         self._queue_lock = threading.Lock()
         self.commits = 0  # transactions committed (each one fsync), for tests and the benchmark
+        self.lazy_commits = 0  # transactions of lazy writes only, committed without an fsync
+        self._durable = durable
+        self._lazy_now = False  # the write connection's synchronous level is NORMAL (else FULL or OFF)
         self.writes = 0  # writes committed; writes / commits is the group-commit factor
         try:
             os.makedirs(directory, mode=0o700, exist_ok=True)
@@ -169,8 +173,11 @@ class StateStore(Marks):
         rules: tuple[DeviceRule, ...] | None = None,
         volume_version: str | None = None,
         cgroup: str | None = None,
+        lazy: bool = False,
     ) -> ContainerRecord:
-        """Change a container's metadata (not its GPUs)."""
+        """Change a container's metadata (not its GPUs). ``lazy``: committed without an fsync of its
+        own (the port's ``update``): it survives the sidecar's death, and the machine's once a later
+        commit (or a checkpoint) has synced the WAL."""
         text = None if rules is None else rows.rules_text(rules)
         changes = {"state": state, "rules": text, "volume_version": volume_version, "cgroup": cgroup}
         changes = {k: v for k, v in changes.items() if v is not None}
@@ -184,7 +191,7 @@ class StateStore(Marks):
                 db.execute(f"UPDATE container SET {assignments} WHERE key = ?", (*changes.values(), rows.cid_key(cid)))
             return rows.read(db, self.path, cid)
 
-        return self._write("update container", write)
+        return self._write("update container", write, lazy=lazy)
 
     def remove(self, cid: ContainerId) -> ContainerRecord:
         """Forget a container and release its GPUs; returns what it held."""
@@ -275,14 +282,14 @@ class StateStore(Marks):
                     raise self._error(op, exc) from exc
                 raise
 
-    def _write(self, op: str, fn: Callable[[sqlite3.Connection], T]) -> T:
+    def _write(self, op: str, fn: Callable[[sqlite3.Connection], T], *, lazy: bool = False) -> T:
         """Run ``fn`` in a transaction that is committed (fsynced) before this returns.
 
         Group commit: the write is queued; whoever holds the write connection takes every queued
         write, runs each in a savepoint (a refused one rolls back alone and gets its own error),
         and commits them with one fsync. A failed commit fails every write in it, and none happened.
         """
-        item = _Write(op, fn)
+        item = _Write(op, fn, lazy)
         with self._queue_lock:
             self._queue.append(item)
         with self._lock:
@@ -297,6 +304,16 @@ class StateStore(Marks):
     def _commit(self, batch: list[_Write]) -> None:
         db = self._db
         try:
+            # A batch of lazy writes only is committed without an fsync (WAL, synchronous=NORMAL:
+            # written to the WAL file, so a killed sidecar loses none of it); any other write in the
+            # batch makes it FULL, which syncs the lazy ones with it.
+            lazy = self._durable and all(item.lazy for item in batch)
+            if lazy != self._lazy_now:
+                try:
+                    db.execute(f"PRAGMA synchronous={'NORMAL' if lazy else 'FULL'}")
+                except sqlite3.Error as exc:
+                    raise self._error(batch[0].op, exc) from exc
+                self._lazy_now = lazy
             try:
                 # IMMEDIATE takes the write lock up front, so a second sidecar on the same file waits
                 # (busy timeout) rather than failing halfway through.
@@ -317,7 +334,10 @@ class StateStore(Marks):
                 db.execute("COMMIT")
             except sqlite3.Error as exc:
                 raise self._error(batch[0].op, exc) from exc
-            self.commits += 1
+            if lazy:
+                self.lazy_commits += 1
+            else:
+                self.commits += 1
             self.writes += sum(1 for item in batch if item.error is None)
         except BaseException as exc:
             self._rollback(db)
@@ -352,6 +372,7 @@ class StateStore(Marks):
 class _Write:
     op: str
     fn: Callable[[sqlite3.Connection], Any]
+    lazy: bool = False
     done: bool = False
     result: Any = None
     error: BaseException | None = field(default=None)

@@ -400,3 +400,48 @@ def test_a_version_2_store_gains_the_health_marks_and_keeps_its_records(tmp_path
         store.drop_health_mark("GPU-9")
     with StateStore(str(tmp_path)) as store:
         assert store.health_marks() == [HealthMark("GPU-1", "ecc", "double-bit ECC error", 0, 6.0)]
+
+
+# ---- lazy writes (Isolate's mark, issue 45) ---------------------------------------------------------
+
+_LAZY_WRITER = textwrap.dedent(
+    """
+    import os, signal, sys
+    from isolator.model import ContainerId, Holding
+    from isolator.host.state import ContainerRecord, StateStore
+    store = StateStore(sys.argv[1])
+    store.record(ContainerRecord(ContainerId.parse("a"), Holding(frozenset({1}))))
+    store.update(ContainerId.parse("a"), state="isolated", lazy=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no close, no later commit
+    """
+)
+
+
+def test_a_lazy_update_survives_its_writers_sigkill(tmp_path):
+    directory = str(tmp_path / "state")
+    env = {**os.environ, "PYTHONPATH": REPO}
+    child = subprocess.run([sys.executable, "-c", _LAZY_WRITER, directory], env=env, timeout=60, check=False)
+    assert child.returncode == -signal.SIGKILL
+    with StateStore(directory) as s:
+        assert s.get(cid("a")).state == "isolated"
+
+
+def test_a_lazy_update_alone_skips_the_fsync_and_the_next_write_is_synced_again(store):
+    def level() -> int:  # the write connection's: 1 NORMAL (no fsync at commit), 2 FULL
+        return store._db.execute("PRAGMA synchronous").fetchone()[0]
+
+    store.record(ContainerRecord(cid("a"), Holding(frozenset({1}))))
+    assert (store.commits, store.lazy_commits, level()) == (1, 0, 2)
+    store.update(cid("a"), state="isolated", lazy=True)
+    assert (store.commits, store.lazy_commits, level()) == (1, 1, 1)
+    store.update(cid("a"), volume_version="535")
+    assert (store.commits, store.lazy_commits, level()) == (2, 1, 2)
+    assert store.get(cid("a")).state == "isolated"
+
+
+def test_a_store_that_never_syncs_stays_so_after_a_lazy_write(tmp_path):
+    with StateStore(str(tmp_path / "state"), durable=False) as s:
+        s.record(ContainerRecord(cid("a"), Holding(frozenset({1}))))
+        s.update(cid("a"), state="isolated", lazy=True)
+        s.update(cid("a"), volume_version="535")
+        assert s._db.execute("PRAGMA synchronous").fetchone()[0] == 0  # OFF

@@ -10,7 +10,11 @@ wrapper must find it in the unit's environment file, where the walkthrough puts 
 The sidecar simulates a ``dgx-a100`` from the start (MIG on GPUs 0-4, GPU 5 shared under MPS, 6 by
 time slices, 7 whole), so that the walkthrough's ``--allowed_devices`` lists the MIG devices'
 capability nodes: on v2 the agent's program must let them through, and a MIG task on an agent
-whose list predates a re-cut fails at once, the sidecar naming the nodes to add."""
+whose list predates a re-cut fails at once, the sidecar naming the nodes to add.
+
+The same node then runs what the v1 node runs beyond that: a task group (test_groups.py), criteo's
+route with our bridge (test_criteo.py) and ``systemctl restart`` of the sidecar under an MPS sharer
+(test_restart_mps.py), reusing their helpers."""
 
 from __future__ import annotations
 

@@ -236,3 +236,29 @@ def test_share_tasks_on_v2_through_criteo_s_module(criteo_v2):
     finally:
         task.stop()
     assert isolator_errors(node, when) == []
+
+
+def test_restart_of_the_sidecar_under_criteo_s_watch_keeps_a_v2_task(criteo_v2):
+    """``systemctl restart gpu-isolator`` while criteo's module polls the bridge's watch every second
+    for a running task: the task keeps running, its leaf keeps our one program granting the same
+    GPU, and neither log holds an isolator error (a watch that reached no sidecar is not a limit)."""
+    node, _ = criteo_v2
+    when = since(node)
+    task = launch(node, "v2-criteo-restart", "cpus:0.1;mem:32;gpus:1")
+    try:
+        out = task.wait_probed()
+        before, programs = granted(node, out), ours_on(node, out)
+        assert before == opened_gpus(out) and len(programs) == 1, out
+        node.run("systemctl restart gpu-isolator")
+        time.sleep(4)  # a few of the module's watches (isolator_watch_frequence = 1) after the restart
+        said = (
+            f"{task.log()[-3000:]}\n"
+            + node.run("journalctl --no-pager -o cat -n 40 -u gpu-isolator -u mesos-agent", check=False).stdout
+        )
+        assert not re.search("TASK_(LOST|FAILED|KILLED|FINISHED)", task.log()), said
+        assert ours_on(node, out) == programs, said
+        assert granted(node, out) == before, said
+    finally:
+        task.stop()
+    journal = node.run(f"journalctl --no-pager -o short-precise -u gpu-isolator -u mesos-agent --since '{when}'").stdout
+    assert isolator_errors(node, when) == [], journal[-12000:]

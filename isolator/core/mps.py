@@ -328,6 +328,14 @@ class Mps:
             pids = [int(word) for word in listing.split()]
             states = {pid: self.daemons.command(gpu.uuid, f"get_server_status {pid}").strip() for pid in pids}
         except (IsolatorError, ValueError) as exc:
+            with self._lock:  # stop() sets STOPPED under it once the daemon is gone
+                stopped = self._state.get(gpu.minor) == STOPPED
+            if stopped:
+                # Its last sharer's Cleanup stopped it after ensure() released the lock: no server to read.
+                LOG.info("GPU %d (%s): its MPS control daemon was stopped during the pass", gpu.index, gpu.uuid)
+                with self._lock:
+                    self._faults.pop(gpu.minor, None)  # no sharer left to end (as an idle GPU in the pass)
+                return
             LOG.error("GPU %d (%s): cannot read its MPS servers' state, fault state kept: %s", gpu.index, gpu.uuid, exc)
             return
         faulted = sorted(pid for pid, state in states.items() if state == FAULT)

@@ -193,18 +193,20 @@ def wait_registered(node: Node, when: str, timeout: float = 90) -> None:
 @dataclass
 class Running:
     """A task launched by ``mesos-execute`` in the background of the node (its framework's log in
-    ``/root/<name>.log``), that runs until ``stop()``."""
+    ``/root/<name>.log``), that runs until ``stop()``; ``task``: one task of a task group launched so
+    (its framework is ``name``, its sandbox under the default executor's)."""
 
     node: Node
     name: str
+    task: str = ""
 
     def log(self) -> str:
         return self.node.run(f"cat /root/{self.name}.log", check=False).stdout
 
     def stdout(self) -> str:
-        return self.node.run(
-            f"cat /var/lib/mesos/slaves/*/frameworks/*/executors/{self.name}/runs/latest/stdout", check=False
-        ).stdout
+        runs = "/var/lib/mesos/slaves/*/frameworks/*/executors"
+        where = f"{runs}/*/runs/latest/tasks/{self.task}" if self.task else f"{runs}/{self.name}/runs/latest"
+        return self.node.run(f"cat {where}/stdout", check=False).stdout
 
     def wait_probed(self, timeout: float = 120) -> str:
         """The probe's output once it printed ``probed`` (fails with the framework's log if the task ended)."""
@@ -215,6 +217,8 @@ class Running:
                 return out
             log = self.log()
             assert not re.search(r"TASK_(FAILED|LOST|ERROR|KILLED|DROPPED|FINISHED)", log), f"{log}\n{out}"
+            gone = self.node.run(f"kill -0 $(cat /root/{self.name}.pid)", check=False).returncode != 0
+            assert not gone, f"{self.name}: its framework exited\n{log[-3000:]}\n{out}"
             assert time.monotonic() < deadline, f"{self.name} never probed\n{log}\n{out}"
             time.sleep(0.5)
 
@@ -236,15 +240,21 @@ class Running:
 def launch(node: Node, name: str, resources: str, *flags: str, command: str = "") -> Running:
     """``mesos-execute`` of a task holding ``resources`` that probes the simulated nodes and then
     sleeps (or runs ``command``)."""
-    master = agent_env(node)["MESOS_MASTER"]
     command = command or f"python3 {SHARE_IN_NODE}/probe.py {DEV} 600"
+    quoted = f"--resources={shlex.quote(resources)} --command={shlex.quote(command)}"
+    execute(node, name, f"--name={name} {quoted} {' '.join(flags)}")
+    return Running(node, name)
+
+
+def execute(node: Node, name: str, flags: str) -> None:
+    """``mesos-execute flags`` against the agent's master, in the background of the node (its log in
+    ``/root/<name>.log``, its pid in ``/root/<name>.pid``)."""
+    master = agent_env(node)["MESOS_MASTER"]
     node.run(
         f"setsid nohup env LD_LIBRARY_PATH={MESOS_IN_NODE}/lib {MESOS_IN_NODE}/bin/mesos-execute"
-        f" --master={master} --name={name} --framework_capabilities=GPU_RESOURCES"
-        f" --resources={shlex.quote(resources)} --command={shlex.quote(command)} {' '.join(flags)}"
+        f" --master={master} --framework_capabilities=GPU_RESOURCES {flags}"
         f" > /root/{name}.log 2>&1 < /dev/null & echo $! > /root/{name}.pid"
     )
-    return Running(node, name)
 
 
 def granted(node: Node, stdout: str) -> set[int]:

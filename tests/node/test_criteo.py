@@ -7,6 +7,7 @@ asserting what it could open and what the kernel grants it; the agent's log hold
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterator
@@ -24,10 +25,12 @@ pytestmark = pytest.mark.node
 BIN = "/usr/libexec/gpu-isolator"
 
 
-@pytest.fixture(scope="module")
-def criteo(walked: Walked) -> Iterator[tuple[Node, str]]:
-    assert walked.returncode == 0, walked.said()
-    node = walked.node
+@contextlib.contextmanager
+def criteo_route(node: Node, settings: str, backend: str) -> Iterator[str]:
+    """The agent switched to criteo's command module running our bridge executables (installed from
+    the wheel) with the image isolators and the ``backend`` provisioner, the sidecar's simulated host
+    and shares set by ``settings`` (test_units.reconfigure); yields when the agent started; restores
+    both on exit. Shared with the node booted with cgroup2 alone (test_v2.py)."""
     node.run(f"/opt/gpu-isolator/bin/python -m isolator.bridge install {BIN}")
     params = [{"key": "module_name", "value": "gpu-isolator-node"}]
     for hook in ("prepare", "isolate", "cleanup", "watch"):
@@ -41,18 +44,25 @@ def criteo(walked: Walked) -> Iterator[tuple[Node, str]]:
     provide_image(node)
     agent = (
         f"MESOS_ISOLATION=filesystem/linux,docker/runtime,cgroups/devices,{MODULE}\n"
-        f"MESOS_MODULES=file://{SHARE_IN_NODE}/criteo-modules.json\n" + IMAGE_FLAGS.format(backend="copy")
+        f"MESOS_MODULES=file://{SHARE_IN_NODE}/criteo-modules.json\n" + IMAGE_FLAGS.format(backend=backend)
     )
     try:
-        when = reconfigure(node, 'simulate = "dgx-1"\nshared_gpus = "7:2:time-slice"', agent)
-        yield node, when
+        yield reconfigure(node, settings, agent)
     finally:
         restore(node)
 
 
-def test_a_command_task_through_criteo_s_module_and_the_bridge(criteo):
-    node, when = criteo
-    task = launch(node, "criteo-task", "cpus:0.1;mem:32;gpus:1")
+@pytest.fixture(scope="module")
+def criteo(walked: Walked) -> Iterator[tuple[Node, str]]:
+    assert walked.returncode == 0, walked.said()
+    with criteo_route(walked.node, 'simulate = "dgx-1"\nshared_gpus = "7:2:time-slice"', "copy") as when:
+        yield walked.node, when
+
+
+def command_task(node: Node, name: str, when: str) -> None:
+    """A ``gpus:1`` command task: it could open one GPU and the control nodes, the kernel grants it
+    that GPU, no isolator error since ``when``."""
+    task = launch(node, name, "cpus:0.1;mem:32;gpus:1")
     try:
         out = task.wait_probed()
         said = f"{task.log()[-3000:]}\n{out}"
@@ -64,6 +74,26 @@ def test_a_command_task_through_criteo_s_module_and_the_bridge(criteo):
     assert isolator_errors(node, when) == []
 
 
+def share_task(node: Node, name: str, resources: str, gpu: int, when: str) -> str:
+    """A task holding the share ``resources``: it could open GPU ``gpu`` alone, the kernel grants it
+    that GPU, no isolator error since ``when``. Returns its output."""
+    task = launch(node, name, f"cpus:0.1;mem:32;{resources}")
+    try:
+        out = task.wait_probed()
+        said = f"{task.log()[-3000:]}\n{out}"
+        assert opened_gpus(out) == {gpu}, said
+        assert granted(node, out) == {gpu}, said
+    finally:
+        task.stop()
+    assert isolator_errors(node, when) == []
+    return out
+
+
+def test_a_command_task_through_criteo_s_module_and_the_bridge(criteo):
+    node, when = criteo
+    command_task(node, "criteo-task", when)
+
+
 def test_an_image_task_through_criteo_s_module(criteo):
     node, when = criteo
     image_task(node, "criteo-image", when)
@@ -71,12 +101,4 @@ def test_an_image_task_through_criteo_s_module(criteo):
 
 def test_a_share_task_through_criteo_s_module(criteo):
     node, when = criteo
-    task = launch(node, "criteo-share", "cpus:0.1;mem:32;gpu-share-2:1")
-    try:
-        out = task.wait_probed()
-        said = f"{task.log()[-3000:]}\n{out}"
-        assert opened_gpus(out) == {7}, said
-        assert granted(node, out) == {7}, said
-    finally:
-        task.stop()
-    assert isolator_errors(node, when) == []
+    share_task(node, "criteo-share", "gpu-share-2:1", 7, when)

@@ -10,11 +10,17 @@ wrapper must find it in the unit's environment file, where the walkthrough puts 
 The sidecar simulates a ``dgx-a100`` from the start (MIG on GPUs 0-4, GPU 5 shared under MPS, 6 by
 time slices, 7 whole), so that the walkthrough's ``--allowed_devices`` lists the MIG devices'
 capability nodes: on v2 the agent's program must let them through, and a MIG task on an agent
-whose list predates a re-cut fails at once, the sidecar naming the nodes to add."""
+whose list predates a re-cut fails at once, the sidecar naming the nodes to add.
+
+The same node then runs what the v1 node runs beyond that: a task group (test_groups.py), criteo's
+route with our bridge (test_criteo.py) and ``systemctl restart`` of the sidecar under an MPS sharer
+(test_restart_mps.py), reusing their helpers."""
 
 from __future__ import annotations
 
+import json
 import re
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -30,8 +36,10 @@ from conftest import (
     wait_registered,
     walk,
 )
+from test_criteo import command_task, criteo_route, share_task
+from test_groups import task_group
 from test_images import IMAGE_FLAGS, image_task, provide_image
-from test_units import CHECKS, SHARED, UNITS, probed
+from test_units import CHECKS, CLI, SHARED, UNITS, mps_share, probed
 
 from isolator.testing.mesoshome import MesosNotFound, cgroups_v2_unsupported, device_programs, find_mesos_home
 from isolator.testing.node import Node
@@ -141,3 +149,116 @@ def test_restarts_of_the_sidecar_and_of_the_agent_keep_a_v2_task_s_program(walke
     finally:
         task.stop()
     assert isolator_errors(node, when) == []
+
+
+def test_a_task_group_on_v2_gets_its_gpus_in_every_nested_container(walked_v2: Walked):
+    """As test_groups.py on v1: each nested task's leaf (``<id>/mesos/<task>/leaf``) carries our
+    program granting the group's two GPUs, the agent's on the executor's ``<id>`` above it. The v2
+    node offers one whole GPU (7), so the group holds it and a MIG unit (on GPU 0 or 1)."""
+    assert walked_v2.returncode == 0, walked_v2.said()
+    opened = task_group(walked_v2.node, "v2-group", ("gpus:1", "mig-1g.5gb:1"))
+    assert 7 in opened and opened - {7} <= {0, 1}, opened
+
+
+def test_restart_of_the_sidecar_keeps_the_mps_daemon_and_its_sharer_on_v2(walked_v2: Walked):
+    """``systemctl restart gpu-isolator`` under a running MPS sharer (GPU 5, as the walkthrough set
+    the v2 node's sidecar): the control daemon keeps its pid, the sharer's processes stay in its
+    leaf, our one program there still grants GPU 5 alone, and the restarted sidecar reports the
+    daemon running as soon as ``systemctl restart`` returned (READY=1 comes after its start-up
+    pass adopted the daemon)."""
+    assert walked_v2.returncode == 0, walked_v2.said()
+    node = walked_v2.node
+    when = since(node)
+    task = launch(node, "v2-mps-restart", "cpus:0.1;mem:32;gpu-share-4:1", "--checkpoint")
+    try:
+        out = task.wait_probed()
+        pipe = re.search(r"^env CUDA_MPS_PIPE_DIRECTORY=(\S+)$", out, re.M)
+        assert pipe and opened_gpus(out) == {5}, out
+        pidfile = f"{pipe.group(1)}/nvidia-cuda-mps-control.pid"
+        daemon = node.run(f"cat {pidfile}").stdout.strip()
+        (path,) = re.findall(r"^cgroup2 (\S+)$", out, re.M)
+        procs = f"{node.host_cgroup(path)}/cgroup.procs"
+        with open(procs) as fh:
+            sharer = fh.read().split()
+        programs = ours_on(node, out)
+        assert sharer and len(programs) == 1, (sharer, programs)
+        started = time.monotonic()
+        node.run("systemctl restart gpu-isolator")
+        took = time.monotonic() - started
+        gpus = json.loads(node.run(f"{CLI} gpus --json").stdout)["gpus"]
+        state = next(g.get("mps_state", "") for g in gpus if int(g["index"]) == 5)
+        said = (
+            f"restart took {took:.2f} s\n{task.log()[-2000:]}\n"
+            + node.run("journalctl --no-pager -o cat -n 40 -u gpu-isolator", check=False).stdout
+        )
+        print(f"systemctl restart gpu-isolator under an MPS sharer: {took:.2f} s, GPU 5's daemon {state!r}")
+        assert node.run(f"kill -0 {daemon}", check=False).returncode == 0, f"daemon {daemon} died\n{said}"
+        assert node.run(f"cat {pidfile}").stdout.strip() == daemon, said
+        assert state == "running", said
+        with open(procs) as fh:
+            assert fh.read().split() == sharer, said
+        assert ours_on(node, out) == programs, said
+        assert granted(node, out) == {5}, said
+        assert not re.search("TASK_(LOST|FAILED|KILLED)", task.log()), said
+    finally:
+        task.stop()
+    assert isolator_errors(node, when) == []
+
+
+@pytest.fixture(scope="module")
+def criteo_v2(walked_v2: Walked) -> Iterator[tuple[Node, str]]:
+    """Criteo's command module and our bridge on the v2 node, its sidecar's host as the walkthrough
+    set it (GPU 5 shared under MPS, 6 by time slices), image tasks on the ``copy`` backend (the
+    v2 image task through our module used ``overlay``)."""
+    assert walked_v2.returncode == 0, walked_v2.said()
+    with criteo_route(walked_v2.node, 'simulate = "dgx-a100"', "copy") as when:
+        yield walked_v2.node, when
+
+
+def test_a_command_task_on_v2_through_criteo_s_module_and_the_bridge(criteo_v2):
+    node, when = criteo_v2
+    command_task(node, "v2-criteo-task", when)
+
+
+def test_an_image_task_on_v2_through_criteo_s_module(criteo_v2):
+    node, when = criteo_v2
+    image_task(node, "v2-criteo-image", when)
+
+
+def test_share_tasks_on_v2_through_criteo_s_module(criteo_v2):
+    """A time-slice share and an MPS share (its client environment from the bridge's Prepare)."""
+    node, when = criteo_v2
+    share_task(node, "v2-criteo-share", "gpu-share-2:1", 6, when)
+    task = launch(node, "v2-criteo-mps", "cpus:0.1;mem:32;gpu-share-4:1")
+    try:
+        out = task.wait_probed()
+        mps_share(node, out, f"{task.log()[-3000:]}\n{out}")
+    finally:
+        task.stop()
+    assert isolator_errors(node, when) == []
+
+
+def test_restart_of_the_sidecar_under_criteo_s_watch_keeps_a_v2_task(criteo_v2):
+    """``systemctl restart gpu-isolator`` while criteo's module polls the bridge's watch every second
+    for a running task: the task keeps running, its leaf keeps our one program granting the same
+    GPU, and neither log holds an isolator error (a watch that reached no sidecar is not a limit)."""
+    node, _ = criteo_v2
+    when = since(node)
+    task = launch(node, "v2-criteo-restart", "cpus:0.1;mem:32;gpus:1")
+    try:
+        out = task.wait_probed()
+        before, programs = granted(node, out), ours_on(node, out)
+        assert before == opened_gpus(out) and len(programs) == 1, out
+        node.run("systemctl restart gpu-isolator")
+        time.sleep(4)  # a few of the module's watches (isolator_watch_frequence = 1) after the restart
+        said = (
+            f"{task.log()[-3000:]}\n"
+            + node.run("journalctl --no-pager -o cat -n 40 -u gpu-isolator -u mesos-agent", check=False).stdout
+        )
+        assert not re.search("TASK_(LOST|FAILED|KILLED|FINISHED)", task.log()), said
+        assert ours_on(node, out) == programs, said
+        assert granted(node, out) == before, said
+    finally:
+        task.stop()
+    journal = node.run(f"journalctl --no-pager -o short-precise -u gpu-isolator -u mesos-agent --since '{when}'").stdout
+    assert isolator_errors(node, when) == [], journal[-12000:]

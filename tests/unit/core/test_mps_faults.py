@@ -142,3 +142,33 @@ def test_a_restarted_sidecar_sees_a_fault_that_lasts_and_ends_the_sharers_it_rec
     svc.supervise_mps()
     limitation = svc.watch(ContainerId("a"))
     assert limitation is not None and f"MPS server {server} in FAULT" in limitation.message
+
+
+def test_a_daemon_stopped_by_its_last_sharers_cleanup_during_a_pass_is_not_an_error(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The pass reads the servers' state after ``ensure`` released the lock; a Cleanup of the GPU's
+    last sharer in between stops the daemon (seen on the node, tests/node/test_v2.py: "cannot read its
+    MPS servers' state ... Cannot find MPS control daemon process" logged as an ERROR). The daemon
+    was stopped on purpose: nothing to read, nothing logged as an error, no fault."""
+    svc = rig.service
+    a = ContainerId("a")
+    svc.prepare(a, unit(4))
+    uuid = uuid_of(rig, 4)
+    command = rig.mps.command
+    lists = []
+
+    def cleanup_first(gpu: str, text: str, peer_uid: int = 0) -> str:
+        if text == "get_server_list":
+            lists.append(text)
+            if len(lists) == 2:  # the pass's read, after ensure's read-back (under its lock) was the first
+                svc.cleanup(a)  # the agent's Cleanup, on another thread, between ensure and the read
+        return command(gpu, text, peer_uid)
+
+    rig.mps.command = cleanup_first  # type: ignore[method-assign]
+    rig.mps.commands.clear()
+    with caplog.at_level("WARNING"):
+        svc.supervise_mps()
+    assert len(lists) == 2 and rig.store.get(a) is None and uuid not in rig.mps.running()
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
+    assert svc.core.mps.faults() == {}

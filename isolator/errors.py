@@ -172,6 +172,12 @@ class HierarchyError(FailedPrecondition):
     msg_fmt = "failed to find a cgroup hierarchy for device isolation in '{path}': {cause}"
 
 
+class CgroupVersionAbsent(HierarchyError, ConfigError):
+    """The configured cgroup version (``--cgroup-version``, not ``auto``) names a hierarchy this host
+    does not mount. A booted host's layout does not change, so it is a configuration error:
+    ``serve`` exits 78 and the unit does not restart it (exit 1 was restarted until the start limit)."""
+
+
 class CgroupError(Internal):
     """A cgroup file could not be read or written, or the kernel holds something we did not ask for."""
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from isolator.errors import HierarchyError
+from isolator.errors import CgroupVersionAbsent, HierarchyError
 from isolator.model import CgroupVersion
 
 AUTO = "auto"  # the version of the hierarchy the devices controller is bound to
@@ -77,14 +77,24 @@ def select(
     wanted = None if override in (None, AUTO) else CgroupVersion(override)
     if wanted is CgroupVersion.V1 or (wanted is None and mounts.v1_devices):
         if not mounts.v1_devices:
-            raise HierarchyError(path=source, cause="v1 was requested but no cgroup v1 'devices' hierarchy is mounted")
+            cause = "v1 was requested but no cgroup v1 'devices' hierarchy is mounted"
+            raise CgroupVersionAbsent(path=source, cause=f"{cause}{_what_it_has(mounts)}")
         return Hierarchy(CgroupVersion.V1, mounts.v1_devices)
     if not mounts.v2:
-        cause = "v2 was requested but no cgroup2 hierarchy is mounted"
         if wanted is None:
-            cause = "did not find a cgroup2 mount, nor a cgroup v1 'devices' hierarchy"
-        raise HierarchyError(path=source, cause=cause)
+            raise HierarchyError(path=source, cause="did not find a cgroup2 mount, nor a cgroup v1 'devices' hierarchy")
+        cause = "v2 was requested but no cgroup2 hierarchy is mounted"
+        raise CgroupVersionAbsent(path=source, cause=f"{cause}{_what_it_has(mounts)}")
     return Hierarchy(CgroupVersion.V2, mounts.v2)
+
+
+def _what_it_has(mounts: CgroupMounts) -> str:
+    """What the host mounts instead, and the setting that works on it (for a refused override)."""
+    if mounts.v2:
+        return f' (this host has cgroup2 alone at \'{mounts.v2}\': set cgroup_version = "v2" or "auto")'
+    if mounts.v1_devices:
+        return ' (this host has cgroup v1 alone: set cgroup_version = "v1" or "auto")'
+    return ""
 
 
 def read_mounts(path: str = "/proc/self/mounts") -> CgroupMounts:

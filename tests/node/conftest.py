@@ -16,6 +16,7 @@ import os
 import re
 import shlex
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -75,6 +76,11 @@ class Walked:
     returncode: int
     stdout: str
     stderr: str
+    script: str  # the walkthrough as run, with this test's values: run it again to see a second run
+
+    def again(self) -> subprocess.CompletedProcess[str]:
+        """The walkthrough run once more on the same node, as an operator runs a page twice."""
+        return self.node.run(f"cd /root && bash -eu -c {shlex.quote(self.script)}", check=False, timeout=600)
 
     def said(self) -> str:
         journal = self.node.run("journalctl --no-pager -n 60 -u gpu-isolator -u mesos-agent", check=False).stdout
@@ -156,7 +162,7 @@ def walk(
         }
         script = with_values(blocks[0], values) + "\n".join(blocks[1:])
         run = node.run(f"cd /root && bash -eu -c {shlex.quote(script)}", check=False, timeout=600)
-        yield Walked(node, master, run.returncode, run.stdout, run.stderr)
+        yield Walked(node, master, run.returncode, run.stdout, run.stderr, script)
         with contextlib.suppress(Exception):
             node.run("systemctl stop mesos-agent gpu-isolator mesos-master", check=False, timeout=60)
 

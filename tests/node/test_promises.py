@@ -115,6 +115,26 @@ def test_reload_sends_sighup_and_keeps_the_daemon(active: Node):
     assert "Reloaded" in journal or "reload" in journal.lower(), journal
 
 
+def test_reload_of_a_file_serve_would_refuse_fails_saying_why_and_sends_no_sighup(active: Node):
+    """A walkthrough of the node, by hand: `systemctl reload` after a typo in the config file said
+    "Reloaded" and exited 0, while the daemon refused the file and kept its old settings, saying so
+    in its log alone. The unit checks the file first: the reload fails with the reason."""
+    node = active
+    before = show(node, "gpu-isolator", "MainPID")["MainPID"]
+    since = node.run("date '+%Y-%m-%d %H:%M:%S'").stdout.strip()
+    node.run(f"cp {CONFIG} /root/config.toml.good && echo 'cgroup_versoin = \"v1\"' >> {CONFIG}")
+    try:
+        reload = node.run("systemctl reload gpu-isolator", check=False)
+        assert reload.returncode != 0, reload
+        assert show(node, "gpu-isolator", "MainPID", "ActiveState") == {"MainPID": before, "ActiveState": "active"}
+        journal = node.run(f"journalctl --no-pager -o cat -u gpu-isolator --since '{since}'").stdout
+        assert "unknown key 'cgroup_versoin'" in journal and "Reload failed" in journal, journal
+        assert "SIGHUP" not in journal, journal  # the daemon was not asked
+    finally:
+        node.run(f"cp /root/config.toml.good {CONFIG}")
+    node.run("systemctl reload gpu-isolator")
+
+
 def test_a_configuration_error_exit_78_is_not_restarted(active: Node):
     node = active
     node.run(f"cp {CONFIG} /root/config.toml.good && echo 'no_such_setting = 1' >> {CONFIG}")

@@ -15,7 +15,7 @@ def test_the_section_names_its_values_and_has_the_blocks_an_operator_runs():
     blocks = walkthrough_blocks()
     assert len(blocks) >= 4 and "GPU_CHECK=" in blocks[0]
     text = "".join(blocks)
-    for step in ("install-unit", "systemctl enable --now gpu-isolator", "mesos-agent.service", "mesos-execute"):
+    for step in ("install-unit", "systemctl restart gpu-isolator", "mesos-agent.service", "mesos-execute"):
         assert step in text, step
     with_values(
         blocks[0],
@@ -78,3 +78,22 @@ def test_the_sidecar_runs_the_unit_install_unit_wrote_under_systemd_and_said_rea
         check=False,
     ).stdout
     assert int(ready.strip() or 0) >= 1, walked.said()
+
+
+def test_the_walkthrough_run_a_second_time_leaves_the_same_files_and_applies_them(walked: Walked):
+    """An operator runs a page again, after a fix or by accident. Walked by hand, the second run
+    printed no error and left the config file with every key appended twice: the sidecar kept
+    running on its old settings (``enable --now`` does not restart a running unit) until its next
+    start, which then exited 78. Each file is now written whole and each unit restarted."""
+    node = walked.node
+    assert walked.returncode == 0, walked.said()
+    files = "/etc/gpu-isolator/config.toml /etc/default/mesos-agent /etc/mesos/gpu-isolator-modules.json"
+    before = node.run(f"cat {files}").stdout
+    pids = (node.unit_pid("gpu-isolator"), node.unit_pid("mesos-agent"))
+    again = walked.again()
+    assert again.returncode == 0, f"{again.stdout[-3000:]}\n{again.stderr[-3000:]}"
+    assert node.run(f"cat {files}").stdout == before
+    node.run("/opt/gpu-isolator/bin/gpu-isolator config check /etc/gpu-isolator/config.toml")
+    after = (node.unit_pid("gpu-isolator"), node.unit_pid("mesos-agent"))
+    assert 0 not in after and after[0] != pids[0] and after[1] != pids[1], (pids, after)  # both restarted
+    assert "TASK_FINISHED" in again.stdout and "with master" in again.stdout

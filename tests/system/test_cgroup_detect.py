@@ -58,6 +58,34 @@ def test_missing_hierarchy_is_a_typed_error(text: str, override: str, message: s
         select(parse_mounts(text), override)
 
 
+@pytest.mark.parametrize(
+    ("text", "override", "has"),
+    [
+        (UNIFIED, "v1", 'this host has cgroup2 alone at \'/sys/fs/cgroup\': set cgroup_version = "v2" or "auto"'),
+        (V1_ONLY, "v2", 'this host has cgroup v1 alone: set cgroup_version = "v1" or "auto"'),
+    ],
+)
+def test_a_version_the_host_does_not_mount_is_a_config_error_naming_what_it_has(text, override, has) -> None:
+    """Seen on a node booted with cgroup2 alone (Debian 12's default) with the walkthrough's
+    ``cgroup_version = "v1"``: the daemon exited 1, which the unit restarts, five times, until the
+    start limit; the layout of a booted host does not change, so it is a configuration error (exit
+    78, not restarted), and it says which version this host has."""
+    from isolator.cli.exits import EXIT_CONFIG, exit_code_of
+
+    with pytest.raises(HierarchyError) as caught:
+        select(parse_mounts(text), override)
+    assert exit_code_of(caught.value) == EXIT_CONFIG
+    assert has in caught.value.message
+
+
+def test_auto_on_a_host_without_any_hierarchy_is_not_a_config_error() -> None:
+    from isolator.cli.exits import EXIT_ERROR, exit_code_of
+
+    with pytest.raises(HierarchyError) as caught:
+        select(parse_mounts("proc /proc proc rw 0 0\n"))
+    assert exit_code_of(caught.value) == EXIT_ERROR
+
+
 def test_nested_containers_map_to_mesos_cgroup_paths() -> None:
     top = ContainerId.parse("a")
     nested = ContainerId.parse("c", ContainerId.parse("b", top))

@@ -60,14 +60,16 @@ def test_the_forked_process_gets_its_own_environment_and_working_directory(tmp_p
     forked, execd = _both([*PYTHON_M, "gpus", "--json"], env={"GPU_ISOLATOR_SOCKET": "/nonexistent/absent.sock"})
     assert forked == execd
     assert forked[0] != 0 and "/nonexistent/absent.sock" in forked[1]
-    # A relative --dir is written under the working directory.
+    # A relative --dir and --config are written under the working directory (without --config,
+    # install-unit wrote the host's /etc/gpu-isolator/config.toml).
     for fork in ("1", "0"):
         cwd = tmp_path / fork
         cwd.mkdir()
         monkeypatch.setenv(forkserver.ENV, fork)
-        proc = forkserver.spawn([*PYTHON_M, "install-unit", "--dir", "units"], dict(os.environ), 1, 2, str(cwd))
+        argv = [*PYTHON_M, "install-unit", "--dir", "units", "--config", "etc/config.toml"]
+        proc = forkserver.spawn(argv, dict(os.environ), 1, 2, str(cwd))
         assert proc.wait(timeout=60) == 0
-        assert (cwd / "units" / "gpu-isolator.service").is_file()
+        assert (cwd / "units" / "gpu-isolator.service").is_file() and (cwd / "etc" / "config.toml").is_file()
 
 
 @pytest.mark.root

@@ -290,9 +290,15 @@ def test_the_unit_does_not_restart_after_a_config_error_and_has_a_start_limit():
     assert int(values["Unit.StartLimitBurst"][0]) >= 2
 
 
-def test_systemctl_reload_sends_sighup():
+def test_systemctl_reload_checks_the_file_and_then_sends_sighup():
+    """``systemctl reload`` with a file serve would refuse used to say "Reloaded" (exit 0) while the
+    daemon kept its old settings: the check runs first, and its exit 78 fails the reload before any
+    SIGHUP (tests/node/test_promises.py sees it under systemd)."""
     values = _unit_values(unit_text("/usr/bin/gpu-isolator", "/etc/gpu-isolator/config.toml"))
-    assert values["Service.ExecReload"] == ["/bin/kill -HUP $MAINPID"]
+    assert values["Service.ExecReload"] == [
+        "/usr/bin/gpu-isolator config check /etc/gpu-isolator/config.toml",
+        "/bin/kill -HUP $MAINPID",
+    ]
 
 
 def _cap_mask(names: str) -> int:

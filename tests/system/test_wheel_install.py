@@ -168,7 +168,16 @@ def test_the_docs_the_help_texts_and_the_unit_cite_exist_after_install(installed
     assert os.path.isfile(os.path.join(root, "README.md"))
 
     unit = subprocess.run(
-        [installed.python, "-m", "isolator", "install-unit", "--dir", str(tmp_path), "--config", "/etc/x.toml"],
+        [
+            installed.python,
+            "-m",
+            "isolator",
+            "install-unit",
+            "--dir",
+            str(tmp_path),
+            "--config",
+            str(tmp_path / "x.toml"),
+        ],
         capture_output=True,
         text=True,
         timeout=60,

@@ -187,13 +187,14 @@ def docs_dir() -> str:
     ``docs/<page>.md`` the help texts cite is relative to it: the checkout beside the package (a
     clone, an editable install), else what the wheel installed under ``<prefix>/share/doc/gpu-isolator``
     (found in the installed files' record, whatever the install scheme). The project has no public URL."""
-    from importlib import metadata
-
     import isolator
 
     checkout = os.path.dirname(os.path.dirname(os.path.abspath(isolator.__file__)))
     if os.path.isfile(os.path.join(checkout, "README.md")):
         return checkout
+    # Only here: importing it costs a checkout's every command and daemon start 30-60 ms of CPU.
+    from importlib import metadata
+
     try:
         files = metadata.distribution("gpu-isolator").files or ()
         for f in files:

@@ -14,21 +14,21 @@ the real daemon does not have). Its logs: ``<log dir>/control.log`` and ``server
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import json
 import os
-import pwd
-import selectors
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import time
-import typing
 
-from isolator.simhost import mpsmodel
+# What only the daemon uses is imported where the daemon uses it: every control command is a process
+# of this module of its own (dozens in one MPS test), and those imports (typing too) cost it twice
+# its start. TYPE_CHECKING as typing's, which mypy takes for true whatever it is bound to.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import selectors
+
+    from isolator.simhost import mpsmodel
 
 PID_FILE = "nvidia-cuda-mps-control.pid"
 CONTROL = "control"
@@ -52,16 +52,22 @@ def _log(log_dir: str, name: str, line: str) -> None:
         fh.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {line}\n")
 
 
-def _die_with_parent() -> None:
-    # A server must not outlive a stand-in daemon killed by a test (the real servers are the real
-    # daemon's children too). Set after the uid change, which clears it.
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
 class _ServerProcess:
     """A real process in the server's place, ``nvidia-cuda-mps-server`` in ps, run as its uid."""
 
     def __init__(self, uid: int) -> None:
+        import ctypes
+        import pwd
+        import subprocess
+
+        # Loaded before the fork: the child, of the server's uid by then, may not read the interpreter's files.
+        libc = ctypes.CDLL(None, use_errno=True)
+
+        def die_with_parent() -> None:
+            # A server must not outlive a stand-in daemon killed by a test (the real servers are the
+            # real daemon's children too). Set after the uid change, which clears it.
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
         drop = os.geteuid() == 0 and uid != 0
         try:
             gid = pwd.getpwuid(uid).pw_gid
@@ -77,7 +83,7 @@ class _ServerProcess:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         self.pid = self._proc.pid
 
@@ -121,13 +127,19 @@ def _read_line(conn: socket.socket) -> str:
 
 
 def _send(conn: socket.socket, text: str) -> None:
-    with contextlib.suppress(OSError):
+    try:
         conn.sendall((text + "\n").encode())
+    except OSError:
+        pass
 
 
 def _serve(pipe: str, log_dir: str, listener: socket.socket, multiuser: bool) -> None:
     """The control daemon's loop: control commands (one per connection) and MPS clients (held open
     while they live), until ``quit`` and its last client, or until its control endpoint is gone."""
+    import selectors
+
+    from isolator.simhost import mpsmodel
+
     device = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     model = mpsmodel.Daemon(
         device,
@@ -147,7 +159,8 @@ def _serve(pipe: str, log_dir: str, listener: socket.socket, multiuser: bool) ->
                 if key.data is None:
                     _accept(model, selector, listener)
                     continue
-                conn, pid = typing.cast(socket.socket, key.fileobj), key.data
+                conn, pid = key.fileobj, key.data
+                assert isinstance(conn, socket.socket)
                 try:
                     gone = not conn.recv(4096)
                 except OSError:
@@ -167,6 +180,11 @@ def _serve(pipe: str, log_dir: str, listener: socket.socket, multiuser: bool) ->
 
 
 def _accept(model: mpsmodel.Daemon, selector: selectors.BaseSelector, listener: socket.socket) -> None:
+    import json
+    import selectors
+
+    from isolator.simhost import mpsmodel
+
     try:
         conn, _ = listener.accept()
     except OSError:
@@ -201,6 +219,8 @@ def _accept(model: mpsmodel.Daemon, selector: selectors.BaseSelector, listener: 
 
 def daemon(multiuser: bool = False) -> int:
     """``-d``: fork the control daemon, return once it listens (the real one returns at once)."""
+    import contextlib
+
     if multiuser and os.geteuid() != 0:
         sys.stderr.write("Only root user may enable -multiuser-server!\n")  # the binary's string
         return 1

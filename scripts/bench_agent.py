@@ -221,23 +221,18 @@ def native_hook_of(log: str, hook: str, container: str) -> tuple[str, float] | N
 def sidecar_prepare_steps(log: str) -> dict[str, list[float]]:
     """Milliseconds of the sidecar's prepare handler per step ("total" for the whole handler), from
     its "prepared ... in N ms (step ms, ...)" lines."""
-    out: dict[str, list[float]] = {}
-    for line in log.splitlines():
-        m = SIDECAR_PREPARE.search(line.rstrip())
-        if m is None:
-            continue
-        out.setdefault("total", []).append(float(m.group(2)))
-        for name, ms in SIDECAR_STEP.findall(m.group(3)):
-            out.setdefault(name, []).append(float(ms))
-    return out
+    return _handler_steps(log, SIDECAR_PREPARE)
 
 
 def sidecar_isolate_steps(log: str) -> dict[str, list[float]]:
-    """Milliseconds of the sidecar's isolate handler per step ("total" for the whole handler), from
-    its "isolated ... in N ms (step ms, ...)" lines."""
+    """The same of its isolate handler, from its "isolated ... in N ms (step ms, ...)" lines."""
+    return _handler_steps(log, SIDECAR_ISOLATE)
+
+
+def _handler_steps(log: str, line: re.Pattern[str]) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {}
-    for line in log.splitlines():
-        m = SIDECAR_ISOLATE.search(line.rstrip())
+    for text in log.splitlines():
+        m = line.search(text.rstrip())
         if m is None:
             continue
         out.setdefault("total", []).append(float(m.group(2)))

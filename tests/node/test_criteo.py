@@ -1,9 +1,13 @@
 """The other route under the shipped unit's sandbox (issue 43, items 2 and 3): criteo's command module
 running our bridge executables (installed from the wheel with ``python -m isolator.bridge install``,
 docs/mesos-agent.md) against the unit's bridge socket. One switch of the agent to that module (with
-the image isolators and a local registry) and of the sidecar to a shared GPU 7 (two time-slice
-shares), then a ``gpus:1`` command task, a ``gpus:1`` image task and a ``gpu-share-2:1`` task, each
-asserting what it could open and what the kernel grants it; the agent's log holds no isolator error."""
+the image isolators, a local registry and the ``copy`` provisioner backend) and of the sidecar to
+the simulated ``dgx-a100`` with test_units.py's shares (GPU 5 four ways under MPS, 6 two ways by
+time slices, MIG on GPUs 0-4, 7 whole), then a ``gpus:1`` command task, an image task on each
+provisioner backend (``overlay``: the agent restarted with it), a time-slice share, an MPS share, a
+MIG unit and a task group (a ``gpus:1`` task and a MIG unit), each asserting what it could open and
+what the kernel grants it; the agent's log holds no isolator error. The cgroup2 node runs the same
+cells (test_v2.py) through these helpers."""
 
 from __future__ import annotations
 
@@ -14,8 +18,9 @@ from collections.abc import Iterator
 
 import pytest
 from conftest import Walked, granted, isolator_errors, launch, opened_gpus, seen
-from test_images import IMAGE_FLAGS, image_task, provide_image
-from test_units import reconfigure, restore
+from test_groups import task_group_with_a_mig_unit
+from test_images import IMAGE_FLAGS, agent_with, image_task, provide_image
+from test_units import SHARED, UNITS, reconfigure, restore, unit_task
 
 from isolator.testing.mesoshome import MODULE
 from isolator.testing.node import MESOS_IN_NODE, SHARE_IN_NODE, Node
@@ -55,7 +60,7 @@ def criteo_route(node: Node, settings: str, backend: str) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def criteo(walked: Walked) -> Iterator[tuple[Node, str]]:
     assert walked.returncode == 0, walked.said()
-    with criteo_route(walked.node, 'simulate = "dgx-1"\nshared_gpus = "7:2:time-slice"', "copy") as when:
+    with criteo_route(walked.node, f'simulate = "dgx-a100"\nshared_gpus = "{SHARED}"', "copy") as when:
         yield walked.node, when
 
 
@@ -74,31 +79,35 @@ def command_task(node: Node, name: str, when: str) -> None:
     assert isolator_errors(node, when) == []
 
 
-def share_task(node: Node, name: str, resources: str, gpu: int, when: str) -> str:
-    """A task holding the share ``resources``: it could open GPU ``gpu`` alone, the kernel grants it
-    that GPU, no isolator error since ``when``. Returns its output."""
-    task = launch(node, name, f"cpus:0.1;mem:32;{resources}")
-    try:
-        out = task.wait_probed()
-        said = f"{task.log()[-3000:]}\n{out}"
-        assert opened_gpus(out) == {gpu}, said
-        assert granted(node, out) == {gpu}, said
-    finally:
-        task.stop()
-    assert isolator_errors(node, when) == []
-    return out
-
-
 def test_a_command_task_through_criteo_s_module_and_the_bridge(criteo):
     node, when = criteo
     command_task(node, "criteo-task", when)
 
 
-def test_an_image_task_through_criteo_s_module(criteo):
-    node, when = criteo
-    image_task(node, "criteo-image", when)
+def criteo_image_task(node: Node, name: str, backend: str) -> None:
+    """An image task through criteo's route on the ``backend`` provisioner (the agent restarted with
+    it, then with the route's ``copy`` again)."""
+    provide_image(node)
+    with agent_with(node, f"MESOS_IMAGE_PROVISIONER_BACKEND={backend}\n") as when:
+        image_task(node, name, when)
 
 
-def test_a_share_task_through_criteo_s_module(criteo):
+@pytest.mark.parametrize("backend", ["copy", "overlay"])
+def test_an_image_task_through_criteo_s_module(criteo, backend: str):
+    node, _ = criteo
+    criteo_image_task(node, f"criteo-image-{backend}", backend)
+
+
+@pytest.mark.parametrize("kind", list(UNITS))
+def test_a_unit_task_through_criteo_s_module(criteo, kind: str):
+    """A time-slice share, an MPS share (its client environment from the bridge's Prepare) and a MIG
+    unit, one at a time, each checked as test_units.py checks it."""
     node, when = criteo
-    share_task(node, "criteo-share", "gpu-share-2:1", 7, when)
+    unit_task(node, f"criteo-{kind}", kind, when)
+
+
+def test_a_task_group_through_criteo_s_module(criteo):
+    """The module forwards nested containers (docs/mesos-agent.md, section 8): the default
+    executor's container gets the group's GPUs at Prepare, its nested tasks share its v1 cgroup."""
+    node, _ = criteo
+    task_group_with_a_mig_unit(node, "criteo-group")

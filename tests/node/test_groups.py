@@ -96,6 +96,14 @@ def task_group(node: Node, name: str, units: tuple[str, str] = ("gpus:1", "gpus:
     return opened[0]
 
 
+def task_group_with_a_mig_unit(node: Node, name: str) -> None:
+    """A group of a ``gpus:1`` task and a ``mig-1g.5gb:1`` task on a sidecar simulating the
+    ``dgx-a100`` with GPU 7 its one whole GPU (GPUs 5 and 6 shared): both open GPU 7 and the MIG
+    device's GPU (0 or 1, isolator/simhost/hosts/dgx-a100.toml)."""
+    opened = task_group(node, name, ("gpus:1", "mig-1g.5gb:1"))
+    assert 7 in opened and opened - {7} <= {0, 1}, opened
+
+
 def test_a_task_group_gets_its_gpus_in_every_nested_container(walked: Walked):
     assert walked.returncode == 0, walked.said()
     task_group(walked.node, "group")

@@ -10,8 +10,10 @@ tests/mesos/test_real_image.py builds it). ``image_task`` is shared with the oth
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+from collections.abc import Iterator
 
 import pytest
 from conftest import SHARE_IN_NODE, Walked, granted, isolator_errors, launch, since, wait_registered
@@ -32,6 +34,7 @@ SCRIPT = (
     ' *:devices:*) echo "cgroup ${l#*:devices:}";; esac; done < /proc/self/cgroup;'
     " grep ' /usr/local/nvidia ' /proc/self/mountinfo; echo probed; sleep 600"
 )
+OURS = "MESOS_ISOLATION=filesystem/linux,docker/runtime,cgroups/devices,org_gpuisolator_GpuIsolator\n"
 IMAGE_FLAGS = (
     "MESOS_IMAGE_PROVIDERS=docker\n"
     f"MESOS_DOCKER_REGISTRY={SHARE_IN_NODE}/registry\n"
@@ -79,20 +82,29 @@ def image_task(node: Node, name: str, when: str) -> str:
     return out
 
 
+@contextlib.contextmanager
+def agent_with(node: Node, lines: str) -> Iterator[str]:
+    """The agent restarted with ``lines`` appended to its environment file (a later assignment wins
+    over an earlier one); yields the time it was restarted, once it registered; on exit the file as it
+    was and the agent restarted on it, registered again. Shared by both nodes and both routes."""
+    when = since(node)
+    node.run(
+        f"cp /etc/default/mesos-agent /root/mesos-agent.before && cat >> /etc/default/mesos-agent <<'EOF'\n{lines}EOF\n"
+        "systemctl restart mesos-agent"
+    )
+    try:
+        wait_registered(node, when)
+        yield when
+    finally:
+        again = since(node)
+        node.run("cp /root/mesos-agent.before /etc/default/mesos-agent && systemctl restart mesos-agent", check=False)
+        wait_registered(node, again)
+
+
 @pytest.mark.parametrize("backend", ["copy", "overlay"])
 def test_an_image_task_gets_the_driver_volume_and_only_its_gpu_under_the_sandbox(walked: Walked, backend: str):
     assert walked.returncode == 0, walked.said()
     node = walked.node
     provide_image(node)
-    when = since(node)
-    node.run(
-        "cp /etc/default/mesos-agent /root/mesos-agent.plain && cat >> /etc/default/mesos-agent <<EOF\n"
-        "MESOS_ISOLATION=filesystem/linux,docker/runtime,cgroups/devices,org_gpuisolator_GpuIsolator\n"
-        f"{IMAGE_FLAGS.format(backend=backend)}EOF\n"
-        "systemctl restart mesos-agent"
-    )
-    try:
-        wait_registered(node, when)
+    with agent_with(node, OURS + IMAGE_FLAGS.format(backend=backend)) as when:
         image_task(node, f"image-{backend}", when)
-    finally:
-        node.run("cp /root/mesos-agent.plain /etc/default/mesos-agent && systemctl restart mesos-agent", check=False)

@@ -102,8 +102,20 @@ def mig_unit(node: Node, out: str, said: str) -> None:
     assert re.search(r"^env NVIDIA_VISIBLE_DEVICES=MIG-", out, re.M), said
 
 
-# What each unit's task must show (shared with test_v2.py).
+# What each unit's task must show (shared with test_v2.py and test_criteo.py).
 CHECKS = {"time-slice": time_slice_share, "mps": mps_share, "mig": mig_unit}
+
+
+def unit_task(node: Node, name: str, kind: str, when: str) -> None:
+    """A task holding the unit ``kind`` of ``UNITS`` alone (the sidecar's host as ``units`` sets it:
+    GPU 5 under MPS, 6 by time slices, MIG on the ``dgx-a100``): what ``CHECKS[kind]`` asserts, then
+    no isolator error since ``when``. For the routes and nodes that run one unit at a time."""
+    tasks = {kind: launch(node, name, f"cpus:0.1;mem:32;{UNITS[kind]}")}
+    try:
+        CHECKS[kind](node, *probed(tasks, kind, node))
+    finally:
+        tasks[kind].stop()
+    assert isolator_errors(node, when) == []
 
 
 def test_a_time_slice_share_task_opens_only_its_shared_gpu(units):

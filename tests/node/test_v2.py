@@ -36,10 +36,10 @@ from conftest import (
     wait_registered,
     walk,
 )
-from test_criteo import command_task, criteo_route, share_task
-from test_groups import task_group
-from test_images import IMAGE_FLAGS, image_task, provide_image
-from test_units import CHECKS, CLI, SHARED, UNITS, mps_share, probed
+from test_criteo import command_task, criteo_image_task, criteo_route
+from test_groups import task_group_with_a_mig_unit
+from test_images import IMAGE_FLAGS, OURS, agent_with, image_task, provide_image
+from test_units import CHECKS, CLI, SHARED, UNITS, probed, unit_task
 
 from isolator.testing.mesoshome import MesosNotFound, cgroups_v2_unsupported, device_programs, find_mesos_home
 from isolator.testing.node import Node
@@ -105,19 +105,13 @@ def test_shares_and_a_mig_unit_on_v2(walked_v2: Walked):
     assert isolator_errors(node, when) == []
 
 
-def test_an_image_task_on_v2(walked_v2: Walked):
+@pytest.mark.parametrize("backend", ["copy", "overlay"])
+def test_an_image_task_on_v2(walked_v2: Walked, backend: str):
     assert walked_v2.returncode == 0, walked_v2.said()
     node = walked_v2.node
     provide_image(node)
-    when = since(node)
-    node.run(
-        "cat >> /etc/default/mesos-agent <<EOF\n"
-        "MESOS_ISOLATION=filesystem/linux,docker/runtime,cgroups/devices,org_gpuisolator_GpuIsolator\n"
-        f"{IMAGE_FLAGS.format(backend='overlay')}EOF\n"
-        "systemctl restart mesos-agent"
-    )
-    wait_registered(node, when)
-    image_task(node, "v2-image", when)
+    with agent_with(node, OURS + IMAGE_FLAGS.format(backend=backend)) as when:
+        image_task(node, f"v2-image-{backend}", when)
 
 
 def ours_on(node: Node, out: str) -> list[int]:
@@ -156,8 +150,7 @@ def test_a_task_group_on_v2_gets_its_gpus_in_every_nested_container(walked_v2: W
     program granting the group's two GPUs, the agent's on the executor's ``<id>`` above it. The v2
     node offers one whole GPU (7), so the group holds it and a MIG unit (on GPU 0 or 1)."""
     assert walked_v2.returncode == 0, walked_v2.said()
-    opened = task_group(walked_v2.node, "v2-group", ("gpus:1", "mig-1g.5gb:1"))
-    assert 7 in opened and opened - {7} <= {0, 1}, opened
+    task_group_with_a_mig_unit(walked_v2.node, "v2-group")
 
 
 def test_restart_of_the_sidecar_keeps_the_mps_daemon_and_its_sharer_on_v2(walked_v2: Walked):
@@ -208,8 +201,7 @@ def test_restart_of_the_sidecar_keeps_the_mps_daemon_and_its_sharer_on_v2(walked
 @pytest.fixture(scope="module")
 def criteo_v2(walked_v2: Walked) -> Iterator[tuple[Node, str]]:
     """Criteo's command module and our bridge on the v2 node, its sidecar's host as the walkthrough
-    set it (GPU 5 shared under MPS, 6 by time slices), image tasks on the ``copy`` backend (the
-    v2 image task through our module used ``overlay``)."""
+    set it (GPU 5 shared under MPS, 6 by time slices), the route's provisioner ``copy``."""
     assert walked_v2.returncode == 0, walked_v2.said()
     with criteo_route(walked_v2.node, 'simulate = "dgx-a100"', "copy") as when:
         yield walked_v2.node, when
@@ -220,22 +212,25 @@ def test_a_command_task_on_v2_through_criteo_s_module_and_the_bridge(criteo_v2):
     command_task(node, "v2-criteo-task", when)
 
 
-def test_an_image_task_on_v2_through_criteo_s_module(criteo_v2):
-    node, when = criteo_v2
-    image_task(node, "v2-criteo-image", when)
+@pytest.mark.parametrize("backend", ["copy", "overlay"])
+def test_an_image_task_on_v2_through_criteo_s_module(criteo_v2, backend: str):
+    node, _ = criteo_v2
+    criteo_image_task(node, f"v2-criteo-image-{backend}", backend)
 
 
-def test_share_tasks_on_v2_through_criteo_s_module(criteo_v2):
-    """A time-slice share and an MPS share (its client environment from the bridge's Prepare)."""
+@pytest.mark.parametrize("kind", list(UNITS))
+def test_unit_tasks_on_v2_through_criteo_s_module(criteo_v2, kind: str):
+    """A time-slice share, an MPS share (its client environment from the bridge's Prepare) and a MIG
+    unit (its capability nodes let through by the walkthrough's ``--allowed_devices``)."""
     node, when = criteo_v2
-    share_task(node, "v2-criteo-share", "gpu-share-2:1", 6, when)
-    task = launch(node, "v2-criteo-mps", "cpus:0.1;mem:32;gpu-share-4:1")
-    try:
-        out = task.wait_probed()
-        mps_share(node, out, f"{task.log()[-3000:]}\n{out}")
-    finally:
-        task.stop()
-    assert isolator_errors(node, when) == []
+    unit_task(node, f"v2-criteo-{kind}", kind, when)
+
+
+def test_a_task_group_on_v2_through_criteo_s_module(criteo_v2):
+    """The module forwards nested containers: each nested task's leaf gets our program as through
+    our module."""
+    node, _ = criteo_v2
+    task_group_with_a_mig_unit(node, "v2-criteo-group")
 
 
 def test_restart_of_the_sidecar_under_criteo_s_watch_keeps_a_v2_task(criteo_v2):

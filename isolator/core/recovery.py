@@ -325,6 +325,9 @@ class Recovery:
                     core.grants.revoke(cid)
                 core.cpuset.remove_cpuset(cid)  # its processes died with its Mesos cgroups
                 core.drop(cid, rec)
+                # Mesos ended it, as a Cleanup says: a later Watch poll (criteo's module polls once
+                # more) is routine, not an unknown container, and a later Prepare is stale.
+                core.changes.mark_ended(cid)
             reaped.append(cid)
             LOG.warning(
                 "released %s: its cgroup is gone (destroyed without a cleanup)", core.describe(cid, rec.holding.gpus)

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import subprocess
+import time
 import urllib.request
 import uuid
 from dataclasses import dataclass
@@ -109,9 +110,30 @@ class Task:
             return None
 
         try:
-            return wait_for(f"{self.name} to reach {states}", seen, timeout)
+            found = wait_for(f"{self.name} to reach {states}", seen, timeout)
         except TimeoutError as exc:
             raise TimeoutError(f"{exc}; mesos-execute said:\n{self.log()[-3000:]}") from None
+        return self._settled(found)
+
+    def _settled(self, found: Update, quiet: float = 0.1, longest: float = 2.0) -> Update:
+        """``found`` whole: mesos-execute prints an update's state, message, source and reason on lines
+        of their own, each flushed, so a read between them saw the state and message without the
+        reason (make test-mesos under load: a TASK_FAILED with its limitation's message and reason '').
+        An update followed by another is whole; the last one is read again once the log has not grown
+        for ``quiet`` seconds (at most ``longest``)."""
+        updates = self.updates()
+        index = next((i for i, u in enumerate(updates) if u.state == found.state), None)
+        if index is None or index < len(updates) - 1:
+            return found if index is None else updates[index]
+        deadline = time.monotonic() + longest
+        size = os.path.getsize(self.log_path)
+        while time.monotonic() < deadline:
+            time.sleep(quiet)
+            grown = os.path.getsize(self.log_path)
+            if grown == size:
+                break
+            size = grown
+        return self.updates()[index]
 
     def teardown(self) -> None:
         """Tear down the task's framework (one per mesos-execute) at the master: the agent kills its

@@ -446,16 +446,14 @@ def tasks_in_turn(clusters: dict[str, Cluster], tasks: int, out: dict[str, Any],
         agent_log = agent.log()
         native = config == "native"
         per_hook = native_hook_times(agent_log) if native else hook_times(agent_log)
-        inside = inside_the_agent(agent_log, [f"bench-{config}-{i}" for i in range(tasks)])
+        names = [f"bench-{config}-{i}" for i in range(tasks)]
+        inside = inside_the_agent(agent_log, names)
         out["configs"][config] = {
             "running": _summary(samples[config]["running"]),
             "finished": _summary(samples[config]["finished"]),
             "agent_running": _summary(inside),
             "agent_running_s": inside,
-            "segments": {
-                name: _summary(v)
-                for name, v in launch_segments(agent_log, [f"bench-{config}-{i}" for i in range(tasks)]).items()
-            },
+            "segments": {name: _summary(v) for name, v in launch_segments(agent_log, names).items()},
             "hooks": {method: _summary(times) for method, times in sorted(per_hook.items())},
         }
         if native:
@@ -470,15 +468,11 @@ def tasks_in_turn(clusters: dict[str, Cluster], tasks: int, out: dict[str, Any],
             }
         if native and agent.sidecar is not None:
             with open(agent.sidecar.log_path, errors="replace") as fh:
-                steps = sidecar_prepare_steps(fh.read())
-            out["configs"][config]["sidecar_prepare_ms"] = {
-                name: {"n": len(v), "median_ms": statistics.median(v)} for name, v in steps.items()
-            }
-            with open(agent.sidecar.log_path, errors="replace") as fh:
-                steps = sidecar_isolate_steps(fh.read())
-            out["configs"][config]["sidecar_isolate_ms"] = {
-                name: {"n": len(v), "median_ms": statistics.median(v)} for name, v in steps.items()
-            }
+                sidecar_log = fh.read()
+            for hook, read in (("prepare", sidecar_prepare_steps), ("isolate", sidecar_isolate_steps)):
+                out["configs"][config][f"sidecar_{hook}_ms"] = {
+                    name: {"n": len(v), "median_ms": statistics.median(v)} for name, v in read(sidecar_log).items()
+                }
 
 
 def raw_floor(clusters: dict[str, Cluster], cycles: int) -> dict[str, Any]:
@@ -773,20 +767,14 @@ def render_native(a: dict[str, Any]) -> list[str]:
     """Issue 45: the sidecar's prepare handler by step, the hook cycle against the raw kernel floor,
     and the road under faults."""
     lines: list[str] = []
-    steps = a["configs"].get("native", {}).get("sidecar_prepare_ms")
-    if steps and "total" in steps:
-        parts = ", ".join(f"{name} {v['median_ms']:.2f}" for name, v in steps.items() if name != "total")
-        lines.append(
-            f"   native: the sidecar's prepare handler (its log, median of {steps['total']['n']}):"
-            f" {steps['total']['median_ms']:.2f} ms ({parts})"
-        )
-    steps = a["configs"].get("native", {}).get("sidecar_isolate_ms")
-    if steps and "total" in steps:
-        parts = ", ".join(f"{name} {v['median_ms']:.2f}" for name, v in steps.items() if name != "total")
-        lines.append(
-            f"   native: the sidecar's isolate handler (its log, median of {steps['total']['n']}):"
-            f" {steps['total']['median_ms']:.2f} ms ({parts})"
-        )
+    for hook in ("prepare", "isolate"):
+        steps = a["configs"].get("native", {}).get(f"sidecar_{hook}_ms")
+        if steps and "total" in steps:
+            parts = ", ".join(f"{name} {v['median_ms']:.2f}" for name, v in steps.items() if name != "total")
+            lines.append(
+                f"   native: the sidecar's {hook} handler (its log, median of {steps['total']['n']}):"
+                f" {steps['total']['median_ms']:.2f} ms ({parts})"
+            )
     cycle, floor = a["configs"].get("native", {}).get("cycle", {}), a.get("raw_floor", {})
     if cycle.get("n") and floor.get("p50_ms"):
         lines.append(

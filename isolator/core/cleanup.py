@@ -28,12 +28,14 @@ class CleanupHook:
             return
         with core.locks.hold(container_id):
             rec = core.store.get(container_id)
+            # The tombstone before the record goes: a Watch asking meanwhile (woken by the drop, or
+            # polling) finds one or the other, never neither ("unknown container").
+            core.changes.mark_ended(container_id)
             if rec is not None:
                 core.end_mps_clients(container_id, rec.holding)  # before its cgroup (and pids) go
                 core.grants.cleanup(container_id)
                 crashpoint("cleanup.cgroup")
                 core.drop(container_id, rec)
-            core.changes.mark_ended(container_id)
         if rec is None:
             # Mesos calls cleanup for containers it never prepared with us (MESOS-6059).
             LOG.info("ignoring cleanup of unknown container %s", container_id)

@@ -321,13 +321,14 @@ class Recovery:
                 rec = core.store.get(cid)
                 if rec is None or core.cgroups.exists(cid):
                     continue
+                # Mesos ended it, as a Cleanup says: a later Watch poll (criteo's module polls once
+                # more) is routine, not an unknown container, and a later Prepare is stale. Marked
+                # before the record goes, so that a Watch asking meanwhile finds one or the other.
+                core.changes.mark_ended(cid)
                 with contextlib.suppress(CgroupVanished):
                     core.grants.revoke(cid)
                 core.cpuset.remove_cpuset(cid)  # its processes died with its Mesos cgroups
                 core.drop(cid, rec)
-                # Mesos ended it, as a Cleanup says: a later Watch poll (criteo's module polls once
-                # more) is routine, not an unknown container, and a later Prepare is stale.
-                core.changes.mark_ended(cid)
             reaped.append(cid)
             LOG.warning(
                 "released %s: its cgroup is gone (destroyed without a cleanup)", core.describe(cid, rec.holding.gpus)

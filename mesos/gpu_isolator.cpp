@@ -181,6 +181,9 @@ public:
                   response.update_reads().begin(),
                   response.update_reads().end()),
               message.container_config().resources());
+          if (response.isolate_unawaited()) {
+            unawaited.insert(containerId);
+          }
           return info.get();
         })
         .onAny(defer(self(), [=](
@@ -202,6 +205,11 @@ public:
       return Failure("gpu-isolator Isolate: " + request.error());
     }
     const v1::IsolateRequest message = request.get();
+    // The sidecar's Prepare said whether the launch must wait for this call
+    // (PrepareResponse.isolate_unawaited): not when the agent places the pid
+    // and Isolate only checks that it did (docs/mesos-agent.md, "Isolate").
+    const bool awaited = !unawaited.contains(containerId);
+    unawaited.erase(containerId);
     Future<Nothing> result = inOrder<Nothing>("Isolate", containerId, [=]() {
       return forward(
           "Isolate",
@@ -211,15 +219,37 @@ public:
           settings.isolate_timeout)
         .then([]() { return Nothing(); });
     });
-    // The container's Watch, held back until now (see `watch`), opens.
-    result.onAny(defer(self(), [=](const Future<Nothing>&) {
+    // The container's Watch, held back until now (see `watch`), opens; an
+    // Isolate the launch did not wait for that failed ends the container
+    // through it instead, as a failed isolate ends a launch.
+    result.onAny(defer(self(), [=](const Future<Nothing>& isolated) {
+      const bool cleaning = !isolating.contains(containerId);
       isolating.erase(containerId);
+      if (!awaited && !isolated.isReady() && !cleaning) {
+        const ContainerLimitation limitation = isolateFailure(
+            stringify(containerId),
+            isolated.isFailed() ? isolated.failure() : string("discarded"));
+        LOG(WARNING) << "gpu-isolator: " << limitation.message();
+        if (watchers.contains(containerId)) {
+          std::shared_ptr<Watcher> watcher = watchers.at(containerId);
+          stopWatch(containerId);
+          watcher->promise.set(limitation);
+        } else {
+          failedIsolates[containerId] = limitation;  // for its Watch
+        }
+        return;
+      }
       if (watchers.contains(containerId) &&
           watchers.at(containerId)->held) {
         watchers.at(containerId)->held = false;
         armWatch(containerId, watchers.at(containerId));
       }
     }));
+    if (!awaited) {
+      VLOG(1) << "gpu-isolator Isolate of container " << containerId
+              << ": answered at once, sent without the launch waiting";
+      return Nothing();
+    }
     return result;
   }
 
@@ -232,6 +262,11 @@ public:
     }
     if (watchers.contains(containerId)) {
       stopWatch(containerId);
+    }
+    if (failedIsolates.contains(containerId)) {
+      const ContainerLimitation limitation = failedIsolates.at(containerId);
+      failedIsolates.erase(containerId);
+      return limitation;
     }
     std::shared_ptr<Watcher> watcher(new Watcher());
     watcher->request = request.get();
@@ -330,6 +365,8 @@ public:
       stopWatch(containerId);
     }
     isolating.erase(containerId);
+    unawaited.erase(containerId);
+    failedIsolates.erase(containerId);
     Try<v1::CleanupRequest> request =
       containerRequest<v1::CleanupRequest>(containerId);
     if (request.isError()) {
@@ -675,6 +712,13 @@ private:
   hashmap<ContainerID, Sent> sent;
   // Containers prepared here whose Isolate has not ended: their Watch waits.
   hashset<ContainerID> isolating;
+  // Containers whose Prepare's answer said the launch need not wait for
+  // their Isolate, until it is called.
+  hashset<ContainerID> unawaited;
+  // The limitation of a container whose unawaited Isolate failed before the
+  // agent asked for its Watch (the agent asks before it isolates; kept in
+  // case it ever does not).
+  hashmap<ContainerID, ContainerLimitation> failedIsolates;
   // Containers whose Prepare failed while the sidecar could not be reached:
   // whether the channel was connected at some moment while it was tried.
   hashmap<ContainerID, bool> unreached;

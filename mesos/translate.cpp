@@ -199,6 +199,19 @@ Try<ContainerLimitation> limitationOf(const v1::WatchResponse& response)
 }
 
 
+ContainerLimitation isolateFailure(
+    const string& container,
+    const string& failure)
+{
+  ContainerLimitation limitation;
+  limitation.set_message(
+      "the launch of container " + container + " went on without waiting"
+      " for its Isolate, which failed: " + failure);
+  limitation.set_reason(mesos::TaskStatus::REASON_CONTAINER_LAUNCH_FAILED);
+  return limitation;
+}
+
+
 const string& wireName(v1::MetadataKey key)
 {
   const google::protobuf::EnumValueDescriptor* value =

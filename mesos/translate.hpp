@@ -90,6 +90,14 @@ Try<mesos::ResourceStatistics> statisticsOf(
 Try<mesos::slave::ContainerLimitation> limitationOf(
     const gpuisolator::v1::WatchResponse& response);
 
+// What ends a container whose Isolate failed after its launch went on
+// without it (PrepareResponse.isolate_unawaited): the failure, as a
+// limitation its Watch reports, so that the agent destroys the container
+// (TASK_FAILED, REASON_CONTAINER_LAUNCH_FAILED) as a failed isolate would.
+mesos::slave::ContainerLimitation isolateFailure(
+    const std::string& container,
+    const std::string& failure);
+
 
 // What an Update acts on in `resources` (the contract's): those whose name
 // `reads` names (PrepareResponse.update_reads: names, and prefixes written

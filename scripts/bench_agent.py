@@ -91,6 +91,9 @@ NATIVE_HOOK = re.compile(
     r"\] gpu-isolator (Prepare|Isolate|Update|Cleanup) of container (\S+): (done|failed) after ([\d.]+) ms"
 )
 NATIVE_UNSENT = re.compile(r"\] gpu-isolator: Update of container (\S+) changes nothing the sidecar acts on; not sent")
+NATIVE_UNAWAITED = re.compile(
+    r"\] gpu-isolator Isolate of container (\S+): answered at once, sent without the launch waiting"
+)
 NATIVE_WATCH = re.compile(r"\] gpu-isolator Watch of container (\S+): opened after ([\d.]+) ms")
 # The sidecar's prepare handler, step by step (isolator/core/prepare.py's "prepared" line).
 SIDECAR_PREPARE = re.compile(r"prepared container (\S+) .* in ([\d.]+) ms \(([^)]*)\)$")
@@ -178,13 +181,19 @@ def hook_times(log: str) -> dict[str, list[float]]:
 def native_hook_times(log: str) -> dict[str, list[float]]:
     """Seconds per hook as our module saw it (its "done/failed after N ms" lines), by hook in lower
     case (as criteo's METHOD names); "update, unsent" for the Updates it answered itself (the one at
-    the executor's registration), "watch" for the time until the Watch opened."""
+    the executor's registration), "isolate, unawaited" for the Isolates it answered at once (the
+    call's own time, which no launch waited for), "watch" for the time until the Watch opened."""
     out: dict[str, list[float]] = {}
     unsent: set[str] = set()
+    unawaited: set[str] = set()
     for line in log.splitlines():
         u = NATIVE_UNSENT.search(line)
         if u is not None:
             unsent.add(u.group(1))
+            continue
+        a = NATIVE_UNAWAITED.search(line)
+        if a is not None:
+            unawaited.add(a.group(1))
             continue
         m = NATIVE_HOOK.search(line)
         if m is not None:
@@ -192,6 +201,9 @@ def native_hook_times(log: str) -> dict[str, list[float]]:
             if hook == "update" and m.group(2) in unsent:
                 unsent.discard(m.group(2))
                 hook = "update, unsent"
+            elif hook == "isolate" and m.group(2) in unawaited:
+                unawaited.discard(m.group(2))
+                hook = "isolate, unawaited"
             out.setdefault(hook, []).append(float(m.group(4)) / 1000)
             continue
         w = NATIVE_WATCH.search(line)
@@ -717,8 +729,9 @@ def render(a: dict[str, Any], goal: float = GOAL_PER_HOOK_MS) -> list[str]:
         if a["configs"].get("native", {}).get("hooks"):
             lines.append(
                 "   native: from the agent's call to the hook's end as our module logs it (its earlier hooks of"
-                " the container and retries included; update: unsent ones too); watch: until the Watch opened"
-                " (held until the container's Isolate ended)"
+                " the container and retries included; update: unsent ones too; isolate, unawaited: the call"
+                " the launch did not wait for); watch: until the Watch opened (held until the container's"
+                " Isolate ended)"
             )
     lines += render_segments(a)
     lines += render_native(a)

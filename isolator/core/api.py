@@ -51,6 +51,11 @@ class IsolatorApi(Protocol):
     def isolate(self, container_id: ContainerId, pid: int, caller: int | None = None) -> None:
         raise Unimplemented(hook="Isolate")
 
+    # Whether the launch must wait for this container's Isolate (said on Prepare's answer by the
+    # transport; docs/mesos-agent.md, "Isolate"). Unknown here: it must (fail closed).
+    def isolate_awaited(self, container_id: ContainerId) -> bool:
+        return True
+
     # Is there a limitation now? Never waits: the transport waits, subscribed below.
     def watch(self, container_id: ContainerId) -> Limitation | None:
         raise Unimplemented(hook="Watch")

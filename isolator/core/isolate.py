@@ -74,6 +74,16 @@ class IsolateHook:
         # The handler's own time, step by step, as Prepare's (issue 45).
         LOG.info("isolated pid %d in %s%s in %s", pid, core.describe(container_id, rec.holding.gpus), seen, steps)
 
+    def isolate_awaited(self, container_id: ContainerId) -> bool:
+        """Whether a launch must wait for this container's Isolate (placement.launch_waits_for_isolate);
+        its record is read only when Isolate could join a cpuset."""
+        core = self.core
+        mode = Mode(core.settings.mode)
+        if mode is not Mode.MESOS or not core.cpuset.enforcing:
+            return placement.launch_waits_for_isolate(mode, joins_cpuset=False)
+        rec = core.store.get(container_id.root)
+        return placement.launch_waits_for_isolate(mode, core.cpuset.recorded_affinity(rec) is not None)
+
     def _move(self, cid: ContainerId, target: ContainerId, pid: int, caller: int | None) -> None:
         """Standalone mode places the container's init itself, by the pid rule (isolator/policy/
         placement.py) over facts read here. The process is held by a pidfd from the check to after

@@ -12,7 +12,7 @@ connection did not pass the socket's gate, None for an in-process call (no peer 
 from __future__ import annotations
 
 from isolator.errors import FailedPrecondition, InvalidArgument, PermissionDenied
-from isolator.model import UNKNOWN_CALLER, ContainerId
+from isolator.model import UNKNOWN_CALLER, ContainerId, Mode
 
 MAX_PID = 1 << 22  # PID_MAX_LIMIT on 64-bit Linux
 
@@ -20,6 +20,17 @@ MAX_PID = 1 << 22  # PID_MAX_LIMIT on 64-bit Linux
 def below(path: str, top: str) -> bool:
     """``path`` is a cgroup strictly below ``top``."""
     return path.startswith(top.rstrip("/") + "/")
+
+
+def launch_waits_for_isolate(mode: Mode, joins_cpuset: bool) -> bool:
+    """Whether a container's task must not run before its Isolate ended (said on Prepare's answer).
+
+    Standalone: Isolate places the pid itself, so it must. Mesos: the agent places the pid, beside
+    our Isolate and before the task runs (every isolator's isolate is collected first), in the cgroup
+    whose device rules Prepare put in force (Prepare refuses a container without it); Isolate only
+    checks that it did and marks the record, so a launch need not wait for that, unless Isolate also
+    holds the pid to its GPUs' CPUs (``cpu_affinity = enforce``), which must precede the task."""
+    return mode is not Mode.MESOS or joins_cpuset
 
 
 def check_pid(pid: int) -> None:

@@ -309,12 +309,14 @@ class PrepareRequest(_message.Message):
     def __init__(self, container_id: _Optional[_Union[ContainerID, _Mapping]] = ..., container_config: _Optional[_Union[ContainerConfig, _Mapping]] = ...) -> None: ...
 
 class PrepareResponse(_message.Message):
-    __slots__ = ("launch_info", "update_reads")
+    __slots__ = ("launch_info", "update_reads", "isolate_unawaited")
     LAUNCH_INFO_FIELD_NUMBER: _ClassVar[int]
     UPDATE_READS_FIELD_NUMBER: _ClassVar[int]
+    ISOLATE_UNAWAITED_FIELD_NUMBER: _ClassVar[int]
     launch_info: ContainerLaunchInfo
     update_reads: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, launch_info: _Optional[_Union[ContainerLaunchInfo, _Mapping]] = ..., update_reads: _Optional[_Iterable[str]] = ...) -> None: ...
+    isolate_unawaited: bool
+    def __init__(self, launch_info: _Optional[_Union[ContainerLaunchInfo, _Mapping]] = ..., update_reads: _Optional[_Iterable[str]] = ..., isolate_unawaited: _Optional[bool] = ...) -> None: ...
 
 class IsolateRequest(_message.Message):
     __slots__ = ("container_id", "pid")

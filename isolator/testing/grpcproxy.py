@@ -6,6 +6,7 @@ test make the sidecar look slow or busy to the client, which a real sidecar does
     proxy = GrpcProxy(sidecar.socket, path).start()
     gate = proxy.hold("Prepare")            # the next Prepare waits until gate.set()
     proxy.refuse("Prepare", pushback_ms=200) # the next Prepare: RESOURCE_EXHAUSTED + grpc-retry-pushback-ms
+    proxy.fail("Isolate", grpc.StatusCode.FAILED_PRECONDITION, "...")  # the next Isolate: that error
     proxy.calls["Prepare"], proxy.max_open["Prepare"]
 
 Isolate works through it only in the sidecar's mesos mode (the sidecar then waits for the agent to
@@ -39,6 +40,7 @@ class GrpcProxy:
         self._lock = threading.Lock()
         self._holds: dict[str, list[threading.Event]] = {}
         self._refusals: dict[str, list[int]] = {}
+        self._failures: dict[str, list[tuple[grpc.StatusCode, str]]] = {}
         self._server: grpc.Server | None = None
         self._channel: grpc.Channel | None = None
 
@@ -78,6 +80,12 @@ class GrpcProxy:
         with self._lock:
             self._refusals.setdefault(method, []).append(pushback_ms)
 
+    def fail(self, method: str, code: grpc.StatusCode, message: str) -> None:
+        """Answer the next call of ``method`` with ``code`` and ``message``, without forwarding it:
+        a sidecar refusing it for a reason of its own."""
+        with self._lock:
+            self._failures.setdefault(method, []).append((code, message))
+
     def forward(self, full_method: str, request: bytes, context: grpc.ServicerContext) -> bytes:
         method = full_method.rsplit("/", 1)[-1]
         with self._lock:
@@ -89,12 +97,16 @@ class GrpcProxy:
             gate = gates.pop(0) if gates else None
             refusals = self._refusals.get(method)
             pushback = refusals.pop(0) if refusals else None
+            failures = self._failures.get(method)
+            failure = failures.pop(0) if failures else None
         try:
             if gate is not None:
                 gate.wait()
             if pushback is not None:
                 context.set_trailing_metadata(((RETRY_PUSHBACK, str(pushback)),))
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "proxy: load shedding (test)")
+            if failure is not None:
+                context.abort(*failure)
             channel = self._channel
             if channel is None:
                 context.abort(grpc.StatusCode.UNAVAILABLE, "proxy: stopped")

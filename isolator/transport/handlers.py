@@ -166,10 +166,14 @@ class IsolatorHandlers(Handlers):
     def Prepare(self, request: pb.PrepareRequest, call: CallFacts) -> pb.PrepareResponse:
         cid = container_id_from_proto(request.container_id)
         info = self._service.prepare(cid, config_from_proto(request.container_config))
-        # With the answer, what an Update acts on: the module answers itself one that changes none of it.
+        # With the answer, what an Update acts on (the module answers itself one that changes none of
+        # it), and whether the launch must wait for the Isolate.
+        unawaited = not self._service.isolate_awaited(cid)
         if info is None:
-            return pb.PrepareResponse(update_reads=UPDATE_READS)
-        return pb.PrepareResponse(launch_info=launch_info_to_proto(info), update_reads=UPDATE_READS)
+            return pb.PrepareResponse(update_reads=UPDATE_READS, isolate_unawaited=unawaited)
+        return pb.PrepareResponse(
+            launch_info=launch_info_to_proto(info), update_reads=UPDATE_READS, isolate_unawaited=unawaited
+        )
 
     def Isolate(self, request: pb.IsolateRequest, call: CallFacts) -> pb.IsolateResponse:
         caller = peergate.caller_pid(call.peer)  # the gate's SO_PEERCRED: whose pid may be moved

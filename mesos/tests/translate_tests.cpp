@@ -15,6 +15,7 @@ namespace v1 = gpuisolator::v1;
 
 using gpu_isolator::codeName;
 using gpu_isolator::containerRequest;
+using gpu_isolator::isolateFailure;
 using gpu_isolator::isolateRequest;
 using gpu_isolator::launchInfoOf;
 using gpu_isolator::limitationOf;
@@ -238,6 +239,20 @@ TEST(TranslateTest, ALimitationGetsTheScalarTypeProto3LeftOut)
 TEST(TranslateTest, AnAnswerWithoutALimitationIsNoLimitation)
 {
   EXPECT_TRUE(limitationOf(v1::WatchResponse()).isError());
+}
+
+
+TEST(TranslateTest, AnUnawaitedIsolatesFailureEndsTheLaunchAsAFailedIsolate)
+{
+  mesos::slave::ContainerLimitation limitation =
+    isolateFailure("c1", "gpu-isolator Isolate: FAILED_PRECONDITION: gone");
+  EXPECT_EQ(mesos::TaskStatus::REASON_CONTAINER_LAUNCH_FAILED,
+            limitation.reason());
+  EXPECT_NE(std::string::npos, limitation.message().find("container c1"));
+  EXPECT_NE(std::string::npos,
+            limitation.message().find("FAILED_PRECONDITION: gone"));
+  EXPECT_EQ(0, limitation.resources_size());
+  EXPECT_TRUE(limitation.IsInitialized());
 }
 
 

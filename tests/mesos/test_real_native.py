@@ -16,6 +16,7 @@ import stat
 import time
 from collections.abc import Iterator
 
+import grpc
 import pytest
 from conftest import assert_sees_exactly, granted_at, opened_gpus, probe, probe_command
 
@@ -211,24 +212,55 @@ def test_an_update_that_changes_nothing_the_sidecar_acts_on_is_not_sent(proxied:
     _free(cluster)
 
 
-def test_a_launching_containers_watch_opens_only_after_its_isolate(proxied: tuple[Cluster, GrpcProxy]) -> None:
+def test_a_launch_goes_on_without_waiting_for_its_isolate_and_the_watch_opens_only_after_it(
+    proxied: tuple[Cluster, GrpcProxy],
+) -> None:
+    # Prepare's answer said the launch need not wait for Isolate (mesos mode, cpu_affinity hint): with
+    # the Isolate held at the proxy, the agent goes on and starts the executor, which registers; the
+    # container's Watch (asked before the Isolate) still waits for the Isolate to end.
     cluster, proxy = proxied
+    agent = cluster.agents[0]
+    mark = len(agent.log())
     isolates, watches = proxy.calls["Isolate"], proxy.calls["Watch"]
     gate = proxy.hold("Isolate")
     try:
         task = probe(cluster, gpus=1)
-        deadline = time.monotonic() + 60
-        while proxy.calls["Isolate"] <= isolates:  # the Isolate is held at the proxy
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        time.sleep(0.5)  # the agent asked for the Watch before the Isolate: it would be here by now
+        wait_for("the Isolate held at the proxy", lambda: proxy.open["Isolate"] == 1 or None, 60)
+        wait_for(
+            "the executor's registration", lambda: "Got registration for executor" in agent.log()[mark:] or None, 60
+        )
+        assert proxy.open["Isolate"] == 1, "the launch went on while the Isolate was held"
         assert proxy.calls["Watch"] == watches, "the Watch reached the sidecar before the Isolate ended"
     finally:
         gate.set()
     task.wait("TASK_FINISHED")
-    assert proxy.calls["Watch"] > watches
+    assert proxy.calls["Isolate"] == isolates + 1 and proxy.calls["Watch"] > watches
+    assert len(opened_gpus(task.stdout())) == 1
     task.wait_gone()
     _free(cluster)
+
+
+def test_an_isolate_the_launch_did_not_wait_for_that_fails_ends_the_task_as_a_failed_launch(
+    proxied: tuple[Cluster, GrpcProxy],
+) -> None:
+    cluster, proxy = proxied
+    agent = cluster.agents[0]
+    mark = len(agent.log())
+    gate = proxy.hold("Isolate")
+    proxy.fail("Isolate", grpc.StatusCode.FAILED_PRECONDITION, "proxy: this Isolate fails (test)")
+    try:
+        task = probe(cluster, gpus=1, seconds=60)
+        wait_for("the Isolate held at the proxy", lambda: proxy.open["Isolate"] == 1 or None, 60)
+    finally:
+        gate.set()
+    update = task.wait("TASK_FAILED", timeout=60)
+    assert update.reason == "REASON_CONTAINER_LAUNCH_FAILED", update
+    assert "went on without waiting for its Isolate, which failed" in update.message, update
+    assert "FAILED_PRECONDITION: proxy: this Isolate fails (test)" in update.message, update
+    task.wait_gone()
+    log = agent.log()[mark:]
+    assert [line for line in log.splitlines() if line.startswith("E") and "isolator" in line.lower()] == []
+    _free(cluster)  # its Cleanup released the GPU
 
 
 # ---- retry pushback, an unreachable sidecar ---------------------------------------------------------

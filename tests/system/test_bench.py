@@ -139,6 +139,9 @@ def test_the_agent_part_reads_our_modules_own_hook_lines_and_the_sidecars_prepar
             "I1128 20:01:00.000460 4242 gpu_isolator.cpp:480] gpu-isolator Cleanup of container c1: done after 1.5 ms",
             "I1128 20:01:00.000500 4242 gpu_isolator.cpp:480] gpu-isolator Cleanup of container c2: failed after 5 ms",
             "I1128 20:01:00.000600 4242 slave.cpp:1] gpu-isolator Prepare of container c9 unrelated",
+            "I1128 20:01:00.000700 4242 gpu_isolator.cpp:260] gpu-isolator Isolate of container c3: answered at"
+            " once, sent without the launch waiting",
+            "I1128 20:01:00.000800 4242 gpu_isolator.cpp:480] gpu-isolator Isolate of container c3: done after 4 ms",
         ]
     )
     times = bench_agent.native_hook_times(agent_log)
@@ -146,6 +149,7 @@ def test_the_agent_part_reads_our_modules_own_hook_lines_and_the_sidecars_prepar
         "prepare": [3250],
         "watch": [4500],
         "isolate": [2000],
+        "isolate, unawaited": [4000],
         "update, unsent": [10],
         "update": [2500],
         "cleanup": [1500, 5000],

@@ -77,6 +77,33 @@ def test_mesos_mode_isolate_waits_for_mesos_to_place_the_pid() -> None:
     assert rig.store.get(a).state == "isolated"  # type: ignore[union-attr]
 
 
+def test_a_launch_waits_for_isolate_only_where_isolate_does_something_the_task_needs() -> None:
+    # Mesos mode: the agent places the pid in the cgroup whose rules Prepare put in force, so the
+    # launch need not wait (Prepare's answer says so, docs/mesos-agent.md "Isolate"), also for a
+    # nested container and without GPUs; unless the pid must join its GPUs' cpuset first.
+    rig = fake_service("numa-2", mode="mesos", cpu_affinity="hint")
+    a = cid("a")
+    rig.cgroups.mesos_creates(a)
+    rig.service.prepare(a, gpus(1))
+    assert rig.service.isolate_awaited(a) is False
+    assert rig.service.isolate_awaited(cid("a.child")) is False
+    # Standalone: Isolate places the pid itself.
+    standalone = fake_service("numa-2", cpu_affinity="enforce")
+    standalone.service.prepare(a, gpus(1))
+    assert standalone.service.isolate_awaited(a) is True
+    # Enforced affinity: a container holding GPUs gets a cpuset its pid joins in Isolate; one
+    # without GPUs has none (and neither does one never prepared).
+    enforce = fake_service("numa-2", mode="mesos", cpu_affinity="enforce")
+    b, none = cid("b"), cid("none")
+    for c, n in ((b, 1), (none, 0)):
+        enforce.cgroups.mesos_creates(c)
+        enforce.service.prepare(c, gpus(n))
+    assert enforce.service.isolate_awaited(b) is True
+    assert enforce.service.isolate_awaited(cid("b.child")) is True
+    assert enforce.service.isolate_awaited(none) is False
+    assert enforce.service.isolate_awaited(cid("nobody")) is False
+
+
 @pytest.mark.parametrize("container_class", ["DEFAULT", "DEBUG"])
 def test_v1_a_container_sharing_the_cgroups_of_a_nested_one_with_its_own_isolates_there(container_class: str) -> None:
     # Mesos 1.10+ on v1 (cgroups isolator, findCgroupInfo): a nested container that shares cgroups

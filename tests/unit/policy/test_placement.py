@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from isolator.errors import FailedPrecondition, InvalidArgument, PermissionDenied
-from isolator.model import UNKNOWN_CALLER, ContainerId
+from isolator.model import UNKNOWN_CALLER, ContainerId, Mode
 from isolator.policy import placement
 
 A = ContainerId("a")
@@ -85,3 +85,18 @@ def test_a_process_in_the_callers_cgroup_is_the_callers_and_any_other_is_refused
     )
     with pytest.raises(PermissionDenied, match="cgroup 'unknown'"):
         placement.check_callers_cgroup(A, 9, "/x/other", 5, None)
+
+
+@pytest.mark.parametrize(
+    ("mode", "joins_cpuset", "waits"),
+    [
+        (Mode.STANDALONE, False, True),  # Isolate places the pid itself
+        (Mode.STANDALONE, True, True),
+        (Mode.MESOS, True, True),  # the pid joins its GPUs' cpuset before the task runs
+        (Mode.MESOS, False, False),  # the agent places it; Isolate only checks
+    ],
+)
+def test_a_launch_waits_for_isolate_unless_the_agent_places_the_pid_and_there_is_no_cpuset(
+    mode: Mode, joins_cpuset: bool, waits: bool
+) -> None:
+    assert placement.launch_waits_for_isolate(mode, joins_cpuset) is waits

@@ -144,3 +144,14 @@ def test_prepares_answer_says_what_an_update_acts_on_whether_or_not_it_adds_laun
         "Prepare", pb.PrepareRequest(container_id=pb.ContainerID(value="c")), facts()
     )
     assert list(reply.update_reads) == ["gpus", "gpu_shares", "gpu-share-*", "mig-*"]
+
+
+def test_prepares_answer_says_whether_the_launch_waits_for_isolate_and_by_default_it_does() -> None:
+    request = pb.PrepareRequest(container_id=pb.ContainerID(value="c"))
+    assert IsolatorHandlers(Service()).handle("Prepare", request, facts()).isolate_unawaited is False
+
+    class Unawaited(Service):
+        def isolate_awaited(self, container_id: ContainerId) -> bool:
+            return False
+
+    assert IsolatorHandlers(Unawaited()).handle("Prepare", request, facts()).isolate_unawaited is True

@@ -39,5 +39,13 @@ def free(rig: Rig) -> frozenset[int]:
     return rig.service.core.booking.available
 
 
+def minor_of(rig: Rig, index: int) -> int:
+    return next(g.minor for g in rig.inventory.topology().gpus if g.index == index)
+
+
+def uuid_of(rig: Rig, index: int) -> str:
+    return next(g.uuid for g in rig.inventory.topology().gpus if g.index == index)
+
+
 def make_rig() -> Rig:
     return fake_service("dgx-1")

@@ -122,18 +122,35 @@ def test_sharers_through_the_daemon_restart_and_reload(short_tmp):
 
 
 def _stand_ins(work: str) -> dict[str, int]:
-    """GPU UUID -> pid of each live stand-in MPS control daemon under the work dir."""
-    import sys
+    """GPU UUID -> pid of each live stand-in MPS control daemon the sidecar under ``work`` recorded.
 
-    from isolator.host.mps import MpsControl
+    Read-only: the launch record the sidecar keeps beside each pipe directory (host/mps.py,
+    ``daemon.json``), its pid taken while that process still has the recorded start tick and is no
+    zombie. Not through an ``MpsControl`` of its own: that edge, finding a launch recorded without its
+    daemon (the supervisor between starting a daemon and recording it), looks for the daemon in /proc
+    and writes the record itself, racing the sidecar's write of the same file (one of the two then
+    fails on the other's temporary file) and able to record the intermediate fork of ``-d``: the
+    cause of this module's supervision test failing about one run in three under load.
+    """
+    import json
 
     root = os.path.join(work, "mps")
-    control = MpsControl("", root, daemon_exe=sys.executable)  # the stand-in's daemon runs this interpreter
     out = {}
     for uuid_ in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-        pid = control.pid(uuid_)
-        if pid is not None:
-            out[uuid_] = pid
+        try:
+            with open(os.path.join(root, uuid_, "daemon.json")) as fh:
+                record = json.load(fh)
+        except FileNotFoundError:
+            continue
+        if record.get("pid") is None:
+            continue  # launched, not yet recorded: the sidecar is still starting it
+        try:
+            with open(f"/proc/{record['pid']}/stat", "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue  # gone
+        if fields[0] != b"Z" and int(fields[19]) == record["start"]:
+            out[uuid_] = record["pid"]
     return out
 
 

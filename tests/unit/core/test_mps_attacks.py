@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from hook_helpers import minor_of, uuid_of
 
 from isolator.core.mps import limit_bytes
 from isolator.errors import FailedPrecondition
@@ -29,13 +30,8 @@ def sharer() -> ContainerConfig:
     return ContainerConfig(resources=(Resource("gpu_shares", 1.0),))
 
 
-def uuid_of(rig: Rig, index: int) -> str:
-    return next(g.uuid for g in rig.inventory.topology().gpus if g.index == index)
-
-
 def quarter_mib(rig: Rig) -> int:
-    minor = next(g.minor for g in rig.inventory.topology().gpus if g.index == 4)
-    return rig.service.core.gpus[minor].memory_total // (1 << 20) // 4
+    return rig.service.core.gpus[minor_of(rig, 4)].memory_total // (1 << 20) // 4
 
 
 def lift(rig: Rig, uuid: str, server: int) -> None:
@@ -120,7 +116,7 @@ def test_a_daemon_killed_under_its_sharers_ends_them_when_the_supervise_pass_sta
     assert rig.mps.running() == {uuid}
     limitation = svc.watch(a)
     assert limitation is not None and "MPS control daemon" in limitation.message, limitation
-    minor = next(g.minor for g in rig.inventory.topology().gpus if g.index == 4)
+    minor = minor_of(rig, 4)
     assert svc.core.mps.restarts[minor] == 1
     b = ContainerId("b")
     svc.prepare(b, sharer())  # a new sharer is served by the daemon set up again, and is not ended
@@ -130,7 +126,7 @@ def test_a_daemon_killed_under_its_sharers_ends_them_when_the_supervise_pass_sta
 
 def test_a_daemon_killed_under_its_sharers_and_started_again_by_a_prepare_is_counted_and_ends_them(rig: Rig) -> None:
     svc, uuid = rig.service, uuid_of(rig, 4)
-    minor = next(g.minor for g in rig.inventory.topology().gpus if g.index == 4)
+    minor = minor_of(rig, 4)
     a, b = ContainerId("a"), ContainerId("b")
     svc.prepare(a, sharer())
     rig.mps.kill(uuid)
@@ -151,7 +147,7 @@ def test_a_restart_that_re_cuts_a_held_mps_gpu_is_refused(rig: Rig) -> None:
 
 def test_a_daemon_stopped_after_its_last_sharer_is_not_a_restart_when_the_next_sharer_starts_it(rig: Rig) -> None:
     svc = rig.service
-    minor = next(g.minor for g in rig.inventory.topology().gpus if g.index == 4)
+    minor = minor_of(rig, 4)
     svc.prepare(ContainerId("a"), sharer())
     svc.cleanup(ContainerId("a"))  # the last sharer: its daemon stops
     assert rig.mps.running() == frozenset()
@@ -163,7 +159,7 @@ def test_a_daemon_stopped_after_its_last_sharer_is_not_a_restart_when_the_next_s
 
 def test_a_daemon_that_failed_to_start_again_is_counted_and_ends_its_sharers_once_it_is_back(rig: Rig) -> None:
     svc, uuid = rig.service, uuid_of(rig, 4)
-    minor = next(g.minor for g in rig.inventory.topology().gpus if g.index == 4)
+    minor = minor_of(rig, 4)
     svc.prepare(ContainerId("a"), sharer())
     rig.mps.kill(uuid)
     rig.mps.faults.fail_at("start")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from hook_helpers import uuid_of
 
 from isolator.errors import IsolatorError
 from isolator.model import ContainerConfig, ContainerId, Resource
@@ -27,10 +28,6 @@ def rig(request) -> Rig:
 
 def unit(size: int) -> ContainerConfig:
     return ContainerConfig(resources=(Resource(f"gpu-share-{size}", 1.0), Resource("cpus", 1.0)))
-
-
-def uuid_of(rig: Rig, index: int) -> str:
-    return next(g.uuid for g in rig.inventory.topology().gpus if g.index == index)
 
 
 def fault(rig: Rig, index: int) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from hook_helpers import minor_of, uuid_of
 
 from isolator.core.mps import Mps, ServerPlan, limit_bytes
 from isolator.errors import FailedPrecondition, InvalidArgument
@@ -26,14 +27,6 @@ def cid(text: str) -> ContainerId:
 
 def sharer(user: str = "", n: float = 1.0) -> ContainerConfig:
     return ContainerConfig(resources=(Resource("gpu_shares", n),), user=user)
-
-
-def uuid_of(rig: Rig, index: int) -> str:
-    return next(g.uuid for g in rig.inventory.topology().gpus if g.index == index)
-
-
-def minor_of(rig: Rig, index: int) -> int:
-    return next(g.minor for g in rig.inventory.topology().gpus if g.index == index)
 
 
 def quarter_mib(rig: Rig) -> int:

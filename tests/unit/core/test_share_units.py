@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from hook_helpers import minor_of
 
 from isolator.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from isolator.model import ContainerConfig, ContainerId, Resource
@@ -34,10 +35,6 @@ def granted(rig: Rig, c: ContainerId) -> list[int] | None:
     if rules is None:
         return None
     return [m for m in range(16) if permits(rules, DeviceRule.char(NVIDIA_MAJOR, m, "rw"))]
-
-
-def minor_of(rig: Rig, index: int) -> int:
-    return next(g.minor for g in rig.inventory.topology().gpus if g.index == index)
 
 
 def booked(rig: Rig) -> dict[int, int]:

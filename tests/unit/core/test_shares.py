@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from hook_helpers import minor_of, uuid_of
 
 from isolator.errors import FailedPrecondition, GpusExhausted, InvalidArgument, StateError
 from isolator.model import ContainerConfig, ContainerId, Resource
@@ -44,10 +45,6 @@ def granted(rig: Rig, c: ContainerId) -> list[int] | None:
     if rules is None:
         return None
     return [m for m in range(16) if permits(rules, DeviceRule.char(NVIDIA_MAJOR, m, "rw"))]
-
-
-def minor_of(rig: Rig, index: int) -> int:
-    return next(g.minor for g in rig.inventory.topology().gpus if g.index == index)
 
 
 @pytest.fixture(params=["v1", "v2"])
@@ -332,10 +329,6 @@ def test_the_booking_places_restores_and_frees_shares_under_its_lock(ts_rig: Rig
 
 
 # ---- MPS (docs/sharing.md, "The two modes") --------------------------------------------------------
-
-
-def uuid_of(rig: Rig, index: int) -> str:
-    return next(g.uuid for g in rig.inventory.topology().gpus if g.index == index)
 
 
 def test_the_first_mps_sharer_starts_the_gpus_daemon_in_exclusive_process_mode(rig: Rig) -> None:

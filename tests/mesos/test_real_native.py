@@ -14,7 +14,7 @@ import os
 import shutil
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
@@ -148,6 +148,19 @@ def _held_by(cluster: Cluster, task: Task) -> set[int]:
     return {i for i, h in cluster.agents[0].holders().items() if h == cid}
 
 
+@contextlib.contextmanager
+def _launched_with_a_held(proxy: GrpcProxy, method: str, launch: Callable[[], Task]) -> Iterator[Task]:
+    """Hold the next ``method`` call at the proxy, launch, and give the task once the call is held
+    there; the call goes on when the block is left, however it is left."""
+    gate = proxy.hold(method)
+    try:
+        task = launch()
+        wait_for(f"the {method} held at the proxy", lambda: proxy.open[method] == 1 or None, 60)
+        yield task
+    finally:
+        gate.set()
+
+
 # ---- one container's slow prepare does not hold up the others -----------------------------------
 
 
@@ -222,17 +235,12 @@ def test_a_launch_goes_on_without_waiting_for_its_isolate_and_the_watch_opens_on
     agent = cluster.agents[0]
     mark = len(agent.log())
     isolates, watches = proxy.calls["Isolate"], proxy.calls["Watch"]
-    gate = proxy.hold("Isolate")
-    try:
-        task = probe(cluster, gpus=1)
-        wait_for("the Isolate held at the proxy", lambda: proxy.open["Isolate"] == 1 or None, 60)
+    with _launched_with_a_held(proxy, "Isolate", lambda: probe(cluster, gpus=1)) as task:
         wait_for(
             "the executor's registration", lambda: "Got registration for executor" in agent.log()[mark:] or None, 60
         )
         assert proxy.open["Isolate"] == 1, "the launch went on while the Isolate was held"
         assert proxy.calls["Watch"] == watches, "the Watch reached the sidecar before the Isolate ended"
-    finally:
-        gate.set()
     task.wait("TASK_FINISHED")
     assert proxy.calls["Isolate"] == isolates + 1 and proxy.calls["Watch"] > watches
     assert len(opened_gpus(task.stdout())) == 1
@@ -246,13 +254,9 @@ def test_an_isolate_the_launch_did_not_wait_for_that_fails_ends_the_task_as_a_fa
     cluster, proxy = proxied
     agent = cluster.agents[0]
     mark = len(agent.log())
-    gate = proxy.hold("Isolate")
     proxy.fail("Isolate", grpc.StatusCode.FAILED_PRECONDITION, "proxy: this Isolate fails (test)")
-    try:
-        task = probe(cluster, gpus=1, seconds=60)
-        wait_for("the Isolate held at the proxy", lambda: proxy.open["Isolate"] == 1 or None, 60)
-    finally:
-        gate.set()
+    with _launched_with_a_held(proxy, "Isolate", lambda: probe(cluster, gpus=1, seconds=60)) as task:
+        pass  # the launch went on: the task's executor starts while the Isolate is held
     update = task.wait("TASK_FAILED", timeout=60)
     assert update.reason == "REASON_CONTAINER_LAUNCH_FAILED", update
     assert "went on without waiting for its Isolate, which failed" in update.message, update
@@ -320,20 +324,17 @@ def test_a_prepare_sent_before_the_sidecar_went_away_gets_a_brief_cleanup_not_it
     cluster, proxy = proxied
     agent = cluster.agents[0]
     mark = len(agent.log())
-    gate = proxy.hold("Prepare")
-    task = probe(cluster, gpus=1)
     try:
-        wait_for("the Prepare held at the proxy", lambda: proxy.open["Prepare"] == 1 or None, 60)
-        started = time.monotonic()
-        proxy.stop()  # the held call ends with the proxy, which listens no more
-        task.wait("TASK_FAILED", timeout=90)  # prepare_timeout is 8 s
-        gave_up = "the sidecar is still unreachable, as it was when the container's Prepare failed"
-        while gave_up not in agent.log()[mark:]:
-            assert time.monotonic() - started < 8 + 10, "the failed launch's Cleanup waited its whole deadline"
-            time.sleep(0.1)
-        assert "its Prepare never reached the sidecar" not in agent.log()[mark:]
+        with _launched_with_a_held(proxy, "Prepare", lambda: probe(cluster, gpus=1)) as task:
+            started = time.monotonic()
+            proxy.stop()  # the held call ends with the proxy, which listens no more
+            task.wait("TASK_FAILED", timeout=90)  # prepare_timeout is 8 s
+            gave_up = "the sidecar is still unreachable, as it was when the container's Prepare failed"
+            while gave_up not in agent.log()[mark:]:
+                assert time.monotonic() - started < 8 + 10, "the failed launch's Cleanup waited its whole deadline"
+                time.sleep(0.1)
+            assert "its Prepare never reached the sidecar" not in agent.log()[mark:]
     finally:
-        gate.set()
         proxy.start()
     task.wait_gone()
     _free(cluster)

@@ -6,13 +6,12 @@ default ``KillMode=control-group`` a stop kills them too. The simulated host's s
 
 from __future__ import annotations
 
-import json
 import re
 import time
 
 import pytest
 from conftest import Walked
-from test_units import CLI
+from test_units import restart_sidecar_under_mps
 
 from isolator.testing.node import MESOS_IN_NODE, Node
 
@@ -62,12 +61,7 @@ def test_restart_keeps_the_mps_daemon_and_its_sharer(walked: Walked):
         while not (sharer := node.run("pgrep -f '^sleep 600$'", check=False).stdout.split()):
             assert time.monotonic() < deadline, "the sharer's process never started"
             time.sleep(0.2)
-        started = time.monotonic()
-        node.run("systemctl restart gpu-isolator")
-        took = time.monotonic() - started
-        # Read as soon as the restart returned (READY=1 comes after the start-up pass adopted it).
-        gpus = json.loads(node.run(f"{CLI} gpus --json").stdout)["gpus"]
-        state = next(g.get("mps_state", "") for g in gpus if int(g["index"]) == 7)
+        took, state = restart_sidecar_under_mps(node, 7)
         said = (
             f"restart took {took:.2f} s, GPU 7's daemon {state!r}\n"
             + node.run(

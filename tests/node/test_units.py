@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -23,6 +24,17 @@ CONFIG = "/etc/gpu-isolator/config.toml"
 CLI = "/opt/gpu-isolator/bin/gpu-isolator"
 SHARED = "5:4:mps,6:2:time-slice"
 UNITS = {"time-slice": "gpu-share-2:1", "mps": "gpu-share-4:1", "mig": "mig-1g.5gb:1"}
+
+
+def restart_sidecar_under_mps(node: Node, index: int) -> tuple[float, str]:
+    """``systemctl restart gpu-isolator``, timed, and GPU ``index``'s MPS daemon state as the
+    sidecar reports it as soon as the restart returned (READY=1 comes after its start-up pass
+    adopted the daemon)."""
+    started = time.monotonic()
+    node.run("systemctl restart gpu-isolator")
+    took = time.monotonic() - started
+    gpus = json.loads(node.run(f"{CLI} gpus --json").stdout)["gpus"]
+    return took, next(g.get("mps_state", "") for g in gpus if int(g["index"]) == index)
 
 
 def reconfigure(node: Node, settings: str, extra_env: str = "") -> str:

@@ -18,7 +18,6 @@ route with our bridge (test_criteo.py) and ``systemctl restart`` of the sidecar 
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Iterator
@@ -39,7 +38,7 @@ from conftest import (
 from test_criteo import command_task, criteo_image_task, criteo_route
 from test_groups import task_group_with_a_mig_unit
 from test_images import IMAGE_FLAGS, OURS, agent_with, image_task, provide_image
-from test_units import CHECKS, CLI, SHARED, UNITS, probed, unit_task
+from test_units import CHECKS, SHARED, UNITS, probed, restart_sidecar_under_mps, unit_task
 
 from isolator.testing.mesoshome import MesosNotFound, cgroups_v2_unsupported, device_programs, find_mesos_home
 from isolator.testing.node import Node
@@ -175,11 +174,7 @@ def test_restart_of_the_sidecar_keeps_the_mps_daemon_and_its_sharer_on_v2(walked
             sharer = fh.read().split()
         programs = ours_on(node, out)
         assert sharer and len(programs) == 1, (sharer, programs)
-        started = time.monotonic()
-        node.run("systemctl restart gpu-isolator")
-        took = time.monotonic() - started
-        gpus = json.loads(node.run(f"{CLI} gpus --json").stdout)["gpus"]
-        state = next(g.get("mps_state", "") for g in gpus if int(g["index"]) == 5)
+        took, state = restart_sidecar_under_mps(node, 5)
         said = (
             f"restart took {took:.2f} s\n{task.log()[-2000:]}\n"
             + node.run("journalctl --no-pager -o cat -n 40 -u gpu-isolator", check=False).stdout

@@ -207,7 +207,8 @@ public:
     const v1::IsolateRequest message = request.get();
     // The sidecar's Prepare said whether the launch must wait for this call
     // (PrepareResponse.isolate_unawaited): not when the agent places the pid
-    // and Isolate only checks that it did (docs/mesos-agent.md, "Isolate").
+    // and Isolate only checks that it did (docs/mesos-agent.md, "A launch
+    // waits for Isolate only when").
     const bool awaited = !unawaited.contains(containerId);
     unawaited.erase(containerId);
     Future<Nothing> result = inOrder<Nothing>("Isolate", containerId, [=]() {

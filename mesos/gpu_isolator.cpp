@@ -516,14 +516,24 @@ private:
     }
 
     // When the hook ended, taken where it ends (the log line comes one
-    // dispatch later, on this process, which owns `ordered`).
+    // dispatch later, on this process, which owns `ordered`), before
+    // anything the agent chained on it: a future runs its onReady (onFailed,
+    // onDiscarded) callbacks before its onAny ones, and the agent's own
+    // continuation is one of those, run inline (for a Prepare, the rest of
+    // its prepare chain). Taken in an onAny, 0.6-0.9 ms of the agent's work
+    // after each Prepare was counted as the module's wait (issue 45).
     std::shared_ptr<Promise<Nothing>> ended(new Promise<Nothing>());
     std::shared_ptr<std::chrono::steady_clock::time_point> endedAt(
         new std::chrono::steady_clock::time_point(called));
-    result.onAny([ended, endedAt](const Future<T>&) {
-      *endedAt = std::chrono::steady_clock::now();
-      ended->set(Nothing());
-    });
+    const std::function<void()> end = [ended, endedAt]() {
+      if (ended->future().isPending()) {
+        *endedAt = std::chrono::steady_clock::now();
+        ended->set(Nothing());
+      }
+    };
+    result.onReady([end](const T&) { end(); })
+      .onFailed([end](const string&) { end(); })
+      .onDiscarded([end]() { end(); });
     hooks->last = ended->future();
 
     result.onAny(defer(self(), [=](const Future<T>& done) {

@@ -46,6 +46,15 @@ class IsolatorApi(Protocol):
     def prepare(self, container_id: ContainerId, config: ContainerConfig) -> LaunchInfo | None:
         raise Unimplemented(hook="Prepare")
 
+    # Prepare for a caller that waits for the container's Isolate: ``answer(info)`` may be called
+    # (at most once, before this returns) as soon as the launch info is decided, before the grant
+    # is durable and in force; Isolate answers only once it is. The info is returned either way.
+    # Here: never early.
+    def prepare_early(
+        self, container_id: ContainerId, config: ContainerConfig, answer: Callable[[LaunchInfo | None], None]
+    ) -> LaunchInfo | None:
+        return self.prepare(container_id, config)
+
     # ``caller``: the calling process's pid as the kernel gave it (SO_PEERCRED), UNKNOWN_CALLER
     # when a remote caller's pid cannot be told, None for an in-process call (no peer to check).
     def isolate(self, container_id: ContainerId, pid: int, caller: int | None = None) -> None:

@@ -27,6 +27,7 @@ class CleanupHook:
             core.release_volume(container_id)
             return
         with core.locks.hold(container_id):
+            core.failed_after_answer.forget(container_id)
             rec = core.store.get(container_id)
             # The tombstone before the record goes: a Watch asking meanwhile (woken by the drop, or
             # polling) finds one or the other, never neither ("unknown container").

@@ -15,7 +15,9 @@ safe across crashes:
 
 from __future__ import annotations
 
+import collections
 import logging
+import threading
 from dataclasses import dataclass, field
 
 from isolator.core.absent import NoUsers, NoVolumes
@@ -110,6 +112,32 @@ class Edges:
     users: UserDb = field(default_factory=NoUsers)  # user names -> uids (a sharer's user, docs/sharing.md)
 
 
+class FailedAfterAnswer:
+    """Prepares that answered before their grant was durable and in force, then failed to make it so
+    (core/prepare.py, ``answers_early``): the container's Isolate fails with the error, its Cleanup
+    forgets it. At most ``KEPT`` (the oldest go first): the agent cleans up each such container."""
+
+    KEPT = 1024
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._errors: collections.OrderedDict[ContainerId, BaseException] = collections.OrderedDict()
+
+    def put(self, cid: ContainerId, error: BaseException) -> None:
+        with self._lock:
+            self._errors[cid] = error
+            while len(self._errors) > self.KEPT:
+                self._errors.popitem(last=False)
+
+    def get(self, cid: ContainerId) -> BaseException | None:
+        with self._lock:
+            return self._errors.get(cid)
+
+    def forget(self, cid: ContainerId) -> None:
+        with self._lock:
+            self._errors.pop(cid, None)
+
+
 class Core:
     def __init__(self, edges: Edges, settings: Settings) -> None:
         self.edges = edges
@@ -124,6 +152,7 @@ class Core:
         self.rebuilt: list[ContainerId] = []  # records rebuilt from the kernel at start (lost state)
         self.repairs = 0  # kernel rules re-applied by the drift audit since start
         self.changes = Changes()  # what a Watch waits on: health changes, containers gone
+        self.failed_after_answer = FailedAfterAnswer()  # a Prepare's failure for its Isolate to report
         # Which GPUs and MIG devices are held (core/booking.py), under its own checked lock.
         self.booking = Booking(
             edges.inventory, edges.inventory.topology(), settings.policy, settings.shared_gpus, settings.share_placement

@@ -9,7 +9,7 @@ import logging
 from isolator.core.context import Core
 from isolator.core.steps import Steps
 from isolator.crashpoints import crashpoint
-from isolator.errors import FailedPrecondition, InvalidArgument
+from isolator.errors import FailedPrecondition, InvalidArgument, IsolatorError
 from isolator.model import UNKNOWN_CALLER, ContainerId, ContainerRecord, Mode, RecordState
 from isolator.policy import placement
 from isolator.policy.affinity import format_list
@@ -53,6 +53,14 @@ class IsolateHook:
             )
         steps.mark("checks")
         with core.locks.hold(container_id):
+            failed = core.failed_after_answer.get(container_id.root)
+            if failed is not None:
+                # Its Prepare answered, then could not make its grant durable and in force (and undid it).
+                why = failed.message if isinstance(failed, IsolatorError) else f"{type(failed).__name__}: {failed}"
+                raise FailedPrecondition(
+                    f"container {container_id.root}'s Prepare answered, then failed to put its grant in force,"
+                    f" so it holds no GPU: {why}"
+                )
             rec = core.require(container_id.root)
             target = core.grants.governing(container_id)
             seen = ""

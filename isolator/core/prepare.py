@@ -63,6 +63,14 @@ class ImagePlan:
     reason: str  # why it takes the volume (should_inject): decided once, before anything is allocated
 
 
+def answers_early(mode: Mode, config: ContainerConfig, holding: Holding) -> bool:
+    """Whether a Prepare may answer before its grant is durable and in force: under a Mesos agent
+    (the launch path, issue 45), when its launch info is decided by the choice of GPUs alone. Not
+    for a sharer (its launch info needs the MPS daemon started and its limits set: fail closed),
+    nor for an image (its mounts are made in the rootfs)."""
+    return mode is Mode.MESOS and holding.share is None and not config.has_image
+
+
 @dataclass(frozen=True)
 class MpsClient:
     """An MPS sharer's part of its launch: the host pipe directory, its shares of ``total``, the GPU's memory."""
@@ -82,7 +90,16 @@ class PrepareHook:
 
     core: Core  # set by IsolatorService, which composes the parts over one Core
 
-    def prepare(self, container_id: ContainerId, config: ContainerConfig) -> LaunchInfo | None:
+    def prepare(
+        self,
+        container_id: ContainerId,
+        config: ContainerConfig,
+        answer: Callable[[LaunchInfo | None], None] | None = None,
+    ) -> LaunchInfo | None:
+        """With ``answer``, a Prepare that can answer does so once its GPUs are chosen, before its grant is on
+        disk and in force (``answers_early``); the caller must then wait for the container's Isolate,
+        which answers only once they are (docs/mesos-agent.md, "Prepare answers before its grant is
+        in force"). A failure after that answer is kept for the Isolate to report."""
         if container_id.nested:
             return self._prepare_nested(container_id, config)
         core = self.core
@@ -109,6 +126,8 @@ class PrepareHook:
                 holding = core.booking.book(holder, request, near, uid)
             steps.mark("booking")
             undo: Undo = [lambda: self._unbook(holder, holding)]
+            answered = False
+            info: LaunchInfo | None = None
             try:
                 units = core.grants.mig_units(container_id, holding)
                 aff = core.cpuset.affinity(container_id, holding.granted, units)
@@ -117,12 +136,26 @@ class PrepareHook:
                 rules = grant.rules
                 rec = core.new_record(container_id, holding, rules=rules, cpuset=held)
                 steps.mark("choice")
+                early = answer is not None and answers_early(Mode(core.settings.mode), config, holding)
+                if early:
+                    # The agent's cgroup is checked first (it exists, it is a whitelist: a refusal
+                    # still comes from Prepare); nothing is granted there before the record. Nothing
+                    # of the launch info waits on the disk or the kernel: the caller has it now, and
+                    # waits for Isolate, which takes this container's lock after us.
+                    core.grants.create(container_id)
+                    info = self._launch_info(container_id, config, grant, image_plan, undo, units, aff)
+                    steps.mark("launch info")
+                    assert answer is not None
+                    answer(info)
+                    answered = True
+                    steps.mark("answer")
                 core.store.record(rec)
                 steps.mark("state commit")
                 undo.append(lambda: self._forget(container_id))
                 undo.append(lambda: core.grants.revoke(container_id))
                 crashpoint("prepare.recorded")
-                core.grants.create(container_id)
+                if not early:
+                    core.grants.create(container_id)
                 crashpoint("prepare.cgroup")
                 core.grants.write(container_id, rules)
                 crashpoint("prepare.applied")
@@ -136,19 +169,23 @@ class PrepareHook:
                     # Fail closed: no sharer without its daemon and the limits set on it (docs/sharing.md).
                     core.mps.ensure(core.gpus[share.gpu], core.mps_plan(share.gpu))
                     core.end_lost_mps_sharers(spare=container_id)  # a daemon found dead under others
-                info = self._launch_info(
-                    container_id,
-                    config,
-                    grant,
-                    image_plan,
-                    undo,
-                    units,
-                    aff,
-                    self._mps_client(rec),  # what was just recorded: no read back (issue 45)
-                )
-                steps.mark("launch info")
-            except BaseException:
+                if not early:
+                    info = self._launch_info(
+                        container_id,
+                        config,
+                        grant,
+                        image_plan,
+                        undo,
+                        units,
+                        aff,
+                        self._mps_client(rec),  # what was just recorded: no read back (issue 45)
+                    )
+                    steps.mark("launch info")
+            except BaseException as exc:
                 self._undo(container_id, undo)
+                if answered:
+                    # The caller has its answer and goes on to Isolate, which must fail with this.
+                    core.failed_after_answer.put(container_id, exc)
                 raise
         mig_note = f", MIG devices [{migunits.visible_devices(units)}]" if units else ""
         if holding.share is not None:
@@ -165,6 +202,11 @@ class PrepareHook:
             steps,
         )
         return info
+
+    def prepare_early(
+        self, container_id: ContainerId, config: ContainerConfig, answer: Callable[[LaunchInfo | None], None]
+    ) -> LaunchInfo | None:
+        return self.prepare(container_id, config, answer)
 
     def _refuse_populated(self, cid: ContainerId) -> None:
         """A cgroup that already holds processes would hand them the new GPUs without any Isolate

@@ -37,6 +37,7 @@ class GrpcProxy:
         self.open: Counter[str] = Counter()  # calls open now
         self.max_open: Counter[str] = Counter()  # the most calls open at once
         self.requests: dict[str, list[bytes]] = {}  # each call's request bytes, per method, in order
+        self.replies: dict[str, list[bytes]] = {}  # each forwarded call's answer bytes, per method, in order
         self._lock = threading.Lock()
         self._holds: dict[str, list[threading.Event]] = {}
         self._refusals: dict[str, list[int]] = {}
@@ -117,6 +118,8 @@ class GrpcProxy:
             except grpc.RpcError as exc:
                 context.set_trailing_metadata(tuple(exc.trailing_metadata() or ()))
                 context.abort(exc.code(), exc.details() or "")
+            with self._lock:
+                self.replies.setdefault(method, []).append(response)
             return response
         finally:
             with self._lock:

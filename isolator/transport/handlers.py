@@ -21,6 +21,7 @@ from typing import Any
 from isolator import __version__, model
 from isolator.core.api import UPDATE_READS, IsolatorApi
 from isolator.errors import ContainerGone, DeadlineExceeded, Internal, IsolatorError
+from isolator.model import LaunchInfo
 from isolator.rpc import isolator_pb2 as pb
 from isolator.transport import peergate
 from isolator.transport.convert import (
@@ -66,6 +67,9 @@ class CallFacts:
     # ``time.monotonic()`` by which the caller gives up; None: it set no deadline.
     deadline: float | None
     route: str  # GRPC or BRIDGE
+    # Where a handler may send its answer before it ends (gRPC's Prepare: serving.Dispatcher.run);
+    # None: the answer is what the handler returns.
+    early: Callable[[Any], None] | None = None
 
     def remaining(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
@@ -147,6 +151,14 @@ class Handlers:
                 observe(self.observer, hook, code, time.perf_counter() - started, response)
 
 
+def _prepared(info: LaunchInfo | None, *, unawaited: bool) -> pb.PrepareResponse:
+    if info is None:
+        return pb.PrepareResponse(update_reads=UPDATE_READS, isolate_unawaited=unawaited)
+    return pb.PrepareResponse(
+        launch_info=launch_info_to_proto(info), update_reads=UPDATE_READS, isolate_unawaited=unawaited
+    )
+
+
 class IsolatorHandlers(Handlers):
     """The Isolator service's hooks (include/mesos/slave/isolator.hpp)."""
 
@@ -165,15 +177,25 @@ class IsolatorHandlers(Handlers):
 
     def Prepare(self, request: pb.PrepareRequest, call: CallFacts) -> pb.PrepareResponse:
         cid = container_id_from_proto(request.container_id)
-        info = self._service.prepare(cid, config_from_proto(request.container_config))
-        # With the answer, what an Update acts on (the module answers itself one that changes none of
-        # it), and whether the launch must wait for the Isolate.
-        unawaited = not self._service.isolate_awaited(cid)
-        if info is None:
-            return pb.PrepareResponse(update_reads=UPDATE_READS, isolate_unawaited=unawaited)
-        return pb.PrepareResponse(
-            launch_info=launch_info_to_proto(info), update_reads=UPDATE_READS, isolate_unawaited=unawaited
-        )
+        config = config_from_proto(request.container_config)
+        early = call.early
+        if early is None:
+            info = self._service.prepare(cid, config)
+            # With the answer, what an Update acts on (the module answers itself one that changes
+            # none of it), and whether the launch must wait for the Isolate.
+            return _prepared(info, unawaited=not self._service.isolate_awaited(cid))
+        answered: list[pb.PrepareResponse] = []
+
+        def answer(info: LaunchInfo | None) -> None:
+            # Before the grant is durable and in force: the launch must wait for the Isolate, which
+            # answers once it is (docs/mesos-agent.md, "Prepare answers before its grant is in force").
+            answered.append(_prepared(info, unawaited=False))
+            early(answered[0])
+
+        info = self._service.prepare_early(cid, config, answer)
+        if answered:
+            return answered[0]
+        return _prepared(info, unawaited=not self._service.isolate_awaited(cid))
 
     def Isolate(self, request: pb.IsolateRequest, call: CallFacts) -> pb.IsolateResponse:
         caller = peergate.caller_pid(call.peer)  # the gate's SO_PEERCRED: whose pid may be moved

@@ -34,6 +34,7 @@ import collections
 import contextlib
 import ctypes
 import ctypes.util
+import dataclasses
 import logging
 import threading
 import time
@@ -71,6 +72,8 @@ IDLE_TIMEOUT_S = 30.0
 TRIM_AFTER_WATCHES = 64
 # Methods that free what the sidecar holds: never refused for load, never queued behind others.
 URGENT = frozenset({"Cleanup"})
+# Methods whose handler may answer before it ends (``CallFacts.early``; Dispatcher.execute_early).
+ANSWERS_EARLY = frozenset({"Prepare"})
 
 
 def _malloc_trim() -> Callable[[], None]:
@@ -351,9 +354,48 @@ class Dispatcher:
         if busy is not None:
             await abort(context, busy, method)
         try:
+            if method in ANSWERS_EARLY:
+                return await self.execute_early(method, size, handlers, request, call)
             return await self.execute(method, size, handlers.handle, method, request, call)
         except IsolatorError as exc:
             await abort(context, exc, method)
+
+    async def execute_early(self, method: str, size: int, handlers: Handlers, request: Any, call: CallFacts) -> Any:
+        """``execute`` for a handler that may answer before it ends (``CallFacts.early``): the caller
+        gets the first answer, early or returned, or the handler's error if none came first; the call
+        is counted out when the handler ends, so a worker still busy with it counts against the limit."""
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[Any] = loop.create_future()
+
+        def early(response: Any) -> None:  # on the worker
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the server stopped
+                loop.call_soon_threadsafe(_settle, answer, response, None)
+
+        def ended(done: futures.Future[Any]) -> None:  # on the worker, or here if cancelled
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._ended_early, answer, done, method, size)
+
+        try:
+            running = self.pool.submit(handlers.handle, method, request, dataclasses.replace(call, early=early))
+        except BaseException:
+            self.release(method, size)
+            raise
+        running.add_done_callback(ended)
+        try:
+            return await answer
+        except asyncio.CancelledError:
+            running.cancel()  # its caller gave up: dropped if it has not started
+            raise
+
+    def _ended_early(self, answer: asyncio.Future[Any], done: futures.Future[Any], method: str, size: int) -> None:
+        """On the loop, when an ``execute_early`` handler ended: counted out, its result or error the
+        answer if it did not answer early."""
+        self.release(method, size)
+        if done.cancelled():
+            if not answer.done():
+                answer.cancel()
+            return
+        _settle(answer, None if done.exception() else done.result(), done.exception())
 
     def _trim(self) -> None:
         # Off the loop: trimming a fragmented heap takes milliseconds.
@@ -388,6 +430,16 @@ class Dispatcher:
 
     def shutdown(self) -> None:
         self.pool.shutdown()
+
+
+def _settle(answer: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    """On the loop: the first of an early answer and the handler's end is the call's answer."""
+    if answer.done():
+        return
+    if error is not None:
+        answer.set_exception(error)
+    else:
+        answer.set_result(result)
 
 
 def unary_handlers(

@@ -71,8 +71,16 @@ def _criteo_hooks(cluster: Cluster, gate_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def proxied(mesos_home: str) -> Iterator[tuple[Cluster, GrpcProxy]]:
-    """A native agent whose module reaches the sidecar through a proxy that can hold or refuse calls."""
-    cluster = Cluster(mesos_home, gpus=8, route=Route.NATIVE, sidecar_flags=NO_REAPER)
+    """A native agent whose module reaches the sidecar through a proxy that can hold or refuse calls.
+    GPUs 6 and 7 are shared four ways (time-sliced): a sharer's Prepare answers only once its grant is
+    in force, a whole GPU's before (docs/mesos-agent.md, "Prepare answers before its grant is in force")."""
+    cluster = Cluster(
+        mesos_home,
+        gpus=6,
+        route=Route.NATIVE,
+        resources="cpus:8;mem:4096;disk:4096;gpu_shares:8",
+        sidecar_flags=(*NO_REAPER, "--shared-gpus", "6-7:4:time-slice"),
+    )
     agent = cluster.agents[0]
     proxy = GrpcProxy(os.path.join(agent.work, "sidecar", "s.sock"), os.path.join(cluster.work, "proxy.sock"))
     cluster.module_socket = proxy.path
@@ -228,14 +236,15 @@ def test_an_update_that_changes_nothing_the_sidecar_acts_on_is_not_sent(proxied:
 def test_a_launch_goes_on_without_waiting_for_its_isolate_and_the_watch_opens_only_after_it(
     proxied: tuple[Cluster, GrpcProxy],
 ) -> None:
-    # Prepare's answer said the launch need not wait for Isolate (mesos mode, cpu_affinity hint): with
-    # the Isolate held at the proxy, the agent goes on and starts the executor, which registers; the
-    # container's Watch (asked before the Isolate) still waits for the Isolate to end.
+    # A sharer's Prepare answered once its grant was in force and said the launch need not wait for
+    # Isolate (mesos mode, cpu_affinity hint): with the Isolate held at the proxy, the agent goes on
+    # and starts the executor, which registers; the container's Watch (asked before the Isolate)
+    # still waits for the Isolate to end.
     cluster, proxy = proxied
     agent = cluster.agents[0]
     mark = len(agent.log())
     isolates, watches = proxy.calls["Isolate"], proxy.calls["Watch"]
-    with _launched_with_a_held(proxy, "Isolate", lambda: probe(cluster, gpus=1)) as task:
+    with _launched_with_a_held(proxy, "Isolate", lambda: probe(cluster, gpus=0, shares=1)) as task:
         wait_for(
             "the executor's registration", lambda: "Got registration for executor" in agent.log()[mark:] or None, 60
         )
@@ -248,6 +257,25 @@ def test_a_launch_goes_on_without_waiting_for_its_isolate_and_the_watch_opens_on
     _free(cluster)
 
 
+def test_a_launch_whose_prepare_answered_early_waits_for_its_isolate(proxied: tuple[Cluster, GrpcProxy]) -> None:
+    # A whole GPU's Prepare answers before its grant is on disk and in force, and says the launch
+    # must wait for Isolate, which answers once it is: with the Isolate held at the proxy, the
+    # executor is not started (the agent signals its launcher only once every isolate answered).
+    cluster, proxy = proxied
+    agent = cluster.agents[0]
+    mark = len(agent.log())
+    with _launched_with_a_held(proxy, "Isolate", lambda: probe(cluster, gpus=1)) as task:
+        time.sleep(3)
+        assert "Got registration for executor" not in agent.log()[mark:], "the executor started before Isolate"
+        assert task.state in (None, "TASK_STARTING"), task.updates()
+        replies = [pb.PrepareResponse.FromString(r) for r in proxy.replies.get("Prepare", [])]
+        assert replies and replies[-1].isolate_unawaited is False, replies[-1:]
+    task.wait("TASK_FINISHED")
+    assert len(opened_gpus(task.stdout())) == 1
+    task.wait_gone()
+    _free(cluster)
+
+
 def test_an_isolate_the_launch_did_not_wait_for_that_fails_ends_the_task_as_a_failed_launch(
     proxied: tuple[Cluster, GrpcProxy],
 ) -> None:
@@ -255,7 +283,7 @@ def test_an_isolate_the_launch_did_not_wait_for_that_fails_ends_the_task_as_a_fa
     agent = cluster.agents[0]
     mark = len(agent.log())
     proxy.fail("Isolate", grpc.StatusCode.FAILED_PRECONDITION, "proxy: this Isolate fails (test)")
-    with _launched_with_a_held(proxy, "Isolate", lambda: probe(cluster, gpus=1, seconds=60)) as task:
+    with _launched_with_a_held(proxy, "Isolate", lambda: probe(cluster, gpus=0, shares=1, seconds=60)) as task:
         pass  # the launch went on: the task's executor starts while the Isolate is held
     update = task.wait("TASK_FAILED", timeout=60)
     assert update.reason == "REASON_CONTAINER_LAUNCH_FAILED", update

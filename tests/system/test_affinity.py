@@ -208,12 +208,14 @@ def test_mesos_mode_holds_the_container_in_a_cpuset_of_our_own_removed_at_cleanu
         agent = MesosCgroups("v1", sidecar.cgroup_parent)
         agent.prepare(["a"], {})
         isolator.prepare(container_id("a"), gpus(1))
+        pid, nested = spawn(sleepers), spawn(sleepers)
+        agent.place(["a"], pid)
+        # Prepare may answer before its grant and cpuset exist; the launch waits for Isolate, and
+        # they exist when it answers (docs/mesos-agent.md, "Prepare answers before its grant is in force").
+        isolator.isolate(container_id("a"), pid)
         minor = minor_of(sidecar, "a")
         ours = cpuset_dir(sidecar, "a", mesos=True)
         assert os.path.isdir(ours) and not os.path.exists(cpuset_dir(sidecar, "a"))
-        pid, nested = spawn(sleepers), spawn(sleepers)
-        agent.place(["a"], pid)
-        isolator.isolate(container_id("a"), pid)
         assert allowed(pid) == (str(minor), "0")
         # A nested container's pid comes from the agent, not from its parent: Isolate places it too.
         agent.place(["a"], nested)

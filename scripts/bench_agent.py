@@ -248,8 +248,12 @@ def _handler_steps(log: str, line: re.Pattern[str]) -> dict[str, list[float]]:
         if m is None:
             continue
         out.setdefault("total", []).append(float(m.group(2)))
-        for name, ms in SIDECAR_STEP.findall(m.group(3)):
-            out.setdefault(name, []).append(float(ms))
+        steps = [(name, float(ms)) for name, ms in SIDECAR_STEP.findall(m.group(3))]
+        for name, ms in steps:
+            out.setdefault(name, []).append(ms)
+        names = [name for name, _ in steps]
+        if "answer" in names:  # a Prepare that answered early: its time to the answer
+            out.setdefault("answered", []).append(sum(ms for _, ms in steps[: names.index("answer") + 1]))
     return out
 
 
@@ -783,10 +787,18 @@ def render_native(a: dict[str, Any]) -> list[str]:
     for hook in ("prepare", "isolate"):
         steps = a["configs"].get("native", {}).get(f"sidecar_{hook}_ms")
         if steps and "total" in steps:
-            parts = ", ".join(f"{name} {v['median_ms']:.2f}" for name, v in steps.items() if name != "total")
+            parts = ", ".join(
+                f"{name} {v['median_ms']:.2f}" for name, v in steps.items() if name not in ("total", "answered")
+            )
+            early = steps.get("answered")
+            answered = (
+                f"; {early['n']} answered early, after {early['median_ms']:.2f} ms (the steps after 'answer' follow it)"
+                if early
+                else ""
+            )
             lines.append(
                 f"   native: the sidecar's {hook} handler (its log, median of {steps['total']['n']}):"
-                f" {steps['total']['median_ms']:.2f} ms ({parts})"
+                f" {steps['total']['median_ms']:.2f} ms ({parts}){answered}"
             )
     cycle, floor = a["configs"].get("native", {}).get("cycle", {}), a.get("raw_floor", {})
     if cycle.get("n") and floor.get("p50_ms"):

@@ -61,7 +61,7 @@ class IsolatorApi(Protocol):
         raise Unimplemented(hook="Isolate")
 
     # Whether the launch must wait for this container's Isolate (said on Prepare's answer by the
-    # transport; docs/mesos-agent.md, "A launch waits for Isolate only when"). Unknown here: it
+    # transport; docs/mesos-agent.md, "a launch waits for Isolate only when"). Unknown here: it
     # must (fail closed).
     def isolate_awaited(self, container_id: ContainerId) -> bool:
         return True

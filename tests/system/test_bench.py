@@ -172,6 +172,14 @@ def test_the_agent_part_reads_our_modules_own_hook_lines_and_the_sidecars_prepar
         "rules": [0.70],
         "launch info": [0.50],
     }
+    # A Prepare that answered early (issue 45): its time to the answer is the steps up to 'answer'.
+    early = sidecar_log.replace(
+        "in 2.61 ms (booking 0.30, choice 0.21, state commit 0.90, rules 0.70, launch info 0.50)",
+        "in 2.71 ms (booking 0.30, choice 0.21, launch info 0.05, answer 0.10, state commit 1.35, rules 0.70)",
+    )
+    steps = bench_agent.sidecar_prepare_steps(early)
+    assert steps["answered"] == [pytest.approx(0.66)] and steps["total"] == [2.71]
+    assert steps["state commit"] == [1.35] and "answered" not in bench_agent.sidecar_prepare_steps(sidecar_log)
 
 
 def test_the_agent_part_prints_the_native_breakdown_the_hook_cycle_against_the_floor_and_the_faults():
@@ -190,7 +198,11 @@ def test_the_agent_part_prints_the_native_breakdown_the_hook_cycle_against_the_f
                 "agent_running": s(345),
                 "hooks": {"prepare": s(4.0), "isolate": s(3.0), "cleanup": s(3.0), "update, unsent": s(0.01)},
                 "cycle": {"n": 3, "p50_ms": 10.0, "p99_ms": 20.0},
-                "sidecar_prepare_ms": {"total": {"n": 3, "median_ms": 2.5}, "booking": {"n": 3, "median_ms": 0.3}},
+                "sidecar_prepare_ms": {
+                    "total": {"n": 3, "median_ms": 2.5},
+                    "booking": {"n": 3, "median_ms": 0.3},
+                    "answered": {"n": 2, "median_ms": 0.7},
+                },
             },
         },
         "raw_floor": {"cycles": 20, "p50_ms": 0.2, "p99_ms": 0.5},
@@ -204,7 +216,7 @@ def test_the_agent_part_prints_the_native_breakdown_the_hook_cycle_against_the_f
         "xid": {},
     }
     text = "\n".join(bench_agent.render(result))
-    assert "prepare handler (its log, median of 3): 2.50 ms (booking 0.30)" in text
+    assert "prepare handler (its log, median of 3): 2.50 ms (booking 0.30); 2 answered early, after 0.70 ms" in text
     assert "3 containers): p50 10.00 ms = 50.0x, p99 20.00 ms = 40.0x the raw kernel floor on cgroup v1" in text
     assert "   update, unsent" in text
     assert "sidecar down for good: submit -> TASK_FAILED 6.00 s; the module waited 5.00 s for Prepare, 0.00 s" in text

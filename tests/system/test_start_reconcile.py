@@ -19,7 +19,7 @@ from invariants import Observer, quick_sidecar, read_records
 from isolator.daemon.crashpoints import ENV
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
-from isolator.testing.mesos import GrpcIsolator, HookFailed, container_id
+from isolator.testing.mesos import GrpcIsolator, HookFailed, MesosCgroups, container_id
 
 pytestmark = [pytest.mark.root]
 
@@ -110,3 +110,50 @@ def test_a_stray_cgroup_under_our_root_that_allows_every_device_is_denied_before
         assert Observer(sidecar, GPUS).problems() == []
         assert read_records(sidecar.work) == {}
         os.rmdir(os.path.join(sidecar.cgroup_parent, "stray"))
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("point", ["state.commit:1", "prepare.recorded:1"])
+def test_a_kill_after_an_early_prepare_answer_gives_no_task_a_grant_that_is_not_in_force(version, point):
+    # A whole GPU's Prepare under the agent answers before its grant is on disk and in force, and the
+    # agent goes on to Isolate (docs/mesos-agent.md, "Prepare answers before its grant is in force").
+    # Killed before the commit, the restarted sidecar holds nothing of the container: the Isolate
+    # fails and the launch with it. Killed after it, before the rules: the start repairs the grant
+    # before serving, and the Isolate answers with it in force.
+    with quick_sidecar("dgx-1", version, extra=("--mode", "mesos"), env={ENV: point}) as sidecar:
+        agent = MesosCgroups(version, sidecar.cgroup_parent)
+        agent.prepare(["victim"], {})
+        isolator = GrpcIsolator(sidecar.socket)
+        try:
+            isolator.prepare(container_id("victim"), gpus(1))
+            answered = True
+        except HookFailed as exc:  # the kill came before the answer left the event loop
+            assert exc.code == "UNAVAILABLE", exc
+            answered = False
+        assert sidecar.died() == -9, sidecar.log()
+        isolator.close()
+        sidecar.env = {}
+        sidecar.start()
+        isolator = GrpcIsolator(sidecar.socket)
+        sleeper = subprocess.Popen(["sleep", "60"])
+        try:
+            agent.place(["victim"], sleeper.pid)
+            if point.startswith("state.commit"):
+                with pytest.raises(HookFailed) as info:
+                    isolator.isolate(container_id("victim"), sleeper.pid)
+                assert info.value.code == "NOT_FOUND", info.value
+                assert read_records(sidecar.work).get("victim") is None
+            elif answered:  # else the agent fails the launch at its Prepare, as before
+                isolator.isolate(container_id("victim"), sleeper.pid)
+                assert len(read_records(sidecar.work)["victim"]) == 1
+                # Its cgroup grants exactly the recorded GPU. (The Observer's probe joins the
+                # container's cgroup itself, which on v2 is not where Mesos's layout runs its pids,
+                # <id>/leaf: it is judged on v1.)
+                if version == "v1":
+                    assert Observer(sidecar, GPUS).problems() == []
+        finally:
+            sleeper.kill()
+            sleeper.wait()
+        isolator.cleanup(container_id("victim"))
+        isolator.close()
+        agent.destroy(["victim"])

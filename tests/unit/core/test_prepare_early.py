@@ -131,3 +131,18 @@ def test_a_container_without_the_agent_s_cgroup_is_refused_before_any_answer(rig
     with pytest.raises(CgroupVanished):
         rig.service.prepare_early(cid("a"), gpus(1), answers.append)
     assert answers == [] and free(rig) == before and rig.store.get(cid("a")) is None
+
+
+def test_isolate_puts_a_recorded_grant_the_kernel_lacks_in_force_before_it_answers(rig: Rig) -> None:
+    # Whatever left a record without its rules (a kill between the two, before the start's repair or
+    # the audit reached it; someone's write), the agent's Isolate must not answer while the kernel
+    # lacks the grant: the task is exec'd once it answers.
+    a = cid("a")
+    rig.cgroups.mesos_creates(a)
+    rig.service.prepare(a, gpus(1))
+    core = rig.service.core
+    with core.locks.hold(a):
+        core.grants.revoke(a)  # recorded, nothing of ours in the kernel
+    assert granted(rig, a) == [] and len(held(rig, a)) == 1
+    rig.service.isolate(a, launched(rig, a))
+    assert granted(rig, a) == held(rig, a)

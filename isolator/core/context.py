@@ -58,6 +58,7 @@ from isolator.model import (
     ShareMode,
     key_root,
 )
+from isolator.policy import drift
 from isolator.policy.affinity import Affinity
 from isolator.policy.shares import ShareSpec
 
@@ -220,6 +221,27 @@ class Core:
     def describe(self, cid: ContainerId, minors: frozenset[int]) -> str:
         gpus = ", ".join(f"{m} ({self.gpus[m].uuid})" for m in sorted(minors) if m in self.gpus)
         return f"container {cid} (cgroup '{self.cgroups.cgroup_path(cid.root)}', GPUs [{gpus}])"
+
+    def compare_with_kernel(self, cid: ContainerId, rec: ContainerRecord) -> drift.Drift:
+        """The record against the rules in force on its cgroup (the one comparison: policy.drift)."""
+        return drift.compare(rec.rules, rec.holding, self.cgroups.in_force(cid), self.gpus)
+
+    def grant_recorded_gpus(self, cid: ContainerId, rec: ContainerRecord, when: str) -> None:
+        """Make the kernel grant the recorded GPUs (whole, plus MIG devices, whose parents' nodes are
+        what the comparison sees of them) if it grants others; logged, ``when`` naming the moment.
+        The caller holds the container's lock."""
+        found = self.compare_with_kernel(cid, rec)
+        if found.gpus_agree:
+            return
+        LOG.warning(
+            "%s: the kernel grants %s GPUs %s (%s), recorded %s; applying the record",
+            when,
+            cid,
+            list(found.granted) if found.present else "nothing of ours",
+            found.source,
+            list(found.recorded),
+        )
+        self.grants.apply(cid, rec.holding.gpus)
 
     def require(self, cid: ContainerId) -> ContainerRecord:
         rec = self.store.get(cid)

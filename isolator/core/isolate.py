@@ -11,7 +11,7 @@ from isolator.core.steps import Steps
 from isolator.crashpoints import crashpoint
 from isolator.errors import FailedPrecondition, InvalidArgument, IsolatorError
 from isolator.model import UNKNOWN_CALLER, ContainerId, ContainerRecord, Mode, RecordState
-from isolator.policy import drift, placement
+from isolator.policy import placement
 from isolator.policy.affinity import format_list
 
 LOG = logging.getLogger(__name__)
@@ -63,7 +63,10 @@ class IsolateHook:
                 )
             rec = core.require(container_id.root)
             if core.settings.mode == Mode.MESOS and not container_id.nested:
-                self._grant_in_force(container_id, rec)
+                # The task is exec'd once this answers: the recorded GPUs are what the kernel grants.
+                # A Prepare that answered early put them in force before it let go of the lock; a
+                # sidecar killed between its record and its rules did not (docs/mesos-agent.md).
+                core.grant_recorded_gpus(container_id, rec, "isolate")
                 steps.mark("grant")
             target = core.grants.governing(container_id)
             seen = ""
@@ -84,24 +87,6 @@ class IsolateHook:
                 steps.mark("state commit")
         # The handler's own time, step by step, as Prepare's (issue 45).
         LOG.info("isolated pid %d in %s%s in %s", pid, core.describe(container_id, rec.holding.gpus), seen, steps)
-
-    def _grant_in_force(self, cid: ContainerId, rec: ContainerRecord) -> None:
-        """Mesos mode: the recorded GPUs are what the kernel grants before Isolate answers. A Prepare
-        that answered early put them in force before it let go of the container's lock; a sidecar
-        killed between its record and its rules did not, and the agent went on to Isolate after the
-        restart: the record is applied now, so the task never runs with a grant that is not in force."""
-        core = self.core
-        found = drift.compare(rec.rules, rec.holding, core.cgroups.in_force(cid), core.gpus)
-        if found.gpus_agree:
-            return
-        LOG.warning(
-            "isolate: the kernel grants %s GPUs %s (%s), recorded %s; applying the record",
-            cid,
-            list(found.granted) if found.present else "nothing of ours",
-            found.source,
-            list(found.recorded),
-        )
-        core.grants.apply(cid, rec.holding.gpus)
 
     def isolate_awaited(self, container_id: ContainerId) -> bool:
         """Whether a launch must wait for this container's Isolate (placement.launch_waits_for_isolate);

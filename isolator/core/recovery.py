@@ -115,11 +115,6 @@ class Recovery:
             return None
         return drift.cpuset_drift(recorded, core.cpusets.current(cid), core.cpusets.path(cid))
 
-    def _compare(self, cid: ContainerId, rec: ContainerRecord) -> drift.Drift:
-        """The record against the rules in force on its cgroup (the one comparison: policy.drift)."""
-        core = self.core
-        return drift.compare(rec.rules, rec.holding, core.cgroups.in_force(cid), core.gpus)
-
     def _enforce_record(self, cid: ContainerId, rec: ContainerRecord) -> None:
         """Make the kernel grant what is recorded: its GPUs whole, plus its MIG devices (their
         parents' nodes are what the GPU-level comparison sees of them)."""
@@ -128,16 +123,7 @@ class Recovery:
             self._restore_cgroup(cid, rec.holding.gpus)
         elif not core.cgroups.exists(cid):
             return  # Mesos has not made it yet, or destroyed it: the reaper's and Recover's business
-        found = self._compare(cid, rec)
-        if not found.gpus_agree:
-            LOG.warning(
-                "start: the kernel grants %s GPUs %s (%s), recorded %s; applying the record",
-                cid,
-                list(found.granted) if found.present else "nothing of ours",
-                found.source,
-                list(found.recorded),
-            )
-            core.grants.apply(cid, rec.holding.gpus)
+        core.grant_recorded_gpus(cid, rec, "start")
 
     def _adopt_or_deny(self, unrecorded: list[ContainerId], records: dict[ContainerId, ContainerRecord]) -> None:
         core = self.core
@@ -302,7 +288,7 @@ class Recovery:
             if core.settings.mode == Mode.MESOS:
                 return None
             return f"its cgroup '{core.cgroups.cgroup_path(cid)}' is gone"
-        return self._compare(cid, rec).finding(strict=core.settings.mode == Mode.STANDALONE)
+        return core.compare_with_kernel(cid, rec).finding(strict=core.settings.mode == Mode.STANDALONE)
 
     def reap_vanished(self) -> list[ContainerId]:
         """Release containers whose Mesos cgroup is gone (mesos mode only).

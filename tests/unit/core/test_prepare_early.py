@@ -146,3 +146,21 @@ def test_isolate_puts_a_recorded_grant_the_kernel_lacks_in_force_before_it_answe
     assert granted(rig, a) == [] and len(held(rig, a)) == 1
     rig.service.isolate(a, launched(rig, a))
     assert granted(rig, a) == held(rig, a)
+
+
+def test_the_core_applies_a_record_only_where_the_kernel_grants_other_gpus(rig: Rig) -> None:
+    # The one step behind Isolate's check and the start's repair (Core.grant_recorded_gpus).
+    a = cid("a")
+    rig.cgroups.mesos_creates(a)
+    rig.service.prepare(a, gpus(1))
+    core = rig.service.core
+    rec = rig.store.get(a)
+    assert rec is not None and core.compare_with_kernel(a, rec).gpus_agree
+    with core.locks.hold(a):
+        applies = rig.cgroups.faults.hits["apply"]
+        core.grant_recorded_gpus(a, rec, "test")
+        assert rig.cgroups.faults.hits["apply"] == applies, "applied although the kernel agreed"
+        core.grants.revoke(a)
+        assert not core.compare_with_kernel(a, rec).gpus_agree
+        core.grant_recorded_gpus(a, rec, "test")
+    assert core.compare_with_kernel(a, rec).gpus_agree and granted(rig, a) == held(rig, a)

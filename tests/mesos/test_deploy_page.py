@@ -26,7 +26,7 @@ from docpage import VALUE, sh_blocks, with_values
 
 from isolator.testing.cgroupfs import TEST_PARENT, remove_cgroup_tree
 from isolator.testing.cluster import Cluster
-from isolator.testing.mesoshome import free_port, unmount_below, v1_hierarchies
+from isolator.testing.mesoshome import listen_port_outside_ephemeral, unmount_below, v1_hierarchies
 
 PAGE = os.path.join(paths.ROOT, "docs", "deploy.md")
 
@@ -63,6 +63,12 @@ def _stop(pid_file: str) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+def _text(output: bytes | str | None) -> str:
+    if isinstance(output, bytes):
+        return output.decode(errors="replace")
+    return output or ""
+
+
 def test_deploy_page_runs_as_written_to_a_gpu_task_through_our_module(mesos_home: str, work: str) -> None:
     blocks = page_blocks()
     state = os.path.join(work, "sidecar")
@@ -73,7 +79,7 @@ def test_deploy_page_runs_as_written_to_a_gpu_task_through_our_module(mesos_home
             "MESOS_HOME": mesos_home,
             "MASTER": cluster.master_address,
             "AGENT_IP": "127.0.0.1",
-            "AGENT_PORT": str(free_port()),
+            "AGENT_PORT": str(listen_port_outside_ephemeral()),
             "AGENT_WORK": os.path.join(work, "agent"),
             "AGENT_RUNTIME": os.path.join(work, "agent-run"),
             "AGENT_RESOURCES": "cpus:2;mem:1024;disk:1024;gpus:8",
@@ -89,6 +95,7 @@ def test_deploy_page_runs_as_written_to_a_gpu_task_through_our_module(mesos_home
             "GPU_CHECK": f"python3 {PROBE} {state}/simhost/dev 0",
         }
         script = with_values(blocks[0], values) + "\n".join(blocks[1:])
+        timed_out: subprocess.TimeoutExpired | None = None
         try:
             run = subprocess.run(
                 ["bash", "-eu", "-c", script],
@@ -98,6 +105,8 @@ def test_deploy_page_runs_as_written_to_a_gpu_task_through_our_module(mesos_home
                 timeout=420,
                 start_new_session=True,
             )
+        except subprocess.TimeoutExpired as expired:
+            timed_out = expired
         finally:
             _stop(os.path.join(logs, "agent.pid"))
             _stop(os.path.join(logs, "sidecar.pid"))
@@ -106,11 +115,21 @@ def test_deploy_page_runs_as_written_to_a_gpu_task_through_our_module(mesos_home
                     remove_cgroup_tree(os.path.join(mount, cgroups_root))
             unmount_below(values["AGENT_WORK"])
 
-        def agent_log() -> str:
-            with contextlib.suppress(OSError), open(os.path.join(logs, "agent.log"), errors="replace") as fh:
+        def log_of(name: str) -> str:
+            with contextlib.suppress(OSError), open(os.path.join(logs, name), errors="replace") as fh:
                 return fh.read()
             return ""
 
+        def agent_log() -> str:
+            return log_of("agent.log")
+
+        if timed_out is not None:
+            # Everything a reader needs to tell a hung page from a slow host, read before `work` goes.
+            out, err = (_text(timed_out.stdout), _text(timed_out.stderr))
+            pytest.fail(
+                f"the page ran past {timed_out.timeout} s\nstdout:\n{out[-4000:]}\nstderr:\n{err[-3000:]}\n"
+                f"agent:\n{agent_log()[-6000:]}\nsidecar:\n{log_of('sidecar.log')[-4000:]}"
+            )
         said = f"stdout:\n{run.stdout[-4000:]}\nstderr:\n{run.stderr[-4000:]}\nagent:\n{agent_log()[-3000:]}"
         assert run.returncode == 0, said
         assert "TASK_FINISHED" in run.stdout, said

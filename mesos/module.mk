@@ -53,8 +53,21 @@ module-deps:
 
 module: $(MODULE_SO)
 	@[ -n "$(MODULE_MESOS_VERSION)" ] || { echo "make module: no Mesos at MESOS_HOME='$(MODULE_MESOS_HOME)'" >&2; exit 1; }
-	@mkdir -p build && cp -f $(MODULE_SO) build/libgpu_isolator_module.so
+	@# Renamed into place: an agent loading the copy never reads half of it.
+	@mkdir -p build && cp -f $(MODULE_SO) build/.libgpu_isolator_module.so.$$$$ && \
+		mv -f build/.libgpu_isolator_module.so.$$$$ build/libgpu_isolator_module.so
 	@echo "built $(MODULE_SO) for Mesos $(MODULE_MESOS_VERSION) (and build/libgpu_isolator_module.so)"
+
+# `make module-install MODULE_DEST=DIR`: the module for MESOS_HOME's version, built if needed and installed
+# as DIR/libgpu_isolator_module.so from that version's own build/mesos-<version>/. Not from the copy at
+# build/libgpu_isolator_module.so, which is whichever version's `make module` ran last: two versions
+# built from one checkout at once (CI's test-mesos runs) made an agent load the other's and abort.
+MODULE_DEST ?=
+.PHONY: module-install
+module-install: module
+	@[ -n "$(MODULE_DEST)" ] || { echo "make module-install: say where it goes: MODULE_DEST=DIR" >&2; exit 2; }
+	install -D -m 0755 $(MODULE_SO) $(MODULE_DEST)/libgpu_isolator_module.so
+	@echo "installed $(MODULE_DEST)/libgpu_isolator_module.so for Mesos $(MODULE_MESOS_VERSION)"
 
 # wire.proto (the metadata keys' and the bridge framing's names) has no service: messages only.
 $(MODULE_GEN)/gpuisolator/v1/isolator.grpc.pb.cc: $(MODULE_PROTO) $(MODULE_WIRE_PROTO)

@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: all install proto proto-check build check lint typecheck test test-unit test-gpu test-mesos test-node demo bench soak mutation clean dist
+.PHONY: all install proto proto-check build check lint typecheck test test-crash test-unit test-gpu test-mesos test-node demo bench soak mutation clean dist
 
 all: install build
 
@@ -64,6 +64,12 @@ check: lint typecheck proto-check
 TEST_WORKERS ?= 4
 test: install build
 	@scripts/test.sh $(TEST_WORKERS) $(PYTEST_ARGS)
+
+# The crash matrices: a SIGKILL at every crash point of the hooks (tests/system/test_crash.py,
+# test_shares_crash.py, test_mig_crash.py), each in a daemon of its own; `make test` leaves them out to
+# stay within its two minutes, .ci/run runs them right after it.
+test-crash: install build
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m crash_matrix $(PYTEST_ARGS)
 
 # The core in-process over the shipped fakes, the fakes' contract suite and the pure modules: no root,
 # no cgroups, no daemon, a few seconds. Runs as any user (real edges in the contract suite skip

@@ -41,9 +41,11 @@ if [ ! -e "$warmed" ] || [ -n "$(find isolator volumes tests -name '*.py' -newer
     touch "$warmed"
 fi
 
+# The crash matrices (marker crash_matrix: a kill at every crash point, a daemon each; a seventh of the
+# workers' time) are `make test-crash`'s, which .ci/run runs after this.
 # --dist loadgroup: tests marked xdist_group (a shared daemon, or a reading of a process's memory or
 # threads) stay together on one worker; the others go to whichever worker is free.
-.venv/bin/python -m pytest -n "$workers" --dist loadgroup -m "not bench" "$@"
+.venv/bin/python -m pytest -n "$workers" --dist loadgroup -m "not bench and not crash_matrix" "$@"
 tests_rc=$?
 tests_s=$(seconds "$started" "$(now)")
 

@@ -32,7 +32,7 @@ from isolator.daemon.crashpoints import ENV, POINTS
 from isolator.testing.mesos import GrpcIsolator, HookFailed, container_id, gpu_resource
 from isolator.testing.sidecar import TEST_PARENT
 
-pytestmark = [pytest.mark.root]
+pytestmark = [pytest.mark.root, pytest.mark.crash_matrix]
 
 VERSIONS = [pytest.param("v1", marks=pytest.mark.cgroup_v1), pytest.param("v2", marks=pytest.mark.cgroup_v2)]
 GPUS = 8  # dgx-1

@@ -27,7 +27,7 @@ from invariants import killed_and_recovered
 from isolator.rpc import isolator_pb2 as pb
 from isolator.testing.mesos import Containerizer, GrpcIsolator, container_id
 
-pytestmark = [pytest.mark.root]
+pytestmark = [pytest.mark.root, pytest.mark.crash_matrix]
 POINTS = ["prepare.recorded", "prepare.cgroup", "prepare.applied", "cleanup.cgroup", "state.commit"]
 # Issue 41: an update of its units, a release to 0 then (were it still running) a grow back to one.
 UPDATE_POINTS = ["update.revoked", "update.recorded", "update.grown"]

@@ -40,7 +40,7 @@ from invariants import killed_and_recovered
 
 from isolator.testing.mesos import Containerizer, GrpcIsolator, HookFailed, container_id
 
-pytestmark = [pytest.mark.root]
+pytestmark = [pytest.mark.root, pytest.mark.crash_matrix]
 POINTS = [
     "prepare.recorded",
     "prepare.cgroup",

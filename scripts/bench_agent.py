@@ -381,13 +381,39 @@ def _turns(configs: list[str], i: int) -> list[str]:
 
 def one_task(cluster: Cluster, name: str) -> tuple[float, float]:
     """A ``true`` task with ``gpus:1``: seconds from submit to TASK_RUNNING and to TASK_FINISHED as
-    mesos-execute shows them."""
+    mesos-execute shows them. Returns once the agent has destroyed its container (``_wait_cleaned``)."""
+    agent_log = cluster.agents[0].log_path
+    mark = os.path.getsize(agent_log)
     submitted = time.monotonic()
     task = cluster.submit("true", gpus=1, name=name)
     running = _wait_state(task.log_path, "TASK_RUNNING", name, 120) - submitted
     finished = _wait_state(task.log_path, "TASK_FINISHED", name, 120) - submitted
     task.proc.wait(60)
+    _wait_cleaned(agent_log, mark, name, 60)
     return running, finished
+
+
+def _wait_cleaned(path: str, offset: int, name: str, timeout: float) -> None:
+    """Until the agent's log (read from ``offset`` on) shows task ``name``'s executor cleaned up, which
+    it logs once its container is destroyed, every isolator's cleanup done. The command executor exits
+    a second after its task ends and the agent destroys the container then: a next task submitted
+    before that has its launch overlap this destroy, whose cost differs by configuration (criteo's
+    Cleanup runs a bridge process, ours a gRPC call). The configurations take turns in a fixed cycle,
+    so each would always follow the same other one and carry its destroy: a bias, not only noise."""
+    needle = f"Cleaning up executor '{name}'".encode()
+    deadline = time.monotonic() + timeout
+    seen = b""
+    with open(path, "rb") as fh:
+        fh.seek(offset)
+        while True:
+            chunk = fh.read()
+            if chunk:
+                seen = seen[-len(needle) :] + chunk
+                if needle in seen:
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the agent did not clean up task {name}'s executor in {timeout:g} s")
+            time.sleep(0.02)
 
 
 def inside_the_agent(log: str, names: list[str]) -> list[float]:

@@ -317,3 +317,31 @@ def test_the_agent_part_judges_issue_45s_goal_beyond_the_noise():
     lo, hi = bench_agent.bootstrap_diff([v + 0.020 for v in narrow], narrow)
     assert 0 < lo <= 0.020 <= hi
     assert bench_agent.bootstrap_diff(noisy, noisy) == bench_agent.bootstrap_diff(noisy, noisy)  # seeded
+
+
+def test_the_agent_part_starts_a_task_only_once_the_last_ones_container_is_destroyed(tmp_path):
+    import threading
+
+    import bench_agent
+
+    log = tmp_path / "agent.log"
+    old = "I1129 09:00:00.000000 1 slave.cpp:7229] Cleaning up executor 'bench-native-3' of framework f-0\n"
+    log.write_text(old)
+    offset = log.stat().st_size
+    # An earlier task's line before the offset is not this one's; a line split across two reads is.
+    with pytest.raises(TimeoutError, match="bench-native-3"):
+        bench_agent._wait_cleaned(str(log), offset, "bench-native-3", 0.1)
+
+    def agent_writes() -> None:
+        with open(log, "a") as fh:
+            fh.write("I1129 09:00:01.000000 1 slave.cpp:7229] Cleaning up exec")
+            fh.flush()
+            threading.Event().wait(0.05)
+            fh.write("utor 'bench-native-4' of framework f-0\n")
+
+    writer = threading.Thread(target=agent_writes)
+    writer.start()
+    bench_agent._wait_cleaned(str(log), offset, "bench-native-4", 10)
+    writer.join()
+    with pytest.raises(TimeoutError):
+        bench_agent._wait_cleaned(str(log), offset, "bench-native-40", 0.1)  # not a prefix match

@@ -70,7 +70,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from isolator.testing.cluster import Cluster  # noqa: E402
-from isolator.testing.mesoshome import find_mesos_home  # noqa: E402
+from isolator.testing.mesoshome import find_mesos_home, wait_for  # noqa: E402
 
 CONFIGS = ("none", "noop", "python", "c", "native", "gpu-nvidia")
 BURST_CONFIGS = ("none", "c", "native")
@@ -401,19 +401,15 @@ def _wait_cleaned(path: str, offset: int, name: str, timeout: float) -> None:
     Cleanup runs a bridge process, ours a gRPC call). The configurations take turns in a fixed cycle,
     so each would always follow the same other one and carry its destroy: a bias, not only noise."""
     needle = f"Cleaning up executor '{name}'".encode()
-    deadline = time.monotonic() + timeout
-    seen = b""
+    seen = bytearray()
     with open(path, "rb") as fh:
         fh.seek(offset)
-        while True:
-            chunk = fh.read()
-            if chunk:
-                seen = seen[-len(needle) :] + chunk
-                if needle in seen:
-                    return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the agent did not clean up task {name}'s executor in {timeout:g} s")
-            time.sleep(0.02)
+
+        def cleaned() -> bool:
+            seen.extend(fh.read())  # only what the agent wrote since the last look
+            return needle in seen
+
+        wait_for(f"the agent to clean up task {name}'s executor", cleaned, timeout, 0.02)
 
 
 def inside_the_agent(log: str, names: list[str]) -> list[float]:

@@ -132,19 +132,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def listen_port_outside_ephemeral(rng: random.Random | None = None) -> int:
+def listen_port_outside_ephemeral() -> int:
     """A loopback TCP port free now, below the kernel's ephemeral range
     (``net.ipv4.ip_local_port_range``), for a process started by a script that cannot retry. A port
     from :func:`free_port` can be taken by any outgoing connection on the host before the process binds
     it (three suites run at once in CI); one outside that range only by another picker like this."""
-    rng = rng or random.Random()
     low = 32768
     with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
         low = int(fh.read().split()[0])
     if low <= 10001:
         return free_port()
     for _ in range(200):
-        port = rng.randrange(10000, low)
+        port = random.randrange(10000, low)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))

@@ -66,7 +66,7 @@ MODULE_DEST ?=
 .PHONY: module-install
 module-install: module
 	@[ -n "$(MODULE_DEST)" ] || { echo "make module-install: say where it goes: MODULE_DEST=DIR" >&2; exit 2; }
-	install -D -m 0755 $(MODULE_SO) $(MODULE_DEST)/libgpu_isolator_module.so
+	install -D -m 0755 $(MODULE_SO) "$(MODULE_DEST)/libgpu_isolator_module.so"
 	@echo "installed $(MODULE_DEST)/libgpu_isolator_module.so for Mesos $(MODULE_MESOS_VERSION)"
 
 # wire.proto (the metadata keys' and the bridge framing's names) has no service: messages only.

@@ -156,10 +156,16 @@ public:
     const v1::PrepareRequest message = request.get();
     isolating.insert(containerId);
     return inOrder<Option<ContainerLaunchInfo>>("Prepare", containerId, [=]() {
-      // Whether the sidecar can have seen this Prepare, should it fail (see
-      // `cleanup`): connected now, or connected while it is tried.
-      const bool readyAtStart = channel->GetState(false) == GRPC_CHANNEL_READY;
-      const uint64_t connectionsAtStart = runtime.connections();
+      // Whether the sidecar can have seen this Prepare, should it not succeed
+      // (see `cleanup`): connected now, or connected while it is tried. Kept
+      // from here until it succeeds, and read by the Cleanup itself: taken
+      // when the Prepare failed instead (a callback of its future, one
+      // dispatch later), it raced the agent's own continuation of the
+      // failure, which can reach `cleanup` first on a loaded host (seen
+      // once in CI: a Cleanup that waited its whole deadline for nothing).
+      preparing[containerId] = PrepareTry{
+        channel->GetState(false) == GRPC_CHANNEL_READY,
+        runtime.connections()};
       return forward(
           "Prepare",
           stringify(containerId),
@@ -175,6 +181,7 @@ public:
           if (info.isError()) {
             return Failure("gpu-isolator Prepare: " + info.error());
           }
+          preparing.erase(containerId);  // It succeeded: see `cleanup`.
           remember(
               containerId,
               std::vector<string>(
@@ -185,16 +192,7 @@ public:
             unawaited.insert(containerId);
           }
           return info.get();
-        })
-        .onAny(defer(self(), [=](
-            const Future<Option<ContainerLaunchInfo>>& prepared) {
-          // Failed while the sidecar could not be reached: see `cleanup`.
-          if (prepared.isFailed() &&
-              channel->GetState(false) != GRPC_CHANNEL_READY) {
-            unreached[containerId] =
-              readyAtStart || runtime.connections() != connectionsAtStart;
-          }
-        }));
+        });
     });
   }
 
@@ -381,9 +379,14 @@ public:
       // Waiting again, a cleanup deadline more, would only delay the failed
       // launch's end (issue 45: 25 s + 25 s).
       CleanupWait wait = CleanupWait::FULL;
-      if (unreached.contains(containerId)) {
-        wait = cleanupWait(true, false, unreached.at(containerId));
-        unreached.erase(containerId);
+      if (preparing.contains(containerId)) {
+        const PrepareTry tried = preparing.at(containerId);
+        preparing.erase(containerId);
+        wait = cleanupWait(
+            true,
+            channel->GetState(false) == GRPC_CHANNEL_READY,
+            tried.readyAtStart ||
+              runtime.connections() != tried.connectionsAtStart);
       }
       if (wait == CleanupWait::FULL) {
         return forward(
@@ -730,9 +733,16 @@ private:
   // agent asked for its Watch (the agent asks before it isolates; kept in
   // case it ever does not).
   hashmap<ContainerID, ContainerLimitation> failedIsolates;
-  // Containers whose Prepare failed while the sidecar could not be reached:
-  // whether the channel was connected at some moment while it was tried.
-  hashmap<ContainerID, bool> unreached;
+  // A container's Prepare, from when it is sent until it succeeds (a
+  // Prepare that failed stays until the container's Cleanup): whether the
+  // channel was connected when it was sent, and its count of connections
+  // then (Runtime::connections).
+  struct PrepareTry
+  {
+    bool readyAtStart;
+    uint64_t connectionsAtStart;
+  };
+  hashmap<ContainerID, PrepareTry> preparing;
 };
 
 

@@ -81,9 +81,10 @@ enum class CleanupWait
          // holds nothing of the container.
 };
 
-// `failed`: the container's Prepare failed; `reachable`: the channel is
-// connected now; `connectedDuring`: it was connected when the Prepare was
-// sent or became connected while it was tried (Runtime::connections).
+// `failed`: the container's Prepare did not succeed; `reachable`: the
+// channel is connected now, at the Cleanup; `connectedDuring`: it was
+// connected when the Prepare was sent or has connected since
+// (Runtime::connections).
 CleanupWait cleanupWait(bool failed, bool reachable, bool connectedDuring);
 
 

@@ -52,8 +52,14 @@ PROBE = os.path.join(ROOT, "tests", "mesos", "probe.py")
 
 # Run in the agent's mount namespace before exec: /dev becomes a tmpfs copy of the host's plus the
 # simulated host's nvidia nodes ($1), so that the gpu/nvidia isolator can stat them.
+# Without $GI_SIM_DEV the last copy would read "/." and copy the whole root filesystem into the
+# tmpfs (seen once, from a script that made the agent without the simulated host): refused first.
 DEV_SCRIPT = r"""
 set -e
+if [ -z "${GI_SIM_DEV:-}" ] || [ ! -d "$GI_SIM_DEV" ]; then
+  echo "GI_SIM_DEV='${GI_SIM_DEV:-}' is not the simulated host's dev directory; /dev left as it is" >&2
+  exit 2
+fi
 new=$(mktemp -d /tmp/gi-dev-XXXXXX)
 mount -t tmpfs -o mode=0755 gi-dev "$new"
 cp -a /dev/. "$new"/ 2>/dev/null || true
@@ -69,6 +75,12 @@ class NvidiaAgent(Agent):
     """The harness's agent, with the simulated host's /dev/nvidia* in its own mount namespace."""
 
     def argv(self) -> list[str]:
+        sim_dev = os.environ.get("GI_SIM_DEV", "")
+        if not os.path.isdir(sim_dev):
+            raise RuntimeError(
+                f"GI_SIM_DEV={sim_dev!r} is not a directory: the agent's /dev needs the simulated host's"
+                " nvidia nodes (set up by the side-by-side run or the agent bench)"
+            )
         # A mount namespace for /dev around whatever runs the agent (the v1 unshare, or the v2
         # wrapper, whose own namespace starts from this one's mounts).
         outer = ["unshare", "--mount", "--propagation", "slave", "--", "sh", "-c", DEV_SCRIPT + 'exec "$@"', "dev"]

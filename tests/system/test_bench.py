@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 
 import paths
@@ -345,3 +346,31 @@ def test_the_agent_part_starts_a_task_only_once_the_last_ones_container_is_destr
     writer.join()
     with pytest.raises(TimeoutError):
         bench_agent._wait_cleaned(str(log), offset, "bench-native-40", 0.1)  # not a prefix match
+
+
+@pytest.mark.parametrize("sim_dev", [None, "", "/nonexistent/gi-sim/dev"])
+def test_the_gpu_nvidia_agent_refuses_to_start_without_the_simulated_hosts_dev_dir(sim_dev, monkeypatch):
+    # Without it the wrapper's last copy read "/." and copied the whole root filesystem into the
+    # agent's /dev tmpfs (seen once, from a script that made the agent without the simulated host).
+    side = _load("mesos_side_by_side")
+    env = {k: v for k, v in os.environ.items() if k != "GI_SIM_DEV"}
+    if sim_dev is not None:
+        env["GI_SIM_DEV"] = sim_dev
+    # The wrapper alone, as the agent's argv runs it, with `echo` for the agent: it stops before any
+    # mount, so it runs here without a mount namespace of its own.
+    done = subprocess.run(
+        ["sh", "-c", side.DEV_SCRIPT + 'exec "$@"', "dev", "echo", "the agent ran"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 2, done
+    assert "is not the simulated host's dev directory" in done.stderr
+    assert "the agent ran" not in done.stdout
+    if sim_dev is None:
+        monkeypatch.delenv("GI_SIM_DEV", raising=False)
+    else:
+        monkeypatch.setenv("GI_SIM_DEV", sim_dev)
+    with pytest.raises(RuntimeError, match="is not a directory"):
+        side.NvidiaAgent.argv(None)  # refused before anything of the agent is read

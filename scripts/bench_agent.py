@@ -56,7 +56,6 @@ and from the sidecar serving again to the module's Prepare answered.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import re
 import statistics
@@ -70,7 +69,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from isolator.testing.cluster import Cluster  # noqa: E402
-from isolator.testing.mesoshome import find_mesos_home, wait_for  # noqa: E402
+from isolator.testing.mesoshome import GLOG_TIME, find_mesos_home, glog_time, wait_for  # noqa: E402
 
 CONFIGS = ("none", "noop", "python", "c", "native", "gpu-nvidia")
 BURST_CONFIGS = ("none", "c", "native")
@@ -79,8 +78,6 @@ GOAL_NATIVE_OVER_NONE_MS = 10.0
 GOAL_NATIVE_OVER_NONE_45_MS = 5.0  # issue 45: in the agent
 GOAL_BURST_RATIO = 1.05
 GOAL_XID_P99_S = 1.0
-# glog's line prefix: severity, [year]monthday, local time with microseconds (the year since glog 0.6).
-GLOG_TIME = re.compile(r"^[IWE](\d{4})?(\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6}) ")
 HOOK_LINE = re.compile(r" +\d+ \S+\] \[TASK=([^,\]]*), METHOD=(\w+)\] (Calling command|Removing temp files)")
 # What the agent logs of a task and a container, by name or ID (the first such line is the one).
 ASSIGNED = re.compile(r"Got assigned task '([^']+)'")
@@ -121,18 +118,6 @@ NATIVE_VMODULE = "gpu_isolator=1"
 VMODULE_ENV = "GLOG_vmodule"  # glog's name for its --vmodule flag, in this case
 FAULT_PREPARE_TIMEOUT = "5secs"
 FAULT_RESTART_AFTER_S = 1.0
-
-
-def glog_time(line: str) -> float | None:
-    """time.time() of a glog line (local time; this year where the line has none), or None."""
-    m = GLOG_TIME.match(line)
-    if m is None:
-        return None
-    year, month, day, hh, mm, ss, us = m.groups()
-    when = datetime.datetime(
-        int(year) if year else datetime.date.today().year, int(month), int(day), int(hh), int(mm), int(ss), int(us)
-    )
-    return when.timestamp()
 
 
 def first_times(log: str, pattern: re.Pattern[str]) -> dict[str, float]:

@@ -8,6 +8,7 @@ hierarchies, the device programs bpf(2) reports). Starts nothing and keeps no st
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import random
@@ -157,6 +158,22 @@ def get_json(url: str, timeout: float = 10) -> Any:
     """One GET of a Mesos endpoint, parsed."""
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return json.load(resp)
+
+
+# glog's line prefix: severity, [year]monthday, local time with microseconds (the year since glog 0.6).
+GLOG_TIME = re.compile(r"^[IWE](\d{4})?(\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6}) ")
+
+
+def glog_time(line: str) -> float | None:
+    """time.time() of a glog line (local time; this year where the line has none), or None."""
+    m = GLOG_TIME.match(line)
+    if m is None:
+        return None
+    year, month, day, hh, mm, ss, us = m.groups()
+    when = datetime.datetime(
+        int(year) if year else datetime.date.today().year, int(month), int(day), int(hh), int(mm), int(ss), int(us)
+    )
+    return when.timestamp()
 
 
 def wait_for(what: str, predicate: Any, timeout: float, interval: float = 0.1) -> Any:

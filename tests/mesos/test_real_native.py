@@ -24,7 +24,7 @@ from isolator.model import CgroupVersion
 from isolator.rpc import isolator_pb2 as pb
 from isolator.testing.cluster import Cluster
 from isolator.testing.grpcproxy import GrpcProxy
-from isolator.testing.mesoshome import Route, cgroups_v2_unsupported, wait_for
+from isolator.testing.mesoshome import Route, cgroups_v2_unsupported, glog_time, wait_for
 from isolator.testing.scheduler import Framework
 from isolator.testing.scheduler import task as task_info
 from isolator.testing.task import Task
@@ -312,13 +312,6 @@ def test_a_load_shedding_refusal_is_retried_after_its_pushback_and_the_task_runs
     _free(cluster)
 
 
-def _logged_at(line: str) -> float:
-    """The seconds since midnight of a glog line (``I1129 11:23:45.123456 ...``), as the agent stamped it."""
-    clock = line.split()[1]
-    hours, minutes, seconds = clock.split(":")
-    return int(hours) * 3600 + int(minutes) * 60 + float(seconds)
-
-
 def _isolator_lines(log: str) -> str:
     return "\n".join(line for line in log.splitlines() if "gpu-isolator" in line)
 
@@ -335,7 +328,9 @@ def _cleanup_after_failed_prepare(agent_log: Callable[[], str], mark: int, clean
     failed = [line for line in log.splitlines() if failure in line]
     ended = [line for line in log.splitlines() if cleaned in line]
     assert failed and ended, f"no {failure!r} or {cleaned!r} in the agent's log:\n{_isolator_lines(log)}"
-    return (_logged_at(ended[0]) - _logged_at(failed[0])) % 86400
+    at_failure, at_end = glog_time(failed[0]), glog_time(ended[0])
+    assert at_failure is not None and at_end is not None, (failed[0], ended[0])
+    return at_end - at_failure
 
 
 def test_an_unreachable_sidecar_fails_the_launch_within_the_deadline_with_a_message_and_is_found_again(

@@ -192,6 +192,7 @@ class Core:
         self.maintenance.load()
         # One control daemon per shared GPU in mps mode; a failed start sets the default compute mode back.
         self.mps = Mps(edges.mps, edges.inventory, settings.default_compute_mode)
+        self.mps.on_lost = self._record_mps_loss
         with self.booking.lock:
             self.sync_health()
         edges.inventory.on_health_change(self._on_health_change)
@@ -334,9 +335,12 @@ class Core:
             [g for g in self.gpus.values() if g not in wanted],
             self.idle_share,
         )
-        # A server in FAULT (docs/sharing.md, "Faults"): its GPU's sharers end, new ones are kept off.
+        # A server in FAULT (docs/sharing.md, "Faults"): its GPU's sharers end, new ones are kept off;
+        # recorded, so that they stay ended across a restart even once the server is ACTIVE again.
+        faults = self.mps.faults()  # asked before the booking lock: core/mps.py takes that one under its own
         with self.booking.lock:
-            ended = self.booking.set_mps_faults(self.mps.faults())
+            ended = self.booking.set_mps_faults(faults)
+            self.store.end_mps_sharers({ContainerId.from_key(h): self.booking.mps_ended[h] for h in ended})
         for holder in ended:
             LOG.error("container %s: ended, its GPU's MPS server is in FAULT", holder)
         if ended:
@@ -354,10 +358,23 @@ class Core:
         keep = spare.key() if spare is not None else None
         with self.booking.lock:
             ended = [h for minor, why in sorted(lost.items()) for h in self.booking.end_mps_sharers(minor, why, keep)]
+            # Most were recorded before their daemon started again (_record_mps_loss); a sharer placed
+            # since on the GPU is ended as well (fail closed), and recorded here.
+            self.store.end_mps_sharers({ContainerId.from_key(h): self.booking.mps_ended[h] for h in ended})
         for holder in ended:
             LOG.error("container %s: ended, its GPU's MPS control daemon died under it", holder)
         if ended:
             self.changes.notify()
+
+    def _record_mps_loss(self, minor: int, why: str, spare: str | None) -> None:
+        """core/mps.py's ``on_lost``: shared GPU ``minor``'s sharers but ``spare`` (not ended already)
+        are recorded as ended because ``why``, before the daemon that lost them is started or set
+        again. They end in memory (and their Watches answer) once the core takes the loss
+        (``end_lost_mps_sharers``); a sidecar killed first ends them at its start (``Recovery.book``)."""
+        with self.booking.lock:
+            holders = [h for h in sorted(self.booking.share_holders(minor)) if h != spare]
+            ends = {ContainerId.from_key(h): why for h in holders if h not in self.booking.mps_ended}
+        self.store.end_mps_sharers(ends)
 
     def end_mps_clients(self, cid: ContainerId, holding: Holding) -> None:
         """Before a sharer in mps mode loses its shares (Cleanup, an Update to 0): its processes that

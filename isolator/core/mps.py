@@ -113,11 +113,18 @@ class Mps:
         # Minors whose daemon was set up for sharers and not stopped since (a failed try, a pass cut
         # short by its death, keeps it): a start there is a restart.
         self._serving: set[int] = set()
+        # Called under the lock, before a daemon found dead is started again or one found without its
+        # limits is set again: (minor, why, the holder key to spare). The core records the GPU's sharers
+        # ended there, durably, so that a sidecar killed before it ends them still does after its
+        # restart (the daemon it adopts then holds its limits and shows nothing wrong).
+        self.on_lost: Callable[[int, str, str | None], None] = lambda minor, why, spare: None
 
     def pipe_dir(self, gpu: Gpu) -> str:
         return self.daemons.pipe_dir(gpu.uuid)
 
-    def ensure(self, gpu: Gpu, plan: ServerPlan, under_sharers: bool = False, verify: bool = False) -> bool:
+    def ensure(
+        self, gpu: Gpu, plan: ServerPlan, under_sharers: bool = False, verify: bool = False, spare: str | None = None
+    ) -> bool:
         """The GPU's daemon runs with ``plan``'s limits set and read back when this returns (started
         if it did not; True then), or an error says why it cannot (fail closed: a sharer is never
         launched without its MPS daemon and its limits). A failed start leaves no daemon and the GPU
@@ -127,9 +134,11 @@ class Mps:
         running as this sidecar last saw it, or ``under_sharers``, the supervise pass, finds sharers
         on a GPU this sidecar never started a daemon for: recovered at start): counted, and the GPU
         named by ``take_lost`` (its server died with the daemon: every client failed, and the new
-        daemon had no limits until set; measured, docs/gpu-host-results.md). ``verify``: read a
-        running daemon's limits back even when this sidecar set them already (a root sharer can reach
-        its privileged commands through the pipe directory), and set them again where they differ."""
+        daemon had no limits until set; measured, docs/gpu-host-results.md), whether or not the start
+        then succeeds, and ``on_lost`` told before it starts. ``verify``: read a running daemon's
+        limits back even when this sidecar set them already (a root sharer can reach its privileged
+        commands through the pipe directory), and set them again where they differ. ``spare``: the
+        holder whose Prepare this is (its client comes after the start: not lost)."""
         daemons = self.daemons
         daemons.pipe_dir(gpu.uuid)  # without nvidia-cuda-mps-control this refuses before the compute mode is set
         with self._lock:
@@ -142,7 +151,7 @@ class Mps:
                         # root sharer changed: what it holds now is read before it is set.
                         drift = self._drift(gpu, plan)
                         if drift:
-                            self._lose(gpu, drift, adopted)
+                            self._lose(gpu, drift, adopted, spare)
                         if drift or adopted:
                             self._configure(gpu, plan)
                 except IsolatorError as exc:
@@ -157,6 +166,15 @@ class Mps:
             # ended: fail closed, a task lost, never a client without limits.)
             restart = gpu.minor in self._serving or (under_sharers and gpu.minor not in self._state)
             self._configured.pop(gpu.uuid, None)
+            if restart:
+                # Lost before the start, which cannot bring their clients back: recorded first (on_lost).
+                self._mark_lost(
+                    gpu.minor,
+                    f"its MPS control daemon on GPU {gpu.index} ({gpu.uuid}) was found dead and is started again"
+                    " (its server died with it: every client of the GPU failed, and a new daemon holds no"
+                    " limits until they are set)",
+                    spare,
+                )
             exclusive = False
             try:
                 if not self.keep_compute_mode:
@@ -182,11 +200,6 @@ class Mps:
             self._serving.add(gpu.minor)
             if restart:
                 self.restarts[gpu.minor] += 1
-                self._lost[gpu.minor] = (
-                    f"its MPS control daemon on GPU {gpu.index} ({gpu.uuid}) was found dead and started again"
-                    " (its server died with it: every client of the GPU failed, and the limits were gone"
-                    " until set again)"
-                )
         if restart:
             LOG.error("GPU %d (%s): its MPS control daemon was gone; started it again", gpu.index, gpu.uuid)
         LOG.warning(
@@ -380,7 +393,14 @@ class Mps:
                 drift.append(f"server {server}'s pinned memory limit")
         return drift
 
-    def _lose(self, gpu: Gpu, drift: list[str], adopted: bool) -> None:
+    def _mark_lost(self, minor: int, why: str, spare: str | None) -> None:
+        """The GPU's sharers (but ``spare``) are lost: ``on_lost`` records them, then ``take_lost``
+        names the GPU. Called under the lock; an error of the record propagates (fail closed: nothing
+        is started or set again that would hide the loss from a restarted sidecar)."""
+        self.on_lost(minor, why, spare)
+        self._lost[minor] = why
+
+    def _lose(self, gpu: Gpu, drift: list[str], adopted: bool, spare: str | None = None) -> None:
         """A running daemon found without its limits: any client that connected meanwhile runs without
         them for as long as it lives (a running client keeps what it got, measured), so the GPU's
         sharers are lost as after a restart (``take_lost``). Called under the lock."""
@@ -392,9 +412,11 @@ class Mps:
             " commands through the pipe directory)"
         )
         LOG.error("GPU %d (%s): its MPS control daemon %s: %s; set again", gpu.index, gpu.uuid, how, "; ".join(drift))
-        self._lost[gpu.minor] = (
+        self._mark_lost(
+            gpu.minor,
             f"its MPS control daemon on GPU {gpu.index} ({gpu.uuid}) {how}: {', '.join(drift)} (a client that"
-            " connected meanwhile keeps what it got)"
+            " connected meanwhile keeps what it got)",
+            spare,
         )
 
     def take_lost(self) -> dict[int, str]:

@@ -201,6 +201,13 @@ class RecordStore(Protocol):
     # Container -> (shared GPU minor, shares, mode) of every holder of gpu_shares (docs/sharing.md).
     def share_holders(self) -> dict[ContainerId, tuple[int, int, str]]: ...
 
+    # Sharers ended because their GPU's MPS server or daemon was lost (container -> why; docs/sharing.md,
+    # "Faults"): kept until the container's record goes, or its last share (``set_holding``). A
+    # container not recorded is passed over; one already ended keeps its first reason.
+    def end_mps_sharers(self, ends: dict[ContainerId, str]) -> None: ...
+
+    def mps_ended(self) -> dict[ContainerId, str]: ...
+
     # GPUs kept out by the handover check (docs/handover.md), by minor; one row each.
     def drains(self) -> dict[int, DrainRecord]: ...
 

@@ -167,7 +167,7 @@ class PrepareHook:
                 share = holding.share
                 if share is not None and share.mode is ShareMode.MPS:
                     # Fail closed: no sharer without its daemon and the limits set on it (docs/sharing.md).
-                    core.mps.ensure(core.gpus[share.gpu], core.mps_plan(share.gpu))
+                    core.mps.ensure(core.gpus[share.gpu], core.mps_plan(share.gpu), spare=holder)
                     core.end_lost_mps_sharers(spare=container_id)  # a daemon found dead under others
                 if not early:
                     info = self._launch_info(

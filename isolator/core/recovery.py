@@ -86,6 +86,12 @@ class Recovery:
                         sorted(rec.holding.gpus - kept.gpus),
                         sorted(kept.gpus),
                     )
+            # Sharers recorded as ended by a lost MPS server or daemon stay ended until their Cleanup
+            # (their clients failed with it); their Watches answer the limitation again.
+            for cid, why in sorted(core.store.mps_ended().items(), key=lambda kv: kv[0].chain()):
+                ended = live.get(cid)
+                if ended is not None and ended.holding.share is not None:
+                    core.booking.mps_ended[cid.key()] = why
 
     def _reconcile_cpusets(self, records: dict[ContainerId, ContainerRecord]) -> None:
         """Each recorded cpuset as recorded (a kill between recording and writing it, or a cpuset

@@ -47,6 +47,7 @@ class FakeStore:
         self._maintenance: dict[str, MaintenanceMark] = {}
         self._health_marks: dict[str, HealthMark] = {}
         self._history: list[EndedDrain] = []  # ended maintenance drains, the audit trail
+        self._mps_ended: dict[ContainerId, str] = {}  # sharers ended by a lost MPS server or daemon
         self.closed = False
         self.commits = 0  # successful writes: what the real store would fsync
         self.faults = Faults(lambda step, cid: StateError(op=step, path=self.path, cause="injected fault"))
@@ -110,6 +111,8 @@ class FakeStore:
             rec = self._records[cid] = replace(
                 rec, holding=Holding(frozenset(holding.gpus), frozenset(holding.mig), holding.share)
             )
+            if holding.share is None:
+                self._mps_ended.pop(cid, None)  # its end goes with its last share
             self.commits += 1
             return rec
 
@@ -148,6 +151,7 @@ class FakeStore:
         with self._lock:
             rec = self._require(cid)
             del self._records[cid]
+            self._mps_ended.pop(cid, None)
             self.commits += 1
             return rec
 
@@ -247,6 +251,21 @@ class FakeStore:
             shares = {c: r.holding.share for c, r in self._records.items()}
             return {c: (s.gpu, s.count, str(s.mode)) for c, s in shares.items() if s is not None}
 
+    def end_mps_sharers(self, ends: dict[ContainerId, str]) -> None:
+        if not ends:
+            return
+        self.faults.check("end_mps_sharers")
+        with self._lock:
+            for cid, why in ends.items():
+                if cid in self._records:
+                    self._mps_ended.setdefault(cid, why)
+            self.commits += 1
+
+    def mps_ended(self) -> dict[ContainerId, str]:
+        self.faults.check("mps_ended")
+        with self._lock:
+            return dict(self._mps_ended)
+
     def mig_holders(self) -> dict[str, tuple[ContainerId, int]]:
         self.faults.check("mig_holders")
         with self._lock:
@@ -267,6 +286,7 @@ class FakeStore:
             self._drains.clear()
             self._maintenance.clear()
             self._history.clear()
+            self._mps_ended.clear()
 
     # ---- internals ----------------------------------------------------------------------------------
 

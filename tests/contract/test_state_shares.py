@@ -148,3 +148,26 @@ def test_a_sharers_cut_is_recorded_kept_through_a_change_of_count_and_gone_with_
             with pytest.raises(InvalidArgument):
                 store.record(ContainerRecord(C, Holding(share=Share(3, 1, "mps", 0, bad))))  # type: ignore[arg-type]
         assert store.get(C) is None
+
+
+def test_sharers_ended_by_a_lost_mps_daemon_are_kept_until_their_record_or_last_share_goes(store):
+    store.record(sharer(A))
+    store.record(sharer(B))
+    store.record(ContainerRecord(C, Holding(frozenset({1}))))
+    store.end_mps_sharers({A: "its daemon died", B: "its daemon died", ContainerId("gone"): "never recorded"})
+    store.end_mps_sharers({A: "a second reason"})
+    assert store.mps_ended() == {A: "its daemon died", B: "its daemon died"}, "the first reason stays"
+    store.set_holding(A, Holding(share=Share(3, 2, "mps")))  # a change of count keeps it ended
+    store.set_holding(B, Holding())  # an update to no share: its end goes with it
+    assert store.mps_ended() == {A: "its daemon died"}
+    store.remove(A)
+    assert store.mps_ended() == {}
+    store.end_mps_sharers({})  # nothing to record is no write
+
+
+def test_ended_sharers_outlive_a_restart_of_the_store(tmp_path):
+    with StateStore(str(tmp_path)) as store:
+        store.record(sharer(A))
+        store.end_mps_sharers({A: "its MPS server failed"})
+    with StateStore(str(tmp_path)) as store:
+        assert store.mps_ended() == {A: "its MPS server failed"}

@@ -100,7 +100,7 @@ def test_a_daemon_sigkilled_under_a_sharer_ends_it_and_a_new_sharer_is_held_to_i
             daemon = json.load(fh)["pid"]
         os.kill(daemon, signal.SIGKILL)
         message = watch.result().limitation.message
-        assert "MPS control daemon on GPU 4" in message and "found dead and started again" in message, message
+        assert "MPS control daemon on GPU 4" in message and "found dead and is started again" in message, message
         assert "gpu_isolator_mps" not in message
         got, proc = _client(pipe)
         clients.append(proc)

@@ -21,7 +21,7 @@ from isolator.model import CgroupVersion, RecordState
 LOG = logging.getLogger("isolator.host.state")  # the name operators know from the logs (docs/operations.md)
 
 DB_FILE = "allocations.sqlite3"
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 # The oldest schema whose sidecar reads and writes a store of SCHEMA_VERSION correctly. An additive
 # migration (new tables or columns that an older sidecar may ignore: rows tied to a container by
 # ON DELETE CASCADE, columns with defaults; and newer code that copes with rows an older sidecar
@@ -41,6 +41,7 @@ TABLES_AFTER_2 = (
     "gpu_maintenance_history",
     "share_user",
     "share_cut",
+    "mps_ended",
 )
 STATES = tuple(RecordState)  # the container table's CHECK names the same three
 CGROUP_VERSIONS = tuple(v.number for v in CgroupVersion)
@@ -215,6 +216,20 @@ CREATE TABLE IF NOT EXISTS share_cut (
 """
 
 
+# Version 12: the sharers ended because their GPU's MPS server or daemon was lost (docs/sharing.md,
+# "Faults"), with why: a sharer once ended stays ended until its Cleanup, across a restart. The rows
+# of a daemon found dead are written before it is started again, so a sidecar killed in between
+# still ends them (it adopts a daemon that holds its limits again and would see nothing wrong). A
+# table of its own, as share_user: additive. An older sidecar ignores it (after a rollback a lost
+# sharer whose end was only recorded runs on until its task ends).
+_SCHEMA_V12 = """
+CREATE TABLE IF NOT EXISTS mps_ended (
+    container TEXT PRIMARY KEY REFERENCES container (key) ON DELETE CASCADE,
+    why       TEXT NOT NULL CHECK (why <> '')
+) WITHOUT ROWID;
+"""
+
+
 # Each migration as (the newest schema it applies to, its script), oldest first: a store at version V
 # runs every script whose schema is V or newer, in order.
 _MIGRATIONS = (
@@ -228,6 +243,7 @@ _MIGRATIONS = (
     (8, _SCHEMA_V9),
     (9, _SCHEMA_V10),
     (10, _SCHEMA_V11),
+    (11, _SCHEMA_V12),
 )
 
 

@@ -160,6 +160,8 @@ class StateStore(Marks):
             key = rows.cid_key(cid)
             for table in ("allocation", "mig_allocation", "share_allocation", "share_user", "share_cut"):  # ours
                 db.execute(f"DELETE FROM {table} WHERE container = ?", (key,))
+            if holding.share is None:
+                db.execute("DELETE FROM mps_ended WHERE container = ?", (key,))  # its end goes with its last share
             rows.insert_holding(db, cid, holding)
             return rows.read(db, self.path, cid)
 
@@ -357,6 +359,31 @@ class StateStore(Marks):
     def _shares_of(self, db: sqlite3.Connection, key: str) -> dict[str, Any]:
         row = db.execute("SELECT minor, shares, mode FROM share_allocation WHERE container = ?", (key,)).fetchone()
         return {} if row is None else {"share_gpu": row[0], "shares": row[1], "share_mode": row[2]}
+
+    def end_mps_sharers(self, ends: dict[ContainerId, str]) -> None:
+        """Record sharers ended because their GPU's MPS server or daemon was lost (container -> why), in
+        one transaction: each stays ended until its Cleanup, which takes the row with its record (a
+        shrink to no share takes it too). A container no longer recorded is passed over; a sharer
+        already ended keeps its first reason."""
+        if not ends:
+            return
+        batch = [
+            (rows.cid_key(cid), why, rows.cid_key(cid))
+            for cid, why in sorted(ends.items(), key=lambda kv: kv[0].chain())
+        ]
+
+        def write(db: sqlite3.Connection) -> None:
+            db.executemany(
+                "INSERT OR IGNORE INTO mps_ended SELECT ?, ? WHERE EXISTS (SELECT 1 FROM container WHERE key = ?)",
+                batch,
+            )
+
+        self._write("record ended sharers", write)
+
+    def mps_ended(self) -> dict[ContainerId, str]:
+        """The sharers recorded as ended by a lost MPS server or daemon (container -> why)."""
+        with self._reading("read ended sharers") as db:
+            return {rows.cid_of(k): why for k, why in db.execute("SELECT container, why FROM mps_ended")}
 
     def share_holders(self) -> dict[ContainerId, tuple[int, int, str]]:
         """Container -> (shared GPU minor, shares, mode) of every share holder."""

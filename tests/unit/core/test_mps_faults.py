@@ -141,6 +141,23 @@ def test_a_restarted_sidecar_sees_a_fault_that_lasts_and_ends_the_sharers_it_rec
     assert limitation is not None and f"MPS server {server} in FAULT" in limitation.message
 
 
+def test_a_sharer_ended_by_a_fault_stays_ended_after_a_restart_that_finds_the_server_active_again(rig: Rig) -> None:
+    svc = rig.service
+    svc.prepare(ContainerId("a"), unit(4))
+    client = rig.mps.connect(uuid_of(rig, 4), 3001, 0)
+    server = fault(rig, 4)
+    svc.supervise_mps()
+    rig.mps.disconnect(uuid_of(rig, 4), client.pid)  # its client exited: the server is ACTIVE again
+    rig.restart()
+    svc = rig.service
+    svc.supervise_mps()
+    assert svc.core.mps.faults() == {}
+    limitation = svc.watch(ContainerId("a"))
+    assert limitation is not None and f"MPS server {server} in FAULT" in limitation.message
+    svc.prepare(ContainerId("d"), unit(4))  # the GPU takes new sharers again, and they are not ended
+    assert svc.watch(ContainerId("d")) is None
+
+
 def test_a_daemon_stopped_by_its_last_sharers_cleanup_during_a_pass_is_not_an_error(
     rig: Rig, caplog: pytest.LogCaptureFixture
 ) -> None:

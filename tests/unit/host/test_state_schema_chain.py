@@ -43,14 +43,15 @@ def _schema(directory: str) -> tuple[int, set[str], set[str]]:
         db.close()
 
 
-def test_the_chain_is_maintenance_at_7_then_shares_at_8_then_drain_history_at_9_then_users_at_10_then_cuts_at_11():
-    assert SCHEMA_VERSION == 11
-    assert (INTRODUCED[7], INTRODUCED[8], INTRODUCED[9], INTRODUCED[10], INTRODUCED[11]) == (
+def test_the_chain_adds_maintenance_shares_drain_history_users_cuts_and_mps_ends_from_7_to_12():
+    assert SCHEMA_VERSION == 12
+    assert (INTRODUCED[7], INTRODUCED[8], INTRODUCED[9], INTRODUCED[10], INTRODUCED[11], INTRODUCED[12]) == (
         "gpu_maintenance",
         "share_allocation",
         "gpu_maintenance_history",
         "share_user",
         "share_cut",
+        "mps_ended",
     )
     assert MIN_SCHEMA == 2, "the migrations are additive: a rollback past them still starts"
 

@@ -260,39 +260,11 @@ def _wait_state(path: str, state: str, name: str, timeout: float) -> float:
         time.sleep(0.002)
 
 
-class _SimulatedNvidia:
-    """Mesos's own gpu/nvidia on the simulated DGX-1 (scripts/mesos_side_by_side.py): the fake NVML
-    preloaded into the agent, the simulated /dev/nvidia* in its mount namespace. The environment is
-    what the agent starts with: ``restore_env()`` once it has started, so that nothing else started
-    later inherits it; the simulated host stays until the exit."""
+def _simulated_nvidia() -> Any:
+    """The simulated DGX-1 for Mesos's own gpu/nvidia (scripts/mesos_side_by_side.py's ``SimulatedNvidia``)."""
+    from mesos_side_by_side import SimulatedNvidia
 
-    def __enter__(self) -> _SimulatedNvidia:
-        import tempfile
-
-        from isolator.simhost.sim import SimulatedHost
-
-        self.root = tempfile.mkdtemp(prefix="gi-sim-", dir="/tmp")
-        SimulatedHost("dgx-1", self.root).setup(make_devices=True)
-        self.saved: dict[str, str | None] | None = {k: os.environ.get(k) for k in ("LD_PRELOAD", "GI_SIM_DEV")}
-        os.environ["LD_PRELOAD"] = os.path.join(self.root, "nvml", "libnvidia-ml.so.1")
-        os.environ["GI_SIM_DEV"] = os.path.join(self.root, "dev")
-        return self
-
-    def restore_env(self) -> None:
-        if self.saved is None:
-            return
-        for k, v in self.saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        self.saved = None
-
-    def __exit__(self, *exc: object) -> None:
-        import shutil
-
-        self.restore_env()
-        shutil.rmtree(self.root, ignore_errors=True)
+    return SimulatedNvidia()
 
 
 def make_cluster(mesos_home: str, config: str, **kw: Any) -> Cluster:
@@ -330,7 +302,7 @@ def start_clusters(
     for config in sorted(configs, key=lambda c: c == "gpu-nvidia"):
         log(f"agent: starting configuration {config}")
         try:
-            sim = stack.enter_context(_SimulatedNvidia()) if config == "gpu-nvidia" else None
+            sim = stack.enter_context(_simulated_nvidia()) if config == "gpu-nvidia" else None
             try:
                 with _native_logging(config == "native"):
                     clusters[config] = stack.enter_context(make_cluster(mesos_home, config))

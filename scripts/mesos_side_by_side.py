@@ -28,6 +28,7 @@ programs bpf(2) finds (Mesos's have no name) and the GPUs that all programs on t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -120,75 +121,95 @@ def _wait_running(task: Any, timeout: float = 180) -> float:
     return time.monotonic() - started
 
 
-def run_route(mesos_home: str, route: str, tasks: int, cgroups: str = "v1") -> dict[str, Any]:
-    sim_root = tempfile.mkdtemp(prefix="gi-sim-", dir="/tmp")
-    out: dict[str, Any] = {"route": f"{route} ({cgroups})", "concurrent": [], "pairs": [], "running_s": []}
-    saved = {k: os.environ.get(k) for k in ("LD_PRELOAD", "GI_SIM_DEV")}
-    try:
-        if route == "mesos":
-            sim = SimulatedHost("dgx-1", sim_root).setup(make_devices=True)
-            os.environ["LD_PRELOAD"] = os.path.join(sim_root, "nvml", "libnvidia-ml.so.1")
-            os.environ["GI_SIM_DEV"] = os.path.join(sim_root, "dev")
-            del sim
-            cluster = Cluster(
-                mesos_home,
-                hooks=None,
-                isolation=("cgroups/devices", "filesystem/linux", "gpu/nvidia"),
-                agent_flags=("--nvidia_gpu_devices=0,1,2,3,4,5,6,7",),
-                cgroups=cgroups,
-            )
-            for agent in cluster.agents:
-                agent.__class__ = NvidiaAgent
-                agent.allowed_nvidia = ()  # gpu/nvidia grants through the device manager itself
-            devdir = "/dev"
-        else:
-            cluster = Cluster(mesos_home, hooks="bridge-c", cgroups=cgroups)
-            devdir = ""
-        try:
-            cluster.start()
-        except Exception as exc:
-            out["error"] = str(exc)[-3000:]
-            return out
-        try:
-            if not devdir:
-                devdir = cluster.agents[0].sidecar.dev_root  # type: ignore[union-attr]
-            held = []
-            for i in range(tasks):
-                task = cluster.submit(f"python3 {PROBE} {devdir} 600", gpus=1, name=f"{route}-one-{i}")
-                out["running_s"].append(_wait_running(task))
-                task.wait_stdout("probed")
-                stdout = task.stdout()
-                out["concurrent"].append(_opened(stdout))
-                if i == 0:
-                    out["others"] = {
-                        name: result
-                        for name, result in re.findall(r"^dev (\S+) (\S+)$", stdout, re.M)
-                        if not name[6:].isdigit()
-                    }
-                    out["env"] = re.findall(r"^env (\S+)$", stdout, re.M)
-                    out["devices_list"] = _kernel(task)
-                held.append(task)
-            for task in held:
-                task.teardown()
-            for task in held:
-                task.wait_gone()
-            for i in range(tasks):
-                task = cluster.submit(f"python3 {PROBE} {devdir} 0", gpus=2, name=f"{route}-two-{i}")
-                _wait_running(task)
-                task.wait("TASK_FINISHED")
-                out["pairs"].append(_opened(task.stdout()))
-        except Exception as exc:
-            out["error"] = f"{type(exc).__name__}: {str(exc)[-3000:]}"
-            out["agent_log"] = cluster.agents[0].log()[-3000:]
-        finally:
-            cluster.stop()
-    finally:
-        for k, v in saved.items():
+class SimulatedNvidia:
+    """Mesos's own gpu/nvidia on the simulated DGX-1: the fake NVML preloaded into the agent, the
+    simulated /dev/nvidia* in its mount namespace (``NvidiaAgent``), through the environment the
+    agent starts with. ``restore_env()`` once it has started, so that nothing started later inherits
+    it (the agent bench); the simulated host stays until the exit, which restores the environment too."""
+
+    def __enter__(self) -> SimulatedNvidia:
+        self.root = tempfile.mkdtemp(prefix="gi-sim-", dir="/tmp")
+        SimulatedHost("dgx-1", self.root).setup(make_devices=True)
+        self.saved: dict[str, str | None] | None = {k: os.environ.get(k) for k in ("LD_PRELOAD", "GI_SIM_DEV")}
+        os.environ["LD_PRELOAD"] = os.path.join(self.root, "nvml", "libnvidia-ml.so.1")
+        os.environ["GI_SIM_DEV"] = os.path.join(self.root, "dev")
+        return self
+
+    def restore_env(self) -> None:
+        if self.saved is None:
+            return
+        for k, v in self.saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        shutil.rmtree(sim_root, ignore_errors=True)
+        self.saved = None
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore_env()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def run_route(mesos_home: str, route: str, tasks: int, cgroups: str = "v1") -> dict[str, Any]:
+    out: dict[str, Any] = {"route": f"{route} ({cgroups})", "concurrent": [], "pairs": [], "running_s": []}
+    with SimulatedNvidia() if route == "mesos" else contextlib.nullcontext():
+        return _run_route(mesos_home, route, tasks, cgroups, out)
+
+
+def _run_route(mesos_home: str, route: str, tasks: int, cgroups: str, out: dict[str, Any]) -> dict[str, Any]:
+    if route == "mesos":
+        cluster = Cluster(
+            mesos_home,
+            hooks=None,
+            isolation=("cgroups/devices", "filesystem/linux", "gpu/nvidia"),
+            agent_flags=("--nvidia_gpu_devices=0,1,2,3,4,5,6,7",),
+            cgroups=cgroups,
+        )
+        for agent in cluster.agents:
+            agent.__class__ = NvidiaAgent
+            agent.allowed_nvidia = ()  # gpu/nvidia grants through the device manager itself
+        devdir = "/dev"
+    else:
+        cluster = Cluster(mesos_home, hooks="bridge-c", cgroups=cgroups)
+        devdir = ""
+    try:
+        cluster.start()
+    except Exception as exc:
+        out["error"] = str(exc)[-3000:]
+        return out
+    try:
+        if not devdir:
+            devdir = cluster.agents[0].sidecar.dev_root  # type: ignore[union-attr]
+        held = []
+        for i in range(tasks):
+            task = cluster.submit(f"python3 {PROBE} {devdir} 600", gpus=1, name=f"{route}-one-{i}")
+            out["running_s"].append(_wait_running(task))
+            task.wait_stdout("probed")
+            stdout = task.stdout()
+            out["concurrent"].append(_opened(stdout))
+            if i == 0:
+                out["others"] = {
+                    name: result
+                    for name, result in re.findall(r"^dev (\S+) (\S+)$", stdout, re.M)
+                    if not name[6:].isdigit()
+                }
+                out["env"] = re.findall(r"^env (\S+)$", stdout, re.M)
+                out["devices_list"] = _kernel(task)
+            held.append(task)
+        for task in held:
+            task.teardown()
+        for task in held:
+            task.wait_gone()
+        for i in range(tasks):
+            task = cluster.submit(f"python3 {PROBE} {devdir} 0", gpus=2, name=f"{route}-two-{i}")
+            _wait_running(task)
+            task.wait("TASK_FINISHED")
+            out["pairs"].append(_opened(task.stdout()))
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {str(exc)[-3000:]}"
+        out["agent_log"] = cluster.agents[0].log()[-3000:]
+    finally:
+        cluster.stop()
     return out
 
 

@@ -372,7 +372,10 @@ def _wait_cleaned(path: str, offset: int, name: str, timeout: float) -> None:
 def inside_the_agent(log: str, names: list[str]) -> list[float]:
     """Per task, the agent's own time from its arrival ("Got assigned task") to its TASK_RUNNING
     leaving for the master ("Forwarding the update TASK_RUNNING"), from the agent's log (a task with
-    a line missing is left out): the part that no framework or allocation cycle adds noise to."""
+    a line missing is left out): no framework start or allocation cycle adds noise to it. The
+    executor's start is in it (two loads of libmesos, the launcher's and the executor's), and so is
+    the framework's acknowledgement of TASK_STARTING: the agent forwards a task's updates one at a
+    time, so TASK_RUNNING leaves only once the master has brought that acknowledgement back."""
     assigned, out = first_times(log, ASSIGNED), first_times(log, RUNNING_OUT)
     return [out[n] - assigned[n] for n in names if n in assigned and n in out]
 
@@ -696,7 +699,8 @@ def render(a: dict[str, Any], goal: float = GOAL_PER_HOOK_MS) -> list[str]:
         )
     lines.append(
         "   in the agent: from the agent's 'Got assigned task' to its 'Forwarding the update TASK_RUNNING',"
-        " its log's timestamps (no framework start, no allocation cycle)"
+        " its log's timestamps (no framework start, no allocation cycle; the executor's start and the"
+        " framework's acknowledgement of TASK_STARTING, which TASK_RUNNING waits for, are in it)"
     )
     methods = sorted({m for f in a["configs"].values() for m in f.get("hooks", {})})
     if methods:

@@ -32,6 +32,7 @@ POINTS = (
     "cpuset.recorded",  # a cpuset recorded (prepare, update), not yet written (--cpu-affinity enforce)
     "mps.launching",  # an MPS control daemon's launch recorded, the daemon not yet started (host/mps.py)
     "mps.spawned",  # an MPS control daemon started, its identity not yet recorded
+    "mps.restarted",  # a daemon found dead started again and set up, its sharers not yet ended (core/mps.py)
 )
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from isolator.core.absent import NoMpsDaemons
 from isolator.core.ports import GpuInventory, MpsDaemons
+from isolator.crashpoints import crashpoint
 from isolator.errors import FailedPrecondition, IsolatorError
 from isolator.model import COMPUTE_MODES, Gpu
 from isolator.policy import shares as sharing
@@ -200,6 +201,7 @@ class Mps:
             self._serving.add(gpu.minor)
             if restart:
                 self.restarts[gpu.minor] += 1
+                crashpoint("mps.restarted")  # its sharers' end is on disk; the core has not taken it yet
         if restart:
             LOG.error("GPU %d (%s): its MPS control daemon was gone; started it again", gpu.index, gpu.uuid)
         LOG.warning(

@@ -14,8 +14,10 @@ import uuid
 
 import grpc
 import pytest
+from invariants import quick_sidecar
 from mps_helpers import control, end, until
 
+from isolator.daemon.crashpoints import ENV
 from isolator.rpc import isolator_pb2 as pb
 from isolator.rpc import isolator_pb2_grpc as pb_grpc
 from isolator.testing.cgroupfs import TEST_PARENT
@@ -110,3 +112,38 @@ def test_a_daemon_sigkilled_under_a_sharer_ends_it_and_a_new_sharer_is_held_to_i
     finally:
         end(clients, isolator, "ab")
         channel.close()
+
+
+def test_a_sidecar_killed_after_starting_a_dead_daemon_again_ends_its_sharer_after_its_restart(short_tmp):
+    # SIGKILLed once the pass has started the daemon again and set its limits, before ending the
+    # sharers: the restarted sidecar adopts a daemon that holds its limits (nothing to see there) and
+    # ends the sharer from the record written before the start (state schema 12, mps_ended).
+    extra = ("--shared-gpus", "4:4:mps", "--gpu-probe-interval", "0.2")
+    with quick_sidecar(extra=extra, env={ENV: "mps.restarted:1"}) as sidecar:
+        isolator = GrpcIsolator(sidecar.socket)
+        try:
+            c = Containerizer(isolator, short_tmp)
+            pipe = _env(isolator.prepare(container_id("a"), _unit(c)))["CUDA_MPS_PIPE_DIRECTORY"]
+            with open(os.path.join(os.path.dirname(pipe), "daemon.json")) as fh:
+                os.kill(json.load(fh)["pid"], signal.SIGKILL)
+            assert sidecar.died(timeout=30) is not None, sidecar.log()
+            assert "crash point mps.restarted" in sidecar.log(), sidecar.log()
+            sidecar.env = {}
+            sidecar.start()
+            with grpc.insecure_channel(sidecar.address) as channel:
+                watch = pb_grpc.IsolatorStub(channel).Watch(
+                    pb.WatchRequest(container_id=pb.ContainerID(value="a")), timeout=15
+                )
+            assert "found dead and is started again" in watch.limitation.message, watch
+            b = _env(isolator.prepare(container_id("b"), _unit(c)))
+            with grpc.insecure_channel(sidecar.address) as channel:
+                # A Watch answers empty just before its deadline when nothing happened.
+                quiet = pb_grpc.IsolatorStub(channel).Watch(
+                    pb.WatchRequest(container_id=pb.ContainerID(value="b")), timeout=1
+                )
+            assert not quiet.HasField("limitation"), f"a later sharer is not ended: {quiet}"
+            assert b["CUDA_MPS_PIPE_DIRECTORY"] == pipe
+            for name in ("a", "b"):
+                isolator.cleanup(container_id(name))
+        finally:
+            isolator.close()

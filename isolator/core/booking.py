@@ -12,7 +12,7 @@ event offers what NVML reports now.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 from isolator.core.locks import OwnedLock
 from isolator.core.ports import GpuInventory
@@ -288,6 +288,8 @@ class Booking:
         ended = []
         for minor in sorted(set(faults) - set(self.mps_faults)):
             for holder in sorted(self._shares.holders(minor)):
+                if holder in self.mps_ended:
+                    continue  # ended already (its daemon lost, another fault): its first reason stays
                 self.mps_ended[holder] = (
                     f"its MPS server on GPU {self._name(minor)} failed: {faults[minor]} (a fatal GPU fault in a"
                     " client of the server; NVIDIA: every client of the GPU fails and must exit before the server"
@@ -297,14 +299,25 @@ class Booking:
         self.mps_faults = {m: faults[m] for m in faults if m in self._shares.shared}
         return ended
 
-    def end_mps_sharers(self, minor: int, why: str, spare: str | None = None) -> list[str]:
-        """End every holder of shared GPU ``minor`` but ``spare`` (``mps_ended``, as a FAULT does: its
-        Watch answers a limitation until its Cleanup) because ``why`` (its MPS daemon died under it).
-        Returns their keys."""
+    def end_holders(self, ends: Mapping[str, str]) -> list[str]:
+        """End each holder of ``ends`` (key -> why) that still holds shares and is not ended already
+        (``mps_ended``). Returns the keys of those it ended now."""
+        self.lock.require("end_holders")
+        ended = []
+        for holder, why in sorted(ends.items()):
+            if self._shares.of(holder) is not None and holder not in self.mps_ended:
+                self.mps_ended[holder] = why
+                ended.append(holder)
+        return ended
+
+    def end_mps_sharers(self, minor: int, why: str, spare: Collection[str] = ()) -> list[str]:
+        """End every holder of shared GPU ``minor`` but those of ``spare`` (``mps_ended``, as a FAULT
+        does: its Watch answers a limitation until its Cleanup) because ``why`` (its MPS daemon died
+        under it). Returns the keys of those it ended now (one ended already keeps its first reason)."""
         self.lock.require("end_mps_sharers")
         ended = []
         for holder in sorted(self._shares.holders(minor)):
-            if holder != spare and holder not in self.mps_ended:
+            if holder not in spare and holder not in self.mps_ended:
                 self.mps_ended[holder] = why
                 ended.append(holder)
         return ended

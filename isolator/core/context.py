@@ -46,7 +46,7 @@ from isolator.core.ports import (
 )
 from isolator.crashpoints import crashpoint
 from isolator.devicerule import DeviceRule
-from isolator.errors import NotFound
+from isolator.errors import IsolatorError, NotFound
 from isolator.model import (
     CgroupVersion,
     ContainerId,
@@ -193,6 +193,15 @@ class Core:
         # One control daemon per shared GPU in mps mode; a failed start sets the default compute mode back.
         self.mps = Mps(edges.mps, edges.inventory, settings.default_compute_mode)
         self.mps.on_lost = self._record_mps_loss
+        # Sharers whose Prepare has not ended (under the booking lock): their client comes after it,
+        # so a daemon lost meanwhile does not end them (docs/sharing.md, "MPS").
+        self.mps_preparing: set[str] = set()
+        # Ended sharers whose record failed (key -> why): tried again at each pass (_record_ends).
+        self._unrecorded_ends: dict[str, str] = {}
+        # Sharers of a lost daemon, recorded when it was found and ended once it is set up again
+        # (end_lost_mps_sharers), key -> why.
+        self._lost_sharers: dict[str, str] = {}
+        self._ends_lock = threading.Lock()
         with self.booking.lock:
             self.sync_health()
         edges.inventory.on_health_change(self._on_health_change)
@@ -340,41 +349,69 @@ class Core:
         faults = self.mps.faults()  # asked before the booking lock: core/mps.py takes that one under its own
         with self.booking.lock:
             ended = self.booking.set_mps_faults(faults)
-            self.store.end_mps_sharers({ContainerId.from_key(h): self.booking.mps_ended[h] for h in ended})
+            ends = {h: self.booking.mps_ended[h] for h in ended}
         for holder in ended:
             LOG.error("container %s: ended, its GPU's MPS server is in FAULT", holder)
+        self._record_ends(ends)  # also tries again any end whose record failed before
         if ended:
             self.changes.notify()  # their Watches answer the limitation now
         self.end_lost_mps_sharers()
 
-    def end_lost_mps_sharers(self, spare: ContainerId | None = None) -> None:
-        """The sharers of each GPU whose MPS daemon was found dead and started again (core/mps.py
-        ``take_lost``) end, as in a FAULT: their clients failed with its server (measured), and any
-        that connected before the new daemon held its limits ran without them. ``spare``: the
-        container whose Prepare started it again (its client comes after)."""
-        lost = self.mps.take_lost()
+    def _record_mps_loss(self, minor: int, why: str) -> None:
+        """core/mps.py's ``on_lost``, before the daemon that lost them is started or set again: shared
+        GPU ``minor``'s sharers are lost (their clients failed with its server, measured; any that
+        connected before a new daemon held its limits ran without them), but those whose Prepare has
+        not ended (``mps_preparing``: their client comes after). Recorded first, so that a sidecar
+        killed before they are ended (``end_lost_mps_sharers``, once the daemon is set up) still ends
+        them at its start (``Recovery.book``). Never raises: a record that fails is logged and tried
+        again at the next pass, and the daemon is set up all the same."""
+        with self.booking.lock:
+            lost = [
+                h
+                for h in sorted(self.booking.share_holders(minor))
+                if h not in self.mps_preparing and h not in self.booking.mps_ended
+            ]
+        with self._ends_lock:
+            for holder in lost:
+                self._lost_sharers.setdefault(holder, why)
+        self._record_ends({h: why for h in lost})
+
+    def end_lost_mps_sharers(self) -> None:
+        """The sharers of each MPS daemon found lost (``_record_mps_loss``) end, as in a FAULT, once
+        it is set up again: exactly those it lost, never one placed since (served by the new daemon)."""
+        self.mps.take_lost()
+        with self._ends_lock:
+            lost, self._lost_sharers = self._lost_sharers, {}
         if not lost:
             return
-        keep = spare.key() if spare is not None else None
         with self.booking.lock:
-            ended = [h for minor, why in sorted(lost.items()) for h in self.booking.end_mps_sharers(minor, why, keep)]
-            # Most were recorded before their daemon started again (_record_mps_loss); a sharer placed
-            # since on the GPU is ended as well (fail closed), and recorded here.
-            self.store.end_mps_sharers({ContainerId.from_key(h): self.booking.mps_ended[h] for h in ended})
+            ended = self.booking.end_holders(lost)
         for holder in ended:
-            LOG.error("container %s: ended, its GPU's MPS control daemon died under it", holder)
+            LOG.error("container %s: ended, its GPU's MPS control daemon was lost under it", holder)
         if ended:
             self.changes.notify()
 
-    def _record_mps_loss(self, minor: int, why: str, spare: str | None) -> None:
-        """core/mps.py's ``on_lost``: shared GPU ``minor``'s sharers but ``spare`` (not ended already)
-        are recorded as ended because ``why``, before the daemon that lost them is started or set
-        again. They end in memory (and their Watches answer) once the core takes the loss
-        (``end_lost_mps_sharers``); a sidecar killed first ends them at its start (``Recovery.book``)."""
-        with self.booking.lock:
-            holders = [h for h in sorted(self.booking.share_holders(minor)) if h != spare]
-            ends = {ContainerId.from_key(h): why for h in holders if h not in self.booking.mps_ended}
-        self.store.end_mps_sharers(ends)
+    def _record_ends(self, ends: dict[str, str]) -> None:
+        """Record ended sharers (key -> why) with any whose record failed before, outside the booking
+        lock; a failure (a full disk) is logged and they are kept for the next try. Never raises."""
+        with self._ends_lock:
+            for holder, why in ends.items():
+                self._unrecorded_ends.setdefault(holder, why)
+            pending = dict(self._unrecorded_ends)
+            if not pending:
+                return
+            try:
+                self.store.end_mps_sharers({ContainerId.from_key(h): why for h, why in pending.items()})
+            except IsolatorError as exc:
+                LOG.error(
+                    "ended sharers %s are not recorded (tried again at the next pass; a restart before"
+                    " then would not end them): %s",
+                    ", ".join(sorted(pending)),
+                    exc.message,
+                )
+                return
+            for holder in pending:
+                self._unrecorded_ends.pop(holder, None)
 
     def end_mps_clients(self, cid: ContainerId, holding: Holding) -> None:
         """Before a sharer in mps mode loses its shares (Cleanup, an Update to 0): its processes that

@@ -115,17 +115,15 @@ class Mps:
         # short by its death, keeps it): a start there is a restart.
         self._serving: set[int] = set()
         # Called under the lock, before a daemon found dead is started again or one found without its
-        # limits is set again: (minor, why, the holder key to spare). The core records the GPU's sharers
-        # ended there, durably, so that a sidecar killed before it ends them still does after its
-        # restart (the daemon it adopts then holds its limits and shows nothing wrong).
-        self.on_lost: Callable[[int, str, str | None], None] = lambda minor, why, spare: None
+        # limits is set again: (minor, why). The core ends the GPU's sharers there and records them,
+        # so that a sidecar killed before the pass is over still ends them after its restart (the
+        # daemon it adopts then holds its limits and shows nothing wrong). It must not raise.
+        self.on_lost: Callable[[int, str], None] = lambda minor, why: None
 
     def pipe_dir(self, gpu: Gpu) -> str:
         return self.daemons.pipe_dir(gpu.uuid)
 
-    def ensure(
-        self, gpu: Gpu, plan: ServerPlan, under_sharers: bool = False, verify: bool = False, spare: str | None = None
-    ) -> bool:
+    def ensure(self, gpu: Gpu, plan: ServerPlan, under_sharers: bool = False, verify: bool = False) -> bool:
         """The GPU's daemon runs with ``plan``'s limits set and read back when this returns (started
         if it did not; True then), or an error says why it cannot (fail closed: a sharer is never
         launched without its MPS daemon and its limits). A failed start leaves no daemon and the GPU
@@ -138,8 +136,7 @@ class Mps:
         daemon had no limits until set; measured, docs/gpu-host-results.md), whether or not the start
         then succeeds, and ``on_lost`` told before it starts. ``verify``: read a running daemon's
         limits back even when this sidecar set them already (a root sharer can reach its privileged
-        commands through the pipe directory), and set them again where they differ. ``spare``: the
-        holder whose Prepare this is (its client comes after the start: not lost)."""
+        commands through the pipe directory), and set them again where they differ."""
         daemons = self.daemons
         daemons.pipe_dir(gpu.uuid)  # without nvidia-cuda-mps-control this refuses before the compute mode is set
         with self._lock:
@@ -152,7 +149,7 @@ class Mps:
                         # root sharer changed: what it holds now is read before it is set.
                         drift = self._drift(gpu, plan)
                         if drift:
-                            self._lose(gpu, drift, adopted, spare)
+                            self._lose(gpu, drift, adopted)
                         if drift or adopted:
                             self._configure(gpu, plan)
                 except IsolatorError as exc:
@@ -174,7 +171,6 @@ class Mps:
                     f"its MPS control daemon on GPU {gpu.index} ({gpu.uuid}) was found dead and is started again"
                     " (its server died with it: every client of the GPU failed, and a new daemon holds no"
                     " limits until they are set)",
-                    spare,
                 )
             exclusive = False
             try:
@@ -395,14 +391,13 @@ class Mps:
                 drift.append(f"server {server}'s pinned memory limit")
         return drift
 
-    def _mark_lost(self, minor: int, why: str, spare: str | None) -> None:
-        """The GPU's sharers (but ``spare``) are lost: ``on_lost`` records them, then ``take_lost``
-        names the GPU. Called under the lock; an error of the record propagates (fail closed: nothing
-        is started or set again that would hide the loss from a restarted sidecar)."""
-        self.on_lost(minor, why, spare)
+    def _mark_lost(self, minor: int, why: str) -> None:
+        """The GPU's sharers are lost: ``on_lost`` ends and records them, and ``take_lost`` names the
+        GPU. Called under the lock, before the daemon is started or set again."""
+        self.on_lost(minor, why)
         self._lost[minor] = why
 
-    def _lose(self, gpu: Gpu, drift: list[str], adopted: bool, spare: str | None = None) -> None:
+    def _lose(self, gpu: Gpu, drift: list[str], adopted: bool) -> None:
         """A running daemon found without its limits: any client that connected meanwhile runs without
         them for as long as it lives (a running client keeps what it got, measured), so the GPU's
         sharers are lost as after a restart (``take_lost``). Called under the lock."""
@@ -418,12 +413,11 @@ class Mps:
             gpu.minor,
             f"its MPS control daemon on GPU {gpu.index} ({gpu.uuid}) {how}: {', '.join(drift)} (a client that"
             " connected meanwhile keeps what it got)",
-            spare,
         )
 
     def take_lost(self) -> dict[int, str]:
-        """The GPUs whose daemon was found dead under sharers and started again since the last call
-        (minor -> why): their sharers' MPS clients failed with it; the caller ends those sharers."""
+        """The GPUs whose daemon was found dead under sharers, or without its limits, since the last
+        call (minor -> why): their sharers were ended then (``on_lost``)."""
         with self._lock:
             lost, self._lost = self._lost, {}
         return lost

@@ -124,6 +124,8 @@ class PrepareHook:
             uid = core.sharer_uid(container_id, config.user) if request.shares else None
             with core.booking.lock:
                 holding = core.booking.book(holder, request, near, uid)
+                if holding.share is not None:
+                    core.mps_preparing.add(holder)
             steps.mark("booking")
             undo: Undo = [lambda: self._unbook(holder, holding)]
             answered = False
@@ -167,8 +169,10 @@ class PrepareHook:
                 share = holding.share
                 if share is not None and share.mode is ShareMode.MPS:
                     # Fail closed: no sharer without its daemon and the limits set on it (docs/sharing.md).
-                    core.mps.ensure(core.gpus[share.gpu], core.mps_plan(share.gpu), spare=holder)
-                    core.end_lost_mps_sharers(spare=container_id)  # a daemon found dead under others
+                    # Its client comes after this: a loss found meanwhile, by this call or by a pass,
+                    # ends the GPU's other sharers, never this one (Core.mps_preparing).
+                    core.mps.ensure(core.gpus[share.gpu], core.mps_plan(share.gpu))
+                    core.end_lost_mps_sharers()  # a daemon found dead under others
                 if not early:
                     info = self._launch_info(
                         container_id,
@@ -187,6 +191,10 @@ class PrepareHook:
                     # The caller has its answer and goes on to Isolate, which must fail with this.
                     core.failed_after_answer.put(container_id, exc)
                 raise
+            finally:
+                if holding.share is not None:
+                    with core.booking.lock:
+                        core.mps_preparing.discard(holder)
         mig_note = f", MIG devices [{migunits.visible_devices(units)}]" if units else ""
         if holding.share is not None:
             share = holding.share

@@ -261,19 +261,65 @@ def test_a_prepare_that_starts_a_dead_daemon_again_records_the_others_ended_and_
     assert rig.service.watch(b) is None
 
 
-def test_a_loss_that_cannot_be_recorded_leaves_the_daemon_down_until_it_can(rig: Rig) -> None:
-    # Fail closed: a daemon started again before its sharers' end is on disk would hide the loss from
-    # a sidecar killed next (it adopts a daemon that holds its limits).
+def test_a_loss_that_cannot_be_recorded_still_ends_the_sharers_sets_the_daemon_up_and_is_recorded_later(
+    rig: Rig,
+) -> None:
+    # A full disk must not keep the GPU from a daemon with its limits: the sharers end in memory, the
+    # daemon is started again, and the record is tried again at the next pass.
     a = ContainerId("a")
     uuid = uuid_of(rig, 4)
     rig.service.prepare(a, sharer())
     rig.mps.kill(uuid)
-    rig.store.faults.fail_at("end_mps_sharers")
+    rig.store.faults.fail_at("end_mps_sharers", times=2)  # when found, and the pass's own retry at its end
     rig.service.supervise_mps()
-    assert uuid not in rig.mps.running() and rig.store.mps_ended() == {}
-    rig.service.supervise_mps()  # the disk is back
-    assert uuid in rig.mps.running() and set(rig.store.mps_ended()) == {a}
+    assert uuid in rig.mps.running() and rig.store.mps_ended() == {}
     assert rig.service.watch(a) is not None
+    assert rig.mps.command(uuid, "get_default_active_thread_percentage") == "25.0"
+    rig.service.supervise_mps()  # the disk is back
+    assert set(rig.store.mps_ended()) == {a}
+
+
+def test_a_supervise_pass_that_finds_the_daemon_dead_during_a_prepare_never_ends_that_sharer(rig: Rig) -> None:
+    # The pass takes the daemon's lock after the new sharer is booked and before its own ensure: its
+    # client comes after the daemon is set up again, so it is not lost, in memory or on disk.
+    a, b = ContainerId("a"), ContainerId("b")
+    svc, core = rig.service, rig.service.core
+    svc.prepare(a, sharer())
+    rig.mps.kill(uuid_of(rig, 4))
+    ensure = core.mps.ensure
+
+    def pass_first(gpu, plan, under_sharers=False, verify=False):  # type: ignore[no-untyped-def]
+        ensure(gpu, plan, under_sharers=True, verify=True)  # the pass wins the daemon's lock
+        return ensure(gpu, plan, under_sharers, verify)
+
+    core.mps.ensure = pass_first  # type: ignore[method-assign]
+    svc.prepare(b, sharer())
+    core.mps.ensure = ensure  # type: ignore[method-assign]
+    svc.supervise_mps()
+    assert set(core.booking.mps_ended) == {"a"} and set(rig.store.mps_ended()) == {a}
+    rig.restart()
+    rig.service.supervise_mps()
+    assert rig.service.watch(a) is not None and rig.service.watch(b) is None
+
+
+def test_limits_lifted_by_a_root_sharer_are_set_back_even_when_the_loss_cannot_be_recorded(rig: Rig) -> None:
+    rig.service.prepare(ContainerId("a"), sharer())
+    uuid = uuid_of(rig, 4)
+    (server,) = rig.mps.daemon(uuid).servers
+    lift(rig, uuid, server)
+    rig.store.faults.fail_at("end_mps_sharers", times=None)
+    rig.service.supervise_mps()
+    assert rig.mps.command(uuid, "get_default_active_thread_percentage") == "25.0"
+    assert rig.mps.connect(uuid, pid=4300, uid=0, env={}).threads == 25.0
+    assert rig.service.watch(ContainerId("a")) is not None
+
+
+def test_a_store_that_cannot_record_an_end_at_start_does_not_stop_the_start(rig: Rig) -> None:
+    rig.service.prepare(ContainerId("a"), sharer())
+    rig.mps.kill(uuid_of(rig, 4))
+    rig.store.faults.fail_at("end_mps_sharers", times=None)
+    rig.restart()  # the start's pass finds the daemon dead and cannot record the end
+    assert rig.service.watch(ContainerId("a")) is not None
 
 
 def test_a_cleanup_takes_its_ended_mark_with_it(rig: Rig) -> None:

@@ -12,7 +12,7 @@ event offers what NVML reports now.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 from isolator.core.locks import OwnedLock
 from isolator.core.ports import GpuInventory
@@ -306,18 +306,6 @@ class Booking:
         ended = []
         for holder, why in sorted(ends.items()):
             if self._shares.of(holder) is not None and holder not in self.mps_ended:
-                self.mps_ended[holder] = why
-                ended.append(holder)
-        return ended
-
-    def end_mps_sharers(self, minor: int, why: str, spare: Collection[str] = ()) -> list[str]:
-        """End every holder of shared GPU ``minor`` but those of ``spare`` (``mps_ended``, as a FAULT
-        does: its Watch answers a limitation until its Cleanup) because ``why`` (its MPS daemon died
-        under it). Returns the keys of those it ended now (one ended already keeps its first reason)."""
-        self.lock.require("end_mps_sharers")
-        ended = []
-        for holder in sorted(self._shares.holders(minor)):
-            if holder not in spare and holder not in self.mps_ended:
                 self.mps_ended[holder] = why
                 ended.append(holder)
         return ended

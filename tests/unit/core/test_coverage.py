@@ -57,7 +57,7 @@ INDIRECT = {
     "set_mps_faults": "supervise_mps",  # an MPS server in FAULT (tests/unit/core/test_mps_faults.py)
     # an MPS daemon found dead under sharers (tests/unit/core/test_mps_attacks.py)
     "end_lost_mps_sharers": "supervise_mps",
-    "end_mps_sharers": "supervise_mps",
+    "end_holders": "supervise_mps",
     "take_lost": "supervise_mps",
     "recorded_affinity": "isolate",  # the cpuset a pid joins (tests/unit/core/test_affinity.py)
     "notify": "cleanup",

@@ -376,6 +376,11 @@ class Core:
                 self._lost_sharers.setdefault(holder, why)
         self._record_ends({h: why for h in lost})
 
+    def unspare(self, holder: str) -> None:
+        """A sharer's Prepare has its daemon set up (or ended): a loss found from now on ends it too."""
+        with self.booking.lock:
+            self.mps_preparing.discard(holder)
+
     def end_lost_mps_sharers(self) -> None:
         """The sharers of each MPS daemon found lost (``_record_mps_loss``) end, as in a FAULT, once
         it is set up again: exactly those it lost, never one placed since (served by the new daemon)."""
@@ -402,12 +407,12 @@ class Core:
                 return
             try:
                 self.store.end_mps_sharers({ContainerId.from_key(h): why for h, why in pending.items()})
-            except IsolatorError as exc:
+            except Exception as exc:  # any failure of the disk: the daemon is set up all the same
                 LOG.error(
                     "ended sharers %s are not recorded (tried again at the next pass; a restart before"
                     " then would not end them): %s",
                     ", ".join(sorted(pending)),
-                    exc.message,
+                    exc.message if isinstance(exc, IsolatorError) else f"{type(exc).__name__}: {exc}",
                 )
                 return
             for holder in pending:

@@ -123,7 +123,14 @@ class Mps:
     def pipe_dir(self, gpu: Gpu) -> str:
         return self.daemons.pipe_dir(gpu.uuid)
 
-    def ensure(self, gpu: Gpu, plan: ServerPlan, under_sharers: bool = False, verify: bool = False) -> bool:
+    def ensure(
+        self,
+        gpu: Gpu,
+        plan: ServerPlan,
+        under_sharers: bool = False,
+        verify: bool = False,
+        served: Callable[[], None] | None = None,
+    ) -> bool:
         """The GPU's daemon runs with ``plan``'s limits set and read back when this returns (started
         if it did not; True then), or an error says why it cannot (fail closed: a sharer is never
         launched without its MPS daemon and its limits). A failed start leaves no daemon and the GPU
@@ -136,7 +143,9 @@ class Mps:
         daemon had no limits until set; measured, docs/gpu-host-results.md), whether or not the start
         then succeeds, and ``on_lost`` told before it starts. ``verify``: read a running daemon's
         limits back even when this sidecar set them already (a root sharer can reach its privileged
-        commands through the pipe directory), and set them again where they differ."""
+        commands through the pipe directory), and set them again where they differ. ``served``: called
+        under the lock once the daemon runs with its limits (a Prepare's sharer is no longer spared
+        from a loss found after that: its client may come at any time)."""
         daemons = self.daemons
         daemons.pipe_dir(gpu.uuid)  # without nvidia-cuda-mps-control this refuses before the compute mode is set
         with self._lock:
@@ -157,6 +166,8 @@ class Mps:
                     raise
                 self._state[gpu.minor] = RUNNING
                 self._serving.add(gpu.minor)
+                if served is not None:
+                    served()
                 return False
             # Set up for sharers and gone; or, at a pass, never seen by this sidecar (its sharers recovered
             # at start). Not after a stop or a failed first start: the GPU's first sharer's Prepare starts it.
@@ -198,6 +209,8 @@ class Mps:
             if restart:
                 self.restarts[gpu.minor] += 1
                 crashpoint("mps.restarted")  # its sharers' end is on disk; the core has not taken it yet
+            if served is not None:
+                served()
         if restart:
             LOG.error("GPU %d (%s): its MPS control daemon was gone; started it again", gpu.index, gpu.uuid)
         LOG.warning(

@@ -169,10 +169,15 @@ class PrepareHook:
                 share = holding.share
                 if share is not None and share.mode is ShareMode.MPS:
                     # Fail closed: no sharer without its daemon and the limits set on it (docs/sharing.md).
-                    # Its client comes after this: a loss found meanwhile, by this call or by a pass,
-                    # ends the GPU's other sharers, never this one (Core.mps_preparing).
-                    core.mps.ensure(core.gpus[share.gpu], core.mps_plan(share.gpu))
-                    core.end_lost_mps_sharers()  # a daemon found dead under others
+                    # Its client comes after this: a loss found before its daemon is set up, by this
+                    # call or by a pass, ends the GPU's other sharers, never this one; one found after
+                    # ends it too (Core.mps_preparing, left under the daemon's lock).
+                    try:
+                        core.mps.ensure(
+                            core.gpus[share.gpu], core.mps_plan(share.gpu), served=lambda: core.unspare(holder)
+                        )
+                    finally:
+                        core.end_lost_mps_sharers()  # a daemon found dead under others, started again or not
                 if not early:
                     info = self._launch_info(
                         container_id,
@@ -193,8 +198,7 @@ class PrepareHook:
                 raise
             finally:
                 if holding.share is not None:
-                    with core.booking.lock:
-                        core.mps_preparing.discard(holder)
+                    core.unspare(holder)
         mig_note = f", MIG devices [{migunits.visible_devices(units)}]" if units else ""
         if holding.share is not None:
             share = holding.share

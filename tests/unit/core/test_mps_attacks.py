@@ -12,7 +12,7 @@ import pytest
 from hook_helpers import minor_of, uuid_of
 
 from isolator.core.mps import limit_bytes
-from isolator.errors import FailedPrecondition
+from isolator.errors import FailedPrecondition, IsolatorError
 from isolator.model import ContainerConfig, ContainerId, Resource
 from isolator.policy.shares import parse_shared_gpus
 from isolator.testing import Rig, fake_service
@@ -288,9 +288,9 @@ def test_a_supervise_pass_that_finds_the_daemon_dead_during_a_prepare_never_ends
     rig.mps.kill(uuid_of(rig, 4))
     ensure = core.mps.ensure
 
-    def pass_first(gpu, plan, under_sharers=False, verify=False):  # type: ignore[no-untyped-def]
+    def pass_first(gpu, plan, under_sharers=False, verify=False, served=None):  # type: ignore[no-untyped-def]
         ensure(gpu, plan, under_sharers=True, verify=True)  # the pass wins the daemon's lock
-        return ensure(gpu, plan, under_sharers, verify)
+        return ensure(gpu, plan, under_sharers, verify, served)
 
     core.mps.ensure = pass_first  # type: ignore[method-assign]
     svc.prepare(b, sharer())
@@ -330,3 +330,56 @@ def test_a_cleanup_takes_its_ended_mark_with_it(rig: Rig) -> None:
     assert set(rig.store.mps_ended()) == {a}
     rig.service.cleanup(a)
     assert rig.store.mps_ended() == {}
+
+
+def test_a_loss_found_after_a_sharers_daemon_was_set_up_ends_it_even_before_its_prepare_returns(rig: Rig) -> None:
+    # b's Prepare is past its daemon's set-up (its client may come at any time) when the daemon dies
+    # and a pass starts it again: b is lost with the others, even though its Prepare has not ended.
+    import threading
+
+    a, b = ContainerId("a"), ContainerId("b")
+    svc, core = rig.service, rig.service.core
+    uuid = uuid_of(rig, 4)
+    svc.prepare(a, sharer())
+    end_lost = core.end_lost_mps_sharers
+    died: list[int] = []
+
+    def then_the_daemon_dies() -> None:
+        end_lost()
+        if threading.current_thread().name == "prepare-b" and not died:
+            died.append(1)
+            rig.mps.kill(uuid)
+            svc.supervise_mps()  # before b's Prepare has ended
+
+    core.end_lost_mps_sharers = then_the_daemon_dies  # type: ignore[method-assign]
+    prepare = threading.Thread(target=svc.prepare, args=(b, sharer()), name="prepare-b")
+    prepare.start()
+    prepare.join(10)
+    core.end_lost_mps_sharers = end_lost  # type: ignore[method-assign]
+    assert set(core.booking.mps_ended) == {"a", "b"} and set(rig.store.mps_ended()) == {a, b}
+
+
+def test_a_record_failing_with_a_raw_database_error_still_sets_the_daemon_up(rig: Rig) -> None:
+    import sqlite3
+
+    uuid = uuid_of(rig, 4)
+    rig.service.prepare(ContainerId("a"), sharer())
+    rig.mps.kill(uuid)
+
+    def failing(ends: object) -> None:
+        raise sqlite3.OperationalError("disk I/O error")  # what a failed SAVEPOINT reaches the caller as
+
+    rig.store.end_mps_sharers = failing  # type: ignore[method-assign]
+    rig.service.supervise_mps()
+    assert uuid in rig.mps.running() and rig.service.watch(ContainerId("a")) is not None
+
+
+def test_a_prepare_that_cannot_start_the_dead_daemon_again_ends_its_other_sharers_at_once(rig: Rig) -> None:
+    a, b = ContainerId("a"), ContainerId("b")
+    rig.service.prepare(a, sharer())
+    rig.mps.kill(uuid_of(rig, 4))
+    rig.mps.faults.fail_at("start")
+    with pytest.raises(IsolatorError):
+        rig.service.prepare(b, sharer())
+    assert rig.service.watch(a) is not None and rig.store.get(b) is None
+    assert rig.service.core.mps_preparing == set()

@@ -269,18 +269,9 @@ def _simulated_nvidia() -> Any:
 
 def make_cluster(mesos_home: str, config: str, **kw: Any) -> Cluster:
     if config == "gpu-nvidia":
-        from mesos_side_by_side import NvidiaAgent
+        from mesos_side_by_side import nvidia_cluster
 
-        cluster = Cluster(
-            mesos_home,
-            hooks=None,
-            isolation=("cgroups/devices", "filesystem/linux", "gpu/nvidia"),
-            agent_flags=("--nvidia_gpu_devices=0,1,2,3,4,5,6,7",),
-            **kw,
-        )
-        for agent in cluster.agents:
-            agent.__class__ = NvidiaAgent
-        return cluster
+        return nvidia_cluster(mesos_home, **kw)
     if config == "native":
         return Cluster(mesos_home, route="native", **kw)  # its hook lines: start_clusters sets GLOG_vmodule
     hooks: Any = {"none": None, "noop": "noop", "python": "bridge", "c": "bridge-c"}[config]

@@ -150,6 +150,22 @@ class SimulatedNvidia:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+def nvidia_cluster(mesos_home: str, **kw: Any) -> Cluster:
+    """A cluster whose agent runs Mesos's own gpu/nvidia on the simulated DGX-1 (``NvidiaAgent``; start it
+    inside ``SimulatedNvidia``), its eight GPUs given by index."""
+    cluster = Cluster(
+        mesos_home,
+        hooks=None,
+        isolation=("cgroups/devices", "filesystem/linux", "gpu/nvidia"),
+        agent_flags=("--nvidia_gpu_devices=0,1,2,3,4,5,6,7",),
+        **kw,
+    )
+    for agent in cluster.agents:
+        agent.__class__ = NvidiaAgent
+        agent.allowed_nvidia = ()  # on v2, gpu/nvidia grants through the device manager itself
+    return cluster
+
+
 def run_route(mesos_home: str, route: str, tasks: int, cgroups: str = "v1") -> dict[str, Any]:
     out: dict[str, Any] = {"route": f"{route} ({cgroups})", "concurrent": [], "pairs": [], "running_s": []}
     with SimulatedNvidia() if route == "mesos" else contextlib.nullcontext():
@@ -158,16 +174,7 @@ def run_route(mesos_home: str, route: str, tasks: int, cgroups: str = "v1") -> d
 
 def _run_route(mesos_home: str, route: str, tasks: int, cgroups: str, out: dict[str, Any]) -> dict[str, Any]:
     if route == "mesos":
-        cluster = Cluster(
-            mesos_home,
-            hooks=None,
-            isolation=("cgroups/devices", "filesystem/linux", "gpu/nvidia"),
-            agent_flags=("--nvidia_gpu_devices=0,1,2,3,4,5,6,7",),
-            cgroups=cgroups,
-        )
-        for agent in cluster.agents:
-            agent.__class__ = NvidiaAgent
-            agent.allowed_nvidia = ()  # gpu/nvidia grants through the device manager itself
+        cluster = nvidia_cluster(mesos_home, cgroups=cgroups)
         devdir = "/dev"
     else:
         cluster = Cluster(mesos_home, hooks="bridge-c", cgroups=cgroups)

@@ -260,13 +260,6 @@ def _wait_state(path: str, state: str, name: str, timeout: float) -> float:
         time.sleep(0.002)
 
 
-def _simulated_nvidia() -> Any:
-    """The simulated DGX-1 for Mesos's own gpu/nvidia (scripts/mesos_side_by_side.py's ``SimulatedNvidia``)."""
-    from mesos_side_by_side import SimulatedNvidia
-
-    return SimulatedNvidia()
-
-
 def make_cluster(mesos_home: str, config: str, **kw: Any) -> Cluster:
     if config == "gpu-nvidia":
         from mesos_side_by_side import nvidia_cluster
@@ -289,11 +282,13 @@ def start_clusters(
     a configuration that cannot start is recorded in ``out["configs"]`` and left out. gpu-nvidia
     starts last: its agent needs the simulated NVML in its environment, which nothing after it may
     inherit."""
+    from mesos_side_by_side import SimulatedNvidia
+
     clusters: dict[str, Cluster] = {}
     for config in sorted(configs, key=lambda c: c == "gpu-nvidia"):
         log(f"agent: starting configuration {config}")
         try:
-            sim = stack.enter_context(_simulated_nvidia()) if config == "gpu-nvidia" else None
+            sim = stack.enter_context(SimulatedNvidia()) if config == "gpu-nvidia" else None
             try:
                 with _native_logging(config == "native"):
                     clusters[config] = stack.enter_context(make_cluster(mesos_home, config))

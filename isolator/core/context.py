@@ -384,7 +384,6 @@ class Core:
     def end_lost_mps_sharers(self) -> None:
         """The sharers of each MPS daemon found lost (``_record_mps_loss``) end, as in a FAULT, once
         it is set up again: exactly those it lost, never one placed since (served by the new daemon)."""
-        self.mps.take_lost()
         with self._ends_lock:
             lost, self._lost_sharers = self._lost_sharers, {}
         if not lost:

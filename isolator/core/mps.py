@@ -108,16 +108,14 @@ class Mps:
         # minor -> what get_server_status said of the GPU's servers in FAULT, as the last pass saw
         # them (Volta and later: a fatal fault in one client; every client must exit, then ACTIVE).
         self._faults: dict[int, str] = {}
-        # minor -> why its sharers' clients are lost: a daemon found dead under them and started again,
-        # until the core takes it (take_lost) and ends those sharers.
-        self._lost: dict[int, str] = {}
         # Minors whose daemon was set up for sharers and not stopped since (a failed try, a pass cut
         # short by its death, keeps it): a start there is a restart.
         self._serving: set[int] = set()
         # Called under the lock, before a daemon found dead is started again or one found without its
-        # limits is set again: (minor, why). The core ends the GPU's sharers there and records them,
-        # so that a sidecar killed before the pass is over still ends them after its restart (the
-        # daemon it adopts then holds its limits and shows nothing wrong). It must not raise.
+        # limits is set again: (minor, why), the GPU's sharers' clients lost. The core records them
+        # there and ends them once the daemon is set up, so that a sidecar killed before the pass is
+        # over still ends them after its restart (the daemon it adopts then holds its limits and shows
+        # nothing wrong). It must not raise.
         self.on_lost: Callable[[int, str], None] = lambda minor, why: None
 
     def pipe_dir(self, gpu: Gpu) -> str:
@@ -138,10 +136,10 @@ class Mps:
 
         A start is a **restart** when the GPU had sharers behind a daemon that is gone (the daemon was
         running as this sidecar last saw it, or ``under_sharers``, the supervise pass, finds sharers
-        on a GPU this sidecar never started a daemon for: recovered at start): counted, and the GPU
-        named by ``take_lost`` (its server died with the daemon: every client failed, and the new
-        daemon had no limits until set; measured, docs/gpu-host-results.md), whether or not the start
-        then succeeds, and ``on_lost`` told before it starts. ``verify``: read a running daemon's
+        on a GPU this sidecar never started a daemon for: recovered at start): counted, and
+        ``on_lost`` told before it starts, whether or not the start then succeeds (its server died
+        with the daemon: every client failed, and the new daemon had no limits until set; measured,
+        docs/gpu-host-results.md). ``verify``: read a running daemon's
         limits back even when this sidecar set them already (a root sharer can reach its privileged
         commands through the pipe directory), and set them again where they differ. ``served``: called
         under the lock once the daemon runs with its limits (a Prepare's sharer is no longer spared
@@ -177,7 +175,7 @@ class Mps:
             self._configured.pop(gpu.uuid, None)
             if restart:
                 # Lost before the start, which cannot bring their clients back: recorded first (on_lost).
-                self._mark_lost(
+                self.on_lost(
                     gpu.minor,
                     f"its MPS control daemon on GPU {gpu.index} ({gpu.uuid}) was found dead and is started again"
                     " (its server died with it: every client of the GPU failed, and a new daemon holds no"
@@ -404,16 +402,10 @@ class Mps:
                 drift.append(f"server {server}'s pinned memory limit")
         return drift
 
-    def _mark_lost(self, minor: int, why: str) -> None:
-        """The GPU's sharers are lost: ``on_lost`` ends and records them, and ``take_lost`` names the
-        GPU. Called under the lock, before the daemon is started or set again."""
-        self.on_lost(minor, why)
-        self._lost[minor] = why
-
     def _lose(self, gpu: Gpu, drift: list[str], adopted: bool) -> None:
         """A running daemon found without its limits: any client that connected meanwhile runs without
         them for as long as it lives (a running client keeps what it got, measured), so the GPU's
-        sharers are lost as after a restart (``take_lost``). Called under the lock."""
+        sharers are lost as after a restart (``on_lost``). Called under the lock."""
         how = (
             "adopted without the limits this sidecar sets (a daemon not set up by it, or one whose set-up a"
             " crash cut short)"
@@ -422,18 +414,11 @@ class Mps:
             " commands through the pipe directory)"
         )
         LOG.error("GPU %d (%s): its MPS control daemon %s: %s; set again", gpu.index, gpu.uuid, how, "; ".join(drift))
-        self._mark_lost(
+        self.on_lost(
             gpu.minor,
             f"its MPS control daemon on GPU {gpu.index} ({gpu.uuid}) {how}: {', '.join(drift)} (a client that"
             " connected meanwhile keeps what it got)",
         )
-
-    def take_lost(self) -> dict[int, str]:
-        """The GPUs whose daemon was found dead under sharers, or without its limits, since the last
-        call (minor -> why): their sharers were ended then (``on_lost``)."""
-        with self._lock:
-            lost, self._lost = self._lost, {}
-        return lost
 
     def faults(self) -> dict[int, str]:
         """The GPUs whose MPS server was in FAULT at the last pass (minor -> which server)."""

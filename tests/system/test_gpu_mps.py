@@ -187,6 +187,8 @@ def test_a_supervise_read_back_of_the_real_daemon_finds_no_drift_and_sees_a_lift
     # sharers where they differ: the real daemon's answers (a server with a client) must read as what
     # was set, or every pass would end every sharer; a server raised as root must read as changed.
     mps, control, gpu = mps_gpu
+    lost: dict[int, str] = {}  # what the supervise pass tells the core it lost (core/mps.py on_lost)
+    mps.on_lost = lost.__setitem__
     plan = ServerPlan(percent=25, pinned_mib=2048, uid=NOBODY)
     assert mps.ensure(gpu, plan)
     pipe = control.pipe_dir(gpu.uuid)
@@ -194,11 +196,10 @@ def test_a_supervise_read_back_of_the_real_daemon_finds_no_drift_and_sees_a_lift
     try:
         assert _result(holder)["ctx"] == 0
         assert mps.ensure(gpu, plan, under_sharers=True, verify=True) is False
-        assert mps.take_lost() == {}, "the real daemon's answers read as the limits set"
+        assert lost == {}, "the real daemon's answers read as the limits set"
         (server,) = control.command(gpu.uuid, "get_server_list").split()
         control.command(gpu.uuid, f"set_active_thread_percentage {server} 100")
         mps.ensure(gpu, plan, under_sharers=True, verify=True)
-        lost = mps.take_lost()
         assert list(lost) == [gpu.minor] and "active thread percentage" in lost[gpu.minor], lost
         assert control.command(gpu.uuid, f"get_active_thread_percentage {server}") == "25.0"
     finally:

@@ -59,7 +59,6 @@ INDIRECT = {
     "end_lost_mps_sharers": "supervise_mps",
     "end_holders": "supervise_mps",
     "unspare": "prepare",  # a sharer's daemon set up (tests/unit/core/test_mps_attacks.py)
-    "take_lost": "supervise_mps",
     "recorded_affinity": "isolate",  # the cpuset a pid joins (tests/unit/core/test_affinity.py)
     "notify": "cleanup",
     "rules": "prepare",
